@@ -1,0 +1,39 @@
+"""Pure tensor math for RL post-training: advantages, policy/value losses, loss aggregation, KL, metrics.
+
+Conventions (stated once, used everywhere in this package):
+- Tensor names carry their shape as a suffix where it helps: `_B` per sample, `_BT` per sample and response
+  token, `_G` per group, `_BTV` logits. Bare verl keyword names (`token_level_rewards`, `response_mask`,
+  `old_log_prob`, `log_prob`, `advantages`, `values`) are always [B, T].
+- `response_mask` is 1 on tokens the policy generated and 0 on padding (and, in multi-turn, on tool/observation
+  tokens). Masked positions never change any result.
+- `index` holds one group id per sample (the `uid` column: one per prompt, shared by its n samples).
+- No I/O, no config objects, no global state: functions take tensors and plain keyword arguments, so custom
+  code written against verl's `core_algos` ports by keyword name.
+
+Algorithms are registered by name (`register_advantage_estimator`, `register_policy_loss`); the trainer looks
+them up and is blind to which one runs.
+"""
+
+from hyflow.algos.masked import group_ids, masked_mean, masked_sum, masked_var, masked_whiten
+from hyflow.algos.registry import (
+    ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
+    get_advantage_estimator,
+    get_policy_loss,
+    register_advantage_estimator,
+    register_policy_loss,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "POLICY_LOSSES",
+    "get_advantage_estimator",
+    "get_policy_loss",
+    "group_ids",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "register_advantage_estimator",
+    "register_policy_loss",
+]

@@ -1,0 +1,1 @@
+"""Datasets, built-in tasks and preprocessors."""

@@ -1,0 +1,1 @@
+"""Scorers and reward managers."""

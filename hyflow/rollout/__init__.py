@@ -1,0 +1,1 @@
+"""Generation engines behind one protocol (`hf` default), multi-turn agent loop and tools."""

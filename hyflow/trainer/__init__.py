@@ -1,0 +1,1 @@
+"""RL and SFT trainers (the dataflow), validation, checkpoints, tracking."""

@@ -1,0 +1,1 @@
+"""Worker roles (actor, critic, ref, reward model) and the training engine."""
