@@ -1,0 +1,117 @@
+"""The `hyflow` command line: one entry point, one subcommand per job.
+
+    hyflow config [overrides...]            resolved config with help text and the batch arithmetic
+    hyflow init-model --preset tiny --out D  random-weight model + locally trained tokenizer
+    hyflow data make TASK --out D            write a built-in task's train/test files
+    hyflow data gsm8k|math --input F --out D convert public GSM8K / MATH files to hyflow's (verl's) schema
+
+Overrides use Hydra's syntax (`key=value`, `+key=value`), with verl's key names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from hyflow.config import describe_batch_arithmetic, load_config, render_config, validate_config
+
+    cfg = load_config(args.overrides, config_file=args.config)
+    print(render_config(cfg, with_help=not args.no_help))
+    validate_config(cfg)
+    print()
+    print(describe_batch_arithmetic(cfg))
+    return 0
+
+
+def _cmd_init_model(args: argparse.Namespace) -> int:
+    from hyflow.models.tiny import make_tiny_model
+
+    out = make_tiny_model(args.out, preset=args.preset, seed=args.seed)
+    print(f"wrote a random-weight {args.preset!r} model and its tokenizer to {out}")
+    return 0
+
+
+def _parse_task_option(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"task option {text!r} must look like key=value")
+    try:
+        return key.replace("-", "_"), json.loads(value)
+    except json.JSONDecodeError:
+        return key.replace("-", "_"), value
+
+
+def _cmd_data_make(args: argparse.Namespace) -> int:
+    from hyflow.data.tasks import make_task
+
+    opts = dict(args.option or [])
+    paths = make_task(args.task, args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed,
+                      fmt=args.format, **opts)
+    for split, path in paths.items():
+        print(f"{split}: {path}")
+    return 0
+
+
+def _cmd_data_preprocess(args: argparse.Namespace) -> int:
+    from hyflow.data import preprocess
+
+    fn = {"gsm8k": preprocess.preprocess_gsm8k, "math": preprocess.preprocess_math}[args.dataset]
+    print(fn(args.input, args.out, split=args.split))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hyflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("config", help="print the resolved config with help text and the batch arithmetic")
+    p.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. data.train_batch_size=32")
+    p.add_argument("--config", help="a YAML config file applied before the overrides")
+    p.add_argument("--no-help", action="store_true", help="omit the help comments")
+    p.set_defaults(fn=_cmd_config)
+
+    p = sub.add_parser("init-model", help="write a random-weight model and a locally trained tokenizer")
+    p.add_argument("--preset", default="tiny", help="tiny | small | qwen2.5-0.5b-shape")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=_cmd_init_model)
+
+    p = sub.add_parser("data", help="make built-in task data or convert public datasets")
+    data_sub = p.add_subparsers(dest="data_command", required=True)
+    m = data_sub.add_parser("make", help="write a built-in task's train/test files")
+    m.add_argument("task", help="arithmetic | countdown | sorting")
+    m.add_argument("--out", required=True)
+    m.add_argument("--n-train", type=int, default=2000)
+    m.add_argument("--n-test", type=int, default=200)
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--format", default="parquet", choices=["parquet", "jsonl"])
+    m.add_argument("--option", action="append", type=_parse_task_option, metavar="KEY=VALUE",
+                   help="task option, e.g. --option digits=2 (repeatable)")
+    m.set_defaults(fn=_cmd_data_make)
+    for name in ("gsm8k", "math"):
+        d = data_sub.add_parser(name, help=f"convert a local {name.upper()} JSONL/parquet file")
+        d.add_argument("--input", required=True)
+        d.add_argument("--out", required=True)
+        d.add_argument("--split", default=None, help="train | test (default: guessed from the file name)")
+        d.set_defaults(fn=_cmd_data_preprocess, dataset=name)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, KeyError, FileNotFoundError, TypeError) as exc:
+        if getattr(args, "traceback", False):
+            raise
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"hyflow {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

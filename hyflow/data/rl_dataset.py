@@ -1,0 +1,245 @@
+"""The RL prompt dataset (verl's schema) and a resumable, seeded prompt loader.
+
+Rows (parquet or JSONL, several files concatenated): `prompt` (chat messages, or a plain string taken as one
+user message), `data_source` (selects the scorer), `reward_model.ground_truth`, optional `extra_info`,
+`ability`, `agent_name`, `tools_kwargs`. Each prompt is rendered with the tokenizer's chat template
+(`add_generation_prompt=True`) and tokenised without extra special tokens.
+
+Prompts longer than `max_prompt_length` are dropped at load time when `filter_overlong_prompts`, otherwise
+handled by `truncation`: `error` (default, names the file and row), `left` (keep the end), `right` (keep the
+start) or `middle` (keep both ends).
+
+`PromptLoader` yields `Batch`es of `train_batch_size` prompts, left-padded to the longest prompt in the batch.
+Its order is a function of (seed, epoch) only, and its position is part of the checkpoint, so a resumed run
+sees exactly the prompts the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hyflow.batch import Batch
+from hyflow.data.io import read_rows
+
+TRUNCATION_MODES = ("error", "left", "right", "middle")
+REQUIRED_COLUMNS = ("data_source",)
+
+
+class DataError(ValueError):
+    """A row of a data file does not follow the schema; the message names the file, row and column."""
+
+
+def _as_messages(value: Any, where: str, prompt_key: str) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or not value:
+        raise DataError(f"{where}: column {prompt_key!r} must be a non-empty list of chat messages "
+                        f"({{'role': ..., 'content': ...}}) or a string, got {type(value).__name__}")
+    messages = []
+    for message in value:
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise DataError(f"{where}: every message in column {prompt_key!r} needs 'role' and 'content' keys, "
+                            f"got {message!r}")
+        messages.append(dict(message))
+    return messages
+
+
+def truncate_ids(ids: list[int], max_length: int, mode: str) -> list[int]:
+    """Cut `ids` to `max_length` tokens: keep the end (`left`), the start (`right`) or both ends (`middle`)."""
+    if len(ids) <= max_length:
+        return ids
+    if mode == "left":
+        return ids[-max_length:]
+    if mode == "right":
+        return ids[:max_length]
+    if mode == "middle":
+        head = max_length // 2
+        return ids[:head] + ids[len(ids) - (max_length - head):]
+    raise ValueError(f"unknown truncation mode {mode!r}; choose one of {', '.join(TRUNCATION_MODES)}")
+
+
+class RLDataset:
+    """Prompts for RL, tokenised with the chat template. `dataset[i]` is a dict row; `collate` makes a Batch."""
+
+    def __init__(
+        self,
+        files: str | Path | Sequence[str | Path],
+        tokenizer,
+        *,
+        prompt_key: str = "prompt",
+        max_prompt_length: int = 512,
+        filter_overlong_prompts: bool = False,
+        truncation: str = "error",
+        max_samples: int = -1,
+        seed: int = 0,
+        apply_chat_template_kwargs: dict | None = None,
+    ) -> None:
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"data.truncation={truncation!r} is not valid; choose one of {', '.join(TRUNCATION_MODES)}")
+        files = [files] if isinstance(files, (str, Path)) else list(files)
+        if not files:
+            raise ValueError("no data files given; set data.train_files (and data.val_files)")
+        self.tokenizer = tokenizer
+        self.prompt_key = prompt_key
+        self.max_prompt_length = max_prompt_length
+        self.truncation = truncation
+        self.template_kwargs = dict(apply_chat_template_kwargs or {})
+
+        self.rows: list[dict] = []
+        for path in files:
+            for i, row in enumerate(read_rows(path)):
+                self.rows.append(self._check_row(row, f"{path} row {i}"))
+        if max_samples is not None and 0 < max_samples < len(self.rows):
+            keep = np.random.default_rng(seed).permutation(len(self.rows))[:max_samples]
+            self.rows = [self.rows[i] for i in sorted(keep)]
+        self._ids: list[list[int] | None] = [None] * len(self.rows)
+        self.num_filtered = 0
+        if filter_overlong_prompts:
+            kept = [i for i in range(len(self.rows)) if len(self._prompt_ids(i)) <= max_prompt_length]
+            self.num_filtered = len(self.rows) - len(kept)
+            self.rows = [self.rows[i] for i in kept]
+            self._ids = [self._ids[i] for i in kept]
+            if not self.rows:
+                raise ValueError(f"filter_overlong_prompts removed every prompt of {files}: none fits in "
+                                 f"data.max_prompt_length={max_prompt_length} tokens; raise it")
+
+    def _check_row(self, row: dict, where: str) -> dict:
+        for column in (self.prompt_key, *REQUIRED_COLUMNS):
+            if column not in row or row[column] is None:
+                raise DataError(f"{where}: missing column {column!r} (columns present: {', '.join(sorted(row))})")
+        row = dict(row)
+        row["_where"] = where
+        row[self.prompt_key] = _as_messages(row[self.prompt_key], where, self.prompt_key)
+        reward_model = row.get("reward_model")
+        if reward_model is None:
+            reward_model = {}
+        if not isinstance(reward_model, dict):
+            raise DataError(f"{where}: column 'reward_model' must be a dict like "
+                            f"{{'style': 'rule', 'ground_truth': ...}}, got {type(reward_model).__name__}")
+        if reward_model.get("style", "rule") == "rule" and "ground_truth" not in reward_model:
+            raise DataError(f"{where}: missing column 'reward_model.ground_truth' (rule-scored rows need it)")
+        row["reward_model"] = reward_model
+        extra = row.get("extra_info")
+        row["extra_info"] = dict(extra) if isinstance(extra, dict) else {}
+        return row
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def render(self, i: int) -> str:
+        """Prompt i as text, rendered with the chat template and the generation prompt."""
+        return self.tokenizer.apply_chat_template(self.rows[i][self.prompt_key], add_generation_prompt=True,
+                                                  tokenize=False, **self.template_kwargs)
+
+    def _prompt_ids(self, i: int) -> list[int]:
+        if self._ids[i] is None:
+            self._ids[i] = list(self.tokenizer(self.render(i), add_special_tokens=False)["input_ids"])
+        return self._ids[i]
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.rows[i]
+        ids = self._prompt_ids(i)
+        if len(ids) > self.max_prompt_length:
+            if self.truncation == "error":
+                raise DataError(
+                    f"{row['_where']}: the prompt has {len(ids)} tokens, more than data.max_prompt_length="
+                    f"{self.max_prompt_length}. Raise data.max_prompt_length, set data.filter_overlong_prompts=True, "
+                    "or set data.truncation=left|right|middle")
+            ids = truncate_ids(ids, self.max_prompt_length, self.truncation)
+        return {
+            "raw_prompt_ids": ids,
+            "raw_prompt": row[self.prompt_key],
+            "data_source": row["data_source"],
+            "reward_model": row["reward_model"],
+            "ground_truth": row["reward_model"].get("ground_truth"),
+            "extra_info": row["extra_info"],
+            "index": row["extra_info"].get("index", i),
+            "ability": row.get("ability"),
+            "agent_name": row.get("agent_name"),
+            "tools_kwargs": row.get("tools_kwargs") or row["extra_info"].get("tools_kwargs"),
+        }
+
+    def collate(self, items: Sequence[dict]) -> Batch:
+        """Left-pad the prompts of `items` to the longest one; other fields become object columns."""
+        pad_id = self.tokenizer.pad_token_id
+        if pad_id is None:
+            pad_id = self.tokenizer.eos_token_id
+        return collate_prompts(items, pad_id)
+
+
+def collate_prompts(items: Sequence[dict], pad_token_id: int) -> Batch:
+    """Batch of left-padded `input_ids`, `attention_mask`, `position_ids` plus one object column per other key."""
+    width = max(len(item["raw_prompt_ids"]) for item in items)
+    input_ids = torch.full((len(items), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(items), width), dtype=torch.long)
+    for row, item in enumerate(items):
+        ids = item["raw_prompt_ids"]
+        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, width - len(ids):] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    non_tensors = {key: [item[key] for item in items] for key in items[0] if key != "raw_prompt_ids"}
+    non_tensors["raw_prompt_ids"] = [item["raw_prompt_ids"] for item in items]
+    return Batch({"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
+                 non_tensors)
+
+
+class PromptLoader:
+    """Seeded, resumable batches of prompts.
+
+    Epoch e visits the dataset in the order `randperm(len, generator seeded with seed + e)` (or in file order
+    when `shuffle` is False); `drop_last` drops the final short batch. `state_dict()` records (epoch, position);
+    `load_state_dict` continues from exactly there.
+    """
+
+    def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = True):
+        if batch_size < 1:
+            raise ValueError(f"batch size must be >= 1, got {batch_size}")
+        if drop_last and len(dataset) < batch_size:
+            raise ValueError(f"the dataset has {len(dataset)} prompts, fewer than one batch of {batch_size}; "
+                             "lower data.train_batch_size or add data")
+        self.dataset, self.batch_size = dataset, batch_size
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.epoch, self.position = 0, 0
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        full, rest = divmod(len(self.dataset), self.batch_size)
+        return full if self.drop_last or rest == 0 else full + 1
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.dataset), generator=generator).tolist()
+
+    def next_batch(self) -> Batch:
+        """The next batch, rolling over to the next epoch when this one is exhausted."""
+        if self.position >= len(self):
+            self.epoch, self.position = self.epoch + 1, 0
+        order = self._order(self.epoch)
+        start = self.position * self.batch_size
+        indices = order[start : start + self.batch_size]
+        self.position += 1
+        return self.dataset.collate([self.dataset[i] for i in indices])
+
+    def __iter__(self) -> Iterator[Batch]:
+        """One epoch from the current position."""
+        while self.position < len(self):
+            yield self.next_batch()
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "batch_size": self.batch_size,
+                "dataset_len": len(self.dataset)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("dataset_len", len(self.dataset)) != len(self.dataset):
+            raise ValueError(f"the checkpoint's data loader walked a dataset of {state['dataset_len']} prompts, this "
+                             f"one has {len(self.dataset)}; resume with the same data files and max_samples")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -1,0 +1,133 @@
+"""The SFT dataset: single-turn (`prompt`/`response` columns) or multi-turn (`messages`, optional `tools`).
+
+Each conversation is rendered with the chat template once; the loss mask covers the tokens of every assistant
+turn INCLUDING its end-of-turn token (`<|im_end|>` for ChatML). verl's SFT dataset leaves the end-of-turn token
+out of the loss, so its models never learn to stop; hyflow's do. Text the template adds after the end-of-turn
+token (ChatML's trailing newline) is not trained on.
+
+Masks are found on characters, not tokens: the template is rendered for each prefix of the conversation, the
+character span of each assistant turn is read off, and tokens whose character offsets fall in a span are
+trained on. This needs a fast tokenizer (offset mapping) and works for any template that renders prefixes as
+prefixes of the whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hyflow.batch import Batch
+from hyflow.data.io import read_rows
+from hyflow.data.rl_dataset import DataError, _as_messages
+
+
+def _conversation(row: dict, where: str, prompt_key: str, response_key: str, messages_key: str) -> list[dict]:
+    if messages_key in row and row[messages_key] is not None:
+        messages = _as_messages(row[messages_key], where, messages_key)
+    elif prompt_key in row and response_key in row:
+        messages = _as_messages(row[prompt_key], where, prompt_key)
+        response = row[response_key]
+        if not isinstance(response, str):
+            raise DataError(f"{where}: column {response_key!r} must be a string, got {type(response).__name__}")
+        messages = [*messages, {"role": "assistant", "content": response}]
+    else:
+        raise DataError(f"{where}: missing column {messages_key!r} (multi-turn) or {prompt_key!r} + {response_key!r} "
+                        f"(single-turn); columns present: {', '.join(sorted(row))}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: the conversation has no assistant message, so there is nothing to learn")
+    return messages
+
+
+class SFTDataset:
+    """Tokenised conversations with an assistant-only loss mask. `dataset[i]` -> dict of 1-D tensors."""
+
+    def __init__(
+        self,
+        files: str | Path | Sequence[str | Path],
+        tokenizer,
+        *,
+        max_length: int = 1024,
+        truncation: str = "error",
+        prompt_key: str = "prompt",
+        response_key: str = "response",
+        messages_key: str = "messages",
+        tools_key: str = "tools",
+        max_samples: int = -1,
+        seed: int = 0,
+    ) -> None:
+        if truncation not in ("error", "left", "right"):
+            raise ValueError(f"SFT truncation={truncation!r} is not valid; choose error, left or right")
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError("the SFT dataset needs a fast tokenizer (offset mapping) to place the loss mask")
+        files = [files] if isinstance(files, (str, Path)) else list(files)
+        if not files:
+            raise ValueError("no SFT data files given; set data.train_files")
+        self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
+        self.examples: list[tuple[list[dict], list | None, str]] = []
+        for path in files:
+            for i, row in enumerate(read_rows(path)):
+                where = f"{path} row {i}"
+                tools = row.get(tools_key)
+                self.examples.append((_conversation(row, where, prompt_key, response_key, messages_key), tools, where))
+        if max_samples is not None and 0 < max_samples < len(self.examples):
+            keep = np.random.default_rng(seed).permutation(len(self.examples))[:max_samples]
+            self.examples = [self.examples[i] for i in sorted(keep)]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def _render(self, messages: list[dict], tools, generation_prompt: bool) -> str:
+        kwargs = {"tools": tools} if tools else {}
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                                  **kwargs)
+
+    def assistant_spans(self, messages: list[dict], tools=None) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text and the character spans [start, end) trained on (assistant content + end-of-turn)."""
+        text = self._render(messages, tools, generation_prompt=False)
+        eos = self.tokenizer.eos_token or ""
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            start = len(self._render(messages[:i], tools, generation_prompt=True)) if i else 0
+            end = len(self._render(messages[: i + 1], tools, generation_prompt=False))
+            if eos:
+                cut = text.rfind(eos, start, end)
+                if cut >= 0:
+                    end = cut + len(eos)
+            spans.append((start, end))
+        return text, spans
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        messages, tools, where = self.examples[i]
+        text, spans = self.assistant_spans(messages, tools)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        loss_mask = [int(any(s <= a < e for s, e in spans)) for a, _ in offsets]
+        if len(ids) > self.max_length:
+            if self.truncation == "error":
+                raise DataError(f"{where}: the conversation has {len(ids)} tokens, more than max_length="
+                                f"{self.max_length}; raise data.max_length or set data.truncation=left|right")
+            keep = slice(-self.max_length, None) if self.truncation == "left" else slice(0, self.max_length)
+            ids, loss_mask = ids[keep], loss_mask[keep]
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": torch.ones_like(input_ids),
+            "position_ids": torch.arange(len(ids), dtype=torch.long),
+            "loss_mask": torch.tensor(loss_mask, dtype=torch.long),
+        }
+
+    def collate(self, items: Sequence[dict[str, torch.Tensor]], pad_to: int | None = None) -> Batch:
+        """Right-pad to the longest item (or `pad_to`); padding has attention_mask = loss_mask = 0."""
+        width = pad_to or max(len(item["input_ids"]) for item in items)
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        out = {key: torch.zeros((len(items), width), dtype=torch.long) for key in items[0]}
+        out["input_ids"].fill_(pad_id)
+        for row, item in enumerate(items):
+            for key, value in item.items():
+                out[key][row, : len(value)] = value
+        return Batch(out)

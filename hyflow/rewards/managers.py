@@ -1,0 +1,215 @@
+"""Reward managers: turn a generated Batch into token-level scores.
+
+Each manager decodes the valid response tokens of every sample, scores it, and writes the score at the last
+valid response token (`token_level_scores[i, len_i - 1]`, zeros elsewhere) — verl's convention. Extra keys
+returned by a scorer (a dict with `score` plus e.g. `acc`, `pred`) become per-sample columns and metrics.
+
+- `naive`: one scorer call per sample, in `num_workers` processes, each bounded by `timeout_s`.
+- `batch`: one call for the whole batch: `fn(data_sources=, solution_strs=, ground_truths=, extra_infos=)`
+  returning a list of scores (or dicts).
+- `dapo`: `naive` plus DAPO's overlong penalty (arXiv 2503.14476): with buffer L and maximum length Lmax,
+  `penalty = min(0, -(len - (Lmax - L)) / L * factor)`, 0 inside the budget and -factor at Lmax.
+
+A scorer that raises or times out gives that sample a score of 0; it is counted in `reward/errors` /
+`reward/timeouts` and logged once per distinct error together with the sample. The run goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hyflow.batch import Batch
+from hyflow.rewards.pool import Outcome, run_calls
+from hyflow.rewards.registry import default_compute_score
+
+logger = logging.getLogger(__name__)
+
+REWARD_MANAGERS: dict[str, type] = {}
+
+
+def register_reward_manager(name: str):
+    def decorator(cls):
+        if name in REWARD_MANAGERS:
+            raise ValueError(f"reward manager {name!r} is already registered")
+        REWARD_MANAGERS[name] = cls
+        return cls
+
+    return decorator
+
+
+@dataclass
+class RewardResult:
+    """Scores of one batch: `token_level_scores` [N, R], per-sample extra columns, and metrics."""
+
+    token_level_scores: torch.Tensor
+    scores: list[float]
+    extra: dict[str, list] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def split_score(value) -> tuple[float, dict]:
+    """A scorer's return value as (score, extra keys): a number, or a dict with a `score` key."""
+    if isinstance(value, dict):
+        if "score" not in value:
+            raise ValueError(f"a reward function returned a dict without a 'score' key: {value!r}")
+        extra = {k: v for k, v in value.items() if k != "score"}
+        value = value["score"]
+    else:
+        extra = {}
+    if isinstance(value, (tuple, list)) and value:
+        value = value[0]
+    try:
+        score = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"a reward function returned {value!r}; return a float or a dict with 'score'") from None
+    if math.isnan(score):
+        raise ValueError("a reward function returned NaN")
+    return score, extra
+
+
+class _BaseManager:
+    def __init__(self, tokenizer, compute_score: Callable | None = None, *, num_workers: int = 1,
+                 timeout_s: float = 30.0, reward_kwargs: dict | None = None, num_examine: int = 0,
+                 max_response_length: int | None = None, overlong_buffer: dict | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.compute_score = compute_score or default_compute_score
+        self.num_workers, self.timeout_s = num_workers, timeout_s
+        self.reward_kwargs = dict(reward_kwargs or {})
+        self.num_examine = num_examine
+        self.max_response_length = max_response_length
+        self.overlong_buffer = dict(overlong_buffer or {})
+        self._logged_errors: set[str] = set()
+
+    def decode_responses(self, batch: Batch) -> tuple[list[str], torch.Tensor]:
+        lengths = batch["response_mask"].sum(-1).long()
+        texts = [self.tokenizer.decode(ids[: int(n)].tolist(), skip_special_tokens=True)
+                 for ids, n in zip(batch["responses"], lengths)]
+        return texts, lengths
+
+    @staticmethod
+    def _column(batch: Batch, key: str, default=None) -> list:
+        return list(batch[key]) if key in batch else [default] * len(batch)
+
+    def _ground_truths(self, batch: Batch) -> list:
+        if "ground_truth" in batch:
+            return list(batch["ground_truth"])
+        return [(rm or {}).get("ground_truth") for rm in self._column(batch, "reward_model", {})]
+
+    def _record_failure(self, outcome: Outcome, sample: dict) -> None:
+        kind = "timed out" if outcome.timed_out else (outcome.error or "").splitlines()[0]
+        if kind in self._logged_errors:
+            return
+        self._logged_errors.add(kind)
+        detail = f"after {self.timeout_s}s (reward_model.timeout_s)" if outcome.timed_out else outcome.error
+        logger.warning("reward function %s on sample %r; it scores 0 and the run goes on. %s",
+                       "timed out" if outcome.timed_out else "raised", sample, detail)
+
+    def _finish(self, batch: Batch, outcomes: list[Outcome], calls: list[dict], lengths: torch.Tensor) -> RewardResult:
+        scores, extras, errors, timeouts = [], [], 0, 0
+        for outcome, call in zip(outcomes, calls):
+            if outcome.ok:
+                try:
+                    score, extra = split_score(outcome.value)
+                except ValueError as exc:
+                    outcome = Outcome(error=str(exc))
+            if not outcome.ok:
+                errors += not outcome.timed_out
+                timeouts += outcome.timed_out
+                self._record_failure(outcome, {k: call.get(k) for k in ("data_source", "solution_str", "ground_truth")})
+                score, extra = 0.0, {}
+            scores.append(score)
+            extras.append(extra)
+        return self._assemble(batch, scores, extras, lengths, errors, timeouts)
+
+    def _assemble(self, batch, scores, extras, lengths, errors, timeouts) -> RewardResult:
+        metrics: dict[str, float] = {"reward/errors": float(errors), "reward/timeouts": float(timeouts)}
+        if self.overlong_buffer.get("enable"):
+            scores, extras = self._overlong_penalty(scores, extras, lengths, metrics)
+        keys = sorted({k for e in extras for k in e})
+        extra = {k: [e.get(k) for e in extras] for k in keys}
+        token_level = torch.zeros(batch["responses"].shape, dtype=torch.float32)
+        rows = torch.arange(len(batch))
+        last = (lengths - 1).clamp(min=0)
+        token_level[rows, last] = torch.tensor(scores, dtype=torch.float32) * (lengths > 0).float()
+        for k, values in extra.items():
+            numeric = [float(v) for v in values if isinstance(v, (int, float, bool, np.number)) and v is not None]
+            if numeric and len(numeric) == len(values):
+                metrics[f"reward/{k}/mean"] = float(np.mean(numeric))
+        return RewardResult(token_level, scores, extra, metrics)
+
+    def _overlong_penalty(self, scores, extras, lengths, metrics):
+        if not self.max_response_length:
+            raise ValueError("the overlong penalty needs the maximum response length (data.max_response_length)")
+        buffer_len = int(self.overlong_buffer.get("len", 0))
+        factor = float(self.overlong_buffer.get("penalty_factor", 1.0))
+        if not 0 < buffer_len <= self.max_response_length:
+            raise ValueError(f"reward_model.overlong_buffer.len={buffer_len} must be in (0, max_response_length="
+                             f"{self.max_response_length}]")
+        expected = self.max_response_length - buffer_len
+        new_scores, penalties = [], []
+        for score, extra, length in zip(scores, extras, lengths.tolist()):
+            penalty = min(-(length - expected) / buffer_len * factor, 0.0)
+            extra["overlong_reward"] = penalty
+            extra["overlong"] = length > expected
+            new_scores.append(score + penalty)
+            penalties.append(penalty)
+        metrics["reward/overlong_penalty/mean"] = float(np.mean(penalties))
+        return new_scores, extras
+
+
+@register_reward_manager("naive")
+class NaiveRewardManager(_BaseManager):
+    """One scorer call per sample: `compute_score(data_source, solution_str, ground_truth, extra_info, **kw)`."""
+
+    def __call__(self, batch: Batch) -> RewardResult:
+        texts, lengths = self.decode_responses(batch)
+        calls = [
+            {"data_source": ds, "solution_str": text, "ground_truth": gt, "extra_info": info, **self.reward_kwargs}
+            for ds, text, gt, info in zip(self._column(batch, "data_source"), texts, self._ground_truths(batch),
+                                          self._column(batch, "extra_info", {}))
+        ]
+        outcomes = run_calls(self.compute_score, calls, num_workers=self.num_workers, timeout_s=self.timeout_s)
+        for i in range(min(self.num_examine, len(calls))):
+            logger.info("[sample %d] %s -> %s", i, calls[i]["solution_str"], outcomes[i].value)
+        return self._finish(batch, outcomes, calls, lengths)
+
+
+@register_reward_manager("dapo")
+class DAPORewardManager(NaiveRewardManager):
+    """`naive` with DAPO's overlong penalty switched on (reward_model.overlong_buffer)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.overlong_buffer.setdefault("enable", True)
+
+
+@register_reward_manager("batch")
+class BatchRewardManager(_BaseManager):
+    """One scorer call for the whole batch; the function returns one score (or dict) per sample."""
+
+    def __call__(self, batch: Batch) -> RewardResult:
+        texts, lengths = self.decode_responses(batch)
+        call = {"data_sources": self._column(batch, "data_source"), "solution_strs": texts,
+                "ground_truths": self._ground_truths(batch), "extra_infos": self._column(batch, "extra_info", {}),
+                **self.reward_kwargs}
+        (outcome,) = run_calls(self.compute_score, [call], num_workers=self.num_workers, timeout_s=self.timeout_s)
+        if outcome.ok and (not isinstance(outcome.value, (list, tuple)) or len(outcome.value) != len(batch)):
+            outcome = Outcome(error=f"the batch reward function must return a list of {len(batch)} scores, "
+                                    f"got {type(outcome.value).__name__}")
+        outcomes = list(outcome.value) if outcome.ok else [outcome] * len(batch)
+        outcomes = [o if isinstance(o, Outcome) else Outcome(value=o) for o in outcomes]
+        calls = [{"data_source": d, "solution_str": t} for d, t in zip(call["data_sources"], texts)]
+        return self._finish(batch, outcomes, calls, lengths)
+
+
+def make_reward_manager(name: str, tokenizer, **kwargs):
+    """The reward manager registered as `name` (reward_model.reward_manager)."""
+    if name not in REWARD_MANAGERS:
+        raise ValueError(f"unknown reward manager {name!r}; choose one of {', '.join(sorted(REWARD_MANAGERS))}")
+    return REWARD_MANAGERS[name](tokenizer, **kwargs)
