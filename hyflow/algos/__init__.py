@@ -14,6 +14,8 @@ Algorithms are registered by name (`register_advantage_estimator`, `register_pol
 them up and is blind to which one runs.
 """
 
+from hyflow.algos import advantages as advantages  # noqa: I001  (importing registers the estimators)
+from hyflow.algos import policy_losses as policy_losses  # (importing registers the policy losses)
 from hyflow.algos.masked import group_ids, masked_mean, masked_sum, masked_var, masked_whiten
 from hyflow.algos.registry import (
     ADVANTAGE_ESTIMATORS,

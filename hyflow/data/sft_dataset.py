@@ -1,5 +1,8 @@
 """The SFT dataset: single-turn (`prompt`/`response` columns) or multi-turn (`messages`, optional `tools`).
 
+Column names are configurable and may be dotted to read nested fields: the built-in tasks keep their worked
+answer in `extra_info.answer` (verl's convention), so `response_key="extra_info.answer"` trains on them.
+
 Each conversation is rendered with the chat template once; the loss mask covers the tokens of every assistant
 turn INCLUDING its end-of-turn token (`<|im_end|>` for ChatML). verl's SFT dataset leaves the end-of-turn token
 out of the loss, so its models never learn to stop; hyflow's do. Text the template adds after the end-of-turn
@@ -24,12 +27,22 @@ from hyflow.data.io import read_rows
 from hyflow.data.rl_dataset import DataError, _as_messages
 
 
+def _lookup(row: dict, key: str):
+    """row[key], where a dotted key reads into nested dicts (`extra_info.answer`); None when absent."""
+    value = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
 def _conversation(row: dict, where: str, prompt_key: str, response_key: str, messages_key: str) -> list[dict]:
-    if messages_key in row and row[messages_key] is not None:
-        messages = _as_messages(row[messages_key], where, messages_key)
-    elif prompt_key in row and response_key in row:
-        messages = _as_messages(row[prompt_key], where, prompt_key)
-        response = row[response_key]
+    if _lookup(row, messages_key) is not None:
+        messages = _as_messages(_lookup(row, messages_key), where, messages_key)
+    elif _lookup(row, prompt_key) is not None and _lookup(row, response_key) is not None:
+        messages = _as_messages(_lookup(row, prompt_key), where, prompt_key)
+        response = _lookup(row, response_key)
         if not isinstance(response, str):
             raise DataError(f"{where}: column {response_key!r} must be a string, got {type(response).__name__}")
         messages = [*messages, {"role": "assistant", "content": response}]

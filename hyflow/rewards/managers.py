@@ -17,7 +17,6 @@ A scorer that raises or times out gives that sample a score of 0; it is counted 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from hyflow.batch import Batch
+from hyflow.rewards.custom import normalize_score
 from hyflow.rewards.pool import Outcome, run_calls
 from hyflow.rewards.registry import default_compute_score
 
@@ -51,26 +51,6 @@ class RewardResult:
     scores: list[float]
     extra: dict[str, list] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-def split_score(value) -> tuple[float, dict]:
-    """A scorer's return value as (score, extra keys): a number, or a dict with a `score` key."""
-    if isinstance(value, dict):
-        if "score" not in value:
-            raise ValueError(f"a reward function returned a dict without a 'score' key: {value!r}")
-        extra = {k: v for k, v in value.items() if k != "score"}
-        value = value["score"]
-    else:
-        extra = {}
-    if isinstance(value, (tuple, list)) and value:
-        value = value[0]
-    try:
-        score = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"a reward function returned {value!r}; return a float or a dict with 'score'") from None
-    if math.isnan(score):
-        raise ValueError("a reward function returned NaN")
-    return score, extra
 
 
 class _BaseManager:
@@ -115,8 +95,8 @@ class _BaseManager:
         for outcome, call in zip(outcomes, calls):
             if outcome.ok:
                 try:
-                    score, extra = split_score(outcome.value)
-                except ValueError as exc:
+                    score, extra = normalize_score(outcome.value)
+                except (TypeError, ValueError) as exc:
                     outcome = Outcome(error=str(exc))
             if not outcome.ok:
                 errors += not outcome.timed_out

@@ -53,3 +53,13 @@ def test_truncation_and_collate(tmp_path, tiny_tokenizer):
     assert batch["input_ids"].shape == (2, 16)
     n = len(ds[1]["input_ids"])
     assert batch["attention_mask"][1, n:].sum() == 0 and batch["loss_mask"][1, n:].sum() == 0
+
+
+def test_dotted_keys_read_builtin_task_rows(tmp_path, tiny_tokenizer):
+    from hyflow.data.tasks import make_task
+
+    paths = make_task("arithmetic", tmp_path, n_train=4, n_test=2, seed=0)
+    ds = SFTDataset(paths["train"], tiny_tokenizer, response_key="extra_info.answer")
+    item = ds[0]
+    text = trained_text(tiny_tokenizer, item)
+    assert "####" in text and text.endswith("<|im_end|>")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hyflow.batch import Batch
-from hyflow.rewards.managers import make_reward_manager, split_score
+from hyflow.rewards.managers import make_reward_manager
 
 
 def make_batch(tokenizer, responses, lengths=None, R=16):
@@ -86,15 +86,6 @@ def test_bad_return_values_count_as_errors(tiny_tokenizer):
     batch = make_batch(tiny_tokenizer, ["0", "1"])
     result = make_reward_manager("naive", tiny_tokenizer, compute_score=lambda **kw: "oops", num_workers=0)(batch)
     assert result.scores == [0.0, 0.0] and result.metrics["reward/errors"] == 2
-
-
-def test_split_score():
-    assert split_score(True) == (1.0, {})
-    assert split_score({"score": 2, "acc": 1}) == (2.0, {"acc": 1})
-    with pytest.raises(ValueError, match="without a 'score' key"):
-        split_score({"acc": 1})
-    with pytest.raises(ValueError, match="NaN"):
-        split_score(float("nan"))
 
 
 def test_batch_manager_one_call(tiny_tokenizer):

@@ -1,0 +1,137 @@
+"""Arithmetic task: evaluate an integer expression such as `12 + 7 * 3` (usual precedence, no parentheses).
+
+Made for a tiny model trained from scratch: the prompt is one short line,
+
+    What is 12 + 7 * 3? Put the final answer after '####'.
+
+and the worked answer stored for SFT (`extra_info.answer`, verl's SFT `response_dict_keys=['answer']`) reduces
+the expression one operation at a time — first the leftmost `*`, then `+`/`-` left to right — and ends with
+the answer line the scorer reads:
+
+    12 + 7 * 3 = 12 + 21 = 33
+    #### 33
+
+Operands are uniform in [0, 10^digits - 1]; ground truth is the value as a decimal integer string.
+Problems are distinct by expression, so train and test never share a prompt.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from random import Random
+
+from hyflow.data.tasks.common import (
+    check_sizes,
+    draw_distinct,
+    make_row,
+    parse_operators,
+    split_problems,
+    write_splits,
+)
+
+NAME = "arithmetic"
+DATA_SOURCE = "hyflow/arithmetic"
+INSTRUCTION = "Put the final answer after '####'."
+OPERATORS = "+-*"
+
+
+def evaluate_steps(numbers: list[int], ops: list[str]) -> list[str]:
+    """The expression after each single reduction: leftmost `*` first, then `+`/`-` left to right.
+
+    The last entry is the value; an expression with k operators gives k entries.
+    """
+    numbers, ops = list(numbers), list(ops)
+    states = []
+    while ops:
+        i = ops.index("*") if "*" in ops else 0
+        a, b, op = numbers[i], numbers[i + 1], ops[i]
+        numbers[i : i + 2] = [a * b if op == "*" else a + b if op == "+" else a - b]
+        del ops[i]
+        states.append(render(numbers, ops))
+    return states
+
+
+def render(numbers: list[int], ops: list[str]) -> str:
+    """`[12, 7, 3], ['+', '*']` -> `'12 + 7 * 3'`."""
+    parts = [str(numbers[0])]
+    for op, n in zip(ops, numbers[1:]):
+        parts += [op, str(n)]
+    return " ".join(parts)
+
+
+def generate(
+    *,
+    n_train: int = 2000,
+    n_test: int = 200,
+    seed: int = 0,
+    n_operands: int = 2,
+    digits: int = 2,
+    operators: str = "+-",
+    show_work: bool = True,
+    instruction: str = INSTRUCTION,
+    system_prompt: str | None = None,
+) -> dict[str, list[dict]]:
+    """Rows of both splits in memory: {"train": [...], "test": [...]} (see the module docstring)."""
+    check_sizes(n_train, n_test)
+    ops_allowed = parse_operators(operators, OPERATORS)
+    if n_operands < 2:
+        raise ValueError(f"n_operands must be at least 2, got {n_operands}")
+    if digits < 1:
+        raise ValueError(f"digits must be at least 1, got {digits}")
+    high = 10**digits - 1
+
+    def draw(rng: Random) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        numbers = tuple(rng.randint(0, high) for _ in range(n_operands))
+        return numbers, tuple(rng.choice(ops_allowed) for _ in range(n_operands - 1))
+
+    capacity = (high + 1) ** n_operands * len(ops_allowed) ** (n_operands - 1)
+    problems = draw_distinct(
+        Random(seed), draw, key=lambda p: p, n=n_train + n_test, capacity=capacity,
+        fix="raise digits, n_operands or the number of operators, or lower n_train/n_test",
+    )
+    splits = split_problems(problems, n_train, n_test)
+    return {
+        split: [
+            _row(numbers, ops, split, i, show_work, instruction, system_prompt)
+            for i, (numbers, ops) in enumerate(problems)
+        ]
+        for split, problems in splits.items()
+    }
+
+
+def _row(numbers, ops, split, index, show_work, instruction, system_prompt) -> dict:
+    expression = render(numbers, ops)
+    steps = evaluate_steps(numbers, ops)
+    value = steps[-1]
+    work = " = ".join([expression, *steps]) + "\n" if show_work else ""
+    content = f"What is {expression}? {instruction}".strip()
+    return make_row(
+        DATA_SOURCE, content, ability="arithmetic", ground_truth=value, split=split, index=index,
+        extra={"question": content, "answer": f"{work}#### {value}", "expression": expression},
+        system_prompt=system_prompt,
+    )
+
+
+def make(
+    out_dir: str | Path,
+    *,
+    n_train: int = 2000,
+    n_test: int = 200,
+    seed: int = 0,
+    fmt: str = "parquet",
+    n_operands: int = 2,
+    digits: int = 2,
+    operators: str = "+-",
+    show_work: bool = True,
+    instruction: str = INSTRUCTION,
+    system_prompt: str | None = None,
+) -> dict[str, Path]:
+    """Write `out_dir/train.<fmt>` and `out_dir/test.<fmt>`; return {split: path}.
+
+    `n_operands` numbers of up to `digits` digits joined by `operators` (any of "+-*").
+    """
+    rows = generate(
+        n_train=n_train, n_test=n_test, seed=seed, n_operands=n_operands, digits=digits, operators=operators,
+        show_work=show_work, instruction=instruction, system_prompt=system_prompt,
+    )
+    return write_splits(rows, out_dir, fmt)

@@ -1,0 +1,105 @@
+"""What every built-in task shares: drawing distinct problems, building schema rows, writing the splits.
+
+A task draws `n_test + n_train` *distinct* problems (distinct by a task-defined key) from one
+`random.Random(seed)`; the first `n_test` form the test split and the rest the train split, so the splits
+are disjoint by construction and the test split stays the same when only `n_train` changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from random import Random
+from typing import TypeVar
+
+from hyflow.data.io import write_rows
+
+P = TypeVar("P")
+FORMATS = ("parquet", "jsonl", "json")
+
+
+def check_sizes(n_train: int, n_test: int) -> None:
+    """Both split sizes must be non-negative integers and at least one positive."""
+    for name, n in (("n_train", n_train), ("n_test", n_test)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {n!r}")
+    if n_train + n_test == 0:
+        raise ValueError("n_train + n_test is 0: ask for at least one problem")
+
+
+def draw_distinct(
+    rng: Random,
+    draw: Callable[[Random], P],
+    key: Callable[[P], Hashable],
+    n: int,
+    *,
+    capacity: int | None = None,
+    fix: str = "",
+) -> list[P]:
+    """Draw `n` problems with pairwise different `key(problem)`, in draw order.
+
+    `capacity` (the number of distinct keys, when known) turns an impossible request into an immediate error;
+    otherwise the search gives up after 50 n + 10,000 draws. Either error says how to enlarge the space (`fix`).
+    """
+    if capacity is not None and n > capacity:
+        raise ValueError(f"asked for {n} distinct problems but only {capacity} exist with these options; {fix}")
+    seen: set[Hashable] = set()
+    problems: list[P] = []
+    for _ in range(50 * n + 10_000):
+        if len(problems) == n:
+            break
+        problem = draw(rng)
+        k = key(problem)
+        if k not in seen:
+            seen.add(k)
+            problems.append(problem)
+    if len(problems) < n:
+        raise ValueError(f"found only {len(problems)} distinct problems of the {n} asked for; {fix}")
+    return problems
+
+
+def make_row(
+    data_source: str,
+    content: str,
+    *,
+    ability: str,
+    ground_truth: str,
+    split: str,
+    index: int,
+    extra: dict,
+    system_prompt: str | None = None,
+) -> dict:
+    """One verl-schema row: the user message (after an optional system message) and its ground truth."""
+    prompt = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    prompt.append({"role": "user", "content": content})
+    return {
+        "data_source": data_source,
+        "prompt": prompt,
+        "ability": ability,
+        "reward_model": {"style": "rule", "ground_truth": ground_truth},
+        "extra_info": {"split": split, "index": index, **extra},
+    }
+
+
+def split_problems(problems: list[P], n_train: int, n_test: int) -> dict[str, list[P]]:
+    """The first `n_test` problems are the test split, the next `n_train` the train split."""
+    return {"train": problems[n_test : n_test + n_train], "test": problems[:n_test]}
+
+
+def write_splits(splits: dict[str, list[dict]], out_dir: str | Path, fmt: str = "parquet") -> dict[str, Path]:
+    """Write each split to `out_dir/<split>.<fmt>`; return {split: path}."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    out_dir = Path(out_dir)
+    return {split: write_rows(rows, out_dir / f"{split}.{fmt}") for split, rows in splits.items()}
+
+
+def parse_operators(operators: str | list[str] | tuple[str, ...], allowed: str) -> tuple[str, ...]:
+    """Operators given as a string ("+-*") or a list (["+", "*"]): a non-empty, duplicate-free subset of `allowed`."""
+    ops = tuple(operators.replace(" ", "").replace(",", "")) if isinstance(operators, str) else tuple(operators)
+    bad = [op for op in ops if op not in allowed]
+    if not ops or bad or len(set(ops)) != len(ops):
+        raise ValueError(
+            f"operators must be distinct characters from {allowed!r} (e.g. {allowed!r}), got {operators!r}"
+        )
+    return ops

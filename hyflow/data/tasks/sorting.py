@@ -1,0 +1,88 @@
+"""Sorting task: sort a short list of small integers ascending.
+
+    Sort these numbers in ascending order: 5 3 9 1. Put the sorted list after '####'.
+
+The worked answer (`extra_info.answer`) is `#### 1 3 5 9`; ground truth is the sorted list as space-separated
+integers, `"1 3 5 9"`. Lists have `min_len`..`max_len` values drawn uniformly from [`min_value`, `max_value`]
+(repeats allowed). Problems are distinct by the list as shown, so train and test never share a prompt.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from random import Random
+
+from hyflow.data.tasks.common import check_sizes, draw_distinct, make_row, split_problems, write_splits
+
+NAME = "sorting"
+DATA_SOURCE = "hyflow/sorting"
+INSTRUCTION = "Put the sorted list after '####'."
+
+
+def generate(
+    *,
+    n_train: int = 2000,
+    n_test: int = 200,
+    seed: int = 0,
+    min_len: int = 3,
+    max_len: int = 6,
+    min_value: int = 0,
+    max_value: int = 9,
+    instruction: str = INSTRUCTION,
+    system_prompt: str | None = None,
+) -> dict[str, list[dict]]:
+    """Rows of both splits in memory: {"train": [...], "test": [...]} (see the module docstring)."""
+    check_sizes(n_train, n_test)
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"need 1 <= min_len <= max_len, got {min_len} and {max_len}")
+    if min_value > max_value:
+        raise ValueError(f"need min_value <= max_value, got {min_value} and {max_value}")
+
+    def draw(rng: Random) -> tuple[int, ...]:
+        return tuple(rng.randint(min_value, max_value) for _ in range(rng.randint(min_len, max_len)))
+
+    n_values = max_value - min_value + 1
+    capacity = sum(n_values**length for length in range(min_len, max_len + 1))
+    problems = draw_distinct(
+        Random(seed), draw, key=lambda p: p, n=n_train + n_test, capacity=capacity,
+        fix="raise max_len or the value range, or lower n_train/n_test",
+    )
+    return {
+        split: [_row(values, split, i, instruction, system_prompt) for i, values in enumerate(problems)]
+        for split, problems in split_problems(problems, n_train, n_test).items()
+    }
+
+
+def _row(values, split, index, instruction, system_prompt) -> dict:
+    answer = " ".join(map(str, sorted(values)))
+    content = f"Sort these numbers in ascending order: {' '.join(map(str, values))}. {instruction}".strip()
+    return make_row(
+        DATA_SOURCE, content, ability="sorting", ground_truth=answer, split=split, index=index,
+        extra={"question": content, "answer": f"#### {answer}", "numbers": list(values)},
+        system_prompt=system_prompt,
+    )
+
+
+def make(
+    out_dir: str | Path,
+    *,
+    n_train: int = 2000,
+    n_test: int = 200,
+    seed: int = 0,
+    fmt: str = "parquet",
+    min_len: int = 3,
+    max_len: int = 6,
+    min_value: int = 0,
+    max_value: int = 9,
+    instruction: str = INSTRUCTION,
+    system_prompt: str | None = None,
+) -> dict[str, Path]:
+    """Write `out_dir/train.<fmt>` and `out_dir/test.<fmt>`; return {split: path}.
+
+    Lists of `min_len`..`max_len` integers in [`min_value`, `max_value`].
+    """
+    rows = generate(
+        n_train=n_train, n_test=n_test, seed=seed, min_len=min_len, max_len=max_len, min_value=min_value,
+        max_value=max_value, instruction=instruction, system_prompt=system_prompt,
+    )
+    return write_splits(rows, out_dir, fmt)

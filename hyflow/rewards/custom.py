@@ -1,0 +1,156 @@
+"""User reward functions from a Python file (verl's ``custom_reward_function.{path,name,reward_kwargs}``).
+
+`load_custom_reward_function(path, name, reward_kwargs)` imports the file as a module and returns its function
+`name`, with `reward_kwargs` bound by `functools.partial`. The function has verl's signature
+
+    fn(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float | {"score": float, ...}
+
+(async functions are returned as they are; the caller awaits them). Each file gets a module name derived
+from its resolved path, so two files both called ``reward.py`` do not replace each other in `sys.modules`.
+Mistakes fail at load time, not at the first scored sample: a missing file, a missing or non-callable
+function, a file that raises on import, and `reward_kwargs` keys the function cannot accept each raise an
+error that names the config key to fix.
+
+`normalize_score(result)` turns what a reward function returned into ``(score, extras)``: a number (bool,
+int, float, numpy scalar) gives ``(float(result), {})``; a dict gives ``(float(result["score"]), the other
+keys)`` — extras become metrics and validation columns. Anything else, or a non-finite score, is an error
+naming the returned value.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import hashlib
+import importlib.util
+import inspect
+import math
+import numbers
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+
+def _module_name(path: Path) -> str:
+    """A module name unique to the resolved file path: ``hyflow_custom_reward_<stem>_<hash of path>``."""
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    stem = "".join(char if char.isalnum() else "_" for char in path.stem)
+    return f"hyflow_custom_reward_{stem}_{digest}"
+
+
+def _import_file(path: Path) -> ModuleType:
+    """Execute the file as a fresh module registered under its unique name."""
+    module_name = _module_name(path)
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path} as Python (custom_reward_function.path); give a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:
+        sys.modules.pop(module_name, None)
+        raise ImportError(
+            f"custom reward file {path} (custom_reward_function.path) raised {type(error).__name__} while "
+            f"being imported: {error}"
+        ) from error
+    return module
+
+
+def _defined_callables(module: ModuleType) -> list[str]:
+    """Names of the functions and classes the module itself defines (not those it imports)."""
+    return sorted(
+        name
+        for name, value in vars(module).items()
+        if callable(value)
+        and not name.startswith("_")
+        and getattr(value, "__module__", None) == module.__name__
+    )
+
+
+def _check_kwargs(fn: Callable, reward_kwargs: dict, name: str, path: Path) -> None:
+    """Fail now if `fn` cannot accept a key of `reward_kwargs` (it would fail on every sample otherwise)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins and some C callables have no signature: nothing to check
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return
+    accepted = {p.name for p in parameters if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+    unknown = sorted(set(reward_kwargs) - accepted)
+    if unknown:
+        raise TypeError(
+            f"custom_reward_function.reward_kwargs has {unknown} but {name}() in {path} accepts only "
+            f"{sorted(accepted)}; remove those keys or add them (or **kwargs) to the function's parameters"
+        )
+
+
+def load_custom_reward_function(
+    path: str | Path, name: str = "compute_score", reward_kwargs: dict | None = None
+) -> Callable:
+    """Import `path` and return ``functools.partial(module.<name>, **reward_kwargs)`` (or the bare function).
+
+    Raises FileNotFoundError (no such file), ImportError (the file raised while importing; the original
+    exception is chained), AttributeError (no `name` in the file; lists the callables it defines),
+    TypeError (`name` is not callable, or `reward_kwargs` has keys the function does not accept).
+    """
+    resolved = Path(path).expanduser().resolve()
+    if not resolved.is_file():
+        raise FileNotFoundError(
+            f"custom reward file {str(path)!r} not found (custom_reward_function.path; resolved to {resolved}); "
+            f"give the path of an existing .py file, absolute or relative to {Path.cwd()}"
+        )
+    module = _import_file(resolved)
+    if not hasattr(module, name):
+        defined = _defined_callables(module)
+        close = difflib.get_close_matches(name, defined, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise AttributeError(
+            f"{resolved} has no function {name!r} (custom_reward_function.name={name!r}).{hint} "
+            f"Callables defined there: {', '.join(defined) or 'none'}. Set custom_reward_function.name to one of them."
+        )
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise TypeError(
+            f"{name!r} in {resolved} is a {type(fn).__name__}, not a function; "
+            "custom_reward_function.name must name a callable"
+        )
+    if not reward_kwargs:
+        return fn
+    reward_kwargs = dict(reward_kwargs)
+    _check_kwargs(fn, reward_kwargs, name, resolved)
+    return functools.partial(fn, **reward_kwargs)
+
+
+def _as_score(value, result) -> float:
+    """`value` as a finite float; errors name the full `result` the reward function returned."""
+    if not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"reward function returned {result!r:.200}; expected a number or a dict with a numeric 'score' "
+            f"(e.g. {{'score': 1.0, 'acc': True}}), got score of type {type(value).__name__}"
+        )
+    score = float(value)
+    if not math.isfinite(score):
+        raise ValueError(
+            f"reward function returned a non-finite score ({score}) in {result!r:.200}; "
+            "return a finite float (check for 0/0 or log(0) in the reward code)"
+        )
+    return score
+
+
+def normalize_score(result) -> tuple[float, dict]:
+    """``(score, extras)`` from a reward function's return value.
+
+    number -> ``(float(number), {})``; ``{"score": s, **rest}`` -> ``(float(s), rest)``.
+    TypeError for any other value or a dict without "score"; ValueError for a NaN or infinite score.
+    """
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise TypeError(
+                f"reward function returned a dict without a 'score' key: {result!r:.200}; "
+                "add 'score' (the reward) — other keys become metrics"
+            )
+        extras = {key: value for key, value in result.items() if key != "score"}
+        return _as_score(result["score"], result), extras
+    return _as_score(result, result), {}

@@ -1,0 +1,53 @@
+"""Scorer of the sorting task (`hyflow.data.tasks.sorting`): the list after the last `####`.
+
+The answer is the text after the LAST ``####`` up to the end of that line. It is well-formed when it holds at
+least one integer and nothing else but separators (spaces, commas, square brackets, a final ``.``):
+``#### 1 3 5``, ``#### [1, 3, 5]``. The ground truth is the sorted list as ``"1 3 5"`` (or a list of ints).
+
+Reward: ``score`` (1.0) when the answer lists exactly the ground-truth integers in order; ``format_score``
+(default 0.0) for a well-formed answer that differs (wrong order, missing or extra values); 0.0 when there is
+no ``####`` or the text after it is not a list of integers.
+"""
+
+from __future__ import annotations
+
+import re
+
+from hyflow.rewards.registry import register_scorer
+
+_INTEGER_RE = re.compile(r"-?[0-9]+")
+_SEPARATORS_RE = re.compile(r"[\s,\[\]]*")
+
+
+def extract_list(solution_str: str) -> list[int] | None:
+    """Integers after the last ``####`` when that line is a well-formed list, else None."""
+    mark = solution_str.rfind("####")
+    if mark < 0:
+        return None
+    line = solution_str[mark + 4 :].split("\n", 1)[0].strip().rstrip(".")
+    values = _INTEGER_RE.findall(line)
+    if not values or _SEPARATORS_RE.fullmatch(_INTEGER_RE.sub(" ", line)) is None:
+        return None
+    return [int(v) for v in values]
+
+
+@register_scorer("hyflow/sorting")
+def compute_score(
+    data_source,
+    solution_str: str,
+    ground_truth,
+    extra_info=None,
+    format_score: float = 0.0,
+    score: float = 1.0,
+    **kwargs,
+) -> dict:
+    """score = `score` if extract(solution) == ground-truth list; `format_score` if a well-formed list differs;
+    0.0 if none. Returns ``{"score": float, "acc": bool, "pred": str | None}`` with `pred` as ``"1 3 5"``.
+    Other keyword arguments are ignored.
+    """
+    pred = extract_list(solution_str)
+    if pred is None:
+        return {"score": 0.0, "acc": False, "pred": None}
+    truth = ground_truth if isinstance(ground_truth, list) else [int(v) for v in _INTEGER_RE.findall(str(ground_truth))]
+    correct = pred == [int(v) for v in truth]
+    return {"score": float(score if correct else format_score), "acc": correct, "pred": " ".join(map(str, pred))}
