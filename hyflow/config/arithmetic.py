@@ -1,0 +1,235 @@
+"""Derived batch sizes: one place that turns the config's batch knobs into per-step, per-device numbers.
+
+With P = data.train_batch_size (prompts), n = rollout.n, M = ppo_mini_batch_size (prompts), W = devices,
+sp = ulysses_sequence_parallel_size and D = W / sp (data-parallel size), as in verl:
+    samples per step              = P * n
+    optimizer steps per step      = ppo_epochs * P / M
+    samples per mini-batch        = M * n                  (global)
+    samples per device per mini   = M * n / D
+    gradient-accumulation steps   = (M * n / D) / ppo_micro_batch_size_per_gpu
+Micro-batch sizes left unset fall back in a fixed order (documented in the schema's help):
+    actor micro   = ppo_micro_batch_size_per_gpu | ppo_micro_batch_size / D | the whole per-device mini-batch
+    old log-probs = rollout.log_prob_micro_batch_size_per_gpu | rollout.log_prob_micro_batch_size / D | actor micro
+    ref log-probs = ref.log_prob_micro_batch_size_per_gpu | ref.log_prob_micro_batch_size / D | old log-probs
+Workers read these numbers instead of rewriting config values in place. Quotients that do not divide evenly
+are kept as floats so a description can show them; `validate_config` rejects such configs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hyflow.config.schema import HyflowConfig
+
+
+@dataclass(frozen=True)
+class RoleBatches:
+    """Batch sizes of one trained role (actor or critic) for one training step."""
+
+    mini_batch_prompts: int
+    mini_batch_samples: int
+    mini_batches_per_epoch: float
+    ppo_epochs: int
+    optimizer_steps: float
+    dp_size: int
+    samples_per_device: float
+    use_dynamic_bsz: bool
+    micro_batch_size_per_device: float | None
+    micro_batches: float | None
+    max_token_len_per_device: int | None
+    max_micro_batches: int | None
+
+
+@dataclass(frozen=True)
+class ForwardBatches:
+    """Batch sizes of a forward-only pass over the whole step (log-probs, values)."""
+
+    samples_per_device: float
+    use_dynamic_bsz: bool
+    micro_batch_size_per_device: float | None
+    micro_batches: float | None
+    max_token_len_per_device: int | None
+
+
+@dataclass(frozen=True)
+class BatchArithmetic:
+    """Every derived batch number of one training step."""
+
+    n_devices: int
+    prompts_per_step: int
+    samples_per_prompt: int
+    samples_per_step: int
+    max_prompt_tokens: int
+    max_response_tokens: int
+    max_sequence_tokens: int
+    actor: RoleBatches
+    old_log_prob: ForwardBatches
+    ref_log_prob: ForwardBatches | None
+    critic: RoleBatches | None
+    critic_values: ForwardBatches | None
+
+
+def uses_critic(cfg: HyflowConfig) -> bool:
+    """critic.enable, or when it is null: whether the estimator is gae (the only one that needs values)."""
+    enable = cfg.critic.enable
+    return cfg.algorithm.adv_estimator == "gae" if enable is None else bool(enable)
+
+
+def uses_reference(cfg: HyflowConfig) -> bool:
+    """A reference policy is needed for a KL term: actor.use_kl_loss or algorithm.use_kl_in_reward."""
+    return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
+def total_devices(cfg: HyflowConfig, n_devices: int | None = None) -> int:
+    """`n_devices` if given, else trainer.nnodes * trainer.n_gpus_per_node."""
+    return n_devices if n_devices is not None else cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    """numerator / denominator as an int when it divides evenly (and the denominator is positive)."""
+    if denominator <= 0:
+        return float("nan")
+    return int(numerator // denominator) if numerator % denominator == 0 else numerator / denominator
+
+
+def batch_arithmetic(cfg: HyflowConfig, n_devices: int | None = None) -> BatchArithmetic:
+    """All derived batch sizes of `cfg` on `n_devices` devices (default trainer.nnodes * n_gpus_per_node)."""
+    arr = cfg.actor_rollout_ref
+    devices = total_devices(cfg, n_devices)
+    prompts, n = cfg.data.train_batch_size, arr.rollout.n
+    samples = prompts * n
+    max_prompt, max_response = arr.rollout.prompt_length, arr.rollout.response_length
+    max_sequence = max_prompt + max_response
+
+    actor = arr.actor
+    actor_dp = max(devices // max(actor.ulysses_sequence_parallel_size, 1), 1)
+    actor_batches = _role_batches(
+        prompts,
+        n,
+        max_sequence,
+        actor_dp,
+        mini_prompts=actor.ppo_mini_batch_size,
+        ppo_epochs=actor.ppo_epochs,
+        micro_per_gpu=actor.ppo_micro_batch_size_per_gpu,
+        micro_global=actor.ppo_micro_batch_size,
+        dynamic=actor.use_dynamic_bsz,
+        max_token_len=actor.ppo_max_token_len_per_gpu * max(actor.ulysses_sequence_parallel_size, 1),
+    )
+    rollout = arr.rollout
+    old_micro = _micro(rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_micro_batch_size, actor_dp)
+    if old_micro is None:
+        old_micro = actor_batches.micro_batch_size_per_device
+    old_log_prob = _forward_batches(
+        ratio(samples, actor_dp),
+        old_micro,
+        rollout.log_prob_use_dynamic_bsz,
+        rollout.log_prob_max_token_len_per_gpu,
+    )
+    ref_log_prob = None
+    if uses_reference(cfg):
+        ref = arr.ref
+        ref_micro = _micro(ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_micro_batch_size, actor_dp)
+        ref_log_prob = _forward_batches(
+            ratio(samples, actor_dp),
+            ref_micro if ref_micro is not None else old_log_prob.micro_batch_size_per_device,
+            ref.log_prob_use_dynamic_bsz,
+            ref.log_prob_max_token_len_per_gpu,
+        )
+
+    critic_batches = critic_values = None
+    if uses_critic(cfg):
+        critic = cfg.critic
+        critic_dp = max(devices // max(critic.ulysses_sequence_parallel_size, 1), 1)
+        critic_batches = _role_batches(
+            prompts,
+            n,
+            max_sequence,
+            critic_dp,
+            mini_prompts=critic.ppo_mini_batch_size,
+            ppo_epochs=critic.ppo_epochs,
+            micro_per_gpu=critic.ppo_micro_batch_size_per_gpu,
+            micro_global=critic.ppo_micro_batch_size,
+            dynamic=critic.use_dynamic_bsz,
+            max_token_len=critic.ppo_max_token_len_per_gpu * max(critic.ulysses_sequence_parallel_size, 1),
+        )
+        forward_micro = _micro(
+            critic.forward_micro_batch_size_per_gpu, critic.forward_micro_batch_size, critic_dp
+        )
+        critic_values = _forward_batches(
+            ratio(samples, critic_dp),
+            forward_micro if forward_micro is not None else critic_batches.micro_batch_size_per_device,
+            critic.use_dynamic_bsz,
+            critic.forward_max_token_len_per_gpu,
+        )
+
+    return BatchArithmetic(
+        n_devices=devices,
+        prompts_per_step=prompts,
+        samples_per_prompt=n,
+        samples_per_step=samples,
+        max_prompt_tokens=max_prompt,
+        max_response_tokens=max_response,
+        max_sequence_tokens=max_sequence,
+        actor=actor_batches,
+        old_log_prob=old_log_prob,
+        ref_log_prob=ref_log_prob,
+        critic=critic_batches,
+        critic_values=critic_values,
+    )
+
+
+def _micro(per_gpu: int | None, global_size: int | None, dp: int) -> float | None:
+    """The per-device micro-batch size from the per-GPU knob, else the deprecated global one / dp."""
+    if per_gpu is not None:
+        return per_gpu
+    if global_size is not None:
+        return ratio(global_size, dp)
+    return None
+
+
+def _role_batches(
+    prompts: int,
+    n: int,
+    max_sequence: int,
+    dp: int,
+    *,
+    mini_prompts: int,
+    ppo_epochs: int,
+    micro_per_gpu: int | None,
+    micro_global: int | None,
+    dynamic: bool,
+    max_token_len: int,
+) -> RoleBatches:
+    mini_batches = ratio(prompts, mini_prompts)
+    per_device = ratio(mini_prompts * n, dp)
+    micro = micro_batches = max_micro = token_len = None
+    if dynamic:
+        token_len = max_token_len
+        max_micro = -(-int(per_device * max_sequence) // max(max_token_len, 1))
+    else:
+        micro = _micro(micro_per_gpu, micro_global, dp)
+        micro = per_device if micro is None else micro
+        micro_batches = ratio(per_device, micro)
+    return RoleBatches(
+        mini_batch_prompts=mini_prompts,
+        mini_batch_samples=mini_prompts * n,
+        mini_batches_per_epoch=mini_batches,
+        ppo_epochs=ppo_epochs,
+        optimizer_steps=ppo_epochs * mini_batches,
+        dp_size=dp,
+        samples_per_device=per_device,
+        use_dynamic_bsz=dynamic,
+        micro_batch_size_per_device=micro,
+        micro_batches=micro_batches,
+        max_token_len_per_device=token_len,
+        max_micro_batches=max_micro,
+    )
+
+
+def _forward_batches(
+    per_device: float, micro: float | None, dynamic: bool, max_token_len: int
+) -> ForwardBatches:
+    if dynamic:
+        return ForwardBatches(per_device, True, None, None, max_token_len)
+    micro = per_device if micro is None else micro
+    return ForwardBatches(per_device, False, micro, ratio(per_device, micro), None)

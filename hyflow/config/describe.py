@@ -1,0 +1,233 @@
+"""Human-readable views of a config: the batch arithmetic in words with units, and the config with its help.
+
+`describe_batch_arithmetic` is what the trainer prints at start and `hyflow config` shows: prompts, samples and
+tokens per step, per mini-batch, per device and per micro-batch, each number followed by the keys it comes
+from. `render_config` prints the resolved config as YAML with every leaf's help text as a trailing comment
+(valid YAML: loading it gives `config_to_dict(cfg)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hyflow.config.arithmetic import BatchArithmetic, ForwardBatches, RoleBatches, batch_arithmetic
+from hyflow.config.keys import format_value
+from hyflow.config.schema import HyflowConfig
+
+R = "actor_rollout_ref.rollout"
+
+LOSS_AGG_WORDS = {
+    "token-mean": "token-mean: the summed per-token loss of a mini-batch is divided by its response-token count over "
+    "all devices",
+    "seq-mean-token-sum": "seq-mean-token-sum: each sample's summed token loss, averaged over the mini-batch's "
+    "samples on all devices",
+    "seq-mean-token-mean": "seq-mean-token-mean: each sample's mean token loss, averaged over the mini-batch's "
+    "samples on all devices",
+    "seq-mean-token-sum-norm": "seq-mean-token-sum-norm: each sample's summed token loss divided by a constant "
+    "(loss_scale_factor, default the response length), averaged over the mini-batch's samples on all devices",
+}
+
+
+def describe_batch_arithmetic(cfg: HyflowConfig, n_devices: int | None = None) -> str:
+    """The step's batch sizes in words with units: prompts x samples per step, optimizer steps, samples per
+    device and micro-batches (or token budgets with use_dynamic_bsz) for actor, log-probs, reference and critic."""
+    b = batch_arithmetic(cfg, n_devices)
+    actor = cfg.actor_rollout_ref.actor
+    source = (
+        f"trainer.nnodes {cfg.trainer.nnodes} x trainer.n_gpus_per_node {cfg.trainer.n_gpus_per_node}"
+        if n_devices is None
+        else "given"
+    )
+    lines = [
+        f"Batch arithmetic on {b.n_devices} device{'s' if b.n_devices != 1 else ''} ({source}):",
+        f"Each step: {b.prompts_per_step} prompts x {_count(b.samples_per_prompt, 'sample')} = {b.samples_per_step} samples "
+        f"(data.train_batch_size x {R}.n); a sample is at most {b.max_sequence_tokens} tokens "
+        f"({b.max_prompt_tokens} prompt + {b.max_response_tokens} response: {R}.prompt_length + {R}.response_length), "
+        f"so a step holds at most {b.samples_per_step * b.max_sequence_tokens:,} tokens.",
+        _rollout_line(cfg, b),
+        "Actor: " + _role_line(b.actor, "actor_rollout_ref.actor", cfg.actor_rollout_ref.actor, b),
+        _forward_line(
+            "Old log-probs (actor forward)",
+            b.old_log_prob,
+            b.actor.dp_size,
+            _old_log_prob_source(cfg),
+            f"{R}.log_prob_max_token_len_per_gpu",
+            b,
+        ),
+    ]
+    if b.ref_log_prob is not None:
+        lines.append(
+            _forward_line(
+                "Reference log-probs",
+                b.ref_log_prob,
+                b.actor.dp_size,
+                _ref_source(cfg),
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
+                b,
+            )
+        )
+    if b.critic is not None and b.critic_values is not None:
+        lines.append("Critic: " + _role_line(b.critic, "critic", cfg.critic, b))
+        lines.append(
+            _forward_line(
+                "Critic values (forward)",
+                b.critic_values,
+                b.critic.dp_size,
+                _critic_forward_source(cfg),
+                "critic.forward_max_token_len_per_gpu",
+                b,
+            )
+        )
+    words = LOSS_AGG_WORDS.get(actor.loss_agg_mode, actor.loss_agg_mode)
+    lines.append(
+        f"Loss (actor_rollout_ref.actor.loss_agg_mode) {words}, so gradients do not depend on micro-batch "
+        "or device count."
+    )
+    lines.append(_length_line(cfg))
+    return "\n".join(lines)
+
+
+def render_config(cfg: HyflowConfig, with_help: bool = True) -> str:
+    """The resolved config as YAML, one key per line, each followed by `# help text` when `with_help`."""
+    lines: list[str] = []
+    _render_section(cfg, 0, with_help, lines)
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------- lines
+
+
+def _rollout_line(cfg: HyflowConfig, b: BatchArithmetic) -> str:
+    rollout = cfg.actor_rollout_ref.rollout
+    val = rollout.val_kwargs
+    val_mode = f"sampled at temperature {val.temperature}" if val.do_sample else "greedy"
+    return (
+        f"Rollout ({R}.name={rollout.name}): {b.samples_per_step} samples per step, "
+        f"{_num(b.samples_per_step / b.actor.dp_size)} per device, each up to {b.max_response_tokens} new tokens "
+        f"at temperature {rollout.temperature}; validation: {val.n} sample{'s' if val.n != 1 else ''} per prompt "
+        f"({R}.val_kwargs.n), {val_mode}."
+    )
+
+
+def _role_line(role: RoleBatches, key: str, knobs: Any, b: BatchArithmetic) -> str:
+    dp = role.dp_size
+    head = (
+        f"{_count(role.optimizer_steps, 'optimizer step')} per step (ppo_epochs {role.ppo_epochs} x "
+        f"{b.prompts_per_step}/{role.mini_batch_prompts} = {_count(role.mini_batches_per_epoch, 'mini-batch')} of "
+        f"{role.mini_batch_prompts} prompts = {role.mini_batch_samples} samples; {key}.ppo_mini_batch_size); "
+        f"per device: {role.mini_batch_samples} samples per mini-batch / {dp} device{'s' if dp != 1 else ''} = "
+        f"{_num(role.samples_per_device)} samples"
+    )
+    if role.use_dynamic_bsz:
+        return head + (
+            f", packed into micro-batches of at most {role.max_token_len_per_device} tokens "
+            f"({key}.ppo_max_token_len_per_gpu, use_dynamic_bsz); the longest sample is {b.max_sequence_tokens} "
+            f"tokens (prompt + response){_budget_warning(role.max_token_len_per_device, b)}, so at most "
+            f"{role.max_micro_batches} micro-batches per device per mini-batch."
+        )
+    return head + (
+        f", in {_count(role.micro_batches, 'micro-batch')} of {_num(role.micro_batch_size_per_device)} samples "
+        f"({_micro_source(key, knobs)}) = {_count(role.micro_batches, 'gradient-accumulation step')}."
+    )
+
+
+def _forward_line(
+    name: str, fwd: ForwardBatches, dp: int, micro_source: str, budget_key: str, b: BatchArithmetic
+) -> str:
+    head = (
+        f"{name}: {b.samples_per_step} samples / {dp} device{'s' if dp != 1 else ''} = "
+        f"{_num(fwd.samples_per_device)} samples per device"
+    )
+    if fwd.use_dynamic_bsz:
+        return head + (
+            f", in micro-batches of at most {fwd.max_token_len_per_device} tokens ({budget_key})"
+            f"{_budget_warning(fwd.max_token_len_per_device, b)}."
+        )
+    return head + (
+        f", in {_count(fwd.micro_batches, 'forward pass')} of {_num(fwd.micro_batch_size_per_device)} samples "
+        f"({micro_source})."
+    )
+
+
+def _length_line(cfg: HyflowConfig) -> str:
+    t = cfg.trainer
+    if t.total_training_steps is not None:
+        return f"Length: {t.total_training_steps} steps (trainer.total_training_steps)."
+    return (
+        f"Length: trainer.total_epochs {t.total_epochs} epochs x (training prompts / {cfg.data.train_batch_size}) "
+        "steps per epoch (set trainer.total_training_steps to fix the number of steps)."
+    )
+
+
+def _micro_source(key: str, knobs: Any) -> str:
+    if knobs.ppo_micro_batch_size_per_gpu is not None:
+        return f"{key}.ppo_micro_batch_size_per_gpu"
+    if knobs.ppo_micro_batch_size is not None:
+        return f"{key}.ppo_micro_batch_size / devices"
+    return f"{key}.ppo_micro_batch_size_per_gpu unset: the whole per-device mini-batch"
+
+
+def _old_log_prob_source(cfg: HyflowConfig) -> str:
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.log_prob_micro_batch_size_per_gpu is not None:
+        return f"{R}.log_prob_micro_batch_size_per_gpu"
+    if rollout.log_prob_micro_batch_size is not None:
+        return f"{R}.log_prob_micro_batch_size / devices"
+    return f"{R}.log_prob_micro_batch_size_per_gpu unset: the actor's micro-batch size"
+
+
+def _ref_source(cfg: HyflowConfig) -> str:
+    ref = cfg.actor_rollout_ref.ref
+    if ref.log_prob_micro_batch_size_per_gpu is not None:
+        return "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"
+    if ref.log_prob_micro_batch_size is not None:
+        return "actor_rollout_ref.ref.log_prob_micro_batch_size / devices"
+    return "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu unset: the old log-probs' size"
+
+
+def _critic_forward_source(cfg: HyflowConfig) -> str:
+    critic = cfg.critic
+    if critic.forward_micro_batch_size_per_gpu is not None:
+        return "critic.forward_micro_batch_size_per_gpu"
+    if critic.forward_micro_batch_size is not None:
+        return "critic.forward_micro_batch_size / devices"
+    return "critic.forward_micro_batch_size_per_gpu unset: the critic's micro-batch size"
+
+
+def _budget_warning(budget: int | None, b: BatchArithmetic) -> str:
+    if budget is not None and budget < b.max_sequence_tokens:
+        return f" (TOO SMALL: the budget {budget} is below the longest sample {b.max_sequence_tokens})"
+    return ""
+
+
+def _count(value: float | None, noun: str) -> str:
+    """`2 mini-batches`, `1 micro-batch`: a number and its noun, plural unless exactly one."""
+    if value == 1:
+        return f"1 {noun}"
+    plural = noun + ("es" if noun.endswith(("s", "ch")) else "s")
+    return f"{_num(value)} {plural}"
+
+
+def _num(value: float | None) -> str:
+    """An int as is; a quotient that does not divide evenly with two decimals and a warning."""
+    if value is None or value != value:  # None, or NaN from a division by zero
+        return "? (division by zero: validate_config rejects this)"
+    if isinstance(value, int) or float(value).is_integer():
+        return str(int(value))
+    return f"{value:.2f} (not a whole number: validate_config rejects this)"
+
+
+# --------------------------------------------------------------------------------------- render
+
+
+def _render_section(node: Any, depth: int, with_help: bool, lines: list[str]) -> None:
+    indent = "  " * depth
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        comment = f"  # {f.metadata['help']}" if with_help and f.metadata.get("help") else ""
+        if dataclasses.is_dataclass(value):
+            lines.append(f"{indent}{f.name}:{comment}")
+            _render_section(value, depth + 1, with_help, lines)
+        else:
+            lines.append(f"{indent}{f.name}: {format_value(value)}{comment}")

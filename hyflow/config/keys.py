@@ -1,0 +1,175 @@
+"""Key paths of the schema: what a dotted key names, and the closest valid key when it names nothing.
+
+A dotted key (`actor_rollout_ref.actor.ppo_mini_batch_size`) names a *section* (a nested dataclass), a *leaf*
+(a typed field), or lands inside a *free-form* dict field (`reward_model.reward_kwargs.my_flag`), under which
+any key is allowed. Anything else is a ConfigError whose message names the closest valid key: first the key
+with each wrong segment replaced by its closest sibling, then a valid key ending in the same name, then the
+closest full dotted path (difflib ratio >= 0.6).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from hyflow.config.schema import HyflowConfig
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key, its value and how to fix it."""
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """What a dotted key names. `kind` is 'section', 'leaf' or 'free'; `annotation` is the field's type;
+    for 'free', `field_path` is the dict field's own path and `rest` the segments below it."""
+
+    kind: str
+    annotation: Any
+    field_path: str
+    rest: tuple[str, ...] = ()
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """The resolved annotation of every field of dataclass `cls`, in definition order."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+@functools.cache
+def field_metadata(cls: type) -> dict[str, dict[str, Any]]:
+    """The metadata (help, choices) of every field of dataclass `cls`."""
+    return {f.name: dict(f.metadata) for f in dataclasses.fields(cls)}
+
+
+def is_section(annotation: Any) -> bool:
+    return isinstance(annotation, type) and dataclasses.is_dataclass(annotation)
+
+
+def is_free_dict(annotation: Any) -> bool:
+    return typing.get_origin(annotation) is dict or annotation is dict
+
+
+def is_list(annotation: Any) -> bool:
+    return typing.get_origin(annotation) is list or annotation is list
+
+
+def is_optional(annotation: Any) -> bool:
+    return annotation is Any or type(None) in typing.get_args(annotation)
+
+
+def type_name(annotation: Any) -> str:
+    """A reader's name for a field type: 'int', 'list of str', 'float or null', 'mapping', 'any value'."""
+    if annotation is Any:
+        return "any value"
+    if is_free_dict(annotation):
+        return "mapping"
+    if is_list(annotation):
+        (item,) = typing.get_args(annotation) or (Any,)
+        return f"list of {type_name(item)}"
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        names = [type_name(a) for a in args if a is not type(None)]
+        return " or ".join(names) + (" or null" if type(None) in args else "")
+    if is_section(annotation):
+        return f"section ({annotation.__name__})"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def lookup(key: str, where: str = "") -> KeyInfo:
+    """What `key` names in HyflowConfig; ConfigError with the closest valid key if nothing.
+    `where` (e.g. " in config file 'x.yaml'") is added to error messages."""
+    segments = key.split(".")
+    cls: type = HyflowConfig
+    for i, segment in enumerate(segments):
+        fields = field_types(cls)
+        path = ".".join(segments[: i + 1])
+        if segment not in fields:
+            raise unknown_key_error(key, where)
+        annotation = fields[segment]
+        if is_section(annotation):
+            cls = annotation
+            continue
+        if is_free_dict(annotation):
+            return KeyInfo("free", annotation, path, tuple(segments[i + 1 :]))
+        if i != len(segments) - 1:
+            raise ConfigError(
+                f"unknown config key {key!r}{where}: {path!r} is a single value ({type_name(annotation)}), "
+                f"not a section. Set it with {path}=VALUE."
+            )
+        return KeyInfo("leaf", annotation, path)
+    return KeyInfo("section", cls, key)
+
+
+@functools.cache
+def all_paths() -> tuple[str, ...]:
+    """Every valid dotted key of the schema: sections and leaves (free-form dict fields count as leaves)."""
+    paths: list[str] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for name, annotation in field_types(cls).items():
+            path = f"{prefix}{name}"
+            paths.append(path)
+            if is_section(annotation):
+                walk(annotation, path + ".")
+
+    walk(HyflowConfig, "")
+    return tuple(paths)
+
+
+def closest_key(key: str) -> str | None:
+    """The valid key a misspelt `key` most likely meant (None if nothing is close)."""
+    return _fix_segments(key) or _same_leaf_name(key) or _closest_full_path(key)
+
+
+def unknown_key_error(key: str, where: str = "") -> ConfigError:
+    """ConfigError for an unknown `key`, naming the closest valid one. `where` says where the key came from."""
+    suggestion = closest_key(key)
+    hint = f" Did you mean {suggestion!r}?" if suggestion else " Run `hyflow config` to list the valid keys."
+    return ConfigError(f"unknown config key {key!r}{where}.{hint}")
+
+
+def _fix_segments(key: str) -> str | None:
+    segments = key.split(".")
+    cls: type = HyflowConfig
+    fixed: list[str] = []
+    for i, segment in enumerate(segments):
+        if not is_section(cls):
+            return None
+        fields = field_types(cls)
+        if segment not in fields:
+            close = difflib.get_close_matches(segment, list(fields), n=1, cutoff=0.6)
+            if not close:
+                return None
+            segment = close[0]
+        fixed.append(segment)
+        cls = fields[segment]
+        if is_free_dict(cls):
+            fixed.extend(segments[i + 1 :])
+            break
+    return ".".join(fixed) if fixed != segments else None
+
+
+def _same_leaf_name(key: str) -> str | None:
+    leaf = key.rsplit(".", 1)[-1]
+    same = [p for p in all_paths() if p.rsplit(".", 1)[-1] == leaf]
+    return max(same, key=lambda p: difflib.SequenceMatcher(None, key, p).ratio()) if same else None
+
+
+def _closest_full_path(key: str) -> str | None:
+    close = difflib.get_close_matches(key, all_paths(), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def format_value(value: Any) -> str:
+    """`value` as a YAML flow scalar/collection: `null`, `true`, `1.0e-06`, `[console, file]`, `{}`."""
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**9).strip()
+    return text.removesuffix("\n...").removesuffix("...").strip()

@@ -1,0 +1,1024 @@
+"""The typed configuration schema of hyflow: one dataclass per section, every field with its help text.
+
+Key names and defaults follow verl's `ppo_trainer.yaml` (so a verl command line ports by changing its entry
+point); the few defaults that differ say so in their help text ("verl: ..."), because hyflow runs on one CPU or
+one GPU in one process first. Units are part of every size's help: *prompts* (dataset rows), *samples* (one
+generated response; a prompt yields `actor_rollout_ref.rollout.n` of them), *tokens*. Sizes named `*_per_gpu`
+are per device per forward pass; the others are global (summed over all devices).
+
+Defaults written as `"${other.key}"` are OmegaConf interpolations, resolved when the config is loaded (or when
+`HyflowConfig()` is built directly). Fields that verl leaves required (`???`), such as `model.path`, default to
+None here and are checked by the code that needs them. `choices` in a field's metadata lists its allowed values;
+`validate_config` checks them.
+"""
+
+# ruff: noqa: RUF009 -- option() and section() return dataclasses.field(...) objects, which ruff cannot see.
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_PENALTY_NAMES = KL_ESTIMATORS + tuple(f"{name}+" for name in KL_ESTIMATORS)
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def option(default: Any, help: str, *, choices: tuple[Any, ...] | None = None) -> Any:
+    """A leaf field: `field(default=..., metadata={"help": ...})`; lists and dicts are copied per instance."""
+    metadata: dict[str, Any] = {"help": help}
+    if choices is not None:
+        metadata["choices"] = choices
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def section(factory: Callable[[], Any], help: str) -> Any:
+    """A nested section: `field(default_factory=factory, metadata={"help": ...})`."""
+    return field(default_factory=factory, metadata={"help": help})
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+@dataclass
+class CustomClassConfig:
+    """A class loaded from a Python file: `path` to the file, `name` of the class in it."""
+
+    path: str | None = option(None, "Path to a .py file defining the class (None = use the built-in one).")
+    name: str | None = option(None, "Name of the class inside `path`.")
+
+
+@dataclass
+class SamplerConfig:
+    """A custom sampler for the training dataloader (curricula)."""
+
+    class_path: str | None = option(
+        None, "Path to a .py file defining the sampler (needs data.dataloader_num_workers=0)."
+    )
+    class_name: str | None = option(None, "Name of the sampler class inside `class_path`.")
+
+
+@dataclass
+class DataConfig:
+    """Datasets, prompt/response lengths and the number of prompts per step."""
+
+    tokenizer: str | None = option(
+        None, "Tokenizer path for the dataset (None = the actor model's tokenizer)."
+    )
+    train_files: Any = option(
+        None,
+        "Training data: a parquet/json(l) file, a list of them, or a built-in task name. Required to train (verl: ~/data/rlhf/gsm8k/train.parquet).",
+    )
+    val_files: Any = option(
+        None, "Validation data: a file, a list of files, or a built-in task name (None = no validation)."
+    )
+    train_max_samples: int = option(-1, "Use at most this many training prompts (-1 = all).")
+    val_max_samples: int = option(-1, "Use at most this many validation prompts (-1 = all).")
+    prompt_key: str = option("prompt", "Column holding the prompt (a chat: list of {role, content}).")
+    reward_fn_key: str = option(
+        "data_source", "Column whose value picks the reward function (scorer) for a row."
+    )
+    max_prompt_length: int = option(512, "Longest prompt, in tokens; longer prompts follow data.truncation.")
+    max_response_length: int = option(
+        512, "Longest generated response, in tokens (multi-turn: the whole episode's budget)."
+    )
+    train_batch_size: int = option(
+        1024, "Prompts per training step (global); each yields actor_rollout_ref.rollout.n samples."
+    )
+    gen_batch_size: int | None = option(
+        None,
+        "Prompts per generation round when it differs from train_batch_size (DAPO dynamic sampling generates more and keeps train_batch_size); None = train_batch_size.",
+    )
+    val_batch_size: int | None = option(
+        None,
+        "Deprecated in verl: the whole validation set is one batch. Prompts per validation batch if set.",
+    )
+    return_raw_input_ids: bool = option(
+        False,
+        "Also return prompt token ids without the chat template (for a reward model with another tokenizer).",
+    )
+    return_raw_chat: bool = option(True, "Also return the prompt as a raw chat (list of messages).")
+    return_full_prompt: bool = option(False, "Also return the prompt text after the chat template.")
+    shuffle: bool = option(True, "Shuffle the training prompts every epoch.")
+    seed: int | None = option(None, "Seed of the training dataloader's shuffle (None = trainer.seed).")
+    dataloader_num_workers: int = option(
+        8, "Worker processes of the dataloader (0 = load in the main process)."
+    )
+    validation_shuffle: bool = option(False, "Shuffle the validation set.")
+    filter_overlong_prompts: bool = option(
+        False, "Drop prompts longer than max_prompt_length tokens before training."
+    )
+    filter_overlong_prompts_workers: int = option(1, "Processes used to filter overlong prompts.")
+    truncation: str = option(
+        "error",
+        "What to do with a prompt longer than max_prompt_length: error, left (keep the end), right (keep the start), middle.",
+        choices=("error", "left", "right", "middle"),
+    )
+    image_key: str = option("images", "Column holding images (multimodal data).")
+    video_key: str = option("videos", "Column holding videos (multimodal data).")
+    image_patch_size: int = option(14, "Vision patch size, in pixels (multimodal data).")
+    custom_cls: CustomClassConfig = section(
+        CustomClassConfig, "A custom Dataset class replacing the built-in RL dataset."
+    )
+    sampler: SamplerConfig = section(
+        SamplerConfig, "A custom sampler (curriculum) for the training dataloader."
+    )
+    apply_chat_template_kwargs: dict[str, Any] = option(
+        {},
+        "Extra keyword arguments for tokenizer.apply_chat_template (add with +data.apply_chat_template_kwargs.KEY=VALUE).",
+    )
+    tool_config_path: str | None = option(
+        None, "Tool config (YAML) whose tool schemas are put into the chat template."
+    )
+    return_multi_modal_inputs: bool = option(True, "Return processed multimodal inputs with each row.")
+    trust_remote_code: bool = option(False, "Allow custom code from the tokenizer/processor repository.")
+    use_shm: bool = option(False, "Copy the data files to shared memory (/dev/shm) first.")
+
+
+# ------------------------------------------------------------------------------------ shared pieces
+
+
+@dataclass
+class FusedKernelOptions:
+    """Options of the fused log-prob/entropy kernel."""
+
+    impl_backend: str = option(
+        "torch", "Backend of the fused kernel: torch or triton.", choices=("torch", "triton")
+    )
+
+
+@dataclass
+class ModelConfig:
+    """The policy model (Hugging Face causal LM) shared by actor, rollout and reference."""
+
+    path: str | None = option(None, "Local directory or hub id of the model. Required to train (verl: ???).")
+    tokenizer_path: str | None = option(None, "Tokenizer directory or hub id (None = path).")
+    hf_config_path: str | None = option(None, "Directory of the model's config.json if not in path.")
+    custom_chat_template: str | None = option(None, "A Jinja chat template replacing the tokenizer's.")
+    external_lib: str | None = option(
+        None, "A Python module imported before loading the model (registers custom architectures)."
+    )
+    override_config: dict[str, Any] = option(
+        {},
+        "Overrides of the model's config.json, e.g. +actor_rollout_ref.model.override_config.attn_implementation=sdpa.",
+    )
+    enable_gradient_checkpointing: bool = option(
+        True, "Recompute activations in the backward pass: less memory, about 30% more compute."
+    )
+    enable_activation_offload: bool = option(
+        False, "Offload activations to CPU memory during the forward pass."
+    )
+    use_remove_padding: bool = option(
+        True, "Pack sequences without padding for the forward pass (less compute on padded batches)."
+    )
+    use_liger: bool = option(False, "Use Liger kernels for the model.")
+    use_fused_kernels: bool = option(
+        False, "Compute log-probs and entropy in a fused kernel without materialising full logits."
+    )
+    fused_kernel_options: FusedKernelOptions = section(
+        FusedKernelOptions, "Options of the fused log-prob kernel."
+    )
+    lora_rank: int = option(0, "LoRA rank (0 = full fine-tuning). LoRA: Hu et al. 2021, arXiv 2106.09685.")
+    lora_alpha: int = option(16, "LoRA scaling alpha (update scaled by lora_alpha / lora_rank).")
+    target_modules: Any = option(
+        "all-linear", "Modules that get LoRA adapters: 'all-linear' or a list of module names."
+    )
+    exclude_modules: Any = option(None, "Modules excluded from LoRA (a name, regex or list).")
+    lora_adapter_path: str | None = option(None, "Load a trained LoRA adapter from this directory.")
+    use_shm: bool = option(False, "Copy the model to shared memory (/dev/shm) before loading.")
+    trust_remote_code: bool = option(False, "Allow custom modelling code from the model repository.")
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule."""
+
+    optimizer: str = option("AdamW", "Optimizer class name inside optimizer_impl.")
+    optimizer_impl: str = option("torch.optim", "Module that holds the optimizer class.")
+    lr: float = option(1e-6, "Peak learning rate (verl: 1e-6 for the actor, 1e-5 for the critic).")
+    lr_warmup_steps: int = option(
+        -1, "Linear warm-up length, in optimizer steps (-1 = use lr_warmup_steps_ratio)."
+    )
+    lr_warmup_steps_ratio: float = option(
+        0.0, "Warm-up length as a fraction of total_training_steps (used when lr_warmup_steps < 0)."
+    )
+    total_training_steps: int = option(
+        -1,
+        "Total optimizer schedule length, in training steps; filled in by the trainer (-1 = not yet known).",
+    )
+    weight_decay: float = option(0.01, "Decoupled weight decay (AdamW).")
+    betas: list[float] = option([0.9, 0.999], "Adam (beta1, beta2).")
+    clip_grad: float = option(
+        1.0,
+        "Gradient-norm clipping threshold of the optimizer config (the role's grad_clip is what hyflow applies).",
+    )
+    min_lr_ratio: float = option(0.0, "Cosine schedule floor, as a fraction of lr.")
+    num_cycles: float = option(0.5, "Cosine cycles over the schedule (0.5 = one half-cosine decay).")
+    lr_scheduler_type: str = option(
+        "constant",
+        "Learning-rate schedule after warm-up: constant or cosine.",
+        choices=("constant", "cosine"),
+    )
+
+
+@dataclass
+class WrapPolicyConfig:
+    """Which modules FSDP wraps into their own shard unit."""
+
+    min_num_params: int = option(
+        0, "Wrap every module with at least this many parameters (0 = wrap transformer layers)."
+    )
+
+
+@dataclass
+class FSDPConfig:
+    """Fully sharded data parallel (FSDP2 `fully_shard`) settings for one role."""
+
+    param_offload: bool = option(False, "Keep parameters in CPU memory between uses (needs an accelerator).")
+    optimizer_offload: bool = option(False, "Keep optimizer state in CPU memory between steps.")
+    offload_policy: bool = option(False, "Use FSDP2's CPUOffloadPolicy (needs an accelerator).")
+    reshard_after_forward: bool = option(
+        True, "Free gathered parameters after the forward pass (less memory, one more all-gather)."
+    )
+    fsdp_size: int = option(
+        -1,
+        "Devices per FSDP shard group (-1 = all devices; > 0 = hybrid sharding, replicated across groups).",
+    )
+    forward_prefetch: bool = option(False, "Prefetch the next layer's all-gather during the forward pass.")
+    model_dtype: str = option("fp32", "dtype of the master weights (fp32, bf16).")
+    dtype: str = option(
+        "bfloat16", "dtype of the forward/backward compute (mixed precision): bfloat16, float16 or float32."
+    )
+    wrap_policy: WrapPolicyConfig = section(WrapPolicyConfig, "FSDP wrapping policy.")
+    use_orig_params: bool = option(
+        False, "FSDP1 option kept for verl compatibility (FSDP2 always keeps original parameters)."
+    )
+    seed: int = option(42, "Seed used when building the model on each rank.")
+    full_determinism: bool = option(False, "Deterministic kernels everywhere (slower; for debugging).")
+
+
+@dataclass
+class CheckpointConfig:
+    """What a checkpoint holds."""
+
+    save_contents: list[str] = option(
+        ["model", "optimizer", "extra"],
+        "Saved parts: model, optimizer, extra (RNG and scheduler state), hf_model (a Hugging Face export).",
+    )
+    load_contents: list[str] = option(
+        "${.save_contents}", "Parts loaded on resume (default = save_contents)."
+    )
+    async_save: bool = option(False, "Write checkpoints in a background thread.")
+
+
+# ------------------------------------------------------------------------------------------ actor
+
+
+@dataclass
+class PolicyLossConfig:
+    """Which policy-gradient loss the actor optimises, and its knobs."""
+
+    loss_mode: str = option(
+        "vanilla",
+        "Registered policy loss: vanilla (PPO clip, Schulman et al. 2017, arXiv 1707.06347), gspo (arXiv 2507.18071), sapo (arXiv 2511.20347), gpg, clip_cov, kl_cov (arXiv 2505.22617), geo_mean (GMPO, arXiv 2507.20673), cispo (arXiv 2506.13585), ... see hyflow.algos.POLICY_LOSSES.",
+    )
+    clip_cov_ratio: float = option(
+        0.0002, "clip_cov: fraction of tokens whose gradient is dropped (arXiv 2505.22617)."
+    )
+    clip_cov_lb: float = option(1.0, "clip_cov: lower bound of the covariance window of dropped tokens.")
+    clip_cov_ub: float = option(5.0, "clip_cov: upper bound of the covariance window of dropped tokens.")
+    kl_cov_ratio: float = option(
+        0.0002, "kl_cov: fraction of tokens (highest covariance) that get the KL penalty."
+    )
+    ppo_kl_coef: float = option(0.1, "kl_cov: coefficient of the |log-ratio| penalty on those tokens.")
+
+
+@dataclass
+class ActorConfig:
+    """The policy being trained: mini-batches, micro-batches, the PPO objective and its optimizer."""
+
+    strategy: str = option(
+        "fsdp",
+        "Data-parallel training strategy: fsdp, fsdp2 or ddp (verl also has megatron).",
+        choices=("fsdp", "fsdp2", "ddp"),
+    )
+    ppo_mini_batch_size: int = option(
+        256,
+        "Prompts per optimizer step (global); each mini-batch holds ppo_mini_batch_size x rollout.n samples.",
+    )
+    ppo_micro_batch_size: int | None = option(
+        None,
+        "Deprecated (verl): samples per forward summed over all devices. Use ppo_micro_batch_size_per_gpu.",
+    )
+    ppo_micro_batch_size_per_gpu: int | None = option(
+        None,
+        "Samples per device per forward/backward pass (gradient accumulation inside a mini-batch). None = the whole per-device mini-batch in one pass (verl: required).",
+    )
+    use_dynamic_bsz: bool = option(
+        False,
+        "Build micro-batches by token budget (ppo_max_token_len_per_gpu) instead of a fixed sample count.",
+    )
+    ppo_max_token_len_per_gpu: int = option(
+        16384,
+        "With use_dynamic_bsz: tokens (prompt + response) per device per forward pass; must cover the longest sequence.",
+    )
+    ppo_epochs: int = option(
+        1,
+        "Passes over each step's samples (each pass makes train_batch_size / ppo_mini_batch_size optimizer steps).",
+    )
+    shuffle: bool = option(False, "Shuffle samples before splitting them into mini-batches.")
+    data_loader_seed: int = option(42, "Seed of the mini-batch shuffle.")
+    clip_ratio: float = option(
+        0.2,
+        "PPO clip range epsilon (Schulman et al. 2017, arXiv 1707.06347); fallback for clip_ratio_low/high.",
+    )
+    clip_ratio_low: float = option(
+        0.2, "Lower clip range: ratio clipped below at 1 - clip_ratio_low; in [0, 1)."
+    )
+    clip_ratio_high: float = option(
+        0.2,
+        "Upper clip range: ratio clipped above at 1 + clip_ratio_high (DAPO clip-higher uses 0.28, arXiv 2503.14476).",
+    )
+    clip_ratio_c: float = option(
+        3.0,
+        "Dual-clip bound for negative advantages: loss capped at -A x clip_ratio_c; must be > 1 (Ye et al. 2020, arXiv 1912.09729).",
+    )
+    policy_loss: PolicyLossConfig = section(PolicyLossConfig, "Policy loss choice and its knobs.")
+    tau_pos: float = option(1.0, "SAPO gate temperature for positive advantages (arXiv 2511.20347).")
+    tau_neg: float = option(1.05, "SAPO gate temperature for negative advantages.")
+    loss_agg_mode: str = option(
+        "token-mean",
+        "How per-token losses become one number: token-mean (mean over all response tokens of the mini-batch, DAPO), seq-mean-token-sum, seq-mean-token-mean (GRPO paper), seq-mean-token-sum-norm (Dr. GRPO, arXiv 2503.20783).",
+        choices=LOSS_AGG_MODES,
+    )
+    loss_scale_factor: float | None = option(
+        None, "seq-mean-token-sum-norm: constant divisor (None = the padded response length, Dr. GRPO)."
+    )
+    entropy_coeff: float = option(0.0, "Weight of the entropy bonus: loss -= entropy_coeff x entropy.")
+    calculate_entropy: bool = option(
+        False, "Compute per-token entropy for metrics even when entropy_coeff is 0."
+    )
+    use_kl_loss: bool = option(
+        False,
+        "Add a KL(policy || reference) term to the actor loss (GRPO style, DeepSeekMath arXiv 2402.03300).",
+    )
+    kl_loss_coef: float = option(0.001, "Weight of the KL loss term.")
+    kl_loss_type: str = option(
+        "low_var_kl",
+        "KL estimator of the loss: kl/k1, abs, mse/k2, low_var_kl/k3 (Schulman 2020, 'Approximating KL divergence'); a trailing '+' uses k2's gradient (straight-through).",
+        choices=KL_PENALTY_NAMES,
+    )
+    grad_clip: float = option(1.0, "Clip the global gradient norm to this value before each optimizer step.")
+    ulysses_sequence_parallel_size: int = option(
+        1,
+        "Devices that split one sequence (DeepSpeed-Ulysses, arXiv 2309.14509); data-parallel size = devices / this.",
+    )
+    entropy_from_logits_with_chunking: bool = option(False, "Compute entropy in row chunks to save memory.")
+    entropy_checkpointing: bool = option(
+        False, "Recompute entropy in the backward pass instead of storing it."
+    )
+    use_torch_compile: bool = option(True, "torch.compile the log-prob/entropy kernels.")
+    calculate_sum_pi_squared: bool = option(
+        False, "Also compute sum_v pi_v^2 per token (needed by optimal_token_baseline)."
+    )
+    use_prefix_grouper: bool = option(False, "Share the prompt's forward pass across its n samples.")
+    freeze_vision_tower: bool = option(False, "Keep the vision encoder frozen (multimodal models).")
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "What the actor's checkpoints contain.")
+    optim: OptimConfig = section(OptimConfig, "Actor optimizer and learning-rate schedule.")
+    fsdp_config: FSDPConfig = section(FSDPConfig, "FSDP settings of the actor.")
+
+
+# ---------------------------------------------------------------------------------------- rollout
+
+
+@dataclass
+class ValKwargsConfig:
+    """Sampling parameters of validation rollouts."""
+
+    n: int = option(1, "Samples per validation prompt.")
+    temperature: float = option(0.0, "Validation sampling temperature (0 = greedy).")
+    top_k: int = option(-1, "Validation top-k (-1 = off).")
+    top_p: float = option(1.0, "Validation nucleus top-p (1.0 = off).")
+    do_sample: bool = option(
+        False, "Sample during validation (False = greedy decoding; True needs temperature > 0)."
+    )
+
+
+@dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tool calls (the agent loop)."""
+
+    enable: bool = option(False, "Roll out multi-turn conversations with tool calls.")
+    max_assistant_turns: int | None = option(
+        None, "Most assistant turns per episode (None = until the response budget is spent)."
+    )
+    max_user_turns: int | None = option(None, "Most user/tool turns per episode (None = no limit).")
+    max_parallel_calls: int = option(1, "Most tool calls executed from one assistant turn.")
+    max_tool_response_length: int = option(256, "Longest tool response kept, in characters.")
+    tool_response_truncate_side: str = option(
+        "middle",
+        "Where a long tool response is cut: left, right or middle.",
+        choices=("left", "right", "middle"),
+    )
+    tool_config_path: str | None = option(None, "YAML file declaring the tools.")
+    interaction_config_path: str | None = option(None, "YAML file declaring simulated-user interactions.")
+    format: str = option(
+        "hermes", "Tool-call format the model emits (hermes = <tool_call>{json}</tool_call>)."
+    )
+
+
+@dataclass
+class RolloutConfig:
+    """Generation of samples by the rollout engine."""
+
+    name: str = option(
+        "hf",
+        "Generation engine: hf (transformers generate with KV cache; runs on CPU), vllm or sglang (GPU). verl: required, usually vllm.",
+        choices=("hf", "vllm", "sglang"),
+    )
+    mode: str = option(
+        "async",
+        "Rollout mode (verl name): async (server-style engine) or sync (one batched call).",
+        choices=("async", "sync"),
+    )
+    n: int = option(1, "Samples generated per prompt (GRPO's group size).")
+    temperature: float = option(
+        1.0, "Training sampling temperature; must be > 0. Log-probs are computed on logits / temperature."
+    )
+    top_k: int = option(-1, "Training top-k (-1 = off).")
+    top_p: float = option(1.0, "Training nucleus top-p (1.0 = off).")
+    do_sample: bool = option(True, "Sample training rollouts (False = greedy).")
+    prompt_length: int = option(
+        "${data.max_prompt_length}",
+        "Longest prompt the engine accepts, in tokens (default = data.max_prompt_length).",
+    )
+    response_length: int = option(
+        "${data.max_response_length}", "Most new tokens per sample (default = data.max_response_length)."
+    )
+    dtype: str = option(
+        "bfloat16", "dtype of the engine's weights (hf engine on CPU uses the actor's dtype)."
+    )
+    gpu_memory_utilization: float = option(
+        0.5, "vllm/sglang: fraction of GPU memory the engine may take (weights + KV cache)."
+    )
+    free_cache_engine: bool = option(
+        True, "Release the engine's KV cache while the actor trains (sleep/wake)."
+    )
+    enforce_eager: bool = option(False, "vllm: disable CUDA graphs.")
+    tensor_model_parallel_size: int = option(
+        1, "Devices per engine (tensor parallel). verl: 2; hyflow: 1 for one device."
+    )
+    data_parallel_size: int = option(1, "Engine data-parallel size (vllm/sglang).")
+    expert_parallel_size: int = option(1, "Engine expert-parallel size (MoE models).")
+    pipeline_model_parallel_size: int = option(1, "Engine pipeline-parallel size.")
+    max_num_batched_tokens: int = option(8192, "vllm/sglang: tokens per scheduler step.")
+    max_model_len: int | None = option(
+        None, "Engine context length, in tokens (None = prompt_length + response_length)."
+    )
+    max_num_seqs: int = option(256, "Most sequences the engine decodes at once.")
+    enable_chunked_prefill: bool = option(True, "vllm: split long prefills into chunks.")
+    enable_prefix_caching: bool = option(
+        True, "Reuse the KV cache of shared prefixes (the n samples of a prompt share it)."
+    )
+    load_format: str = option(
+        "dummy", "vllm/sglang: start with random weights ('dummy'); real ones arrive by weight sync."
+    )
+    ignore_eos: bool = option(False, "Keep generating past the end-of-sequence token (benchmarks).")
+    calculate_log_probs: bool = option(
+        False,
+        "Keep the engine's per-token log-probs as rollout_log_probs (needed by algorithm.rollout_correction).",
+    )
+    log_prob_micro_batch_size: int | None = option(
+        None,
+        "Deprecated (verl): samples per log-prob forward over all devices. Use log_prob_micro_batch_size_per_gpu.",
+    )
+    log_prob_micro_batch_size_per_gpu: int | None = option(
+        None,
+        "Samples per device per forward when recomputing old log-probs with the actor (None = actor.ppo_micro_batch_size_per_gpu).",
+    )
+    log_prob_use_dynamic_bsz: bool = option(
+        "${actor_rollout_ref.actor.use_dynamic_bsz}",
+        "Build log-prob micro-batches by token budget (default = actor.use_dynamic_bsz).",
+    )
+    log_prob_max_token_len_per_gpu: int = option(
+        "${actor_rollout_ref.actor.ppo_max_token_len_per_gpu}",
+        "Token budget per device per log-prob forward with log_prob_use_dynamic_bsz.",
+    )
+    val_kwargs: ValKwargsConfig = section(ValKwargsConfig, "Sampling parameters for validation.")
+    multi_turn: MultiTurnConfig = section(MultiTurnConfig, "Multi-turn tool-calling rollouts.")
+    engine_kwargs: dict[str, Any] = option(
+        {"vllm": {}, "sglang": {}},
+        "Extra engine arguments by engine name, e.g. +actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4.",
+    )
+
+
+# -------------------------------------------------------------------------------------- reference
+
+
+@dataclass
+class RefModelConfig:
+    """Where the reference policy comes from."""
+
+    path: str | None = option(
+        None, "Reference model directory or hub id (None = actor_rollout_ref.model.path, the initial policy)."
+    )
+
+
+@dataclass
+class RefConfig:
+    """The frozen reference policy (needed for use_kl_loss or use_kl_in_reward)."""
+
+    strategy: str = option(
+        "${actor_rollout_ref.actor.strategy}", "Data-parallel strategy of the reference (default = actor's)."
+    )
+    model: RefModelConfig = section(RefModelConfig, "Reference model source.")
+    log_prob_micro_batch_size: int | None = option(
+        None,
+        "Deprecated (verl): samples per forward over all devices. Use log_prob_micro_batch_size_per_gpu.",
+    )
+    log_prob_micro_batch_size_per_gpu: int | None = option(
+        None, "Samples per device per reference forward (None = rollout.log_prob_micro_batch_size_per_gpu)."
+    )
+    log_prob_use_dynamic_bsz: bool = option(
+        "${actor_rollout_ref.actor.use_dynamic_bsz}", "Build reference micro-batches by token budget."
+    )
+    log_prob_max_token_len_per_gpu: int = option(
+        "${actor_rollout_ref.actor.ppo_max_token_len_per_gpu}",
+        "Token budget per device per reference forward with log_prob_use_dynamic_bsz.",
+    )
+    ulysses_sequence_parallel_size: int = option(
+        "${actor_rollout_ref.actor.ulysses_sequence_parallel_size}",
+        "Sequence-parallel size of the reference.",
+    )
+    use_torch_compile: bool = option(
+        "${actor_rollout_ref.actor.use_torch_compile}", "torch.compile the reference's log-prob kernel."
+    )
+    fsdp_config: FSDPConfig = section(
+        FSDPConfig, "FSDP settings of the reference (verl forces parameter offload here)."
+    )
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    """Actor, rollout engine and reference policy: one model, three roles, sharing devices."""
+
+    hybrid_engine: bool = option(True, "Actor, rollout and reference share devices (one process per device).")
+    model: ModelConfig = section(ModelConfig, "The policy model.")
+    actor: ActorConfig = section(ActorConfig, "Policy training.")
+    rollout: RolloutConfig = section(RolloutConfig, "Generation.")
+    ref: RefConfig = section(RefConfig, "Reference policy.")
+
+
+# ----------------------------------------------------------------------------------------- critic
+
+
+@dataclass
+class CriticModelConfig:
+    """The value model: a causal LM with a scalar value head."""
+
+    path: str | None = option(
+        "${actor_rollout_ref.model.path}",
+        "Critic model directory or hub id (default = the actor's model; verl has a separate default).",
+    )
+    tokenizer_path: str | None = option(
+        None, "Tokenizer of the critic (None = actor_rollout_ref.model.path's)."
+    )
+    override_config: dict[str, Any] = option(
+        {}, "Overrides of the critic's config.json (add with +critic.model.override_config.KEY=VALUE)."
+    )
+    external_lib: str | None = option(None, "A Python module imported before loading the critic.")
+    trust_remote_code: bool = option(False, "Allow custom modelling code from the critic's repository.")
+    enable_gradient_checkpointing: bool = option(True, "Recompute activations in the backward pass.")
+    enable_activation_offload: bool = option(False, "Offload activations to CPU memory.")
+    use_remove_padding: bool = option(False, "Pack sequences without padding.")
+    lora_rank: int = option(0, "LoRA rank of the critic (0 = full fine-tuning).")
+    lora_alpha: int = option(16, "LoRA alpha of the critic.")
+    target_modules: Any = option("all-linear", "Critic modules that get LoRA adapters.")
+    fsdp_config: FSDPConfig = section(FSDPConfig, "FSDP settings of the critic.")
+
+
+@dataclass
+class CriticConfig:
+    """The value function for GAE (PPO, Schulman et al. 2017)."""
+
+    enable: bool | None = option(None, "Train a critic (None = only when algorithm.adv_estimator is gae).")
+    strategy: str = option(
+        "${actor_rollout_ref.actor.strategy}", "Data-parallel strategy of the critic (default = actor's)."
+    )
+    optim: OptimConfig = section(lambda: OptimConfig(lr=1e-5), "Critic optimizer (lr 1e-5 by default).")
+    model: CriticModelConfig = section(CriticModelConfig, "The value model.")
+    ppo_mini_batch_size: int = option(
+        "${actor_rollout_ref.actor.ppo_mini_batch_size}",
+        "Prompts per critic optimizer step (global; default = actor's).",
+    )
+    ppo_micro_batch_size: int | None = option(
+        None, "Deprecated (verl): samples per forward over all devices."
+    )
+    ppo_micro_batch_size_per_gpu: int | None = option(
+        None, "Samples per device per critic forward/backward (None = the whole per-device mini-batch)."
+    )
+    forward_micro_batch_size: int | None = option(
+        None, "Deprecated (verl): samples per value forward over all devices."
+    )
+    forward_micro_batch_size_per_gpu: int | None = option(
+        None, "Samples per device per value-only forward (None = ppo_micro_batch_size_per_gpu)."
+    )
+    use_dynamic_bsz: bool = option(
+        "${actor_rollout_ref.actor.use_dynamic_bsz}", "Build critic micro-batches by token budget."
+    )
+    ppo_max_token_len_per_gpu: int = option(
+        32768, "Critic token budget per device per forward/backward with use_dynamic_bsz."
+    )
+    forward_max_token_len_per_gpu: int = option(
+        "${.ppo_max_token_len_per_gpu}", "Critic token budget per device per value-only forward."
+    )
+    ppo_epochs: int = option(
+        "${actor_rollout_ref.actor.ppo_epochs}", "Passes over each step's samples for the critic."
+    )
+    shuffle: bool = option(
+        "${actor_rollout_ref.actor.shuffle}", "Shuffle samples before the critic's mini-batches."
+    )
+    cliprange_value: float = option(
+        0.5, "Value clipping: new values stay within old value +- cliprange_value."
+    )
+    loss_agg_mode: str = option(
+        "${actor_rollout_ref.actor.loss_agg_mode}",
+        "Aggregation of the per-token value loss.",
+        choices=LOSS_AGG_MODES,
+    )
+    grad_clip: float = option(1.0, "Clip the critic's global gradient norm to this value.")
+    ulysses_sequence_parallel_size: int = option(1, "Sequence-parallel size of the critic.")
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "What the critic's checkpoints contain.")
+
+
+# ----------------------------------------------------------------------------------------- reward
+
+
+@dataclass
+class RewardModelModelConfig:
+    """The reward model network."""
+
+    path: str | None = option(None, "Reward model directory or hub id (sequence classifier with one score).")
+    input_tokenizer: str | None = option(
+        None, "Tokenizer of the policy, when the reward model's differs (prompts are re-templated)."
+    )
+    external_lib: str | None = option(None, "A Python module imported before loading the reward model.")
+    trust_remote_code: bool = option(False, "Allow custom modelling code from the reward model's repository.")
+    override_config: dict[str, Any] = option({}, "Overrides of the reward model's config.json.")
+    fsdp_config: FSDPConfig = section(FSDPConfig, "FSDP settings of the reward model.")
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476)."""
+
+    enable: bool = option(
+        False, "Penalise responses that run into the last `len` tokens of max_response_length."
+    )
+    len: int = option(
+        0,
+        "Buffer length, in tokens: the penalty grows linearly from 0 at max_response_length - len to -penalty_factor at max_response_length.",
+    )
+    penalty_factor: float = option(1.0, "Largest penalty, in reward units, at max_response_length.")
+    log: bool = option(False, "Log the overlong penalty per sample as a metric.")
+
+
+@dataclass
+class SandboxFusionConfig:
+    """A Sandbox Fusion server for code execution rewards."""
+
+    url: str | None = option(None, "Sandbox Fusion URL (None = run code locally in a subprocess).")
+    max_concurrent: int = option(64, "Most concurrent sandbox requests.")
+    memory_limit_mb: int = option(1024, "Memory limit per execution, in MiB.")
+
+
+@dataclass
+class RewardModelConfig:
+    """Reward computation: model-based reward model and/or rule-based scorers, and the reward manager."""
+
+    enable: bool = option(
+        False,
+        "Score samples with a reward model network (False = rule-based scorers / custom function only).",
+    )
+    strategy: str = option(
+        "${actor_rollout_ref.actor.strategy}", "Data-parallel strategy of the reward model."
+    )
+    model: RewardModelModelConfig = section(RewardModelModelConfig, "The reward model network.")
+    micro_batch_size: int | None = option(
+        None, "Deprecated (verl): samples per reward-model forward over all devices."
+    )
+    micro_batch_size_per_gpu: int | None = option(
+        None, "Samples per device per reward-model forward (None = all at once)."
+    )
+    max_length: int | None = option(
+        None, "Longest reward-model input, in tokens (None = prompt + response length)."
+    )
+    use_dynamic_bsz: bool = option(
+        "${critic.use_dynamic_bsz}", "Build reward-model micro-batches by token budget."
+    )
+    forward_max_token_len_per_gpu: int = option(
+        "${critic.forward_max_token_len_per_gpu}", "Token budget per device per reward-model forward."
+    )
+    reward_manager: str = option(
+        "naive",
+        "Registered reward manager: naive (one scorer call per sample), batch, dapo (with overlong_buffer), prime.",
+    )
+    launch_reward_fn_async: bool = option(False, "Score in the background while log-probs are computed.")
+    timeout_s: float = option(
+        30.0, "Per-sample scorer time limit, in seconds; a sample that runs over scores 0 (hyflow)."
+    )
+    num_workers: int = option(1, "Parallel scoring processes (1 = score in the driver process; hyflow).")
+    reward_kwargs: dict[str, Any] = option(
+        {}, "Extra keyword arguments for the reward manager (add with +reward_model.reward_kwargs.KEY=VALUE)."
+    )
+    overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig, "DAPO overlong penalty.")
+    sandbox_fusion: SandboxFusionConfig = section(
+        SandboxFusionConfig, "Code-execution sandbox for code rewards."
+    )
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    """A user scoring function `fn(data_source, solution_str, ground_truth, extra_info=None, **kwargs)`."""
+
+    path: str | None = option(
+        None, "Path to a .py file with the function (None = built-in scorers by data_source)."
+    )
+    name: str = option("compute_score", "Name of the function inside path.")
+    reward_kwargs: dict[str, Any] = option(
+        {},
+        "Keyword arguments passed to every call (add with +custom_reward_function.reward_kwargs.KEY=VALUE).",
+    )
+
+
+# -------------------------------------------------------------------------------------- algorithm
+
+
+@dataclass
+class KLControlConfig:
+    """The KL-in-reward coefficient and its controller."""
+
+    type: str = option(
+        "fixed",
+        "fixed: constant kl_coef; adaptive: steer towards target_kl (Ziegler et al. 2019, arXiv 1909.08593).",
+        choices=("fixed", "adaptive"),
+    )
+    kl_coef: float = option(0.001, "Initial KL coefficient beta: reward -= beta x KL per token.")
+    horizon: int = option(10000, "adaptive: samples over which beta moves by up to 20%.")
+    target_kl: float = option(0.1, "adaptive: target KL per token, in nats.")
+
+
+@dataclass
+class PFPPOConfig:
+    """Policy-filtration PPO resampling (Zhang et al. 2024, arXiv 2409.06957)."""
+
+    reweight_method: str = option(
+        "pow",
+        "Sample weights from scores: pow (|score|^weight_pow), max_min, max_random.",
+        choices=("pow", "max_min", "max_random"),
+    )
+    weight_pow: float = option(2.0, "Exponent of the pow method.")
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling: drop prompt groups whose samples all score the same (Yu et al. 2025, arXiv 2503.14476)."""
+
+    enable: bool = option(
+        False, "Keep generating until train_batch_size prompts have groups with non-zero metric variance."
+    )
+    metric: str | None = option(
+        None,
+        "Per-sample metric whose variance decides: acc, score, seq_reward, seq_final_reward (required when enabled).",
+    )
+    max_num_gen_batches: int = option(0, "Most generation rounds per step before giving up (0 = no limit).")
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Correct for the mismatch between rollout-engine and trainer log-probs (truncated importance sampling,
+    Yao et al. 2025, 'Your efficient RL framework secretly brings you off-policy RL training')."""
+
+    rollout_is: str | None = option(
+        None,
+        "Importance weights pi_train / pi_rollout at token or sequence level (None = off). Needs rollout.calculate_log_probs.",
+        choices=(None, "token", "sequence"),
+    )
+    rollout_is_threshold: float = option(2.0, "Upper truncation of the importance weights.")
+    rollout_is_batch_normalize: bool = option(
+        False, "Normalise the importance weights to mean 1 over the batch."
+    )
+    rollout_rs: str | None = option(
+        None,
+        "Rejection sampling statistics, comma-separated (token_k1, seq_sum_k2, seq_mean_k3, seq_max_k2, ...); None = off.",
+    )
+    rollout_rs_threshold: Any = option(None, "Rejection bound: upper bound, or 'lo_hi' for k1 statistics.")
+    bypass_mode: bool = option(
+        False, "Use the rollout log-probs as the old policy (skip the actor's recompute)."
+    )
+    loss_type: str = option(
+        "ppo_clip", "Loss in bypass mode: ppo_clip or reinforce.", choices=("ppo_clip", "reinforce")
+    )
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimation and reward shaping."""
+
+    gamma: float = option(1.0, "Discount factor per token (GAE, REINFORCE++).")
+    lam: float = option(1.0, "GAE lambda: bias-variance trade-off (Schulman et al. 2016, arXiv 1506.02438).")
+    adv_estimator: str = option(
+        "gae",
+        "Registered advantage estimator: gae (PPO with critic), grpo (DeepSeekMath, arXiv 2402.03300), rloo (arXiv 2402.14740), reinforce_plus_plus(_baseline) (arXiv 2501.03262), remax (arXiv 2310.10505), opo, gpg, grpo_passk, ... see hyflow.algos.ADVANTAGE_ESTIMATORS.",
+    )
+    norm_adv_by_std_in_grpo: bool = option(
+        True, "GRPO: divide group-centred rewards by the group std (False = Dr. GRPO, arXiv 2503.20783)."
+    )
+    use_kl_in_reward: bool = option(
+        False, "Subtract beta x KL(policy || reference) from the per-token reward (InstructGPT style)."
+    )
+    kl_penalty: str = option(
+        "kl",
+        "KL estimator in the reward: kl/k1, abs, mse/k2, low_var_kl/k3, or a '+' variant.",
+        choices=KL_PENALTY_NAMES,
+    )
+    kl_ctrl: KLControlConfig = section(KLControlConfig, "KL coefficient controller for use_kl_in_reward.")
+    use_pf_ppo: bool = option(False, "Resample the batch by reward (PF-PPO, arXiv 2409.06957) after GAE.")
+    pf_ppo: PFPPOConfig = section(PFPPOConfig, "PF-PPO resampling.")
+    filter_groups: FilterGroupsConfig = section(FilterGroupsConfig, "DAPO dynamic sampling.")
+    rollout_correction: RolloutCorrectionConfig = section(
+        RolloutCorrectionConfig, "Rollout/trainer log-prob mismatch correction."
+    )
+
+
+# ---------------------------------------------------------------------------------------- trainer
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop: length, devices, logging, validation and checkpoints."""
+
+    total_epochs: int = option(
+        30, "Passes over the training prompts (ignored when total_training_steps is set)."
+    )
+    total_training_steps: int | None = option(
+        None, "Training steps to run (None = total_epochs x steps per epoch)."
+    )
+    project_name: str = option(
+        "hyflow", "Project name for loggers and the run directory (verl: verl_examples)."
+    )
+    experiment_name: str = option(
+        "default", "Experiment name for loggers and the run directory (verl: gsm8k)."
+    )
+    logger: list[str] = option(
+        ["console", "file"],
+        "Metric sinks: console, file (metrics.jsonl in the run directory), tensorboard, wandb, mlflow (verl: [console, wandb]).",
+    )
+    log_val_generations: int = option(0, "Validation samples printed/logged per validation (0 = none).")
+    rollout_data_dir: str | None = option(
+        None, "Write every training sample (prompt, response, score) as JSONL here."
+    )
+    validation_data_dir: str | None = option(None, "Write validation samples as JSONL here.")
+    nnodes: int = option(1, "Machines in the run.")
+    n_gpus_per_node: int = option(
+        1, "Devices per machine (GPUs, or CPU worker processes with trainer.device=cpu). verl: 8."
+    )
+    save_freq: int = option(
+        -1, "Save a checkpoint every this many steps (-1 = never; with > 0 the last step is saved too)."
+    )
+    test_freq: int = option(-1, "Validate every this many steps (-1 = never during training).")
+    val_before_train: bool = option(True, "Validate once before the first step.")
+    val_only: bool = option(False, "Only validate, then exit.")
+    critic_warmup: int = option(0, "Steps that train only the critic before the actor starts.")
+    balance_batch: bool = option(True, "Reorder samples so every device gets a similar token count.")
+    resume_mode: str = option(
+        "auto",
+        "auto: resume from the latest checkpoint in default_local_dir if any; disable: start fresh; resume_path: from resume_from_path.",
+        choices=("auto", "disable", "resume_path"),
+    )
+    resume_from_path: str | None = option(
+        None, "Checkpoint directory (global_step_N) for resume_mode=resume_path."
+    )
+    default_local_dir: str = option(
+        "checkpoints/${trainer.project_name}/${trainer.experiment_name}",
+        "Run directory: config.yaml, metrics.jsonl, global_step_N/ checkpoints, generations/.",
+    )
+    default_hdfs_dir: str | None = option(None, "Also copy checkpoints to this HDFS directory.")
+    del_local_ckpt_after_load: bool = option(False, "Delete the local checkpoint after resuming from it.")
+    max_actor_ckpt_to_keep: int | None = option(
+        None, "Keep at most this many actor checkpoints (None = all)."
+    )
+    max_critic_ckpt_to_keep: int | None = option(
+        None, "Keep at most this many critic checkpoints (None = all)."
+    )
+    ray_wait_register_center_timeout: int = option(300, "Seconds to wait for Ray workers to register.")
+    device: str = option(
+        "auto",
+        "Where models run: cpu, cuda, or auto (cuda when available; hyflow, verl: cuda).",
+        choices=("cpu", "cuda", "auto"),
+    )
+    executor: str = option(
+        "auto",
+        "How workers run: local (in this process, debuggable with pdb), ray (one Ray actor per device), auto (local for one device, ray for more; hyflow).",
+        choices=("local", "ray", "auto"),
+    )
+    seed: int = option(1, "Global seed: dataloader, sampling and initialisation (hyflow).")
+
+
+@dataclass
+class RayKwargsConfig:
+    """How the Ray cluster is reached or started (executor ray)."""
+
+    address: str | None = option(None, "Address of a running Ray cluster (None = start a local one).")
+    ray_init: dict[str, Any] = option(
+        {"num_cpus": None},
+        "Keyword arguments for ray.init (num_cpus=None = all cores; add others with +ray_kwargs.ray_init.KEY=VALUE).",
+    )
+
+
+# ------------------------------------------------------------------------------------------- root
+
+
+@dataclass
+class HyflowConfig:
+    """The whole configuration of an RL post-training run (verl's ppo_trainer.yaml, typed)."""
+
+    data: DataConfig = section(DataConfig, "Datasets and batch size in prompts.")
+    actor_rollout_ref: ActorRolloutRefConfig = section(
+        ActorRolloutRefConfig, "Policy model: training (actor), generation (rollout) and reference."
+    )
+    critic: CriticConfig = section(CriticConfig, "Value model for GAE.")
+    reward_model: RewardModelConfig = section(RewardModelConfig, "Reward model and reward manager.")
+    custom_reward_function: CustomRewardFunctionConfig = section(
+        CustomRewardFunctionConfig, "User scoring function."
+    )
+    algorithm: AlgorithmConfig = section(AlgorithmConfig, "Advantage estimator, KL and reward shaping.")
+    trainer: TrainerConfig = section(TrainerConfig, "Training loop, devices, logging, checkpoints.")
+    ray_kwargs: RayKwargsConfig = section(RayKwargsConfig, "Ray cluster options.")
+
+    def __post_init__(self) -> None:
+        # Built directly (not by load_config), the `${...}` defaults are still strings: resolve them once.
+        if _holds_interpolation(self):
+            _resolve_interpolations(self)
+
+
+_INTERPOLATION = re.compile(r"\$\{(\.*)([A-Za-z_][\w.]*)\}")
+
+
+def _holds_interpolation(node: Any) -> bool:
+    if dataclasses.is_dataclass(node):
+        return any(_holds_interpolation(getattr(node, f.name)) for f in dataclasses.fields(node))
+    if isinstance(node, dict):
+        return any(_holds_interpolation(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_holds_interpolation(v) for v in node)
+    return isinstance(node, str) and "${" in node
+
+
+def _resolve_interpolations(root: HyflowConfig) -> None:
+    """Replace `${a.b}` (absolute) and `${.b}` / `${..b}` (relative) strings in dataclass fields by their targets'
+    values, as OmegaConf would; anything fancier (resolvers like `${oc.env:X}`) goes through OmegaConf itself."""
+
+    def get(path: list[str]) -> Any:
+        node: Any = root
+        for segment in path:
+            node = node[segment] if isinstance(node, dict) else getattr(node, segment)
+        return node
+
+    def resolve(value: Any, parent: list[str], depth: int = 0) -> Any:
+        if not (isinstance(value, str) and "${" in value):
+            return value
+        if depth > 32:
+            raise ValueError(f"interpolation cycle at {'.'.join(parent)}: {value!r}")
+
+        def target(match: re.Match) -> Any:
+            dots, key = match.group(1), match.group(2).split(".")
+            path = (parent[: len(parent) - len(dots) + 1] if dots else []) + key
+            return copy.deepcopy(resolve(get(path), path[:-1], depth + 1))
+
+        whole = _INTERPOLATION.fullmatch(value)
+        return target(whole) if whole else _INTERPOLATION.sub(lambda m: str(target(m)), value)
+
+    if "${" in _INTERPOLATION.sub("", str(dataclasses.asdict(root))):
+        from omegaconf import OmegaConf
+
+        resolved = OmegaConf.to_object(OmegaConf.structured(root))
+        for f in dataclasses.fields(root):
+            setattr(root, f.name, getattr(resolved, f.name))
+        return
+
+    def walk(node: Any, path: list[str]) -> None:
+        for f in dataclasses.fields(node):
+            value = getattr(node, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, [*path, f.name])
+            else:
+                setattr(node, f.name, resolve(value, path))
+
+    walk(root, [])

@@ -1,0 +1,421 @@
+"""Semantic checks of a HyflowConfig: batch divisibility, algorithm names, ranges, combinations.
+
+`validate_config` collects every problem and raises one ConfigError listing them; each message names the keys,
+their values and what to change. Batch rules (verl's, with P = data.train_batch_size prompts, n = rollout.n,
+M = ppo_mini_batch_size prompts, D = data-parallel devices):
+    M <= P,  P % M == 0,  (P * n) % D == 0 and (M * n) % D == 0 unless use_dynamic_bsz,
+    (M * n / D) % ppo_micro_batch_size_per_gpu == 0,
+    with use_dynamic_bsz: ppo_max_token_len_per_gpu >= prompt_length + response_length.
+Advisory findings (a group estimator with n == 1, a critic nobody uses) are `warnings.warn`, not errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import warnings
+from typing import Any
+
+from hyflow.config.arithmetic import total_devices, uses_critic, uses_reference
+from hyflow.config.keys import ConfigError
+from hyflow.config.schema import HyflowConfig
+
+# Estimators whose baseline comes from the other samples of the same prompt (need rollout.n > 1).
+GROUP_ESTIMATORS = frozenset(
+    {
+        "grpo",
+        "grpo_vectorized",
+        "grpo_passk",
+        "rloo",
+        "rloo_vectorized",
+        "opo",
+        "gpg",
+        "gdpo",
+        "reinforce_plus_plus_baseline",
+        "optimal_token_baseline",
+        "tir_optimal_token_baseline",
+    }
+)
+GPU_ONLY_ENGINES = ("vllm", "sglang")
+
+A = "actor_rollout_ref.actor"
+R = "actor_rollout_ref.rollout"
+
+
+def validate_config(cfg: HyflowConfig, n_devices: int | None = None) -> None:
+    """Raise ConfigError listing every problem of `cfg` on `n_devices` devices (default nnodes * n_gpus_per_node)."""
+    problems: list[str] = []
+    problems += _check_choices(cfg, cfg, "")
+    problems += _check_registered_names(cfg)
+    device_problems = _check_devices(cfg, n_devices)
+    problems += device_problems
+    if not device_problems:
+        problems += _check_actor_batches(cfg, total_devices(cfg, n_devices))
+        if uses_critic(cfg):
+            # The critic's sizes default to the actor's: report a shared problem once, under the actor's keys.
+            seen = set(problems)
+            critic_problems = _check_critic_batches(cfg, total_devices(cfg, n_devices))
+            problems += [p for p in critic_problems if p.replace("critic.", f"{A}.") not in seen]
+    problems += _check_clip_ratios(cfg)
+    problems += _check_sampling(cfg)
+    problems += _check_algorithm(cfg)
+    _warn_advisories(cfg)
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(
+            f"{len(problems)} problems in the config:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
+
+
+# ---------------------------------------------------------------------------------------- names
+
+
+def _check_choices(cfg: HyflowConfig, node: Any, prefix: str) -> list[str]:
+    problems = []
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            problems += _check_choices(cfg, value, key + ".")
+        elif "choices" in f.metadata and value not in f.metadata["choices"]:
+            problems.append(_not_one_of(key, value, f.metadata["choices"]))
+    return problems
+
+
+def _check_registered_names(cfg: HyflowConfig) -> list[str]:
+    problems = []
+    estimators = _registry("hyflow.algos.advantages", "ADVANTAGE_ESTIMATORS")
+    if estimators is not None and cfg.algorithm.adv_estimator not in estimators:
+        problems.append(
+            _not_one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, sorted(estimators))
+        )
+    losses = _registry("hyflow.algos.policy_losses", "POLICY_LOSSES")
+    loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+    if losses is not None and loss_mode not in losses:
+        problems.append(_not_one_of(f"{A}.policy_loss.loss_mode", loss_mode, sorted(losses)))
+    return problems
+
+
+def _registry(module: str, name: str) -> dict | None:
+    """The registry `hyflow.algos.<name>` after importing `module` (which fills it); None if it does not exist."""
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            return None
+        raise
+    return getattr(importlib.import_module("hyflow.algos.registry"), name) or None
+
+
+def _not_one_of(key: str, value: Any, choices: Any) -> str:
+    names = [str(c) if c is not None else "null" for c in choices]
+    close = difflib.get_close_matches(str(value), names, n=1, cutoff=0.5)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return f"{key}={value!r} is not one of: {', '.join(names)}.{hint} Set {key} to one of them."
+
+
+# -------------------------------------------------------------------------------------- batches
+
+
+def _check_devices(cfg: HyflowConfig, n_devices: int | None) -> list[str]:
+    t = cfg.trainer
+    if n_devices is not None and n_devices < 1:
+        return [f"n_devices={n_devices}: need at least 1 device."]
+    if n_devices is None and (t.nnodes < 1 or t.n_gpus_per_node < 1):
+        return [
+            f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node} gives no devices; "
+            "set both to at least 1."
+        ]
+    devices = total_devices(cfg, n_devices)
+    problems = []
+    for key, sp in (
+        (f"{A}.ulysses_sequence_parallel_size", cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size),
+        ("critic.ulysses_sequence_parallel_size", cfg.critic.ulysses_sequence_parallel_size),
+    ):
+        if sp < 1 or devices % sp:
+            problems.append(
+                f"{key}={sp} must be >= 1 and divide the {devices} devices; set it to a divisor of {devices}."
+            )
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name != "hf" and devices % max(rollout.tensor_model_parallel_size, 1):
+        problems.append(
+            f"{R}.tensor_model_parallel_size={rollout.tensor_model_parallel_size} does not divide the {devices} "
+            f"devices; set it to a divisor of {devices}."
+        )
+    return problems
+
+
+def _check_actor_batches(cfg: HyflowConfig, devices: int) -> list[str]:
+    actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    dp = devices // actor.ulysses_sequence_parallel_size
+    problems = _check_positive(
+        {
+            "data.train_batch_size": cfg.data.train_batch_size,
+            f"{R}.n": rollout.n,
+            f"{A}.ppo_mini_batch_size": actor.ppo_mini_batch_size,
+            f"{A}.ppo_epochs": actor.ppo_epochs,
+            "data.max_prompt_length": cfg.data.max_prompt_length,
+            "data.max_response_length": cfg.data.max_response_length,
+        }
+    )
+    if problems:
+        return problems
+    problems += _check_role_batches(cfg, A, actor, devices, dp)
+    problems += _check_exclusive(
+        f"{R}.log_prob_micro_batch_size",
+        rollout.log_prob_micro_batch_size,
+        rollout.log_prob_micro_batch_size_per_gpu,
+    )
+    problems += _check_exclusive(
+        "actor_rollout_ref.ref.log_prob_micro_batch_size",
+        cfg.actor_rollout_ref.ref.log_prob_micro_batch_size,
+        cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
+    )
+    if rollout.log_prob_use_dynamic_bsz:
+        problems += _check_token_budget(
+            cfg, f"{R}.log_prob_max_token_len_per_gpu", rollout.log_prob_max_token_len_per_gpu
+        )
+    ref = cfg.actor_rollout_ref.ref
+    if uses_reference(cfg) and ref.log_prob_use_dynamic_bsz:
+        problems += _check_token_budget(
+            cfg, "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", ref.log_prob_max_token_len_per_gpu
+        )
+    return problems
+
+
+def _check_critic_batches(cfg: HyflowConfig, devices: int) -> list[str]:
+    critic = cfg.critic
+    problems = _check_positive(
+        {"critic.ppo_mini_batch_size": critic.ppo_mini_batch_size, "critic.ppo_epochs": critic.ppo_epochs}
+    )
+    if problems:
+        return problems
+    problems += _check_role_batches(
+        cfg, "critic", critic, devices, devices // critic.ulysses_sequence_parallel_size
+    )
+    problems += _check_exclusive(
+        "critic.forward_micro_batch_size",
+        critic.forward_micro_batch_size,
+        critic.forward_micro_batch_size_per_gpu,
+    )
+    if critic.use_dynamic_bsz:
+        problems += _check_token_budget(
+            cfg, "critic.forward_max_token_len_per_gpu", critic.forward_max_token_len_per_gpu
+        )
+    return problems
+
+
+def _check_role_batches(cfg: HyflowConfig, role: str, knobs: Any, devices: int, dp: int) -> list[str]:
+    """The mini/micro-batch rules for the actor or critic (`knobs` is its config section)."""
+    prompts, n, mini = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n, knobs.ppo_mini_batch_size
+    where = _devices_words(cfg, devices, dp)
+    if mini > prompts:
+        return [
+            f"{role}.ppo_mini_batch_size={mini} is larger than data.train_batch_size={prompts} (both in prompts): "
+            f"a step cannot fill one mini-batch. Set {role}.ppo_mini_batch_size to a divisor of {prompts} "
+            f"(e.g. {_divisors_near(prompts, mini)}) or raise data.train_batch_size."
+        ]
+    problems = []
+    if prompts % mini:
+        problems.append(
+            f"data.train_batch_size={prompts} is not divisible by {role}.ppo_mini_batch_size={mini} (prompts): "
+            f"each step must split into whole mini-batches. Set {role}.ppo_mini_batch_size to a divisor of "
+            f"{prompts} (e.g. {_divisors_near(prompts, mini)}) or make data.train_batch_size a multiple of {mini}."
+        )
+    if not knobs.use_dynamic_bsz:
+        if (prompts * n) % dp:
+            problems.append(
+                f"data.train_batch_size x {R}.n = {prompts} x {n} = {prompts * n} samples per step do not split "
+                f"evenly over {where}. Make data.train_batch_size x {R}.n a multiple of {dp}, or set "
+                f"{role}.use_dynamic_bsz=true."
+            )
+        elif (mini * n) % dp:
+            problems.append(
+                f"{role}.ppo_mini_batch_size x {R}.n = {mini} x {n} = {mini * n} samples per mini-batch do not "
+                f"split evenly over {where}. Make {role}.ppo_mini_batch_size x {R}.n a multiple of {dp}."
+            )
+    problems += _check_exclusive(
+        f"{role}.ppo_micro_batch_size", knobs.ppo_micro_batch_size, knobs.ppo_micro_batch_size_per_gpu
+    )
+    micro = knobs.ppo_micro_batch_size_per_gpu
+    if micro is None and knobs.ppo_micro_batch_size is not None:
+        micro, micro_key = knobs.ppo_micro_batch_size // dp, f"{role}.ppo_micro_batch_size / {dp} devices"
+    else:
+        micro_key = f"{role}.ppo_micro_batch_size_per_gpu"
+    if knobs.use_dynamic_bsz:
+        problems += _check_token_budget(
+            cfg, f"{role}.ppo_max_token_len_per_gpu", knobs.ppo_max_token_len_per_gpu
+        )
+    elif micro is not None and micro < 1:
+        problems.append(
+            f"{micro_key}={micro} must be at least 1 sample per device; set {role}.ppo_micro_batch_size_per_gpu >= 1."
+        )
+    elif micro is not None and (mini * n) % dp == 0 and ((mini * n) // dp) % micro:
+        per_device = (mini * n) // dp
+        problems.append(
+            f"a mini-batch puts {role}.ppo_mini_batch_size x {R}.n / devices = {mini} x {n} / {dp} = {per_device} "
+            f"samples on each device, which is not divisible by {micro_key}={micro}. Set "
+            f"{role}.ppo_micro_batch_size_per_gpu to a divisor of {per_device} (e.g. {_divisors_near(per_device, micro)})."
+        )
+    return problems
+
+
+def _check_token_budget(cfg: HyflowConfig, key: str, budget: int) -> list[str]:
+    rollout = cfg.actor_rollout_ref.rollout
+    longest = rollout.prompt_length + rollout.response_length
+    if budget >= longest:
+        return []
+    return [
+        f"{key}={budget} tokens cannot hold the longest sample: {R}.prompt_length {rollout.prompt_length} + "
+        f"{R}.response_length {rollout.response_length} = {longest} tokens. Set {key} to at least {longest} "
+        f"(verl suggests rollout.n x max_prompt_length + max_response_length)."
+    ]
+
+
+def _check_exclusive(global_key: str, global_value: Any, per_gpu_value: Any) -> list[str]:
+    if global_value is None or per_gpu_value is None:
+        return []
+    return [
+        f"both {global_key}={global_value} (deprecated, global) and {global_key}_per_gpu={per_gpu_value} are set; "
+        f"set only {global_key}_per_gpu and remove {global_key} (~{global_key})."
+    ]
+
+
+def _check_positive(values: dict[str, int]) -> list[str]:
+    return [
+        f"{key}={value} must be at least 1; set {key} >= 1." for key, value in values.items() if value < 1
+    ]
+
+
+def _devices_words(cfg: HyflowConfig, devices: int, dp: int) -> str:
+    source = (
+        f"trainer.nnodes {cfg.trainer.nnodes} x trainer.n_gpus_per_node {cfg.trainer.n_gpus_per_node}"
+        if devices == cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+        else "n_devices"
+    )
+    words = f"{devices} devices ({source})"
+    return words if dp == devices else f"{words}, {dp} data-parallel groups"
+
+
+def _divisors_near(total: int, target: int) -> str:
+    divisors = [d for d in range(1, total + 1) if total % d == 0]
+    return ", ".join(str(d) for d in sorted(sorted(divisors, key=lambda d: abs(d - target))[:4]))
+
+
+# ------------------------------------------------------------------------------ ranges, combos
+
+
+def _check_clip_ratios(cfg: HyflowConfig) -> list[str]:
+    actor = cfg.actor_rollout_ref.actor
+    problems = []
+    if not 0 <= actor.clip_ratio_low < 1:
+        problems.append(
+            f"{A}.clip_ratio_low={actor.clip_ratio_low} must be in [0, 1): the ratio is clipped below at "
+            f"1 - clip_ratio_low, which must stay positive. Use e.g. 0.2."
+        )
+    if actor.clip_ratio_high < 0:
+        problems.append(
+            f"{A}.clip_ratio_high={actor.clip_ratio_high} must be >= 0 (the upper clip is 1 + clip_ratio_high). Use e.g. 0.2, or 0.28 for DAPO's clip-higher."
+        )
+    if actor.clip_ratio < 0:
+        problems.append(f"{A}.clip_ratio={actor.clip_ratio} must be >= 0. Use e.g. 0.2.")
+    if actor.clip_ratio_c <= 1:
+        problems.append(
+            f"{A}.clip_ratio_c={actor.clip_ratio_c} must be > 1: dual-clip caps the loss of negative advantages at "
+            f"-A x clip_ratio_c, above the PPO clip. Use e.g. 3.0."
+        )
+    if cfg.critic.cliprange_value < 0:
+        problems.append(f"critic.cliprange_value={cfg.critic.cliprange_value} must be >= 0. Use e.g. 0.5.")
+    return problems
+
+
+def _check_sampling(cfg: HyflowConfig) -> list[str]:
+    rollout = cfg.actor_rollout_ref.rollout
+    val = rollout.val_kwargs
+    problems = []
+    if rollout.temperature <= 0:
+        problems.append(
+            f"{R}.temperature={rollout.temperature}: training rollouts must sample and log-probs are computed "
+            f"at logits / temperature, so it must be > 0. Set {R}.temperature=1.0 (greedy is for validation: "
+            f"{R}.val_kwargs.temperature=0)."
+        )
+    if val.do_sample and val.temperature <= 0:
+        problems.append(
+            f"{R}.val_kwargs.do_sample=true with {R}.val_kwargs.temperature={val.temperature}: sampling needs a "
+            f"temperature > 0. Set {R}.val_kwargs.temperature (e.g. 0.6) or {R}.val_kwargs.do_sample=false for greedy."
+        )
+    if val.n < 1:
+        problems.append(f"{R}.val_kwargs.n={val.n} must be at least 1; set {R}.val_kwargs.n >= 1.")
+    for key, top_p in ((f"{R}.top_p", rollout.top_p), (f"{R}.val_kwargs.top_p", val.top_p)):
+        if not 0 < top_p <= 1:
+            problems.append(f"{key}={top_p} must be in (0, 1]; use 1.0 to turn nucleus sampling off.")
+    if cfg.trainer.device == "cpu" and rollout.name in GPU_ONLY_ENGINES:
+        problems.append(
+            f"{R}.name={rollout.name} needs a CUDA GPU but trainer.device=cpu; set {R}.name=hf or trainer.device=cuda."
+        )
+    return problems
+
+
+def _check_algorithm(cfg: HyflowConfig) -> list[str]:
+    algo = cfg.algorithm
+    problems = []
+    if algo.adv_estimator == "gae" and cfg.critic.enable is False:
+        problems.append(
+            "algorithm.adv_estimator=gae needs a critic (values), but critic.enable=false. Set critic.enable=true "
+            "(or null), or choose a critic-free estimator such as algorithm.adv_estimator=grpo."
+        )
+    for key, value in (("algorithm.gamma", algo.gamma), ("algorithm.lam", algo.lam)):
+        if not 0 <= value <= 1:
+            problems.append(f"{key}={value} must be in [0, 1]; 1.0 is standard for outcome rewards.")
+    if algo.kl_ctrl.type == "adaptive" and (algo.kl_ctrl.horizon <= 0 or algo.kl_ctrl.target_kl <= 0):
+        problems.append(
+            f"algorithm.kl_ctrl.type=adaptive needs algorithm.kl_ctrl.horizon > 0 and algorithm.kl_ctrl.target_kl > 0 "
+            f"(got {algo.kl_ctrl.horizon} and {algo.kl_ctrl.target_kl}); e.g. horizon=10000 target_kl=0.1."
+        )
+    if algo.filter_groups.enable and not algo.filter_groups.metric:
+        problems.append(
+            "algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric (the per-sample metric whose "
+            "group variance decides); set algorithm.filter_groups.metric=acc (or score)."
+        )
+    correction = algo.rollout_correction
+    needs_rollout_log_probs = correction.rollout_is or correction.rollout_rs or correction.bypass_mode
+    if needs_rollout_log_probs and not cfg.actor_rollout_ref.rollout.calculate_log_probs:
+        problems.append(
+            "algorithm.rollout_correction (rollout_is / rollout_rs / bypass_mode) compares trainer and rollout "
+            f"log-probs, but {R}.calculate_log_probs=false. Set {R}.calculate_log_probs=true."
+        )
+    buffer = cfg.reward_model.overlong_buffer
+    if buffer.enable and not 0 < buffer.len < cfg.data.max_response_length:
+        problems.append(
+            f"reward_model.overlong_buffer.len={buffer.len} must be in (0, data.max_response_length="
+            f"{cfg.data.max_response_length}) tokens when the overlong buffer is enabled; e.g. "
+            f"{max(cfg.data.max_response_length // 4, 1)}."
+        )
+    return problems
+
+
+def _warn_advisories(cfg: HyflowConfig) -> None:
+    algo, n = cfg.algorithm, cfg.actor_rollout_ref.rollout.n
+    if algo.adv_estimator in GROUP_ESTIMATORS and n == 1:
+        warnings.warn(
+            f"algorithm.adv_estimator={algo.adv_estimator} compares each sample with the other samples of its "
+            f"prompt, but {R}.n=1: every group is a singleton and advantages carry no signal. "
+            f"Set {R}.n > 1 (e.g. 4-16).",
+            UserWarning,
+            stacklevel=3,
+        )
+    if cfg.critic.enable and algo.adv_estimator != "gae":
+        warnings.warn(
+            f"critic.enable=true but algorithm.adv_estimator={algo.adv_estimator} does not use values; "
+            "the critic trains for nothing. Set critic.enable=null.",
+            UserWarning,
+            stacklevel=3,
+        )
+    if algo.use_kl_in_reward and cfg.actor_rollout_ref.actor.use_kl_loss:
+        warnings.warn(
+            f"both algorithm.use_kl_in_reward and {A}.use_kl_loss are true: the KL to the reference is penalised "
+            "twice. Usually keep one.",
+            UserWarning,
+            stacklevel=3,
+        )

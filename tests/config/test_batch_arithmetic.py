@@ -1,0 +1,371 @@
+"""Batch arithmetic (derived sizes and their description in words) and validate_config's error messages."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hyflow.config import (
+    ConfigError,
+    HyflowConfig,
+    batch_arithmetic,
+    describe_batch_arithmetic,
+    load_config,
+    validate_config,
+)
+
+STATIC = [
+    "data.train_batch_size=32",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+    "trainer.n_gpus_per_node=2",
+    "algorithm.adv_estimator=grpo",
+]
+
+
+def cfg_of(*overrides: str) -> HyflowConfig:
+    return load_config(list(overrides))
+
+
+def problems_of(cfg: HyflowConfig, n_devices: int | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg, n_devices)
+    return str(info.value)
+
+
+# ------------------------------------------------------------------------------------ arithmetic
+
+
+def test_static_arithmetic_numbers():
+    b = batch_arithmetic(cfg_of(*STATIC))
+    assert (b.n_devices, b.samples_per_step, b.max_sequence_tokens) == (2, 128, 1024)
+    assert (b.actor.mini_batch_samples, b.actor.mini_batches_per_epoch, b.actor.optimizer_steps) == (64, 2, 2)
+    assert (b.actor.samples_per_device, b.actor.micro_batch_size_per_device, b.actor.micro_batches) == (
+        32,
+        8,
+        4,
+    )
+    assert (b.old_log_prob.samples_per_device, b.old_log_prob.micro_batches) == (
+        64,
+        8,
+    )  # falls back to actor's 8
+    assert b.critic is None and b.ref_log_prob is None
+
+
+def test_static_description_in_words():
+    text = describe_batch_arithmetic(cfg_of(*STATIC))
+    assert (
+        "Each step: 32 prompts x 4 samples = 128 samples (data.train_batch_size x actor_rollout_ref.rollout.n)"
+        in text
+    )
+    assert (
+        "Actor: 2 optimizer steps per step (ppo_epochs 1 x 32/16 = 2 mini-batches of 16 prompts = 64 samples"
+        in text
+    )
+    assert (
+        "per device: 64 samples per mini-batch / 2 devices = 32 samples, in 4 micro-batches of 8 samples"
+        in text
+    )
+    assert "(actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu)" in text
+    assert (
+        "Old log-probs (actor forward): 128 samples / 2 devices = 64 samples per device, in 8 forward passes"
+        in text
+    )
+    assert "Batch arithmetic on 2 devices (trainer.nnodes 1 x trainer.n_gpus_per_node 2)" in text
+    assert "Critic" not in text and "Reference" not in text
+
+
+def test_dynamic_description_gives_tokens_per_device_and_sequence_length():
+    cfg = cfg_of(
+        *STATIC,
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+        "data.max_prompt_length=256",
+        "data.max_response_length=768",
+    )
+    b = batch_arithmetic(cfg)
+    assert (b.actor.max_token_len_per_device, b.actor.max_micro_batches, b.actor.micro_batches) == (
+        4096,
+        8,
+        None,
+    )
+    text = describe_batch_arithmetic(cfg)
+    assert (
+        "packed into micro-batches of at most 4096 tokens (actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+        in text
+    )
+    assert "the longest sample is 1024 tokens" in text
+    assert "(256 prompt + 768 response" in text
+    assert "at most 8 micro-batches per device per mini-batch" in text
+    # log-prob dynamic batching follows the actor's by default
+    assert (
+        "in micro-batches of at most 4096 tokens (actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu)"
+        in text
+    )
+
+
+def test_critic_and_reference_lines():
+    cfg = cfg_of(
+        *STATIC[:-1],
+        "algorithm.adv_estimator=gae",
+        "critic.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16",
+    )
+    text = describe_batch_arithmetic(cfg, n_devices=4)
+    assert "Batch arithmetic on 4 devices (given)" in text
+    assert "Critic: 2 optimizer steps per step" in text
+    assert (
+        "64 samples per mini-batch / 4 devices = 16 samples, in 4 micro-batches of 4 samples (critic." in text
+    )
+    assert (
+        "Reference log-probs: 128 samples / 4 devices = 32 samples per device, in 2 forward passes of 16"
+        in text
+    )
+
+
+def test_uneven_division_is_flagged_in_the_description():
+    text = describe_batch_arithmetic(
+        cfg_of("data.train_batch_size=30", "actor_rollout_ref.actor.ppo_mini_batch_size=8")
+    )
+    assert "30/8 = 3.75 (not a whole number: validate_config rejects this)" in text
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    devices=st.sampled_from([1, 2, 4, 8]),
+    n=st.integers(1, 8),
+    mini_batches=st.integers(1, 4),
+    micro_per_mini=st.sampled_from([1, 2, 4]),
+    epochs=st.integers(1, 3),
+)
+def test_valid_configs_multiply_back(devices, n, mini_batches, micro_per_mini, epochs):
+    micro = 2
+    per_device = micro * micro_per_mini  # samples per device per mini-batch
+    mini_prompts = per_device * devices  # prompts; x n samples, / devices = per_device * n
+    cfg = HyflowConfig()
+    cfg.data.train_batch_size = mini_prompts * mini_batches
+    cfg.actor_rollout_ref.rollout.n = n
+    cfg.actor_rollout_ref.actor.ppo_mini_batch_size = mini_prompts
+    cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = micro
+    cfg.actor_rollout_ref.actor.ppo_epochs = epochs
+    cfg.algorithm.adv_estimator = "reinforce_plus_plus"
+    validate_config(cfg, n_devices=devices)
+    b = batch_arithmetic(cfg, n_devices=devices)
+    actor = b.actor
+    assert actor.optimizer_steps * actor.mini_batch_prompts == epochs * cfg.data.train_batch_size
+    assert actor.micro_batches * actor.micro_batch_size_per_device * devices == actor.mini_batch_samples
+    assert b.old_log_prob.micro_batches * micro * devices == b.samples_per_step
+
+
+# ------------------------------------------------------------------------------------- validation
+
+
+def test_default_config_and_static_example_are_valid():
+    validate_config(HyflowConfig())
+    validate_config(cfg_of(*STATIC))
+
+
+def test_mini_batch_larger_than_train_batch():
+    msg = problems_of(cfg_of("data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=16"))
+    assert msg.startswith(
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16 is larger than data.train_batch_size=8 (both in prompts)"
+    )
+    assert "Set actor_rollout_ref.actor.ppo_mini_batch_size to a divisor of 8 (e.g. 1, 2, 4, 8)" in msg
+
+
+def test_train_batch_not_divisible_by_mini_batch():
+    msg = problems_of(cfg_of("data.train_batch_size=30", "actor_rollout_ref.actor.ppo_mini_batch_size=8"))
+    assert "data.train_batch_size=30 is not divisible by actor_rollout_ref.actor.ppo_mini_batch_size=8" in msg
+    assert "to a divisor of 30 (e.g. 3, 5, 6, 10)" in msg
+
+
+def test_samples_per_step_not_divisible_by_devices_unless_dynamic():
+    overrides = [
+        "data.train_batch_size=6",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=6",
+        "trainer.n_gpus_per_node=4",
+    ]
+    msg = problems_of(cfg_of(*overrides))
+    assert (
+        "data.train_batch_size x actor_rollout_ref.rollout.n = 6 x 1 = 6 samples per step do not split evenly over "
+        "4 devices (trainer.nnodes 1 x trainer.n_gpus_per_node 4)"
+    ) in msg
+    assert "or set actor_rollout_ref.actor.use_dynamic_bsz=true" in msg
+    validate_config(
+        cfg_of(*overrides, "actor_rollout_ref.actor.use_dynamic_bsz=true", "critic.use_dynamic_bsz=true")
+    )
+
+
+def test_mini_batch_samples_per_device_not_divisible_by_micro_batch():
+    msg = problems_of(
+        cfg_of(
+            *STATIC[:3],
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5",
+            "trainer.n_gpus_per_node=2",
+            "algorithm.adv_estimator=grpo",
+        )
+    )
+    assert (
+        "a mini-batch puts actor_rollout_ref.actor.ppo_mini_batch_size x actor_rollout_ref.rollout.n / devices = "
+        "16 x 4 / 2 = 32 samples on each device, which is not divisible by "
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"
+    ) in msg
+    assert "to a divisor of 32 (e.g. 1, 2, 4, 8)" in msg
+
+
+def test_mini_batch_samples_not_divisible_by_devices():
+    msg = problems_of(
+        cfg_of(
+            "data.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "trainer.n_gpus_per_node=4",
+            "algorithm.adv_estimator=reinforce_plus_plus",
+        )
+    )
+    assert (
+        "actor_rollout_ref.actor.ppo_mini_batch_size x actor_rollout_ref.rollout.n = 2 x 1 = 2 samples per mini-batch"
+        in msg
+    )
+    assert "multiple of 4" in msg
+
+
+def test_deprecated_and_per_gpu_micro_batch_are_exclusive():
+    msg = problems_of(
+        cfg_of(
+            "actor_rollout_ref.actor.ppo_micro_batch_size=8",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        )
+    )
+    assert "both actor_rollout_ref.actor.ppo_micro_batch_size=8 (deprecated, global) and" in msg
+    assert "~actor_rollout_ref.actor.ppo_micro_batch_size" in msg
+
+
+def test_dynamic_token_budget_must_cover_the_longest_sample():
+    msg = problems_of(
+        cfg_of(
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1000",
+            "algorithm.adv_estimator=reinforce_plus_plus",
+        )
+    )
+    assert (
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1000 tokens cannot hold the longest sample: "
+        "actor_rollout_ref.rollout.prompt_length 512 + actor_rollout_ref.rollout.response_length 512 = 1024 tokens. "
+        "Set actor_rollout_ref.actor.ppo_max_token_len_per_gpu to at least 1024"
+    ) in msg
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "actor_rollout_ref.actor.clip_ratio_low=1.0",
+            "actor_rollout_ref.actor.clip_ratio_low=1.0 must be in [0, 1)",
+        ),
+        (
+            "actor_rollout_ref.actor.clip_ratio_low=-0.1",
+            "actor_rollout_ref.actor.clip_ratio_low=-0.1 must be in [0, 1)",
+        ),
+        (
+            "actor_rollout_ref.actor.clip_ratio_high=-0.2",
+            "actor_rollout_ref.actor.clip_ratio_high=-0.2 must be >= 0",
+        ),
+        ("actor_rollout_ref.actor.clip_ratio_c=1.0", "actor_rollout_ref.actor.clip_ratio_c=1.0 must be > 1"),
+        (
+            "actor_rollout_ref.rollout.n=0",
+            "actor_rollout_ref.rollout.n=0 must be at least 1; set actor_rollout_ref.rollout.n >= 1",
+        ),
+        (
+            "actor_rollout_ref.rollout.temperature=0",
+            "actor_rollout_ref.rollout.temperature=0.0: training rollouts must sample",
+        ),
+        (
+            "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+            "actor_rollout_ref.rollout.val_kwargs.do_sample=true with actor_rollout_ref.rollout.val_kwargs.temperature=0.0: "
+            "sampling needs a temperature > 0. Set actor_rollout_ref.rollout.val_kwargs.temperature (e.g. 0.6) or "
+            "actor_rollout_ref.rollout.val_kwargs.do_sample=false for greedy.",
+        ),
+        (
+            "critic.enable=false",
+            "algorithm.adv_estimator=gae needs a critic (values), but critic.enable=false. Set critic.enable=true",
+        ),
+        (
+            "actor_rollout_ref.actor.loss_agg_mode=token_mean",
+            "actor_rollout_ref.actor.loss_agg_mode='token_mean' is not one of: token-mean, seq-mean-token-sum, "
+            "seq-mean-token-mean, seq-mean-token-sum-norm. Did you mean 'token-mean'?",
+        ),
+        (
+            "algorithm.kl_penalty=k4",
+            "algorithm.kl_penalty='k4' is not one of: kl, k1, abs, mse, k2, low_var_kl, k3, kl+,",
+        ),
+        (
+            "actor_rollout_ref.actor.kl_loss_type=low_var",
+            "actor_rollout_ref.actor.kl_loss_type='low_var' is not one of:",
+        ),
+        ("trainer.device=gpu", "trainer.device='gpu' is not one of: cpu, cuda, auto."),
+        ("algorithm.filter_groups.enable=true", "set algorithm.filter_groups.metric=acc"),
+        (
+            "algorithm.rollout_correction.rollout_is=token",
+            "Set actor_rollout_ref.rollout.calculate_log_probs=true.",
+        ),
+        (
+            "reward_model.overlong_buffer.enable=true",
+            "reward_model.overlong_buffer.len=0 must be in (0, data.max_response_length=512)",
+        ),
+        ("algorithm.gamma=1.5", "algorithm.gamma=1.5 must be in [0, 1]"),
+        ("actor_rollout_ref.rollout.top_p=0", "actor_rollout_ref.rollout.top_p=0.0 must be in (0, 1]"),
+    ],
+)
+def test_each_validation_message(override, message):
+    assert message in problems_of(cfg_of(override))
+
+
+def test_unknown_adv_estimator_and_loss_mode_name_the_registered_ones():
+    pytest.importorskip("hyflow.algos.advantages")
+    pytest.importorskip("hyflow.algos.policy_losses")
+    msg = problems_of(
+        cfg_of("algorithm.adv_estimator=grpoo", "actor_rollout_ref.actor.policy_loss.loss_mode=vanila")
+    )
+    assert msg.startswith("2 problems in the config:\n  - ")
+    assert re.search(r"algorithm.adv_estimator='grpoo' is not one of: .*grpo.*\. Did you mean 'grpo'\?", msg)
+    assert re.search(r"loss_mode='vanila' is not one of: .*vanilla.*\. Did you mean 'vanilla'\?", msg)
+
+
+def test_vllm_on_cpu_and_devices():
+    msg = problems_of(cfg_of("actor_rollout_ref.rollout.name=vllm", "trainer.device=cpu"))
+    assert (
+        "actor_rollout_ref.rollout.name=vllm needs a CUDA GPU but trainer.device=cpu; set actor_rollout_ref.rollout.name=hf"
+        in msg
+    )
+    assert "n_devices=0: need at least 1 device" in problems_of(HyflowConfig(), n_devices=0)
+
+
+def test_all_problems_are_listed_together():
+    msg = problems_of(
+        cfg_of("actor_rollout_ref.actor.clip_ratio_c=0.5", "actor_rollout_ref.rollout.temperature=-1")
+    )
+    assert msg.startswith("2 problems in the config:")
+    assert "clip_ratio_c=0.5" in msg and "temperature=-1.0" in msg
+
+
+def test_group_estimator_with_one_sample_warns_not_errors():
+    with pytest.warns(
+        UserWarning,
+        match=r"algorithm.adv_estimator=grpo compares each sample .* Set actor_rollout_ref.rollout.n > 1",
+    ):
+        validate_config(cfg_of("algorithm.adv_estimator=grpo"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate_config(cfg_of("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4"))
+
+
+def test_unset_training_length_is_fine():
+    cfg = cfg_of("~trainer.total_training_steps")
+    validate_config(cfg)
+    assert "trainer.total_epochs 30 epochs" in describe_batch_arithmetic(cfg)

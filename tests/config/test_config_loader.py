@@ -1,0 +1,340 @@
+"""load_config: composition (defaults <- YAML <- overrides), unknown keys with suggestions, type errors,
+interpolations, free-form `+`/`~` edits and the YAML round trip."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hyflow.config import (
+    ConfigError,
+    HyflowConfig,
+    config_from_yaml_file,
+    config_to_dict,
+    config_to_yaml,
+    load_config,
+)
+
+
+def test_defaults_load_as_typed_dataclass():
+    cfg = load_config()
+    assert isinstance(cfg, HyflowConfig)
+    assert cfg.data.train_batch_size == 1024
+    assert cfg == HyflowConfig()
+
+
+# ------------------------------------------------------------------------------------ unknown keys
+
+
+def test_misspelt_key_names_the_closest_valid_key_exactly():
+    with pytest.raises(ConfigError) as info:
+        load_config(["actor_rollout_ref.actor.ppo_mini_batchsize=4"])
+    assert str(info.value) == (
+        "unknown config key 'actor_rollout_ref.actor.ppo_mini_batchsize'. "
+        "Did you mean 'actor_rollout_ref.actor.ppo_mini_batch_size'?"
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "suggestion"),
+    [
+        ("trainr.total_epochs=3", "trainer.total_epochs"),  # top-level typo
+        ("actor_rollout_ref.actr.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size"),
+        (
+            "actor_rollout_ref.rollout.val_kwargs.temprature=0.5",
+            "actor_rollout_ref.rollout.val_kwargs.temperature",
+        ),
+        (
+            "actor_rollout_ref.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+        ),  # wrong level
+        ("algorithm.kl_ctrl.kl_coeff=0.1", "algorithm.kl_ctrl.kl_coef"),
+        ("reward_modle.reward_kwargs.x=1", "reward_model.reward_kwargs.x"),
+    ],
+)
+def test_typos_at_any_depth_suggest_the_full_valid_key(override, suggestion):
+    key = override.split("=")[0]
+    with pytest.raises(
+        ConfigError, match=re.escape(f"unknown config key {key!r}. Did you mean {suggestion!r}?")
+    ):
+        load_config([override])
+
+
+def test_key_far_from_everything_points_to_the_key_listing():
+    with pytest.raises(ConfigError, match=r"unknown config key 'zzzz'\. Run `hyflow config`"):
+        load_config(["zzzz=1"])
+
+
+def test_subkey_of_a_leaf_is_an_error_naming_the_leaf():
+    with pytest.raises(
+        ConfigError, match=r"'actor_rollout_ref.rollout.n' is a single value \(int\), not a section"
+    ):
+        load_config(["actor_rollout_ref.rollout.n.x=1"])
+
+
+def test_section_given_a_scalar_is_an_error():
+    with pytest.raises(ConfigError, match=r"'critic' is a section, not a value\. Set its keys instead"):
+        load_config(["critic=3"])
+
+
+# ------------------------------------------------------------------------------------- type errors
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "actor_rollout_ref.rollout.n=abc",
+            "actor_rollout_ref.rollout.n='abc' (a str) is not a valid int. Give actor_rollout_ref.rollout.n an int, e.g. actor_rollout_ref.rollout.n=1.",
+        ),
+        ("trainer.val_before_train=maybe", "trainer.val_before_train='maybe' (a str) is not a valid bool"),
+        ("trainer.total_epochs=2.5", "trainer.total_epochs=2.5 (a float) is not a valid int"),
+        (
+            "actor_rollout_ref.actor.optim.betas=[a,b]",
+            "actor_rollout_ref.actor.optim.betas=['a', 'b'] (a list) is not a valid list of float. Give actor_rollout_ref.actor.optim.betas a list of float, e.g. actor_rollout_ref.actor.optim.betas=[0.9, 0.999].",
+        ),
+        (
+            "data.train_batch_size=null",
+            "data.train_batch_size=None (a NoneType) is not a valid int. Give data.train_batch_size an int, e.g. data.train_batch_size=1024.",
+        ),
+        (
+            "actor_rollout_ref.rollout.temperature=hot",
+            "actor_rollout_ref.rollout.temperature='hot' (a str) is not a valid float",
+        ),
+    ],
+)
+def test_type_errors_name_key_value_and_expected_type(override, message):
+    with pytest.raises(ConfigError, match="type error: " + re.escape(message)):
+        load_config([override])
+
+
+def test_values_are_converted_to_the_field_type():
+    cfg = load_config(
+        ["actor_rollout_ref.actor.optim.lr=3e-6", "algorithm.gamma=1", "trainer.experiment_name=123"]
+    )
+    assert cfg.actor_rollout_ref.actor.optim.lr == pytest.approx(3e-6)
+    assert isinstance(cfg.algorithm.gamma, float)
+    assert cfg.trainer.experiment_name == "123"
+
+
+def test_unparseable_override_and_sweeps_are_errors():
+    with pytest.raises(ConfigError, match=r"cannot parse override 'data.train_batch_size=\[1'"):
+        load_config(["data.train_batch_size=[1"])
+    with pytest.raises(ConfigError, match=r"is a sweep \(several values\); give one value per key"):
+        load_config(["actor_rollout_ref.rollout.n=1,2"])
+
+
+# ---------------------------------------------------------------------------- lists, sections
+
+
+def test_lists_and_bare_strings_for_list_fields():
+    assert load_config(["trainer.logger=[console,wandb]"]).trainer.logger == ["console", "wandb"]
+    assert load_config(["trainer.logger=console"]).trainer.logger == ["console"]
+
+
+def test_a_mapping_value_sets_keys_of_a_section():
+    cfg = load_config(["actor_rollout_ref.rollout.val_kwargs={n:4,temperature:0.6,do_sample:true}"])
+    val = cfg.actor_rollout_ref.rollout.val_kwargs
+    assert (val.n, val.temperature, val.do_sample, val.top_p) == (4, 0.6, True, 1.0)
+    with pytest.raises(ConfigError, match="unknown config key 'actor_rollout_ref.rollout.val_kwargs.nn'"):
+        load_config(["actor_rollout_ref.rollout.val_kwargs={nn:4}"])
+
+
+def test_later_overrides_win():
+    assert (
+        load_config(
+            ["actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.n=5"]
+        ).actor_rollout_ref.rollout.n
+        == 5
+    )
+
+
+# ------------------------------------------------------------------------------- interpolation
+
+
+def test_interpolation_from_the_command_line_resolves():
+    cfg = load_config(
+        ["data.max_response_length=77", "actor_rollout_ref.rollout.prompt_length=${data.max_response_length}"]
+    )
+    assert cfg.actor_rollout_ref.rollout.prompt_length == 77
+
+
+def test_interpolated_defaults_follow_their_source():
+    cfg = load_config(
+        [
+            "data.max_response_length=300",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "trainer.project_name=p",
+        ]
+    )
+    assert cfg.actor_rollout_ref.rollout.response_length == 300
+    assert cfg.critic.ppo_mini_batch_size == 8
+    assert cfg.trainer.default_local_dir == "checkpoints/p/default"
+
+
+def test_broken_interpolation_names_the_key_and_the_closest_target():
+    with pytest.raises(ConfigError, match=re.escape("Did you mean ${data.max_response_length}?")) as info:
+        load_config(["actor_rollout_ref.rollout.response_length=${data.max_respons_length}"])
+    assert "cannot resolve actor_rollout_ref.rollout.response_length='${data.max_respons_length}'" in str(
+        info.value
+    )
+
+
+# ------------------------------------------------------------------------------ free-form dicts
+
+
+def test_plus_adds_entries_to_free_form_dicts():
+    cfg = load_config(
+        [
+            "+reward_model.reward_kwargs.strict=true",
+            "+reward_model.reward_kwargs.nested.depth=3",
+            "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+            "+custom_reward_function.reward_kwargs.scale=[1,2]",
+            "ray_kwargs.ray_init.num_cpus=2",  # exists already: no '+' needed
+        ]
+    )
+    assert cfg.reward_model.reward_kwargs == {"strict": True, "nested": {"depth": 3}}
+    assert cfg.actor_rollout_ref.model.override_config == {"attn_implementation": "sdpa"}
+    assert cfg.custom_reward_function.reward_kwargs == {"scale": [1, 2]}
+    assert cfg.ray_kwargs.ray_init == {"num_cpus": 2}
+
+
+def test_new_free_form_entry_without_plus_says_to_use_plus():
+    with pytest.raises(
+        ConfigError, match=re.escape("so add new entries with '+': +reward_model.reward_kwargs.strict=true")
+    ):
+        load_config(["reward_model.reward_kwargs.strict=true"])
+
+
+def test_plus_on_a_schema_key_just_sets_it():
+    assert load_config(["+trainer.total_epochs=3"]).trainer.total_epochs == 3
+
+
+def test_tilde_deletes_entries_and_resets_optional_keys():
+    cfg = load_config(
+        [
+            "+reward_model.reward_kwargs.a=1",
+            "+reward_model.reward_kwargs.b=2",
+            "~reward_model.reward_kwargs.a",
+            "data.val_files=x.parquet",
+            "~data.val_files",
+        ]
+    )
+    assert cfg.reward_model.reward_kwargs == {"b": 2}
+    assert cfg.data.val_files is None
+    with pytest.raises(ConfigError, match=r"cannot delete 'data.train_batch_size': it is a required int"):
+        load_config(["~data.train_batch_size"])
+    with pytest.raises(ConfigError, match=r"'reward_model.reward_kwargs' has no entry 'zz'"):
+        load_config(["~reward_model.reward_kwargs.zz"])
+
+
+# ------------------------------------------------------------------------------------ YAML file
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_yaml_file_then_overrides(tmp_path):
+    path = _write(
+        tmp_path,
+        "data:\n  train_batch_size: 64\n  max_response_length: 128\n"
+        "actor_rollout_ref:\n  rollout:\n    n: 8\n  actor:\n    ppo_mini_batch_size: 16\n"
+        "trainer:\n  logger: console\nreward_model:\n  reward_kwargs:\n    strict: true\ncritic:\n",
+    )
+    cfg = load_config(["actor_rollout_ref.rollout.n=4"], config_file=path)
+    assert cfg.data.train_batch_size == 64
+    assert cfg.actor_rollout_ref.rollout.n == 4  # the command line wins over the file
+    assert cfg.actor_rollout_ref.rollout.response_length == 128  # interpolated default sees the file's value
+    assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 16
+    assert cfg.trainer.logger == ["console"]
+    assert cfg.reward_model.reward_kwargs == {"strict": True}
+
+
+def test_yaml_typo_at_depth_names_file_and_closest_key(tmp_path):
+    path = _write(tmp_path, "actor_rollout_ref:\n  actor:\n    optim:\n      lrr: 1.0e-5\n")
+    expected = (
+        f"unknown config key 'actor_rollout_ref.actor.optim.lrr' in config file {str(path)!r}. "
+        "Did you mean 'actor_rollout_ref.actor.optim.lr'?"
+    )
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_config(config_file=path)
+
+
+def test_yaml_top_level_typo(tmp_path):
+    path = _write(tmp_path, "algoritm:\n  adv_estimator: grpo\n")
+    expected = f"unknown config key 'algoritm' in config file {str(path)!r}. Did you mean 'algorithm'?"
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_config(config_file=path)
+
+
+def test_yaml_type_error_names_key_value_and_file(tmp_path):
+    path = _write(tmp_path, "data:\n  train_batch_size: lots\n")
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            f"type error in config file {str(path)!r}: data.train_batch_size='lots' (a str) is not a valid int"
+        ),
+    ):
+        load_config(config_file=path)
+
+
+def test_yaml_scalar_for_section_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"'trainer' is a section, not a value in config file"):
+        load_config(config_file=_write(tmp_path, "trainer: 3\n"))
+    with pytest.raises(ConfigError, match=r"does not exist"):
+        load_config(config_file=tmp_path / "nope.yaml")
+
+
+# ---------------------------------------------------------------------------------- round trip
+
+
+def test_round_trip_through_yaml_equals(tmp_path):
+    cfg = load_config(
+        [
+            "data.train_batch_size=48",
+            "data.train_files=[a.parquet,b.parquet]",
+            "actor_rollout_ref.model.path=/models/tiny",
+            "actor_rollout_ref.actor.optim.lr=2e-6",
+            "+reward_model.reward_kwargs.nested={a:1,b:[x,y]}",
+            "algorithm.adv_estimator=grpo",
+            "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
+            "trainer.logger=[console]",
+        ]
+    )
+    text = config_to_yaml(cfg)
+    assert "${" not in text  # resolved
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    assert config_from_yaml_file(path) == cfg
+    assert config_to_dict(cfg)["reward_model"]["reward_kwargs"] == {"nested": {"a": 1, "b": ["x", "y"]}}
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    batch=st.integers(1, 10**6),
+    n=st.integers(1, 64),
+    lr=st.floats(1e-9, 1.0, allow_nan=False),
+    name=st.text(alphabet="abcxyz_-0123456789", min_size=1, max_size=12),
+)
+def test_overrides_land_and_round_trip(tmp_path_factory, batch, n, lr, name):
+    cfg = load_config(
+        [
+            f"data.train_batch_size={batch}",
+            f"actor_rollout_ref.rollout.n={n}",
+            f"actor_rollout_ref.actor.optim.lr={lr!r}",
+            f"trainer.experiment_name='{name}'",
+        ]
+    )
+    assert (cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n) == (batch, n)
+    assert cfg.actor_rollout_ref.actor.optim.lr == lr
+    assert cfg.trainer.experiment_name == name
+    path = tmp_path_factory.mktemp("roundtrip") / "config.yaml"
+    path.write_text(config_to_yaml(cfg))
+    assert config_from_yaml_file(path) == cfg
