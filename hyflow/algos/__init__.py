@@ -14,9 +14,24 @@ Algorithms are registered by name (`register_advantage_estimator`, `register_pol
 them up and is blind to which one runs.
 """
 
-from hyflow.algos import advantages as advantages  # noqa: I001  (importing registers the estimators)
+from hyflow.algos import advantages as advantages  # (importing registers the advantage estimators)
 from hyflow.algos import policy_losses as policy_losses  # (importing registers the policy losses)
+from hyflow.algos.agg import LOSS_AGG_MODES, agg_loss, loss_normalisers
+from hyflow.algos.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    kl_penalty,
+    make_kl_controller,
+)
+from hyflow.algos.logprobs import (
+    entropy_from_logits,
+    logprobs_and_entropy_from_logits,
+    logprobs_from_logits,
+    sum_pi_squared_from_logits,
+)
 from hyflow.algos.masked import group_ids, masked_mean, masked_sum, masked_var, masked_whiten
+from hyflow.algos.metrics import compute_validation_metrics, reduce_metrics
 from hyflow.algos.registry import (
     ADVANTAGE_ESTIMATORS,
     POLICY_LOSSES,
@@ -25,17 +40,36 @@ from hyflow.algos.registry import (
     register_advantage_estimator,
     register_policy_loss,
 )
+from hyflow.algos.rollout_correction import compute_offpolicy_metrics, compute_rollout_correction
+from hyflow.algos.value import compute_value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "agg_loss",
+    "apply_kl_penalty",
+    "compute_offpolicy_metrics",
+    "compute_rollout_correction",
+    "compute_validation_metrics",
+    "compute_value_loss",
+    "entropy_from_logits",
     "get_advantage_estimator",
     "get_policy_loss",
     "group_ids",
+    "kl_penalty",
+    "logprobs_and_entropy_from_logits",
+    "logprobs_from_logits",
+    "loss_normalisers",
+    "make_kl_controller",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "reduce_metrics",
     "register_advantage_estimator",
     "register_policy_loss",
+    "sum_pi_squared_from_logits",
 ]

@@ -818,7 +818,12 @@ class RolloutCorrectionConfig:
         None,
         "Rejection sampling statistics, comma-separated (token_k1, seq_sum_k2, seq_mean_k3, seq_max_k2, ...); None = off.",
     )
-    rollout_rs_threshold: Any = option(None, "Rejection bound: upper bound, or 'lo_hi' for k1 statistics.")
+    rollout_rs_threshold: Any = option(
+        None,
+        "Rejection bounds: one value for every rollout_rs option, or a comma list with one per option. k2/k3 "
+        "options take an upper bound; k1 options take 'lo_hi' ratio bounds (e.g. '0.5_2.0') or a float t >= 1 "
+        "meaning [1/t, t].",
+    )
     bypass_mode: bool = option(
         False, "Use the rollout log-probs as the old policy (skip the actor's recompute)."
     )

@@ -1,0 +1,220 @@
+"""Per-token log-probs, entropy, values and reward scores of responses from one model forward pass.
+
+A sample is `input_ids = prompt ++ response` ([B, L], prompts left-padded, responses right-padded, response
+length R). The token at position t is predicted by the hidden state at t - 1, so the response tokens
+`input_ids[:, -R:]` are scored from the hidden states `h[:, -R-1:-1]`:
+
+    log pi(y_t) = log_softmax(W h_{t-1} / T)[y_t]          (T = sampling temperature)
+    H_t         = logsumexp(z) - sum_v softmax(z)_v z_v,    z = W h_{t-1} / T
+    V(s_t)      = w_v . h_{t-1} + b_v                       (critic: value of the state before y_t)
+
+Memory. The [B, R, V] logits are never built at once: the backbone runs once (no lm_head), then the lm_head
+and the log-softmax run on `chunk_size` rows of hidden states at a time. When gradients are needed each
+chunk runs inside `torch.utils.checkpoint` (non-reentrant), so autograd keeps only the hidden-state chunk
+and backward recomputes that chunk's logits: peak extra memory is about one [chunk_size, V] block instead of
+[B·R, V] logits in the model dtype plus their float32 log-softmax. The log-softmax/entropy math is
+`hyflow.algos.logprobs.logprobs_and_entropy_from_logits` (float32 outputs).
+
+Position ids for left padding: `position_ids = clamp(cumsum(attention_mask) - 1, min=0)`.
+
+Wrapped models: the forward call goes through the outermost module (DDP, FSDP2, PEFT), so their hooks run;
+the decoder's output is captured with a forward hook and the causal LM is asked for logits at no position.
+The lm_head chunks then run after that forward, on the parameters the wrapper left materialised (FSDP2
+keeps the root module unsharded after its forward).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hyflow.algos.logprobs import logprobs_and_entropy_from_logits
+
+Tensor = torch.Tensor
+
+
+def compute_position_ids(attention_mask: Tensor) -> Tensor:
+    """position_ids = clamp(cumsum(mask, -1) - 1, min=0): 0 on left padding, then 0, 1, 2, ... per token."""
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def _check_response_length(input_ids: Tensor, response_length: int) -> None:
+    seq_len = input_ids.shape[-1]
+    if not 1 <= response_length < seq_len:
+        raise ValueError(
+            f"response_length={response_length} must be in [1, {seq_len - 1}] for input_ids of length {seq_len} "
+            f"(at least one prompt token precedes the response); pass responses.shape[-1]"
+        )
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The HF model inside DDP/FSDP1 wrappers (`.module`) and PEFT wrappers (`.get_base_model()`).
+
+    FSDP2 changes the model's class in place, so the model itself is returned.
+    """
+    while True:
+        if isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+        elif hasattr(model, "get_base_model") and model.get_base_model() is not model:
+            model = model.get_base_model()
+        else:
+            return model
+
+
+def backbone_hidden_states(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor
+) -> Tensor:
+    """Final hidden states [B, L, H] of the model's decoder (after the final norm), no KV cache.
+
+    The call goes through the outermost module, so DDP and FSDP2 hooks run as in a normal forward; a
+    forward hook on the decoder captures its output, and a causal LM is asked for logits at no position
+    (`logits_to_keep` = an empty index), so no [B, L, V] logits are computed.
+    """
+    inner = unwrap_model(model)
+    decoder = (
+        inner.get_decoder() if hasattr(inner, "get_decoder") else getattr(inner, inner.base_model_prefix)
+    )
+    captured: list[Tensor] = []
+
+    def capture(_module, _args, output):
+        captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    if "logits_to_keep" in inspect.signature(inner.forward).parameters:
+        kwargs["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=input_ids.device)
+    handle = decoder.register_forward_hook(capture)
+    try:
+        model(**kwargs, use_cache=False)
+    finally:
+        handle.remove()
+    return captured[-1]
+
+
+def _head_logprobs_chunk(
+    hidden_cH: Tensor, labels_c: Tensor, lm_head: nn.Module, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    logits_cV = lm_head(hidden_cH)
+    return logprobs_and_entropy_from_logits(
+        logits_cV, labels_c, temperature=temperature, chunk_size=logits_cV.shape[0], with_entropy=with_entropy
+    )
+
+
+def lm_head_logprobs(
+    hidden_NH: Tensor,
+    labels_N: Tensor,
+    lm_head: nn.Module,
+    *,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    chunk_size: int = 1024,
+) -> tuple[Tensor, Tensor | None]:
+    """log softmax(lm_head(h) / T)[label] (and entropy) for [N, H] rows, `chunk_size` rows at a time.
+
+    Returns float32 ([N], [N] or None). With gradients enabled each chunk is checkpointed, so backward
+    recomputes its [chunk_size, V] logits instead of keeping [N, V] of them.
+    """
+    if int(chunk_size) < 1:
+        raise ValueError(f"chunk_size must be a positive number of rows; got {chunk_size}")
+    needs_grad = torch.is_grad_enabled() and (
+        hidden_NH.requires_grad or any(p.requires_grad for p in lm_head.parameters())
+    )
+    logp_chunks, entropy_chunks = [], []
+    for start in range(0, hidden_NH.shape[0], chunk_size):
+        args = (hidden_NH[start : start + chunk_size], labels_N[start : start + chunk_size], lm_head)
+        if needs_grad:
+            logp_c, entropy_c = checkpoint(
+                _head_logprobs_chunk, *args, temperature, calculate_entropy, use_reentrant=False
+            )
+        else:
+            logp_c, entropy_c = _head_logprobs_chunk(*args, temperature, calculate_entropy)
+        logp_chunks.append(logp_c)
+        entropy_chunks.append(entropy_c)
+    logp_N = torch.cat(logp_chunks) if logp_chunks else hidden_NH.new_zeros(0, dtype=torch.float32)
+    entropy_N = torch.cat(entropy_chunks) if calculate_entropy and entropy_chunks else None
+    return logp_N.float(), entropy_N.float() if entropy_N is not None else None
+
+
+def response_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    response_length: int,
+    *,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    chunk_size: int = 1024,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs [B, R] (float32) of the last R tokens of `input_ids`, and their entropy [B, R] if asked.
+
+    log_probs[b, i] = log_softmax(lm_head(h[b, L-R-1+i]) / T)[input_ids[b, L-R+i]]; the backbone runs once,
+    the lm_head runs in chunks of `chunk_size` rows (see the module docstring). Differentiable.
+    """
+    _check_response_length(input_ids, response_length)
+    hidden_BLH = backbone_hidden_states(model, input_ids, attention_mask, position_ids)
+    hidden_BRH = hidden_BLH[:, -response_length - 1 : -1]
+    labels_BR = input_ids[:, -response_length:]
+    batch, hidden_size = hidden_BRH.shape[0], hidden_BRH.shape[-1]
+    logp_N, entropy_N = lm_head_logprobs(
+        hidden_BRH.reshape(-1, hidden_size),
+        labels_BR.reshape(-1),
+        unwrap_model(model).get_output_embeddings(),
+        temperature=temperature,
+        calculate_entropy=calculate_entropy,
+        chunk_size=chunk_size,
+    )
+    entropy_BR = entropy_N.view(batch, response_length) if entropy_N is not None else None
+    return logp_N.view(batch, response_length), entropy_BR
+
+
+def token_values(
+    value_model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor
+) -> Tensor:
+    """Per-token values [B, L] (float32) of a critic from `load_value_model` (token classifier, 1 label)."""
+    out = value_model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    )
+    logits_BL1 = out.logits if hasattr(out, "logits") else out[0]
+    if logits_BL1.shape[-1] != 1:
+        raise ValueError(
+            f"value model outputs {logits_BL1.shape[-1]} scores per token; a critic needs exactly one "
+            f"(AutoModelForTokenClassification with num_labels=1, as built by load_value_model)"
+        )
+    return logits_BL1[..., 0].float()
+
+
+def values_from_model(
+    value_model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    response_length: int,
+) -> Tensor:
+    """Values [B, R] (float32) at positions [-R-1:-1]: V(s_t) is read before response token t is emitted."""
+    _check_response_length(input_ids, response_length)
+    values_BL = token_values(value_model, input_ids, attention_mask, position_ids)
+    return values_BL[:, -response_length - 1 : -1]
+
+
+def reward_scores(
+    reward_model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor
+) -> Tensor:
+    """Sequence scores [B] (float32) of a reward model from `load_reward_model`, read at the last attended token.
+
+    score[b] = score_head(h[b, last t with attention_mask[b, t] = 1]); this uses the attention mask rather
+    than the pad token id, so pad == eos tokenizers and left or right padding both work.
+    """
+    hidden_BLH = backbone_hidden_states(reward_model, input_ids, attention_mask, position_ids)
+    positions_L = torch.arange(input_ids.shape[-1], device=input_ids.device)
+    last_B = (positions_L * attention_mask.long()).argmax(dim=-1)
+    hidden_BH = hidden_BLH[torch.arange(input_ids.shape[0], device=input_ids.device), last_B]
+    scores_B1 = unwrap_model(reward_model).score(hidden_BH)
+    if scores_B1.shape[-1] != 1:
+        raise ValueError(
+            f"reward model outputs {scores_B1.shape[-1]} scores per sequence; a reward model needs exactly one "
+            f"(AutoModelForSequenceClassification with num_labels=1)"
+        )
+    return scores_B1[:, 0].float()

@@ -1,0 +1,370 @@
+"""Load tokenizers, causal LMs, critics (value models) and reward models from a local directory or hub id.
+
+Paths. A local directory is used as is (`~` expanded). A string that looks like a filesystem path (starts
+with `/`, `.` or `~`, or has more separators than a hub id `org/name`) but does not exist is an error naming
+the config key to fix. Anything else is a hub id handed to `from_pretrained` (which needs the network or a
+filled HF cache).
+
+Critic format (same as verl): a critic is `AutoModelForTokenClassification` with `num_labels=1`, i.e. the
+causal-LM backbone plus `score = nn.Linear(hidden, 1)` applied to every position, so
+`model(...).logits[..., 0]` is the per-token value V(s_t) of shape [B, L]. It saves with `save_pretrained` as a
+normal HF checkpoint (architectures `<Arch>ForTokenClassification`). Loading a causal-LM checkpoint as a
+critic keeps the backbone and initialises a fresh head: weight ~ normal(0, (1 / (hidden + 1))^2), bias 0, so
+initial values are close to 0 (std about 1 / sqrt(hidden)) but the backbone gets gradients from the first
+step. Classifier dropout is set to 0: dropout on value predictions would make PPO's value clipping noisy.
+
+Reward models are `AutoModelForSequenceClassification` with `num_labels=1` (one scalar per sequence).
+
+Padding side is not set here: the rollout pads prompts on the left for generation, training batches are
+built from token ids directly.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+
+DTypeLike = str | torch.dtype | None
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+# org/name or name: letters, digits, '-', '_', '.'; no leading '.' (that is a relative path).
+_HUB_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*(/[A-Za-z0-9_][A-Za-z0-9_.\-]*)?$")
+
+# Config attributes that models read with getattr(..., default), so they are valid overrides even when the
+# loaded config does not carry them.
+_OPTIONAL_CONFIG_KEYS = {"classifier_dropout", "token_classification_bias"}
+
+
+def resolve_model_path(path: str | os.PathLike, *, config_key: str = "actor_rollout_ref.model.path") -> str:
+    """A local checkpoint directory (expanded) or a hub id; raise for a local-looking path that is missing.
+
+    Raises FileNotFoundError naming `config_key` when `path` looks like a filesystem path but is not an
+    existing directory.
+    """
+    if path is None or str(path).strip() == "":
+        raise ValueError(f"{config_key} is empty; set it to a local HF checkpoint directory or a hub id")
+    raw = str(path)
+    local = Path(raw).expanduser()
+    if local.is_dir():
+        return str(local)
+    hint = (
+        f"set {config_key} to a local HF checkpoint directory (config.json + weights + tokenizer) or a hub id "
+        f"like 'Qwen/Qwen2.5-0.5B-Instruct'; `hyflow init-model --preset tiny --out DIR` writes a tiny local one"
+    )
+    if local.exists():
+        raise FileNotFoundError(f"{config_key}={raw!r} is a file, not a checkpoint directory; {hint}")
+    if _HUB_ID.match(raw) is None:
+        raise FileNotFoundError(f"{config_key}={raw!r} does not exist; {hint}")
+    return raw
+
+
+def as_torch_dtype(dtype: DTypeLike) -> torch.dtype | str | None:
+    """Map "float32"/"bfloat16"/"float16" (or fp32/bf16/fp16, or a torch.dtype) to a torch.dtype; keep "auto"."""
+    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}, 'auto' or a torch.dtype")
+    return _DTYPES[dtype]
+
+
+def load_tokenizer(
+    path: str | os.PathLike,
+    *,
+    trust_remote_code: bool = False,
+    chat_template: str | None = None,
+    config_key: str = "actor_rollout_ref.model.path",
+):
+    """Load a tokenizer with `AutoTokenizer`; pad token := eos token when the tokenizer has none.
+
+    `chat_template` replaces the tokenizer's template: a Jinja string, or the path of a `.jinja` file.
+    The padding side is left as saved; generation code pads prompts on the left itself.
+    """
+    resolved = resolve_model_path(path, config_key=config_key)
+    tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    if chat_template is not None:
+        tokenizer.chat_template = _read_chat_template(chat_template)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(
+                f"tokenizer at {resolved!r} has neither a pad nor an eos token; add one to its "
+                f'tokenizer_config.json (e.g. "eos_token": "<|im_end|>")'
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _read_chat_template(chat_template: str) -> str:
+    if chat_template.endswith(".jinja") and "{" not in chat_template:
+        template_path = Path(chat_template).expanduser()
+        if not template_path.is_file():
+            raise FileNotFoundError(f"chat template file {chat_template!r} does not exist")
+        return template_path.read_text()
+    return chat_template
+
+
+def apply_config_overrides(config: PretrainedConfig, overrides: dict[str, Any] | None) -> PretrainedConfig:
+    """Set `overrides` on `config` in place and return it.
+
+    Each key must already be a config attribute (or a known optional one such as `classifier_dropout`); a
+    dict value merges into a dict attribute (e.g. `rope_parameters`) and recurses into a sub-config (e.g.
+    `text_config`). `rope_theta` goes into `rope_parameters` on configs that keep it there (transformers 5).
+    """
+    for key, value in _plain(overrides or {}).items():
+        current = getattr(config, key, None)
+        if (
+            key == "rope_theta"
+            and not hasattr(config, key)
+            and isinstance(getattr(config, "rope_parameters", None), dict)
+        ):
+            config.rope_parameters = {**config.rope_parameters, "rope_theta": value}
+        elif isinstance(current, PretrainedConfig) and isinstance(value, dict):
+            apply_config_overrides(current, value)
+        elif isinstance(current, dict) and isinstance(value, dict):
+            setattr(config, key, {**current, **value})
+        elif hasattr(config, key) or key in _OPTIONAL_CONFIG_KEYS:
+            setattr(config, key, value)
+        else:
+            known = sorted(config.to_dict())
+            close = difflib.get_close_matches(key, known, n=3)
+            suggestion = f"did you mean {close}? " if close else ""
+            raise ValueError(
+                f"override_config key {key!r} is not a field of {type(config).__name__}; {suggestion}"
+                f"valid keys: {known}"
+            )
+    return config
+
+
+def _plain(value: Any) -> Any:
+    """Mappings (an OmegaConf DictConfig included) as plain dicts, sequences as lists, recursively."""
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig":
+        return [_plain(item) for item in value]
+    return value
+
+
+def _load_config(
+    resolved: str,
+    overrides: dict[str, Any] | None,
+    trust_remote_code: bool,
+    role_updates: dict[str, Any] | None = None,
+) -> tuple[PretrainedConfig, str | None]:
+    """AutoConfig + the role's updates (e.g. num_labels=1) + the user's overrides, in that order.
+
+    An `attn_implementation` key in the overrides is returned separately (it is a loading argument).
+    """
+    overrides = dict(overrides or {})
+    attn_from_overrides = overrides.pop("attn_implementation", None)
+    config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    for key, value in (role_updates or {}).items():
+        setattr(config, key, value)
+    return apply_config_overrides(config, overrides), attn_from_overrides
+
+
+def _from_pretrained(
+    auto_cls,
+    path: str | os.PathLike,
+    *,
+    dtype: DTypeLike,
+    attn_implementation: str | None,
+    trust_remote_code: bool,
+    override_config: dict[str, Any] | None,
+    enable_gradient_checkpointing: bool,
+    device: str | torch.device | None,
+    config_key: str,
+    role_updates: dict[str, Any] | None = None,
+) -> PreTrainedModel:
+    resolved = resolve_model_path(path, config_key=config_key)
+    config, attn_from_overrides = _load_config(resolved, override_config, trust_remote_code, role_updates)
+    kwargs: dict[str, Any] = {"config": config, "trust_remote_code": trust_remote_code}
+    torch_dtype = as_torch_dtype(dtype)
+    if torch_dtype is not None:
+        kwargs["dtype"] = torch_dtype
+    attn = attn_implementation or attn_from_overrides
+    if attn is not None:
+        kwargs["attn_implementation"] = attn
+    model = auto_cls.from_pretrained(resolved, **kwargs)
+    if enable_gradient_checkpointing:
+        _enable_gradient_checkpointing(model)
+    if device is not None:
+        model.to(device)
+    return model
+
+
+def _enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer; the KV cache is turned off."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False
+
+
+def load_causal_lm(
+    path: str | os.PathLike,
+    *,
+    dtype: DTypeLike = "float32",
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    override_config: dict[str, Any] | None = None,
+    enable_gradient_checkpointing: bool = False,
+    device: str | torch.device | None = None,
+    config_key: str = "actor_rollout_ref.model.path",
+) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_pretrained` with hyflow's path checks, dtype names and config overrides.
+
+    `dtype`: "float32" (default; fp32 master weights for training), "bfloat16", "float16", "auto" (the
+    checkpoint's dtype) or a torch.dtype. `attn_implementation`: "sdpa", "eager", ... (None: transformers'
+    default; an `attn_implementation` key in `override_config` is used when this is None).
+    `override_config` is applied to the AutoConfig before the weights are built (see
+    `apply_config_overrides`); unknown keys raise ValueError naming the key and the config class.
+    """
+    model = _from_pretrained(
+        AutoModelForCausalLM,
+        path,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+        override_config=override_config,
+        enable_gradient_checkpointing=enable_gradient_checkpointing,
+        device=device,
+        config_key=config_key,
+    )
+    return model
+
+
+def _architecture_endswith(config: PretrainedConfig, suffix: str) -> bool:
+    return any(arch.endswith(suffix) for arch in (config.architectures or []))
+
+
+def init_value_head(head: nn.Linear) -> None:
+    """Fresh value head: weight ~ normal(0, (1 / (hidden + 1))^2), bias = 0 (values start near 0)."""
+    with torch.no_grad():
+        nn.init.normal_(head.weight, mean=0.0, std=1.0 / (head.in_features + 1))
+        if head.bias is not None:
+            head.bias.zero_()
+
+
+def load_value_model(
+    path: str | os.PathLike,
+    *,
+    dtype: DTypeLike = "float32",
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    override_config: dict[str, Any] | None = None,
+    enable_gradient_checkpointing: bool = False,
+    device: str | torch.device | None = None,
+    config_key: str = "critic.model.path",
+) -> PreTrainedModel:
+    """A critic: `AutoModelForTokenClassification` (num_labels=1) = backbone + Linear(hidden, 1) per token.
+
+    A checkpoint saved by `save_value_model` (architectures `*ForTokenClassification`, num_labels 1) loads
+    with its head; any other checkpoint (a causal LM) gives the backbone plus a fresh head from
+    `init_value_head`. `model(input_ids, attention_mask, position_ids).logits[..., 0]` is V [B, L];
+    `hyflow.models.forward.values_from_model` slices the response positions. Classifier dropout is 0.
+    """
+    resolved = resolve_model_path(path, config_key=config_key)
+    saved_config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    model = _from_pretrained(
+        AutoModelForTokenClassification,
+        resolved,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+        override_config=override_config,
+        enable_gradient_checkpointing=enable_gradient_checkpointing,
+        device=device,
+        config_key=config_key,
+        role_updates={"num_labels": 1, "classifier_dropout": 0.0},
+    )
+    has_saved_head = (
+        _architecture_endswith(saved_config, "ForTokenClassification") and saved_config.num_labels == 1
+    )
+    if not has_saved_head:
+        init_value_head(model.score)
+    return model
+
+
+def save_value_model(model: PreTrainedModel, out_dir: str | os.PathLike, tokenizer=None) -> Path:
+    """Save a critic (backbone + value head) as an HF checkpoint that `load_value_model` reloads exactly."""
+    out = Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def load_reward_model(
+    path: str | os.PathLike,
+    *,
+    dtype: DTypeLike = "float32",
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    override_config: dict[str, Any] | None = None,
+    device: str | torch.device | None = None,
+    allow_fresh_head: bool = False,
+    config_key: str = "reward_model.model.path",
+) -> PreTrainedModel:
+    """A sequence-classification reward model (`AutoModelForSequenceClassification`, num_labels=1), eval mode.
+
+    The checkpoint must be a saved `*ForSequenceClassification` with one label; `allow_fresh_head=True`
+    accepts any backbone and leaves HF's random score head (for tests and for training a reward model).
+    `hyflow.models.forward.reward_scores` reads the score at the last attended token.
+    """
+    resolved = resolve_model_path(path, config_key=config_key)
+    saved_config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    is_reward_model = _architecture_endswith(saved_config, "ForSequenceClassification")
+    if is_reward_model and saved_config.num_labels != 1:
+        raise ValueError(
+            f"{config_key}={str(path)!r} is a classifier with num_labels={saved_config.num_labels}; a reward "
+            f"model needs num_labels=1 (one scalar score per sequence)"
+        )
+    if not is_reward_model and not allow_fresh_head:
+        raise ValueError(
+            f"{config_key}={str(path)!r} holds {saved_config.architectures}, not a reward model; point it to an "
+            f"AutoModelForSequenceClassification checkpoint with num_labels=1, or pass allow_fresh_head=True "
+            f"for a randomly initialised score head"
+        )
+    model = _from_pretrained(
+        AutoModelForSequenceClassification,
+        resolved,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+        override_config=override_config,
+        enable_gradient_checkpointing=False,
+        device=device,
+        config_key=config_key,
+        role_updates={"num_labels": 1},
+    )
+    if model.config.pad_token_id is None:
+        # HF's sequence classifiers refuse batches > 1 without a pad id; reward_scores pools by attention mask.
+        eos = model.config.eos_token_id
+        model.config.pad_token_id = eos[0] if isinstance(eos, list) else eos
+    return model.eval()

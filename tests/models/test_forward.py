@@ -1,0 +1,267 @@
+"""Response log-probs / entropy / values from one backbone pass equal the naive full-logits computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyflow.models.forward import (
+    compute_position_ids,
+    lm_head_logprobs,
+    response_logprobs,
+    reward_scores,
+    token_values,
+    unwrap_model,
+    values_from_model,
+)
+from hyflow.models.loading import load_causal_lm, load_reward_model, load_value_model
+
+RESPONSE_LEN = 5
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    torch.manual_seed(0)
+    return load_causal_lm(tiny_model_dir, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def batch(model):
+    """3 samples of length 12: left-padded prompts (pad 0, 2, 4) + 5 response tokens."""
+    gen = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    input_ids = torch.randint(3, vocab, (3, 12), generator=gen)
+    attention_mask = torch.ones(3, 12, dtype=torch.long)
+    for row, pad in enumerate([0, 2, 4]):
+        attention_mask[row, :pad] = 0
+        input_ids[row, :pad] = 0
+    return input_ids, attention_mask, compute_position_ids(attention_mask)
+
+
+def naive_logprobs(model, input_ids, attention_mask, position_ids, temperature):
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = logits[:, -RESPONSE_LEN - 1 : -1].float() / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, input_ids[:, -RESPONSE_LEN:, None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def test_compute_position_ids_left_padding():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
+    assert compute_position_ids(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3]]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size", [1, 4, 1024])
+def test_logprobs_and_entropy_match_naive(model, batch, temperature, chunk_size):
+    with torch.no_grad():
+        logp, entropy = response_logprobs(
+            model,
+            *batch,
+            RESPONSE_LEN,
+            temperature=temperature,
+            calculate_entropy=True,
+            chunk_size=chunk_size,
+        )
+        ref_logp, ref_entropy = naive_logprobs(model, *batch, temperature)
+    assert logp.shape == entropy.shape == (3, RESPONSE_LEN)
+    assert logp.dtype == entropy.dtype == torch.float32
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=0)
+
+
+def test_lm_head_never_sees_more_than_chunk_size_rows(model, batch):
+    rows_seen = []
+    handle = model.lm_head.register_forward_hook(
+        lambda _m, args, _out: rows_seen.append(args[0].shape[:-1].numel())
+    )
+    try:
+        with torch.no_grad():
+            response_logprobs(model, *batch, RESPONSE_LEN, chunk_size=4)
+    finally:
+        handle.remove()
+    assert max(rows_seen) == 4
+    assert sum(rows_seen) == 3 * RESPONSE_LEN  # the root forward asks for logits at no position
+
+
+def test_unwrap_model_through_wrappers(model):
+    class Peft(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.base_model = inner
+
+        def get_base_model(self):
+            return self.base_model
+
+    class Ddp(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+    assert unwrap_model(Ddp(Peft(model))) is model
+    assert unwrap_model(model) is model
+
+
+def test_temperature_changes_logprobs(model, batch):
+    with torch.no_grad():
+        logp_1, _ = response_logprobs(model, *batch, RESPONSE_LEN, temperature=1.0)
+        logp_half, _ = response_logprobs(model, *batch, RESPONSE_LEN, temperature=0.5)
+    assert not torch.allclose(logp_1, logp_half, atol=1e-3)
+
+
+def test_entropy_is_none_unless_requested(model, batch):
+    with torch.no_grad():
+        _, entropy = response_logprobs(model, *batch, RESPONSE_LEN)
+    assert entropy is None
+
+
+def test_gradients_match_naive(model, batch):
+    """d(sum of logp + 0.3 entropy)/d(params) through the checkpointed chunks equals the naive gradient."""
+    weights = torch.linspace(-1, 1, 3 * RESPONSE_LEN).view(3, RESPONSE_LEN)
+
+    def grads(fn):
+        model.zero_grad()
+        logp, entropy = fn()
+        ((logp * weights).sum() + 0.3 * entropy.sum()).backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    got = grads(
+        lambda: response_logprobs(
+            model, *batch, RESPONSE_LEN, temperature=0.8, calculate_entropy=True, chunk_size=4
+        )
+    )
+    want = grads(lambda: naive_logprobs(model, *batch, 0.8))
+    model.zero_grad()
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _saved_bytes_for_backward(fn) -> int:
+    """Bytes autograd keeps for backward (outside checkpointed regions), counted once per storage."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def test_chunked_head_keeps_no_logits_for_backward():
+    """With checkpointing the saved memory is the hidden rows, not the [N, V] logits; without it, logits."""
+    torch.manual_seed(0)
+    n_rows, hidden, vocab = 64, 16, 4096
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    hidden_NH = torch.randn(n_rows, hidden, requires_grad=True)
+    labels_N = torch.randint(0, vocab, (n_rows,))
+    logits_bytes = n_rows * vocab * 4
+
+    chunked = _saved_bytes_for_backward(
+        lambda: lm_head_logprobs(hidden_NH, labels_N, head, calculate_entropy=True, chunk_size=16)
+    )
+    naive = _saved_bytes_for_backward(lambda: torch.log_softmax(head(hidden_NH), -1))
+    assert naive >= logits_bytes
+    assert chunked < logits_bytes / 10
+
+
+def test_values_from_model_match_full_forward(tiny_model_dir, batch):
+    torch.manual_seed(0)
+    critic = load_value_model(tiny_model_dir)
+    with torch.no_grad():
+        values = values_from_model(critic, *batch, RESPONSE_LEN)
+        full = critic(input_ids=batch[0], attention_mask=batch[1], position_ids=batch[2]).logits[..., 0]
+    assert values.shape == (3, RESPONSE_LEN) and values.dtype == torch.float32
+    torch.testing.assert_close(values, full[:, -RESPONSE_LEN - 1 : -1])
+    assert token_values(critic, *batch).shape == (3, 12)
+
+
+def test_reward_scores_read_last_attended_token(tiny_model_dir):
+    torch.manual_seed(0)
+    rm = load_reward_model(tiny_model_dir, allow_fresh_head=True)
+    ids = torch.tensor([[5, 6, 7, 8], [0, 0, 7, 8]])
+    right_padded = torch.tensor([[7, 8, 0, 0]])
+    mask = (ids != 0).long()
+    right_mask = torch.tensor([[1, 1, 0, 0]])
+    with torch.no_grad():
+        scores = reward_scores(rm, ids, mask, compute_position_ids(mask))
+        right = reward_scores(rm, right_padded, right_mask, compute_position_ids(right_mask))
+        alone = reward_scores(rm, ids[1:, 2:], mask[1:, 2:], compute_position_ids(mask[1:, 2:]))
+    assert scores.shape == (2,)
+    torch.testing.assert_close(scores[1:], alone, atol=1e-5, rtol=0)
+    torch.testing.assert_close(right, alone, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("bad_length", [0, 12])
+def test_response_length_out_of_range(model, batch, bad_length):
+    with pytest.raises(ValueError, match=r"response_length=.* must be in \[1, 11\]"):
+        response_logprobs(model, *batch, bad_length)
+
+
+def test_bad_chunk_size(model, batch):
+    with pytest.raises(ValueError, match="chunk_size must be a positive"):
+        response_logprobs(model, *batch, RESPONSE_LEN, chunk_size=0)
+
+
+def _distributed_grads(rank: int, mode: str, model_dir: str, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    model = load_causal_lm(model_dir)
+    ids, mask, pos = (t[2 * rank : 2 * rank + 2] for t in _dist_batch())
+    if mode == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        _dist_loss(wrapped, ids, mask, pos).backward()
+        grads = {name: p.grad * 2 for name, p in model.named_parameters()}  # DDP averages over 2 ranks
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        _dist_loss(model, ids, mask, pos).backward()
+        grads = {name: p.grad.full_tensor() * 2 for name, p in model.named_parameters()}
+    if rank == 0:
+        torch.save(grads, f"{out_dir}/grads.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _dist_batch():
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 500, (4, 12), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[3, :5] = 0
+    return ids, mask, compute_position_ids(mask)
+
+
+def _dist_loss(model, ids, mask, pos):
+    logp, entropy = response_logprobs(
+        model, ids, mask, pos, RESPONSE_LEN, calculate_entropy=True, chunk_size=3
+    )
+    return logp.sum() + 0.1 * entropy.sum()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_wrapped_models_give_single_process_gradients(tiny_model_dir, tmp_path, mode):
+    """Through DDP / FSDP2 (2 gloo ranks, half the batch each) the summed gradient equals one process's."""
+    import torch.multiprocessing as mp
+
+    reference = load_causal_lm(tiny_model_dir)
+    _dist_loss(reference, *_dist_batch()).backward()
+    mp.spawn(
+        _distributed_grads,
+        args=(mode, str(tiny_model_dir), str(tmp_path / "init"), str(tmp_path)),
+        nprocs=2,
+        join=True,
+    )
+    got = torch.load(tmp_path / "grads.pt")
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(got[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -1,0 +1,232 @@
+"""Loading tokenizers, causal LMs, critics and reward models from local directories; path and override errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from hyflow.models.forward import compute_position_ids, values_from_model
+from hyflow.models.loading import (
+    apply_config_overrides,
+    as_torch_dtype,
+    load_causal_lm,
+    load_reward_model,
+    load_tokenizer,
+    load_value_model,
+    resolve_model_path,
+    save_value_model,
+)
+
+
+def test_resolve_local_dir_and_hub_ids(tiny_model_dir):
+    assert resolve_model_path(tiny_model_dir) == str(tiny_model_dir)
+    assert resolve_model_path("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert resolve_model_path("gpt2") == "gpt2"
+
+
+@pytest.mark.parametrize("missing", ["/no/such/model", "./no_such_model", "~/no_such_model_hyflow", "a/b/c"])
+def test_missing_local_path_names_the_config_key(missing):
+    with pytest.raises(FileNotFoundError, match=r"actor_rollout_ref\.model\.path=.* does not exist; set"):
+        load_causal_lm(missing)
+    with pytest.raises(FileNotFoundError, match=r"critic\.model\.path="):
+        load_value_model(missing)
+
+
+def test_path_to_a_file_is_rejected(tiny_model_dir):
+    with pytest.raises(FileNotFoundError, match=r"is a file, not a checkpoint directory"):
+        load_tokenizer(tiny_model_dir / "config.json")
+
+
+def test_empty_path():
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.model\.path is empty"):
+        resolve_model_path("")
+
+
+def test_load_tokenizer_and_chat_template_override(tiny_model_dir, tmp_path):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    assert tokenizer.pad_token == "<|endoftext|>"
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    msgs = [{"role": "user", "content": "hi"}]
+    custom = load_tokenizer(tiny_model_dir, chat_template=template)
+    assert custom.apply_chat_template(msgs, tokenize=False) == "[user] hi\n"
+    template_file = tmp_path / "t.jinja"
+    template_file.write_text(template)
+    from_file = load_tokenizer(tiny_model_dir, chat_template=str(template_file))
+    assert from_file.apply_chat_template(msgs, tokenize=False) == "[user] hi\n"
+
+
+def test_missing_pad_token_falls_back_to_eos(tiny_model_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path).pad_token is None
+    reloaded = load_tokenizer(tmp_path)
+    assert reloaded.pad_token == reloaded.eos_token == "<|im_end|>"
+
+
+def test_tokenizer_without_pad_and_eos_is_rejected(tiny_model_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.pad_token = None
+    tokenizer.eos_token = None
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"has neither a pad nor an eos token; add one"):
+        load_tokenizer(tmp_path)
+
+
+def test_missing_chat_template_file(tiny_model_dir):
+    with pytest.raises(
+        FileNotFoundError, match=r"chat template file '/no/such/template.jinja' does not exist"
+    ):
+        load_tokenizer(tiny_model_dir, chat_template="/no/such/template.jinja")
+
+
+def test_load_causal_lm_float32_matches_weights(tiny_model_dir):
+    model = load_causal_lm(tiny_model_dir)
+    assert model.dtype == torch.float32
+    assert not model.is_activation_checkpointing
+    tensors = load_file(tiny_model_dir / "model.safetensors")
+    torch.testing.assert_close(model.model.embed_tokens.weight, tensors["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected"), [("bfloat16", torch.bfloat16), (torch.float16, torch.float16)]
+)
+def test_load_causal_lm_dtype(tiny_model_dir, dtype, expected):
+    assert load_causal_lm(tiny_model_dir, dtype=dtype).dtype == expected
+
+
+def test_load_causal_lm_auto_dtype_keeps_checkpoint_dtype(tiny_model_dir):
+    assert load_causal_lm(tiny_model_dir, dtype="auto").dtype == torch.float32
+
+
+def test_unknown_dtype():
+    with pytest.raises(ValueError, match=r"unknown dtype 'float8'"):
+        as_torch_dtype("float8")
+
+
+def test_attn_implementation_and_gradient_checkpointing(tiny_model_dir):
+    model = load_causal_lm(tiny_model_dir, attn_implementation="eager", enable_gradient_checkpointing=True)
+    assert model.config._attn_implementation == "eager"
+    assert model.is_activation_checkpointing
+    assert model.config.use_cache is False
+    model.train()
+    ids = torch.tensor([[4, 5, 6, 7]])
+    model(ids).logits.sum().backward()
+    assert model.model.layers[0].mlp.up_proj.weight.grad is not None
+    sdpa = load_causal_lm(tiny_model_dir, override_config={"attn_implementation": "sdpa"})
+    assert sdpa.config._attn_implementation == "sdpa"
+
+
+def test_override_config_is_applied_before_instantiation(tiny_model_dir):
+    model = load_causal_lm(
+        tiny_model_dir,
+        override_config={"attention_dropout": 0.25, "rope_theta": 5e5, "max_position_embeddings": 128},
+    )
+    assert model.config.attention_dropout == 0.25
+    assert model.config.rope_parameters["rope_theta"] == 5e5
+    assert model.config.max_position_embeddings == 128
+    assert model.model.layers[0].self_attn.attention_dropout == 0.25
+
+
+def test_override_config_merges_dicts(tiny_model_dir):
+    model = load_causal_lm(tiny_model_dir, override_config={"rope_parameters": {"rope_theta": 123.0}})
+    assert model.config.rope_parameters == {"rope_type": "default", "rope_theta": 123.0}
+
+
+def test_override_config_accepts_omegaconf(tiny_model_dir):
+    from omegaconf import OmegaConf
+
+    overrides = OmegaConf.create({"rope_parameters": {"rope_theta": 77.0}, "attention_dropout": 0.5})
+    model = load_causal_lm(tiny_model_dir, override_config=overrides)
+    assert model.config.rope_parameters["rope_theta"] == 77.0
+    assert model.config.attention_dropout == 0.5
+
+
+def test_unknown_override_key_names_key_and_class(tiny_model_dir):
+    with pytest.raises(
+        ValueError, match=r"override_config key 'hiden_size' is not a field of Qwen2Config; did you mean"
+    ):
+        load_causal_lm(tiny_model_dir, override_config={"hiden_size": 64})
+
+
+def test_apply_config_overrides_recurses_into_sub_configs():
+    from transformers import PretrainedConfig, Qwen2Config
+
+    outer = PretrainedConfig()
+    outer.text_config = Qwen2Config(hidden_size=64)
+    apply_config_overrides(outer, {"text_config": {"hidden_size": 32}})
+    assert outer.text_config.hidden_size == 32
+
+
+def _batch():
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    mask = (ids != 0).long()
+    return ids, mask, compute_position_ids(mask)
+
+
+def test_value_model_fresh_head_and_save_reload(tiny_model_dir, tmp_path):
+    torch.manual_seed(0)
+    critic = load_value_model(tiny_model_dir)
+    hidden = critic.config.hidden_size
+    assert critic.score.out_features == 1 and critic.config.num_labels == 1
+    assert critic.dropout.p == 0.0
+    assert critic.score.bias.abs().max() == 0
+    assert critic.score.weight.std().item() == pytest.approx(1 / (hidden + 1), rel=0.3)
+    lm = load_causal_lm(tiny_model_dir)
+    torch.testing.assert_close(
+        critic.model.layers[1].mlp.down_proj.weight, lm.model.layers[1].mlp.down_proj.weight
+    )
+
+    with torch.no_grad():
+        critic.score.weight.add_(0.5)  # a "trained" head, different from any fresh init
+        critic.score.bias.fill_(0.25)
+        values = values_from_model(critic, *_batch(), response_length=3)
+    out = save_value_model(critic, tmp_path / "critic", tokenizer=load_tokenizer(tiny_model_dir))
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForTokenClassification"]
+    reloaded = load_value_model(out)
+    for (name, a), b in zip(critic.state_dict().items(), reloaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    with torch.no_grad():
+        torch.testing.assert_close(values_from_model(reloaded, *_batch(), response_length=3), values)
+    assert (out / "tokenizer.json").exists()
+
+
+def test_value_model_dtype_and_checkpointing(tiny_model_dir):
+    critic = load_value_model(tiny_model_dir, dtype="bfloat16", enable_gradient_checkpointing=True)
+    assert critic.dtype == torch.bfloat16
+    assert critic.is_activation_checkpointing
+    with torch.no_grad():
+        assert values_from_model(critic, *_batch(), response_length=2).dtype == torch.float32
+
+
+def test_value_model_override_classifier_dropout(tiny_model_dir):
+    critic = load_value_model(tiny_model_dir, override_config={"classifier_dropout": 0.2})
+    assert critic.dropout.p == 0.2
+
+
+def test_reward_model_round_trip(tiny_model_dir, tmp_path):
+    torch.manual_seed(0)
+    rm = load_reward_model(tiny_model_dir, allow_fresh_head=True)
+    assert not rm.training and rm.score.out_features == 1
+    rm.save_pretrained(tmp_path / "rm")
+    reloaded = load_reward_model(tmp_path / "rm")
+    assert torch.equal(reloaded.score.weight, rm.score.weight)
+
+
+def test_reward_model_requires_a_classifier_checkpoint(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"reward_model\.model\.path=.*not a reward model; point it to an"):
+        load_reward_model(tiny_model_dir)
+
+
+def test_reward_model_with_several_labels_is_rejected(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=3).save_pretrained(
+        tmp_path / "c"
+    )
+    with pytest.raises(ValueError, match=r"num_labels=3; a reward model needs num_labels=1"):
+        load_reward_model(tmp_path / "c")
