@@ -4,6 +4,7 @@
     hyflow init-model --preset tiny --out D  random-weight model + locally trained tokenizer
     hyflow data make TASK --out D            write a built-in task's train/test files
     hyflow data gsm8k|math --input F --out D convert public GSM8K / MATH files to hyflow's (verl's) schema
+    hyflow plot RUN_DIR                      PNG curves (reward, validation, length, KL, entropy, timing)
 
 Overrides use Hydra's syntax (`key=value`, `+key=value`), with verl's key names.
 """
@@ -64,6 +65,14 @@ def _cmd_data_preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from hyflow.trainer.plot import plot_run
+
+    for path in plot_run(args.run_dir, out_dir=args.out):
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -79,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=_cmd_init_model)
+
+    p = sub.add_parser("plot", help="write PNG training curves from a run directory's metrics.jsonl")
+    p.add_argument("run_dir", help="the run directory (trainer.default_local_dir)")
+    p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/plots)")
+    p.set_defaults(fn=_cmd_plot)
 
     p = sub.add_parser("data", help="make built-in task data or convert public datasets")
     data_sub = p.add_subparsers(dest="data_command", required=True)

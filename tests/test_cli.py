@@ -74,3 +74,16 @@ def test_data_gsm8k_preprocess(tmp_path, suffix):
     bad.write_text(json.dumps({"question": "q"}) + "\n")
     out = run("data", "gsm8k", "--input", str(bad), "--out", str(tmp_path / "x"), "--split", "train")
     assert out.returncode == 2 and "missing column 'answer'" in out.stderr
+
+
+def test_plot_command(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rows = [{"step": s, "critic/score/mean": s / 10, "response_length/mean": 20 + s} for s in range(1, 6)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = run("plot", str(run_dir))
+    assert out.returncode == 0, out.stderr
+    first = Path(out.stdout.splitlines()[0])
+    assert first.exists() and first.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = run("plot", str(tmp_path / "empty"))
+    assert out.returncode == 2 and "metrics.jsonl" in out.stderr

@@ -883,7 +883,7 @@ class TrainerConfig:
     )
     logger: list[str] = option(
         ["console", "file"],
-        "Metric sinks: console, file (metrics.jsonl in the run directory), tensorboard, wandb, mlflow (verl: [console, wandb]).",
+        "Metric sinks: console, file (metrics.jsonl in the run directory), tensorboard, wandb, mlflow, swanlab (verl: [console, wandb]).",
     )
     log_val_generations: int = option(0, "Validation samples printed/logged per validation (0 = none).")
     rollout_data_dir: str | None = option(

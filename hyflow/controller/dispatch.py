@@ -1,0 +1,275 @@
+"""Dispatch modes: how one driver call becomes per-rank worker calls, and how the results come back.
+
+The single-controller pattern of HybridFlow (arXiv 2409.19256; verl's `@register(dispatch_mode=...)`): a
+worker method declares with `@register(dispatch, collect, pad)` how a call on the worker *group* is split
+across the group's ranks and how the per-rank results are merged, so the driver writes
+`group.compute_log_prob(batch)` as if there were one worker.
+
+Dispatch (how the arguments reach the ranks; D = data-parallel size = world size here, since there is no
+tensor- or sequence-parallel mesh yet):
+
+- `REPLICATE`: every rank gets the same arguments.
+- `DP_SPLIT`: every `Batch` argument (positional or keyword) of B rows is padded to B' = ceil(B / D) * D rows
+  (`pad=True`; pad_count = B' - B rows copied cyclically from the front, `Batch.pad_to_multiple`) and cut
+  into D equal parts of B' / D rows; part i goes to rank i. Other arguments are replicated. With `pad=False`
+  a B that D does not divide is an error.
+- `RANK_ZERO`: only rank 0 runs (not for methods that enter a collective: the other ranks never call it).
+- `DIRECT`: the caller passes every argument as a list of D values; rank i gets element i of each.
+
+Collect (how the per-rank results come back):
+
+- `CONCAT`: results concatenated in rank order (`Batch.concat`, `torch.cat`, or list concatenation), then
+  the last pad_count rows, which are the padding, dropped (`Batch.unpad`). `Batch.concat` merges each
+  rank's `meta["metrics"]` into `{name: [rank 0 value(s), rank 1 value(s), ...]}`. A result without rows
+  (a metrics-only Batch) is returned as is.
+- `FIRST`: rank 0's result.
+- `ALL`: the list of every rank's result, in rank order.
+
+Default collect: CONCAT for DP_SPLIT, FIRST for RANK_ZERO, ALL for REPLICATE and DIRECT.
+
+Padding rows are real rows to the worker: a DP_SPLIT method whose effect depends on every row once (a
+training update) should be registered with `pad=False`, so an indivisible batch fails loudly instead.
+
+`split_args` and `collect_results` are pure functions, testable without workers; an executor only moves
+the per-rank arguments and results. `reduce_metrics` turns merged per-rank metric lists into one number
+per metric for logging.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hyflow.batch import Batch
+
+DISPATCH_ATTR = "__hyflow_dispatch__"
+
+
+class Dispatch(str, enum.Enum):
+    """How a group call's arguments reach the ranks (see the module docstring)."""
+
+    REPLICATE = "replicate"
+    DP_SPLIT = "dp_split"
+    RANK_ZERO = "rank_zero"
+    DIRECT = "direct"
+
+
+class Collect(str, enum.Enum):
+    """How the per-rank results of a group call are merged (see the module docstring)."""
+
+    CONCAT = "concat"
+    FIRST = "first"
+    ALL = "all"
+
+
+_DEFAULT_COLLECT = {
+    Dispatch.REPLICATE: Collect.ALL,
+    Dispatch.DP_SPLIT: Collect.CONCAT,
+    Dispatch.RANK_ZERO: Collect.FIRST,
+    Dispatch.DIRECT: Collect.ALL,
+}
+
+
+def _parse(enum_cls: type[enum.Enum], value) -> enum.Enum:
+    try:
+        return enum_cls(value)
+    except ValueError:
+        valid = ", ".join(f"{enum_cls.__name__}.{m.name}" for m in enum_cls)
+        raise ValueError(f"unknown {enum_cls.__name__} {value!r}; valid: {valid}") from None
+
+
+@dataclass(frozen=True)
+class DispatchMode:
+    """What `@register` stores on a method: dispatch, collect (None -> the dispatch's default) and pad."""
+
+    dispatch: Dispatch = Dispatch.REPLICATE
+    collect: Collect | None = None
+    pad: bool = True
+
+    def __post_init__(self):
+        dispatch = _parse(Dispatch, self.dispatch)
+        collect = _DEFAULT_COLLECT[dispatch] if self.collect is None else _parse(Collect, self.collect)
+        if dispatch is Dispatch.RANK_ZERO and collect is not Collect.FIRST:
+            raise ValueError(f"Dispatch.RANK_ZERO runs one rank, so its only collect is Collect.FIRST, "
+                             f"got {collect}; drop the collect argument")
+        object.__setattr__(self, "dispatch", dispatch)
+        object.__setattr__(self, "collect", collect)
+
+
+def register(dispatch: Dispatch | str = Dispatch.REPLICATE, collect: Collect | str | None = None,
+             pad: bool = True) -> Callable:
+    """Decorator marking a worker method as callable through a worker group.
+
+    Stores `DispatchMode(dispatch, collect, pad)` on the function as `__hyflow_dispatch__` and returns the
+    function itself, so calling it directly on a worker is unchanged.
+    """
+    if callable(dispatch) and not isinstance(dispatch, str):
+        raise TypeError("@register needs parentheses: write @register(Dispatch.DP_SPLIT) (or another "
+                        "Dispatch), not a bare @register")
+    mode = DispatchMode(dispatch, collect, pad)
+
+    def decorate(func: Callable) -> Callable:
+        if not callable(func):
+            raise TypeError(f"@register decorates a method, got {type(func).__name__}")
+        setattr(func, DISPATCH_ATTR, mode)
+        return func
+
+    return decorate
+
+
+def registered_methods(cls: type) -> dict[str, DispatchMode]:
+    """{method name: DispatchMode} for every `@register`-ed method of `cls` (inherited ones included)."""
+    methods = {}
+    for name in dir(cls):
+        mode = getattr(getattr(cls, name, None), DISPATCH_ATTR, None)
+        if isinstance(mode, DispatchMode):
+            methods[name] = mode
+    return methods
+
+
+def _as_mode(mode: DispatchMode | Dispatch | str) -> DispatchMode:
+    return mode if isinstance(mode, DispatchMode) else DispatchMode(mode)
+
+
+def split_args(mode: DispatchMode | Dispatch | str, world_size: int, args: Sequence, kwargs: dict,
+               *, method: str = "method") -> tuple[list[tuple], list[dict], int]:
+    """Per-rank arguments of one group call: (per_rank_args, per_rank_kwargs, pad_count).
+
+    The lists have one entry per rank that runs: `world_size` entries, or 1 for RANK_ZERO. pad_count is the
+    number of padding rows DP_SPLIT appended, (-B) mod world_size, else 0. `method` names the call in errors.
+    """
+    mode = _as_mode(mode)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    args, kwargs = tuple(args), dict(kwargs)
+    if mode.dispatch is Dispatch.RANK_ZERO:
+        return [args], [kwargs], 0
+    if mode.dispatch is Dispatch.REPLICATE:
+        return [args] * world_size, [dict(kwargs) for _ in range(world_size)], 0
+    if mode.dispatch is Dispatch.DIRECT:
+        return _split_direct(world_size, args, kwargs, method)
+    return _split_batches(mode.pad, world_size, args, kwargs, method)
+
+
+def _split_direct(world_size: int, args: tuple, kwargs: dict, method: str):
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + [(f"argument {k!r}", v) for k, v in
+                                                                     kwargs.items()]
+    for label, value in named:
+        if not isinstance(value, (list, tuple)) or len(value) != world_size:
+            got = f"a {type(value).__name__} of length {len(value)}" if isinstance(value, (list, tuple)) \
+                else f"a {type(value).__name__}"
+            raise ValueError(f"{method} is registered with Dispatch.DIRECT: {label} must be a list with one "
+                             f"value per rank ({world_size}), got {got}")
+    per_rank_args = [tuple(a[rank] for a in args) for rank in range(world_size)]
+    per_rank_kwargs = [{k: v[rank] for k, v in kwargs.items()} for rank in range(world_size)]
+    return per_rank_args, per_rank_kwargs, 0
+
+
+def _split_batches(pad: bool, world_size: int, args: tuple, kwargs: dict, method: str):
+    slots = {i: a for i, a in enumerate(args) if isinstance(a, Batch)}
+    slots.update({k: v for k, v in kwargs.items() if isinstance(v, Batch)})
+    if not slots:
+        raise TypeError(f"{method} is registered with Dispatch.DP_SPLIT but got no Batch argument; pass a "
+                        "Batch, or register it with Dispatch.REPLICATE")
+    lengths = {len(b) for b in slots.values()}
+    if len(lengths) > 1:
+        raise ValueError(f"{method}: Dispatch.DP_SPLIT got Batch arguments of different lengths "
+                         f"{sorted(lengths)}; all Batch arguments must have the same number of rows")
+    rows = lengths.pop()
+    pad_count = 0
+    if pad:
+        padded = {slot: b.pad_to_multiple(world_size) for slot, b in slots.items()}
+        slots = {slot: b for slot, (b, _) in padded.items()}
+        pad_count = -rows % world_size
+    elif rows % world_size:
+        raise ValueError(f"{method}: a Batch of {rows} rows cannot be split evenly across DP size "
+                         f"{world_size} (registered with pad=False); use a batch size that is a multiple "
+                         f"of {world_size}")
+    chunks = {slot: b.chunk(world_size) for slot, b in slots.items()}
+    per_rank_args = [tuple(chunks[i][rank] if i in chunks else a for i, a in enumerate(args))
+                     for rank in range(world_size)]
+    per_rank_kwargs = [{k: chunks[k][rank] if k in chunks else v for k, v in kwargs.items()}
+                       for rank in range(world_size)]
+    return per_rank_args, per_rank_kwargs, pad_count
+
+
+def collect_results(mode: DispatchMode | Dispatch | str, results: Sequence, pad_count: int = 0, *,
+                    padded_size: int | None = None, method: str = "method"):
+    """Merge per-rank results (in rank order) as the mode's collect says, dropping `pad_count` padding rows.
+
+    `padded_size` (B', the padded input rows), when given, is checked against the concatenated result's
+    rows before unpadding: only row-wise results can be unpadded. `method` names the call in errors.
+    """
+    mode = _as_mode(mode)
+    results = list(results)
+    if not results:
+        raise ValueError(f"{method}: no results to collect (no rank ran)")
+    if mode.collect is Collect.FIRST:
+        return results[0]
+    if mode.collect is Collect.ALL:
+        return results
+    merged = _concat(results, method)
+    if pad_count and merged is not None and len(merged):
+        merged = _drop_padding(merged, pad_count, padded_size, method)
+    return merged
+
+
+def _concat(results: list, method: str):
+    if all(r is None for r in results):
+        return None
+    if all(isinstance(r, Batch) for r in results):
+        return Batch.concat(results)
+    if all(isinstance(r, torch.Tensor) for r in results):
+        return torch.cat(results, dim=0)
+    if all(isinstance(r, (list, tuple)) for r in results):
+        return list(itertools.chain.from_iterable(results))
+    types = sorted({type(r).__name__ for r in results})
+    raise TypeError(f"{method}: Collect.CONCAT cannot concatenate results of types {types}; return a Batch, "
+                    "tensor or list from every rank, or register with collect=Collect.ALL")
+
+
+def _drop_padding(merged, pad_count: int, padded_size: int | None, method: str):
+    rows = len(merged)
+    if padded_size is not None and rows != padded_size:
+        raise ValueError(f"{method} returned {rows} rows for {padded_size} input rows ({pad_count} of them "
+                         "padding); padding can only be removed from row-wise results: return one row per "
+                         "input row, or register with pad=False and pass a batch divisible by the DP size")
+    if isinstance(merged, Batch):
+        return merged.unpad(pad_count)
+    return merged[:rows - pad_count]
+
+
+def _reducer(name: str) -> Callable[[list[float]], float]:
+    if name.endswith("/max") or name.startswith("timing_s/"):
+        return max
+    if name.endswith("/min"):
+        return min
+    if name.endswith("/sum"):
+        return math.fsum
+    return lambda values: math.fsum(values) / len(values)
+
+
+def reduce_metrics(metrics: dict) -> dict[str, float]:
+    """One float per metric from per-rank (or per-micro-batch) value lists.
+
+    By name: `.../max` -> max; `.../min` -> min; `.../sum` -> sum; `timing_s/...` -> max (the slowest rank
+    bounds the step); anything else -> mean. A scalar value counts as a one-element list. A mean of
+    per-rank means equals the global mean when the ranks hold equal row counts, as DP_SPLIT gives them.
+    """
+    reduced = {}
+    for name, value in metrics.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if not values:
+            raise ValueError(f"metric {name!r} has no values; drop it or log at least one value")
+        try:
+            numbers = [float(v) for v in values]
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise TypeError(f"metric {name!r} must hold numbers (or 1-element tensors), got {values!r}: "
+                            f"{err}") from err
+        reduced[name] = float(_reducer(name)(numbers))
+    return reduced

@@ -1,0 +1,258 @@
+"""Pure dispatch functions: register, split_args, collect_results (padding, chunk sizes, unpad order,
+metrics merging, errors) and reduce_metrics."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hyflow.batch import Batch
+from hyflow.controller import (
+    Collect,
+    Dispatch,
+    DispatchMode,
+    collect_results,
+    reduce_metrics,
+    register,
+    registered_methods,
+    split_args,
+)
+
+DP = DispatchMode(Dispatch.DP_SPLIT)
+
+
+def make_batch(n: int) -> Batch:
+    """Row i: x = i, uid 'u{i}'."""
+    return Batch({"x": torch.arange(n)}, {"uid": [f"u{i}" for i in range(n)]}, {"temperature": 1.0})
+
+
+def row_wise(batch: Batch, rank: int) -> Batch:
+    """A row-wise worker body: y = 10 x, with per-rank metrics."""
+    return Batch({"y": batch["x"] * 10}, {"uid": batch["uid"]},
+                 {"metrics": {"rows": len(batch), "rank": rank}})
+
+
+# ---- register ----------------------------------------------------------------------------------
+
+
+def test_register_stores_mode_and_returns_function():
+    def forward(self, batch):
+        return batch
+
+    decorated = register(Dispatch.DP_SPLIT, pad=False)(forward)
+    assert decorated is forward
+    assert forward.__hyflow_dispatch__ == DispatchMode(Dispatch.DP_SPLIT, Collect.CONCAT, pad=False)
+
+
+@pytest.mark.parametrize(("dispatch", "collect"), [(Dispatch.DP_SPLIT, Collect.CONCAT),
+                                                   (Dispatch.REPLICATE, Collect.ALL),
+                                                   (Dispatch.RANK_ZERO, Collect.FIRST),
+                                                   (Dispatch.DIRECT, Collect.ALL)])
+def test_default_collect_per_dispatch(dispatch, collect):
+    assert DispatchMode(dispatch).collect is collect
+
+
+def test_modes_accept_strings():
+    assert DispatchMode("dp_split", "all") == DispatchMode(Dispatch.DP_SPLIT, Collect.ALL)
+
+
+def test_unknown_mode_lists_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown Dispatch 'scatter'; valid: Dispatch.REPLICATE"):
+        DispatchMode("scatter")
+    with pytest.raises(ValueError, match=r"unknown Collect 'sum'; valid: Collect.CONCAT"):
+        DispatchMode(Dispatch.REPLICATE, "sum")
+
+
+def test_rank_zero_only_collects_first():
+    with pytest.raises(ValueError, match=r"RANK_ZERO runs one rank.*Collect.FIRST"):
+        register(Dispatch.RANK_ZERO, Collect.ALL)
+
+
+def test_bare_register_is_an_error():
+    with pytest.raises(TypeError, match=r"@register needs parentheses"):
+        @register
+        def forward(self, batch):
+            return batch
+
+
+def test_registered_methods_include_inherited_only_registered():
+    class Base:
+        @register(Dispatch.DP_SPLIT)
+        def forward(self, batch):
+            return batch
+
+        def helper(self):
+            return 1
+
+    class Child(Base):
+        @register(Dispatch.RANK_ZERO)
+        def save(self, path):
+            return path
+
+    assert registered_methods(Child) == {"forward": DispatchMode(Dispatch.DP_SPLIT),
+                                         "save": DispatchMode(Dispatch.RANK_ZERO)}
+
+
+# ---- split_args --------------------------------------------------------------------------------
+
+
+def test_dp_split_pads_chunks_and_unpads_in_order():
+    batch = make_batch(7)
+    args, kwargs, pad_count = split_args(DP, 3, (batch, "replicated"), {"scale": 2.0}, method="W.f")
+    assert pad_count == 2
+    assert [len(a[0]) for a in args] == [3, 3, 3]
+    # rank order; the padding rows are copies of rows 0, 1 appended at the end
+    assert [a[0]["x"].tolist() for a in args] == [[0, 1, 2], [3, 4, 5], [6, 0, 1]]
+    assert [list(a[0]["uid"]) for a in args][2] == ["u6", "u0", "u1"]
+    assert all(a[1] == "replicated" for a in args) and all(k == {"scale": 2.0} for k in kwargs)
+    results = [row_wise(a[0], rank) for rank, a in enumerate(args)]
+    out = collect_results(DP, results, pad_count, padded_size=9)
+    assert out["y"].tolist() == [0, 10, 20, 30, 40, 50, 60]
+    assert list(out["uid"]) == [f"u{i}" for i in range(7)]
+    assert out.meta["metrics"] == {"rows": [3, 3, 3], "rank": [0, 1, 2]}
+
+
+def test_dp_split_keyword_batches_split_alike():
+    a, b = make_batch(4), make_batch(4)
+    args, kwargs, pad_count = split_args(DP, 2, (a,), {"other": b, "k": 1})
+    assert pad_count == 0
+    assert [kw["other"]["x"].tolist() for kw in kwargs] == [[0, 1], [2, 3]]
+    assert [arg[0]["x"].tolist() for arg in args] == [[0, 1], [2, 3]]
+    assert [kw["k"] for kw in kwargs] == [1, 1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(0, 23), world_size=st.integers(1, 5))
+def test_dp_split_round_trip_equals_direct_call(rows, world_size):
+    batch = make_batch(rows)
+    args, _, pad_count = split_args(DP, world_size, (batch,), {})
+    sizes = [len(a[0]) for a in args]
+    assert pad_count == -rows % world_size
+    assert len(sizes) == world_size and len(set(sizes)) == 1 and sum(sizes) == rows + pad_count
+    results = [row_wise(a[0], r) for r, a in enumerate(args)]
+    out = collect_results(DP, results, pad_count, padded_size=sum(sizes))
+    direct = row_wise(batch, 0)
+    assert torch.equal(out["y"], direct["y"]) and list(out["uid"]) == list(direct["uid"])
+    assert out.meta["metrics"]["rows"] == sizes
+
+
+def test_dp_split_without_pad_rejects_indivisible_batch():
+    mode = DispatchMode(Dispatch.DP_SPLIT, pad=False)
+    with pytest.raises(ValueError, match=r"Actor.update: a Batch of 7 rows cannot be split evenly across DP "
+                                         r"size 3 \(registered with pad=False\)"):
+        split_args(mode, 3, (make_batch(7),), {}, method="Actor.update")
+    args, _, pad_count = split_args(mode, 3, (make_batch(6),), {})
+    assert pad_count == 0 and [len(a[0]) for a in args] == [2, 2, 2]
+
+
+def test_dp_split_needs_a_batch_of_one_length():
+    with pytest.raises(TypeError, match=r"W.f is registered with Dispatch.DP_SPLIT but got no Batch"):
+        split_args(DP, 2, ([1, 2],), {}, method="W.f")
+    with pytest.raises(ValueError, match=r"different lengths \[3, 4\]"):
+        split_args(DP, 2, (make_batch(3), make_batch(4)), {})
+
+
+def test_replicate_and_rank_zero():
+    args, kwargs, pad = split_args(Dispatch.REPLICATE, 3, (1, "a"), {"k": 2})
+    assert args == [(1, "a")] * 3 and kwargs == [{"k": 2}] * 3 and pad == 0
+    kwargs[0]["k"] = 5
+    assert kwargs[1]["k"] == 2  # kwargs dicts are independent per rank
+    args, kwargs, pad = split_args(Dispatch.RANK_ZERO, 3, (1,), {"k": 2})
+    assert args == [(1,)] and kwargs == [{"k": 2}] and pad == 0
+
+
+def test_direct_hands_element_i_to_rank_i():
+    args, kwargs, pad = split_args(Dispatch.DIRECT, 3, ([1, 2, 3],), {"seed": (7, 8, 9)})
+    assert args == [(1,), (2,), (3,)] and kwargs == [{"seed": 7}, {"seed": 8}, {"seed": 9}] and pad == 0
+
+
+def test_direct_rejects_wrong_lengths():
+    with pytest.raises(ValueError, match=r"W.set_seed is registered with Dispatch.DIRECT: argument 'seed' "
+                                         r"must be a list with one value per rank \(3\), got a list of "
+                                         r"length 2"):
+        split_args(Dispatch.DIRECT, 3, (), {"seed": [1, 2]}, method="W.set_seed")
+    with pytest.raises(ValueError, match=r"argument 0 must be a list.*got a int"):
+        split_args(Dispatch.DIRECT, 3, (5,), {})
+
+
+def test_world_size_must_be_positive():
+    with pytest.raises(ValueError, match=r"world_size must be >= 1, got 0"):
+        split_args(DP, 0, (make_batch(2),), {})
+
+
+# ---- collect_results ---------------------------------------------------------------------------
+
+
+def test_collect_first_and_all():
+    assert collect_results(DispatchMode(Dispatch.REPLICATE, Collect.FIRST), ["a", "b"]) == "a"
+    assert collect_results(Dispatch.REPLICATE, ["a", "b"]) == ["a", "b"]
+    assert collect_results(Dispatch.RANK_ZERO, ["only"]) == "only"
+
+
+def test_concat_tensors_lists_and_none_with_padding():
+    assert collect_results(DP, [torch.tensor([1, 2]), torch.tensor([3, 9])], 1).tolist() == [1, 2, 3]
+    assert collect_results(DP, [[1, 2], (3, 9)], 1, padded_size=4) == [1, 2, 3]
+    assert collect_results(DP, [None, None], 1) is None
+
+
+def test_concat_metrics_only_results_keep_their_metrics():
+    parts = [Batch(meta={"metrics": {"loss": r}}) for r in (0.5, 1.5)]
+    out = collect_results(DP, parts, pad_count=1, padded_size=4)
+    assert len(out) == 0 and out.meta["metrics"] == {"loss": [0.5, 1.5]}
+
+
+def test_metrics_list_values_contribute_all_items():
+    parts = [Batch({"y": torch.zeros(2)}, meta={"metrics": {"loss": [1.0, 2.0]}}),
+             Batch({"y": torch.zeros(2)}, meta={"metrics": {"loss": [3.0, 4.0]}})]
+    assert collect_results(DP, parts).meta["metrics"] == {"loss": [1.0, 2.0, 3.0, 4.0]}
+
+
+def test_concat_rejects_mixed_types():
+    with pytest.raises(TypeError, match=r"W.f: Collect.CONCAT cannot concatenate results of types "
+                                        r"\['dict', 'list'\].*collect=Collect.ALL"):
+        collect_results(DP, [[1], {"a": 1}], method="W.f")
+
+
+def test_unpad_needs_row_wise_results():
+    results = [make_batch(4), make_batch(4)]  # 8 rows back for 6 padded input rows
+    with pytest.raises(ValueError, match=r"W.f returned 8 rows for 6 input rows \(1 of them padding\); "
+                                         r"padding can only be removed from row-wise results"):
+        collect_results(DP, results, pad_count=1, padded_size=6, method="W.f")
+
+
+def test_collect_needs_results():
+    with pytest.raises(ValueError, match=r"W.f: no results to collect"):
+        collect_results(DP, [], method="W.f")
+
+
+# ---- reduce_metrics ----------------------------------------------------------------------------
+
+
+def test_reduce_metrics_by_name():
+    out = reduce_metrics({
+        "actor/pg_loss": [1.0, 2.0, 6.0],
+        "response_length/max": [3, 9, 4],
+        "response_length/min": [3, 9, 4],
+        "perf/tokens/sum": [10, 20, 30],
+        "timing_s/update_actor": [1.5, 2.5, 0.5],
+        "actor/lr": 0.001,
+        "actor/kl": [torch.tensor(0.25), torch.tensor([0.75])],
+    })
+    assert out == {"actor/pg_loss": 3.0, "response_length/max": 9.0, "response_length/min": 3.0,
+                   "perf/tokens/sum": 60.0, "timing_s/update_actor": 2.5, "actor/lr": 0.001, "actor/kl": 0.5}
+    assert all(type(v) is float for v in out.values())
+
+
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=8))
+def test_reduce_metrics_mean_matches_definition(values):
+    assert math.isclose(reduce_metrics({"m": values})["m"], sum(values) / len(values), rel_tol=1e-9,
+                        abs_tol=1e-9)
+
+
+def test_reduce_metrics_errors():
+    with pytest.raises(ValueError, match=r"metric 'actor/loss' has no values"):
+        reduce_metrics({"actor/loss": []})
+    with pytest.raises(TypeError, match=r"metric 'note' must hold numbers"):
+        reduce_metrics({"note": ["hello"]})

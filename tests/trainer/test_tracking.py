@@ -1,0 +1,412 @@
+"""Tracker backends, metrics.jsonl reading/truncation, generation dumps and the progress bar."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hyflow.trainer.tracking import (
+    CONSOLE_MAX_VAL_KEYS,
+    ProgressBar,
+    Tracker,
+    format_console_line,
+    json_safe,
+    mlflow_key,
+    read_metrics,
+    to_number,
+    truncate_metrics,
+)
+
+
+def make(tmp_path, loggers=("file",), **kwargs):
+    return Tracker(tmp_path, loggers, project_name="p", experiment_name="e", **kwargs)
+
+
+# --------------------------------------------------------------------------------------- file
+
+
+def test_file_backend_writes_one_json_line_per_step_exactly(tmp_path):
+    with make(tmp_path) as tracker:
+        tracker.log({"critic/score/mean": 0.5, "actor/pg_loss": -1.25, "perf/total_num_tokens": 300}, step=1)
+        tracker.log({"critic/score/mean": 0.75}, step=2)
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert text == (
+        '{"step": 1, "critic/score/mean": 0.5, "actor/pg_loss": -1.25, "perf/total_num_tokens": 300}\n'
+        '{"step": 2, "critic/score/mean": 0.75}\n'
+    )
+
+
+def test_file_backend_flushes_every_call(tmp_path):
+    tracker = make(tmp_path)
+    tracker.log({"a": 1.0}, step=3)
+    assert read_metrics(tmp_path) == [{"step": 3, "a": 1.0}]  # readable before close
+    tracker.close()
+
+
+def test_nan_and_inf_are_written_as_null(tmp_path):
+    with make(tmp_path) as tracker:
+        tracker.log({"a": math.nan, "b": math.inf, "c": -math.inf, "d": torch.tensor(float("nan"))}, step=0)
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert line == '{"step": 0, "a": null, "b": null, "c": null, "d": null}\n'
+    assert read_metrics(tmp_path) == [{"step": 0, "a": None, "b": None, "c": None, "d": None}]
+
+
+def test_tensors_and_numpy_values_become_plain_numbers(tmp_path):
+    metrics = {
+        "t0": torch.tensor(0.25),
+        "t1": torch.tensor([2.0], dtype=torch.bfloat16),
+        "ti": torch.tensor(7),
+        "np_f": np.float32(0.5),
+        "np_i": np.int64(4),
+        "np_arr": np.array([1.5]),
+        "flag": True,
+    }
+    with make(tmp_path) as tracker:
+        tracker.log(metrics, step=torch.tensor(5))
+    row = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert row == {
+        "step": 5,
+        "t0": 0.25,
+        "t1": 2.0,
+        "ti": 7,
+        "np_f": 0.5,
+        "np_i": 4,
+        "np_arr": 1.5,
+        "flag": 1,
+    }
+    assert isinstance(row["ti"], int) and isinstance(row["t0"], float)
+
+
+def test_non_scalar_and_non_numeric_metrics_are_errors_naming_the_key(tmp_path):
+    with make(tmp_path) as tracker:
+        with pytest.raises(ValueError, match=r"metric 'x' has 3 elements; log a scalar"):
+            tracker.log({"x": torch.ones(3)}, step=0)
+        with pytest.raises(TypeError, match=r"metric 'y' is a str .* not a number"):
+            tracker.log({"y": "high"}, step=0)
+        with pytest.raises(ValueError, match=r"'step' is reserved"):
+            tracker.log({"step": 1}, step=0)
+    assert (tmp_path / "metrics.jsonl").read_text() == ""  # nothing half-written
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True))
+def test_to_number_round_trips_through_json(x):
+    number = to_number("k", np.float64(x))
+    line = json.dumps({"v": number if math.isfinite(number) else None}, allow_nan=False)
+    back = json.loads(line)["v"]
+    assert (back is None) == (not math.isfinite(x))
+    if back is not None:
+        assert back == x
+
+
+def test_appending_after_a_crash_drops_the_unterminated_line_first(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "a": 1.0}\n{"step": 2, "a"')
+    with pytest.warns(UserWarning, match="unterminated last line"), make(tmp_path) as tracker:
+        tracker.log({"a": 3.0}, step=2)
+    assert read_metrics(tmp_path) == [{"step": 1, "a": 1.0}, {"step": 2, "a": 3.0}]
+
+
+# ------------------------------------------------------------------------------ read / truncate
+
+
+def test_read_metrics_skips_a_truncated_last_line_with_a_warning(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "a": 1.0}\n\n{"step": 2, "a": 2.0}\n{"step": 3, "a": 3'
+    )
+    with pytest.warns(UserWarning, match=r"metrics.jsonl:4: skipping a truncated last line"):
+        rows = read_metrics(tmp_path)
+    assert rows == [{"step": 1, "a": 1.0}, {"step": 2, "a": 2.0}]
+
+
+def test_read_metrics_corrupt_middle_line_names_file_and_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, oops}\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: corrupt line, not JSON"):
+        read_metrics(tmp_path)
+
+
+def test_read_metrics_requires_objects_with_integer_step(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n[1, 2]\n{"step": 3}\n')
+    with pytest.raises(
+        ValueError, match=r'metrics.jsonl:2: each line must be a JSON object with an integer "step"'
+    ):
+        read_metrics(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": "1"}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:1: each line must be"):
+        read_metrics(tmp_path)
+
+
+def test_read_metrics_missing_file_explains_why(tmp_path):
+    with pytest.raises(
+        FileNotFoundError, match=r"no metrics.jsonl in run directory .*logged no step yet.*lacked 'file'"
+    ):
+        read_metrics(tmp_path)
+
+
+def test_truncate_metrics_drops_later_steps_and_keeps_lines_verbatim(tmp_path):
+    with make(tmp_path) as tracker:
+        for step in range(1, 6):
+            tracker.log({"a": step / 3}, step=step)
+    original = (tmp_path / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert truncate_metrics(tmp_path, last_step=3) == 2
+    assert (tmp_path / "metrics.jsonl").read_text() == "".join(original[:3])
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temp file left behind
+    # resumed run appends after the kept steps: no duplicate step
+    with make(tmp_path) as tracker:
+        tracker.log({"a": 9.0}, step=4)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+
+
+def test_truncate_metrics_drops_a_truncated_tail_and_tolerates_no_file(tmp_path):
+    assert truncate_metrics(tmp_path, 10) == 0
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"st')
+    with pytest.warns(UserWarning, match="truncated last line"):
+        assert truncate_metrics(tmp_path, 10) == 0
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert truncate_metrics(tmp_path, 0) == 2
+    assert read_metrics(tmp_path) == []
+
+
+def test_truncate_metrics_refuses_a_corrupt_middle_line_and_leaves_the_file(tmp_path):
+    content = '{"step": 1}\nxx\n{"step": 2}\n'
+    (tmp_path / "metrics.jsonl").write_text(content)
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: corrupt line"):
+        truncate_metrics(tmp_path, 1)
+    assert (tmp_path / "metrics.jsonl").read_text() == content
+
+
+# ---------------------------------------------------------------------------------- loggers
+
+
+def test_unknown_logger_names_valid_ones_and_the_closest(tmp_path):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown logger 'wandbb'; valid loggers: console, file, tensorboard, wandb, mlflow, swanlab\. Did you mean 'wandb'\?",
+    ):
+        make(tmp_path, ["console", "wandbb"])
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_duplicate_logger_names_log_once(tmp_path):
+    with make(tmp_path, ["file", "file"]) as tracker:
+        assert tracker.loggers == ("file",)
+        tracker.log({"a": 1}, step=1)
+    assert len(read_metrics(tmp_path)) == 1
+
+
+@pytest.mark.parametrize(
+    ("logger", "hint"),
+    [
+        ("tensorboard", r"pip install 'hyflow\[tracking\]'"),
+        ("wandb", r"pip install 'hyflow\[tracking\]'"),
+        ("mlflow", r"pip install 'hyflow\[tracking\]'"),
+        ("swanlab", r"pip install swanlab"),
+    ],
+)
+def test_missing_backend_package_is_a_clear_error_before_anything_starts(tmp_path, monkeypatch, logger, hint):
+    monkeypatch.setitem(sys.modules, logger, None)  # import fails as if not installed
+    message = (
+        rf"trainer.logger includes '{logger}' but the {logger} package is not installed: {hint} "
+        r"or remove it from trainer.logger"
+    )
+    with pytest.raises(ImportError, match=message):
+        make(tmp_path, ["file", logger])
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+class Recorder:
+    """Stands in for a tracking-service module: records every call."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def call(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+            return self
+
+        return call
+
+
+def fake_module(monkeypatch, name):
+    recorder = Recorder()
+    module = types.ModuleType(name)
+    module.__getattr__ = recorder.__getattr__
+    monkeypatch.setitem(sys.modules, name, module)
+    return recorder
+
+
+ROWS = [{"input": "1+1=", "output": "2", "score": 1.0}]
+
+
+def test_wandb_backend_makes_the_real_calls(tmp_path, monkeypatch):
+    wandb = fake_module(monkeypatch, "wandb")
+    with make(tmp_path, ["wandb"], config={"trainer": {"n": 2}}) as tracker:
+        tracker.log({"a": torch.tensor(0.5)}, step=3)
+        tracker.log_generations(ROWS, step=3)
+    names = [c[0] for c in wandb.calls]
+    assert names == ["init", "log", "Table", "log", "finish"]
+    assert wandb.calls[0][2] == {
+        "project": "p",
+        "name": "e",
+        "config": {"trainer": {"n": 2}},
+        "dir": str(tmp_path),
+    }
+    assert wandb.calls[1][1:] == (({"a": 0.5},), {"step": 3})
+    assert wandb.calls[2][2] == {"columns": ["input", "output", "score"], "data": [["1+1=", "2", 1.0]]}
+
+
+def test_mlflow_backend_sanitises_keys_and_logs_params(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    mlflow = fake_module(monkeypatch, "mlflow")
+    with make(tmp_path, ["mlflow"], config={"trainer": {"n": 2}, "lr": 1e-6}) as tracker:
+        tracker.log({"val-core/gsm8k/acc/mean@4": 0.5}, step=1)
+    calls = {c[0]: c for c in mlflow.calls}
+    assert calls["set_tracking_uri"][1][0].startswith("file://")
+    assert calls["start_run"][2] == {"run_name": "e"}
+    assert calls["log_params"][1][0] == {"trainer.n": "2", "lr": "1e-06"}
+    assert calls["log_metrics"][1:] == (({"val-core/gsm8k/acc/mean_at_4": 0.5},), {"step": 1})
+    assert [c[0] for c in mlflow.calls][-1] == "end_run"
+    assert mlflow_key("a/b@2:c") == "a/b_at_2_c"
+
+
+def test_swanlab_backend_makes_the_real_calls(tmp_path, monkeypatch):
+    swanlab = fake_module(monkeypatch, "swanlab")
+    with make(tmp_path, ["swanlab"]) as tracker:
+        tracker.log({"a": 1.5}, step=2)
+    assert [c[0] for c in swanlab.calls] == ["init", "log", "finish"]
+    assert swanlab.calls[0][2]["logdir"] == str(tmp_path / "swanlab")
+    assert swanlab.calls[1][1:] == (({"a": 1.5},), {"step": 2})
+
+
+def test_tensorboard_backend_writes_scalars(tmp_path, monkeypatch):
+    fake_module(monkeypatch, "tensorboard")
+    summary = fake_module(monkeypatch, "torch.utils.tensorboard")
+    with make(tmp_path, ["tensorboard"]) as tracker:
+        tracker.log({"a": 1.5, "b": 2}, step=4)
+    names = [c[0] for c in summary.calls]
+    assert names == ["SummaryWriter", "add_scalar", "add_scalar", "flush", "close"]
+    assert summary.calls[0][2] == {"log_dir": str(tmp_path / "tensorboard")}
+    assert summary.calls[1][1:] == (("a", 1.5), {"global_step": 4})
+
+
+def test_closed_tracker_refuses_to_log(tmp_path):
+    tracker = make(tmp_path)
+    tracker.close()
+    tracker.close()
+    with pytest.raises(RuntimeError, match="Tracker is closed"):
+        tracker.log({"a": 1}, step=1)
+
+
+# ---------------------------------------------------------------------------------- console
+
+
+def test_console_line_shows_key_metrics_first_and_limits_the_rest(tmp_path):
+    stream = io.StringIO()
+    metrics = {f"perf/x{i}": 1.0 for i in range(20)} | {
+        "timing_s/step": 12.3456,
+        "response_length/mean": 187.25,
+        "actor/entropy": 0.912345,
+        "actor/pg_loss": -0.0123456,
+        "val-core/gsm8k/acc/mean@1": 0.4,
+        "critic/score/mean": 0.53125,
+    }
+    with make(tmp_path, ["console"], console_stream=stream) as tracker:
+        tracker.log(metrics, step=12)
+    line = stream.getvalue()
+    assert line == (
+        "step:12 - critic/score/mean:0.5312 - val-core/gsm8k/acc/mean@1:0.4 - actor/pg_loss:-0.01235 - "
+        "actor/entropy:0.9123 - response_length/mean:187.2 - timing_s/step:12.35 - +20 more\n"
+    )
+    assert "perf/x" not in line
+
+
+def test_console_line_caps_validation_keys_and_prints_nan():
+    metrics = {f"val-core/ds{i}/acc/mean@4": 0.5 for i in range(5)} | {"critic/score/mean": math.nan}
+    line = format_console_line(metrics, 0)
+    assert line.count("val-core/") == CONSOLE_MAX_VAL_KEYS
+    assert "critic/score/mean:nan" in line and line.endswith(f"+{5 - CONSOLE_MAX_VAL_KEYS} more")
+
+
+# ------------------------------------------------------------------------------- generations
+
+
+def test_log_generations_writes_json_safe_rows_in_column_order(tmp_path):
+    stream = io.StringIO()
+    rows = [
+        {"score": 1.0, "output": "4", "input": "2+2=", "ground_truth": "4"},
+        {"input": "3+3=", "output": "7", "score": torch.tensor(0.0), "acc": np.bool_(False), "nan": math.nan},
+        {"input": "x", "output": "y", "score": np.float32(0.5), "ids": torch.tensor([1, 2]), "obj": object},
+    ]
+    with make(tmp_path, ["console", "file"], console_stream=stream) as tracker:
+        path = tracker.log_generations(rows, step=7)
+    assert path == tmp_path / "generations" / "val_step_7.jsonl"
+    lines = path.read_text().splitlines()
+    assert lines[0] == '{"input": "2+2=", "output": "4", "score": 1.0, "ground_truth": "4"}'
+    assert json.loads(lines[1]) == {"input": "3+3=", "output": "7", "score": 0.0, "acc": False, "nan": None}
+    assert json.loads(lines[2]) == {
+        "input": "x",
+        "output": "y",
+        "score": 0.5,
+        "ids": [1, 2],
+        "obj": str(object),
+    }
+    assert "3 val samples, mean score 0.5" in stream.getvalue()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""  # samples do not go into the metrics file
+
+
+def test_log_generations_validates_rows_and_split(tmp_path):
+    with make(tmp_path) as tracker:
+        with pytest.raises(
+            ValueError, match=r"generation row 1 lacks 'score'; each row needs input, output, score"
+        ):
+            tracker.log_generations([ROWS[0], {"input": "a", "output": "b"}], step=1)
+        with pytest.raises(ValueError, match=r"split='../x' must be a plain name"):
+            tracker.log_generations(ROWS, step=1, split="../x")
+        path = tracker.log_text(ROWS, step=2, split="train")
+    assert path.name == "train_step_2.jsonl"
+    assert not (tmp_path / "generations" / "val_step_1.jsonl").exists()
+
+
+def test_json_safe_handles_nested_values():
+    value = {"a": (1, math.inf), 2: {"t": torch.tensor([[0.5]])}, "b": b"\xff"}
+    assert json_safe(value) == {"a": [1, None], "2": {"t": [[0.5]]}, "b": "\ufffd"}
+
+
+# ------------------------------------------------------------------------------ progress bar
+
+
+def test_progress_bar_shows_step_reward_val_and_eta():
+    out = io.StringIO()
+    with ProgressBar(4, initial=1, disable=False, file=out) as bar:
+        bar.update(
+            {
+                "critic/score/mean": torch.tensor(0.25),
+                "val-core/a/acc/mean@1": 0.5,
+                "val-core/b/acc/mean@1": 1.0,
+            }
+        )
+        bar.update({"critic/score/mean": 0.5})
+        assert bar.bar.n == 3
+    text = out.getvalue()
+    assert "3/4" in text and "reward=0.5" in text and "val=0.75" in text  # val kept from the last validation
+    assert "<" in text  # tqdm's elapsed<remaining
+
+
+def test_progress_bar_without_total_and_disabled():
+    out = io.StringIO()
+    with ProgressBar(None, disable=False, file=out) as bar:
+        bar.update({})
+        bar.update({"critic/score/mean": 1})
+    assert "2step" in out.getvalue().replace(" ", "")
+    with ProgressBar(10, disable=True, file=out) as bar:
+        before = out.getvalue()
+        bar.update({"critic/score/mean": 1})
+    assert out.getvalue() == before
