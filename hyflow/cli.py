@@ -4,6 +4,7 @@
     hyflow init-model --preset tiny --out D  random-weight model + locally trained tokenizer
     hyflow data make TASK --out D            write a built-in task's train/test files
     hyflow data gsm8k|math --input F --out D convert public GSM8K / MATH files to hyflow's (verl's) schema
+    hyflow export --ckpt RUN/global_step_N --out D   Hugging Face model directory from a checkpoint
     hyflow plot RUN_DIR                      PNG curves (reward, validation, length, KL, entropy, timing)
 
 Overrides use Hydra's syntax (`key=value`, `+key=value`), with verl's key names.
@@ -73,6 +74,14 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from hyflow.trainer.export import export_checkpoint
+
+    out = export_checkpoint(args.ckpt, args.out, component=args.component, base_model_path=args.base_model)
+    print(f"wrote a Hugging Face model directory to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the run directory (trainer.default_local_dir)")
     p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/plots)")
     p.set_defaults(fn=_cmd_plot)
+
+    p = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
+    p.add_argument("--ckpt", required=True, help="a checkpoint directory, RUN_DIR/global_step_N")
+    p.add_argument("--out", required=True, help="the new model directory")
+    p.add_argument("--component", default="actor_model", help="actor_model (default) or critic_model")
+    p.add_argument("--base-model", default=None, help="model path for the architecture when the checkpoint "
+                   "holds no config")
+    p.set_defaults(fn=_cmd_export)
 
     p = sub.add_parser("data", help="make built-in task data or convert public datasets")
     data_sub = p.add_subparsers(dest="data_command", required=True)
@@ -119,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, KeyError, FileNotFoundError, TypeError) as exc:
+    except (ValueError, KeyError, FileNotFoundError, TypeError, RuntimeError) as exc:
         if getattr(args, "traceback", False):
             raise
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc

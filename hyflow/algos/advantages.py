@@ -142,7 +142,7 @@ def _has_peers(gid_B: torch.Tensor, count_G: torch.Tensor) -> torch.Tensor:
 # critic-based
 
 
-@register_advantage_estimator("gae")
+@register_advantage_estimator("gae", requires=("values",))
 @torch.no_grad()
 def gae(
     token_level_rewards: torch.Tensor,
@@ -186,7 +186,7 @@ def gae(
 # group baselines (outcome rewards)
 
 
-@register_advantage_estimator("grpo")
+@register_advantage_estimator("grpo", requires=("index",))
 @torch.no_grad()
 def grpo(
     token_level_rewards: torch.Tensor,
@@ -211,7 +211,7 @@ def grpo(
     return adv_BT, adv_BT
 
 
-@register_advantage_estimator("grpo_passk")
+@register_advantage_estimator("grpo_passk", requires=("index",))
 @torch.no_grad()
 def grpo_passk(
     token_level_rewards: torch.Tensor,
@@ -250,7 +250,7 @@ def grpo_passk(
     return adv_BT, adv_BT
 
 
-@register_advantage_estimator("rloo")
+@register_advantage_estimator("rloo", requires=("index",))
 @torch.no_grad()
 def rloo(
     token_level_rewards: torch.Tensor,
@@ -273,7 +273,7 @@ def rloo(
     return adv_BT, adv_BT
 
 
-@register_advantage_estimator("reinforce_plus_plus_baseline")
+@register_advantage_estimator("reinforce_plus_plus_baseline", requires=("index",))
 @torch.no_grad()
 def reinforce_plus_plus_baseline(
     token_level_rewards: torch.Tensor,
@@ -296,7 +296,7 @@ def reinforce_plus_plus_baseline(
     return adv_BT, adv_BT
 
 
-@register_advantage_estimator("opo")
+@register_advantage_estimator("opo", requires=("index",))
 @torch.no_grad()
 def opo(
     token_level_rewards: torch.Tensor,
@@ -323,7 +323,7 @@ def opo(
     return adv_BT, adv_BT
 
 
-@register_advantage_estimator("gpg")
+@register_advantage_estimator("gpg", requires=("index",))
 @torch.no_grad()
 def gpg(
     token_level_rewards: torch.Tensor,
@@ -346,7 +346,7 @@ def gpg(
     return adv_BT, adv_BT
 
 
-@register_advantage_estimator("optimal_token_baseline")
+@register_advantage_estimator("optimal_token_baseline", requires=("index", "old_log_prob", "sum_pi_squared"))
 @torch.no_grad()
 def optimal_token_baseline(
     token_level_rewards: torch.Tensor,
@@ -449,7 +449,7 @@ def reinforce_plus_plus(
     return _zero_masked(masked_whiten(returns_BT, mask_BT), mask_BT), returns_BT
 
 
-@register_advantage_estimator("remax")
+@register_advantage_estimator("remax", requires=("reward_baselines",))
 @torch.no_grad()
 def remax(
     token_level_rewards: torch.Tensor,

@@ -17,8 +17,9 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = {}
 POLICY_LOSSES: dict[str, Callable] = {}
 
 
-def _register(registry: dict[str, Callable], kind: str, name: str) -> Callable[[F], F]:
+def _register(registry: dict[str, Callable], kind: str, name: str, requires: tuple[str, ...] = ()) -> Callable[[F], F]:
     def decorator(fn: F) -> F:
+        fn.requires = tuple(requires)  # inputs beyond rewards and mask that the caller must produce
         if name in registry:
             raise ValueError(
                 f"{kind} {name!r} is already registered (by {registry[name].__module__}."
@@ -30,14 +31,20 @@ def _register(registry: dict[str, Callable], kind: str, name: str) -> Callable[[
     return decorator
 
 
-def register_advantage_estimator(name: str) -> Callable[[F], F]:
-    """Register `fn(token_level_rewards, response_mask, **kwargs) -> (advantages, returns)` under `name`."""
-    return _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name)
+def register_advantage_estimator(name: str, requires: tuple[str, ...] = ()) -> Callable[[F], F]:
+    """Register `fn(token_level_rewards, response_mask, **kwargs) -> (advantages, returns)` under `name`.
+
+    `requires` names the inputs the trainer must produce for it, by their keyword: `values` (a critic),
+    `index` (groups of samples per prompt), `reward_baselines` (a greedy rollout's reward, ReMax),
+    `old_log_prob` and `sum_pi_squared` (the actor's forward pass). The trainer reads this declaration and
+    never branches on the estimator's name.
+    """
+    return _register(ADVANTAGE_ESTIMATORS, "advantage estimator", name, requires)
 
 
-def register_policy_loss(name: str) -> Callable[[F], F]:
+def register_policy_loss(name: str, requires: tuple[str, ...] = ()) -> Callable[[F], F]:
     """Register `fn(old_log_prob, log_prob, advantages, response_mask, **kwargs) -> (loss, metrics)`."""
-    return _register(POLICY_LOSSES, "policy loss", name)
+    return _register(POLICY_LOSSES, "policy loss", name, requires)
 
 
 def _lookup(registry: dict[str, Callable], kind: str, name: str) -> Callable:

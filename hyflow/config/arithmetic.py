@@ -70,9 +70,14 @@ class BatchArithmetic:
 
 
 def uses_critic(cfg: HyflowConfig) -> bool:
-    """critic.enable, or when it is null: whether the estimator is gae (the only one that needs values)."""
+    """critic.enable, or when it is null: whether the advantage estimator declares that it needs `values`."""
     enable = cfg.critic.enable
-    return cfg.algorithm.adv_estimator == "gae" if enable is None else bool(enable)
+    if enable is not None:
+        return bool(enable)
+    from hyflow.algos import ADVANTAGE_ESTIMATORS  # lazy: the schema itself stays free of torch
+
+    estimator = ADVANTAGE_ESTIMATORS.get(cfg.algorithm.adv_estimator)
+    return estimator is not None and "values" in getattr(estimator, "requires", ())
 
 
 def uses_reference(cfg: HyflowConfig) -> bool:

@@ -1,0 +1,699 @@
+"""Checkpoint storage: atomic, checksummed `global_step_N/` directories in the run directory.
+
+Generic: `CheckpointManager` stores whatever named state it is given and knows nothing about RL. The
+trainer passes e.g. `{"actor_model": model_sd, "actor_optimizer": optim_sd, "lr_scheduler": ...,
+"rng": capture_rng_state(), "dataloader": loader.state_dict()}`.
+
+Layout under the run directory (`trainer.default_local_dir`; verl's names where verl has them):
+
+    latest_checkpointed_iteration.txt      the step of the newest checkpoint (verl's tracker file)
+    global_step_N/
+      manifest.json                        step, versions, time, components, and every file's size + sha256
+      <name>.safetensors                   a component that is a flat {str: Tensor} dict (a model state dict)
+      <name>.pt                            any other component (optimizer, scheduler, RNG, data-loader state)
+      config.yaml                          the resolved run config, when given
+      hf_config/                           config.json (+ generation_config.json) of the model, when given
+      tokenizer/                           the tokenizer, when given
+      huggingface/                         a full Hugging Face model directory, when `hf_model` is given
+
+Atomic save. Everything is written into `.tmp_global_step_N_<pid>/`, every file is fsync'd and hashed,
+`manifest.json` is written last, then the directory is renamed to `global_step_N` (one rename; a previous
+`global_step_N` is moved aside to `.trash_global_step_N_<pid>` first and deleted only after the new one is
+in place). The tracker file is then replaced with `os.replace`. So a crash at any point leaves either the
+old state or the new one: never a half-written directory under a final name, never a lost checkpoint.
+Leftover `.tmp_*` / `.trash_*` / `.deleting_*` directories are ignored by `list_steps` / `latest_step` and
+cleaned by the next successful save (one process saves into a run directory at a time). A
+`global_step_N` that has no `manifest.json` therefore did not come from a finished save.
+
+Verification. "Complete" (what `list_steps` and `latest_step` accept) means: `manifest.json` parses and
+every listed file exists with its recorded size. `verify` also recomputes every sha256 and raises
+`CorruptCheckpointError` naming the directory, the problem and the fix.
+
+Trust. Nested components are pickles read back with `torch.load(weights_only=False)`, which can run code
+embedded in the file: load only checkpoints you (or someone you trust) wrote. The sha256 manifest guards
+against truncation and bit rot, not against a malicious author. Flat tensor dicts use safetensors, which
+cannot run code.
+
+Bit-exact resume. `capture_rng_state()` / `restore_rng_state()` cover Python's `random`, NumPy's global
+generator, torch's CPU generator and every initialised CUDA device's generator; saved and restored with the
+model, optimizer, scheduler and data-loader state, a resumed run draws the same random numbers as an
+uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import threading
+import time
+import warnings
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from hyflow import __version__ as HYFLOW_VERSION
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+MANIFEST_FILE = "manifest.json"
+STEP_PREFIX = "global_step_"
+HF_MODEL_DIR = "huggingface"
+HF_CONFIG_DIR = "hf_config"
+TOKENIZER_DIR = "tokenizer"
+CONFIG_YAML = "config.yaml"
+MANIFEST_FORMAT = "hyflow-checkpoint"
+MANIFEST_VERSION = 1
+
+_STEP_DIR = re.compile(rf"^{STEP_PREFIX}(0|[1-9]\d*)$")
+_COMPONENT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+_LEFTOVER_PREFIXES = (".tmp_" + STEP_PREFIX, ".trash_" + STEP_PREFIX, ".deleting_" + STEP_PREFIX)
+_KEY_ORDER_METADATA = "hyflow_key_order"
+_HASH_CHUNK_BYTES = 8 << 20
+RESUME_MODES = ("auto", "disable", "resume_path")
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint directory that is partial, truncated or altered after its save."""
+
+
+# ------------------------------------------------------------------------------------------ files
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a directory's entries (creations, renames) durable; a no-op where directories cannot be opened."""
+    if os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path, *, fsync: bool = False) -> str:
+    """sha256 of a file's bytes; with `fsync` the same pass makes the file durable (before the manifest
+    names it)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+        if fsync:
+            os.fsync(f.fileno())
+    return digest.hexdigest()
+
+
+def _write_text_durably(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _is_flat_tensor_dict(obj: Any) -> bool:
+    return (
+        isinstance(obj, Mapping)
+        and len(obj) > 0
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
+    )
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "DTensor"
+
+
+def _tensors_for_safetensors(name: str, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous tensors that each own exactly their storage (safetensors refuses shared storage,
+    e.g. tied embeddings); only tensors that need it are copied."""
+    out: dict[str, torch.Tensor] = {}
+    seen_storages: set[int] = set()
+    for key, tensor in state.items():
+        if _is_dtensor(tensor):
+            raise ValueError(
+                f"component {name!r} key {key!r} is a DTensor shard; gather a full state dict first, e.g. "
+                "torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
+                "options=StateDictOptions(full_state_dict=True, cpu_offload=True))"
+            )
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        owns_storage = storage.nbytes() == t.numel() * t.element_size()
+        if not t.is_contiguous() or not owns_storage or (ptr != 0 and ptr in seen_storages):
+            t = torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
+            ptr = t.untyped_storage().data_ptr()
+        seen_storages.add(ptr)
+        out[key] = t
+    return out
+
+
+def _write_component(directory: Path, name: str, state: Any) -> dict[str, str]:
+    """Write one component; a flat {str: Tensor} dict as safetensors, anything else with torch.save."""
+    if _is_flat_tensor_dict(state):
+        file = f"{name}.safetensors"
+        tensors = _tensors_for_safetensors(name, state)
+        save_file(tensors, directory / file, metadata={_KEY_ORDER_METADATA: json.dumps(list(tensors))})
+        return {"file": file, "format": "safetensors"}
+    file = f"{name}.pt"
+    torch.save(state, directory / file)
+    return {"file": file, "format": "torch"}
+
+
+def _read_component(directory: Path, entry: Mapping[str, str], map_location: str | torch.device) -> Any:
+    path = directory / entry["file"]
+    if entry["format"] == "safetensors":
+        with safe_open(path, framework="pt", device=str(torch.device(map_location))) as f:
+            metadata = f.metadata() or {}
+            keys = json.loads(metadata[_KEY_ORDER_METADATA]) if _KEY_ORDER_METADATA in metadata else f.keys()
+            return {key: f.get_tensor(key) for key in keys}
+    # Pickle: may run code from the file (see the module docstring: load only trusted checkpoints).
+    return torch.load(path, map_location=map_location, weights_only=False)
+
+
+def _save_pretrained_dir(obj: Any, directory: Path, what: str, **kwargs: Any) -> None:
+    if not hasattr(obj, "save_pretrained"):
+        raise TypeError(
+            f"{what} must have a save_pretrained(dir) method (a Hugging Face object); got {type(obj)}"
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    obj.save_pretrained(directory, **kwargs)
+
+
+def _listed_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+# ------------------------------------------------------------------------------------------ manifest
+
+
+def step_dir_name(step: int) -> str:
+    """`global_step_{step}` (verl's directory name)."""
+    return f"{STEP_PREFIX}{step}"
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The parsed `manifest.json` of a checkpoint directory (raises CorruptCheckpointError if absent/invalid)."""
+    directory = Path(path)
+    problem, manifest = _manifest_problem(directory)
+    if problem is not None:
+        raise CorruptCheckpointError(_corrupt_message(directory, problem))
+    return manifest
+
+
+def checkpoint_step(path: str | os.PathLike) -> int:
+    """The training step a checkpoint directory holds (from its manifest; verl reads it from the name)."""
+    return int(read_manifest(path)["step"])
+
+
+def _manifest_problem(directory: Path) -> tuple[str | None, dict[str, Any]]:
+    manifest_path = directory / MANIFEST_FILE
+    if not manifest_path.is_file():
+        return f"partial checkpoint (no {MANIFEST_FILE}: the save did not finish)", {}
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"{MANIFEST_FILE} is unreadable ({e}): it was damaged after the save", {}
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    well_formed = (
+        isinstance(files, dict)
+        and all(isinstance(m, dict) and {"size", "sha256"} <= m.keys() for m in files.values())
+        and isinstance(manifest.get("components"), dict)
+        and "step" in manifest
+    )
+    if not well_formed:
+        return (
+            f"{MANIFEST_FILE} is malformed (needs 'step', 'components' and 'files' with size and sha256)",
+            {},
+        )
+    return None, manifest
+
+
+def _checkpoint_problem(directory: Path, *, checksums: bool) -> str | None:
+    """What is wrong with a checkpoint directory, or None; sizes always, sha256 only with `checksums`."""
+    if not directory.is_dir():
+        return "the directory does not exist"
+    problem, manifest = _manifest_problem(directory)
+    if problem is not None:
+        return problem
+    for rel, meta in manifest["files"].items():
+        path = directory / rel
+        if not path.is_file():
+            return f"missing file {rel} (listed in {MANIFEST_FILE})"
+        size = path.stat().st_size
+        if size != meta["size"]:
+            return f"size mismatch for {rel}: {size} bytes on disk, {meta['size']} in {MANIFEST_FILE} (truncated or overwritten)"
+        if checksums:
+            digest = _sha256(path)
+            if digest != meta["sha256"]:
+                return (
+                    f"checksum mismatch for {rel}: sha256 {digest[:16]}… on disk, {meta['sha256'][:16]}… in "
+                    f"{MANIFEST_FILE} (the file's bytes changed after the save)"
+                )
+    return None
+
+
+def _complete_steps(run_dir: Path) -> list[int]:
+    if not run_dir.is_dir():
+        return []
+    steps = []
+    for child in run_dir.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir() and _checkpoint_problem(child, checksums=False) is None:
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def _corrupt_message(directory: Path, problem: str) -> str:
+    others = [s for s in reversed(_complete_steps(directory.parent)) if directory.name != step_dir_name(s)]
+    if others:
+        names = ", ".join(step_dir_name(s) for s in others)
+        fix = f"delete it or resume from {step_dir_name(others[0])} (complete checkpoints beside it: {names})"
+    else:
+        fix = f"delete it (there is no other complete checkpoint in {directory.parent}; training starts from scratch)"
+    return f"corrupt checkpoint {directory}: {problem}. Fix: {fix}"
+
+
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """Check a checkpoint directory against its manifest: every file present, sizes and sha256 equal.
+
+    Raises FileNotFoundError if the directory is missing, CorruptCheckpointError naming the directory, the
+    problem (partial checkpoint without manifest.json, missing file, size mismatch, checksum mismatch) and
+    the fix (delete it or resume from another complete global_step_K).
+    """
+    directory = Path(path)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
+    problem = _checkpoint_problem(directory, checksums=True)
+    if problem is not None:
+        raise CorruptCheckpointError(_corrupt_message(directory, problem))
+
+
+# ------------------------------------------------------------------------------------------ RNG
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """The state of every global random generator: Python `random`, NumPy's global generator, torch CPU, and
+    torch CUDA on every device (only when CUDA is initialised in this process: an uninitialised CUDA
+    generator has drawn nothing, and initialising it here would allocate a context in a CPU-only driver)."""
+    cuda = (
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    )
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch_cpu": torch.get_rng_state(),
+        "torch_cuda": cuda,
+    }
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Set every global generator back to a `capture_rng_state()` snapshot, so the next draws repeat exactly.
+
+    CUDA states are restored per device; a different device count (or no CUDA now) is a warning, since the
+    resumed run then cannot be bit-exact on the GPU.
+    """
+    missing = [k for k in ("python", "numpy", "torch_cpu", "torch_cuda") if k not in state]
+    if missing:
+        raise ValueError(f"RNG state is missing {missing}; pass the dict that capture_rng_state() returned")
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch_cpu"].cpu())
+    cuda_states = state["torch_cuda"]
+    if cuda_states is None:
+        return
+    if not torch.cuda.is_available():
+        warnings.warn(
+            f"the checkpoint holds CUDA RNG states for {len(cuda_states)} device(s) but CUDA is not available; "
+            "CUDA random numbers will differ from the original run",
+            stacklevel=2,
+        )
+        return
+    if len(cuda_states) != torch.cuda.device_count():
+        warnings.warn(
+            f"the checkpoint holds CUDA RNG states for {len(cuda_states)} device(s), this process sees "
+            f"{torch.cuda.device_count()}; restoring the common ones, the run is not bit-exact",
+            stacklevel=2,
+        )
+    for device, cuda_state in enumerate(cuda_states[: torch.cuda.device_count()]):
+        torch.cuda.set_rng_state(cuda_state.cpu(), device)
+
+
+# ------------------------------------------------------------------------------------------ manager
+
+
+class CheckpointManager:
+    """Saves, lists, verifies and loads `global_step_N/` checkpoints in one run directory.
+
+    `max_to_keep`: after each successful save, delete the oldest complete checkpoints so at most this many
+    remain (the one just saved always stays); None or 0 keeps all (verl's `max_*_ckpt_to_keep`).
+    `save` may be called from a background thread (`checkpoint.async_save`): saves of one manager run one
+    at a time.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, max_to_keep: int | None = None):
+        if max_to_keep is not None and (isinstance(max_to_keep, bool) or max_to_keep < 0):
+            raise ValueError(
+                f"max_to_keep={max_to_keep!r} is invalid; use a positive number of checkpoints, or None/0 to keep all"
+            )
+        self.run_dir = Path(run_dir).expanduser()
+        self.max_to_keep = max_to_keep or None
+        self._save_lock = threading.Lock()
+
+    # -- paths
+
+    @property
+    def tracker_path(self) -> Path:
+        return self.run_dir / TRACKER_FILE
+
+    def step_dir(self, step: int) -> Path:
+        """`run_dir/global_step_{step}`."""
+        return self.run_dir / step_dir_name(step)
+
+    def _as_dir(self, path_or_step: int | str | os.PathLike) -> Path:
+        if isinstance(path_or_step, int) and not isinstance(path_or_step, bool):
+            return self.step_dir(path_or_step)
+        return Path(path_or_step).expanduser()
+
+    # -- save
+
+    def save(
+        self,
+        step: int,
+        components: Mapping[str, Any],
+        *,
+        hf_model: Any = None,
+        tokenizer: Any = None,
+        hf_config: Any = None,
+        generation_config: Any = None,
+        config_yaml: str | None = None,
+        hf_model_component: str = "actor_model",
+    ) -> Path:
+        """Write `run_dir/global_step_{step}/` atomically and point the tracker file at it; returns the path.
+
+        components: name -> state. A non-empty flat {str: Tensor} dict (a model state dict) is written as
+            `<name>.safetensors` (tied/shared tensors are stored once per key); anything else (optimizer,
+            scheduler, RNG, data-loader state, plain dicts) with `torch.save` as `<name>.pt`. Tensors must
+            be full, not DTensor shards.
+        hf_model: a Hugging Face model (the component `hf_model_component`, the actor by default) also
+            written as `huggingface/` with `save_pretrained` (safetensors), plus the tokenizer: a directory
+            that `from_pretrained` loads (checkpoint.save_contents has `hf_model`).
+        tokenizer: written to `tokenizer/` (and into `huggingface/` with `hf_model`).
+        hf_config / generation_config: the model's `PretrainedConfig` / `GenerationConfig`, written to
+            `hf_config/`, so `export_checkpoint` can rebuild the model without the base model directory.
+        config_yaml: the resolved run config, written as `config.yaml`.
+
+        Sequence: write into `.tmp_global_step_{step}_<pid>/`, fsync + sha256 every file, write
+        `manifest.json` last, rename into place (an existing `global_step_{step}` is moved aside first and
+        deleted after), replace the tracker file, apply `max_to_keep`, delete leftovers of crashed saves.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        for name in components:
+            if not isinstance(name, str) or not _COMPONENT_NAME.match(name):
+                raise ValueError(
+                    f"component name {name!r} is not a valid file name; use letters, digits, '_', '-', '.' "
+                    "(starting with a letter or digit), e.g. 'actor_model'"
+                )
+        extras = {
+            "hf_model": hf_model,
+            "tokenizer": tokenizer,
+            "hf_config": hf_config,
+            "generation_config": generation_config,
+            "config_yaml": config_yaml,
+            "hf_model_component": hf_model_component,
+        }
+        with self._save_lock:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._recover_interrupted_replace()
+            tmp = self.run_dir / f".tmp_{step_dir_name(step)}_{os.getpid()}"
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            try:
+                self._write_contents(tmp, step, components, **extras)
+                final = self._move_into_place(tmp, step)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            self._write_tracker(step)
+            self._apply_max_to_keep(keep=step)
+            self._clean_leftovers()
+        return final
+
+    def _write_contents(
+        self,
+        tmp: Path,
+        step: int,
+        components: Mapping[str, Any],
+        *,
+        hf_model: Any,
+        tokenizer: Any,
+        hf_config: Any,
+        generation_config: Any,
+        config_yaml: str | None,
+        hf_model_component: str,
+    ) -> None:
+        entries = {name: _write_component(tmp, name, state) for name, state in components.items()}
+        if config_yaml is not None:
+            (tmp / CONFIG_YAML).write_text(config_yaml)
+        if hf_config is not None:
+            _save_pretrained_dir(hf_config, tmp / HF_CONFIG_DIR, "hf_config")
+        if generation_config is not None:
+            _save_pretrained_dir(generation_config, tmp / HF_CONFIG_DIR, "generation_config")
+        if tokenizer is not None:
+            _save_pretrained_dir(tokenizer, tmp / TOKENIZER_DIR, "tokenizer")
+        if hf_model is not None:
+            _save_pretrained_dir(hf_model, tmp / HF_MODEL_DIR, "hf_model", safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp / HF_MODEL_DIR)
+        files = {}
+        for path in _listed_files(tmp):
+            files[path.relative_to(tmp).as_posix()] = {
+                "size": path.stat().st_size,
+                "sha256": _sha256(path, fsync=True),
+            }
+        now = time.time()
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "format_version": MANIFEST_VERSION,
+            "step": step,
+            "hyflow_version": HYFLOW_VERSION,
+            "torch_version": torch.__version__,
+            "saved_at": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
+            "saved_at_unix": now,
+            "components": entries,
+            "huggingface": {"component": hf_model_component} if hf_model is not None else None,
+            "files": files,
+        }
+        _write_text_durably(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2) + "\n")
+        for directory in sorted({p.parent for p in _listed_files(tmp)}, key=lambda p: -len(p.parts)):
+            _fsync_dir(directory)
+
+    def _move_into_place(self, tmp: Path, step: int) -> Path:
+        final = self.step_dir(step)
+        if not final.exists():
+            os.rename(tmp, final)
+            _fsync_dir(self.run_dir)
+            return final
+        trash = self.run_dir / f".trash_{step_dir_name(step)}_{os.getpid()}"
+        if trash.exists():
+            shutil.rmtree(trash)
+        os.rename(final, trash)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            os.rename(trash, final)
+            raise
+        _fsync_dir(self.run_dir)
+        shutil.rmtree(trash, ignore_errors=True)
+        return final
+
+    def _write_tracker(self, step: int) -> None:
+        tmp = self.run_dir / f".{TRACKER_FILE}.tmp_{os.getpid()}"
+        _write_text_durably(tmp, str(step))
+        os.replace(tmp, self.tracker_path)
+        _fsync_dir(self.run_dir)
+
+    def _apply_max_to_keep(self, keep: int) -> None:
+        if self.max_to_keep is None:
+            return
+        steps = self.list_steps()
+        retained = set(steps[-self.max_to_keep :]) | {keep}
+        for step in steps:
+            if step not in retained:
+                doomed = self.run_dir / f".deleting_{step_dir_name(step)}_{os.getpid()}"
+                os.rename(self.step_dir(step), doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
+
+    def _recover_interrupted_replace(self) -> None:
+        """A crash between the two renames of a same-step replace leaves the old checkpoint as
+        `.trash_global_step_N_*` with no `global_step_N`: move it back."""
+        if not self.run_dir.is_dir():
+            return
+        for child in sorted(self.run_dir.glob(f".trash_{STEP_PREFIX}*")):
+            match = re.match(rf"^\.trash_{STEP_PREFIX}(\d+)_\d+$", child.name)
+            final = self.step_dir(int(match.group(1))) if match else None
+            if (
+                final is not None
+                and not final.exists()
+                and _checkpoint_problem(child, checksums=False) is None
+            ):
+                os.rename(child, final)
+                warnings.warn(
+                    f"restored {final} from {child.name} (a save of that step was interrupted)", stacklevel=3
+                )
+
+    def _clean_leftovers(self) -> None:
+        for child in self.run_dir.iterdir():
+            if child.is_dir() and child.name.startswith(_LEFTOVER_PREFIXES):
+                shutil.rmtree(child, ignore_errors=True)
+        for child in self.run_dir.glob(f".{TRACKER_FILE}.tmp_*"):
+            child.unlink(missing_ok=True)
+
+    # -- list, latest, verify
+
+    def list_steps(self) -> list[int]:
+        """Steps of the complete checkpoints (manifest present, files present with their sizes), ascending."""
+        return _complete_steps(self.run_dir)
+
+    def _read_tracker(self) -> int | None:
+        if not self.tracker_path.is_file():
+            return None
+        text = self.tracker_path.read_text().strip()
+        try:
+            return int(text)
+        except ValueError:
+            warnings.warn(f"{self.tracker_path} holds {text!r}, not a step number; ignoring it", stacklevel=3)
+            return None
+
+    def latest_step(self) -> int | None:
+        """The step in `latest_checkpointed_iteration.txt` when that checkpoint is complete (verl semantics:
+        the tracker decides, so editing it selects an older step); else, with a warning, the newest complete
+        `global_step_*`; None when there is none."""
+        complete = self.list_steps()
+        tracked = self._read_tracker()
+        if tracked is not None:
+            problem = _checkpoint_problem(self.step_dir(tracked), checksums=False)
+            if problem is None:
+                return tracked
+            complete = [s for s in complete if s != tracked]
+            fallback = (
+                f"falling back to {step_dir_name(complete[-1])}"
+                if complete
+                else "no complete checkpoint remains"
+            )
+            warnings.warn(
+                f"{TRACKER_FILE} names step {tracked} but {self.step_dir(tracked)}: {problem}; {fallback}",
+                stacklevel=2,
+            )
+        elif complete and not self.tracker_path.exists():
+            warnings.warn(
+                f"{self.tracker_path} is missing; using the newest complete checkpoint {self.step_dir(complete[-1])}",
+                stacklevel=2,
+            )
+        return complete[-1] if complete else None
+
+    def verify(self, path_or_step: int | str | os.PathLike) -> None:
+        """`verify_checkpoint` on `global_step_{step}` or a directory: sizes and sha256 against the manifest."""
+        verify_checkpoint(self._as_dir(path_or_step))
+
+    # -- load
+
+    def load(
+        self,
+        path_or_step: int | str | os.PathLike,
+        *,
+        names: Iterable[str] | None = None,
+        map_location: str | torch.device = "cpu",
+        verify: bool = True,
+    ) -> dict[str, Any]:
+        """The saved components, name -> state (all of them, or only `names`).
+
+        Safetensors components come back as plain {str: Tensor} dicts in their saved key order, on
+        `map_location`; others via `torch.load(weights_only=False)` (a pickle: trusted checkpoints only).
+        `verify` checks sizes and sha256 first (pass False right after `resolve_resume`, which verified).
+        """
+        directory = self._as_dir(path_or_step)
+        if verify:
+            verify_checkpoint(directory)
+        elif not directory.is_dir():
+            raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
+        entries = read_manifest(directory)["components"]
+        wanted = list(entries) if names is None else list(names)
+        unknown = [n for n in wanted if n not in entries]
+        if unknown:
+            raise KeyError(f"{directory} has no component(s) {unknown}; it holds {sorted(entries)}")
+        return {name: _read_component(directory, entries[name], map_location) for name in wanted}
+
+    # -- resume
+
+    def resolve_resume(
+        self, resume_mode: str, resume_from_path: str | os.PathLike | None = None
+    ) -> Path | None:
+        """The checkpoint to resume from (verified: sizes and sha256), or None to start from scratch.
+
+        verl's `trainer.resume_mode`: `disable` -> None; `auto` -> the latest complete checkpoint in the
+        run directory (the tracker's, else the newest; a corrupt one is skipped with a warning) or None;
+        `resume_path` -> `resume_from_path` (absolute, relative to the working directory, or relative to the
+        run directory), which must exist and verify.
+        """
+        if resume_mode not in RESUME_MODES:
+            raise ValueError(f"trainer.resume_mode={resume_mode!r} is not one of {list(RESUME_MODES)}")
+        if resume_mode == "disable":
+            return None
+        self._recover_interrupted_replace()
+        if resume_mode == "auto":
+            return self._latest_verified()
+        return self._verified_resume_path(resume_from_path)
+
+    def _latest_verified(self) -> Path | None:
+        latest = self.latest_step()
+        if latest is None:
+            return None
+        candidates = [latest] + [s for s in reversed(self.list_steps()) if s != latest]
+        for step in candidates:
+            problem = _checkpoint_problem(self.step_dir(step), checksums=True)
+            if problem is None:
+                return self.step_dir(step)
+            warnings.warn(f"skipping corrupt checkpoint {self.step_dir(step)}: {problem}", stacklevel=3)
+        return None
+
+    def _verified_resume_path(self, resume_from_path: str | os.PathLike | None) -> Path:
+        complete = ", ".join(str(self.step_dir(s)) for s in reversed(self.list_steps())) or "none"
+        if resume_from_path is None or str(resume_from_path).strip() == "":
+            raise ValueError(
+                "trainer.resume_mode=resume_path needs trainer.resume_from_path=<run_dir>/global_step_N "
+                f"(complete checkpoints in {self.run_dir}: {complete}); or use trainer.resume_mode=auto"
+            )
+        given = Path(resume_from_path).expanduser()
+        path = (
+            given
+            if given.is_absolute() or given.exists() or not (self.run_dir / given).exists()
+            else self.run_dir / given
+        )
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"trainer.resume_from_path={str(resume_from_path)!r} does not exist; point it at a global_step_N "
+                f"directory (complete checkpoints in {self.run_dir}: {complete})"
+            )
+        if not (path / MANIFEST_FILE).exists():
+            inner = _complete_steps(path)
+            if inner:
+                raise ValueError(
+                    f"trainer.resume_from_path={str(resume_from_path)!r} is a run directory, not a checkpoint; "
+                    f"point it at one of its global_step_N directories, e.g. {path / step_dir_name(inner[-1])}"
+                )
+        try:
+            verify_checkpoint(path)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"trainer.resume_from_path={str(resume_from_path)!r}: {e}") from e
+        return path.resolve()

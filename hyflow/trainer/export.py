@@ -1,0 +1,242 @@
+"""Export one model component of a checkpoint as a Hugging Face model directory (`hyflow export`).
+
+`export_checkpoint(run_dir/global_step_N, out_dir)` writes safetensors weights, `config.json`,
+`generation_config.json` and the tokenizer, loadable with `AutoModelForCausalLM.from_pretrained(out_dir)`
+(verl's equivalent is `python -m verl.model_merger merge`). The checkpoint is verified (sizes, sha256) first.
+
+Where the model comes from, first match wins:
+
+1. `global_step_N/huggingface/` (saved when `checkpoint.save_contents` has `hf_model`) for the component it
+   was saved for: copied as is.
+2. Otherwise the model is rebuilt from a config and the component's state dict is loaded into it. The config
+   is `global_step_N/hf_config/config.json` (saved by the trainer via `CheckpointManager.save(hf_config=...)`)
+   or else the one at `base_model_path` (the model the run started from). The class is the config's
+   `architectures[0]` (AutoModelForCausalLM when absent); the weights keep the checkpoint's dtype.
+
+State-dict keys written by wrapped modules are normalised first: a leading `module.` (DDP) is stripped,
+and `_orig_mod.` (torch.compile), `_fsdp_wrapped_module.` (FSDP1) and `_checkpoint_wrapped_module.`
+(activation checkpointing) are removed wherever they occur. Every key must then match the model: missing
+or unexpected keys, or a shape mismatch, are an error listing them (a key that is missing only because its
+tensor is tied to a present one, like `lm_head.weight` with tied embeddings, is fine).
+
+Generation config: `hf_config/generation_config.json`, else the base model's, else the one transformers
+derives from the model config. Tokenizer: `global_step_N/tokenizer/` (copied byte for byte), else the base
+model's; without either the export has no tokenizer (a warning).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+import yaml
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from hyflow.models.loading import resolve_model_path
+from hyflow.trainer.checkpoint import (
+    CONFIG_YAML,
+    HF_CONFIG_DIR,
+    HF_MODEL_DIR,
+    TOKENIZER_DIR,
+    CheckpointManager,
+    read_manifest,
+    verify_checkpoint,
+)
+
+LEADING_WRAPPER_PREFIX = "module"
+WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+_MAX_KEYS_SHOWN = 10
+
+
+def strip_wrapper_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keys as the bare model names them: leading `module.` removed, `_orig_mod.` / `_fsdp_wrapped_module.`
+    / `_checkpoint_wrapped_module.` removed anywhere; two keys that collapse to one are an error."""
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state_dict.items():
+        parts = [p for p in key.split(".") if p not in WRAPPER_SEGMENTS]
+        while len(parts) > 1 and parts[0] == LEADING_WRAPPER_PREFIX:
+            parts = parts[1:]
+        clean = ".".join(parts)
+        if clean in out:
+            raise ValueError(f"state-dict keys collide after removing wrapper prefixes: {key!r} -> {clean!r}")
+        out[clean] = tensor
+    return out
+
+
+def _show(keys: list[str]) -> str:
+    shown = ", ".join(keys[:_MAX_KEYS_SHOWN])
+    more = f", … ({len(keys) - _MAX_KEYS_SHOWN} more)" if len(keys) > _MAX_KEYS_SHOWN else ""
+    return f"[{shown}{more}]"
+
+
+def _prepare_out_dir(out_dir: str | os.PathLike) -> Path:
+    out = Path(out_dir).expanduser().absolute()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(
+            f"export directory {out} exists and is not empty; delete it or choose another --out"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _base_model_hint(ckpt: Path, component: str) -> str:
+    """`key=value` of the run's own model path from the checkpoint's config.yaml, when readable."""
+    key = "critic.model.path" if component.startswith("critic") else "actor_rollout_ref.model.path"
+    try:
+        node: Any = yaml.safe_load((ckpt / CONFIG_YAML).read_text())
+        for part in key.split("."):
+            node = node[part]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return f"the run's {key}"
+    return f"{key}={node} in the run's config.yaml"
+
+
+def _load_model_config(ckpt: Path, component: str, base: str | None) -> tuple[Any, str]:
+    """(config, where it came from): the checkpoint's hf_config/, else the base model's."""
+    if (ckpt / HF_CONFIG_DIR / "config.json").is_file():
+        return AutoConfig.from_pretrained(ckpt / HF_CONFIG_DIR), str(ckpt / HF_CONFIG_DIR)
+    if base is not None:
+        return AutoConfig.from_pretrained(base), base
+    raise FileNotFoundError(
+        f"cannot export {ckpt}: it has no {HF_MODEL_DIR}/ (checkpoint.save_contents without hf_model) and no "
+        f"{HF_CONFIG_DIR}/config.json (the model config), and no base_model_path was given. Fix: pass "
+        f"base_model_path=<the model the run started from> ({_base_model_hint(ckpt, component)})"
+    )
+
+
+def _build_model(config: Any) -> torch.nn.Module:
+    """A randomly initialised model of the config's `architectures[0]` (a causal LM when unnamed)."""
+    architectures = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, architectures[0], None) if architectures else None
+    return cls(config) if cls is not None else AutoModelForCausalLM.from_config(config)
+
+
+def _uniform_float_dtype(state: dict[str, torch.Tensor]) -> torch.dtype | None:
+    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def _check_keys(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """Every model key present (or tied to a present one), no extra keys, equal shapes; else ValueError."""
+    expected = model.state_dict()
+    storage_keys: dict[int, list[str]] = {}
+    for key, tensor in expected.items():
+        storage_keys.setdefault(tensor.data_ptr(), []).append(key)
+    missing = [
+        k
+        for k in expected
+        if k not in state and not any(twin in state for twin in storage_keys[expected[k].data_ptr()])
+    ]
+    unexpected = [k for k in state if k not in expected]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in state
+        if k in expected and state[k].shape != expected[k].shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing key(s) {_show(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected key(s) {_show(unexpected)}")
+    if shapes:
+        problems.append(f"{len(shapes)} shape mismatch(es) {_show(shapes)}")
+    if problems:
+        raise ValueError(
+            f"{where} does not fit the model: {'; '.join(problems)}. Fix: export with the config of the model "
+            "the run trained (base_model_path), or choose the right component"
+        )
+
+
+def _add_tokenizer(ckpt: Path, out: Path, base: str | None) -> bool:
+    """Put a tokenizer into `out` unless it has one: the checkpoint's (bytes copied), else the base model's.
+    False when there is none to add."""
+    if (out / "tokenizer_config.json").is_file():
+        return True
+    if (ckpt / TOKENIZER_DIR).is_dir():
+        shutil.copytree(ckpt / TOKENIZER_DIR, out, dirs_exist_ok=True)
+        return True
+    if base is not None:
+        AutoTokenizer.from_pretrained(base).save_pretrained(out)
+        return True
+    return False
+
+
+def _generation_config(ckpt: Path, base: str | None) -> GenerationConfig | None:
+    for directory in (ckpt / HF_CONFIG_DIR, Path(base) if base else None):
+        if directory is not None and (directory / "generation_config.json").is_file():
+            return GenerationConfig.from_pretrained(directory)
+    return None
+
+
+def _build_from_state_dict(ckpt: Path, manifest: dict, out: Path, component: str, base: str | None) -> None:
+    config, source = _load_model_config(ckpt, component, base)
+    raw = CheckpointManager(ckpt.parent).load(ckpt, names=[component], verify=False)[component]
+    if not isinstance(raw, dict) or not raw or not all(isinstance(v, torch.Tensor) for v in raw.values()):
+        models = [n for n, e in manifest["components"].items() if e["format"] == "safetensors"]
+        raise ValueError(
+            f"component {component!r} of {ckpt} is not a model state dict (a flat name -> tensor dict); "
+            f"model components in this checkpoint: {models}"
+        )
+    state = strip_wrapper_prefixes(raw)
+    model = _build_model(config)
+    dtype = _uniform_float_dtype(state)
+    if dtype is not None:
+        model.to(dtype)
+    _check_keys(model, state, f"component {component!r} of {ckpt} (model config from {source})")
+    model.load_state_dict(state, strict=False)
+    generation_config = _generation_config(ckpt, base)
+    if generation_config is not None and model.can_generate():
+        model.generation_config = generation_config
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def export_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    component: str = "actor_model",
+    base_model_path: str | None = None,
+) -> Path:
+    """Write `component` of the checkpoint `ckpt_dir` (a `global_step_N` directory) as a Hugging Face model
+    directory `out_dir` (safetensors + config + generation config + tokenizer); returns `out_dir`.
+
+    The checkpoint must verify (CorruptCheckpointError otherwise). `out_dir` must be new or empty; it is
+    written as a sibling temporary directory and renamed into place, so a failed export leaves nothing.
+    See the module docstring for where the model, generation config and tokenizer come from.
+    """
+    ckpt = Path(ckpt_dir).expanduser()
+    verify_checkpoint(ckpt)
+    manifest = read_manifest(ckpt)
+    if (
+        component not in manifest["components"]
+        and not (manifest.get("huggingface") or {}).get("component") == component
+    ):
+        raise KeyError(f"{ckpt} has no component {component!r}; it holds {sorted(manifest['components'])}")
+    out = _prepare_out_dir(out_dir)
+    base = resolve_model_path(base_model_path, config_key="base_model_path") if base_model_path else None
+    tmp = out.parent / f".tmp_export_{out.name}_{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        saved_hf = manifest.get("huggingface") or {}
+        if saved_hf.get("component") == component and (ckpt / HF_MODEL_DIR).is_dir():
+            shutil.copytree(ckpt / HF_MODEL_DIR, tmp)
+        else:
+            tmp.mkdir()
+            _build_from_state_dict(ckpt, manifest, tmp, component, base)
+        if not _add_tokenizer(ckpt, tmp, base):
+            warnings.warn(
+                f"{ckpt} holds no {TOKENIZER_DIR}/ and no base_model_path was given: the export has no tokenizer",
+                stacklevel=2,
+            )
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
