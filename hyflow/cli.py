@@ -1,5 +1,6 @@
 """The `hyflow` command line: one entry point, one subcommand per job.
 
+    hyflow train [overrides...]             RL training in one process (verl's key names)
     hyflow config [overrides...]            resolved config with help text and the batch arithmetic
     hyflow init-model --preset tiny --out D  random-weight model + locally trained tokenizer
     hyflow data make TASK --out D            write a built-in task's train/test files
@@ -16,6 +17,17 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from hyflow.trainer.rl_trainer import run_rl
+
+    history = run_rl(args.overrides, config_file=args.config)
+    if history:
+        last = history[-1]
+        keys = [k for k in last if k.startswith(("val-core/", "critic/score/mean"))]
+        print("final: " + ", ".join(f"{k}={last[k]:.4g}" for k in keys))
+    return 0
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -85,6 +97,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="RL training (PPO, GRPO, DAPO, RLOO, ...) from verl-style overrides")
+    p.add_argument("overrides", nargs="*", help="e.g. algorithm.adv_estimator=grpo data.train_files=D/train.parquet")
+    p.add_argument("--config", help="a YAML config file applied before the overrides")
+    p.set_defaults(fn=_cmd_train)
 
     p = sub.add_parser("config", help="print the resolved config with help text and the batch arithmetic")
     p.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. data.train_batch_size=32")

@@ -1,0 +1,391 @@
+"""The RL trainer: the dataflow of one step, run by one driver over worker groups.
+
+Every step does, in this order (DESIGN.md's spine; each stage a named call in `step`):
+
+1. rollout: sample `rollout.n` responses per prompt, score them (rule functions, a custom function, or a
+   reward model); with `algorithm.filter_groups` keep generating until the batch holds `train_batch_size`
+   prompts whose samples disagree (DAPO's dynamic sampling); estimators that need a greedy baseline (ReMax)
+   get one more, greedy rollout;
+2. the actor's log-probs of its own samples (`old_log_probs`, entropy), the reference policy's, the critic's
+   values — each only when something downstream needs it;
+3. token-level rewards: the scores, minus a KL penalty when `algorithm.use_kl_in_reward`;
+4. rollout correction (truncated importance weights / rejection) when configured;
+5. advantages and returns from the estimator named by `algorithm.adv_estimator`;
+6. critic update, then actor update (after `trainer.critic_warmup` steps), then the rollout engine takes the
+   new weights.
+
+The trainer never branches on an algorithm's name: estimators declare the inputs they need
+(`estimator.requires`), losses are looked up by name inside the actor. Simplifications, stated: one executor
+(`local`, in-process) until the Ray executor lands; validation scores the whole validation set at each test.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from hyflow.algos import (
+    apply_kl_penalty,
+    compute_rollout_correction,
+    compute_validation_metrics,
+    reduce_metrics,
+)
+from hyflow.algos.kl import make_kl_controller
+from hyflow.algos.registry import get_advantage_estimator
+from hyflow.batch import Batch
+from hyflow.config import (
+    HyflowConfig,
+    config_to_dict,
+    config_to_yaml,
+    describe_batch_arithmetic,
+    load_config,
+    validate_config,
+)
+from hyflow.config.arithmetic import uses_critic, uses_reference
+from hyflow.controller import LocalWorkerGroup
+from hyflow.data.rl_dataset import PromptLoader, RLDataset
+from hyflow.models.loading import load_tokenizer
+from hyflow.rewards.custom import load_custom_reward_function
+from hyflow.rewards.managers import make_reward_manager
+from hyflow.rollout.base import SamplingParams
+from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from hyflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, timer
+from hyflow.trainer.tracking import ProgressBar, Tracker, truncate_metrics
+from hyflow.workers.actor import ActorRolloutRefWorker
+from hyflow.workers.critic import CriticWorker
+
+
+class RLTrainer:
+    """PPO-family training from a config (object, or a list of verl-style overrides).
+
+    `reward_fn`: a Python callable with verl's signature (`compute_score(data_source, solution_str,
+    ground_truth, extra_info=None, **kw)`) used instead of the built-in scorers; `train_dataset` /
+    `val_dataset`: RLDataset objects, or file paths, instead of `data.train_files` / `data.val_files`.
+    """
+
+    def __init__(self, config: HyflowConfig | Sequence[str] | None = None, *, reward_fn: Callable | None = None,
+                 train_dataset=None, val_dataset=None, tokenizer=None) -> None:
+        self.config = config if isinstance(config, HyflowConfig) else load_config(list(config or []))
+        validate_config(self.config, n_devices=1)
+        cfg = self.config
+        if cfg.trainer.executor == "ray" or cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node > 1:
+            raise ValueError("this build runs the `local` executor on one device: set trainer.executor=local, "
+                             "trainer.nnodes=1, trainer.n_gpus_per_node=1 (the Ray executor is not available yet)")
+        if not cfg.actor_rollout_ref.model.path:
+            raise ValueError("set actor_rollout_ref.model.path to a model directory or hub id "
+                             "(make a tiny one with: hyflow init-model --preset tiny --out DIR)")
+        self.tokenizer = tokenizer or load_tokenizer(cfg.actor_rollout_ref.model.tokenizer_path
+                                                     or cfg.actor_rollout_ref.model.path,
+                                                     trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+        self.train_dataset = self._dataset(train_dataset, cfg.data.train_files, cfg.data.train_max_samples, "train")
+        self.val_dataset = self._dataset(val_dataset, cfg.data.val_files, cfg.data.val_max_samples, "val")
+        self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
+        self.reward_fn = reward_fn
+        if reward_fn is None and cfg.custom_reward_function.path:
+            self.reward_fn = load_custom_reward_function(cfg.custom_reward_function.path,
+                                                         cfg.custom_reward_function.name,
+                                                         dict(cfg.custom_reward_function.reward_kwargs or {}))
+        self.run_dir = Path(cfg.trainer.default_local_dir)
+        self.global_step = 0
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------ set-up
+    def _dataset(self, given, files, max_samples: int, split: str):
+        if given is not None and not isinstance(given, (str, Path, list, tuple)):
+            return given
+        files = given or files
+        if not files:
+            if split == "train":
+                raise ValueError("no training data: set data.train_files (make some with: hyflow data make "
+                                 "arithmetic --out DIR)")
+            return None
+        d = self.config.data
+        return RLDataset(files, self.tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+                         filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
+                         max_samples=max_samples, seed=d.seed or 0,
+                         apply_chat_template_kwargs=dict(d.apply_chat_template_kwargs or {}))
+
+    def _reward_manager(self, num_examine: int):
+        rm = self.config.reward_model
+        return make_reward_manager(rm.reward_manager, self.tokenizer, compute_score=self.reward_fn,
+                                   num_workers=rm.num_workers, timeout_s=rm.timeout_s,
+                                   reward_kwargs=dict(rm.reward_kwargs or {}), num_examine=num_examine,
+                                   max_response_length=self.config.actor_rollout_ref.rollout.response_length,
+                                   overlong_buffer=config_to_dict(self.config)["reward_model"]["overlong_buffer"])
+
+    def setup(self) -> None:
+        """Workers, data loader, reward managers, tracker; resume from a checkpoint when one applies."""
+        cfg = self.config
+        self.loader = PromptLoader(self.train_dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
+                                   seed=cfg.data.seed or cfg.trainer.seed)
+        self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(self.loader)
+        print(describe_batch_arithmetic(cfg, n_devices=1))
+        self.actor = LocalWorkerGroup(ActorRolloutRefWorker, cfg, tokenizer=self.tokenizer)
+        self.actor.init_model(self.total_steps)
+        self.critic = None
+        if uses_critic(cfg):
+            self.critic = LocalWorkerGroup(CriticWorker, cfg)
+            self.critic.init_model(self.total_steps)
+        self.use_reference = uses_reference(cfg)
+        kl = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.reward_manager = self._reward_manager(num_examine=0)
+        self.val_reward_manager = self._reward_manager(num_examine=1)
+        self.checkpoints = CheckpointManager(self.run_dir, max_to_keep=cfg.trainer.max_actor_ckpt_to_keep)
+        resume = self.checkpoints.resolve_resume(cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
+        if resume is not None:
+            self.load_checkpoint(resume)
+        truncate_metrics(self.run_dir, self.global_step)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        self.tracker = Tracker(self.run_dir, cfg.trainer.logger, project_name=cfg.trainer.project_name,
+                               experiment_name=cfg.trainer.experiment_name, config=config_to_dict(cfg))
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> list[dict]:
+        """Train for `total_training_steps` (or `total_epochs`); returns the logged metrics of every step."""
+        cfg = self.config.trainer
+        self.setup()
+        try:
+            if self.val_dataset is not None and cfg.val_before_train and self.global_step == 0:
+                self.log(self.validate(), step=0)
+                if cfg.val_only:
+                    return self.history
+            with ProgressBar(self.total_steps, initial=self.global_step) as bar:
+                while self.global_step < self.total_steps:
+                    self.global_step += 1
+                    start = time.perf_counter()
+                    metrics = self.step(self.loader.next_batch())
+                    last = self.global_step == self.total_steps
+                    if self.val_dataset is not None and (last or (cfg.test_freq > 0 and
+                                                                   self.global_step % cfg.test_freq == 0)):
+                        with timer("testing", timing := {}):
+                            metrics.update(self.validate())
+                        metrics["timing_s/testing"] = timing["testing"]
+                    if last or (cfg.save_freq > 0 and self.global_step % cfg.save_freq == 0):
+                        with timer("save_checkpoint", timing := {}):
+                            self.save_checkpoint()
+                        metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
+                    metrics["timing_s/step_total"] = time.perf_counter() - start
+                    self.log(metrics, step=self.global_step)
+                    bar.update(metrics)
+        finally:
+            self.tracker.close()
+        return self.history
+
+    def step(self, prompts: Batch) -> dict[str, float]:
+        """One RL step on a batch of prompts; returns its metrics."""
+        timing: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        with timer("step", timing):
+            with timer("gen", timing):
+                batch = self.rollout_and_score(prompts, metrics)
+            batch.meta["global_step"] = self.global_step
+            with timer("old_log_prob", timing):
+                batch.union(self.actor.compute_log_prob(
+                    batch, with_sum_pi_squared="sum_pi_squared" in self.estimator.requires))
+            if self.use_reference:
+                with timer("ref", timing):
+                    batch.union(self.actor.compute_ref_log_prob(batch))
+            if self.critic is not None:
+                with timer("values", timing):
+                    batch.union(self.critic.compute_values(batch))
+            with timer("adv", timing):
+                self.apply_token_level_rewards(batch, metrics)
+                self.apply_rollout_correction(batch, metrics)
+                self.compute_advantages(batch)
+            if self.critic is not None:
+                with timer("update_critic", timing):
+                    metrics.update(reduce_metrics(self.critic.update_critic(batch).meta["metrics"]))
+            if self.global_step > self.config.trainer.critic_warmup:
+                with timer("update_actor", timing):
+                    metrics.update(reduce_metrics(self.actor.update_actor(batch).meta["metrics"]))
+                with timer("update_weights", timing):
+                    self.actor.sync_rollout_weights()
+        cfg = self.config
+        metrics.update(compute_data_metrics(batch, max_response_length=cfg.actor_rollout_ref.rollout.response_length,
+                                            max_prompt_length=cfg.data.max_prompt_length))
+        metrics.update({f"timing_s/{name}": seconds for name, seconds in timing.items()})
+        metrics.update(compute_throughput_metrics(batch, timing["step"], n_devices=1))
+        metrics["training/global_step"] = self.global_step
+        metrics["training/epoch"] = self.loader.epoch
+        return metrics
+
+    # ------------------------------------------------------------------ stages
+    def sampling_params(self, *, validate: bool = False, seed: int | None = None) -> SamplingParams:
+        r = self.config.actor_rollout_ref.rollout
+        source = r.val_kwargs if validate else r
+        return SamplingParams(n=source.n, max_new_tokens=r.response_length, temperature=source.temperature,
+                              top_p=source.top_p, top_k=source.top_k, do_sample=source.do_sample,
+                              calculate_log_probs=True, seed=seed)
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """Sample responses; prompts padded to the DP size and the padding's samples removed."""
+        padded, pad = prompts.pad_to_multiple(self.actor.world_size)
+        return self.actor.generate_sequences(padded, params).unpad(pad * params.n)
+
+    def score(self, batch: Batch, manager) -> dict[str, float]:
+        """Write `token_level_scores` (and the scorer's extra columns) into `batch`; return reward metrics."""
+        result = manager(batch)
+        batch["token_level_scores"] = result.token_level_scores
+        for key, values in result.extra.items():
+            batch[f"reward_extra/{key}"] = values
+        return result.metrics
+
+    def rollout_and_score(self, prompts: Batch, metrics: dict) -> Batch:
+        """Generate and score; with filter_groups, keep generating until enough prompts have varied scores."""
+        cfg = self.config
+        n, wanted = cfg.actor_rollout_ref.rollout.n, cfg.data.train_batch_size
+        fg = cfg.algorithm.filter_groups
+        kept: list[Batch] = []
+        rounds = 0
+        while True:
+            rounds += 1
+            prompts["uid"] = [f"step{self.global_step}-round{rounds}-{i}" for i in range(len(prompts))]
+            seed = (cfg.trainer.seed * 1_000_003 + self.global_step) * 101 + rounds
+            batch = self.generate(prompts, self.sampling_params(seed=seed))
+            metrics.update(self.score(batch, self.reward_manager))
+            if "reward_baselines" in self.estimator.requires:
+                greedy_params = SamplingParams(n=1, max_new_tokens=cfg.actor_rollout_ref.rollout.response_length,
+                                               do_sample=False)
+                greedy = self.generate(prompts, greedy_params)
+                baseline = self.reward_manager(greedy).token_level_scores.sum(-1)
+                batch["reward_baselines"] = baseline.repeat_interleave(n)
+            if not fg.enable:
+                return batch
+            batch = self.keep_varied_groups(batch, fg.metric)
+            kept.append(batch)
+            have = sum(len(b) for b in kept) // n
+            metrics["train/num_gen_batches"] = rounds
+            if have >= wanted:
+                return Batch.concat(kept)[: wanted * n]
+            if 0 < fg.max_num_gen_batches <= rounds:
+                raise RuntimeError(f"dynamic sampling kept {have} of {wanted} prompts after {rounds} generation "
+                                   "rounds (algorithm.filter_groups.max_num_gen_batches); the task is too easy or too "
+                                   "hard for the policy: raise max_num_gen_batches or check the reward")
+            prompts = self.loader.next_batch()
+
+    @staticmethod
+    def keep_varied_groups(batch: Batch, metric: str | None) -> Batch:
+        """DAPO dynamic sampling: drop prompts whose samples all got the same `metric` (no learning signal)."""
+        key = f"reward_extra/{metric}" if metric and metric not in ("score", "seq_final_reward") else None
+        values = (np.asarray(batch[key], dtype=float) if key else batch["token_level_scores"].sum(-1).numpy())
+        uids = list(batch["uid"])
+        by_uid: dict = {}
+        for uid, value in zip(uids, values):
+            by_uid.setdefault(uid, []).append(value)
+        varied = {uid for uid, vals in by_uid.items() if np.std(vals) > 0 or len(vals) == 1}
+        return batch[np.array([uid in varied for uid in uids], dtype=bool)]
+
+    def apply_token_level_rewards(self, batch: Batch, metrics: dict) -> None:
+        """token_level_rewards = scores, minus beta * KL(old || ref) per token when use_kl_in_reward."""
+        algo = self.config.algorithm
+        if not algo.use_kl_in_reward:
+            batch["token_level_rewards"] = batch["token_level_scores"]
+            return
+        rewards, kl_metrics = apply_kl_penalty(batch["token_level_scores"], batch["old_log_probs"],
+                                               batch["ref_log_prob"], batch["response_mask"],
+                                               kl_coef=self.kl_ctrl.value, kl_penalty=algo.kl_penalty)
+        batch["token_level_rewards"] = rewards
+        metrics.update({k: float(v) for k, v in kl_metrics.items()})
+        self.kl_ctrl.update(float(kl_metrics["actor/reward_kl_penalty"]), n_steps=len(batch))
+
+    def apply_rollout_correction(self, batch: Batch, metrics: dict) -> None:
+        """Truncated IS weights and rejection masks from old vs rollout log-probs (algorithm.rollout_correction)."""
+        rc = self.config.algorithm.rollout_correction
+        if not (rc.rollout_is or rc.rollout_rs):
+            return
+        weights, mask, corr = compute_rollout_correction(
+            batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"], rollout_is=rc.rollout_is,
+            rollout_is_threshold=rc.rollout_is_threshold, rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
+            rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold)
+        batch["response_mask"] = mask
+        if weights is not None:
+            batch["rollout_is_weights"] = weights
+        metrics.update(corr)
+
+    def compute_advantages(self, batch: Batch) -> None:
+        """advantages, returns = the configured estimator over the inputs it declares it needs."""
+        algo = self.config.algorithm
+        available = {"values": "values", "index": "uid", "reward_baselines": "reward_baselines",
+                     "old_log_prob": "old_log_probs", "sum_pi_squared": "sum_pi_squared",
+                     "rollout_is_weights": "rollout_is_weights"}
+        inputs = {name: batch[column] for name, column in available.items() if column in batch}
+        missing = [name for name in self.estimator.requires if name not in inputs]
+        if missing:
+            raise ValueError(f"algorithm.adv_estimator={algo.adv_estimator!r} needs {missing}, which this run does "
+                             "not produce (a critic gives `values`: critic.enable=True)")
+        advantages, returns = self.estimator(token_level_rewards=batch["token_level_rewards"],
+                                             response_mask=batch["response_mask"], gamma=algo.gamma, lam=algo.lam,
+                                             norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, **inputs)
+        batch["advantages"], batch["returns"] = advantages, returns
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        """Generate for the whole validation set (val_kwargs), score, and compute val-core / val-aux metrics."""
+        cfg = self.config
+        ds = self.val_dataset
+        size = cfg.data.val_batch_size or len(ds)
+        params = self.sampling_params(validate=True, seed=cfg.trainer.seed)
+        sources, uids, preds, rows = [], [], [], []
+        scores: dict[str, list] = {"reward": []}
+        for start in range(0, len(ds), size):
+            prompts = ds.collate([ds[i] for i in range(start, min(start + size, len(ds)))])
+            prompts["uid"] = [f"val-{i}" for i in range(start, start + len(prompts))]
+            batch = self.generate(prompts, params)
+            self.score(batch, self.val_reward_manager)
+            seq_scores = batch["token_level_scores"].sum(-1).tolist()
+            scores["reward"] += seq_scores
+            extra_keys = [k for k in batch.keys() if k.startswith("reward_extra/")]  # noqa: SIM118 (iter = rows)
+            for key in extra_keys:
+                scores.setdefault(key.removeprefix("reward_extra/"), []).extend(batch[key])
+            sources += list(batch["data_source"])
+            uids += list(batch["uid"])
+            preds += list(batch["reward_extra/pred"]) if "reward_extra/pred" in batch else [None] * len(batch)
+            texts = self.val_reward_manager.decode_responses(batch)[0]
+            for i, text in enumerate(texts):
+                rows.append({"input": self.tokenizer.decode(batch["prompts"][i], skip_special_tokens=True),
+                             "output": text, "score": seq_scores[i], "data_source": batch["data_source"][i],
+                             "ground_truth": batch["ground_truth"][i]})
+        scores.pop("pred", None)
+        self.tracker.log_generations(rows, step=self.global_step, split="val")
+        has_preds = any(p is not None for p in preds)
+        return compute_validation_metrics(sources, uids, scores, preds if has_preds else None, seed=cfg.trainer.seed)
+
+    # ------------------------------------------------------------------ checkpoints and logging
+    def log(self, metrics: dict, step: int) -> None:
+        self.tracker.log(metrics, step=step)
+        self.history.append({"step": step, **metrics})
+
+    def save_checkpoint(self) -> Path:
+        components = dict(self.actor.state_dict())
+        if self.critic is not None:
+            components.update(self.critic.state_dict())
+        components["trainer_state"] = {"global_step": self.global_step, "loader": self.loader.state_dict(),
+                                       "kl_ctrl": self.kl_ctrl.state_dict(), "rng": capture_rng_state()}
+        model, tokenizer = self.actor.hf_model()
+        hf = "hf_model" in self.config.actor_rollout_ref.actor.checkpoint.save_contents
+        return self.checkpoints.save(self.global_step, components, hf_model=model if hf else None,
+                                     tokenizer=tokenizer, hf_config=model.config,
+                                     generation_config=model.generation_config,
+                                     config_yaml=config_to_yaml(self.config))
+
+    def load_checkpoint(self, path: Path) -> None:
+        components = self.checkpoints.load(path, verify=False)
+        self.actor.load_state_dict(components)
+        if self.critic is not None:
+            self.critic.load_state_dict(components)
+        state = components["trainer_state"]
+        self.global_step = int(state["global_step"])
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        restore_rng_state(state["rng"])
+        print(f"resumed from {path} at step {self.global_step}")
+
+
+def run_rl(overrides: Sequence[str], config_file: str | None = None) -> list[dict]:
+    """`hyflow train <overrides>`: build the config, train, return the per-step metrics."""
+    return RLTrainer(load_config(list(overrides), config_file=config_file)).fit()

@@ -1,0 +1,303 @@
+"""The actor + rollout + reference worker: one process per device hosts the policy, its generation engine and
+the frozen reference policy (HybridFlow's colocated roles).
+
+- `generate_sequences`: the rollout engine samples responses (token ids in, token ids + log-probs out).
+- `compute_log_prob`: old log-probs (+ entropy, + sum of squared probabilities when an estimator needs it)
+  under the current weights, the same temperature as the rollout.
+- `compute_ref_log_prob`: log-probs under the reference policy (for a KL loss or KL-in-reward).
+- `update_actor`: `ppo_epochs` passes over the step's samples in mini-batches of `ppo_mini_batch_size`
+  prompts (x n samples), each cut into micro-batches; every micro-batch loss is normalised by the token /
+  sequence counts of the whole mini-batch over all data-parallel ranks, so the gradient is the same however the
+  mini-batch is cut. Loss = policy loss (by name) - entropy_coeff * entropy + kl_loss_coef * KL(pi || ref).
+- `sync_rollout_weights`: the rollout engine reads the actor's weights. In one process on CPU they share one
+  module (nothing to copy); with a separate low-precision rollout copy the weights are pushed in buckets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import time
+
+import torch
+
+from hyflow.algos import (
+    agg_loss,
+    compute_offpolicy_metrics,
+    get_policy_loss,
+    kl_penalty,
+    loss_normalisers,
+    sum_pi_squared_from_logits,
+)
+from hyflow.batch import Batch
+from hyflow.config import HyflowConfig
+from hyflow.config.arithmetic import uses_reference
+from hyflow.controller import Dispatch, Worker, register
+from hyflow.models.forward import backbone_hidden_states, response_logprobs, unwrap_model
+from hyflow.models.loading import load_causal_lm, load_tokenizer
+from hyflow.rollout.base import SamplingParams, make_engine
+from hyflow.workers.engine import (
+    all_reduce_sum,
+    build_optimizer,
+    build_scheduler,
+    clip_and_step,
+    mini_batches,
+    pad_response,
+    split_micro_batches,
+    trim_padding,
+)
+
+WEIGHT_BUCKET_BYTES = 256 << 20
+RESPONSE_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_prob", "rollout_is_weights",
+                 "rollout_log_probs")
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """`trainer.device`: auto = cuda when available, else cpu."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device(name)
+
+
+def autocast(device: torch.device, dtype_name: str):
+    """bf16/fp16 autocast on accelerators (fsdp_config.dtype); full precision on CPU."""
+    if device.type == "cpu" or dtype_name in ("fp32", "float32"):
+        return contextlib.nullcontext()
+    dtype = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+             "fp16": torch.float16}[dtype_name]
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+class ActorRolloutRefWorker(Worker):
+    """Policy training, generation and reference log-probs on one device."""
+
+    def __init__(self, config: HyflowConfig, tokenizer=None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.config = config
+        self.arr = config.actor_rollout_ref
+        self.tokenizer = tokenizer
+        self.model_device = resolve_device(config.trainer.device, self.local_rank)
+
+    # ------------------------------------------------------------------ set-up
+    @register(Dispatch.REPLICATE)
+    def init_model(self, total_training_steps: int) -> None:
+        """Load the policy (and the reference copy), build optimizer, LR schedule and the rollout engine."""
+        model_cfg = self.arr.model
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path,
+                                            trust_remote_code=model_cfg.trust_remote_code,
+                                            chat_template=model_cfg.custom_chat_template)
+        torch.manual_seed(self.config.trainer.seed)
+        self.model = load_causal_lm(model_cfg.path, dtype="float32", trust_remote_code=model_cfg.trust_remote_code,
+                                    override_config=dict(model_cfg.override_config or {}),
+                                    enable_gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
+                                    device=self.model_device)
+        self.ref_model = None
+        if uses_reference(self.config):
+            ref_path = self.arr.ref.model.path
+            if ref_path:
+                self.ref_model = load_causal_lm(ref_path, dtype="float32", device=self.model_device,
+                                                trust_remote_code=model_cfg.trust_remote_code)
+            else:
+                self.ref_model = copy.deepcopy(self.model)
+            self.ref_model.requires_grad_(False).eval()
+        actor = self.arr.actor
+        mini_batches_per_step = max(1, self.config.data.train_batch_size // actor.ppo_mini_batch_size)
+        self.optimizer = build_optimizer(self.model.parameters(), actor.optim)
+        self.scheduler = build_scheduler(self.optimizer, actor.optim,
+                                         total_training_steps * actor.ppo_epochs * mini_batches_per_step)
+        self.rollout = self._build_rollout()
+
+    def _eos_ids(self) -> list[int]:
+        ids = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if gen_eos is not None:
+            ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos)
+        return sorted(ids)
+
+    def _build_rollout(self):
+        rollout_cfg = self.arr.rollout
+        shares_weights = self.model_device.type == "cpu"
+        model = self.model if shares_weights else copy.deepcopy(self.model).to(
+            dtype={"bfloat16": torch.bfloat16, "float16": torch.float16}.get(rollout_cfg.dtype, torch.float32))
+        if not shares_weights:
+            model.requires_grad_(False)
+        self._rollout_shares_weights = shares_weights
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        return make_engine(rollout_cfg.name, model=model, eos_token_id=self._eos_ids(), pad_token_id=pad,
+                           max_batch_size=rollout_cfg.max_num_seqs)
+
+    # ------------------------------------------------------------------ rollout
+    @register(Dispatch.DP_SPLIT, pad=False)
+    def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """Sample `params.n` responses for each of this rank's prompts (the driver pads prompts to the DP size)."""
+        if params.seed is not None:  # each rank draws its own samples
+            params = dataclasses.replace(params, seed=params.seed + 1_000_003 * self.rank)
+        start = time.perf_counter()
+        out = self.rollout.generate(prompts, params)
+        out.meta.setdefault("metrics", {})["timing_s/generate_sequences"] = time.perf_counter() - start
+        return out
+
+    @register(Dispatch.REPLICATE)
+    def sync_rollout_weights(self) -> float:
+        """Make the rollout engine generate with the actor's current weights; returns seconds spent."""
+        start = time.perf_counter()
+        if not self._rollout_shares_weights:
+            bucket, size = [], 0
+            for name, param in unwrap_model(self.model).state_dict().items():
+                bucket.append((name, param.detach()))
+                size += param.numel() * param.element_size()
+                if size >= WEIGHT_BUCKET_BYTES:
+                    self.rollout.load_weights(bucket)
+                    bucket, size = [], 0
+            if bucket:
+                self.rollout.load_weights(bucket)
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------ forward passes
+    def _forward_micro_batches(self, batch: Batch):
+        rollout = self.arr.rollout
+        return split_micro_batches(batch, micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu
+                                   or self.arr.actor.ppo_micro_batch_size_per_gpu,
+                                   use_dynamic_bsz=rollout.log_prob_use_dynamic_bsz,
+                                   max_token_len=rollout.log_prob_max_token_len_per_gpu)
+
+    def _log_probs(self, model, batch: Batch, *, with_entropy: bool, with_sum_pi_squared: bool = False) -> Batch:
+        R = batch["responses"].shape[1]
+        temperature = batch.meta.get("temperature", self.arr.rollout.temperature)
+        logp = torch.zeros(len(batch), R)
+        entropy = torch.zeros(len(batch), R) if with_entropy else None
+        sum_pi_sq = torch.zeros(len(batch), R) if with_sum_pi_squared else None
+        model.eval()
+        with torch.no_grad(), autocast(self.model_device, self.arr.actor.fsdp_config.dtype):
+            for micro, rows in self._forward_micro_batches(batch):
+                seq, r = trim_padding(micro, R)
+                seq = {k: v.to(self.model_device) for k, v in seq.items()}
+                lp, ent = response_logprobs(model, seq["input_ids"], seq["attention_mask"], seq["position_ids"], r,
+                                            temperature=temperature, calculate_entropy=with_entropy)
+                logp[rows] = pad_response(lp.cpu(), R)
+                if with_entropy:
+                    entropy[rows] = pad_response(ent.cpu(), R)
+                if with_sum_pi_squared:
+                    hidden = backbone_hidden_states(model, seq["input_ids"], seq["attention_mask"], seq["position_ids"])
+                    logits = unwrap_model(model).get_output_embeddings()(hidden[:, -r - 1 : -1])
+                    sum_pi_sq[rows] = pad_response(sum_pi_squared_from_logits(logits, temperature).cpu(), R)
+        mask = batch["response_mask"].float()
+        out = {"log_probs": logp * mask}
+        if with_entropy:
+            out["entropys"] = entropy * mask
+        if with_sum_pi_squared:
+            out["sum_pi_squared"] = sum_pi_sq * mask
+        return Batch(out, meta={"temperature": temperature})
+
+    @register(Dispatch.DP_SPLIT)
+    def compute_log_prob(self, batch: Batch, with_sum_pi_squared: bool = False) -> Batch:
+        """`old_log_probs` and `entropys` [N, R] under the current weights (+ `sum_pi_squared` when asked)."""
+        out = self._log_probs(self.model, batch, with_entropy=True, with_sum_pi_squared=with_sum_pi_squared)
+        result = Batch({"old_log_probs": out["log_probs"], "entropys": out["entropys"]})
+        if with_sum_pi_squared:
+            result["sum_pi_squared"] = out["sum_pi_squared"]
+        return result
+
+    @register(Dispatch.DP_SPLIT)
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """`ref_log_prob` [N, R] under the frozen reference policy."""
+        if self.ref_model is None:
+            raise RuntimeError("no reference policy was loaded: set actor_rollout_ref.actor.use_kl_loss=True or "
+                               "algorithm.use_kl_in_reward=True")
+        return Batch({"ref_log_prob": self._log_probs(self.ref_model, batch, with_entropy=False)["log_probs"]})
+
+    # ------------------------------------------------------------------ training
+    @register(Dispatch.DP_SPLIT, pad=False)
+    def update_actor(self, batch: Batch) -> Batch:
+        """PPO-style policy update over the step's samples; returns a row-less Batch carrying the metrics."""
+        actor = self.arr.actor
+        loss_fn = get_policy_loss(actor.policy_loss.loss_mode)
+        loss_kwargs = {
+            "clip_ratio": actor.clip_ratio, "clip_ratio_low": actor.clip_ratio_low,
+            "clip_ratio_high": actor.clip_ratio_high, "clip_ratio_c": actor.clip_ratio_c,
+            "tau_pos": actor.tau_pos, "tau_neg": actor.tau_neg, "loss_scale_factor": actor.loss_scale_factor,
+            **{k: v for k, v in vars(actor.policy_loss).items() if k != "loss_mode"},
+        }
+        temperature = batch.meta.get("temperature", self.arr.rollout.temperature)
+        R = batch["responses"].shape[1]
+        mini_size = max(1, actor.ppo_mini_batch_size * self.arr.rollout.n // self.world_size)
+        metrics: dict[str, list[float]] = {}
+        self.model.train()
+        step_seed = actor.data_loader_seed + int(batch.meta.get("global_step", 0)) * 7919
+        for _, mini in mini_batches(batch, mini_size, epochs=actor.ppo_epochs, shuffle=actor.shuffle, seed=step_seed):
+            norms = all_reduce_sum(loss_normalisers(mini["response_mask"], actor.loss_agg_mode))
+            sums: dict[str, float] = {}
+            micros = split_micro_batches(mini, micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
+                                         use_dynamic_bsz=actor.use_dynamic_bsz,
+                                         max_token_len=actor.ppo_max_token_len_per_gpu)
+            for micro, _ in micros:
+                seq, r = trim_padding(micro, R)
+                seq = {k: v.to(self.model_device) for k, v in seq.items()}
+                cols = {key: micro[key][:, :r].to(self.model_device) for key in RESPONSE_KEYS if key in micro}
+                mask = cols["response_mask"].float()
+                with autocast(self.model_device, actor.fsdp_config.dtype):
+                    logp, entropy = response_logprobs(self.model, seq["input_ids"], seq["attention_mask"],
+                                                      seq["position_ids"], r, temperature=temperature,
+                                                      calculate_entropy=actor.entropy_coeff != 0)
+                pg_loss, pg_metrics = loss_fn(old_log_prob=cols["old_log_probs"], log_prob=logp,
+                                              advantages=cols["advantages"], response_mask=mask,
+                                              rollout_is_weights=cols.get("rollout_is_weights"),
+                                              loss_agg_mode=actor.loss_agg_mode,
+                                              **norms, **loss_kwargs)
+                loss = pg_loss
+                agg = dict(loss_agg_mode=actor.loss_agg_mode, loss_scale_factor=actor.loss_scale_factor, **norms)
+                if actor.entropy_coeff != 0:
+                    entropy_loss = agg_loss(entropy, mask, **agg)
+                    loss = loss - actor.entropy_coeff * entropy_loss
+                    sums["actor/entropy_loss"] = sums.get("actor/entropy_loss", 0.0) + float(entropy_loss.detach())
+                if actor.use_kl_loss:
+                    kl = agg_loss(kl_penalty(logp, cols["ref_log_prob"], actor.kl_loss_type), mask, **agg)
+                    loss = loss + actor.kl_loss_coef * kl
+                    sums["actor/kl_loss"] = sums.get("actor/kl_loss", 0.0) + float(kl.detach())
+                (loss * self.world_size).backward()  # DDP/FSDP average gradients; the losses are global sums
+                share = float(mask.sum()) / max(float(norms["global_token_count"]), 1.0) * self.world_size
+                sums["actor/pg_loss"] = sums.get("actor/pg_loss", 0.0) + float(pg_loss.detach())
+                for name, value in pg_metrics.items():
+                    key = f"actor/{name}"
+                    sums[key] = sums.get(key, 0.0) + float(value) * share
+                if "rollout_log_probs" in cols:
+                    for name, value in compute_offpolicy_metrics(logp.detach(), cols["rollout_log_probs"],
+                                                                 mask).items():
+                        sums[name] = sums.get(name, 0.0) + float(value) / len(micros)
+            step_metrics = clip_and_step(self.model, self.optimizer, self.scheduler, actor.grad_clip)
+            for name, value in {**sums, **{f"actor/{k}": v for k, v in step_metrics.items()}}.items():
+                metrics.setdefault(name, []).append(value)
+        if actor.use_kl_loss:
+            metrics["actor/kl_coef"] = [actor.kl_loss_coef]
+        return Batch(meta={"metrics": metrics})
+
+    # ------------------------------------------------------------------ checkpoints
+    @register(Dispatch.RANK_ZERO)
+    def state_dict(self) -> dict:
+        """Components for a checkpoint: model weights, optimizer and LR-scheduler state."""
+        return {
+            "actor_model": {k: v.detach().cpu() for k, v in unwrap_model(self.model).state_dict().items()},
+            "actor_optimizer": self.optimizer.state_dict(),
+            "actor_scheduler": self.scheduler.state_dict(),
+        }
+
+    @register(Dispatch.REPLICATE)
+    def load_state_dict(self, components: dict) -> None:
+        """Restore what `state_dict` returned, then refresh the rollout engine's weights."""
+        unwrap_model(self.model).load_state_dict(components["actor_model"])
+        self.optimizer.load_state_dict(components["actor_optimizer"])
+        self.scheduler.load_state_dict(components["actor_scheduler"])
+        self.sync_rollout_weights()
+
+    @register(Dispatch.RANK_ZERO)
+    def hf_model(self):
+        """The policy module and tokenizer, for a Hugging Face export."""
+        return unwrap_model(self.model), self.tokenizer

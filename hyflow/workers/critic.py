@@ -1,0 +1,124 @@
+"""The critic worker: a value model V(s_t) for every response token, trained with the clipped value loss.
+
+`compute_values` reads values at the positions before each response token; `update_critic` makes
+`critic.ppo_epochs` passes in mini-batches (same units as the actor: prompts x n samples), micro-batched, with
+the loss normalised over the whole mini-batch on all ranks (micro-batch and DP invariant), like the actor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyflow.algos import compute_value_loss, loss_normalisers, masked_mean
+from hyflow.batch import Batch
+from hyflow.config import HyflowConfig
+from hyflow.controller import Dispatch, Worker, register
+from hyflow.models.forward import unwrap_model, values_from_model
+from hyflow.models.loading import load_value_model
+from hyflow.workers.actor import autocast, resolve_device
+from hyflow.workers.engine import (
+    all_reduce_sum,
+    build_optimizer,
+    build_scheduler,
+    clip_and_step,
+    mini_batches,
+    pad_response,
+    split_micro_batches,
+    trim_padding,
+)
+
+
+class CriticWorker(Worker):
+    """Value model training and inference on one device."""
+
+    def __init__(self, config: HyflowConfig, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.config = config
+        self.critic = config.critic
+        self.model_device = resolve_device(config.trainer.device, self.local_rank)
+
+    @register(Dispatch.REPLICATE)
+    def init_model(self, total_training_steps: int) -> None:
+        """Load the value model (fresh value head when the checkpoint has none), optimizer and schedule."""
+        model_cfg = self.critic.model
+        path = model_cfg.path or self.config.actor_rollout_ref.model.path
+        torch.manual_seed(self.config.trainer.seed + 1)
+        self.model = load_value_model(path, dtype="float32", trust_remote_code=model_cfg.trust_remote_code,
+                                      override_config=dict(model_cfg.override_config or {}),
+                                      enable_gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
+                                      device=self.model_device, config_key="critic.model.path")
+        mini_batches_per_step = max(1, self.config.data.train_batch_size // self.critic.ppo_mini_batch_size)
+        self.optimizer = build_optimizer(self.model.parameters(), self.critic.optim)
+        self.scheduler = build_scheduler(self.optimizer, self.critic.optim,
+                                         total_training_steps * self.critic.ppo_epochs * mini_batches_per_step)
+
+    def _micro_batches(self, batch: Batch, *, training: bool):
+        c = self.critic
+        if training:
+            return split_micro_batches(batch, micro_batch_size=c.ppo_micro_batch_size_per_gpu,
+                                       use_dynamic_bsz=c.use_dynamic_bsz, max_token_len=c.ppo_max_token_len_per_gpu)
+        return split_micro_batches(batch, micro_batch_size=c.forward_micro_batch_size_per_gpu
+                                   or c.ppo_micro_batch_size_per_gpu, use_dynamic_bsz=c.use_dynamic_bsz,
+                                   max_token_len=c.forward_max_token_len_per_gpu)
+
+    def _values(self, micro: Batch, R: int) -> tuple[torch.Tensor, int]:
+        seq, r = trim_padding(micro, R)
+        seq = {k: v.to(self.model_device) for k, v in seq.items()}
+        with autocast(self.model_device, self.critic.model.fsdp_config.dtype):
+            values = values_from_model(self.model, seq["input_ids"], seq["attention_mask"], seq["position_ids"], r)
+        return values, r
+
+    @register(Dispatch.DP_SPLIT)
+    def compute_values(self, batch: Batch) -> Batch:
+        """`values` [N, R] (0 on masked tokens)."""
+        R = batch["responses"].shape[1]
+        values = torch.zeros(len(batch), R)
+        self.model.eval()
+        with torch.no_grad():
+            for micro, rows in self._micro_batches(batch, training=False):
+                v, _ = self._values(micro, R)
+                values[rows] = pad_response(v.float().cpu(), R)
+        return Batch({"values": values * batch["response_mask"]})
+
+    @register(Dispatch.DP_SPLIT, pad=False)
+    def update_critic(self, batch: Batch) -> Batch:
+        """Clipped value regression onto `returns`; a row-less Batch carrying `critic/*` metrics."""
+        c = self.critic
+        R = batch["responses"].shape[1]
+        mini_size = max(1, c.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n // self.world_size)
+        metrics: dict[str, list[float]] = {}
+        self.model.train()
+        seed = int(batch.meta.get("global_step", 0)) * 7919 + 17
+        for _, mini in mini_batches(batch, mini_size, epochs=c.ppo_epochs, shuffle=c.shuffle, seed=seed):
+            norms = all_reduce_sum(loss_normalisers(mini["response_mask"], c.loss_agg_mode))
+            sums = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0, "critic/vpred_mean": 0.0}
+            for micro, _ in self._micro_batches(mini, training=True):
+                vpreds, r = self._values(micro, R)
+                cols = {k: micro[k][:, :r].to(self.model_device) for k in ("returns", "values", "response_mask")}
+                mask = cols["response_mask"].float()
+                loss, loss_metrics = compute_value_loss(vpreds, cols["returns"], cols["values"], mask,
+                                                        cliprange_value=c.cliprange_value,
+                                                        loss_agg_mode=c.loss_agg_mode, **norms)
+                (loss * self.world_size).backward()
+                share = float(mask.sum()) / max(float(norms["global_token_count"]), 1.0) * self.world_size
+                sums["critic/vf_loss"] += float(loss.detach())
+                sums["critic/vf_clipfrac"] += float(loss_metrics["vf_clipfrac"]) * share
+                sums["critic/vpred_mean"] += float(masked_mean(vpreds.detach(), mask)) * share
+            step_metrics = clip_and_step(self.model, self.optimizer, self.scheduler, c.grad_clip)
+            for name, value in {**sums, **{f"critic/{k}": v for k, v in step_metrics.items()}}.items():
+                metrics.setdefault(name, []).append(value)
+        return Batch(meta={"metrics": metrics})
+
+    @register(Dispatch.RANK_ZERO)
+    def state_dict(self) -> dict:
+        return {
+            "critic_model": {k: v.detach().cpu() for k, v in unwrap_model(self.model).state_dict().items()},
+            "critic_optimizer": self.optimizer.state_dict(),
+            "critic_scheduler": self.scheduler.state_dict(),
+        }
+
+    @register(Dispatch.REPLICATE)
+    def load_state_dict(self, components: dict) -> None:
+        unwrap_model(self.model).load_state_dict(components["critic_model"])
+        self.optimizer.load_state_dict(components["critic_optimizer"])
+        self.scheduler.load_state_dict(components["critic_scheduler"])

@@ -1,0 +1,159 @@
+"""The training engine shared by the actor and the critic: optimizer, LR schedule, micro-batching, stepping.
+
+Micro-batches come in two kinds (verl's knobs, same units):
+- fixed: `micro_batch_size` samples per forward/backward on this device;
+- dynamic (`use_dynamic_bsz`): samples are packed greedily, longest first, into micro-batches whose summed real
+  token count stays under `max_token_len` per device; a sample longer than the budget is an error naming it.
+
+Every micro-batch is trimmed to the columns that hold a real token in at least one of its rows (left padding of
+the prompts, right padding of the responses), so compute follows the real lengths. Loss normalisation is the
+caller's business (`hyflow.algos.loss_normalisers` over the whole mini-batch), which is what makes gradients
+independent of how a mini-batch is cut.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from hyflow.batch import Batch
+
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], optim) -> torch.optim.Optimizer:
+    """AdamW (verl's only optimizer) from an `optim` config section: lr, betas, weight_decay."""
+    if str(optim.optimizer).lower() != "adamw":
+        raise ValueError(f"optim.optimizer={optim.optimizer!r} is not supported; use AdamW")
+    return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+
+
+def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float = 0.0,
+              num_cycles: float = 0.5) -> float:
+    """LR multiplier at optimizer step `step`: linear warm-up from 0 over `warmup_steps`, then constant or cosine.
+
+    cosine: `min + (1 - min) * 0.5 * (1 + cos(2 pi num_cycles p))` with progress p after warm-up (verl's form).
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    if schedule != "cosine":
+        raise ValueError(f"optim.lr_scheduler_type={schedule!r} is not supported; use constant or cosine")
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * 2.0 * num_cycles * min(progress, 1.0)))
+    return max(0.0, min_lr_ratio + (1.0 - min_lr_ratio) * cosine)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, optim, total_optimizer_steps: int):
+    """LambdaLR from `optim.lr_warmup_steps` (or `lr_warmup_steps_ratio` x total) and `lr_scheduler_type`."""
+    warmup = optim.lr_warmup_steps
+    if warmup is None or warmup < 0:
+        warmup = int(optim.lr_warmup_steps_ratio * total_optimizer_steps)
+    kwargs = dict(warmup_steps=warmup, total_steps=total_optimizer_steps, schedule=optim.lr_scheduler_type,
+                  min_lr_ratio=optim.min_lr_ratio, num_cycles=optim.num_cycles)
+    lr_lambda(0, **kwargs)  # validates the schedule name now, not at the first step
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_lambda(step, **kwargs))
+
+
+def sequence_lengths(batch: Batch) -> torch.Tensor:
+    """Real tokens per sample (prompt + response)."""
+    return batch["attention_mask"].sum(-1)
+
+
+def split_micro_batches(batch: Batch, *, micro_batch_size: int | None, use_dynamic_bsz: bool = False,
+                        max_token_len: int | None = None) -> list[tuple[Batch, torch.Tensor]]:
+    """Cut `batch` into micro-batches; returns (micro-batch, row indices into `batch`) pairs.
+
+    Fixed: consecutive rows, `micro_batch_size` each (None = all rows at once). Dynamic: longest-first greedy
+    bin packing under `max_token_len` real tokens per micro-batch.
+    """
+    n = len(batch)
+    if not use_dynamic_bsz:
+        size = micro_batch_size or n
+        return [(batch[i : i + size], torch.arange(i, min(i + size, n))) for i in range(0, n, size)]
+    if not max_token_len:
+        raise ValueError("use_dynamic_bsz needs a token budget (ppo_max_token_len_per_gpu / "
+                         "log_prob_max_token_len_per_gpu)")
+    lengths = sequence_lengths(batch).tolist()
+    too_long = [(i, n_tok) for i, n_tok in enumerate(lengths) if n_tok > max_token_len]
+    if too_long:
+        i, n_tok = too_long[0]
+        raise ValueError(f"a sample has {n_tok} tokens, more than the token budget of {max_token_len} per "
+                         "micro-batch; raise ppo_max_token_len_per_gpu (it must cover max_prompt_length + "
+                         "max_response_length)")
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(n), key=lambda j: -lengths[j]):
+        for b, load in enumerate(loads):
+            if load + lengths[i] <= max_token_len:
+                bins[b].append(i)
+                loads[b] += lengths[i]
+                break
+        else:
+            bins.append([i])
+            loads.append(lengths[i])
+    return [(batch[torch.tensor(sorted(rows))], torch.tensor(sorted(rows))) for rows in bins]
+
+
+def trim_padding(micro: Batch, response_length: int) -> tuple[dict[str, torch.Tensor], int]:
+    """The sequence tensors cut to the columns holding a real token in some row; and the kept response length.
+
+    Responses are the last `response_length` columns; right padding cut from them shortens the response span.
+    """
+    mask = micro["attention_mask"]
+    used = mask.any(dim=0).nonzero().squeeze(-1)
+    if used.numel() == 0:
+        first, last = mask.shape[1] - 1, mask.shape[1] - 1
+    else:
+        first, last = int(used[0]), int(used[-1])
+    prompt_width = mask.shape[1] - response_length
+    first = min(first, prompt_width - 1)  # keep the prompt's last column: it predicts the first response token
+    last = max(last, prompt_width)  # keep at least one response column
+    trimmed = {key: micro[key][:, first : last + 1] for key in SEQUENCE_KEYS}
+    return trimmed, last + 1 - prompt_width
+
+
+def pad_response(values_BR: torch.Tensor, response_length: int) -> torch.Tensor:
+    """Right-pad a [B, R'] per-response-token tensor with zeros back to [B, response_length]."""
+    missing = response_length - values_BR.shape[1]
+    return values_BR if missing == 0 else torch.nn.functional.pad(values_BR, (0, missing))
+
+
+def all_reduce_sum(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Sum each tensor over the data-parallel group (identity in one process)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        for value in tensors.values():
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return tensors
+
+
+def clip_and_step(model: torch.nn.Module, optimizer, scheduler, grad_clip: float | None) -> dict[str, float]:
+    """Clip the global gradient norm, step unless it is not finite (then skip, as verl does), advance the LR."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    max_norm = grad_clip if grad_clip and grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.tensor(0.0)
+    skipped = not torch.isfinite(grad_norm)
+    if skipped:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+    lr = optimizer.param_groups[0]["lr"]
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"grad_norm": float(grad_norm), "lr": lr, "grad_norm_skipped": float(skipped)}
+
+
+def mini_batches(batch: Batch, mini_batch_size: int, *, epochs: int, shuffle: bool, seed: int):
+    """(epoch, mini-batch) pairs: `epochs` passes over `batch` in mini-batches of `mini_batch_size` samples."""
+    for epoch in range(epochs):
+        if shuffle:
+            generator = torch.Generator().manual_seed(seed + epoch)
+            batch_e = batch[torch.randperm(len(batch), generator=generator)]
+        else:
+            batch_e = batch
+        for part in batch_e.split(mini_batch_size):
+            yield epoch, part
