@@ -220,7 +220,7 @@ class RLTrainer:
         source = r.val_kwargs if validate else r
         return SamplingParams(n=source.n, max_new_tokens=r.response_length, temperature=source.temperature,
                               top_p=source.top_p, top_k=source.top_k, do_sample=source.do_sample,
-                              calculate_log_probs=True, seed=seed)
+                              calculate_log_probs=r.calculate_log_probs, seed=seed)
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """Sample responses; prompts padded to the DP size and the padding's samples removed."""
