@@ -1,6 +1,7 @@
 """The `hyflow` command line: one entry point, one subcommand per job.
 
     hyflow train [overrides...]             RL training in one process (verl's key names)
+    hyflow sft [overrides...]               supervised fine-tuning (chat template, assistant-only loss)
     hyflow config [overrides...]            resolved config with help text and the batch arithmetic
     hyflow init-model --preset tiny --out D  random-weight model + locally trained tokenizer
     hyflow data make TASK --out D            write a built-in task's train/test files
@@ -27,6 +28,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
         last = history[-1]
         keys = [k for k in last if k.startswith(("val-core/", "critic/score/mean"))]
         print("final: " + ", ".join(f"{k}={last[k]:.4g}" for k in keys))
+    return 0
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    from hyflow.trainer.sft_trainer import run_sft
+
+    history = run_sft(args.overrides, config_file=args.config)
+    if history:
+        print("final: " + ", ".join(f"{k}={v:.4g}" for k, v in history[-1].items() if k.endswith("loss")))
     return 0
 
 
@@ -103,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="a YAML config file applied before the overrides")
     p.set_defaults(fn=_cmd_train)
 
+    p = sub.add_parser("sft", help="supervised fine-tuning (verl's sft_trainer keys)")
+    p.add_argument("overrides", nargs="*", help="e.g. data.train_files=D/train.parquet model.partial_pretrain=M")
+    p.add_argument("--config", help="a YAML config file applied before the overrides")
+    p.set_defaults(fn=_cmd_sft)
+
     p = sub.add_parser("config", help="print the resolved config with help text and the batch arithmetic")
     p.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. data.train_batch_size=32")
     p.add_argument("--config", help="a YAML config file applied before the overrides")
@@ -123,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
     p.add_argument("--ckpt", required=True, help="a checkpoint directory, RUN_DIR/global_step_N")
     p.add_argument("--out", required=True, help="the new model directory")
-    p.add_argument("--component", default="actor_model", help="actor_model (default) or critic_model")
+    p.add_argument("--component", default=None, help="actor_model (RL; the default when present), model (SFT; "
+                   "the default otherwise) or critic_model")
     p.add_argument("--base-model", default=None, help="model path for the architecture when the checkpoint "
                    "holds no config")
     p.set_defaults(fn=_cmd_export)

@@ -82,16 +82,16 @@ def type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-def lookup(key: str, where: str = "") -> KeyInfo:
-    """What `key` names in HyflowConfig; ConfigError with the closest valid key if nothing.
-    `where` (e.g. " in config file 'x.yaml'") is added to error messages."""
+def lookup(key: str, where: str = "", *, schema: type = HyflowConfig) -> KeyInfo:
+    """What `key` names in the root dataclass `schema` (HyflowConfig by default); ConfigError with the closest
+    valid key if nothing. `where` (e.g. " in config file 'x.yaml'") is added to error messages."""
     segments = key.split(".")
-    cls: type = HyflowConfig
+    cls: type = schema
     for i, segment in enumerate(segments):
         fields = field_types(cls)
         path = ".".join(segments[: i + 1])
         if segment not in fields:
-            raise unknown_key_error(key, where)
+            raise unknown_key_error(key, where, schema=schema)
         annotation = fields[segment]
         if is_section(annotation):
             cls = annotation
@@ -108,8 +108,8 @@ def lookup(key: str, where: str = "") -> KeyInfo:
 
 
 @functools.cache
-def all_paths() -> tuple[str, ...]:
-    """Every valid dotted key of the schema: sections and leaves (free-form dict fields count as leaves)."""
+def all_paths(schema: type = HyflowConfig) -> tuple[str, ...]:
+    """Every valid dotted key of `schema`: sections and leaves (free-form dict fields count as leaves)."""
     paths: list[str] = []
 
     def walk(cls: type, prefix: str) -> None:
@@ -119,25 +119,25 @@ def all_paths() -> tuple[str, ...]:
             if is_section(annotation):
                 walk(annotation, path + ".")
 
-    walk(HyflowConfig, "")
+    walk(schema, "")
     return tuple(paths)
 
 
-def closest_key(key: str) -> str | None:
-    """The valid key a misspelt `key` most likely meant (None if nothing is close)."""
-    return _fix_segments(key) or _same_leaf_name(key) or _closest_full_path(key)
+def closest_key(key: str, *, schema: type = HyflowConfig) -> str | None:
+    """The valid key of `schema` a misspelt `key` most likely meant (None if nothing is close)."""
+    return _fix_segments(key, schema) or _same_leaf_name(key, schema) or _closest_full_path(key, schema)
 
 
-def unknown_key_error(key: str, where: str = "") -> ConfigError:
+def unknown_key_error(key: str, where: str = "", *, schema: type = HyflowConfig) -> ConfigError:
     """ConfigError for an unknown `key`, naming the closest valid one. `where` says where the key came from."""
-    suggestion = closest_key(key)
+    suggestion = closest_key(key, schema=schema)
     hint = f" Did you mean {suggestion!r}?" if suggestion else " Run `hyflow config` to list the valid keys."
     return ConfigError(f"unknown config key {key!r}{where}.{hint}")
 
 
-def _fix_segments(key: str) -> str | None:
+def _fix_segments(key: str, schema: type) -> str | None:
     segments = key.split(".")
-    cls: type = HyflowConfig
+    cls: type = schema
     fixed: list[str] = []
     for i, segment in enumerate(segments):
         if not is_section(cls):
@@ -156,14 +156,14 @@ def _fix_segments(key: str) -> str | None:
     return ".".join(fixed) if fixed != segments else None
 
 
-def _same_leaf_name(key: str) -> str | None:
+def _same_leaf_name(key: str, schema: type) -> str | None:
     leaf = key.rsplit(".", 1)[-1]
-    same = [p for p in all_paths() if p.rsplit(".", 1)[-1] == leaf]
+    same = [p for p in all_paths(schema) if p.rsplit(".", 1)[-1] == leaf]
     return max(same, key=lambda p: difflib.SequenceMatcher(None, key, p).ratio()) if same else None
 
 
-def _closest_full_path(key: str) -> str | None:
-    close = difflib.get_close_matches(key, all_paths(), n=1, cutoff=0.6)
+def _closest_full_path(key: str, schema: type) -> str | None:
+    close = difflib.get_close_matches(key, all_paths(schema), n=1, cutoff=0.6)
     return close[0] if close else None
 
 

@@ -1,5 +1,8 @@
 """Compose a HyflowConfig: schema defaults <- YAML file (optional) <- command-line overrides (Hydra syntax).
 
+The machinery is generic over the root dataclass: `load_config(..., schema=SFTConfig)` composes the SFT
+trainer's config with the same syntax and checks.
+
 Override syntax (Hydra's, parsed by hydra-core's OverridesParser):
 - `key=value` sets a schema key (`actor_rollout_ref.rollout.n=8`, `trainer.logger=[console,wandb]`,
   `data.val_files=null`, `rollout.response_length=${data.max_response_length}`);
@@ -38,41 +41,46 @@ from hyflow.config.schema import HyflowConfig
 _ABSENT = object()
 
 
-def load_config(overrides: Sequence[str] = (), config_file: str | Path | None = None) -> HyflowConfig:
-    """Schema defaults, then `config_file` (YAML) merged on top, then each override in order; resolved and typed."""
-    cfg = copy.deepcopy(_schema_node())
+def load_config(
+    overrides: Sequence[str] = (), config_file: str | Path | None = None, *, schema: type = HyflowConfig
+) -> Any:
+    """Schema defaults, then `config_file` (YAML) merged on top, then each override in order; resolved and typed.
+
+    `schema` is the root dataclass (HyflowConfig for RL runs, `SFTConfig` for the SFT trainer).
+    """
+    cfg = copy.deepcopy(_schema_node(schema))
     if config_file is not None:
-        cfg = _merge_yaml_file(cfg, Path(config_file))
+        cfg = _merge_yaml_file(cfg, Path(config_file), schema)
     for override in _parse_overrides(overrides):
-        _apply_override(cfg, override)
-    return _to_dataclass(cfg)
+        _apply_override(cfg, override, schema)
+    return _to_dataclass(cfg, schema)
 
 
 @functools.cache
-def _schema_node() -> DictConfig:
-    """The schema as an OmegaConf node (built once: OmegaConf.structured takes ~60 ms)."""
-    return OmegaConf.structured(HyflowConfig)
+def _schema_node(schema: type) -> DictConfig:
+    """The schema as an OmegaConf node (built once per schema: OmegaConf.structured takes ~60 ms)."""
+    return OmegaConf.structured(schema)
 
 
-def config_to_dict(cfg: HyflowConfig) -> dict[str, Any]:
+def config_to_dict(cfg: Any) -> dict[str, Any]:
     """The config as nested plain dicts and lists (resolved)."""
     return dataclasses.asdict(cfg)
 
 
-def config_to_yaml(cfg: HyflowConfig) -> str:
+def config_to_yaml(cfg: Any) -> str:
     """The resolved config as YAML text (what the trainer writes to the run directory's config.yaml)."""
     return OmegaConf.to_yaml(OmegaConf.create(config_to_dict(cfg)))
 
 
-def config_from_yaml_file(path: str | Path) -> HyflowConfig:
-    """Read a saved config.yaml (e.g. a run directory's) back into a HyflowConfig, with the same key checks."""
-    return load_config(config_file=path)
+def config_from_yaml_file(path: str | Path, *, schema: type = HyflowConfig) -> Any:
+    """Read a saved config.yaml (e.g. a run directory's) back into a `schema` config, with the same key checks."""
+    return load_config(config_file=path, schema=schema)
 
 
 # ------------------------------------------------------------------------------------------ YAML file
 
 
-def _merge_yaml_file(cfg: DictConfig, path: Path) -> DictConfig:
+def _merge_yaml_file(cfg: DictConfig, path: Path, schema: type) -> DictConfig:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist. Pass the path of a YAML file.")
     try:
@@ -86,31 +94,31 @@ def _merge_yaml_file(cfg: DictConfig, path: Path) -> DictConfig:
             f"config file {str(path)!r} must hold a mapping of sections (data:, trainer:, ...)."
         )
     where = f" in config file {str(path)!r}"
-    _check_yaml_node(loaded, "", where)
+    _check_yaml_node(loaded, "", where, schema)
     try:
         return OmegaConf.merge(cfg, loaded)
     except OmegaConfBaseException as exc:
         key = _strip_index(getattr(exc, "full_key", "") or "")
         if not key:
             raise ConfigError(f"config file {str(path)!r} does not fit the schema: {exc}") from None
-        raise _type_error(key, _plain(OmegaConf.select(loaded, key)), where) from None
+        raise _type_error(key, _plain(OmegaConf.select(loaded, key)), where, schema) from None
 
 
-def _check_yaml_node(node: DictConfig, prefix: str, where: str) -> None:
+def _check_yaml_node(node: DictConfig, prefix: str, where: str, schema: type) -> None:
     for name in list(node.keys()):
         key = f"{prefix}{name}"
-        info = lookup(key, where)
+        info = lookup(key, where, schema=schema)
         child = node._get_node(name)
         interpolated = OmegaConf.is_interpolation(node, name)
         if info.kind == "section":
             if isinstance(child, DictConfig) and not interpolated:
-                _check_yaml_node(child, key + ".", where)
+                _check_yaml_node(child, key + ".", where, schema)
             elif child._is_none():
                 del node[name]  # an empty section (`critic:` with nothing under it) changes nothing
             elif not interpolated:
                 raise _section_error(key, where)
         elif info.kind == "leaf" and isinstance(child, DictConfig) and info.annotation is not Any:
-            raise _type_error(key, _plain(child), where)
+            raise _type_error(key, _plain(child), where, schema)
         elif (
             info.kind == "leaf"
             and is_list(info.annotation)
@@ -148,9 +156,9 @@ def _parse_overrides(overrides: Sequence[str]) -> list[Any]:
     return parsed
 
 
-def _apply_override(cfg: DictConfig, override: Any) -> None:
+def _apply_override(cfg: DictConfig, override: Any, schema: type) -> None:
     key = override.key_or_group
-    info = lookup(key)
+    info = lookup(key, schema=schema)
     if override.is_delete():
         _delete(cfg, key, info, override)
         return
@@ -158,8 +166,8 @@ def _apply_override(cfg: DictConfig, override: Any) -> None:
     if info.kind == "section":
         if not isinstance(value, dict):
             raise _section_error(key)
-        for sub_key, sub_value in _flatten(value, key):
-            _set(cfg, sub_key, sub_value, lookup(sub_key))
+        for sub_key, sub_value in _flatten(value, key, schema):
+            _set(cfg, sub_key, sub_value, lookup(sub_key, schema=schema), schema)
         return
     adding = override.is_add() or override.is_force_add()
     new_entry = info.kind == "free" and info.rest and OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT
@@ -168,16 +176,16 @@ def _apply_override(cfg: DictConfig, override: Any) -> None:
             f"{key!r} is not in the config yet; {info.field_path!r} is a free-form mapping, "
             f"so add new entries with '+': +{override.input_line}"
         )
-    _set(cfg, key, value, info)
+    _set(cfg, key, value, info, schema)
 
 
-def _set(cfg: DictConfig, key: str, value: Any, info: KeyInfo) -> None:
+def _set(cfg: DictConfig, key: str, value: Any, info: KeyInfo, schema: type) -> None:
     if info.kind == "leaf" and is_list(info.annotation) and isinstance(value, str) and "${" not in value:
         value = [value]  # trainer.logger=console means [console], as in verl's scripts
     try:
         OmegaConf.update(cfg, key, value, merge=info.kind == "free", force_add=info.kind == "free")
     except OmegaConfBaseException:
-        raise _type_error(key, value) from None
+        raise _type_error(key, value, "", schema) from None
 
 
 def _delete(cfg: DictConfig, key: str, info: KeyInfo, override: Any) -> None:
@@ -202,14 +210,14 @@ def _delete(cfg: DictConfig, key: str, info: KeyInfo, override: Any) -> None:
         )
 
 
-def _flatten(value: dict, prefix: str) -> list[tuple[str, Any]]:
+def _flatten(value: dict, prefix: str, schema: type) -> list[tuple[str, Any]]:
     """`{a: {b: 1}}` under `prefix` -> [(prefix.a.b, 1)], stopping at free-form dict fields."""
     items: list[tuple[str, Any]] = []
     for name, sub in value.items():
         key = f"{prefix}.{name}"
-        info = lookup(key)
+        info = lookup(key, schema=schema)
         if isinstance(sub, dict) and info.kind == "section":
-            items.extend(_flatten(sub, key))
+            items.extend(_flatten(sub, key, schema))
         else:
             items.append((key, sub))
     return items
@@ -218,14 +226,14 @@ def _flatten(value: dict, prefix: str) -> list[tuple[str, Any]]:
 # ----------------------------------------------------------------------------------------- helpers
 
 
-def _to_dataclass(cfg: DictConfig) -> HyflowConfig:
+def _to_dataclass(cfg: DictConfig, schema: type) -> Any:
     try:
         return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
         key = _strip_index(getattr(exc, "full_key", "") or "")
         message = str(exc).split("\n")[0]
         missing = re.search(r"Interpolation key '([^']+)' not found", message)
-        suggestion = closest_key(missing.group(1)) if missing else None
+        suggestion = closest_key(missing.group(1), schema=schema) if missing else None
         hint = f" Did you mean ${{{suggestion}}}?" if suggestion else ""
         raise ConfigError(
             f"cannot resolve {key}={_raw_value(cfg, key)!r}: {message}.{hint} "
@@ -252,9 +260,9 @@ def _plain(value: Any) -> Any:
     )
 
 
-def _type_error(key: str, value: Any, where: str = "") -> ConfigError:
-    expected = type_name(lookup(key).annotation)
-    example = _default_of(key)
+def _type_error(key: str, value: Any, where: str, schema: type) -> ConfigError:
+    expected = type_name(lookup(key, schema=schema).annotation)
+    example = _default_of(key, schema)
     hint = f", e.g. {key}={example}" if example is not None else ""
     return ConfigError(
         f"type error{where}: {key}={value!r} (a {type(value).__name__}) is not a valid {expected}. "
@@ -269,9 +277,9 @@ def _section_error(key: str, where: str = "") -> ConfigError:
     )
 
 
-def _default_of(key: str) -> str | None:
+def _default_of(key: str, schema: type) -> str | None:
     """The schema default of `key` written as an override value (None for sections, mappings and nulls)."""
-    node: Any = HyflowConfig()
+    node: Any = schema()
     for segment in key.split("."):
         if not dataclasses.is_dataclass(node):
             return None

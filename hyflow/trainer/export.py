@@ -195,11 +195,14 @@ def _build_from_state_dict(ckpt: Path, manifest: dict, out: Path, component: str
     model.save_pretrained(out, safe_serialization=True)
 
 
+DEFAULT_COMPONENTS = ("actor_model", "model")
+
+
 def export_checkpoint(
     ckpt_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
     *,
-    component: str = "actor_model",
+    component: str | None = None,
     base_model_path: str | None = None,
 ) -> Path:
     """Write `component` of the checkpoint `ckpt_dir` (a `global_step_N` directory) as a Hugging Face model
@@ -212,6 +215,8 @@ def export_checkpoint(
     ckpt = Path(ckpt_dir).expanduser()
     verify_checkpoint(ckpt)
     manifest = read_manifest(ckpt)
+    if component is None:  # the policy of an RL run, or the model of an SFT run
+        component = next((c for c in DEFAULT_COMPONENTS if c in manifest["components"]), DEFAULT_COMPONENTS[0])
     if (
         component not in manifest["components"]
         and not (manifest.get("huggingface") or {}).get("component") == component

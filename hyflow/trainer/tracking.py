@@ -47,6 +47,8 @@ CONSOLE_KEYS = (
     "actor/entropy",
     "response_length/mean",
     "timing_s/step",
+    "train/loss",
+    "val/loss",
 )
 CONSOLE_MAX_VAL_KEYS = 3
 REWARD_KEY = "critic/score/mean"

@@ -1,0 +1,195 @@
+"""The typed configuration of the SFT trainer (`hyflow sft`): one dataclass per section, each field with help.
+
+Key names follow verl's `sft_trainer.yaml` (`data.train_batch_size`, `data.micro_batch_size_per_gpu`,
+`model.partial_pretrain`, `optim.lr_scheduler`, `trainer.default_local_dir`, ...), so a verl SFT command line
+ports by changing its entry point; where a default differs the help says "verl: ...". Multi-turn needs no
+switch here: a row with a `data.messages_key` column is multi-turn, one with prompt + response single-turn
+(verl's `data.multiturn.messages_key` is `data.messages_key`, as in verl's engine-based SFT trainer).
+
+Units: *samples* are conversations (dataset rows), *tokens* are tokens. `train_batch_size` is global (all
+devices), `micro_batch_size_per_gpu` per device per forward pass. Composed with the RL loader's machinery:
+`load_sft_config(overrides, config_file)` (unknown keys name the closest valid SFT key).
+"""
+
+# ruff: noqa: RUF009 -- option() and section() return dataclasses.field(...) objects, which ruff cannot see.
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hyflow.config.keys import ConfigError
+from hyflow.config.loader import load_config
+from hyflow.config.schema import _holds_interpolation, _resolve_interpolations, option, section
+from hyflow.config.validate import _check_choices
+
+
+@dataclass
+class SFTDataConfig:
+    """Conversations to train on, their columns, lengths and the batch size in samples."""
+
+    train_files: Any = option(
+        None, "Training data: a parquet/json(l) file or a list of them. Required (verl: ~/data/gsm8k/train.parquet)."
+    )
+    val_files: Any = option(None, "Validation data: a file or a list of files (None = no validation loss).")
+    prompt_key: str = option(
+        "prompt",
+        "Single-turn: column holding the prompt (chat messages or a string); dotted names read nested fields, e.g. extra_info.question (verl: question).",
+    )
+    response_key: str = option(
+        "response",
+        "Single-turn: column holding the target response text, e.g. extra_info.answer for the built-in tasks (verl: answer).",
+    )
+    messages_key: str = option(
+        "messages", "Multi-turn: column holding the conversation (list of {role, content}); used when present."
+    )
+    tools_key: str = option("tools", "Multi-turn: column holding tool schemas passed to the chat template.")
+    max_length: int = option(
+        1024, "Longest conversation, in tokens; longer ones follow data.truncation (verl: 2048)."
+    )
+    truncation: str = option(
+        "error",
+        "What to do with a conversation longer than max_length: error, left (keep the end), right (keep the start).",
+        choices=("error", "left", "right"),
+    )
+    train_batch_size: int = option(
+        256, "Samples per optimizer step (global, all devices); a multiple of micro_batch_size_per_gpu x devices."
+    )
+    micro_batch_size_per_gpu: int = option(
+        4,
+        "Samples per device per forward/backward pass (gradient accumulation = train_batch_size / this); also the validation batch size.",
+    )
+    train_max_samples: int = option(-1, "Use at most this many training samples (-1 = all).")
+    val_max_samples: int = option(-1, "Use at most this many validation samples (-1 = all).")
+    shuffle: bool = option(True, "Shuffle the training samples every epoch (order = f(seed, epoch)).")
+    seed: int | None = option(None, "Seed of the training data order (None = trainer.seed).")
+
+
+@dataclass
+class SFTModelConfig:
+    """The causal LM being fine-tuned and its tokenizer."""
+
+    partial_pretrain: str | None = option(
+        None, "Local directory or hub id of the model to fine-tune (verl's name). Required."
+    )
+    tokenizer_path: str | None = option(None, "Tokenizer directory or hub id (None = partial_pretrain).")
+    trust_remote_code: bool = option(False, "Allow custom modelling/tokenizer code from the model repository.")
+    enable_gradient_checkpointing: bool = option(
+        True, "Recompute activations in the backward pass: less memory, about 30% more compute."
+    )
+    override_config: dict[str, Any] = option(
+        {}, "Overrides of the model's config.json, e.g. +model.override_config.attn_implementation=sdpa."
+    )
+    custom_chat_template: str | None = option(
+        None, "A Jinja chat template (or a .jinja file) replacing the tokenizer's (verl: data.chat_template)."
+    )
+
+
+@dataclass
+class SFTOptimConfig:
+    """AdamW and its learning-rate schedule (verl's SFT defaults)."""
+
+    optimizer: str = option("AdamW", "Optimizer (AdamW, decoupled weight decay: Loshchilov & Hutter, arXiv 1711.05101).")
+    lr: float = option(1e-5, "Peak learning rate.")
+    betas: list[float] = option([0.9, 0.95], "Adam (beta1, beta2).")
+    weight_decay: float = option(0.01, "Decoupled weight decay.")
+    lr_warmup_steps: int = option(-1, "Linear warm-up length, in optimizer steps (-1 = use lr_warmup_steps_ratio).")
+    lr_warmup_steps_ratio: float = option(
+        0.1, "Warm-up length as a fraction of the total optimizer steps (used when lr_warmup_steps < 0)."
+    )
+    lr_scheduler: str = option(
+        "cosine", "Learning-rate schedule after warm-up: constant or cosine.", choices=("constant", "cosine")
+    )
+    min_lr_ratio: float = option(0.0, "Cosine schedule floor, as a fraction of lr.")
+    num_cycles: float = option(0.5, "Cosine cycles over the schedule (0.5 = one half-cosine decay).")
+    clip_grad: float = option(1.0, "Clip the global gradient norm to this (<= 0 = no clipping); non-finite norms skip the step.")
+
+
+@dataclass
+class SFTTrainerConfig:
+    """The training loop: length, logging, validation, checkpoints, resume and device."""
+
+    default_local_dir: str = option(
+        "checkpoints/${trainer.project_name}/${trainer.experiment_name}",
+        "Run directory: config.yaml, metrics.jsonl, global_step_N/ checkpoints.",
+    )
+    project_name: str = option("hyflow-sft", "Project name for loggers and the run directory (verl: gsm8k-sft).")
+    experiment_name: str = option("default", "Experiment name for loggers and the run directory (verl: test).")
+    total_epochs: int = option(4, "Passes over the training samples (ignored when total_training_steps is set).")
+    total_training_steps: int | None = option(
+        None, "Optimizer steps to run (None = total_epochs x steps per epoch)."
+    )
+    logger: list[str] = option(
+        ["console", "file"],
+        "Metric sinks: console, file (metrics.jsonl), tensorboard, wandb, mlflow, swanlab (verl: [console, wandb]).",
+    )
+    save_freq: int = option(-1, "Save a checkpoint every this many steps (-1 = only at the end; the last step is always saved).")
+    test_freq: int = option(-1, "Compute val/loss every this many steps (-1 = only at the end, when val_files is set).")
+    resume_mode: str = option(
+        "auto",
+        "auto: resume from the latest checkpoint in default_local_dir if any; disable: start fresh; resume_path: from resume_from_path.",
+        choices=("auto", "disable", "resume_path"),
+    )
+    resume_from_path: str | None = option(None, "Checkpoint directory (global_step_N) for resume_mode=resume_path.")
+    max_ckpt_to_keep: int | None = option(None, "Keep at most this many checkpoints (None = all).")
+    seed: int = option(1, "Global seed: model initialisation draws, data order (unless data.seed) and dropout.")
+    device: str = option(
+        "auto",
+        "Where the model trains: cpu, cuda (bf16 autocast, fp32 master weights), or auto (cuda when available; verl: cuda).",
+        choices=("auto", "cpu", "cuda"),
+    )
+
+
+@dataclass
+class SFTConfig:
+    """The whole configuration of a supervised fine-tuning run (verl's sft_trainer.yaml, typed)."""
+
+    data: SFTDataConfig = section(SFTDataConfig, "Conversations and batch size in samples.")
+    model: SFTModelConfig = section(SFTModelConfig, "The model to fine-tune and its tokenizer.")
+    optim: SFTOptimConfig = section(SFTOptimConfig, "Optimizer and learning-rate schedule.")
+    trainer: SFTTrainerConfig = section(SFTTrainerConfig, "Training loop, logging, checkpoints, device.")
+
+    def __post_init__(self) -> None:
+        if _holds_interpolation(self):
+            _resolve_interpolations(self)
+
+
+def load_sft_config(overrides: Sequence[str] = (), config_file: str | Path | None = None) -> SFTConfig:
+    """SFTConfig from defaults <- YAML file <- Hydra-style overrides (`data.train_batch_size=32`); then checked.
+
+    Unknown keys are ConfigErrors naming the closest valid SFT key; see `validate_sft_config` for the rest.
+    """
+    cfg = load_config(overrides, config_file, schema=SFTConfig)
+    validate_sft_config(cfg)
+    return cfg
+
+
+def validate_sft_config(cfg: SFTConfig, n_devices: int = 1) -> None:
+    """Raise ConfigError listing every problem: choices, positive sizes, and the batch rule
+    `train_batch_size % (micro_batch_size_per_gpu x n_devices) == 0` (gradient accumulation steps per update)."""
+    problems = _check_choices(cfg, cfg, "")
+    data = cfg.data
+    for key, value in (("train_batch_size", data.train_batch_size),
+                       ("micro_batch_size_per_gpu", data.micro_batch_size_per_gpu),
+                       ("max_length", data.max_length)):
+        if value < 1:
+            problems.append(f"data.{key}={value} must be >= 1.")
+    per_step = data.micro_batch_size_per_gpu * n_devices
+    if data.train_batch_size >= 1 and per_step >= 1 and data.train_batch_size % per_step:
+        lower = data.train_batch_size // per_step * per_step
+        problems.append(
+            f"data.train_batch_size={data.train_batch_size} samples is not a multiple of "
+            f"data.micro_batch_size_per_gpu={data.micro_batch_size_per_gpu} x {n_devices} device(s) = {per_step}, "
+            f"so it cannot be split into whole micro-batches. Set data.train_batch_size to a multiple of {per_step} "
+            f"(e.g. {lower or per_step} or {lower + per_step}) or pick a micro_batch_size_per_gpu that divides it."
+        )
+    if cfg.trainer.total_training_steps is None and cfg.trainer.total_epochs < 1:
+        problems.append(f"trainer.total_epochs={cfg.trainer.total_epochs} must be >= 1 (or set trainer.total_training_steps).")
+    if cfg.trainer.total_training_steps is not None and cfg.trainer.total_training_steps < 1:
+        problems.append(f"trainer.total_training_steps={cfg.trainer.total_training_steps} must be >= 1 or null.")
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} problems in the SFT config:\n" + "\n".join(f"  - {p}" for p in problems))

@@ -1,0 +1,253 @@
+"""Supervised fine-tuning (SFT) of a causal LM on chat conversations: `hyflow sft <overrides>`.
+
+The objective is next-token cross entropy on the trained tokens (loss_mask = 1: every assistant turn and its
+end-of-turn token, see `hyflow.data.sft_dataset`), as a token mean over the whole optimizer-step batch:
+
+    L = -(1 / N) * sum_{b,t: m[b,t] = 1} log p(x[b,t] | x[b,<t]),      N = sum_{b,t} m[b,t]
+
+The token at position t is predicted from the hidden state at t - 1 (the shift). A step's
+`data.train_batch_size` samples are cut into micro-batches of `data.micro_batch_size_per_gpu`; each micro-batch
+backpropagates its own sum of -log p divided by the step's N, so the accumulated gradient is exactly the
+full-batch gradient however unevenly the trained tokens fall into micro-batches. (verl's legacy trainer
+divides each micro-batch by its own token count and then by the micro-batch count: a mean of means.)
+
+One step, top to bottom in `fit`:
+
+    batch = loader.next_batch()                  seeded order = f(seed, epoch); resumable position
+    train_step: micro-batch forward/backward -> clip grad norm -> AdamW -> LR schedule (warm-up, constant|cosine)
+    validate (every test_freq steps, and at the end): val/loss = token mean of -log p over the validation set
+    log train/loss, train/lr, train/grad_norm, val/loss to metrics.jsonl (verl's names)
+    save_checkpoint (every save_freq steps, and at the end)
+
+Simplifications: one process on one device (cpu, or cuda with bf16 autocast over fp32 master weights); no LoRA,
+no packing, no sequence parallelism. The lm_head runs only on the trained positions, in chunks
+(`hyflow.models.forward.lm_head_logprobs`), so [B, T, V] logits are never built.
+
+Resume: a checkpoint holds the model, AdamW and scheduler state, the loader's (epoch, position) and every RNG;
+a run stopped after step k and resumed writes the same metrics.jsonl rows for steps k+1.. as one that never
+stopped. The checkpoint also holds hf_config/ and tokenizer/, so `hyflow export --component model` works.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from hyflow.batch import Batch
+from hyflow.config.keys import ConfigError
+from hyflow.config.loader import config_to_dict, config_to_yaml
+from hyflow.config.sft_schema import SFTConfig, load_sft_config, validate_sft_config
+from hyflow.data.rl_dataset import PromptLoader
+from hyflow.data.sft_dataset import SFTDataset
+from hyflow.models.forward import backbone_hidden_states, lm_head_logprobs, unwrap_model
+from hyflow.models.loading import load_causal_lm, load_tokenizer
+from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from hyflow.trainer.tracking import ProgressBar, Tracker, truncate_metrics
+from hyflow.workers.engine import build_optimizer, build_scheduler, clip_and_step
+
+
+def trained_tokens(batch: Batch) -> int:
+    """N = number of target tokens with loss_mask = 1 (the mask shifted to the predicted positions)."""
+    return int(batch["loss_mask"][:, 1:].sum())
+
+
+def token_nll_sum(model: torch.nn.Module, micro: Batch) -> torch.Tensor:
+    """sum over t with m[b,t] = 1 of -log p(x[b,t] | x[b,<t]) for a right-padded micro-batch (a scalar).
+
+    Columns past the longest sample are cut first; the lm_head runs on the trained positions only.
+    """
+    width = int(micro["attention_mask"].sum(-1).max())
+    ids_BT = micro["input_ids"][:, :width]
+    hidden_BTH = backbone_hidden_states(model, ids_BT, micro["attention_mask"][:, :width],
+                                        micro["position_ids"][:, :width])
+    mask_BT = micro["loss_mask"][:, 1:width].bool()
+    logp_N, _ = lm_head_logprobs(hidden_BTH[:, :-1][mask_BT], ids_BT[:, 1:][mask_BT],
+                                 unwrap_model(model).get_output_embeddings())
+    return -logp_N.sum()
+
+
+def accumulate_sft_gradients(model: torch.nn.Module, micro_batches: Sequence[Batch], device: torch.device) -> float:
+    """Backpropagate L = sum over micro-batches of token_nll_sum / N, N = trained tokens of ALL micro-batches
+    (the global token mean); gradients add into `.grad`. Returns L (the step's mean token loss)."""
+    n_tokens = max(sum(trained_tokens(m) for m in micro_batches), 1)
+    total = 0.0
+    for micro in micro_batches:
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = token_nll_sum(model, micro.to(device)) / n_tokens
+        if loss.requires_grad:  # a micro-batch without trained tokens has no graph
+            loss.backward()
+        total += float(loss.detach())
+    return total
+
+
+class SFTTrainer:
+    """Fine-tune `model.partial_pretrain` on `data.train_files` (or the objects passed in); `fit()` runs it."""
+
+    def __init__(self, config: SFTConfig | Sequence[str] | None = None, *, train_dataset=None,
+                 val_dataset=None, tokenizer=None, model: torch.nn.Module | None = None):
+        if isinstance(config, SFTConfig):
+            validate_sft_config(config)
+            self.config = config
+        else:
+            self.config = load_sft_config(list(config or ()))
+        cfg = self.config
+        _seed_everything(cfg.trainer.seed)
+        self.device = _resolve_device(cfg.trainer.device)
+        self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
+        self.model = (model if model is not None else self._load_model()).to(self.device)
+        self.train_dataset = train_dataset if train_dataset is not None else self._dataset(
+            cfg.data.train_files, cfg.data.train_max_samples, "data.train_files")
+        self.val_dataset = val_dataset if val_dataset is not None or not cfg.data.val_files else self._dataset(
+            cfg.data.val_files, cfg.data.val_max_samples, "data.val_files")
+        seed = cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed
+        self.loader = PromptLoader(self.train_dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
+                                   seed=seed)
+        self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(self.loader)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
+        engine_optim = SimpleNamespace(**config_to_dict(cfg)["optim"], lr_scheduler_type=cfg.optim.lr_scheduler)
+        self.scheduler = build_scheduler(self.optimizer, engine_optim, self.total_steps)
+        self.run_dir = Path(cfg.trainer.default_local_dir).expanduser()
+        self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer.max_ckpt_to_keep)
+        self.step = 0
+
+    # ------------------------------------------------------------------------------------------ setup
+
+    def _load_tokenizer(self):
+        m = self.config.model
+        if m.tokenizer_path is None and m.partial_pretrain is None:
+            raise ConfigError("model.partial_pretrain is not set; set model.partial_pretrain=<HF model directory "
+                              "or hub id> (the model to fine-tune), or pass tokenizer= and model=")
+        key = "model.tokenizer_path" if m.tokenizer_path else "model.partial_pretrain"
+        return load_tokenizer(m.tokenizer_path or m.partial_pretrain, trust_remote_code=m.trust_remote_code,
+                              chat_template=m.custom_chat_template, config_key=key)
+
+    def _load_model(self) -> torch.nn.Module:
+        m = self.config.model
+        if m.partial_pretrain is None:
+            raise ConfigError("model.partial_pretrain is not set; set model.partial_pretrain=<HF model directory "
+                              "or hub id> (the model to fine-tune), or pass model=")
+        return load_causal_lm(m.partial_pretrain, dtype="float32", trust_remote_code=m.trust_remote_code,
+                              override_config=m.override_config, config_key="model.partial_pretrain",
+                              enable_gradient_checkpointing=m.enable_gradient_checkpointing)
+
+    def _dataset(self, files, max_samples: int, key: str) -> SFTDataset:
+        if not files:
+            raise ConfigError(f"{key} is not set; set {key}=<parquet/jsonl file> (or a list [a.parquet, b.parquet])")
+        d = self.config.data
+        return SFTDataset(files, self.tokenizer, max_length=d.max_length, truncation=d.truncation,
+                          prompt_key=d.prompt_key, response_key=d.response_key, messages_key=d.messages_key,
+                          tools_key=d.tools_key, max_samples=max_samples, seed=self.config.trainer.seed)
+
+    def describe(self) -> str:
+        """The run's batch arithmetic in words, with units."""
+        d, o = self.config.data, self.config.optim
+        accumulation = d.train_batch_size // d.micro_batch_size_per_gpu
+        return (f"SFT on {self.device.type}: {len(self.train_dataset)} training samples, {len(self.loader)} steps "
+                f"per epoch, {self.total_steps} optimizer steps. Each step: {d.train_batch_size} samples = "
+                f"{accumulation} micro-batch(es) of {d.micro_batch_size_per_gpu} samples, at most {d.max_length} "
+                f"tokens per sample; loss = token mean over the step's trained tokens. "
+                f"lr {o.lr:g} ({o.lr_scheduler}), grad clip {o.clip_grad:g}. Run directory: {self.run_dir}")
+
+    # ------------------------------------------------------------------------------------------ steps
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step on `batch` (train_batch_size samples); returns train/loss, lr, grad_norm."""
+        self.model.train()
+        loss = accumulate_sft_gradients(self.model, batch.split(self.config.data.micro_batch_size_per_gpu),
+                                        self.device)
+        stats = clip_and_step(self.model, self.optimizer, self.scheduler, self.config.optim.clip_grad)
+        return {"train/loss": loss, "train/lr": stats["lr"], "train/grad_norm": stats["grad_norm"]}
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """val/loss: sum of -log p over every trained token of the validation set / their number."""
+        self.model.eval()
+        ds, size = self.val_dataset, self.config.data.micro_batch_size_per_gpu
+        nll, tokens = 0.0, 0
+        for start in range(0, len(ds), size):
+            micro = ds.collate([ds[i] for i in range(start, min(start + size, len(ds)))])
+            with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16,
+                                enabled=self.device.type == "cuda"):
+                nll += float(token_nll_sum(self.model, micro.to(self.device)))
+            tokens += trained_tokens(micro)
+        return {"val/loss": nll / max(tokens, 1)}
+
+    def fit(self) -> list[dict]:
+        """Train to `total_steps` (resuming per trainer.resume_mode); returns this call's metric rows."""
+        t = self.config.trainer
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(config_to_yaml(self.config))
+        self.resume()
+        truncate_metrics(self.run_dir, self.step)
+        print(self.describe(), flush=True)
+        history: list[dict] = []
+        with Tracker(self.run_dir, t.logger, project_name=t.project_name, experiment_name=t.experiment_name,
+                     config=config_to_dict(self.config)) as tracker, \
+                ProgressBar(self.total_steps, initial=self.step) as progress:
+            while self.step < self.total_steps:
+                batch = self.loader.next_batch()
+                self.step += 1
+                last = self.step == self.total_steps
+                metrics = self.train_step(batch)
+                if self.val_dataset is not None and (last or (t.test_freq > 0 and self.step % t.test_freq == 0)):
+                    metrics.update(self.validate())
+                tracker.log(metrics, self.step)
+                history.append({"step": self.step, **metrics})
+                progress.update(metrics)
+                progress.bar.set_postfix_str(f"loss={metrics['train/loss']:.4g}")
+                if last or (t.save_freq > 0 and self.step % t.save_freq == 0):
+                    self.save_checkpoint()
+        return history
+
+    # ------------------------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> Path:
+        """`run_dir/global_step_N/`: model, optimizer, scheduler, trainer_state (step, loader, RNG) + HF files."""
+        model = unwrap_model(self.model)
+        state = {"step": self.step, "loader": self.loader.state_dict(), "rng": capture_rng_state()}
+        components = {"model": model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                      "scheduler": self.scheduler.state_dict(), "trainer_state": state}
+        return self.checkpoints.save(self.step, components, tokenizer=self.tokenizer, hf_config=model.config,
+                                     generation_config=getattr(model, "generation_config", None),
+                                     config_yaml=config_to_yaml(self.config))
+
+    def resume(self) -> int:
+        """Load the checkpoint chosen by trainer.resume_mode (if any); returns the step it holds (0 = fresh)."""
+        t = self.config.trainer
+        path = self.checkpoints.resolve_resume(t.resume_mode, t.resume_from_path)
+        if path is None:
+            return self.step
+        saved = self.checkpoints.load(path, verify=False)
+        unwrap_model(self.model).load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        state = saved["trainer_state"]
+        self.loader.load_state_dict(state["loader"])
+        restore_rng_state(state["rng"])
+        self.step = int(state["step"])
+        print(f"resumed from {path} (step {self.step})", flush=True)
+        return self.step
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible; set trainer.device=cpu (or auto)")
+    return torch.device(name)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run_sft(overrides: Sequence[str], config_file: str | Path | None = None) -> list[dict]:
+    """`hyflow sft <overrides>`: compose the SFTConfig (defaults <- config_file <- overrides) and train."""
+    return SFTTrainer(load_sft_config(overrides, config_file)).fit()
