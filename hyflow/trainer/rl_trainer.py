@@ -56,6 +56,7 @@ from hyflow.trainer.metrics import compute_data_metrics, compute_throughput_metr
 from hyflow.trainer.tracking import ProgressBar, Tracker, truncate_metrics
 from hyflow.workers.actor import ActorRolloutRefWorker
 from hyflow.workers.critic import CriticWorker
+from hyflow.workers.reward_model import RewardModelWorker
 
 
 class RLTrainer:
@@ -129,6 +130,10 @@ class RLTrainer:
         if uses_critic(cfg):
             self.critic = LocalWorkerGroup(CriticWorker, cfg)
             self.critic.init_model(self.total_steps)
+        self.reward_model = None
+        if cfg.reward_model.enable:
+            self.reward_model = LocalWorkerGroup(RewardModelWorker, cfg, tokenizer=self.tokenizer)
+            self.reward_model.init_model()
         self.use_reference = uses_reference(cfg)
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
@@ -228,7 +233,17 @@ class RLTrainer:
         return self.actor.generate_sequences(padded, params).unpad(pad * params.n)
 
     def score(self, batch: Batch, manager) -> dict[str, float]:
-        """Write `token_level_scores` (and the scorer's extra columns) into `batch`; return reward metrics."""
+        """Write `token_level_scores` (and the scorer's extra columns) into `batch`; return reward metrics.
+
+        verl's priority: a custom reward function, else the reward model (`reward_model.enable`), else the
+        built-in scorer of each sample's data_source.
+        """
+        if self.reward_model is not None:
+            rm_scores = self.reward_model.compute_rm_score(batch)["rm_scores"]
+            batch["rm_scores"] = rm_scores
+            if self.reward_fn is None:
+                batch["token_level_scores"] = rm_scores
+                return {"reward/rm_score/mean": float(rm_scores.sum(-1).mean())}
         result = manager(batch)
         batch["token_level_scores"] = result.token_level_scores
         for key, values in result.extra.items():

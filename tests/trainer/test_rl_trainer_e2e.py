@@ -111,3 +111,18 @@ def test_verl_style_command_line(tiny_model_dir, task_dir, tmp_path):
     assert (run / "config.yaml").exists() and (run / "generations" / "val_step_2.jsonl").exists()
     first = json.loads((run / "generations" / "val_step_0.jsonl").read_text().splitlines()[0])
     assert {"input", "output", "score"} <= first.keys()
+
+
+def test_model_based_reward(tiny_model_dir, tiny_tokenizer, task_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    rm.config.pad_token_id = tiny_tokenizer.pad_token_id
+    rm.save_pretrained(tmp_path / "rm")
+    tiny_tokenizer.save_pretrained(tmp_path / "rm")
+    history = RLTrainer(overrides(tiny_model_dir, task_dir, tmp_path / "run", "trainer.total_training_steps=1",
+                                  "reward_model.enable=true", f"reward_model.model.path={tmp_path / 'rm'}",
+                                  "trainer.val_before_train=false")).fit()
+    last = history[-1]
+    assert last["reward/rm_score/mean"] == pytest.approx(last["critic/score/mean"], abs=1e-5)
+    assert last["critic/score/max"] > last["critic/score/min"]  # a real model's scores differ per sample

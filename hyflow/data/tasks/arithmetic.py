@@ -68,10 +68,21 @@ def generate(
     digits: int = 2,
     operators: str = "+-",
     show_work: bool = True,
+    answer_line_rate: float = 1.0,
     instruction: str = INSTRUCTION,
     system_prompt: str | None = None,
 ) -> dict[str, list[dict]]:
-    """Rows of both splits in memory: {"train": [...], "test": [...]} (see the module docstring)."""
+    """Rows of both splits in memory: {"train": [...], "test": [...]} (see the module docstring).
+
+    `answer_line_rate` < 1 makes the SFT demonstrations of the train split imperfect: that fraction of worked
+    answers (chosen with the seed) ends with the `#### value` line the scorer reads, the rest stop after the
+    work. The prompts and ground truths are unchanged, and the test split always has the line.
+    """
+    if not 0.0 <= answer_line_rate <= 1.0:
+        raise ValueError(f"answer_line_rate must be in [0, 1], got {answer_line_rate}")
+    if answer_line_rate < 1.0 and not show_work:
+        raise ValueError("answer_line_rate < 1 needs show_work=True (an answer without work or answer line is empty)")
+    line_rng = Random(seed + 1)
     check_sizes(n_train, n_test)
     ops_allowed = parse_operators(operators, OPERATORS)
     if n_operands < 2:
@@ -92,22 +103,24 @@ def generate(
     splits = split_problems(problems, n_train, n_test)
     return {
         split: [
-            _row(numbers, ops, split, i, show_work, instruction, system_prompt)
+            _row(numbers, ops, split, i, show_work, instruction, system_prompt,
+                 answer_line=split != "train" or line_rng.random() < answer_line_rate)
             for i, (numbers, ops) in enumerate(problems)
         ]
         for split, problems in splits.items()
     }
 
 
-def _row(numbers, ops, split, index, show_work, instruction, system_prompt) -> dict:
+def _row(numbers, ops, split, index, show_work, instruction, system_prompt, answer_line=True) -> dict:
     expression = render(numbers, ops)
     steps = evaluate_steps(numbers, ops)
     value = steps[-1]
-    work = " = ".join([expression, *steps]) + "\n" if show_work else ""
+    work = " = ".join([expression, *steps]) if show_work else ""
+    answer = f"{work}\n#### {value}" if work and answer_line else (work or f"#### {value}")
     content = f"What is {expression}? {instruction}".strip()
     return make_row(
         DATA_SOURCE, content, ability="arithmetic", ground_truth=value, split=split, index=index,
-        extra={"question": content, "answer": f"{work}#### {value}", "expression": expression},
+        extra={"question": content, "answer": answer, "expression": expression},
         system_prompt=system_prompt,
     )
 
@@ -123,6 +136,7 @@ def make(
     digits: int = 2,
     operators: str = "+-",
     show_work: bool = True,
+    answer_line_rate: float = 1.0,
     instruction: str = INSTRUCTION,
     system_prompt: str | None = None,
 ) -> dict[str, Path]:
@@ -132,6 +146,7 @@ def make(
     """
     rows = generate(
         n_train=n_train, n_test=n_test, seed=seed, n_operands=n_operands, digits=digits, operators=operators,
-        show_work=show_work, instruction=instruction, system_prompt=system_prompt,
+        show_work=show_work, answer_line_rate=answer_line_rate, instruction=instruction,
+        system_prompt=system_prompt,
     )
     return write_splits(rows, out_dir, fmt)
