@@ -175,7 +175,9 @@ class ModelConfig:
         False, "Offload activations to CPU memory during the forward pass."
     )
     use_remove_padding: bool = option(
-        True, "Pack sequences without padding for the forward pass (less compute on padded batches)."
+        True,
+        "verl: pack sequences without padding. hyflow does not pack yet; it always trims each micro-batch to the "
+        "columns that hold real tokens. Accepted for verl command lines.",
     )
     use_liger: bool = option(False, "Use Liger kernels for the model.")
     use_fused_kernels: bool = option(
@@ -596,7 +598,11 @@ class CriticModelConfig:
     trust_remote_code: bool = option(False, "Allow custom modelling code from the critic's repository.")
     enable_gradient_checkpointing: bool = option(True, "Recompute activations in the backward pass.")
     enable_activation_offload: bool = option(False, "Offload activations to CPU memory.")
-    use_remove_padding: bool = option(False, "Pack sequences without padding.")
+    use_remove_padding: bool = option(
+        False,
+        "Accepted for verl command lines; hyflow does not pack sequences yet. It trims each micro-batch to the "
+        "columns that hold real tokens instead.",
+    )
     lora_rank: int = option(0, "LoRA rank of the critic (0 = full fine-tuning).")
     lora_alpha: int = option(16, "LoRA alpha of the critic.")
     target_modules: Any = option("all-linear", "Critic modules that get LoRA adapters.")

@@ -135,6 +135,7 @@ class RLTrainer:
             self.reward_model = LocalWorkerGroup(RewardModelWorker, cfg, tokenizer=self.tokenizer)
             self.reward_model.init_model()
         self.use_reference = uses_reference(cfg)
+        self.needs_old_log_probs = self._needs_old_log_probs()
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.reward_manager = self._reward_manager(num_examine=0)
@@ -148,6 +149,19 @@ class RLTrainer:
         (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
         self.tracker = Tracker(self.run_dir, cfg.trainer.logger, project_name=cfg.trainer.project_name,
                                experiment_name=cfg.trainer.experiment_name, config=config_to_dict(cfg))
+
+    def _needs_old_log_probs(self) -> bool:
+        """Whether pi_old must be recomputed before the update (verl always does; TRL does not when on-policy).
+
+        It is skipped only when nothing reads it before the update and the update itself is on-policy (one
+        epoch, one mini-batch): then pi_old equals the update's own forward, which the actor uses detached.
+        """
+        cfg = self.config
+        actor = cfg.actor_rollout_ref.actor
+        rc = cfg.algorithm.rollout_correction
+        return not (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size >= cfg.data.train_batch_size
+                    and not cfg.algorithm.use_kl_in_reward and not (rc.rollout_is or rc.rollout_rs)
+                    and not {"old_log_prob", "sum_pi_squared"} & set(self.estimator.requires))
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict]:
@@ -170,7 +184,7 @@ class RLTrainer:
                         with timer("testing", timing := {}):
                             metrics.update(self.validate())
                         metrics["timing_s/testing"] = timing["testing"]
-                    if last or (cfg.save_freq > 0 and self.global_step % cfg.save_freq == 0):
+                    if cfg.save_freq > 0 and (last or self.global_step % cfg.save_freq == 0):
                         with timer("save_checkpoint", timing := {}):
                             self.save_checkpoint()
                         metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
@@ -189,9 +203,12 @@ class RLTrainer:
             with timer("gen", timing):
                 batch = self.rollout_and_score(prompts, metrics)
             batch.meta["global_step"] = self.global_step
-            with timer("old_log_prob", timing):
-                batch.union(self.actor.compute_log_prob(
-                    batch, with_sum_pi_squared="sum_pi_squared" in self.estimator.requires))
+            if self.config.algorithm.rollout_correction.bypass_mode:
+                batch["old_log_probs"] = batch["rollout_log_probs"]  # the rollout's log-probs are pi_old
+            elif self.needs_old_log_probs:
+                with timer("old_log_prob", timing):
+                    batch.union(self.actor.compute_log_prob(
+                        batch, with_sum_pi_squared="sum_pi_squared" in self.estimator.requires))
             if self.use_reference:
                 with timer("ref", timing):
                     batch.union(self.actor.compute_ref_log_prob(batch))

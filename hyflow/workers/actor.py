@@ -5,7 +5,8 @@ the frozen reference policy (HybridFlow's colocated roles).
 - `compute_log_prob`: old log-probs (+ entropy, + sum of squared probabilities when an estimator needs it)
   under the current weights, the same temperature as the rollout.
 - `compute_ref_log_prob`: log-probs under the reference policy (for a KL loss or KL-in-reward).
-- `update_actor`: `ppo_epochs` passes over the step's samples in mini-batches of `ppo_mini_batch_size`
+- `update_actor`: `ppo_epochs` passes over the step's samples (when the batch carries no `old_log_probs`, the
+  update is on-policy — one epoch, one mini-batch — and pi_old is the update's own forward, detached) in mini-batches of `ppo_mini_batch_size`
   prompts (x n samples), each cut into micro-batches; every micro-batch loss is normalised by the token /
   sequence counts of the whole mini-batch over all data-parallel ranks, so the gradient is the same however the
   mini-batch is cut. Loss = policy loss (by name) - entropy_coeff * entropy + kl_loss_coef * KL(pi || ref).
@@ -243,10 +244,16 @@ class ActorRolloutRefWorker(Worker):
                 seq = {k: v.to(self.model_device) for k, v in seq.items()}
                 cols = {key: micro[key][:, :r].to(self.model_device) for key in RESPONSE_KEYS if key in micro}
                 mask = cols["response_mask"].float()
+                on_policy = "old_log_probs" not in cols  # the driver skipped the recompute: pi_old = pi_theta
                 with autocast(self.model_device, actor.fsdp_config.dtype):
                     logp, entropy = response_logprobs(self.model, seq["input_ids"], seq["attention_mask"],
                                                       seq["position_ids"], r, temperature=temperature,
-                                                      calculate_entropy=actor.entropy_coeff != 0)
+                                                      calculate_entropy=actor.entropy_coeff != 0 or on_policy)
+                if on_policy:
+                    cols["old_log_probs"] = logp.detach()
+                    share = float(mask.sum()) / max(float(norms["global_token_count"]), 1.0) * self.world_size
+                    token_mean = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
+                    sums["actor/entropy"] = sums.get("actor/entropy", 0.0) + token_mean * share
                 pg_loss, pg_metrics = loss_fn(old_log_prob=cols["old_log_probs"], log_prob=logp,
                                               advantages=cols["advantages"], response_mask=mask,
                                               rollout_is_weights=cols.get("rollout_is_weights"),

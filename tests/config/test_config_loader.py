@@ -338,3 +338,11 @@ def test_overrides_land_and_round_trip(tmp_path_factory, batch, n, lr, name):
     path = tmp_path_factory.mktemp("roundtrip") / "config.yaml"
     path.write_text(config_to_yaml(cfg))
     assert config_from_yaml_file(path) == cfg
+
+
+def test_features_not_built_yet_are_errors_not_surprises():
+    from hyflow.config import ConfigError, load_config, validate_config
+
+    cfg = load_config(["actor_rollout_ref.model.lora_rank=8", "algorithm.use_pf_ppo=true"])
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.lora_rank is not supported by this hyflow version"):
+        validate_config(cfg)

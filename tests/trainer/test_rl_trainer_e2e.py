@@ -36,7 +36,7 @@ def overrides(model_dir, task_dir, run_dir, *extra):
         "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "data.train_batch_size=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.max_prompt_length=48", "data.max_response_length=12",
         "actor_rollout_ref.actor.optim.lr=3e-3", "reward_model.num_workers=0", "trainer.logger=[file]",
-        "trainer.total_training_steps=4", "trainer.test_freq=2", "data.seed=3", *extra,
+        "trainer.total_training_steps=4", "trainer.test_freq=2", "data.seed=3", "trainer.save_freq=2", *extra,
     ]
 
 
