@@ -87,3 +87,16 @@ def test_plot_command(tmp_path):
     assert first.exists() and first.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = run("plot", str(tmp_path / "empty"))
     assert out.returncode == 2 and "metrics.jsonl" in out.stderr
+
+
+def test_sft_command(tmp_path, tiny_model_dir):
+    from hyflow.data.tasks import make_task
+
+    make_task("arithmetic", tmp_path / "data", n_train=16, n_test=4, seed=0)
+    out = run("sft", f"model.partial_pretrain={tiny_model_dir}", f"data.train_files={tmp_path}/data/train.parquet",
+              "data.response_key=extra_info.answer", "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2",
+              "trainer.total_training_steps=2", "trainer.logger=[file]", f"trainer.default_local_dir={tmp_path}/run")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "train/loss" in out.stdout and (tmp_path / "run" / "global_step_2").is_dir()
+    out = run("sft", "data.train_batchsize=4")
+    assert out.returncode == 2 and "Did you mean 'data.train_batch_size'" in out.stderr

@@ -56,9 +56,28 @@ def test_reward_rises(warm, tmp_path, name, extra):
     assert last > first + 0.05
 
 
-def test_rloo_runs(warm, tmp_path):
-    history = rl(warm, tmp_path / "rloo", 3, "algorithm.adv_estimator=rloo")
-    assert history[-1]["step"] == 3 and "critic/advantages/mean" in history[-1]
+def test_rloo_with_adaptive_kl_in_reward(warm, tmp_path):
+    history = rl(warm, tmp_path / "rloo", 3, "algorithm.adv_estimator=rloo", "algorithm.use_kl_in_reward=true",
+                 "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05")
+    last = history[-1]
+    assert last["step"] == 3 and "actor/reward_kl_penalty" in last
+    assert last["actor/reward_kl_penalty_coeff"] != 0.05  # the adaptive controller moved the coefficient
+
+
+def test_remax_greedy_baseline(warm, tmp_path):
+    history = rl(warm, tmp_path / "remax", 2, "algorithm.adv_estimator=remax")
+    assert history[-1]["step"] == 2 and history[-1]["critic/advantages/max"] > 0
+
+
+def test_rollout_correction_and_ppo_extras(warm, tmp_path):
+    history = rl(warm, tmp_path / "tis", 2, "algorithm.adv_estimator=grpo",
+                 "actor_rollout_ref.rollout.calculate_log_probs=true", "algorithm.rollout_correction.rollout_is=token",
+                 "algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction.rollout_rs_threshold=2.0",
+                 "actor_rollout_ref.actor.policy_loss.loss_mode=cispo", "actor_rollout_ref.actor.entropy_coeff=0.01",
+                 "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512")
+    last = history[-1]
+    assert "rollout_corr/is_mean" in last and "actor/entropy_loss" in last
+    assert abs(last["rollout_corr/kl"]) < 1e-4  # rollout and trainer agree on CPU in fp32
 
 
 def test_dapo_clip_higher_dynamic_sampling_overlong(warm, tmp_path):
