@@ -10,7 +10,10 @@ from hyflow.controller.dispatch import (
     registered_methods,
     split_args,
 )
+from hyflow.controller.factory import EXECUTORS, make_worker_group
 from hyflow.controller.group import LocalWorkerGroup, RoleView, WorkerError, WorkerGroup
+from hyflow.controller.ray_group import RayWorkerGroup, WorkerDiedError, WorkerTimeoutError
+from hyflow.controller.resources import RayResourcePool, ensure_ray, shutdown_ray
 from hyflow.controller.worker import (
     Placement,
     Worker,
@@ -21,22 +24,30 @@ from hyflow.controller.worker import (
 )
 
 __all__ = [
+    "EXECUTORS",
     "Collect",
     "Dispatch",
     "DispatchMode",
     "LocalWorkerGroup",
     "Placement",
+    "RayResourcePool",
+    "RayWorkerGroup",
     "RoleView",
     "Worker",
+    "WorkerDiedError",
     "WorkerError",
     "WorkerGroup",
+    "WorkerTimeoutError",
     "collect_results",
+    "ensure_ray",
     "free_port",
     "make_colocated_class",
+    "make_worker_group",
     "placement_from_env",
     "reduce_metrics",
     "register",
     "registered_methods",
+    "shutdown_ray",
     "split_args",
     "use_placement",
 ]

@@ -155,9 +155,21 @@ class Worker:
         backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend, init_method=f"tcp://{self.placement.master_addr}:{port}",
-                                rank=self.rank, world_size=self.world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        addr, timeout = self.placement.master_addr, timedelta(seconds=timeout_s)
+        if addr.startswith("127.") or addr == "localhost":
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's own sockets stay on loopback too
+        if self.rank == 0:
+            # torch's TCPStore would listen on every interface; bind the rendezvous socket to MASTER_ADDR only.
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((addr, port))
+            listener.listen(max(self.world_size, 8))
+            self._store_listener = listener  # the store serves from this socket: keep it open
+            store = dist.TCPStore(addr, port, self.world_size, True, timeout=timeout,
+                                  master_listen_fd=listener.fileno())
+        else:
+            store = dist.TCPStore(addr, port, self.world_size, False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
 
     def __repr__(self) -> str:
         """`Cls(rank=r, world_size=n)`."""

@@ -15,8 +15,10 @@ Every step does, in this order (DESIGN.md's spine; each stage a named call in `s
    new weights.
 
 The trainer never branches on an algorithm's name: estimators declare the inputs they need
-(`estimator.requires`), losses are looked up by name inside the actor. Simplifications, stated: one executor
-(`local`, in-process) until the Ray executor lands; validation scores the whole validation set at each test.
+(`estimator.requires`), losses are looked up by name inside the actor. The executor is configuration:
+`trainer.executor=local` runs every worker in this process (one device; `breakpoint()` works anywhere), `ray`
+runs one worker process per device (`trainer.nnodes` x `trainer.n_gpus_per_node`) with torch.distributed and
+FSDP2; the code below is the same for both. Validation scores the whole validation set at each test.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from hyflow.algos import (
     apply_kl_penalty,
@@ -45,12 +48,13 @@ from hyflow.config import (
     validate_config,
 )
 from hyflow.config.arithmetic import uses_critic, uses_reference
-from hyflow.controller import LocalWorkerGroup
+from hyflow.controller import make_colocated_class, make_worker_group
 from hyflow.data.rl_dataset import PromptLoader, RLDataset
 from hyflow.models.loading import load_tokenizer
 from hyflow.rewards.custom import load_custom_reward_function
 from hyflow.rewards.managers import make_reward_manager
 from hyflow.rollout.base import SamplingParams
+from hyflow.trainer.balance import balanced_order
 from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from hyflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, timer
 from hyflow.trainer.tracking import ProgressBar, Tracker, truncate_metrics
@@ -70,11 +74,14 @@ class RLTrainer:
     def __init__(self, config: HyflowConfig | Sequence[str] | None = None, *, reward_fn: Callable | None = None,
                  train_dataset=None, val_dataset=None, tokenizer=None) -> None:
         self.config = config if isinstance(config, HyflowConfig) else load_config(list(config or []))
-        validate_config(self.config, n_devices=1)
+        validate_config(self.config)
         cfg = self.config
-        if cfg.trainer.executor == "ray" or cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node > 1:
-            raise ValueError("this build runs the `local` executor on one device: set trainer.executor=local, "
-                             "trainer.nnodes=1, trainer.n_gpus_per_node=1 (the Ray executor is not available yet)")
+        self.n_devices = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+        self.executor = cfg.trainer.executor if cfg.trainer.executor != "auto" else (
+            "local" if self.n_devices == 1 else "ray")
+        if self.executor == "local" and self.n_devices > 1:
+            raise ValueError(f"trainer.executor=local runs one device, but trainer.nnodes x trainer.n_gpus_per_node = "
+                             f"{self.n_devices}; use trainer.executor=ray (or auto) for more")
         if not cfg.actor_rollout_ref.model.path:
             raise ValueError("set actor_rollout_ref.model.path to a model directory or hub id "
                              "(make a tiny one with: hyflow init-model --preset tiny --out DIR)")
@@ -92,6 +99,7 @@ class RLTrainer:
         self.run_dir = Path(cfg.trainer.default_local_dir)
         self.global_step = 0
         self.history: list[dict] = []
+        self.started_ray = False
 
     # ------------------------------------------------------------------ set-up
     def _dataset(self, given, files, max_samples: int, split: str):
@@ -123,16 +131,27 @@ class RLTrainer:
         self.loader = PromptLoader(self.train_dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                    seed=cfg.data.seed or cfg.trainer.seed)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(self.loader)
-        print(describe_batch_arithmetic(cfg, n_devices=1))
-        self.actor = LocalWorkerGroup(ActorRolloutRefWorker, cfg, tokenizer=self.tokenizer)
-        self.actor.init_model(self.total_steps)
-        self.critic = None
+        print(describe_batch_arithmetic(cfg, n_devices=self.n_devices))
+        self.started_ray = False
+        if self.executor == "ray":
+            from hyflow.controller.ray_group import ensure_ray
+
+            self.started_ray = ensure_ray(cfg.ray_kwargs.address, ray_init=dict(cfg.ray_kwargs.ray_init or {}))
+        # One process per device hosts every role (HybridFlow's colocation); the trainer talks to role views.
+        roles = {"actor": ActorRolloutRefWorker}
+        role_kwargs = {"actor": {"config": cfg, "tokenizer": self.tokenizer}}
         if uses_critic(cfg):
-            self.critic = LocalWorkerGroup(CriticWorker, cfg)
-            self.critic.init_model(self.total_steps)
-        self.reward_model = None
+            roles["critic"], role_kwargs["critic"] = CriticWorker, {"config": cfg}
         if cfg.reward_model.enable:
-            self.reward_model = LocalWorkerGroup(RewardModelWorker, cfg, tokenizer=self.tokenizer)
+            roles["rm"], role_kwargs["rm"] = RewardModelWorker, {"config": cfg, "tokenizer": self.tokenizer}
+        self.workers = self.worker_group(make_colocated_class(roles, name="HybridWorker"), **role_kwargs)
+        self.actor = self.workers.role("actor")
+        self.critic = self.workers.role("critic") if "critic" in roles else None
+        self.reward_model = self.workers.role("rm") if "rm" in roles else None
+        self.actor.init_model(self.total_steps)
+        if self.critic is not None:
+            self.critic.init_model(self.total_steps)
+        if self.reward_model is not None:
             self.reward_model.init_model()
         self.use_reference = uses_reference(cfg)
         self.needs_old_log_probs = self._needs_old_log_probs()
@@ -149,6 +168,34 @@ class RLTrainer:
         (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
         self.tracker = Tracker(self.run_dir, cfg.trainer.logger, project_name=cfg.trainer.project_name,
                                experiment_name=cfg.trainer.experiment_name, config=config_to_dict(cfg))
+
+    def worker_group(self, worker_cls, **kwargs):
+        """One worker per device, in this process (`local`) or as Ray actors (`ray`, one per device)."""
+        if self.executor == "local":
+            return make_worker_group("local", worker_cls, world_size=1, **kwargs)
+        from hyflow.controller.resources import RayResourcePool
+
+        t = self.config.trainer
+        use_gpu = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+        pool = RayResourcePool(t.nnodes, t.n_gpus_per_node, use_gpu=use_gpu, cpus_per_worker=1.0)
+        self._pool = pool
+        return make_worker_group("ray", worker_cls, world_size=self.n_devices, pool=pool, **kwargs)
+
+    def shutdown(self) -> None:
+        """Stop the worker processes (and the local Ray cluster this trainer started)."""
+        workers = getattr(self, "workers", None)
+        if workers is not None:
+            workers.shutdown()
+            self.workers = None
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.remove()
+            self._pool = None
+        if self.started_ray:
+            from hyflow.controller.ray_group import shutdown_ray
+
+            shutdown_ray()
+            self.started_ray = False
 
     def _needs_old_log_probs(self) -> bool:
         """Whether pi_old must be recomputed before the update (verl always does; TRL does not when on-policy).
@@ -167,8 +214,9 @@ class RLTrainer:
     def fit(self) -> list[dict]:
         """Train for `total_training_steps` (or `total_epochs`); returns the logged metrics of every step."""
         cfg = self.config.trainer
-        self.setup()
+        self.tracker = None
         try:
+            self.setup()
             if self.val_dataset is not None and cfg.val_before_train and self.global_step == 0:
                 self.log(self.validate(), step=0)
                 if cfg.val_only:
@@ -192,7 +240,9 @@ class RLTrainer:
                     self.log(metrics, step=self.global_step)
                     bar.update(metrics)
         finally:
-            self.tracker.close()
+            if self.tracker is not None:
+                self.tracker.close()
+            self.shutdown()
         return self.history
 
     def step(self, prompts: Batch) -> dict[str, float]:
@@ -203,6 +253,8 @@ class RLTrainer:
             with timer("gen", timing):
                 batch = self.rollout_and_score(prompts, metrics)
             batch.meta["global_step"] = self.global_step
+            if self.config.trainer.balance_batch and self.actor.world_size > 1:
+                batch = batch.reorder(balanced_order(batch["attention_mask"].sum(-1), self.actor.world_size))
             if self.config.algorithm.rollout_correction.bypass_mode:
                 batch["old_log_probs"] = batch["rollout_log_probs"]  # the rollout's log-probs are pi_old
             elif self.needs_old_log_probs:
@@ -231,7 +283,7 @@ class RLTrainer:
         metrics.update(compute_data_metrics(batch, max_response_length=cfg.actor_rollout_ref.rollout.response_length,
                                             max_prompt_length=cfg.data.max_prompt_length))
         metrics.update({f"timing_s/{name}": seconds for name, seconds in timing.items()})
-        metrics.update(compute_throughput_metrics(batch, timing["step"], n_devices=1))
+        metrics.update(compute_throughput_metrics(batch, timing["step"], n_devices=self.n_devices))
         metrics["training/global_step"] = self.global_step
         metrics["training/epoch"] = self.loader.epoch
         return metrics
