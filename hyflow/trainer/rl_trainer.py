@@ -134,9 +134,10 @@ class RLTrainer:
         print(describe_batch_arithmetic(cfg, n_devices=self.n_devices))
         self.started_ray = False
         if self.executor == "ray":
-            from hyflow.controller.ray_group import ensure_ray
+            from hyflow.controller.resources import ensure_ray
 
-            self.started_ray = ensure_ray(cfg.ray_kwargs.address, ray_init=dict(cfg.ray_kwargs.ray_init or {}))
+            ray_init = {k: v for k, v in dict(cfg.ray_kwargs.ray_init or {}).items() if v is not None}
+            self.started_ray = ensure_ray(cfg.ray_kwargs.address, ray_init=ray_init)
         # One process per device hosts every role (HybridFlow's colocation); the trainer talks to role views.
         roles = {"actor": ActorRolloutRefWorker}
         role_kwargs = {"actor": {"config": cfg, "tokenizer": self.tokenizer}}
@@ -192,7 +193,7 @@ class RLTrainer:
             pool.remove()
             self._pool = None
         if self.started_ray:
-            from hyflow.controller.ray_group import shutdown_ray
+            from hyflow.controller.resources import shutdown_ray
 
             shutdown_ray()
             self.started_ray = False
@@ -273,12 +274,14 @@ class RLTrainer:
                 self.compute_advantages(batch)
             if self.critic is not None:
                 with timer("update_critic", timing):
-                    metrics.update(reduce_metrics(self.critic.update_critic(batch).meta["metrics"]))
+                    critic_batch = self.mini_batch_major(batch, self.config.critic.ppo_mini_batch_size)
+                    metrics.update(reduce_metrics(self.critic.update_critic(critic_batch).meta["metrics"]))
             if self.global_step > self.config.trainer.critic_warmup:
                 with timer("update_actor", timing):
-                    metrics.update(reduce_metrics(self.actor.update_actor(batch).meta["metrics"]))
+                    actor_batch = self.mini_batch_major(batch, self.config.actor_rollout_ref.actor.ppo_mini_batch_size)
+                    metrics.update(reduce_metrics(self.actor.update_actor(actor_batch).meta["metrics"]))
                 with timer("update_weights", timing):
-                    self.actor.sync_rollout_weights()
+                    self.actor.sync_rollout_weights()  # timed per rank too: the slowest bounds the step
         cfg = self.config
         metrics.update(compute_data_metrics(batch, max_response_length=cfg.actor_rollout_ref.rollout.response_length,
                                             max_prompt_length=cfg.data.max_prompt_length))
@@ -300,6 +303,20 @@ class RLTrainer:
         """Sample responses; prompts padded to the DP size and the padding's samples removed."""
         padded, pad = prompts.pad_to_multiple(self.actor.world_size)
         return self.actor.generate_sequences(padded, params).unpad(pad * params.n)
+
+    def mini_batch_major(self, batch: Batch, mini_batch_prompts: int) -> Batch:
+        """Rows laid out so that each rank's k-th local mini-batch is its share of the k-th global one.
+
+        The executor gives rank r the r-th contiguous chunk and each rank cuts its chunk into mini-batches; with
+        this layout the global mini-batches are the same contiguous blocks one process would use, so an update
+        on D ranks equals the update on one.
+        """
+        dp = self.actor.world_size
+        mini = mini_batch_prompts * self.config.actor_rollout_ref.rollout.n
+        if dp == 1 or len(batch) % mini or mini % dp:
+            return batch
+        order = torch.arange(len(batch)).view(len(batch) // mini, dp, mini // dp).transpose(0, 1).reshape(-1)
+        return batch[order]
 
     def score(self, batch: Batch, manager) -> dict[str, float]:
         """Write `token_level_scores` (and the scorer's extra columns) into `batch`; return reward metrics.
@@ -450,12 +467,29 @@ class RLTrainer:
             components.update(self.critic.state_dict())
         components["trainer_state"] = {"global_step": self.global_step, "loader": self.loader.state_dict(),
                                        "kl_ctrl": self.kl_ctrl.state_dict(), "rng": capture_rng_state()}
-        model, tokenizer = self.actor.hf_model()
-        hf = "hf_model" in self.config.actor_rollout_ref.actor.checkpoint.save_contents
-        return self.checkpoints.save(self.global_step, components, hf_model=model if hf else None,
-                                     tokenizer=tokenizer, hf_config=model.config,
-                                     generation_config=model.generation_config,
+        model = None
+        if "hf_model" in self.config.actor_rollout_ref.actor.checkpoint.save_contents:
+            model, _ = self.actor.hf_model()  # a collective gather of the full model: only when asked
+        hf_config, generation_config = self._model_configs()
+        return self.checkpoints.save(self.global_step, components, hf_model=model, tokenizer=self.tokenizer,
+                                     hf_config=hf_config, generation_config=generation_config,
                                      config_yaml=config_to_yaml(self.config))
+
+    def _model_configs(self):
+        """The policy's model and generation configs (read from its path once), for exportable checkpoints."""
+        if not hasattr(self, "_configs"):
+            from transformers import AutoConfig, GenerationConfig
+
+            model_cfg = self.config.actor_rollout_ref.model
+            hf_config = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
+            for key, value in dict(model_cfg.override_config or {}).items():
+                setattr(hf_config, key, value)
+            try:
+                generation_config = GenerationConfig.from_pretrained(model_cfg.path)
+            except OSError:  # a checkpoint without generation_config.json
+                generation_config = GenerationConfig.from_model_config(hf_config)
+            self._configs = (hf_config, generation_config)
+        return self._configs
 
     def load_checkpoint(self, path: Path) -> None:
         components = self.checkpoints.load(path, verify=False)

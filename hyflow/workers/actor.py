@@ -11,7 +11,16 @@ the frozen reference policy (HybridFlow's colocated roles).
   sequence counts of the whole mini-batch over all data-parallel ranks, so the gradient is the same however the
   mini-batch is cut. Loss = policy loss (by name) - entropy_coeff * entropy + kl_loss_coef * KL(pi || ref).
 - `sync_rollout_weights`: the rollout engine reads the actor's weights. In one process on CPU they share one
-  module (nothing to copy); with a separate low-precision rollout copy the weights are pushed in buckets.
+  module (nothing to copy); otherwise the engine holds its own full (unsharded) copy and the weights are pushed
+  in buckets of at most `weight_bucket_bytes`, gathered from the FSDP2 shards parameter by parameter.
+
+Several ranks (`world_size` > 1; `actor.strategy` fsdp or fsdp2 = FSDP2, ddp = DistributedDataParallel; see
+`hyflow.workers.fsdp`): `init_model` joins the process group, shards the actor and the reference (the reference
+has no optimizer), and gives the rollout engine a separate full copy. The driver splits each batch by rank
+(DP_SPLIT); every rank trains on its share with globally normalised losses, and all-reduces the metrics, so
+every rank reports the same global values. Checkpoint methods are collective (every rank calls them):
+`state_dict` returns rank 0's full (unsharded) state dicts, `load_state_dict` loads full state dicts into any
+world size, `save_sharded_checkpoint` / `load_sharded_checkpoint` write and read per-rank DCP shards.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import contextlib
 import copy
 import dataclasses
 import time
+from collections import defaultdict
 
 import torch
 
@@ -34,22 +44,37 @@ from hyflow.algos import (
 from hyflow.batch import Batch
 from hyflow.config import HyflowConfig
 from hyflow.config.arithmetic import uses_reference
-from hyflow.controller import Dispatch, Worker, register
+from hyflow.controller import Collect, Dispatch, Worker, register
 from hyflow.models.forward import backbone_hidden_states, response_logprobs, unwrap_model
 from hyflow.models.loading import load_causal_lm, load_tokenizer
 from hyflow.rollout.base import SamplingParams, make_engine
 from hyflow.workers.engine import (
+    all_reduce_metrics,
     all_reduce_sum,
     build_optimizer,
     build_scheduler,
     clip_and_step,
     mini_batches,
     pad_response,
-    split_micro_batches,
+    sync_micro_batch_count,
     trim_padding,
 )
+from hyflow.workers.fsdp import (
+    DIST_TIMEOUT_S,
+    WEIGHT_BUCKET_BYTES,
+    full_optimizer_state_dict,
+    full_state_dict,
+    full_tensor_buckets,
+    is_distributed,
+    load_full_optimizer_state_dict,
+    load_full_state_dict,
+    load_sharded,
+    maybe_init_distributed,
+    parallel_strategy,
+    save_sharded,
+    wrap_model,
+)
 
-WEIGHT_BUCKET_BYTES = 256 << 20
 RESPONSE_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_prob", "rollout_is_weights",
                  "rollout_log_probs")
 
@@ -75,7 +100,7 @@ def autocast(device: torch.device, dtype_name: str):
 
 
 class ActorRolloutRefWorker(Worker):
-    """Policy training, generation and reference log-probs on one device."""
+    """Policy training, generation and reference log-probs on one device (one rank of a data-parallel group)."""
 
     def __init__(self, config: HyflowConfig, tokenizer=None, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -87,52 +112,73 @@ class ActorRolloutRefWorker(Worker):
     # ------------------------------------------------------------------ set-up
     @register(Dispatch.REPLICATE)
     def init_model(self, total_training_steps: int) -> None:
-        """Load the policy (and the reference copy), build optimizer, LR schedule and the rollout engine."""
+        """Load the policy (and the reference copy), build optimizer, LR schedule and the rollout engine.
+
+        With several ranks: join the process group, give the rollout engine its own full copy, then shard the
+        actor and the reference (FSDP2) or wrap the actor in DDP; the optimizer is built on the wrapped model.
+        """
         model_cfg = self.arr.model
+        actor = self.arr.actor
+        self.strategy = parallel_strategy(actor.strategy, self.world_size)
+        maybe_init_distributed(self)
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path,
                                             trust_remote_code=model_cfg.trust_remote_code,
                                             chat_template=model_cfg.custom_chat_template)
         torch.manual_seed(self.config.trainer.seed)
-        self.model = load_causal_lm(model_cfg.path, dtype="float32", trust_remote_code=model_cfg.trust_remote_code,
-                                    override_config=dict(model_cfg.override_config or {}),
-                                    enable_gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
-                                    device=self.model_device)
-        self.ref_model = None
+        model = load_causal_lm(model_cfg.path, dtype="float32", trust_remote_code=model_cfg.trust_remote_code,
+                               override_config=dict(model_cfg.override_config or {}),
+                               enable_gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
+                               device=self.model_device)
+        ref_model = None
         if uses_reference(self.config):
             ref_path = self.arr.ref.model.path
             if ref_path:
-                self.ref_model = load_causal_lm(ref_path, dtype="float32", device=self.model_device,
-                                                trust_remote_code=model_cfg.trust_remote_code)
+                ref_model = load_causal_lm(ref_path, dtype="float32", device=self.model_device,
+                                           trust_remote_code=model_cfg.trust_remote_code)
             else:
-                self.ref_model = copy.deepcopy(self.model)
-            self.ref_model.requires_grad_(False).eval()
-        actor = self.arr.actor
+                ref_model = copy.deepcopy(model)
+            ref_model.requires_grad_(False).eval()
+        self.weight_bucket_bytes = WEIGHT_BUCKET_BYTES
+        self.rollout = self._build_rollout(model)
+        self.model = wrap_model(model, self.strategy, actor.fsdp_config)
+        self.ref_model = None
+        if ref_model is not None:
+            ref_strategy = parallel_strategy(self.arr.ref.strategy, self.world_size)
+            self.ref_model = wrap_model(ref_model, ref_strategy, self.arr.ref.fsdp_config, trainable=False)
         mini_batches_per_step = max(1, self.config.data.train_batch_size // actor.ppo_mini_batch_size)
         self.optimizer = build_optimizer(self.model.parameters(), actor.optim)
         self.scheduler = build_scheduler(self.optimizer, actor.optim,
                                          total_training_steps * actor.ppo_epochs * mini_batches_per_step)
-        self.rollout = self._build_rollout()
 
-    def _eos_ids(self) -> list[int]:
+    def _eos_ids(self, model) -> list[int]:
         ids = set()
         if self.tokenizer.eos_token_id is not None:
             ids.add(int(self.tokenizer.eos_token_id))
-        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         if gen_eos is not None:
             ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos)
         return sorted(ids)
 
-    def _build_rollout(self):
+    def _build_rollout(self, model):
+        """The engine on the actor's own module (one CPU process, or DDP on CPU: zero-copy) or on a full copy.
+
+        The copy is in `rollout.dtype` on accelerators and in the actor's fp32 on CPU; FSDP2 always needs one,
+        since the actor's parameters are shards.
+        """
         rollout_cfg = self.arr.rollout
-        shares_weights = self.model_device.type == "cpu"
-        model = self.model if shares_weights else copy.deepcopy(self.model).to(
-            dtype={"bfloat16": torch.bfloat16, "float16": torch.float16}.get(rollout_cfg.dtype, torch.float32))
-        if not shares_weights:
-            model.requires_grad_(False)
+        shares_weights = self.model_device.type == "cpu" and self.strategy != "fsdp2"
+        if shares_weights:
+            engine_model = model
+        else:
+            dtype = torch.float32 if self.model_device.type == "cpu" else {
+                "bfloat16": torch.bfloat16, "float16": torch.float16}.get(rollout_cfg.dtype, torch.float32)
+            engine_model = copy.deepcopy(model).to(dtype=dtype)
+            engine_model.requires_grad_(False)
         self._rollout_shares_weights = shares_weights
+        self._rollout_model = engine_model
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        return make_engine(rollout_cfg.name, model=model, eos_token_id=self._eos_ids(), pad_token_id=pad,
+        return make_engine(rollout_cfg.name, model=engine_model, eos_token_id=self._eos_ids(model), pad_token_id=pad,
                            max_batch_size=rollout_cfg.max_num_seqs)
 
     # ------------------------------------------------------------------ rollout
@@ -148,27 +194,33 @@ class ActorRolloutRefWorker(Worker):
 
     @register(Dispatch.REPLICATE)
     def sync_rollout_weights(self) -> float:
-        """Make the rollout engine generate with the actor's current weights; returns seconds spent."""
+        """Make the rollout engine generate with the actor's current weights; returns seconds spent.
+
+        A separate rollout copy receives the full weights in buckets of at most `weight_bucket_bytes`; under
+        FSDP2 every parameter is all-gathered (a collective: every rank calls this together). A rank that never
+        joins makes the others raise after the process-group timeout (DIST_TIMEOUT_S) instead of hanging.
+        """
         start = time.perf_counter()
         if not self._rollout_shares_weights:
-            bucket, size = [], 0
-            for name, param in unwrap_model(self.model).state_dict().items():
-                bucket.append((name, param.detach()))
-                size += param.numel() * param.element_size()
-                if size >= WEIGHT_BUCKET_BYTES:
+            try:
+                for bucket in full_tensor_buckets(self.model, self.weight_bucket_bytes):
                     self.rollout.load_weights(bucket)
-                    bucket, size = [], 0
-            if bucket:
-                self.rollout.load_weights(bucket)
+            except RuntimeError as err:
+                if not is_distributed():
+                    raise
+                raise RuntimeError(f"sync_rollout_weights on rank {self.rank}: gathering the actor's weights failed "
+                                   f"after {time.perf_counter() - start:.1f} s (a collective times out after the "
+                                   f"process group's timeout, {DIST_TIMEOUT_S:.0f} s by default): every rank must "
+                                   f"call sync_rollout_weights together (Dispatch.REPLICATE); {err}") from err
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ forward passes
     def _forward_micro_batches(self, batch: Batch):
         rollout = self.arr.rollout
-        return split_micro_batches(batch, micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu
-                                   or self.arr.actor.ppo_micro_batch_size_per_gpu,
-                                   use_dynamic_bsz=rollout.log_prob_use_dynamic_bsz,
-                                   max_token_len=rollout.log_prob_max_token_len_per_gpu)
+        return sync_micro_batch_count(batch, micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu
+                                      or self.arr.actor.ppo_micro_batch_size_per_gpu,
+                                      use_dynamic_bsz=rollout.log_prob_use_dynamic_bsz,
+                                      max_token_len=rollout.log_prob_max_token_len_per_gpu)
 
     def _log_probs(self, model, batch: Batch, *, with_entropy: bool, with_sum_pi_squared: bool = False) -> Batch:
         R = batch["responses"].shape[1]
@@ -235,15 +287,19 @@ class ActorRolloutRefWorker(Worker):
         step_seed = actor.data_loader_seed + int(batch.meta.get("global_step", 0)) * 7919
         for _, mini in mini_batches(batch, mini_size, epochs=actor.ppo_epochs, shuffle=actor.shuffle, seed=step_seed):
             norms = all_reduce_sum(loss_normalisers(mini["response_mask"], actor.loss_agg_mode))
-            sums: dict[str, float] = {}
-            micros = split_micro_batches(mini, micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
-                                         use_dynamic_bsz=actor.use_dynamic_bsz,
-                                         max_token_len=actor.ppo_max_token_len_per_gpu)
+            global_tokens = max(float(norms["global_token_count"]), 1.0)
+            # Every entry of `sums` is this rank's part of a global value: losses are already normalised by the
+            # global counts, per-token means are weighted by (tokens of the micro-batch / global tokens).
+            sums: defaultdict[str, float] = defaultdict(float)
+            micros = sync_micro_batch_count(mini, micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
+                                            use_dynamic_bsz=actor.use_dynamic_bsz,
+                                            max_token_len=actor.ppo_max_token_len_per_gpu)
             for micro, _ in micros:
                 seq, r = trim_padding(micro, R)
                 seq = {k: v.to(self.model_device) for k, v in seq.items()}
                 cols = {key: micro[key][:, :r].to(self.model_device) for key in RESPONSE_KEYS if key in micro}
                 mask = cols["response_mask"].float()
+                weight = float(mask.sum()) / global_tokens
                 on_policy = "old_log_probs" not in cols  # the driver skipped the recompute: pi_old = pi_theta
                 with autocast(self.model_device, actor.fsdp_config.dtype):
                     logp, entropy = response_logprobs(self.model, seq["input_ids"], seq["attention_mask"],
@@ -251,9 +307,7 @@ class ActorRolloutRefWorker(Worker):
                                                       calculate_entropy=actor.entropy_coeff != 0 or on_policy)
                 if on_policy:
                     cols["old_log_probs"] = logp.detach()
-                    share = float(mask.sum()) / max(float(norms["global_token_count"]), 1.0) * self.world_size
-                    token_mean = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
-                    sums["actor/entropy"] = sums.get("actor/entropy", 0.0) + token_mean * share
+                    sums["actor/entropy"] += float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1)) * weight
                 pg_loss, pg_metrics = loss_fn(old_log_prob=cols["old_log_probs"], log_prob=logp,
                                               advantages=cols["advantages"], response_mask=mask,
                                               rollout_is_weights=cols.get("rollout_is_weights"),
@@ -264,21 +318,20 @@ class ActorRolloutRefWorker(Worker):
                 if actor.entropy_coeff != 0:
                     entropy_loss = agg_loss(entropy, mask, **agg)
                     loss = loss - actor.entropy_coeff * entropy_loss
-                    sums["actor/entropy_loss"] = sums.get("actor/entropy_loss", 0.0) + float(entropy_loss.detach())
+                    sums["actor/entropy_loss"] += float(entropy_loss.detach())
                 if actor.use_kl_loss:
                     kl = agg_loss(kl_penalty(logp, cols["ref_log_prob"], actor.kl_loss_type), mask, **agg)
                     loss = loss + actor.kl_loss_coef * kl
-                    sums["actor/kl_loss"] = sums.get("actor/kl_loss", 0.0) + float(kl.detach())
+                    sums["actor/kl_loss"] += float(kl.detach())
                 (loss * self.world_size).backward()  # DDP/FSDP average gradients; the losses are global sums
-                share = float(mask.sum()) / max(float(norms["global_token_count"]), 1.0) * self.world_size
-                sums["actor/pg_loss"] = sums.get("actor/pg_loss", 0.0) + float(pg_loss.detach())
+                sums["actor/pg_loss"] += float(pg_loss.detach())
                 for name, value in pg_metrics.items():
-                    key = f"actor/{name}"
-                    sums[key] = sums.get(key, 0.0) + float(value) * share
+                    sums[f"actor/{name}"] += float(value) * weight
                 if "rollout_log_probs" in cols:
                     for name, value in compute_offpolicy_metrics(logp.detach(), cols["rollout_log_probs"],
                                                                  mask).items():
-                        sums[name] = sums.get(name, 0.0) + float(value) / len(micros)
+                        sums[name] += float(value) / (len(micros) * self.world_size)
+            sums = all_reduce_metrics(sums)  # every rank now reports the mini-batch's global values
             step_metrics = clip_and_step(self.model, self.optimizer, self.scheduler, actor.grad_clip)
             for name, value in {**sums, **{f"actor/{k}": v for k, v in step_metrics.items()}}.items():
                 metrics.setdefault(name, []).append(value)
@@ -287,24 +340,49 @@ class ActorRolloutRefWorker(Worker):
         return Batch(meta={"metrics": metrics})
 
     # ------------------------------------------------------------------ checkpoints
-    @register(Dispatch.RANK_ZERO)
+    @register(Dispatch.REPLICATE, collect=Collect.FIRST)
     def state_dict(self) -> dict:
-        """Components for a checkpoint: model weights, optimizer and LR-scheduler state."""
-        return {
-            "actor_model": {k: v.detach().cpu() for k, v in unwrap_model(self.model).state_dict().items()},
-            "actor_optimizer": self.optimizer.state_dict(),
-            "actor_scheduler": self.scheduler.state_dict(),
-        }
+        """Checkpoint components: full model weights, full optimizer state (by parameter name), LR schedule.
+
+        Collective (every rank gathers); rank 0 returns the components, the other ranks `{}`.
+        """
+        model = full_state_dict(self.model)
+        optimizer = full_optimizer_state_dict(self.model, self.optimizer)
+        if self.rank != 0:
+            return {}
+        return {"actor_model": model, "actor_optimizer": optimizer, "actor_scheduler": self.scheduler.state_dict()}
 
     @register(Dispatch.REPLICATE)
     def load_state_dict(self, components: dict) -> None:
-        """Restore what `state_dict` returned, then refresh the rollout engine's weights."""
-        unwrap_model(self.model).load_state_dict(components["actor_model"])
-        self.optimizer.load_state_dict(components["actor_optimizer"])
+        """Restore what `state_dict` returned (saved at any world size), then refresh the rollout's weights."""
+        load_full_state_dict(self.model, components["actor_model"])
+        load_full_optimizer_state_dict(self.model, self.optimizer, components["actor_optimizer"])
         self.scheduler.load_state_dict(components["actor_scheduler"])
         self.sync_rollout_weights()
 
-    @register(Dispatch.RANK_ZERO)
+    @register(Dispatch.REPLICATE)
+    def save_sharded_checkpoint(self, path: str) -> None:
+        """Write every rank's model and optimizer shards (DCP) and the LR schedule into directory `path`."""
+        save_sharded(self.model, self.optimizer, path, extra={"actor_scheduler": self.scheduler.state_dict()})
+
+    @register(Dispatch.REPLICATE)
+    def load_sharded_checkpoint(self, path: str) -> None:
+        """Read a `save_sharded_checkpoint` directory written at any world size; refresh the rollout's weights."""
+        extra = load_sharded(self.model, self.optimizer, path)
+        self.scheduler.load_state_dict(extra["actor_scheduler"])
+        self.sync_rollout_weights()
+
+    @register(Dispatch.REPLICATE, collect=Collect.FIRST)
     def hf_model(self):
-        """The policy module and tokenizer, for a Hugging Face export."""
-        return unwrap_model(self.model), self.tokenizer
+        """(policy as a plain Hugging Face module with full weights, tokenizer) on rank 0, None on the others.
+
+        Under FSDP2 this gathers a full state dict (collective) into a CPU fp32 copy of the rollout's module.
+        """
+        if self.strategy != "fsdp2":
+            return (unwrap_model(self.model), self.tokenizer) if self.rank == 0 else None
+        state = full_state_dict(self.model)
+        if self.rank != 0:
+            return None
+        model = copy.deepcopy(self._rollout_model).to(device="cpu", dtype=torch.float32)
+        model.load_state_dict(state)
+        return model, self.tokenizer

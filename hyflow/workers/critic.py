@@ -3,33 +3,52 @@
 `compute_values` reads values at the positions before each response token; `update_critic` makes
 `critic.ppo_epochs` passes in mini-batches (same units as the actor: prompts x n samples), micro-batched, with
 the loss normalised over the whole mini-batch on all ranks (micro-batch and DP invariant), like the actor.
+
+Several ranks (`critic.strategy` fsdp/fsdp2 = FSDP2, ddp = DistributedDataParallel; `hyflow.workers.fsdp`):
+`init_model` joins the process group and shards the value model; metrics are all-reduced so every rank reports
+the global values; `state_dict` (collective) returns rank 0's full state dicts, `load_state_dict` loads them
+into any world size, `save_sharded_checkpoint` / `load_sharded_checkpoint` use per-rank DCP shards.
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 
 from hyflow.algos import compute_value_loss, loss_normalisers, masked_mean
 from hyflow.batch import Batch
 from hyflow.config import HyflowConfig
-from hyflow.controller import Dispatch, Worker, register
-from hyflow.models.forward import unwrap_model, values_from_model
+from hyflow.controller import Collect, Dispatch, Worker, register
+from hyflow.models.forward import values_from_model
 from hyflow.models.loading import load_value_model
 from hyflow.workers.actor import autocast, resolve_device
 from hyflow.workers.engine import (
+    all_reduce_metrics,
     all_reduce_sum,
     build_optimizer,
     build_scheduler,
     clip_and_step,
     mini_batches,
     pad_response,
-    split_micro_batches,
+    sync_micro_batch_count,
     trim_padding,
+)
+from hyflow.workers.fsdp import (
+    full_optimizer_state_dict,
+    full_state_dict,
+    load_full_optimizer_state_dict,
+    load_full_state_dict,
+    load_sharded,
+    maybe_init_distributed,
+    parallel_strategy,
+    save_sharded,
+    wrap_model,
 )
 
 
 class CriticWorker(Worker):
-    """Value model training and inference on one device."""
+    """Value model training and inference on one device (one rank of a data-parallel group)."""
 
     def __init__(self, config: HyflowConfig, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -39,14 +58,20 @@ class CriticWorker(Worker):
 
     @register(Dispatch.REPLICATE)
     def init_model(self, total_training_steps: int) -> None:
-        """Load the value model (fresh value head when the checkpoint has none), optimizer and schedule."""
+        """Load the value model (fresh value head when the checkpoint has none), optimizer and schedule.
+
+        With several ranks: join the process group and shard (FSDP2) or wrap (DDP) the model first.
+        """
         model_cfg = self.critic.model
         path = model_cfg.path or self.config.actor_rollout_ref.model.path
-        torch.manual_seed(self.config.trainer.seed + 1)
-        self.model = load_value_model(path, dtype="float32", trust_remote_code=model_cfg.trust_remote_code,
-                                      override_config=dict(model_cfg.override_config or {}),
-                                      enable_gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
-                                      device=self.model_device, config_key="critic.model.path")
+        self.strategy = parallel_strategy(self.critic.strategy, self.world_size)
+        maybe_init_distributed(self)
+        torch.manual_seed(self.config.trainer.seed + 1)  # the same fresh value head on every rank
+        model = load_value_model(path, dtype="float32", trust_remote_code=model_cfg.trust_remote_code,
+                                 override_config=dict(model_cfg.override_config or {}),
+                                 enable_gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
+                                 device=self.model_device, config_key="critic.model.path")
+        self.model = wrap_model(model, self.strategy, model_cfg.fsdp_config)
         mini_batches_per_step = max(1, self.config.data.train_batch_size // self.critic.ppo_mini_batch_size)
         self.optimizer = build_optimizer(self.model.parameters(), self.critic.optim)
         self.scheduler = build_scheduler(self.optimizer, self.critic.optim,
@@ -55,11 +80,11 @@ class CriticWorker(Worker):
     def _micro_batches(self, batch: Batch, *, training: bool):
         c = self.critic
         if training:
-            return split_micro_batches(batch, micro_batch_size=c.ppo_micro_batch_size_per_gpu,
-                                       use_dynamic_bsz=c.use_dynamic_bsz, max_token_len=c.ppo_max_token_len_per_gpu)
-        return split_micro_batches(batch, micro_batch_size=c.forward_micro_batch_size_per_gpu
-                                   or c.ppo_micro_batch_size_per_gpu, use_dynamic_bsz=c.use_dynamic_bsz,
-                                   max_token_len=c.forward_max_token_len_per_gpu)
+            return sync_micro_batch_count(batch, micro_batch_size=c.ppo_micro_batch_size_per_gpu,
+                                          use_dynamic_bsz=c.use_dynamic_bsz, max_token_len=c.ppo_max_token_len_per_gpu)
+        return sync_micro_batch_count(batch, micro_batch_size=c.forward_micro_batch_size_per_gpu
+                                      or c.ppo_micro_batch_size_per_gpu, use_dynamic_bsz=c.use_dynamic_bsz,
+                                      max_token_len=c.forward_max_token_len_per_gpu)
 
     def _values(self, micro: Batch, R: int) -> tuple[torch.Tensor, int]:
         seq, r = trim_padding(micro, R)
@@ -91,7 +116,8 @@ class CriticWorker(Worker):
         seed = int(batch.meta.get("global_step", 0)) * 7919 + 17
         for _, mini in mini_batches(batch, mini_size, epochs=c.ppo_epochs, shuffle=c.shuffle, seed=seed):
             norms = all_reduce_sum(loss_normalisers(mini["response_mask"], c.loss_agg_mode))
-            sums = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0, "critic/vpred_mean": 0.0}
+            global_tokens = max(float(norms["global_token_count"]), 1.0)
+            sums: defaultdict[str, float] = defaultdict(float)  # this rank's parts of the global values
             for micro, _ in self._micro_batches(mini, training=True):
                 vpreds, r = self._values(micro, R)
                 cols = {k: micro[k][:, :r].to(self.model_device) for k in ("returns", "values", "response_mask")}
@@ -99,26 +125,44 @@ class CriticWorker(Worker):
                 loss, loss_metrics = compute_value_loss(vpreds, cols["returns"], cols["values"], mask,
                                                         cliprange_value=c.cliprange_value,
                                                         loss_agg_mode=c.loss_agg_mode, **norms)
-                (loss * self.world_size).backward()
-                share = float(mask.sum()) / max(float(norms["global_token_count"]), 1.0) * self.world_size
+                (loss * self.world_size).backward()  # DDP/FSDP average gradients; the loss is a global sum
+                weight = float(mask.sum()) / global_tokens
                 sums["critic/vf_loss"] += float(loss.detach())
-                sums["critic/vf_clipfrac"] += float(loss_metrics["vf_clipfrac"]) * share
-                sums["critic/vpred_mean"] += float(masked_mean(vpreds.detach(), mask)) * share
+                sums["critic/vf_clipfrac"] += float(loss_metrics["vf_clipfrac"]) * weight
+                sums["critic/vpred_mean"] += float(masked_mean(vpreds.detach(), mask)) * weight
+            sums = all_reduce_metrics(sums)  # every rank now reports the mini-batch's global values
             step_metrics = clip_and_step(self.model, self.optimizer, self.scheduler, c.grad_clip)
             for name, value in {**sums, **{f"critic/{k}": v for k, v in step_metrics.items()}}.items():
                 metrics.setdefault(name, []).append(value)
         return Batch(meta={"metrics": metrics})
 
-    @register(Dispatch.RANK_ZERO)
+    @register(Dispatch.REPLICATE, collect=Collect.FIRST)
     def state_dict(self) -> dict:
-        return {
-            "critic_model": {k: v.detach().cpu() for k, v in unwrap_model(self.model).state_dict().items()},
-            "critic_optimizer": self.optimizer.state_dict(),
-            "critic_scheduler": self.scheduler.state_dict(),
-        }
+        """Checkpoint components: full value-model weights, full optimizer state, LR schedule.
+
+        Collective (every rank gathers); rank 0 returns the components, the other ranks `{}`.
+        """
+        model = full_state_dict(self.model)
+        optimizer = full_optimizer_state_dict(self.model, self.optimizer)
+        if self.rank != 0:
+            return {}
+        return {"critic_model": model, "critic_optimizer": optimizer,
+                "critic_scheduler": self.scheduler.state_dict()}
 
     @register(Dispatch.REPLICATE)
     def load_state_dict(self, components: dict) -> None:
-        unwrap_model(self.model).load_state_dict(components["critic_model"])
-        self.optimizer.load_state_dict(components["critic_optimizer"])
+        """Restore what `state_dict` returned (saved at any world size)."""
+        load_full_state_dict(self.model, components["critic_model"])
+        load_full_optimizer_state_dict(self.model, self.optimizer, components["critic_optimizer"])
         self.scheduler.load_state_dict(components["critic_scheduler"])
+
+    @register(Dispatch.REPLICATE)
+    def save_sharded_checkpoint(self, path: str) -> None:
+        """Write every rank's model and optimizer shards (DCP) and the LR schedule into directory `path`."""
+        save_sharded(self.model, self.optimizer, path, extra={"critic_scheduler": self.scheduler.state_dict()})
+
+    @register(Dispatch.REPLICATE)
+    def load_sharded_checkpoint(self, path: str) -> None:
+        """Read a `save_sharded_checkpoint` directory written at any world size."""
+        extra = load_sharded(self.model, self.optimizer, path)
+        self.scheduler.load_state_dict(extra["critic_scheduler"])

@@ -9,6 +9,12 @@ Every micro-batch is trimmed to the columns that hold a real token in at least o
 the prompts, right padding of the responses), so compute follows the real lengths. Loss normalisation is the
 caller's business (`hyflow.algos.loss_normalisers` over the whole mini-batch), which is what makes gradients
 independent of how a mini-batch is cut.
+
+Data parallelism (several ranks, each holding its share of the batch): the normaliser counts are summed over
+the ranks (`all_reduce_sum`); under FSDP every forward is a collective, so ranks must run the same number of
+micro-batches (`sync_micro_batch_count` splits dynamic ones up to the largest count); per-rank metric parts are
+summed into global values (`all_reduce_metrics`); the gradient norm of FSDP2's DTensor shards is reduced to the
+global norm before clipping (`clip_grad_norm`), so it equals the single-process norm.
 """
 
 from __future__ import annotations
@@ -65,11 +71,14 @@ def sequence_lengths(batch: Batch) -> torch.Tensor:
 
 
 def split_micro_batches(batch: Batch, *, micro_batch_size: int | None, use_dynamic_bsz: bool = False,
-                        max_token_len: int | None = None) -> list[tuple[Batch, torch.Tensor]]:
+                        max_token_len: int | None = None, min_micro_batches: int = 1
+                        ) -> list[tuple[Batch, torch.Tensor]]:
     """Cut `batch` into micro-batches; returns (micro-batch, row indices into `batch`) pairs.
 
     Fixed: consecutive rows, `micro_batch_size` each (None = all rows at once). Dynamic: longest-first greedy
-    bin packing under `max_token_len` real tokens per micro-batch.
+    bin packing under `max_token_len` real tokens per micro-batch, then the fullest bins (by rows) halved until
+    there are at least `min_micro_batches` (data-parallel ranks must run the same number of forward passes
+    under FSDP: see `sync_micro_batch_count`).
     """
     n = len(batch)
     if not use_dynamic_bsz:
@@ -96,7 +105,32 @@ def split_micro_batches(batch: Batch, *, micro_batch_size: int | None, use_dynam
         else:
             bins.append([i])
             loads.append(lengths[i])
+    if min_micro_batches > n:
+        raise ValueError(f"cannot cut {n} samples into {min_micro_batches} micro-batches; every data-parallel rank "
+                         "needs as many samples as the largest micro-batch count")
+    while len(bins) < min_micro_batches:
+        largest = max(range(len(bins)), key=lambda b: len(bins[b]))
+        rows = bins.pop(largest)
+        bins += [rows[0::2], rows[1::2]]  # rows are longest first: alternate to halve the tokens too
     return [(batch[torch.tensor(sorted(rows))], torch.tensor(sorted(rows))) for rows in bins]
+
+
+def sync_micro_batch_count(batch: Batch, *, micro_batch_size: int | None, use_dynamic_bsz: bool = False,
+                           max_token_len: int | None = None) -> list[tuple[Batch, torch.Tensor]]:
+    """`split_micro_batches` with the same number of micro-batches on every data-parallel rank.
+
+    FSDP all-gathers parameters in every forward, so ranks must run equally many; fixed-size micro-batches of
+    equal shares already do, dynamic ones are split further up to the largest count over the ranks.
+    """
+    micros = split_micro_batches(batch, micro_batch_size=micro_batch_size, use_dynamic_bsz=use_dynamic_bsz,
+                                 max_token_len=max_token_len)
+    if not use_dynamic_bsz:
+        return micros
+    target = all_reduce_max(len(micros))
+    if target == len(micros):
+        return micros
+    return split_micro_batches(batch, micro_batch_size=micro_batch_size, use_dynamic_bsz=True,
+                               max_token_len=max_token_len, min_micro_batches=target)
 
 
 def trim_padding(micro: Batch, response_length: int) -> tuple[dict[str, torch.Tensor], int]:
@@ -123,19 +157,73 @@ def pad_response(values_BR: torch.Tensor, response_length: int) -> torch.Tensor:
     return values_BR if missing == 0 else torch.nn.functional.pad(values_BR, (0, missing))
 
 
+def _collective_device() -> torch.device:
+    """Where small tensors go for a collective: CPU under gloo (also `cpu:gloo,cuda:nccl`), the GPU under NCCL."""
+    backend = str(dist.get_backend())
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def all_reduce_sum(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Sum each tensor over the data-parallel group (identity in one process)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    """Sum each tensor over the data-parallel group, in place (identity in one process)."""
+    if _is_distributed():
+        device = _collective_device()
         for value in tensors.values():
-            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+            reduced = value.to(device)
+            dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
+            value.copy_(reduced)
     return tensors
+
+
+def all_reduce_metrics(values: dict[str, float]) -> dict[str, float]:
+    """Sum scalar metric contributions over the data-parallel group: every rank gets the same global values.
+
+    One float64 all-reduce over the values in sorted-name order, so every rank must hold the same names (they
+    follow from the config and the batch columns, which all ranks share). Identity in one process.
+    """
+    if not _is_distributed() or not values:
+        return dict(values)
+    names = sorted(values)
+    packed = torch.tensor([float(values[name]) for name in names], dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+    return dict(zip(names, packed.tolist(), strict=True))
+
+
+def all_reduce_max(value: int) -> int:
+    """The largest `value` over the data-parallel group (identity in one process)."""
+    if not _is_distributed():
+        return value
+    packed = torch.tensor([value], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+    return int(packed.item())
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Total L2 norm ||g|| = sqrt(sum_p ||g_p||^2) over all gradients; scale them by min(1, max_norm / (||g|| + 1e-6)).
+
+    FSDP2 gradients are DTensor shards: their norm is a DTensor, made a plain tensor (the global norm, the same
+    on every rank and equal to the single-process norm) with `full_tensor()` before clipping.
+    """
+    from torch.distributed.tensor import DTensor
+
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if math.isfinite(max_norm):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
 
 
 def clip_and_step(model: torch.nn.Module, optimizer, scheduler, grad_clip: float | None) -> dict[str, float]:
     """Clip the global gradient norm, step unless it is not finite (then skip, as verl does), advance the LR."""
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = grad_clip if grad_clip and grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.tensor(0.0)
+    grad_norm = clip_grad_norm(params, max_norm) if params else torch.tensor(0.0)
     skipped = not torch.isfinite(grad_norm)
     if skipped:
         optimizer.zero_grad(set_to_none=True)

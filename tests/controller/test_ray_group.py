@@ -312,7 +312,8 @@ def _wait_for_port(port: int, process: subprocess.Popen, timeout_s: float = 60.0
 def test_attach_to_a_separately_started_cluster(tmp_path):
     """`ray start --head --block` in its own session; stopped by SIGTERM to that process alone (not `ray stop`,
     which would stop every Ray cluster of this user), so the module's cluster is untouched."""
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_AUTH_MODE": "disabled"}  # a throwaway loopback cluster: no token auth for head or driver
     port = free_port()
     ray_cli = Path(sys.executable).with_name("ray")
     head = subprocess.Popen(

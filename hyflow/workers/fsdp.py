@@ -1,0 +1,417 @@
+"""Multi-rank training for hyflow's workers: FSDP2 wrapping, full and sharded checkpoints, bucketed weight gathering.
+
+FSDP2 (`torch.distributed.fsdp.fully_shard`, ZeRO-3). Every parameter becomes a DTensor sharded on dim 0 over
+a 1-D device mesh of the W data-parallel ranks. Each decoder layer is its own shard group (all-gathered just
+before its forward, freed after it when `reshard_after_forward`), the root group holds everything else:
+embeddings, final norm, lm_head or value head. Tied input/output embeddings (Qwen2: `lm_head.weight is
+model.embed_tokens.weight`) are therefore one parameter in one group and stay tied. Gradients are
+reduce-scattered as the MEAN over ranks, which is why the workers scale each micro-batch loss by W (their losses
+are already normalised by the global token/sequence counts: W x mean over ranks = sum over ranks = the
+single-process gradient). Mixed precision (`MixedPrecisionPolicy`): parameters are cast to bf16/fp16 for
+compute, gradients are reduced in fp32, the master weights and the optimizer stay fp32.
+
+State dicts (`torch.distributed.checkpoint.state_dict`):
+
+- full: `get_model_state_dict(full_state_dict=True, cpu_offload=True)`: a collective (every rank calls it, each
+  tensor is all-gathered); rank 0 receives the whole unsharded dict on the CPU with the same keys as the
+  unwrapped model's `state_dict()`, the other ranks receive `{}` (W host copies of the model are never made).
+  One process without a process group gets the dict too. `load_full_state_dict` takes a full dict into a model
+  sharded over any number of ranks (each keeps its shard), so a checkpoint written with N ranks loads with M.
+- optimizer: the same, keyed by parameter name (`{"state": {fqn: {...}}, "param_groups": [{"params": [fqn,
+  ...], ...}]}`) instead of by position, so it does not depend on the sharding. A positional (plain
+  `optimizer.state_dict()`) dict is converted by parameter order on load.
+- sharded: `save_sharded` / `load_sharded` write and read a torch.distributed.checkpoint (DCP) directory: every
+  rank writes its own shards plus shared metadata, and loading reshards to the current world size (also to a
+  single process without a process group), so nothing is ever gathered on one rank.
+
+Weight sync for a separate rollout copy: `iter_full_tensors` all-gathers one parameter at a time
+(`DTensor.full_tensor()` is a collective: every rank walks the same names in the same order),
+`full_tensor_buckets` packs them into buckets of at most `bucket_bytes` (a single larger tensor is a bucket
+of its own), so the extra memory is one bucket.
+
+Timeouts. `maybe_init_distributed` creates the process group with `timeout_s` (DIST_TIMEOUT_S by default): a
+collective that a peer never joins raises (gloo: a RuntimeError after the timeout; NCCL: the watchdog aborts the
+communicator and raises, with TORCH_NCCL_ASYNC_ERROR_HANDLING on, its default) instead of hanging the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hyflow.models.forward import unwrap_model
+
+DIST_TIMEOUT_S = 600.0
+WEIGHT_BUCKET_BYTES = 256 << 20
+
+_MIXED_PRECISION = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+                    "fp16": torch.float16, "float32": None, "fp32": None}
+
+
+# ---------------------------------------------------------------------------------------------- process group
+
+
+def is_distributed() -> bool:
+    """True when this process is in an initialised torch.distributed group of more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def maybe_init_distributed(worker, *, timeout_s: float = DIST_TIMEOUT_S) -> bool:
+    """Join the worker's process group when it has several ranks; returns whether the run is multi-rank.
+
+    Backend: gloo for CPU models; `cpu:gloo,cuda:nccl` for CUDA models (NCCL for the model's collectives, gloo
+    for the small CPU all-reduces of loss normalisers and metrics). Collectives raise after `timeout_s`.
+    A group this process already joined is reused (it must have the worker's rank and size).
+    """
+    if worker.world_size <= 1:
+        return False
+    device = getattr(worker, "model_device", None) or worker.device
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    worker.init_process_group(backend, timeout_s=timeout_s)
+    return True
+
+
+def parallel_strategy(strategy: str, world_size: int) -> str:
+    """How a role trains on `world_size` ranks: "single" (one rank), "fsdp2" (strategy fsdp or fsdp2) or "ddp"."""
+    if world_size <= 1:
+        return "single"
+    if strategy in ("fsdp", "fsdp2"):
+        return "fsdp2"
+    if strategy == "ddp":
+        return "ddp"
+    raise ValueError(f"strategy={strategy!r} is not supported for {world_size} ranks; use fsdp, fsdp2 or ddp")
+
+
+# ---------------------------------------------------------------------------------------------- wrapping
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a model, each to become its own FSDP shard group.
+
+    `<base model>.layers` for Hugging Face decoders (`model.model.layers`, also for value and reward models);
+    otherwise the `nn.ModuleList` of same-class blocks holding the most parameters (GPT-2's `transformer.h`);
+    [] when there is none (then the whole model is one group).
+    """
+    inner = unwrap_model(model)
+    base = getattr(inner, getattr(inner, "base_model_prefix", "") or "", None)
+    layers = getattr(base, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+        return list(layers)
+    best, best_params = [], 0
+    for module in inner.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and len({type(m) for m in module}) == 1:
+            n_params = sum(p.numel() for p in module.parameters())
+            if n_params > best_params:
+                best, best_params = list(module), n_params
+    return best
+
+
+def check_shard_groups(model: nn.Module, layers: list[nn.Module]) -> None:
+    """Raise if a parameter is shared between a layer and anything outside it (FSDP would untie it).
+
+    Tied input/output embeddings are fine: both live in the root group. A weight tied into a decoder layer is not.
+    """
+    prefixes = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
+    owner: dict[int, str] = {}
+    for layer in layers:
+        for param in layer.parameters():
+            owner[id(param)] = prefixes[id(layer)] + "."
+    for name, param in model.named_parameters(remove_duplicate=False):
+        prefix = owner.get(id(param))
+        if prefix is not None and not name.startswith(prefix):
+            raise ValueError(f"parameter {name!r} is shared with decoder layer {prefix[:-1]!r}; FSDP2 shards each "
+                             "layer separately and would untie it: untie the weights, or keep shared weights "
+                             "outside the decoder layers")
+
+
+def mixed_precision_policy(dtype: str | None):
+    """FSDP2 `MixedPrecisionPolicy`: compute in `dtype` (bf16/fp16), reduce gradients in fp32; None/fp32 = off."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if dtype is None:
+        return MixedPrecisionPolicy()
+    if dtype not in _MIXED_PRECISION:
+        raise ValueError(f"fsdp_config.dtype={dtype!r} is not a mixed-precision dtype; use one of "
+                         f"{sorted(_MIXED_PRECISION)}")
+    param_dtype = _MIXED_PRECISION[dtype]
+    if param_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def wrap_fsdp2(model: nn.Module, *, mixed_precision: str | None, reshard_after_forward: bool = True,
+               activation_checkpointing: bool = False) -> nn.Module:
+    """Shard `model` in place with FSDP2 over all ranks: each decoder layer, then the root; returns `model`.
+
+    mesh = init_device_mesh(device type of the parameters, (W,)). `reshard_after_forward` applies to the layers;
+    the root group (embeddings, norm, heads) always stays gathered between its forward and the backward, since
+    the lm_head chunks of `hyflow.models.forward` run after the forward. `mixed_precision`: None or fp32 = full
+    precision, bf16/fp16 = `MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)`. `activation_checkpointing`
+    recomputes each layer's activations in backward (composable checkpoint: parameter names are unchanged).
+    Needs an initialised process group (`maybe_init_distributed`).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("wrap_fsdp2 needs an initialised torch.distributed process group; call "
+                           "maybe_init_distributed(worker) (or torch.distributed.init_process_group) first")
+    device_type = next(model.parameters()).device.type
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    policy = mixed_precision_policy(mixed_precision)
+    layers = decoder_layers(model)
+    check_shard_groups(model, layers)
+    for layer in layers:
+        if activation_checkpointing:
+            from torch.distributed._composable import checkpoint
+
+            checkpoint(layer)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    # The root stays gathered after its forward: hyflow runs the lm_head in chunks after the model's forward
+    # (hyflow.models.forward), and backward needs the root's parameters at once anyway.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    return model
+
+
+def wrap_ddp(model: nn.Module) -> nn.Module:
+    """DistributedDataParallel around `model` (replicated weights, gradients all-reduced as the mean)."""
+    device = next(model.parameters()).device
+    device_ids = [device.index] if device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def wrap_model(model: nn.Module, strategy: str, fsdp_config, *, trainable: bool = True) -> nn.Module:
+    """Wrap one role's model for `strategy` (from `parallel_strategy`): FSDP2, DDP (trainable models only) or as is.
+
+    FSDP2 mixed precision follows `fsdp_config.dtype` on accelerators; CPU models compute in fp32 (as the
+    workers' autocast does). `fsdp_config.reshard_after_forward` is passed through.
+    """
+    if strategy == "fsdp2":
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        return wrap_fsdp2(model, mixed_precision=None if on_cpu else fsdp_config.dtype,
+                          reshard_after_forward=fsdp_config.reshard_after_forward)
+    if strategy == "ddp" and trainable:
+        return wrap_ddp(model)
+    return model
+
+
+def is_fsdp2(model: nn.Module) -> bool:
+    """True when `model` was sharded by `fully_shard`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every gathered FSDP2 group of `model` (the root stays gathered after a forward without backward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+# ---------------------------------------------------------------------------------------------- full tensors
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for every parameter (tied ones once) and persistent buffer of `model`.
+
+    Collective under FSDP2: each sharded parameter is all-gathered (`full_tensor()`); every rank must consume
+    the whole iterator. Names are those of the unwrapped model. Plain models yield their own tensors (no copy).
+    """
+    model = unwrap_model(model)
+    reshard(model)
+    persistent = set(model.state_dict().keys())
+    for name, param in model.named_parameters():
+        yield name, _full(param.detach())
+    for name, buffer in model.named_buffers():
+        if name in persistent:
+            yield name, _full(buffer.detach())
+
+
+def full_tensor_buckets(model: nn.Module, bucket_bytes: int = WEIGHT_BUCKET_BYTES
+                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """`iter_full_tensors` grouped into lists of at most `bucket_bytes` (one larger tensor is a bucket alone)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket, size = [], 0
+    for name, tensor in iter_full_tensors(model):
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+# ---------------------------------------------------------------------------------------------- state dicts
+
+
+def _options(**kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(**kwargs)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded model state dict on CPU: on rank 0 (and in one process); `{}` on the other ranks.
+
+    Collective: every rank must call it. Keys are the unwrapped model's `state_dict()` keys.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    reshard(model)
+    return get_model_state_dict(model, options=_options(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], *, broadcast_from_rank0: bool = False
+                         ) -> None:
+    """Load a full (unsharded) state dict into `model`, however it is sharded; collective under FSDP2.
+
+    broadcast_from_rank0=False: every rank passes the full dict. True: only rank 0 needs it (others pass {}),
+    rank 0 broadcasts.
+    """
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    broadcast = broadcast_from_rank0 and is_distributed()
+    set_model_state_dict(model, state, options=_options(full_state_dict=True, broadcast_from_rank0=broadcast))
+
+
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The unsharded optimizer state keyed by parameter name, on CPU, on rank 0 (`{}` elsewhere); collective."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_options(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, *,
+                                   broadcast_from_rank0: bool = False) -> None:
+    """Load a full optimizer state (by parameter name, or positional as `optimizer.state_dict()` gives it)."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    state = optimizer_state_by_name(model, optimizer, state)
+    broadcast = broadcast_from_rank0 and is_distributed()
+    with _tuple_hyperparameters_kept(optimizer):
+        set_optimizer_state_dict(model, optimizer, state,
+                                 options=_options(full_state_dict=True, broadcast_from_rank0=broadcast))
+
+
+@contextlib.contextmanager
+def _tuple_hyperparameters_kept(optimizer: torch.optim.Optimizer):
+    """`set_optimizer_state_dict` turns tuple hyperparameters (AdamW's betas) into lists; turn them back."""
+    tuple_keys = [{k for k, v in group.items() if isinstance(v, tuple)} for group in optimizer.param_groups]
+    yield
+    for group, keys in zip(optimizer.param_groups, tuple_keys, strict=True):
+        for key in keys:
+            if isinstance(group.get(key), list):
+                group[key] = tuple(group[key])
+
+
+def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:
+    """A positional optimizer state dict (ids 0, 1, ... in parameter-group order) re-keyed by parameter name.
+
+    Name-keyed or empty dicts are returned unchanged.
+    """
+    groups = state.get("param_groups") or []
+    if not groups or not all(isinstance(i, int) for g in groups for i in g["params"]):
+        return state
+    names = {id(p): name for name, p in unwrap_model(model).named_parameters()}
+    position = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    saved = [i for g in groups for i in g["params"]]
+    if len(saved) != len(position):
+        raise ValueError(f"optimizer state has {len(saved)} parameters, the optimizer {len(position)}; it was "
+                         "saved for a different model")
+    rename = dict(zip(saved, position, strict=True))
+    return {"state": {rename[i]: s for i, s in state.get("state", {}).items()},
+            "param_groups": [{**g, "params": [rename[i] for i in g["params"]]} for g in groups]}
+
+
+# ---------------------------------------------------------------------------------------------- sharded (DCP)
+
+
+EXTRA_STATE_FILE = "extra_state.pt"
+
+
+def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *,
+                 extra: dict | None = None) -> None:
+    """Write the model (and optimizer) shards of every rank into the DCP directory `path`; collective.
+
+    Layout: torch.distributed.checkpoint files (`.metadata` + one `__<rank>_0.distcp` per rank) holding
+    {"model": ..., "optimizer": ...}, plus `extra_state.pt` (rank 0's `extra`, e.g. the LR scheduler) when given;
+    `load_sharded` reads it back at any world size.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    reshard(model)
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    with _single_process_dcp_quiet():
+        dcp.save(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    if extra is not None and (not is_distributed() or dist.get_rank() == 0):
+        torch.save(extra, path / EXTRA_STATE_FILE)
+    barrier()
+
+
+def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> dict:
+    """Read a `save_sharded` directory into `model` (and `optimizer`), resharding to this world size; collective.
+
+    Returns the saved `extra` dict ({} when none was saved).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{path} is not a sharded checkpoint directory (no .metadata); pass the directory "
+                                "that save_sharded / save_sharded_checkpoint wrote")
+    reshard(model)
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)  # creates the state tensors to load into
+    with _single_process_dcp_quiet():
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        with _tuple_hyperparameters_kept(optimizer):
+            set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    extra_file = path / EXTRA_STATE_FILE
+    return torch.load(extra_file, weights_only=False) if extra_file.is_file() else {}
+
+
+@contextlib.contextmanager
+def _single_process_dcp_quiet():
+    """DCP warns that it assumes one process when there is no process group: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for in one process)."""
+    if is_distributed():
+        dist.barrier()

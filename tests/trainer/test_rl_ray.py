@@ -1,0 +1,188 @@
+"""The ray executor on CPU: 2 Ray workers (gloo, FSDP2) against one process, resume across world sizes, a killed
+worker, attaching to a separately started cluster."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hyflow.batch import Batch
+from hyflow.controller import WorkerError, free_port
+from hyflow.trainer.rl_trainer import RLTrainer
+from hyflow.trainer.tracking import read_metrics
+
+pytestmark = pytest.mark.slow
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+                "RAY_AUTH_MODE": "disabled"}  # a throwaway loopback cluster: no token auth for head or driver
+
+
+def digit_reward(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    from hyflow.data.tasks import make_task
+
+    out = tmp_path_factory.mktemp("arith")
+    make_task("arithmetic", out, n_train=64, n_test=8, seed=0, digits=1)
+    return out
+
+
+def overrides(model_dir, task_dir, run_dir, *extra):
+    return [
+        f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={task_dir}/train.parquet",
+        f"trainer.default_local_dir={run_dir}", "actor_rollout_ref.rollout.n=4", "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.max_prompt_length=48", "data.max_response_length=12",
+        "actor_rollout_ref.actor.optim.lr=1e-3", "reward_model.num_workers=0", "trainer.logger=[file]",
+        "critic.ppo_mini_batch_size=2",
+        "trainer.device=cpu", "trainer.val_before_train=false", "data.seed=3", *extra,
+    ]
+
+
+def on_ray(n):
+    return ["trainer.executor=ray", f"trainer.n_gpus_per_node={n}"]
+
+
+def prepared_batch(trainer: RLTrainer) -> Batch:
+    """One step's batch up to the advantages, made by a set-up trainer."""
+    trainer.global_step = 1
+    metrics: dict = {}
+    batch = trainer.rollout_and_score(trainer.loader.next_batch(), metrics)
+    batch.meta["global_step"] = 1
+    batch.union(trainer.actor.compute_log_prob(batch))
+    if trainer.critic is not None:
+        batch.union(trainer.critic.compute_values(batch))
+    trainer.apply_token_level_rewards(batch, metrics)
+    trainer.compute_advantages(batch)
+    return batch
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_two_ray_workers_match_one_process(tiny_model_dir, task_dir, tmp_path, estimator):
+    args = overrides(tiny_model_dir, task_dir, tmp_path / "x", f"algorithm.adv_estimator={estimator}",
+                     "trainer.resume_mode=disable", "trainer.balance_batch=false")
+    local = RLTrainer(args, reward_fn=digit_reward)
+    local.setup()
+    try:
+        batch = prepared_batch(local)
+        ref_actor = local.actor.update_actor(batch.clone()).meta["metrics"]
+        ref_weights = local.actor.state_dict()["actor_model"]
+        if estimator == "gae":
+            ref_critic = local.critic.update_critic(batch.clone()).meta["metrics"]
+            ref_critic_weights = local.critic.state_dict()["critic_model"]
+    finally:
+        local.shutdown()
+    dist = RLTrainer(args + on_ray(2), reward_fn=digit_reward)
+    dist.setup()
+    try:
+        assert dist.actor.world_size == 2
+        got_actor = dist.actor.update_actor(dist.mini_batch_major(batch.clone(), 2)).meta["metrics"]
+        got_weights = dist.actor.state_dict()["actor_model"]
+        if estimator == "gae":
+            got_critic = dist.critic.update_critic(dist.mini_batch_major(batch.clone(), 2)).meta["metrics"]
+            got_critic_weights = dist.critic.state_dict()["critic_model"]
+    finally:
+        dist.shutdown()
+    from hyflow.algos import reduce_metrics
+
+    for key in ("actor/pg_loss", "actor/grad_norm"):
+        assert reduce_metrics(got_actor)[key] == pytest.approx(reduce_metrics(ref_actor)[key], abs=1e-5), key
+    for name, tensor in ref_weights.items():
+        torch.testing.assert_close(got_weights[name], tensor, atol=1e-5, rtol=0, msg=name)
+    if estimator == "gae":
+        for key in ("critic/vf_loss", "critic/grad_norm"):
+            assert reduce_metrics(got_critic)[key] == pytest.approx(reduce_metrics(ref_critic)[key], abs=1e-5), key
+        for name, tensor in ref_critic_weights.items():
+            torch.testing.assert_close(got_critic_weights[name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
+def test_resume_across_world_sizes(tiny_model_dir, task_dir, tmp_path):
+    two_then_one = tmp_path / "a"
+    RLTrainer(overrides(tiny_model_dir, task_dir, two_then_one, "algorithm.adv_estimator=grpo",
+                        "trainer.total_training_steps=1", "trainer.save_freq=1", *on_ray(2)),
+              reward_fn=digit_reward).fit()
+    RLTrainer(overrides(tiny_model_dir, task_dir, two_then_one, "algorithm.adv_estimator=grpo",
+                        "trainer.total_training_steps=2", "trainer.save_freq=1"), reward_fn=digit_reward).fit()
+    assert [r["step"] for r in read_metrics(two_then_one)] == [1, 2]
+    one_then_two = tmp_path / "b"
+    RLTrainer(overrides(tiny_model_dir, task_dir, one_then_two, "algorithm.adv_estimator=grpo",
+                        "trainer.total_training_steps=1", "trainer.save_freq=1"), reward_fn=digit_reward).fit()
+    RLTrainer(overrides(tiny_model_dir, task_dir, one_then_two, "algorithm.adv_estimator=grpo",
+                        "trainer.total_training_steps=2", "trainer.save_freq=1", *on_ray(2)),
+              reward_fn=digit_reward).fit()
+    assert [r["step"] for r in read_metrics(one_then_two)] == [1, 2]
+
+
+def test_killed_worker_stops_the_driver_and_resume_works(tiny_model_dir, task_dir, tmp_path):
+    run = tmp_path / "run"
+    args = overrides(tiny_model_dir, task_dir, run, "algorithm.adv_estimator=grpo", "trainer.total_training_steps=50",
+                     "trainer.save_freq=1", *on_ray(2))
+    trainer = RLTrainer(args, reward_fn=digit_reward)
+    failure: list[BaseException] = []
+
+    def train():
+        try:
+            trainer.fit()
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 240
+    while not (run / "latest_checkpointed_iteration.txt").exists():
+        assert time.monotonic() < deadline and thread.is_alive(), "no checkpoint was written"
+        time.sleep(0.2)
+    killed_at = time.monotonic()
+    os.kill(trainer.workers.worker_pids()[1], signal.SIGKILL)
+    thread.join(timeout=90)
+    assert not thread.is_alive()
+    assert time.monotonic() - killed_at < 60
+    assert failure and isinstance(failure[0], WorkerError) and "rank 1" in str(failure[0])
+    saved = int((run / "latest_checkpointed_iteration.txt").read_text())
+    resumed = RLTrainer(overrides(tiny_model_dir, task_dir, run, "algorithm.adv_estimator=grpo",
+                                  f"trainer.total_training_steps={saved + 1}", "trainer.save_freq=1"),
+                        reward_fn=digit_reward)
+    resumed.fit()
+    assert read_metrics(run)[-1]["step"] == saved + 1
+
+
+def test_attach_to_a_separately_started_cluster(tiny_model_dir, task_dir, tmp_path):
+    env = {**os.environ, **LOOPBACK_ENV}
+    port = free_port("127.0.0.1")
+    head = subprocess.Popen(
+        [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+         f"--port={port}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats",
+         f"--ray-client-server-port={free_port('127.0.0.1')}",
+         f"--dashboard-agent-listen-port={free_port('127.0.0.1')}"],
+        env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        import socket
+
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and head.poll() is None, "the Ray head did not start"
+                time.sleep(0.3)
+        args = overrides(tiny_model_dir, task_dir, tmp_path / "run", "algorithm.adv_estimator=grpo",
+                         "trainer.total_training_steps=1", "trainer.executor=ray", f"ray_kwargs.address=127.0.0.1:{port}")
+        proc = subprocess.run([str(Path(sys.executable).with_name("hyflow")), "train", *args], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert read_metrics(tmp_path / "run")[-1]["step"] == 1
+    finally:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=10)

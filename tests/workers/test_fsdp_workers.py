@@ -1,0 +1,569 @@
+"""Multi-rank workers (FSDP2 over 2 gloo ranks on CPU, spawned with torch.multiprocessing) against one process.
+
+One module-scoped run does the expensive part once:
+1. one process: the actor (PPO + KL loss + entropy bonus) and the critic update on the full 8-sample batch, then
+   a 1-rank DCP checkpoint of both;
+2. two spawned ranks, each holding its share of the same batch: the same updates under FSDP2 (and the actor under
+   DDP, and with token-budget micro-batches), log-prob passes, the rollout weight sync, full state dicts, the HF
+   export, a 2-rank DCP checkpoint, the 1-rank DCP checkpoint loaded back into 2 ranks, and `wrap_fsdp2` options.
+Then the tests compare metrics, updated weights, rollout copies and checkpoints (tolerance 1e-5, relative for
+metrics such as the gradient norm).
+
+Global mini-batch k is the concatenation of every rank's local mini-batch k, so the one-process batch is built
+in that order: rank r holds rows `SHARES[r]` of it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from hyflow.batch import Batch
+from hyflow.config import load_config
+from hyflow.controller.worker import free_port
+
+P, R, N = 6, 5, 8
+SHARES = ([0, 1, 4, 5], [2, 3, 6, 7])  # 2 mini-batches of 4 samples: rank r holds 2 samples of each
+ATOL = 1e-5
+SMALL_BUCKET = 64 << 10  # forces several weight-sync buckets for the 0.5 M-parameter model
+
+
+def make_config(model_dir: str, *extra: str):
+    return load_config([
+        f"actor_rollout_ref.model.path={model_dir}", "trainer.device=cpu", "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.entropy_coeff=0.01", "actor_rollout_ref.actor.shuffle=false",
+        "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.grad_clip=0.5",
+        "critic.ppo_micro_batch_size_per_gpu=1", "critic.optim.lr=1e-3", *extra,
+    ])
+
+
+def make_batch(vocab: int) -> dict[str, torch.Tensor]:
+    """Left-padded prompts ++ right-padded responses with masks and position ids (no log-probs yet)."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, vocab, (N, P), generator=gen)
+    responses = torch.randint(3, vocab, (N, R), generator=gen)
+    prompt_len = torch.tensor([6, 4, 5, 3, 6, 2, 4, 5])
+    resp_len = torch.tensor([5, 3, 4, 5, 1, 2, 5, 4])
+    prompt_mask = (torch.arange(P) >= P - prompt_len[:, None]).long()
+    response_mask = (torch.arange(R) < resp_len[:, None]).long()
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    return {
+        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask, "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+        "response_mask": response_mask,
+    }
+
+
+def add_training_columns(columns: dict[str, torch.Tensor], old_log_probs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """old_log_probs near the model's own (so PPO ratios are near 1), a reference, advantages, values, returns."""
+    gen = torch.Generator().manual_seed(1)
+    mask = columns["response_mask"].float()
+    noise = lambda scale: scale * torch.randn(N, R, generator=gen)  # noqa: E731
+    return {**columns, "old_log_probs": (old_log_probs + noise(0.05)) * mask,
+            "ref_log_prob": (old_log_probs + noise(0.1)) * mask, "advantages": noise(1.0) * mask,
+            "values": noise(0.5) * mask, "returns": noise(1.0) * mask}
+
+
+def share(columns: dict[str, torch.Tensor], rank: int) -> Batch:
+    return Batch({k: v[SHARES[rank]] for k, v in columns.items()})
+
+
+# ------------------------------------------------------------------------------------------------ fast, one process
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+
+
+class ToyLM(torch.nn.Module):
+    """GPT-2-like naming (`transformer.h`), an embedding and a head."""
+
+    def __init__(self, tie_into_layer: bool = False) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.transformer = torch.nn.Module()
+        self.transformer.h = torch.nn.ModuleList([Block(), Block()])
+        self.extras = torch.nn.ModuleList([torch.nn.Linear(4, 1)])  # a smaller list of blocks
+        self.register_buffer("scale", torch.ones(4))
+        self.register_buffer("cache", torch.zeros(2), persistent=False)
+        if tie_into_layer:
+            self.transformer.h[1].proj.weight = self.transformer.h[0].proj.weight
+
+
+def test_decoder_layers_hf_and_generic(tiny_model_dir):
+    from hyflow.models.loading import load_causal_lm
+    from hyflow.workers.fsdp import decoder_layers
+
+    model = load_causal_lm(tiny_model_dir)
+    assert decoder_layers(model) == list(model.model.layers)
+    toy = ToyLM()
+    assert decoder_layers(toy) == list(toy.transformer.h)
+    assert decoder_layers(torch.nn.Linear(2, 2)) == []
+
+
+def test_weight_tied_into_a_layer_is_refused():
+    from hyflow.workers.fsdp import check_shard_groups
+
+    toy = ToyLM()
+    check_shard_groups(toy, list(toy.transformer.h))  # nothing shared
+    tied = ToyLM(tie_into_layer=True)
+    with pytest.raises(ValueError, match=r"'transformer.h.\d.proj.weight' is shared with decoder layer "
+                                         r"'transformer.h.\d'.*would untie it"):
+        check_shard_groups(tied, list(tied.transformer.h))
+
+
+def test_wrap_fsdp2_needs_a_process_group():
+    from hyflow.workers.fsdp import wrap_fsdp2
+
+    with pytest.raises(RuntimeError, match="needs an initialised torch.distributed process group"):
+        wrap_fsdp2(ToyLM(), mixed_precision=None)
+
+
+def test_mixed_precision_policy_and_strategy():
+    from hyflow.workers.fsdp import mixed_precision_policy, parallel_strategy
+
+    bf16 = mixed_precision_policy("bfloat16")
+    assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert mixed_precision_policy("fp32").param_dtype is None
+    assert mixed_precision_policy(None).param_dtype is None
+    with pytest.raises(ValueError, match=r"fsdp_config.dtype='int8' is not a mixed-precision dtype"):
+        mixed_precision_policy("int8")
+    assert [parallel_strategy(s, 1) for s in ("fsdp", "ddp")] == ["single", "single"]
+    assert [parallel_strategy(s, 2) for s in ("fsdp", "fsdp2", "ddp")] == ["fsdp2", "fsdp2", "ddp"]
+    with pytest.raises(ValueError, match="strategy='megatron' is not supported for 2 ranks"):
+        parallel_strategy("megatron", 2)
+
+
+def test_full_tensor_buckets_are_bounded_and_cover_every_tensor_once():
+    from hyflow.workers.fsdp import full_tensor_buckets
+
+    toy = ToyLM()
+    buckets = list(full_tensor_buckets(toy, bucket_bytes=80))
+    names = [name for bucket in buckets for name, _ in bucket]
+    assert names == [n for n, _ in toy.named_parameters()] + ["scale"]  # no non-persistent buffer
+    for bucket in buckets:
+        sizes = [t.numel() * t.element_size() for _, t in bucket]
+        assert sum(sizes) <= 80 or len(bucket) == 1  # embed (160 bytes) is a bucket alone
+    assert len(buckets) > 2
+    with pytest.raises(ValueError, match="bucket_bytes must be positive"):
+        list(full_tensor_buckets(toy, bucket_bytes=0))
+
+
+def _trained(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 3)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def test_positional_optimizer_state_loads_by_name():
+    from hyflow.workers.fsdp import load_full_optimizer_state_dict, optimizer_state_by_name
+
+    _, optimizer = _trained()
+    fresh, fresh_opt = _trained(seed=1)
+    load_full_optimizer_state_dict(fresh, fresh_opt, optimizer.state_dict())  # a pre-FSDP checkpoint
+    for p, q in zip(optimizer.param_groups[0]["params"], fresh_opt.param_groups[0]["params"], strict=True):
+        torch.testing.assert_close(fresh_opt.state[q]["exp_avg"], optimizer.state[p]["exp_avg"], atol=0, rtol=0)
+    assert fresh_opt.param_groups[0]["betas"] == (0.9, 0.999)  # kept a tuple
+    bigger = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2), torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="optimizer state has 4 parameters, the optimizer 6"):
+        optimizer_state_by_name(bigger, torch.optim.AdamW(bigger.parameters()), optimizer.state_dict())
+
+
+def test_sharded_round_trip_in_one_process(tmp_path):
+    from hyflow.workers.fsdp import full_optimizer_state_dict, load_sharded, save_sharded
+
+    model, optimizer = _trained()
+    save_sharded(model, optimizer, tmp_path / "ckpt", extra={"scheduler": {"last_epoch": 3}})
+    fresh, fresh_opt = _trained(seed=1)
+    assert load_sharded(fresh, fresh_opt, tmp_path / "ckpt") == {"scheduler": {"last_epoch": 3}}
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        torch.testing.assert_close(q, p, atol=0, rtol=0, msg=name)
+    want, got = full_optimizer_state_dict(model, optimizer), full_optimizer_state_dict(fresh, fresh_opt)
+    for name, state in want["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(got["state"][name][key], value, atol=0, rtol=0)
+    with pytest.raises(FileNotFoundError, match="is not a sharded checkpoint directory"):
+        load_sharded(fresh, fresh_opt, tmp_path / "missing")
+
+
+def test_dynamic_micro_batches_split_up_to_a_count():
+    from hyflow.workers.engine import split_micro_batches, sync_micro_batch_count
+
+    mask = torch.tensor([[1] * 8, [1] * 2 + [0] * 6, [1] * 3 + [0] * 5, [1] * 1 + [0] * 7])
+    batch = Batch({"attention_mask": mask, "x": torch.arange(4)})
+    packed = split_micro_batches(batch, micro_batch_size=None, use_dynamic_bsz=True, max_token_len=8)
+    assert len(packed) == 2
+    for target in (3, 4):
+        micros = split_micro_batches(batch, micro_batch_size=None, use_dynamic_bsz=True, max_token_len=8,
+                                     min_micro_batches=target)
+        assert len(micros) == target
+        assert sorted(torch.cat([rows for _, rows in micros]).tolist()) == [0, 1, 2, 3]
+        assert all(int(m["attention_mask"].sum()) <= 8 for m, _ in micros)
+    with pytest.raises(ValueError, match="cannot cut 4 samples into 5 micro-batches"):
+        split_micro_batches(batch, micro_batch_size=None, use_dynamic_bsz=True, max_token_len=8,
+                            min_micro_batches=5)
+    same = sync_micro_batch_count(batch, micro_batch_size=None, use_dynamic_bsz=True, max_token_len=8)
+    assert [rows.tolist() for _, rows in same] == [rows.tolist() for _, rows in packed]  # one process: as packed
+
+
+def test_clip_grad_norm_matches_torch():
+    from hyflow.workers.engine import all_reduce_metrics, clip_grad_norm
+
+    model, _ = _trained()
+    model(torch.randn(2, 3)).pow(2).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    want = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    clipped = [p.grad.clone() for p in model.parameters()]
+    for p, g in zip(model.parameters(), grads, strict=True):
+        p.grad = g.clone()
+    got = clip_grad_norm(list(model.parameters()), 0.1)
+    assert float(got) == float(want) > 0.1
+    for p, c in zip(model.parameters(), clipped, strict=True):
+        torch.testing.assert_close(p.grad, c, atol=0, rtol=0)
+    assert all_reduce_metrics({"a": 1.5}) == {"a": 1.5}  # one process: unchanged
+
+
+# ------------------------------------------------------------------------------------------------ spawned ranks
+
+
+def _rank_main(rank: int, world_size: int, port: int, model_dir: str, out: str) -> None:
+    """One rank: FSDP2 actor/critic updates on its share, sync, state dicts, DCP save/load; writes rank<r>.pt."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    from hyflow.workers.actor import ActorRolloutRefWorker
+    from hyflow.workers.critic import CriticWorker
+    from hyflow.workers.fsdp import is_fsdp2, iter_full_tensors
+
+    out = Path(out)
+    columns = torch.load(out / "batch.pt")
+    batch = share(columns, rank)
+    cfg = make_config(model_dir)
+    result = {}
+
+    actor = ActorRolloutRefWorker(cfg, rank=rank, world_size=world_size)
+    actor.init_process_group("gloo", timeout_s=120.0)  # a mismatched collective fails the test, not hangs it
+    actor.init_model(total_training_steps=1)
+    actor.weight_bucket_bytes = SMALL_BUCKET
+    result["ref_log_prob"] = actor.compute_ref_log_prob(batch)["ref_log_prob"]
+    result["actor_is_fsdp2"] = is_fsdp2(actor.model) and is_fsdp2(actor.ref_model)
+    result["tied"] = actor.model.lm_head.weight is actor.model.model.embed_tokens.weight
+    result["actor_metrics"] = actor.update_actor(batch).meta["metrics"]
+    result["sync_seconds"] = actor.sync_rollout_weights()
+    result["rollout"] = {k: v.clone() for k, v in actor.rollout.model.state_dict().items()}
+    rollout_state = actor.rollout.model.state_dict()
+    result["rollout_matches_shards"] = all(  # every rank, against its own gather of the shards
+        torch.equal(tensor, rollout_state[name]) for name, tensor in iter_full_tensors(actor.model))
+    log_probs = actor.compute_log_prob(batch, with_sum_pi_squared=True)
+    result["log_probs"], result["sum_pi_squared"] = log_probs["old_log_probs"], log_probs["sum_pi_squared"]
+    result["actor_state"] = actor.state_dict()
+    hf = actor.hf_model()
+    result["hf_model"] = None if hf is None else {k: v.clone() for k, v in hf[0].state_dict().items()}
+    actor.save_sharded_checkpoint(str(out / "dcp_actor_2"))
+
+    critic = CriticWorker(cfg, rank=rank, world_size=world_size)
+    critic.init_model(total_training_steps=1)
+    result["critic_metrics"] = critic.update_critic(batch).meta["metrics"]
+    result["critic_state"] = critic.state_dict()
+    critic.save_sharded_checkpoint(str(out / "dcp_critic_2"))
+
+    fresh = ActorRolloutRefWorker(cfg, rank=rank, world_size=world_size)
+    fresh.init_model(total_training_steps=1)
+    fresh.load_sharded_checkpoint(str(out / "dcp_actor_1"))
+    result["dcp_1_to_2_actor"] = fresh.state_dict()
+    result["dcp_1_to_2_rollout"] = {k: v.clone() for k, v in fresh.rollout.model.state_dict().items()}
+    fresh_critic = CriticWorker(cfg, rank=rank, world_size=world_size)
+    fresh_critic.init_model(total_training_steps=1)
+    fresh_critic.load_sharded_checkpoint(str(out / "dcp_critic_1"))
+    result["dcp_1_to_2_critic"] = fresh_critic.state_dict()
+
+    ddp = ActorRolloutRefWorker(make_config(model_dir, "actor_rollout_ref.actor.strategy=ddp"), rank=rank,
+                                world_size=world_size)
+    ddp.init_model(total_training_steps=1)
+    result["ddp_metrics"] = ddp.update_actor(batch).meta["metrics"]
+    result["ddp_state"] = ddp.state_dict()
+
+    # Token-budget micro-batches: the ranks pack their second mini-batch into 1 and 2 micro-batches.
+    dynamic = ActorRolloutRefWorker(make_config(model_dir, "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16"),
+                                    rank=rank, world_size=world_size)
+    dynamic.init_model(total_training_steps=1)
+    result["dynamic_metrics"] = dynamic.update_actor(batch).meta["metrics"]
+    result["dynamic_state"] = dynamic.state_dict()
+    result["wrap_options"] = _wrap_options(model_dir, batch)
+    torch.save(result, out / f"rank{rank}.pt")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _wrap_options(model_dir: str, batch: Batch) -> dict:
+    """Gradients with activation checkpointing equal those without; bf16 mixed precision computes in bf16 and
+    keeps fp32 shards and gradients."""
+    from hyflow.models.forward import response_logprobs
+    from hyflow.models.loading import load_causal_lm
+    from hyflow.workers.fsdp import wrap_fsdp2
+
+    def grads(**options):
+        model = wrap_fsdp2(load_causal_lm(model_dir), **options)
+        seen = []
+        handle = model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(
+            lambda module, _: seen.append(module.weight.dtype))
+        logp, _ = response_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["position_ids"], R)
+        (logp * batch["response_mask"]).sum().backward()
+        handle.remove()
+        return {n: p.grad.full_tensor() for n, p in model.named_parameters()}, seen[0], model
+
+    plain, _, _ = grads(mixed_precision=None)
+    checkpointed, _, _ = grads(mixed_precision=None, activation_checkpointing=True)
+    bf16, compute_dtype, model = grads(mixed_precision="bf16")
+    return {
+        "checkpointed_max_diff": max(float((checkpointed[n] - g).abs().max()) for n, g in plain.items()),
+        "bf16_compute_dtype": compute_dtype,
+        "bf16_master_dtypes": {p.dtype for p in model.parameters()} | {g.dtype for g in bf16.values()},
+        "bf16_max_rel_diff": max(float((bf16[n] - g).norm() / g.norm().clamp(min=1e-12)) for n, g in plain.items()),
+    }
+
+
+def _timeout_main(rank: int, world_size: int, port: int, model_dir: str, out: str) -> None:
+    """Rank 0 syncs the rollout weights; rank 1 never joins: rank 0 must raise within the short timeout."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    from hyflow.workers.actor import ActorRolloutRefWorker
+
+    worker = ActorRolloutRefWorker(make_config(model_dir), rank=rank, world_size=world_size)
+    worker.init_process_group("gloo", timeout_s=3.0)
+    worker.init_model(total_training_steps=1)
+    if rank == 1:
+        time.sleep(8.0)
+        return
+    start = time.perf_counter()
+    try:
+        worker.sync_rollout_weights()
+        outcome = "returned"
+    except RuntimeError as err:
+        outcome = str(err)
+    torch.save({"outcome": outcome, "seconds": time.perf_counter() - start}, Path(out) / "timeout.pt")
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model_dir, tiny_tokenizer, tmp_path_factory):
+    """Reference (one process) and 2-rank results."""
+    from hyflow.workers.actor import ActorRolloutRefWorker
+    from hyflow.workers.critic import CriticWorker
+
+    out = tmp_path_factory.mktemp("fsdp_run")
+    cfg = make_config(str(tiny_model_dir))
+    torch.set_num_threads(2)
+    columns = make_batch(len(tiny_tokenizer))
+    actor = ActorRolloutRefWorker(cfg)
+    actor.init_model(total_training_steps=1)
+    old = actor.compute_log_prob(Batch(columns))["old_log_probs"]
+    columns = add_training_columns(columns, old)
+    torch.save(columns, out / "batch.pt")
+
+    ref = {"actor_metrics": actor.update_actor(Batch(columns)).meta["metrics"]}
+    ref["actor_state"] = actor.state_dict()
+    log_probs = actor.compute_log_prob(Batch(columns), with_sum_pi_squared=True)
+    ref["log_probs"], ref["sum_pi_squared"] = log_probs["old_log_probs"], log_probs["sum_pi_squared"]
+    ref["ref_log_prob"] = actor.compute_ref_log_prob(Batch(columns))["ref_log_prob"]
+    actor.save_sharded_checkpoint(str(out / "dcp_actor_1"))
+    critic = CriticWorker(cfg)
+    critic.init_model(total_training_steps=1)
+    ref["critic_metrics"] = critic.update_critic(Batch(columns)).meta["metrics"]
+    ref["critic_state"] = critic.state_dict()
+    critic.save_sharded_checkpoint(str(out / "dcp_critic_1"))
+
+    mp.spawn(_rank_main, args=(2, free_port(), str(tiny_model_dir), str(out)), nprocs=2, join=True)
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return {"ref": ref, "ranks": ranks, "out": out, "cfg": cfg, "columns": columns}
+
+
+def assert_state_close(got: dict, want: dict, atol: float = ATOL) -> None:
+    assert set(got) == set(want)
+    for key, tensor in want.items():
+        torch.testing.assert_close(got[key], tensor, atol=atol, rtol=0, msg=key)
+
+
+def assert_optimizer_close(got: dict, want: dict) -> None:
+    for g, w in zip(got["param_groups"], want["param_groups"], strict=True):
+        assert {k: v for k, v in g.items() if g[k] != w.get(k)} == {}, {k: w.get(k) for k in g}
+    assert set(got["state"]) == set(want["state"])
+    for name, state in want["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(got["state"][name][key], value, atol=ATOL, rtol=0, msg=f"{name}.{key}")
+
+
+def assert_metrics_equal(got: dict, want: dict, names) -> None:
+    for name in names:
+        assert got[name] == pytest.approx(want[name], rel=ATOL, abs=ATOL), name
+
+
+ACTOR_METRICS = ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy_loss", "actor/pg_clipfrac",
+                 "actor/ppo_kl", "actor/lr")
+
+
+# ------------------------------------------------------------------------------------------------ tests
+
+
+@pytest.mark.slow
+def test_fsdp2_wraps_actor_and_ref_and_keeps_embeddings_tied(run):
+    for rank in run["ranks"]:
+        assert rank["actor_is_fsdp2"]
+        assert rank["tied"]
+    state = run["ranks"][0]["actor_state"]["actor_model"]
+    torch.testing.assert_close(state["lm_head.weight"], state["model.embed_tokens.weight"], atol=0, rtol=0)
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_and_bf16_mixed_precision(run):
+    for rank in run["ranks"]:
+        options = rank["wrap_options"]
+        assert options["checkpointed_max_diff"] < 1e-6
+        assert options["bf16_compute_dtype"] == torch.bfloat16
+        assert options["bf16_master_dtypes"] == {torch.float32}
+        assert options["bf16_max_rel_diff"] < 0.05  # bf16 rounding, not a different gradient
+
+
+@pytest.mark.slow
+def test_actor_update_on_two_ranks_matches_one_process(run):
+    """Same metrics on every rank (all-reduced in the worker) as one process, and the same updated weights."""
+    want = run["ref"]["actor_metrics"]
+    assert len(want["actor/pg_loss"]) == 2  # two optimizer steps
+    for rank in run["ranks"]:
+        assert_metrics_equal(rank["actor_metrics"], want, ACTOR_METRICS)
+    assert want["actor/grad_norm"][0] > 0.5  # grad_clip=0.5 was active: the clipped update matches too
+    assert run["ranks"][1]["actor_state"] == {}  # only rank 0 returns the components
+    got = run["ranks"][0]["actor_state"]
+    assert_state_close(got["actor_model"], run["ref"]["actor_state"]["actor_model"])
+    assert_optimizer_close(got["actor_optimizer"], run["ref"]["actor_state"]["actor_optimizer"])
+    assert got["actor_scheduler"] == run["ref"]["actor_state"]["actor_scheduler"]
+
+
+@pytest.mark.slow
+def test_hf_model_gathers_the_full_policy_on_rank_zero(run):
+    assert run["ranks"][1]["hf_model"] is None
+    assert_state_close(run["ranks"][0]["hf_model"], run["ref"]["actor_state"]["actor_model"])
+
+
+@pytest.mark.slow
+def test_actor_update_under_ddp_matches_one_process(run):
+    for rank in run["ranks"]:
+        assert_metrics_equal(rank["ddp_metrics"], run["ref"]["actor_metrics"], ACTOR_METRICS)
+    assert_state_close(run["ranks"][0]["ddp_state"]["actor_model"], run["ref"]["actor_state"]["actor_model"])
+
+
+@pytest.mark.slow
+def test_dynamic_micro_batch_counts_are_synchronised_across_ranks(run):
+    from hyflow.workers.engine import split_micro_batches
+
+    columns = run["columns"]
+    counts = [len(split_micro_batches(share(columns, rank)[2:], micro_batch_size=None, use_dynamic_bsz=True,
+                                      max_token_len=16)) for rank in range(2)]
+    assert counts == [1, 2]  # unsynchronised, the ranks would run different numbers of FSDP forwards
+    for rank in run["ranks"]:
+        assert_metrics_equal(rank["dynamic_metrics"], run["ref"]["actor_metrics"], ACTOR_METRICS)
+    assert_state_close(run["ranks"][0]["dynamic_state"]["actor_model"], run["ref"]["actor_state"]["actor_model"])
+
+
+@pytest.mark.slow
+def test_log_prob_passes_on_two_ranks_match_one_process(run):
+    """compute_ref_log_prob (sharded reference), compute_log_prob with sum_pi_squared (lm_head after the root
+    forward) on each rank's share equal the one-process values."""
+    for key in ("ref_log_prob", "log_probs", "sum_pi_squared"):
+        two_rank = torch.empty_like(run["ref"][key])
+        for rank, result in enumerate(run["ranks"]):
+            two_rank[SHARES[rank]] = result[key]
+        torch.testing.assert_close(two_rank, run["ref"][key], atol=ATOL, rtol=0, msg=key)
+
+
+@pytest.mark.slow
+def test_critic_update_on_two_ranks_matches_one_process(run):
+    want = run["ref"]["critic_metrics"]
+    for rank in run["ranks"]:
+        assert_metrics_equal(rank["critic_metrics"], want, ("critic/vf_loss", "critic/grad_norm",
+                                                            "critic/vf_clipfrac", "critic/vpred_mean"))
+    got = run["ranks"][0]["critic_state"]
+    assert_state_close(got["critic_model"], run["ref"]["critic_state"]["critic_model"])
+    assert_optimizer_close(got["critic_optimizer"], run["ref"]["critic_state"]["critic_optimizer"])
+
+
+@pytest.mark.slow
+def test_rollout_copy_on_every_rank_holds_the_updated_weights(run):
+    want = run["ref"]["actor_state"]["actor_model"]
+    for rank in run["ranks"]:
+        assert rank["rollout_matches_shards"]
+        assert rank["sync_seconds"] > 0
+        assert_state_close(rank["rollout"], want)
+
+
+@pytest.mark.slow
+def test_full_state_dict_from_two_ranks_gives_identical_log_probs_in_one(run):
+    from hyflow.workers.actor import ActorRolloutRefWorker
+
+    worker = ActorRolloutRefWorker(run["cfg"])
+    worker.init_model(total_training_steps=1)
+    worker.load_state_dict(run["ranks"][0]["actor_state"])
+    columns = run["columns"]
+    got = worker.compute_log_prob(Batch(columns))["old_log_probs"]
+    two_rank = torch.empty_like(got)
+    for rank, result in enumerate(run["ranks"]):
+        two_rank[SHARES[rank]] = result["log_probs"]
+    torch.testing.assert_close(got, two_rank, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, run["ref"]["log_probs"], atol=ATOL, rtol=0)
+    assert_optimizer_close(worker.state_dict()["actor_optimizer"], run["ref"]["actor_state"]["actor_optimizer"])
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_from_two_ranks_loads_into_one(run):
+    from hyflow.workers.actor import ActorRolloutRefWorker
+    from hyflow.workers.critic import CriticWorker
+
+    actor = ActorRolloutRefWorker(run["cfg"])
+    actor.init_model(total_training_steps=1)
+    actor.load_sharded_checkpoint(str(run["out"] / "dcp_actor_2"))
+    got = actor.state_dict()
+    want = run["ref"]["actor_state"]
+    assert_state_close(got["actor_model"], want["actor_model"])
+    assert_optimizer_close(got["actor_optimizer"], want["actor_optimizer"])
+    assert got["actor_scheduler"] == want["actor_scheduler"]
+    critic = CriticWorker(run["cfg"])
+    critic.init_model(total_training_steps=1)
+    critic.load_sharded_checkpoint(str(run["out"] / "dcp_critic_2"))
+    assert_state_close(critic.state_dict()["critic_model"], run["ref"]["critic_state"]["critic_model"])
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_from_one_rank_loads_into_two(run):
+    got = run["ranks"][0]["dcp_1_to_2_actor"]
+    want = run["ref"]["actor_state"]
+    assert_state_close(got["actor_model"], want["actor_model"], atol=0)
+    assert_optimizer_close(got["actor_optimizer"], want["actor_optimizer"])
+    assert got["actor_scheduler"] == want["actor_scheduler"]
+    for rank in run["ranks"]:  # loading refreshed the rollout copies
+        assert_state_close(rank["dcp_1_to_2_rollout"], want["actor_model"], atol=0)
+    critic = run["ranks"][0]["dcp_1_to_2_critic"]
+    assert_state_close(critic["critic_model"], run["ref"]["critic_state"]["critic_model"], atol=0)
+    assert_optimizer_close(critic["critic_optimizer"], run["ref"]["critic_state"]["critic_optimizer"])
+
+
+@pytest.mark.slow
+def test_weight_sync_raises_when_a_rank_never_joins(tiny_model_dir, tmp_path):
+    mp.spawn(_timeout_main, args=(2, free_port(), str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True)
+    result = torch.load(tmp_path / "timeout.pt")
+    assert "every rank must call sync_rollout_weights together" in result["outcome"]
+    assert result["seconds"] < 7.0
