@@ -62,16 +62,15 @@ from hyflow.workers.engine import (
 from hyflow.workers.fsdp import (
     DIST_TIMEOUT_S,
     WEIGHT_BUCKET_BYTES,
-    full_optimizer_state_dict,
     full_state_dict,
     full_tensor_buckets,
     is_distributed,
-    load_full_optimizer_state_dict,
-    load_full_state_dict,
     load_sharded,
+    load_training_state_components,
     maybe_init_distributed,
     parallel_strategy,
     save_sharded,
+    training_state_components,
     wrap_model,
 )
 
@@ -346,18 +345,12 @@ class ActorRolloutRefWorker(Worker):
 
         Collective (every rank gathers); rank 0 returns the components, the other ranks `{}`.
         """
-        model = full_state_dict(self.model)
-        optimizer = full_optimizer_state_dict(self.model, self.optimizer)
-        if self.rank != 0:
-            return {}
-        return {"actor_model": model, "actor_optimizer": optimizer, "actor_scheduler": self.scheduler.state_dict()}
+        return training_state_components("actor", self.model, self.optimizer, self.scheduler, self.rank)
 
     @register(Dispatch.REPLICATE)
     def load_state_dict(self, components: dict) -> None:
         """Restore what `state_dict` returned (saved at any world size), then refresh the rollout's weights."""
-        load_full_state_dict(self.model, components["actor_model"])
-        load_full_optimizer_state_dict(self.model, self.optimizer, components["actor_optimizer"])
-        self.scheduler.load_state_dict(components["actor_scheduler"])
+        load_training_state_components("actor", self.model, self.optimizer, self.scheduler, components)
         self.sync_rollout_weights()
 
     @register(Dispatch.REPLICATE)

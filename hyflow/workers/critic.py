@@ -35,14 +35,12 @@ from hyflow.workers.engine import (
     trim_padding,
 )
 from hyflow.workers.fsdp import (
-    full_optimizer_state_dict,
-    full_state_dict,
-    load_full_optimizer_state_dict,
-    load_full_state_dict,
     load_sharded,
+    load_training_state_components,
     maybe_init_distributed,
     parallel_strategy,
     save_sharded,
+    training_state_components,
     wrap_model,
 )
 
@@ -142,19 +140,12 @@ class CriticWorker(Worker):
 
         Collective (every rank gathers); rank 0 returns the components, the other ranks `{}`.
         """
-        model = full_state_dict(self.model)
-        optimizer = full_optimizer_state_dict(self.model, self.optimizer)
-        if self.rank != 0:
-            return {}
-        return {"critic_model": model, "critic_optimizer": optimizer,
-                "critic_scheduler": self.scheduler.state_dict()}
+        return training_state_components("critic", self.model, self.optimizer, self.scheduler, self.rank)
 
     @register(Dispatch.REPLICATE)
     def load_state_dict(self, components: dict) -> None:
         """Restore what `state_dict` returned (saved at any world size)."""
-        load_full_state_dict(self.model, components["critic_model"])
-        load_full_optimizer_state_dict(self.model, self.optimizer, components["critic_optimizer"])
-        self.scheduler.load_state_dict(components["critic_scheduler"])
+        load_training_state_components("critic", self.model, self.optimizer, self.scheduler, components)
 
     @register(Dispatch.REPLICATE)
     def save_sharded_checkpoint(self, path: str) -> None:

@@ -415,3 +415,23 @@ def barrier() -> None:
     """Wait for every rank (nothing to wait for in one process)."""
     if is_distributed():
         dist.barrier()
+
+
+def training_state_components(prefix: str, model, optimizer, scheduler, rank: int) -> dict:
+    """`{prefix}_model`, `{prefix}_optimizer`, `{prefix}_scheduler`: full (unsharded) state for a checkpoint.
+
+    Collective (every rank gathers); rank 0 returns the components, the other ranks `{}`.
+    """
+    weights = full_state_dict(model)
+    optimizer_state = full_optimizer_state_dict(model, optimizer)
+    if rank != 0:
+        return {}
+    return {f"{prefix}_model": weights, f"{prefix}_optimizer": optimizer_state,
+            f"{prefix}_scheduler": scheduler.state_dict()}
+
+
+def load_training_state_components(prefix: str, model, optimizer, scheduler, components: dict) -> None:
+    """Restore what `training_state_components` returned, saved at any world size."""
+    load_full_state_dict(model, components[f"{prefix}_model"])
+    load_full_optimizer_state_dict(model, optimizer, components[f"{prefix}_optimizer"])
+    scheduler.load_state_dict(components[f"{prefix}_scheduler"])
