@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/plots)")
     p.set_defaults(fn=_cmd_plot)
 
-    p = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
+    p = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint (full or sharded: "
+                       "the shards every rank wrote are merged)")
     p.add_argument("--ckpt", required=True, help="a checkpoint directory, RUN_DIR/global_step_N")
     p.add_argument("--out", required=True, help="the new model directory")
     p.add_argument("--component", default=None, help="actor_model (RL; the default when present), model (SFT; "

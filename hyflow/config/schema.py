@@ -271,12 +271,13 @@ class CheckpointConfig:
 
     save_contents: list[str] = option(
         ["model", "optimizer", "extra"],
-        "Saved parts: model, optimizer, extra (RNG and scheduler state), hf_model (a Hugging Face export).",
+        "Saved parts: model (required), optimizer, extra (LR schedule and RNG state: without it a resume is not "
+        "bit-exact), hf_model (also a Hugging Face directory, huggingface/, gathered from the shards).",
     )
     load_contents: list[str] = option(
-        "${.save_contents}", "Parts loaded on resume (default = save_contents)."
+        "${.save_contents}", "Parts loaded on resume (default = save_contents); parts left out start fresh."
     )
-    async_save: bool = option(False, "Write checkpoints in a background thread.")
+    async_save: bool = option(False, "Write checkpoints in a background thread (not built yet).")
 
 
 # ------------------------------------------------------------------------------------------ actor
@@ -920,13 +921,24 @@ class TrainerConfig:
         "checkpoints/${trainer.project_name}/${trainer.experiment_name}",
         "Run directory: config.yaml, metrics.jsonl, global_step_N/ checkpoints, generations/.",
     )
-    default_hdfs_dir: str | None = option(None, "Also copy checkpoints to this HDFS directory.")
-    del_local_ckpt_after_load: bool = option(False, "Delete the local checkpoint after resuming from it.")
+    checkpoint_format: str = option(
+        "auto",
+        "full: rank 0 gathers whole state dicts (model.safetensors + optimizer .pt); sharded: every rank writes its "
+        "own shards with torch.distributed.checkpoint into global_step_N/actor/ (and critic/), nothing is gathered. "
+        "Both resume on any number of workers and `hyflow export` reads both. auto: sharded with more than one "
+        "worker, else full. Sharded checkpoints need the run directory on a filesystem every node sees.",
+        choices=("auto", "full", "sharded"),
+    )
+    default_hdfs_dir: str | None = option(None, "Also copy checkpoints to this HDFS directory (not built yet).")
+    del_local_ckpt_after_load: bool = option(
+        False, "Delete the local checkpoint after resuming from it (not built yet: it needs default_hdfs_dir)."
+    )
     max_actor_ckpt_to_keep: int | None = option(
-        None, "Keep at most this many actor checkpoints (None = all)."
+        None, "Keep at most this many checkpoints (None = all); the oldest are deleted after each save."
     )
     max_critic_ckpt_to_keep: int | None = option(
-        None, "Keep at most this many critic checkpoints (None = all)."
+        None, "hyflow keeps the actor and the critic in one global_step_N directory: the smaller of "
+        "max_actor_ckpt_to_keep and this applies."
     )
     ray_wait_register_center_timeout: int = option(300, "Seconds to wait for Ray workers to register.")
     device: str = option(

@@ -61,6 +61,7 @@ def validate_config(cfg: HyflowConfig, n_devices: int | None = None) -> None:
     problems += _check_sampling(cfg)
     problems += _check_algorithm(cfg)
     problems += _check_not_built(cfg)
+    problems += _check_checkpoint_contents(cfg)
     _warn_advisories(cfg)
     if len(problems) == 1:
         raise ConfigError(problems[0])
@@ -86,9 +87,32 @@ def _check_not_built(cfg: HyflowConfig) -> list[str]:
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload": arr.actor.fsdp_config.optimizer_offload,
         "actor_rollout_ref.rollout.multi_turn.enable": arr.rollout.multi_turn.enable,
         "algorithm.use_pf_ppo": cfg.algorithm.use_pf_ppo,
+        "actor_rollout_ref.actor.checkpoint.async_save": arr.actor.checkpoint.async_save,
+        "critic.checkpoint.async_save": cfg.critic.checkpoint.async_save,
+        "trainer.default_hdfs_dir": bool(cfg.trainer.default_hdfs_dir),
+        "trainer.del_local_ckpt_after_load": cfg.trainer.del_local_ckpt_after_load,
     }
     return [f"{key} is not supported by this hyflow version yet; leave it at its default" for key, on in asked.items()
             if on]
+
+
+CHECKPOINT_PARTS = ("model", "optimizer", "extra", "hf_model")
+
+
+def _check_checkpoint_contents(cfg: HyflowConfig) -> list[str]:
+    """save_contents / load_contents: known parts, and the model always (a checkpoint must be resumable)."""
+    problems = []
+    for prefix, ckpt in ((f"{A}.checkpoint", cfg.actor_rollout_ref.actor.checkpoint),
+                         ("critic.checkpoint", cfg.critic.checkpoint)):
+        for name in ("save_contents", "load_contents"):
+            parts = list(getattr(ckpt, name) or [])
+            unknown = [p for p in parts if p not in CHECKPOINT_PARTS]
+            if unknown:
+                problems.append(f"{prefix}.{name} has unknown part(s) {unknown}; use any of {list(CHECKPOINT_PARTS)}")
+            if "model" not in parts:
+                problems.append(f"{prefix}.{name}={parts} leaves out 'model': a checkpoint without the model's "
+                                "weights cannot resume; add model")
+    return problems
 
 
 # ---------------------------------------------------------------------------------------- names

@@ -15,6 +15,9 @@ Layout under the run directory (`trainer.default_local_dir`; verl's names where 
       hf_config/                           config.json (+ generation_config.json) of the model, when given
       tokenizer/                           the tokenizer, when given
       huggingface/                         a full Hugging Face model directory, when `hf_model` is given
+      <name>/                              a directory that a `sharded` writer filled (e.g. `actor/`: the
+                                           torch.distributed.checkpoint shards every rank wrote), listed
+                                           under "sharded" in the manifest and hashed like every other file
 
 Atomic save. Everything is written into `.tmp_global_step_N_<pid>/`, every file is fsync'd and hashed,
 `manifest.json` is written last, then the directory is renamed to `global_step_N` (one rename; a previous
@@ -51,7 +54,7 @@ import shutil
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -396,6 +399,7 @@ class CheckpointManager:
         generation_config: Any = None,
         config_yaml: str | None = None,
         hf_model_component: str = "actor_model",
+        sharded: Mapping[str, Callable[[Path], Mapping[str, Any] | None]] | None = None,
     ) -> Path:
         """Write `run_dir/global_step_{step}/` atomically and point the tracker file at it; returns the path.
 
@@ -410,6 +414,11 @@ class CheckpointManager:
         hf_config / generation_config: the model's `PretrainedConfig` / `GenerationConfig`, written to
             `hf_config/`, so `export_checkpoint` can rebuild the model without the base model directory.
         config_yaml: the resolved run config, written as `config.yaml`.
+        sharded: name -> writer. Each writer is called with the (not yet existing) directory `<tmp>/<name>` and
+            fills it, e.g. by having every rank write its shards there (the run directory must then be visible
+            to every rank: one machine, or a shared filesystem); what it returns is recorded as the manifest's
+            `sharded[name]` (with `dir`). The files are hashed like the others, so the checkpoint is atomic
+            and verified as a whole.
 
         Sequence: write into `.tmp_global_step_{step}_<pid>/`, fsync + sha256 every file, write
         `manifest.json` last, rename into place (an existing `global_step_{step}` is moved aside first and
@@ -417,7 +426,8 @@ class CheckpointManager:
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        for name in components:
+        sharded = dict(sharded or {})
+        for name in [*components, *sharded]:
             if not isinstance(name, str) or not _COMPONENT_NAME.match(name):
                 raise ValueError(
                     f"component name {name!r} is not a valid file name; use letters, digits, '_', '-', '.' "
@@ -430,7 +440,12 @@ class CheckpointManager:
             "generation_config": generation_config,
             "config_yaml": config_yaml,
             "hf_model_component": hf_model_component,
+            "sharded": sharded,
         }
+        reserved = {HF_MODEL_DIR, HF_CONFIG_DIR, TOKENIZER_DIR}
+        clashes = sorted(set(sharded) & (reserved | {f"{n}.{ext}" for n in components for ext in ("pt", "safetensors")}))
+        if clashes:
+            raise ValueError(f"sharded directory name(s) {clashes} clash with the checkpoint's own files; rename them")
         with self._save_lock:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._recover_interrupted_replace()
@@ -461,8 +476,15 @@ class CheckpointManager:
         generation_config: Any,
         config_yaml: str | None,
         hf_model_component: str,
+        sharded: Mapping[str, Callable[[Path], Mapping[str, Any] | None]],
     ) -> None:
         entries = {name: _write_component(tmp, name, state) for name, state in components.items()}
+        sharded_entries = {}
+        for name, writer in sharded.items():
+            info = dict(writer(tmp / name) or {})
+            if not (tmp / name).is_dir() or not any((tmp / name).iterdir()):
+                raise RuntimeError(f"the sharded writer for {name!r} wrote nothing into {tmp / name}")
+            sharded_entries[name] = {"dir": name, **info}
         if config_yaml is not None:
             (tmp / CONFIG_YAML).write_text(config_yaml)
         if hf_config is not None:
@@ -492,6 +514,7 @@ class CheckpointManager:
             "saved_at_unix": now,
             "components": entries,
             "huggingface": {"component": hf_model_component} if hf_model is not None else None,
+            "sharded": sharded_entries,
             "files": files,
         }
         _write_text_durably(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2) + "\n")
@@ -633,6 +656,12 @@ class CheckpointManager:
         if unknown:
             raise KeyError(f"{directory} has no component(s) {unknown}; it holds {sorted(entries)}")
         return {name: _read_component(directory, entries[name], map_location) for name in wanted}
+
+    def sharded_dirs(self, path_or_step: int | str | os.PathLike) -> dict[str, dict[str, Any]]:
+        """name -> the manifest's entry for each sharded directory, with `path` (the directory) added."""
+        directory = self._as_dir(path_or_step)
+        entries = read_manifest(directory).get("sharded") or {}
+        return {name: {**entry, "path": directory / entry["dir"]} for name, entry in entries.items()}
 
     # -- resume
 

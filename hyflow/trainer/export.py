@@ -11,7 +11,10 @@ Where the model comes from, first match wins:
 2. Otherwise the model is rebuilt from a config and the component's state dict is loaded into it. The config
    is `global_step_N/hf_config/config.json` (saved by the trainer via `CheckpointManager.save(hf_config=...)`)
    or else the one at `base_model_path` (the model the run started from). The class is the config's
-   `architectures[0]` (AutoModelForCausalLM when absent); the weights keep the checkpoint's dtype.
+   `architectures[0]` (AutoModelForCausalLM when absent); the weights keep the checkpoint's dtype. A component
+   saved sharded (`trainer.checkpoint_format=sharded`: `global_step_N/actor/` holds the
+   torch.distributed.checkpoint shards of every rank) is merged first: each tensor is read whole from the
+   shards, whatever the number of ranks that wrote them (verl's `model_merger`; here nothing else is needed).
 
 State-dict keys written by wrapped modules are normalised first: a leading `module.` (DDP) is stripped,
 and `_orig_mod.` (torch.compile), `_fsdp_wrapped_module.` (FSDP1) and `_checkpoint_wrapped_module.`
@@ -47,6 +50,7 @@ from hyflow.trainer.checkpoint import (
     read_manifest,
     verify_checkpoint,
 )
+from hyflow.workers.fsdp import read_sharded_model_state
 
 LEADING_WRAPPER_PREFIX = "module"
 WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
@@ -173,11 +177,30 @@ def _generation_config(ckpt: Path, base: str | None) -> GenerationConfig | None:
     return None
 
 
+def _sharded_model_components(manifest: dict) -> dict[str, str]:
+    """model component name (e.g. `actor_model`) -> the sharded directory holding it (e.g. `actor`)."""
+    return {entry["model_component"]: entry["dir"] for entry in (manifest.get("sharded") or {}).values()
+            if entry.get("model_component")}
+
+
+def _model_components(manifest: dict) -> list[str]:
+    return [n for n, e in manifest["components"].items() if e["format"] == "safetensors"] + list(
+        _sharded_model_components(manifest))
+
+
+def _read_state(ckpt: Path, manifest: dict, component: str) -> Any:
+    """The component's state dict: a saved one, or the merge of every rank's shards of a sharded directory."""
+    shards = _sharded_model_components(manifest)
+    if component in shards and component not in manifest["components"]:
+        return read_sharded_model_state(ckpt / shards[component])
+    return CheckpointManager(ckpt.parent).load(ckpt, names=[component], verify=False)[component]
+
+
 def _build_from_state_dict(ckpt: Path, manifest: dict, out: Path, component: str, base: str | None) -> None:
     config, source = _load_model_config(ckpt, component, base)
-    raw = CheckpointManager(ckpt.parent).load(ckpt, names=[component], verify=False)[component]
+    raw = _read_state(ckpt, manifest, component)
     if not isinstance(raw, dict) or not raw or not all(isinstance(v, torch.Tensor) for v in raw.values()):
-        models = [n for n, e in manifest["components"].items() if e["format"] == "safetensors"]
+        models = _model_components(manifest)
         raise ValueError(
             f"component {component!r} of {ckpt} is not a model state dict (a flat name -> tensor dict); "
             f"model components in this checkpoint: {models}"
@@ -216,12 +239,15 @@ def export_checkpoint(
     verify_checkpoint(ckpt)
     manifest = read_manifest(ckpt)
     if component is None:  # the policy of an RL run, or the model of an SFT run
-        component = next((c for c in DEFAULT_COMPONENTS if c in manifest["components"]), DEFAULT_COMPONENTS[0])
+        known = [*manifest["components"], *_sharded_model_components(manifest)]
+        component = next((c for c in DEFAULT_COMPONENTS if c in known), DEFAULT_COMPONENTS[0])
     if (
         component not in manifest["components"]
-        and not (manifest.get("huggingface") or {}).get("component") == component
+        and component not in _sharded_model_components(manifest)
+        and (manifest.get("huggingface") or {}).get("component") != component
     ):
-        raise KeyError(f"{ckpt} has no component {component!r}; it holds {sorted(manifest['components'])}")
+        held = sorted([*manifest["components"], *_sharded_model_components(manifest)])
+        raise KeyError(f"{ckpt} has no component {component!r}; it holds {held}")
     out = _prepare_out_dir(out_dir)
     base = resolve_model_path(base_model_path, config_key="base_model_path") if base_model_path else None
     tmp = out.parent / f".tmp_export_{out.name}_{os.getpid()}"

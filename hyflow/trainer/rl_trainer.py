@@ -23,7 +23,9 @@ FSDP2; the code below is the same for both. Validation scores the whole validati
 
 from __future__ import annotations
 
+import functools
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -60,6 +62,7 @@ from hyflow.trainer.metrics import compute_data_metrics, compute_throughput_metr
 from hyflow.trainer.tracking import ProgressBar, Tracker, truncate_metrics
 from hyflow.workers.actor import ActorRolloutRefWorker
 from hyflow.workers.critic import CriticWorker
+from hyflow.workers.fsdp import sharded_checkpoint_problem
 from hyflow.workers.reward_model import RewardModelWorker
 
 
@@ -160,7 +163,8 @@ class RLTrainer:
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.reward_manager = self._reward_manager(num_examine=0)
         self.val_reward_manager = self._reward_manager(num_examine=1)
-        self.checkpoints = CheckpointManager(self.run_dir, max_to_keep=cfg.trainer.max_actor_ckpt_to_keep)
+        keep = [k for k in (cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep) if k is not None]
+        self.checkpoints = CheckpointManager(self.run_dir, max_to_keep=min(keep) if keep else None)
         resume = self.checkpoints.resolve_resume(cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
         if resume is not None:
             self.load_checkpoint(resume)
@@ -461,19 +465,54 @@ class RLTrainer:
         self.tracker.log(metrics, step=step)
         self.history.append({"step": step, **metrics})
 
-    def save_checkpoint(self) -> Path:
-        components = dict(self.actor.state_dict())
+    def _checkpoint_roles(self) -> dict:
+        """role name -> (worker group view, its checkpoint config section), for the roles that hold training state."""
+        roles = {"actor": (self.actor, self.config.actor_rollout_ref.actor.checkpoint)}
         if self.critic is not None:
-            components.update(self.critic.state_dict())
-        components["trainer_state"] = {"global_step": self.global_step, "loader": self.loader.state_dict(),
-                                       "kl_ctrl": self.kl_ctrl.state_dict(), "rng": capture_rng_state()}
+            roles["critic"] = (self.critic, self.config.critic.checkpoint)
+        return roles
+
+    def checkpoint_format(self) -> str:
+        """`trainer.checkpoint_format` resolved: auto -> sharded with more than one worker, else full."""
+        fmt = self.config.trainer.checkpoint_format
+        return ("sharded" if self.actor.world_size > 1 else "full") if fmt == "auto" else fmt
+
+    def save_checkpoint(self) -> Path:
+        """`global_step_N/`: the roles' state (full state dicts, or every rank's shards), the trainer's own
+        state (step, data-loader position, KL controller, RNG), the configs and tokenizer; atomic."""
+        roles = self._checkpoint_roles()
+        components: dict = {}
+        sharded: dict = {}
+        for name, (group, ckpt) in roles.items():
+            contents = list(ckpt.save_contents)
+            if self.checkpoint_format() == "sharded":
+                sharded[name] = functools.partial(self._write_shards, name, group, contents)
+            else:
+                components.update(group.state_dict(contents))
+        state = {"global_step": self.global_step, "loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
+        if "extra" in self.config.actor_rollout_ref.actor.checkpoint.save_contents:
+            state["rng"] = capture_rng_state()
+        components["trainer_state"] = state
         model = None
         if "hf_model" in self.config.actor_rollout_ref.actor.checkpoint.save_contents:
             model, _ = self.actor.hf_model()  # a collective gather of the full model: only when asked
         hf_config, generation_config = self._model_configs()
         return self.checkpoints.save(self.global_step, components, hf_model=model, tokenizer=self.tokenizer,
                                      hf_config=hf_config, generation_config=generation_config,
-                                     config_yaml=config_to_yaml(self.config))
+                                     config_yaml=config_to_yaml(self.config), sharded=sharded)
+
+    @staticmethod
+    def _write_shards(name: str, group, contents: list[str], directory: Path) -> dict:
+        """Have every rank of `group` write its shards into `directory`; check that all of them arrived."""
+        group.save_sharded_checkpoint(str(directory), contents)
+        problem = sharded_checkpoint_problem(directory)
+        if problem is not None:
+            raise RuntimeError(
+                f"the {name}'s sharded checkpoint is incomplete: {problem}. Every rank writes its shards into the "
+                "run directory, so it must be one that every node sees: put trainer.default_local_dir on a shared "
+                "filesystem, or set trainer.checkpoint_format=full (rank 0 gathers and writes everything)")
+        return {"format": "torch.distributed.checkpoint", "world_size": group.world_size, "contents": contents,
+                "model_component": f"{name}_model"}
 
     def _model_configs(self):
         """The policy's model and generation configs (read from its path once), for exportable checkpoints."""
@@ -492,15 +531,35 @@ class RLTrainer:
         return self._configs
 
     def load_checkpoint(self, path: Path) -> None:
+        """Resume from `global_step_N/` (full or sharded, written by any number of workers)."""
         components = self.checkpoints.load(path, verify=False)
-        self.actor.load_state_dict(components)
-        if self.critic is not None:
-            self.critic.load_state_dict(components)
+        sharded = self.checkpoints.sharded_dirs(path)
+        for name, (group, ckpt) in self._checkpoint_roles().items():
+            contents = list(ckpt.load_contents)
+            if name in sharded:
+                saved = sharded[name].get("contents", [])
+                group.load_sharded_checkpoint(str(sharded[name]["path"]), contents)
+            elif f"{name}_model" in components:
+                saved = [part for part, key in (("optimizer", "optimizer"), ("extra", "scheduler"))
+                         if f"{name}_{key}" in components] + ["model"]
+                keep = {"model"} | {"optimizer"} & set(contents) | ({"scheduler"} if "extra" in contents else set())
+                group.load_state_dict({f"{name}_{k}": components[f"{name}_{k}"] for k in keep
+                                       if f"{name}_{k}" in components})
+            else:
+                raise ValueError(
+                    f"checkpoint {path} holds no {name} state (it was saved by a run without a {name}), but this "
+                    f"config has one; resume with the config of the run that saved it, or start a new run "
+                    "(trainer.resume_mode=disable or another trainer.default_local_dir)")
+            fresh = [part for part in ("optimizer", "extra") if part in contents and part not in saved]
+            if fresh:
+                warnings.warn(f"checkpoint {path} has no {name} {' or '.join(fresh)} state (saved with "
+                              f"save_contents={saved}): {', '.join(fresh)} start(s) fresh", stacklevel=2)
         state = components["trainer_state"]
         self.global_step = int(state["global_step"])
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        restore_rng_state(state["rng"])
+        if "rng" in state and "extra" in self.config.actor_rollout_ref.actor.checkpoint.load_contents:
+            restore_rng_state(state["rng"])
         print(f"resumed from {path} at step {self.global_step}")
 
 

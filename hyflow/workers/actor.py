@@ -60,16 +60,17 @@ from hyflow.workers.engine import (
     trim_padding,
 )
 from hyflow.workers.fsdp import (
+    CHECKPOINT_CONTENTS,
     DIST_TIMEOUT_S,
     WEIGHT_BUCKET_BYTES,
     full_state_dict,
     full_tensor_buckets,
     is_distributed,
-    load_sharded,
     load_training_state_components,
+    load_training_state_sharded,
     maybe_init_distributed,
     parallel_strategy,
-    save_sharded,
+    save_training_state_sharded,
     training_state_components,
     wrap_model,
 )
@@ -340,12 +341,13 @@ class ActorRolloutRefWorker(Worker):
 
     # ------------------------------------------------------------------ checkpoints
     @register(Dispatch.REPLICATE, collect=Collect.FIRST)
-    def state_dict(self) -> dict:
+    def state_dict(self, contents=CHECKPOINT_CONTENTS) -> dict:
         """Checkpoint components: full model weights, full optimizer state (by parameter name), LR schedule.
 
         Collective (every rank gathers); rank 0 returns the components, the other ranks `{}`.
         """
-        return training_state_components("actor", self.model, self.optimizer, self.scheduler, self.rank)
+        return training_state_components("actor", self.model, self.optimizer, self.scheduler, self.rank,
+                                         contents)
 
     @register(Dispatch.REPLICATE)
     def load_state_dict(self, components: dict) -> None:
@@ -354,15 +356,15 @@ class ActorRolloutRefWorker(Worker):
         self.sync_rollout_weights()
 
     @register(Dispatch.REPLICATE)
-    def save_sharded_checkpoint(self, path: str) -> None:
-        """Write every rank's model and optimizer shards (DCP) and the LR schedule into directory `path`."""
-        save_sharded(self.model, self.optimizer, path, extra={"actor_scheduler": self.scheduler.state_dict()})
+    def save_sharded_checkpoint(self, path: str, contents=CHECKPOINT_CONTENTS) -> None:
+        """Write every rank's model shards (DCP) into directory `path`, with the optimizer's and the LR schedule
+        when `contents` has "optimizer" / "extra"."""
+        save_training_state_sharded("actor", self.model, self.optimizer, self.scheduler, path, contents)
 
     @register(Dispatch.REPLICATE)
-    def load_sharded_checkpoint(self, path: str) -> None:
+    def load_sharded_checkpoint(self, path: str, contents=CHECKPOINT_CONTENTS) -> None:
         """Read a `save_sharded_checkpoint` directory written at any world size; refresh the rollout's weights."""
-        extra = load_sharded(self.model, self.optimizer, path)
-        self.scheduler.load_state_dict(extra["actor_scheduler"])
+        load_training_state_sharded("actor", self.model, self.optimizer, self.scheduler, path, contents)
         self.sync_rollout_weights()
 
     @register(Dispatch.REPLICATE, collect=Collect.FIRST)

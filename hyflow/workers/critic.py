@@ -35,11 +35,12 @@ from hyflow.workers.engine import (
     trim_padding,
 )
 from hyflow.workers.fsdp import (
-    load_sharded,
+    CHECKPOINT_CONTENTS,
     load_training_state_components,
+    load_training_state_sharded,
     maybe_init_distributed,
     parallel_strategy,
-    save_sharded,
+    save_training_state_sharded,
     training_state_components,
     wrap_model,
 )
@@ -135,12 +136,13 @@ class CriticWorker(Worker):
         return Batch(meta={"metrics": metrics})
 
     @register(Dispatch.REPLICATE, collect=Collect.FIRST)
-    def state_dict(self) -> dict:
+    def state_dict(self, contents=CHECKPOINT_CONTENTS) -> dict:
         """Checkpoint components: full value-model weights, full optimizer state, LR schedule.
 
         Collective (every rank gathers); rank 0 returns the components, the other ranks `{}`.
         """
-        return training_state_components("critic", self.model, self.optimizer, self.scheduler, self.rank)
+        return training_state_components("critic", self.model, self.optimizer, self.scheduler, self.rank,
+                                         contents)
 
     @register(Dispatch.REPLICATE)
     def load_state_dict(self, components: dict) -> None:
@@ -148,12 +150,12 @@ class CriticWorker(Worker):
         load_training_state_components("critic", self.model, self.optimizer, self.scheduler, components)
 
     @register(Dispatch.REPLICATE)
-    def save_sharded_checkpoint(self, path: str) -> None:
-        """Write every rank's model and optimizer shards (DCP) and the LR schedule into directory `path`."""
-        save_sharded(self.model, self.optimizer, path, extra={"critic_scheduler": self.scheduler.state_dict()})
+    def save_sharded_checkpoint(self, path: str, contents=CHECKPOINT_CONTENTS) -> None:
+        """Write every rank's model shards (DCP) into directory `path`, with the optimizer's and the LR schedule
+        when `contents` has "optimizer" / "extra"."""
+        save_training_state_sharded("critic", self.model, self.optimizer, self.scheduler, path, contents)
 
     @register(Dispatch.REPLICATE)
-    def load_sharded_checkpoint(self, path: str) -> None:
+    def load_sharded_checkpoint(self, path: str, contents=CHECKPOINT_CONTENTS) -> None:
         """Read a `save_sharded_checkpoint` directory written at any world size."""
-        extra = load_sharded(self.model, self.optimizer, path)
-        self.scheduler.load_state_dict(extra["critic_scheduler"])
+        load_training_state_sharded("critic", self.model, self.optimizer, self.scheduler, path, contents)

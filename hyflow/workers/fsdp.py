@@ -346,6 +346,8 @@ def optimizer_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, 
 
 
 EXTRA_STATE_FILE = "extra_state.pt"
+MODEL_KEY = "model"
+OPTIMIZER_KEY = "optimizer"
 
 
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *,
@@ -353,8 +355,8 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path
     """Write the model (and optimizer) shards of every rank into the DCP directory `path`; collective.
 
     Layout: torch.distributed.checkpoint files (`.metadata` + one `__<rank>_0.distcp` per rank) holding
-    {"model": ..., "optimizer": ...}, plus `extra_state.pt` (rank 0's `extra`, e.g. the LR scheduler) when given;
-    `load_sharded` reads it back at any world size.
+    {"model": ..., "optimizer": ...} (no optimizer when `optimizer` is None), plus `extra_state.pt` (rank 0's
+    `extra`, e.g. the LR scheduler) when given; `load_sharded` reads it back at any world size.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -362,9 +364,9 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     reshard(model)
-    state = {"model": get_model_state_dict(model)}
+    state = {MODEL_KEY: get_model_state_dict(model)}
     if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        state[OPTIMIZER_KEY] = get_optimizer_state_dict(model, optimizer)
     with _single_process_dcp_quiet():
         dcp.save(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     if extra is not None and (not is_distributed() or dist.get_rank() == 0):
@@ -375,7 +377,8 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> dict:
     """Read a `save_sharded` directory into `model` (and `optimizer`), resharding to this world size; collective.
 
-    Returns the saved `extra` dict ({} when none was saved).
+    The optimizer is left as it is when the directory holds no optimizer state (saved without one). Returns
+    the saved `extra` dict ({} when none was saved).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -386,21 +389,91 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path
     )
 
     path = Path(path)
+    problem = sharded_checkpoint_problem(path)
+    if problem is not None:
+        raise FileNotFoundError(problem) if not (path / ".metadata").is_file() else ValueError(problem)
+    saved = _dcp_metadata(path).state_dict_metadata
+    if not any(key.startswith(OPTIMIZER_KEY + ".") for key in saved):
+        optimizer = None
+    reshard(model)
+    state = {MODEL_KEY: get_model_state_dict(model)}
+    if optimizer is not None:
+        state[OPTIMIZER_KEY] = get_optimizer_state_dict(model, optimizer)  # creates the state tensors to load into
+    with _single_process_dcp_quiet():
+        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+    set_model_state_dict(model, state[MODEL_KEY])
+    if optimizer is not None:
+        with _tuple_hyperparameters_kept(optimizer):
+            set_optimizer_state_dict(model, optimizer, state[OPTIMIZER_KEY])
+    extra_file = path / EXTRA_STATE_FILE
+    return torch.load(extra_file, weights_only=False) if extra_file.is_file() else {}
+
+
+def _dcp_metadata(path: Path):
+    """The `.metadata` of a DCP directory, or a ValueError naming the directory and the problem."""
+    import torch.distributed.checkpoint as dcp
+
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a sharded checkpoint directory (no .metadata); pass the directory "
                                 "that save_sharded / save_sharded_checkpoint wrote")
-    reshard(model)
-    state = {"model": get_model_state_dict(model)}
-    if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)  # creates the state tensors to load into
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # any unpickling or I/O failure means the same thing to the user
+        raise ValueError(f"the sharded checkpoint {path} has an unreadable .metadata ({type(e).__name__}: {e}); "
+                         "it was damaged after the save: use another checkpoint") from e
+
+
+def sharded_checkpoint_problem(path: str | os.PathLike) -> str | None:
+    """What is missing from a `save_sharded` directory, or None when every shard its metadata names is there.
+
+    Catches shards that other nodes wrote to their own local disks (a run directory that is not on a shared
+    filesystem) and truncated shard files.
+    """
+    path = Path(path)
+    try:
+        metadata = _dcp_metadata(path)
+    except (FileNotFoundError, ValueError) as e:
+        return str(e)
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"shard file {name} is missing from {path}"
+        if file.stat().st_size < size:
+            return f"shard file {name} in {path} is truncated ({file.stat().st_size} bytes, needs {size})"
+    return None
+
+
+def sharded_shard_files(path: str | os.PathLike) -> list[str]:
+    """The shard files (`__<rank>_<n>.distcp`) a `save_sharded` directory's metadata refers to."""
+    metadata = _dcp_metadata(Path(path))
+    return sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+
+
+def read_sharded_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The full (merged) model state dict of a `save_sharded` directory, on the CPU, in one process.
+
+    Only the model's tensors are read (not the optimizer's), each into one full tensor of its saved shape and
+    dtype, however many ranks wrote the shards: this is what `hyflow export` turns into a Hugging Face model.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    metadata = _dcp_metadata(path)
+    prefix = MODEL_KEY + "."
+    model = {
+        key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    if not model:
+        raise ValueError(f"the sharded checkpoint {path} holds no model tensors (no '{prefix}*' entries)")
     with _single_process_dcp_quiet():
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    set_model_state_dict(model, state["model"])
-    if optimizer is not None:
-        with _tuple_hyperparameters_kept(optimizer):
-            set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    extra_file = path / EXTRA_STATE_FILE
-    return torch.load(extra_file, weights_only=False) if extra_file.is_file() else {}
+        dcp.load({MODEL_KEY: model}, checkpoint_id=str(path), no_dist=True)
+    return model
 
 
 @contextlib.contextmanager
@@ -417,21 +490,49 @@ def barrier() -> None:
         dist.barrier()
 
 
-def training_state_components(prefix: str, model, optimizer, scheduler, rank: int) -> dict:
-    """`{prefix}_model`, `{prefix}_optimizer`, `{prefix}_scheduler`: full (unsharded) state for a checkpoint.
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")
+
+
+def training_state_components(prefix: str, model, optimizer, scheduler, rank: int,
+                              contents=CHECKPOINT_CONTENTS) -> dict:
+    """Full (unsharded) state for a checkpoint: `{prefix}_model`, and `{prefix}_optimizer` / `{prefix}_scheduler`
+    when `contents` has "optimizer" / "extra".
 
     Collective (every rank gathers); rank 0 returns the components, the other ranks `{}`.
     """
     weights = full_state_dict(model)
-    optimizer_state = full_optimizer_state_dict(model, optimizer)
+    optimizer_state = full_optimizer_state_dict(model, optimizer) if "optimizer" in contents else None
     if rank != 0:
         return {}
-    return {f"{prefix}_model": weights, f"{prefix}_optimizer": optimizer_state,
-            f"{prefix}_scheduler": scheduler.state_dict()}
+    out = {f"{prefix}_model": weights}
+    if optimizer_state is not None:
+        out[f"{prefix}_optimizer"] = optimizer_state
+    if "extra" in contents:
+        out[f"{prefix}_scheduler"] = scheduler.state_dict()
+    return out
 
 
 def load_training_state_components(prefix: str, model, optimizer, scheduler, components: dict) -> None:
-    """Restore what `training_state_components` returned, saved at any world size."""
+    """Restore what `training_state_components` returned, saved at any world size (absent parts stay as they are)."""
     load_full_state_dict(model, components[f"{prefix}_model"])
-    load_full_optimizer_state_dict(model, optimizer, components[f"{prefix}_optimizer"])
-    scheduler.load_state_dict(components[f"{prefix}_scheduler"])
+    if f"{prefix}_optimizer" in components:
+        load_full_optimizer_state_dict(model, optimizer, components[f"{prefix}_optimizer"])
+    if f"{prefix}_scheduler" in components:
+        scheduler.load_state_dict(components[f"{prefix}_scheduler"])
+
+
+def save_training_state_sharded(prefix: str, model, optimizer, scheduler, path: str | os.PathLike,
+                                contents=CHECKPOINT_CONTENTS) -> None:
+    """`save_sharded` of the model, the optimizer (with "optimizer" in `contents`) and `{prefix}_scheduler` (with
+    "extra"); collective."""
+    save_sharded(model, optimizer if "optimizer" in contents else None, path,
+                 extra={f"{prefix}_scheduler": scheduler.state_dict()} if "extra" in contents else None)
+
+
+def load_training_state_sharded(prefix: str, model, optimizer, scheduler, path: str | os.PathLike,
+                                contents=CHECKPOINT_CONTENTS) -> None:
+    """Restore what `save_training_state_sharded` wrote, at any world size: the model, and the optimizer / LR
+    schedule when `contents` has "optimizer" / "extra" and the directory holds them (else they stay as they are)."""
+    extra = load_sharded(model, optimizer if "optimizer" in contents else None, path)
+    if "extra" in contents and f"{prefix}_scheduler" in extra:
+        scheduler.load_state_dict(extra[f"{prefix}_scheduler"])

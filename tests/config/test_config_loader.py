@@ -346,3 +346,21 @@ def test_features_not_built_yet_are_errors_not_surprises():
     cfg = load_config(["actor_rollout_ref.model.lora_rank=8", "algorithm.use_pf_ppo=true"])
     with pytest.raises(ConfigError, match=r"actor_rollout_ref.model.lora_rank is not supported by this hyflow version"):
         validate_config(cfg)
+
+
+def test_checkpoint_settings_that_cannot_be_honoured_are_errors():
+    from hyflow.config import ConfigError, load_config, validate_config
+
+    cfg = load_config(["actor_rollout_ref.actor.checkpoint.save_contents=[optimizer,extras]",
+                       "trainer.default_hdfs_dir=hdfs://x/y", "critic.checkpoint.async_save=true",
+                       "trainer.checkpoint_format=sharded"])
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    text = str(info.value)
+    assert "actor_rollout_ref.actor.checkpoint.save_contents has unknown part(s) ['extras']" in text
+    assert "leaves out 'model'" in text and "add model" in text
+    assert "load_contents" in text  # it defaults to save_contents, so it inherits the problem
+    assert "trainer.default_hdfs_dir is not supported" in text
+    assert "critic.checkpoint.async_save is not supported" in text
+    with pytest.raises(ConfigError, match="trainer.checkpoint_format"):
+        validate_config(load_config(["trainer.checkpoint_format=shards"]))

@@ -532,3 +532,50 @@ def test_hf_model_directory_loads_with_from_pretrained(tmp_path):
     ids = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
+
+
+# ------------------------------------------------------------------------------------------ sharded directories
+
+
+def _shard_writer(payloads: dict[str, bytes], info: dict | None = None):
+    def write(directory: Path):
+        directory.mkdir()
+        for name, data in payloads.items():
+            (directory / name).write_bytes(data)
+        return info
+
+    return write
+
+
+def test_sharded_directories_are_hashed_listed_and_found(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    path = manager.save(3, {"trainer_state": {"step": 3}},
+                        sharded={"actor": _shard_writer({".metadata": b"m", "__0_0.distcp": b"a", "__1_0.distcp": b"bb"},
+                                                        {"world_size": 2})})
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["sharded"] == {"actor": {"dir": "actor", "world_size": 2}}
+    assert {"actor/.metadata", "actor/__0_0.distcp", "actor/__1_0.distcp"} <= set(manifest["files"])
+    found = manager.sharded_dirs(3)
+    assert found["actor"]["path"] == path / "actor" and found["actor"]["world_size"] == 2
+    (path / "actor" / "__1_0.distcp").write_bytes(b"cc")
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch for actor/__1_0.distcp"):
+        verify_checkpoint(path)
+
+
+def test_a_sharded_writer_that_fails_or_writes_nothing_leaves_the_previous_checkpoint(tmp_path):
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, {"trainer_state": {"step": 1}})
+
+    def failing(directory: Path):
+        directory.mkdir()
+        (directory / "__0_0.distcp").write_bytes(b"half")
+        raise RuntimeError("rank 1 died")
+
+    with pytest.raises(RuntimeError, match="rank 1 died"):
+        manager.save(2, {"trainer_state": {"step": 2}}, sharded={"actor": failing})
+    with pytest.raises(RuntimeError, match="wrote nothing"):
+        manager.save(2, {"trainer_state": {"step": 2}}, sharded={"actor": _shard_writer({})})
+    assert manager.list_steps() == [1] and manager.latest_step() == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", TRACKER_FILE]
+    with pytest.raises(ValueError, match="clash"):
+        manager.save(2, {"trainer_state": {}}, sharded={"tokenizer": _shard_writer({"x": b"1"})})

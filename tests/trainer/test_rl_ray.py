@@ -104,12 +104,37 @@ def test_two_ray_workers_match_one_process(tiny_model_dir, task_dir, tmp_path, e
 
 
 def test_resume_across_world_sizes(tiny_model_dir, task_dir, tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from hyflow.trainer.export import export_checkpoint
+
+    # 2 workers write sharded checkpoints (trainer.checkpoint_format=auto): every rank its own DCP shards of the
+    # actor and the critic; 1 worker resumes from them, and `hyflow export` merges them into the same weights.
     two_then_one = tmp_path / "a"
-    RLTrainer(overrides(tiny_model_dir, task_dir, two_then_one, "algorithm.adv_estimator=grpo",
-                        "trainer.total_training_steps=1", "trainer.save_freq=1", *on_ray(2)),
+    ppo = ("algorithm.adv_estimator=gae", "trainer.save_freq=1")
+    RLTrainer(overrides(tiny_model_dir, task_dir, two_then_one, *ppo, "trainer.total_training_steps=1", *on_ray(2)),
               reward_fn=digit_reward).fit()
-    RLTrainer(overrides(tiny_model_dir, task_dir, two_then_one, "algorithm.adv_estimator=grpo",
-                        "trainer.total_training_steps=2", "trainer.save_freq=1"), reward_fn=digit_reward).fit()
+    ckpt = two_then_one / "global_step_1"
+    sharded = json.loads((ckpt / "manifest.json").read_text())["sharded"]
+    assert {name: entry["world_size"] for name, entry in sharded.items()} == {"actor": 2, "critic": 2}
+    for role in ("actor", "critic"):
+        assert {p.name for p in (ckpt / role).glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    exported = AutoModelForCausalLM.from_pretrained(export_checkpoint(ckpt, tmp_path / "hf")).state_dict()
+    resumed = RLTrainer(overrides(tiny_model_dir, task_dir, two_then_one, *ppo, "trainer.total_training_steps=2"),
+                        reward_fn=digit_reward)
+    resumed.setup()
+    try:
+        assert resumed.global_step == 1 and resumed.actor.world_size == 1
+        loaded = resumed.actor.state_dict()["actor_model"]
+    finally:
+        resumed.tracker.close()
+        resumed.shutdown()
+    for name, tensor in loaded.items():
+        torch.testing.assert_close(exported[name], tensor, atol=0, rtol=0, msg=name)
+    RLTrainer(overrides(tiny_model_dir, task_dir, two_then_one, *ppo, "trainer.total_training_steps=2"),
+              reward_fn=digit_reward).fit()
     assert [r["step"] for r in read_metrics(two_then_one)] == [1, 2]
     one_then_two = tmp_path / "b"
     RLTrainer(overrides(tiny_model_dir, task_dir, one_then_two, "algorithm.adv_estimator=grpo",

@@ -44,15 +44,19 @@ def comparable(rows):
     return [{k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/"))} for row in rows]
 
 
-def test_resume_is_exact(tiny_model_dir, task_dir, tmp_path):
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_resume_is_exact(tiny_model_dir, task_dir, tmp_path, fmt):
     full = tmp_path / "full"
     RLTrainer(overrides(tiny_model_dir, task_dir, full), reward_fn=digit_reward).fit()
     part = tmp_path / "part"
-    RLTrainer(overrides(tiny_model_dir, task_dir, part, "trainer.total_training_steps=2"),
-              reward_fn=digit_reward).fit()
+    RLTrainer(overrides(tiny_model_dir, task_dir, part, "trainer.total_training_steps=2",
+                        f"trainer.checkpoint_format={fmt}"), reward_fn=digit_reward).fit()
     assert (part / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    RLTrainer(overrides(tiny_model_dir, task_dir, part, "trainer.total_training_steps=4"),
-              reward_fn=digit_reward).fit()
+    manifest = json.loads((part / "global_step_2" / "manifest.json").read_text())
+    assert ("actor_model" in manifest["components"]) == (fmt == "full")
+    assert ("actor" in manifest["sharded"]) == (fmt == "sharded")
+    RLTrainer(overrides(tiny_model_dir, task_dir, part, "trainer.total_training_steps=4",
+                        f"trainer.checkpoint_format={fmt}"), reward_fn=digit_reward).fit()
     full_rows, part_rows = comparable(read_metrics(full)), comparable(read_metrics(part))
     assert [r["step"] for r in part_rows] == [0, 1, 2, 3, 4]
     for a, b in zip(full_rows[3:], part_rows[3:]):
@@ -78,6 +82,54 @@ def test_export_loads_with_transformers(tiny_model_dir, task_dir, tmp_path):
     saved = torch.load(run / "global_step_1" / "trainer_state.pt", weights_only=False)
     assert saved["global_step"] == 1
     assert isinstance(model(torch.tensor([[1, 2, 3]])).logits, torch.Tensor)
+
+
+def test_sharded_checkpoint_exports_the_weights_a_resume_loads(tiny_model_dir, task_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    RLTrainer(overrides(tiny_model_dir, task_dir, run, "trainer.total_training_steps=1",
+                        "trainer.checkpoint_format=sharded"), reward_fn=digit_reward).fit()
+    ckpt = run / "global_step_1"
+    assert (ckpt / "actor" / ".metadata").is_file() and not (ckpt / "actor_model.safetensors").exists()
+    out = tmp_path / "hf"
+    proc = subprocess.run([Path(sys.executable).parent / "hyflow", "export", "--ckpt", str(ckpt), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    resumed = RLTrainer(overrides(tiny_model_dir, task_dir, run, "trainer.total_training_steps=2"),
+                        reward_fn=digit_reward)
+    resumed.setup()
+    try:
+        assert resumed.global_step == 1
+        loaded = resumed.actor.state_dict()["actor_model"]
+    finally:
+        resumed.tracker.close()
+        resumed.shutdown()
+    assert set(exported) == set(loaded)
+    for name, tensor in loaded.items():
+        torch.testing.assert_close(exported[name], tensor, atol=0, rtol=0, msg=name)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert any(not torch.equal(initial[k], loaded[k]) for k in loaded)  # the step changed the weights
+
+
+def test_checkpoint_contents_are_honoured_on_save_and_resume(tiny_model_dir, task_dir, tmp_path):
+    run = tmp_path / "run"
+    RLTrainer(overrides(tiny_model_dir, task_dir, run, "trainer.total_training_steps=1",
+                        "actor_rollout_ref.actor.checkpoint.save_contents=[model]", "trainer.test_freq=-1"),
+              reward_fn=digit_reward).fit()
+    names = set(json.loads((run / "global_step_1" / "manifest.json").read_text())["components"])
+    assert names == {"actor_model", "trainer_state"}
+    assert "rng" not in torch.load(run / "global_step_1" / "trainer_state.pt", weights_only=False)
+    with pytest.warns(UserWarning, match="has no actor optimizer or extra state"):
+        RLTrainer(overrides(tiny_model_dir, task_dir, run, "trainer.total_training_steps=2", "trainer.test_freq=-1"),
+                  reward_fn=digit_reward).fit()
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="holds no critic state"):
+        RLTrainer(overrides(tiny_model_dir, task_dir, run, "trainer.total_training_steps=3",
+                            "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=2"),
+                  reward_fn=digit_reward).fit()
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2]  # nothing written was lost
 
 
 def test_corrupt_checkpoint_is_reported_not_used(tiny_model_dir, task_dir, tmp_path):

@@ -199,6 +199,59 @@ def test_sharded_round_trip_in_one_process(tmp_path):
         load_sharded(fresh, fresh_opt, tmp_path / "missing")
 
 
+def test_sharded_merge_reads_only_the_model_whole(tmp_path):
+    from hyflow.workers.fsdp import read_sharded_model_state, save_sharded, sharded_checkpoint_problem
+
+    model, optimizer = _trained()
+    save_sharded(model, optimizer, tmp_path / "ckpt")
+    assert sharded_checkpoint_problem(tmp_path / "ckpt") is None
+    merged = read_sharded_model_state(tmp_path / "ckpt")
+    assert list(merged) == list(model.state_dict())
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(merged[name], tensor, atol=0, rtol=0, msg=name)
+
+
+def test_sharded_checkpoint_problems_name_the_shard(tmp_path):
+    from hyflow.workers.fsdp import (
+        load_sharded,
+        read_sharded_model_state,
+        save_sharded,
+        sharded_checkpoint_problem,
+    )
+
+    model, optimizer = _trained()
+    save_sharded(model, optimizer, tmp_path / "ckpt")
+    shard = tmp_path / "ckpt" / "__0_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    assert "shard file __0_0.distcp" in sharded_checkpoint_problem(tmp_path / "ckpt")
+    assert "truncated" in sharded_checkpoint_problem(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="truncated"):
+        load_sharded(model, optimizer, tmp_path / "ckpt")
+    shard.unlink()
+    assert "shard file __0_0.distcp is missing" in sharded_checkpoint_problem(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / ".metadata").write_bytes(b"not a pickle")
+    assert "unreadable .metadata" in sharded_checkpoint_problem(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="unreadable .metadata"):
+        read_sharded_model_state(tmp_path / "ckpt")
+
+
+def test_sharded_checkpoint_without_optimizer_leaves_the_optimizer(tmp_path):
+    from hyflow.workers.fsdp import full_optimizer_state_dict, load_sharded, save_sharded
+
+    model, _ = _trained()
+    save_sharded(model, None, tmp_path / "ckpt")
+    fresh, fresh_opt = _trained(seed=1)
+    before = full_optimizer_state_dict(fresh, fresh_opt)
+    load_sharded(fresh, fresh_opt, tmp_path / "ckpt")
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters(), strict=True):
+        torch.testing.assert_close(q, p, atol=0, rtol=0, msg=name)
+    after = full_optimizer_state_dict(fresh, fresh_opt)
+    for name, state in before["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(after["state"][name][key], value, atol=0, rtol=0)
+
+
 def test_dynamic_micro_batches_split_up_to_a_count():
     from hyflow.workers.engine import split_micro_batches, sync_micro_batch_count
 
@@ -541,6 +594,11 @@ def test_sharded_checkpoint_from_two_ranks_loads_into_one(run):
     assert_state_close(got["actor_model"], want["actor_model"])
     assert_optimizer_close(got["actor_optimizer"], want["actor_optimizer"])
     assert got["actor_scheduler"] == want["actor_scheduler"]
+    from hyflow.workers.fsdp import read_sharded_model_state, sharded_checkpoint_problem, sharded_shard_files
+
+    assert sharded_shard_files(run["out"] / "dcp_actor_2") == ["__0_0.distcp", "__1_0.distcp"]
+    assert sharded_checkpoint_problem(run["out"] / "dcp_actor_2") is None
+    assert_state_close(read_sharded_model_state(run["out"] / "dcp_actor_2"), got["actor_model"], atol=0)
     critic = CriticWorker(run["cfg"])
     critic.init_model(total_training_steps=1)
     critic.load_sharded_checkpoint(str(run["out"] / "dcp_critic_2"))
