@@ -579,3 +579,27 @@ def test_a_sharded_writer_that_fails_or_writes_nothing_leaves_the_previous_check
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_1", TRACKER_FILE]
     with pytest.raises(ValueError, match="clash"):
         manager.save(2, {"trainer_state": {}}, sharded={"tokenizer": _shard_writer({"x": b"1"})})
+
+
+def test_shards_left_on_another_node_are_an_error_naming_the_fix(tmp_path):
+    """A rank on another node writes its shard to that node's own disk: the driver sees it missing."""
+    from hyflow.trainer.rl_trainer import RLTrainer
+    from hyflow.workers.fsdp import save_sharded
+
+    class OneNodeVisible:
+        world_size = 2
+
+        def save_sharded_checkpoint(self, path, contents):
+            model = _training_state()[0]
+            save_sharded(model, None, path)
+            (Path(path) / "__0_0.distcp").unlink()  # as if it had gone to another machine's local disk
+
+    manager = CheckpointManager(tmp_path / "run")
+    manager.save(1, {"trainer_state": {"step": 1}})
+    writer = lambda d: RLTrainer._write_shards("actor", OneNodeVisible(), ["model"], d)  # noqa: E731
+    with pytest.raises(RuntimeError) as info:
+        manager.save(2, {"trainer_state": {"step": 2}}, sharded={"actor": writer})
+    text = str(info.value)
+    assert "actor's sharded checkpoint is incomplete: shard file __0_0.distcp is missing" in text
+    assert "shared filesystem" in text and "trainer.checkpoint_format=full" in text
+    assert manager.list_steps() == [1]
