@@ -24,6 +24,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -197,7 +198,11 @@ def _from_pretrained(
     device: str | torch.device | None,
     config_key: str,
     role_updates: dict[str, Any] | None = None,
+    new_head: str | None = None,
 ) -> PreTrainedModel:
+    """`auto_cls.from_pretrained` with hyflow's config handling. `new_head`: the name of a head the checkpoint is
+    known not to have (a critic's `score` on a causal-LM checkpoint): transformers' load report, which would list
+    it as MISSING on every rank, is replaced by a warning only when something else is missing or unexpected."""
     resolved = resolve_model_path(path, config_key=config_key)
     config, attn_from_overrides = _load_config(resolved, override_config, trust_remote_code, role_updates)
     kwargs: dict[str, Any] = {"config": config, "trust_remote_code": trust_remote_code}
@@ -207,11 +212,35 @@ def _from_pretrained(
     attn = attn_implementation or attn_from_overrides
     if attn is not None:
         kwargs["attn_implementation"] = attn
-    model = auto_cls.from_pretrained(resolved, **kwargs)
+    if new_head is None:
+        model = auto_cls.from_pretrained(resolved, **kwargs)
+    else:
+        model = _from_pretrained_with_new_head(auto_cls, resolved, new_head, kwargs)
     if enable_gradient_checkpointing:
         _enable_gradient_checkpointing(model)
     if device is not None:
         model.to(device)
+    return model
+
+
+def _from_pretrained_with_new_head(auto_cls, resolved: str, head: str, kwargs: dict) -> PreTrainedModel:
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = auto_cls.from_pretrained(resolved, output_loading_info=True, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith(head + "."))
+    unexpected = sorted(k for k in info.get("unexpected_keys", ()) if not k.startswith("lm_head."))
+    mismatched = sorted(str(k) for k in info.get("mismatched_keys", ()))
+    if missing or unexpected or mismatched:
+        warnings.warn(
+            f"loading {resolved} as {auto_cls.__name__}: missing {missing}, unexpected {unexpected}, shape-mismatched "
+            f"{mismatched} (beyond the new '{head}' head); those weights are freshly initialised or dropped",
+            stacklevel=3,
+        )
     return model
 
 
@@ -290,6 +319,9 @@ def load_value_model(
     """
     resolved = resolve_model_path(path, config_key=config_key)
     saved_config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    has_saved_head = (
+        _architecture_endswith(saved_config, "ForTokenClassification") and saved_config.num_labels == 1
+    )
     model = _from_pretrained(
         AutoModelForTokenClassification,
         resolved,
@@ -301,9 +333,7 @@ def load_value_model(
         device=device,
         config_key=config_key,
         role_updates={"num_labels": 1, "classifier_dropout": 0.0},
-    )
-    has_saved_head = (
-        _architecture_endswith(saved_config, "ForTokenClassification") and saved_config.num_labels == 1
+        new_head=None if has_saved_head else "score",
     )
     if not has_saved_head:
         init_value_head(model.score)

@@ -15,6 +15,9 @@ Where the model comes from, first match wins:
    saved sharded (`trainer.checkpoint_format=sharded`: `global_step_N/actor/` holds the
    torch.distributed.checkpoint shards of every rank) is merged first: each tensor is read whole from the
    shards, whatever the number of ranks that wrote them (verl's `model_merger`; here nothing else is needed).
+   A critic component (`critic_model`) is rebuilt as the value model hyflow trains: the config's architecture
+   as a token classifier with one label (`*ForTokenClassification`), which `load_value_model` reloads with its
+   head.
 
 State-dict keys written by wrapped modules are normalised first: a leading `module.` (DDP) is stripped,
 and `_orig_mod.` (torch.compile), `_fsdp_wrapped_module.` (FSDP1) and `_checkpoint_wrapped_module.`
@@ -38,7 +41,13 @@ from typing import Any
 import torch
 import transformers
 import yaml
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    GenerationConfig,
+)
 
 from hyflow.models.loading import resolve_model_path
 from hyflow.trainer.checkpoint import (
@@ -113,9 +122,13 @@ def _load_model_config(ckpt: Path, component: str, base: str | None) -> tuple[An
     )
 
 
-def _build_model(config: Any) -> torch.nn.Module:
-    """A randomly initialised model of the config's `architectures[0]` (a causal LM when unnamed)."""
+def _build_model(config: Any, component: str) -> torch.nn.Module:
+    """A randomly initialised model of the config's `architectures[0]` (a causal LM when unnamed); for a critic
+    component, the token classifier with one label that `hyflow.models.loading.load_value_model` builds."""
     architectures = getattr(config, "architectures", None) or []
+    if component.startswith("critic") and not any(a.endswith("ForTokenClassification") for a in architectures):
+        config.num_labels, config.classifier_dropout = 1, 0.0
+        return AutoModelForTokenClassification.from_config(config)
     cls = getattr(transformers, architectures[0], None) if architectures else None
     return cls(config) if cls is not None else AutoModelForCausalLM.from_config(config)
 
@@ -206,7 +219,7 @@ def _build_from_state_dict(ckpt: Path, manifest: dict, out: Path, component: str
             f"model components in this checkpoint: {models}"
         )
     state = strip_wrapper_prefixes(raw)
-    model = _build_model(config)
+    model = _build_model(config, component)
     dtype = _uniform_float_dtype(state)
     if dtype is not None:
         model.to(dtype)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -230,3 +231,21 @@ def test_reward_model_with_several_labels_is_rejected(tiny_model_dir, tmp_path):
     )
     with pytest.raises(ValueError, match=r"num_labels=3; a reward model needs num_labels=1"):
         load_reward_model(tmp_path / "c")
+
+
+def test_value_model_from_a_causal_lm_is_quiet_but_other_gaps_warn(tiny_model_dir, tmp_path, capfd):
+    import warnings
+
+    from safetensors.torch import load_file, save_file
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_value_model(tiny_model_dir)  # only the new `score` head is missing: no warning
+    assert "MISSING" not in capfd.readouterr().err  # and no transformers load report listing it
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    weights = load_file(broken / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"missing \['model.layers.1.mlp.down_proj.weight'\]"):
+        load_value_model(broken)

@@ -201,3 +201,36 @@ def test_strip_wrapper_prefixes():
     ]
     with pytest.raises(ValueError, match=r"collide after removing wrapper prefixes: 'module\.w' -> 'w'"):
         strip_wrapper_prefixes({"w": t, "module.w": t})
+
+
+def test_export_of_a_critic_gives_a_value_model_and_sharded_components_merge(tmp_path):
+    import warnings
+
+    from transformers import AutoModelForTokenClassification
+
+    from hyflow.models.loading import load_value_model
+    from hyflow.workers.fsdp import save_sharded
+
+    policy = _tiny_qwen2()
+    policy.config.save_pretrained(tmp_path / "base")
+    policy.save_pretrained(tmp_path / "base")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        critic = load_value_model(tmp_path / "base")
+    with torch.no_grad():
+        critic.score.weight.normal_()
+
+    def shards(directory):
+        save_sharded(critic, None, directory)
+        return {"model_component": "critic_model"}
+
+    ckpt = CheckpointManager(tmp_path / "run").save(
+        1, {"actor_model": policy.state_dict()}, hf_config=policy.config, sharded={"critic": shards})
+    with pytest.warns(UserWarning, match="no tokenizer"):
+        out = export_checkpoint(ckpt, tmp_path / "critic_hf", component="critic_model")
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForTokenClassification"]
+    exported = AutoModelForTokenClassification.from_pretrained(out)
+    for name, tensor in critic.state_dict().items():
+        torch.testing.assert_close(exported.state_dict()[name], tensor, atol=0, rtol=0, msg=name)
+    with pytest.raises(KeyError, match=r"has no component 'ref_model'; it holds \['actor_model', 'critic_model'\]"):
+        export_checkpoint(ckpt, tmp_path / "nope", component="ref_model")
