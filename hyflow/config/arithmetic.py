@@ -90,6 +90,24 @@ def total_devices(cfg: HyflowConfig, n_devices: int | None = None) -> int:
     return n_devices if n_devices is not None else cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
 
 
+POOL_ROLES = ("critic", "reward_model")
+
+
+def has_own_pool(cfg: HyflowConfig, role: str) -> bool:
+    """Whether `role` (critic, reward_model) runs in its own worker processes (`<role>.enable_resource_pool`)."""
+    return bool(getattr(cfg, role).enable_resource_pool)
+
+
+def role_devices(cfg: HyflowConfig, role: str, n_devices: int | None = None) -> int:
+    """The devices `role` (critic, reward_model) runs on: its own pool's (`<role>.nnodes` x
+    `<role>.n_gpus_per_node`, 0 meaning the trainer's value) with `<role>.enable_resource_pool`, else the
+    actor's (`total_devices`)."""
+    if not has_own_pool(cfg, role):
+        return total_devices(cfg, n_devices)
+    section, t = getattr(cfg, role), cfg.trainer
+    return (section.nnodes or t.nnodes) * (section.n_gpus_per_node or t.n_gpus_per_node)
+
+
 def ratio(numerator: float, denominator: float) -> float:
     """numerator / denominator as an int when it divides evenly (and the denominator is positive)."""
     if denominator <= 0:
@@ -144,7 +162,7 @@ def batch_arithmetic(cfg: HyflowConfig, n_devices: int | None = None) -> BatchAr
     critic_batches = critic_values = None
     if uses_critic(cfg):
         critic = cfg.critic
-        critic_dp = max(devices // max(critic.ulysses_sequence_parallel_size, 1), 1)
+        critic_dp = max(role_devices(cfg, "critic", n_devices) // max(critic.ulysses_sequence_parallel_size, 1), 1)
         critic_batches = _role_batches(
             prompts,
             n,

@@ -615,6 +615,15 @@ class CriticConfig:
     """The value function for GAE (PPO, Schulman et al. 2017)."""
 
     enable: bool | None = option(None, "Train a critic (None = only when algorithm.adv_estimator is gae).")
+    enable_resource_pool: bool = option(
+        False,
+        "Run the critic in its own worker processes on its own devices (critic.nnodes x critic.n_gpus_per_node) "
+        "instead of inside the actor's processes (trainer.executor=ray; the devices come on top of the actor's).",
+    )
+    nnodes: int = option(0, "Machines of the critic's own pool (critic.enable_resource_pool); 0 = trainer.nnodes.")
+    n_gpus_per_node: int = option(
+        0, "Devices per machine of the critic's own pool (critic.enable_resource_pool); 0 = trainer.n_gpus_per_node."
+    )
     strategy: str = option(
         "${actor_rollout_ref.actor.strategy}", "Data-parallel strategy of the critic (default = actor's)."
     )
@@ -712,6 +721,15 @@ class RewardModelConfig:
     enable: bool = option(
         False,
         "Score samples with a reward model network (False = rule-based scorers / custom function only).",
+    )
+    enable_resource_pool: bool = option(
+        False,
+        "Run the reward model in its own worker processes on its own devices (reward_model.nnodes x reward_model.n_gpus_per_node) "
+        "instead of inside the actor's processes (trainer.executor=ray; the devices come on top of the actor's).",
+    )
+    nnodes: int = option(0, "Machines of the reward model's own pool (reward_model.enable_resource_pool); 0 = trainer.nnodes.")
+    n_gpus_per_node: int = option(
+        0, "Devices per machine of the reward model's own pool (reward_model.enable_resource_pool); 0 = trainer.n_gpus_per_node."
     )
     strategy: str = option(
         "${actor_rollout_ref.actor.strategy}", "Data-parallel strategy of the reward model."
@@ -925,8 +943,8 @@ class TrainerConfig:
         "auto",
         "full: rank 0 gathers whole state dicts (model.safetensors + optimizer .pt); sharded: every rank writes its "
         "own shards with torch.distributed.checkpoint into global_step_N/actor/ (and critic/), nothing is gathered. "
-        "Both resume on any number of workers and `hyflow export` reads both. auto: sharded with more than one "
-        "worker, else full. Sharded checkpoints need the run directory on a filesystem every node sees.",
+        "Both resume on any number of workers and `hyflow export` reads both. auto: sharded for a role that has "
+        "more than one worker, else full. Sharded checkpoints need the run directory on a filesystem every node sees.",
         choices=("auto", "full", "sharded"),
     )
     default_hdfs_dir: str | None = option(None, "Also copy checkpoints to this HDFS directory (not built yet).")

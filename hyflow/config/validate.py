@@ -17,7 +17,14 @@ import importlib
 import warnings
 from typing import Any
 
-from hyflow.config.arithmetic import total_devices, uses_critic, uses_reference
+from hyflow.config.arithmetic import (
+    POOL_ROLES,
+    has_own_pool,
+    role_devices,
+    total_devices,
+    uses_critic,
+    uses_reference,
+)
 from hyflow.config.keys import ConfigError
 from hyflow.config.schema import HyflowConfig
 
@@ -55,13 +62,14 @@ def validate_config(cfg: HyflowConfig, n_devices: int | None = None) -> None:
         if uses_critic(cfg):
             # The critic's sizes default to the actor's: report a shared problem once, under the actor's keys.
             seen = set(problems)
-            critic_problems = _check_critic_batches(cfg, total_devices(cfg, n_devices))
+            critic_problems = _check_critic_batches(cfg, role_devices(cfg, "critic", n_devices))
             problems += [p for p in critic_problems if p.replace("critic.", f"{A}.") not in seen]
     problems += _check_clip_ratios(cfg)
     problems += _check_sampling(cfg)
     problems += _check_algorithm(cfg)
     problems += _check_not_built(cfg)
     problems += _check_checkpoint_contents(cfg)
+    problems += _check_pools(cfg)
     _warn_advisories(cfg)
     if len(problems) == 1:
         raise ConfigError(problems[0])
@@ -94,6 +102,27 @@ def _check_not_built(cfg: HyflowConfig) -> list[str]:
     }
     return [f"{key} is not supported by this hyflow version yet; leave it at its default" for key, on in asked.items()
             if on]
+
+
+def _check_pools(cfg: HyflowConfig) -> list[str]:
+    """A role in its own pool: the ray executor, a role that is on, and sizes that are not negative."""
+    problems = []
+    for role in POOL_ROLES:
+        section = getattr(cfg, role)
+        for key in ("nnodes", "n_gpus_per_node"):
+            if getattr(section, key) < 0:
+                problems.append(f"{role}.{key}={getattr(section, key)} must be >= 0 (0 = trainer.{key})")
+        if not has_own_pool(cfg, role):
+            continue
+        if cfg.trainer.executor == "local":
+            problems.append(f"{role}.enable_resource_pool=true runs the {role} in its own processes, which "
+                            "trainer.executor=local cannot do; set trainer.executor=ray (or auto)")
+        on = uses_critic(cfg) if role == "critic" else cfg.reward_model.enable
+        if not on:
+            problems.append(f"{role}.enable_resource_pool=true, but this run has no {role} (critic: "
+                            "algorithm.adv_estimator=gae or critic.enable=true; reward_model.enable=true); "
+                            f"drop {role}.enable_resource_pool")
+    return problems
 
 
 CHECKPOINT_PARTS = ("model", "optimizer", "extra", "hf_model")
@@ -255,7 +284,7 @@ def _check_critic_batches(cfg: HyflowConfig, devices: int) -> list[str]:
 def _check_role_batches(cfg: HyflowConfig, role: str, knobs: Any, devices: int, dp: int) -> list[str]:
     """The mini/micro-batch rules for the actor or critic (`knobs` is its config section)."""
     prompts, n, mini = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n, knobs.ppo_mini_batch_size
-    where = _devices_words(cfg, devices, dp)
+    where = _devices_words(cfg, devices, dp, role)
     if mini > prompts:
         return [
             f"{role}.ppo_mini_batch_size={mini} is larger than data.train_batch_size={prompts} (both in prompts): "
@@ -334,12 +363,16 @@ def _check_positive(values: dict[str, int]) -> list[str]:
     ]
 
 
-def _devices_words(cfg: HyflowConfig, devices: int, dp: int) -> str:
-    source = (
-        f"trainer.nnodes {cfg.trainer.nnodes} x trainer.n_gpus_per_node {cfg.trainer.n_gpus_per_node}"
-        if devices == cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-        else "n_devices"
-    )
+def _devices_words(cfg: HyflowConfig, devices: int, dp: int, role: str = "actor") -> str:
+    t = cfg.trainer
+    if role == "critic" and has_own_pool(cfg, "critic"):
+        c = cfg.critic
+        source = (f"critic's own pool: critic.nnodes {c.nnodes or t.nnodes} x critic.n_gpus_per_node "
+                  f"{c.n_gpus_per_node or t.n_gpus_per_node}")
+    elif devices == t.nnodes * t.n_gpus_per_node:
+        source = f"trainer.nnodes {t.nnodes} x trainer.n_gpus_per_node {t.n_gpus_per_node}"
+    else:
+        source = "n_devices"
     words = f"{devices} devices ({source})"
     return words if dp == devices else f"{words}, {dp} data-parallel groups"
 

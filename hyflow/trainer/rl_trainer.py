@@ -49,7 +49,7 @@ from hyflow.config import (
     load_config,
     validate_config,
 )
-from hyflow.config.arithmetic import uses_critic, uses_reference
+from hyflow.config.arithmetic import POOL_ROLES, has_own_pool, role_devices, uses_critic, uses_reference
 from hyflow.controller import make_colocated_class, make_worker_group
 from hyflow.data.rl_dataset import PromptLoader, RLDataset
 from hyflow.models.loading import load_tokenizer
@@ -79,9 +79,12 @@ class RLTrainer:
         self.config = config if isinstance(config, HyflowConfig) else load_config(list(config or []))
         validate_config(self.config)
         cfg = self.config
-        self.n_devices = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+        self.n_devices = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node  # the actor's (and colocated roles')
+        own_pools = [role for role in POOL_ROLES if has_own_pool(cfg, role) and
+                     (uses_critic(cfg) if role == "critic" else cfg.reward_model.enable)]
+        self.total_devices = self.n_devices + sum(role_devices(cfg, role) for role in own_pools)
         self.executor = cfg.trainer.executor if cfg.trainer.executor != "auto" else (
-            "local" if self.n_devices == 1 else "ray")
+            "local" if self.total_devices == 1 else "ray")
         if self.executor == "local" and self.n_devices > 1:
             raise ValueError(f"trainer.executor=local runs one device, but trainer.nnodes x trainer.n_gpus_per_node = "
                              f"{self.n_devices}; use trainer.executor=ray (or auto) for more")
@@ -103,6 +106,8 @@ class RLTrainer:
         self.global_step = 0
         self.history: list[dict] = []
         self.started_ray = False
+        self.groups: list = []
+        self._pools: list = []
 
     # ------------------------------------------------------------------ set-up
     def _dataset(self, given, files, max_samples: int, split: str):
@@ -142,16 +147,31 @@ class RLTrainer:
             ray_init = {k: v for k, v in dict(cfg.ray_kwargs.ray_init or {}).items() if v is not None}
             self.started_ray = ensure_ray(cfg.ray_kwargs.address, ray_init=ray_init)
         # One process per device hosts every role (HybridFlow's colocation); the trainer talks to role views.
+        # A critic / reward model with `enable_resource_pool` gets worker processes of its own on its own devices.
         roles = {"actor": ActorRolloutRefWorker}
         role_kwargs = {"actor": {"config": cfg, "tokenizer": self.tokenizer}}
         if uses_critic(cfg):
             roles["critic"], role_kwargs["critic"] = CriticWorker, {"config": cfg}
         if cfg.reward_model.enable:
             roles["rm"], role_kwargs["rm"] = RewardModelWorker, {"config": cfg, "tokenizer": self.tokenizer}
-        self.workers = self.worker_group(make_colocated_class(roles, name="HybridWorker"), **role_kwargs)
-        self.actor = self.workers.role("actor")
-        self.critic = self.workers.role("critic") if "critic" in roles else None
-        self.reward_model = self.workers.role("rm") if "rm" in roles else None
+        sections = {"critic": "critic", "rm": "reward_model"}
+        separate = [role for role in roles if role in sections and has_own_pool(cfg, sections[role])]
+        colocated = {role: cls for role, cls in roles.items() if role not in separate}
+        t = cfg.trainer
+        self.workers = self.worker_group(make_colocated_class(colocated, name="HybridWorker"), t.nnodes,
+                                         t.n_gpus_per_node, **{role: role_kwargs[role] for role in colocated})
+        self.groups = [self.workers]
+        views = {role: self.workers.role(role) for role in colocated}
+        for role in separate:
+            section = getattr(cfg, sections[role])
+            group = self.worker_group(make_colocated_class({role: roles[role]}, name=f"{roles[role].__name__}Host"),
+                                      section.nnodes or t.nnodes, section.n_gpus_per_node or t.n_gpus_per_node,
+                                      **{role: role_kwargs[role]})
+            self.groups.append(group)
+            views[role] = group.role(role)
+        self.actor = views["actor"]
+        self.critic = views.get("critic")
+        self.reward_model = views.get("rm")
         self.actor.init_model(self.total_steps)
         if self.critic is not None:
             self.critic.init_model(self.total_steps)
@@ -174,28 +194,27 @@ class RLTrainer:
         self.tracker = Tracker(self.run_dir, cfg.trainer.logger, project_name=cfg.trainer.project_name,
                                experiment_name=cfg.trainer.experiment_name, config=config_to_dict(cfg))
 
-    def worker_group(self, worker_cls, **kwargs):
-        """One worker per device, in this process (`local`) or as Ray actors (`ray`, one per device)."""
+    def worker_group(self, worker_cls, nnodes: int = 1, devices_per_node: int = 1, **kwargs):
+        """One worker per device: in this process (`local`), or as Ray actors on a pool of `nnodes` x
+        `devices_per_node` devices reserved for this group (`ray`)."""
         if self.executor == "local":
             return make_worker_group("local", worker_cls, world_size=1, **kwargs)
         from hyflow.controller.resources import RayResourcePool
 
         t = self.config.trainer
         use_gpu = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
-        pool = RayResourcePool(t.nnodes, t.n_gpus_per_node, use_gpu=use_gpu, cpus_per_worker=1.0)
-        self._pool = pool
-        return make_worker_group("ray", worker_cls, world_size=self.n_devices, pool=pool, **kwargs)
+        pool = RayResourcePool(nnodes, devices_per_node, use_gpu=use_gpu, cpus_per_worker=1.0)
+        self._pools.append(pool)
+        return make_worker_group("ray", worker_cls, world_size=nnodes * devices_per_node, pool=pool, **kwargs)
 
     def shutdown(self) -> None:
         """Stop the worker processes (and the local Ray cluster this trainer started)."""
-        workers = getattr(self, "workers", None)
-        if workers is not None:
-            workers.shutdown()
-            self.workers = None
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
+        for group in getattr(self, "groups", []):
+            group.shutdown()
+        self.groups, self.workers = [], None
+        for pool in getattr(self, "_pools", []):
             pool.remove()
-            self._pool = None
+        self._pools = []
         if self.started_ray:
             from hyflow.controller.resources import shutdown_ray
 
@@ -278,7 +297,8 @@ class RLTrainer:
                 self.compute_advantages(batch)
             if self.critic is not None:
                 with timer("update_critic", timing):
-                    critic_batch = self.mini_batch_major(batch, self.config.critic.ppo_mini_batch_size)
+                    critic_batch = self.mini_batch_major(batch, self.config.critic.ppo_mini_batch_size,
+                                                         self.critic.world_size)
                     metrics.update(reduce_metrics(self.critic.update_critic(critic_batch).meta["metrics"]))
             if self.global_step > self.config.trainer.critic_warmup:
                 with timer("update_actor", timing):
@@ -290,7 +310,7 @@ class RLTrainer:
         metrics.update(compute_data_metrics(batch, max_response_length=cfg.actor_rollout_ref.rollout.response_length,
                                             max_prompt_length=cfg.data.max_prompt_length))
         metrics.update({f"timing_s/{name}": seconds for name, seconds in timing.items()})
-        metrics.update(compute_throughput_metrics(batch, timing["step"], n_devices=self.n_devices))
+        metrics.update(compute_throughput_metrics(batch, timing["step"], n_devices=self.total_devices))
         metrics["training/global_step"] = self.global_step
         metrics["training/epoch"] = self.loader.epoch
         return metrics
@@ -308,14 +328,14 @@ class RLTrainer:
         padded, pad = prompts.pad_to_multiple(self.actor.world_size)
         return self.actor.generate_sequences(padded, params).unpad(pad * params.n)
 
-    def mini_batch_major(self, batch: Batch, mini_batch_prompts: int) -> Batch:
+    def mini_batch_major(self, batch: Batch, mini_batch_prompts: int, dp: int | None = None) -> Batch:
         """Rows laid out so that each rank's k-th local mini-batch is its share of the k-th global one.
 
         The executor gives rank r the r-th contiguous chunk and each rank cuts its chunk into mini-batches; with
         this layout the global mini-batches are the same contiguous blocks one process would use, so an update
         on D ranks equals the update on one.
         """
-        dp = self.actor.world_size
+        dp = self.actor.world_size if dp is None else dp
         mini = mini_batch_prompts * self.config.actor_rollout_ref.rollout.n
         if dp == 1 or len(batch) % mini or mini % dp:
             return batch
@@ -472,10 +492,10 @@ class RLTrainer:
             roles["critic"] = (self.critic, self.config.critic.checkpoint)
         return roles
 
-    def checkpoint_format(self) -> str:
-        """`trainer.checkpoint_format` resolved: auto -> sharded with more than one worker, else full."""
+    def checkpoint_format(self, group) -> str:
+        """`trainer.checkpoint_format` for a role's group: auto -> sharded when it has more than one worker."""
         fmt = self.config.trainer.checkpoint_format
-        return ("sharded" if self.actor.world_size > 1 else "full") if fmt == "auto" else fmt
+        return ("sharded" if group.world_size > 1 else "full") if fmt == "auto" else fmt
 
     def save_checkpoint(self) -> Path:
         """`global_step_N/`: the roles' state (full state dicts, or every rank's shards), the trainer's own
@@ -485,7 +505,7 @@ class RLTrainer:
         sharded: dict = {}
         for name, (group, ckpt) in roles.items():
             contents = list(ckpt.save_contents)
-            if self.checkpoint_format() == "sharded":
+            if self.checkpoint_format(group) == "sharded":
                 sharded[name] = functools.partial(self._write_shards, name, group, contents)
             else:
                 components.update(group.state_dict(contents))

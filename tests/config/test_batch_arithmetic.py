@@ -369,3 +369,26 @@ def test_unset_training_length_is_fine():
     cfg = cfg_of("~trainer.total_training_steps")
     validate_config(cfg)
     assert "trainer.total_epochs 30 epochs" in describe_batch_arithmetic(cfg)
+
+
+def test_a_critic_in_its_own_pool_splits_over_its_own_devices():
+    cfg = cfg_of(*STATIC[:-1], "algorithm.adv_estimator=gae", "critic.enable_resource_pool=true",
+                 "critic.n_gpus_per_node=4", "critic.ppo_micro_batch_size_per_gpu=4")
+    validate_config(cfg)
+    text = describe_batch_arithmetic(cfg)
+    assert "Critic: 2 optimizer steps per step" in text
+    assert "64 samples per mini-batch / 4 devices = 16 samples, in 4 micro-batches of 4 samples (critic." in text
+    assert "64 samples per mini-batch / 2 devices = 32 samples" in text  # the actor keeps its 2 devices
+    # 3 critic devices do not divide a mini-batch of 64 samples: reported against the critic's own pool
+    text = problems_of(cfg_of(*STATIC[:-1], "algorithm.adv_estimator=gae", "critic.enable_resource_pool=true",
+                              "critic.n_gpus_per_node=3"))
+    assert "do not split evenly over 3 devices (critic's own pool: critic.nnodes 1 x critic.n_gpus_per_node 3)" in text
+
+
+def test_own_pool_needs_ray_and_a_role_that_is_on():
+    text = problems_of(cfg_of("algorithm.adv_estimator=grpo", "critic.enable_resource_pool=true",
+                              "trainer.executor=local", "reward_model.n_gpus_per_node=-1"))
+    assert "critic.enable_resource_pool=true runs the critic in its own processes" in text
+    assert "set trainer.executor=ray" in text
+    assert "this run has no critic" in text
+    assert "reward_model.n_gpus_per_node=-1 must be >= 0" in text

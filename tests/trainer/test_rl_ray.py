@@ -90,17 +90,20 @@ def test_two_ray_workers_match_one_process(tiny_model_dir, task_dir, tmp_path, e
             got_critic_weights = dist.critic.state_dict()["critic_model"]
     finally:
         dist.shutdown()
+    assert_same_update(got_actor, ref_actor, ("actor/pg_loss", "actor/grad_norm"), got_weights, ref_weights)
+    if estimator == "gae":
+        assert_same_update(got_critic, ref_critic, ("critic/vf_loss", "critic/grad_norm"), got_critic_weights,
+                           ref_critic_weights)
+
+
+def assert_same_update(got_metrics, want_metrics, keys, got_weights, want_weights, atol=1e-5):
+    """The metrics named by `keys` and every updated weight agree to `atol`."""
     from hyflow.algos import reduce_metrics
 
-    for key in ("actor/pg_loss", "actor/grad_norm"):
-        assert reduce_metrics(got_actor)[key] == pytest.approx(reduce_metrics(ref_actor)[key], abs=1e-5), key
-    for name, tensor in ref_weights.items():
-        torch.testing.assert_close(got_weights[name], tensor, atol=1e-5, rtol=0, msg=name)
-    if estimator == "gae":
-        for key in ("critic/vf_loss", "critic/grad_norm"):
-            assert reduce_metrics(got_critic)[key] == pytest.approx(reduce_metrics(ref_critic)[key], abs=1e-5), key
-        for name, tensor in ref_critic_weights.items():
-            torch.testing.assert_close(got_critic_weights[name], tensor, atol=1e-5, rtol=0, msg=name)
+    for key in keys:
+        assert reduce_metrics(got_metrics)[key] == pytest.approx(reduce_metrics(want_metrics)[key], abs=atol), key
+    for name, tensor in want_weights.items():
+        torch.testing.assert_close(got_weights[name], tensor, atol=atol, rtol=0, msg=name)
 
 
 def test_resume_across_world_sizes(tiny_model_dir, task_dir, tmp_path):
@@ -211,3 +214,71 @@ def test_attach_to_a_separately_started_cluster(tiny_model_dir, task_dir, tmp_pa
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait(timeout=10)
+
+
+def test_critic_in_its_own_pool_matches_one_process_and_resumes_colocated(tiny_model_dir, task_dir, tmp_path):
+    """Actor on 1 Ray worker, critic on 2 Ray workers of its own (critic.enable_resource_pool): the critic's update
+    equals the one-process update; checkpoints hold a full actor and a sharded critic; a colocated run resumes."""
+    import json
+
+    base = overrides(tiny_model_dir, task_dir, tmp_path / "x", "algorithm.adv_estimator=gae",
+                     "trainer.resume_mode=disable", "trainer.balance_batch=false")
+    own_pool = ["trainer.executor=ray", "trainer.n_gpus_per_node=1", "critic.enable_resource_pool=true",
+                "critic.n_gpus_per_node=2", "ray_kwargs.ray_init.num_cpus=3"]
+    local = RLTrainer(base, reward_fn=digit_reward)
+    local.setup()
+    try:
+        batch = prepared_batch(local)
+        ref_critic = local.critic.update_critic(batch.clone()).meta["metrics"]
+        ref_weights = local.critic.state_dict()["critic_model"]
+    finally:
+        local.shutdown()
+    dist = RLTrainer(base + own_pool, reward_fn=digit_reward)
+    dist.setup()
+    try:
+        assert (dist.actor.world_size, dist.critic.world_size, len(dist.groups)) == (1, 2, 2)
+        pids = [set(group.worker_pids()) for group in dist.groups]
+        assert not pids[0] & pids[1]  # the critic runs in processes of its own
+        got_critic = dist.critic.update_critic(dist.mini_batch_major(batch.clone(), 2, 2)).meta["metrics"]
+        got_weights = dist.critic.state_dict()["critic_model"]
+    finally:
+        dist.shutdown()
+    assert_same_update(got_critic, ref_critic, ("critic/vf_loss", "critic/grad_norm"), got_weights, ref_weights)
+
+    run = tmp_path / "run"
+    steps = ("algorithm.adv_estimator=gae", "trainer.save_freq=1")
+    RLTrainer(overrides(tiny_model_dir, task_dir, run, *steps, "trainer.total_training_steps=1", *own_pool),
+              reward_fn=digit_reward).fit()
+    manifest = json.loads((run / "global_step_1" / "manifest.json").read_text())
+    assert "actor_model" in manifest["components"] and manifest["sharded"]["critic"]["world_size"] == 2
+    RLTrainer(overrides(tiny_model_dir, task_dir, run, *steps, "trainer.total_training_steps=2"),
+              reward_fn=digit_reward).fit()
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+
+
+def test_reward_model_in_its_own_pool_scores_like_one_process(tiny_model_dir, tiny_tokenizer, task_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    rm.config.pad_token_id = tiny_tokenizer.pad_token_id
+    rm.save_pretrained(tmp_path / "rm")
+    tiny_tokenizer.save_pretrained(tmp_path / "rm")
+    base = overrides(tiny_model_dir, task_dir, tmp_path / "x", "algorithm.adv_estimator=grpo", "trainer.resume_mode=disable",
+                     "reward_model.enable=true", f"reward_model.model.path={tmp_path / 'rm'}")
+    local = RLTrainer(base)
+    local.setup()
+    try:
+        batch = local.generate(local.loader.next_batch(), local.sampling_params())
+        want = local.reward_model.compute_rm_score(batch)["rm_scores"]
+    finally:
+        local.shutdown()
+    dist = RLTrainer([*base, "trainer.executor=ray", "reward_model.enable_resource_pool=true",
+                      "reward_model.n_gpus_per_node=1"])
+    dist.setup()
+    try:
+        assert [group.world_size for group in dist.groups] == [1, 1] and dist.total_devices == 2
+        got = dist.reward_model.compute_rm_score(batch)["rm_scores"]
+    finally:
+        dist.shutdown()
+    assert want.abs().sum() > 0
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
