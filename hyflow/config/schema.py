@@ -910,11 +910,13 @@ class TrainerConfig:
         ["console", "file"],
         "Metric sinks: console, file (metrics.jsonl in the run directory), tensorboard, wandb, mlflow, swanlab (verl: [console, wandb]).",
     )
-    log_val_generations: int = option(0, "Validation samples printed/logged per validation (0 = none).")
+    log_val_generations: int = option(
+        0, "Validation samples shown as a table on tensorboard/wandb/mlflow/swanlab per validation (0 = none); all "
+        "of them are always in <run dir>/generations/val_step_N.jsonl.")
     rollout_data_dir: str | None = option(
-        None, "Write every training sample (prompt, response, score) as JSONL here."
-    )
-    validation_data_dir: str | None = option(None, "Write validation samples as JSONL here.")
+        None, "Write every training sample of step N (input, output, score, ground truth, scorer extras) to "
+        "<dir>/N.jsonl.")
+    validation_data_dir: str | None = option(None, "Write the validation samples of step N to <dir>/N.jsonl.")
     nnodes: int = option(1, "Machines in the run.")
     n_gpus_per_node: int = option(
         1, "Devices per machine (GPUs, or CPU worker processes with trainer.device=cpu). verl: 8."

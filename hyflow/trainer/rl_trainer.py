@@ -59,7 +59,7 @@ from hyflow.rollout.base import SamplingParams
 from hyflow.trainer.balance import balanced_order
 from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from hyflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, timer
-from hyflow.trainer.tracking import ProgressBar, Tracker, truncate_metrics
+from hyflow.trainer.tracking import ProgressBar, Tracker, dump_generations, truncate_metrics
 from hyflow.workers.actor import ActorRolloutRefWorker
 from hyflow.workers.critic import CriticWorker
 from hyflow.workers.fsdp import sharded_checkpoint_problem
@@ -295,6 +295,10 @@ class RLTrainer:
                 self.apply_token_level_rewards(batch, metrics)
                 self.apply_rollout_correction(batch, metrics)
                 self.compute_advantages(batch)
+            if self.config.trainer.rollout_data_dir:
+                with timer("dump_rollout_generations", timing):
+                    dump_generations(self.sample_rows(batch, self.reward_manager),
+                                     self.config.trainer.rollout_data_dir, self.global_step)
             if self.critic is not None:
                 with timer("update_critic", timing):
                     critic_batch = self.mini_batch_major(batch, self.config.critic.ppo_mini_batch_size,
@@ -470,15 +474,26 @@ class RLTrainer:
             sources += list(batch["data_source"])
             uids += list(batch["uid"])
             preds += list(batch["reward_extra/pred"]) if "reward_extra/pred" in batch else [None] * len(batch)
-            texts = self.val_reward_manager.decode_responses(batch)[0]
-            for i, text in enumerate(texts):
-                rows.append({"input": self.tokenizer.decode(batch["prompts"][i], skip_special_tokens=True),
-                             "output": text, "score": seq_scores[i], "data_source": batch["data_source"][i],
-                             "ground_truth": batch["ground_truth"][i]})
+            rows += self.sample_rows(batch, self.val_reward_manager)
         scores.pop("pred", None)
-        self.tracker.log_generations(rows, step=self.global_step, split="val")
+        self.tracker.log_generations(rows, step=self.global_step, split="val",
+                                     max_table_rows=cfg.trainer.log_val_generations)
+        if cfg.trainer.validation_data_dir:
+            dump_generations(rows, cfg.trainer.validation_data_dir, self.global_step)
         has_preds = any(p is not None for p in preds)
         return compute_validation_metrics(sources, uids, scores, preds if has_preds else None, seed=cfg.trainer.seed)
+
+    def sample_rows(self, batch: Batch, manager) -> list[dict]:
+        """One dict per sample: input, output (decoded), score (summed token-level scores), data_source,
+        ground_truth and the scorer's extra columns: the rows of generation logs and data dumps."""
+        texts = manager.decode_responses(batch)[0]
+        seq_scores = batch["token_level_scores"].sum(-1).tolist()
+        extra = [k for k in batch.keys() if k.startswith("reward_extra/")]  # noqa: SIM118 (iter = rows)
+        return [{"input": self.tokenizer.decode(batch["prompts"][i], skip_special_tokens=True), "output": text,
+                 "score": seq_scores[i], "data_source": batch["data_source"][i],
+                 "ground_truth": batch["ground_truth"][i] if "ground_truth" in batch else None,
+                 **{k.removeprefix("reward_extra/"): batch[k][i] for k in extra}}
+                for i, text in enumerate(texts)]
 
     # ------------------------------------------------------------------ checkpoints and logging
     def log(self, metrics: dict, step: int) -> None:

@@ -417,18 +417,26 @@ class Tracker:
         for backend in self.backends.values():
             backend.log(numbers, int(step))
 
-    def log_generations(self, rows: Sequence[Mapping[str, Any]], step: int, split: str = "val") -> Path:
+    def log_generations(self, rows: Sequence[Mapping[str, Any]], step: int, split: str = "val",
+                        max_table_rows: int | None = None) -> Path:
         """Write `run_dir/generations/<split>_step_<step>.jsonl` (input, output, score, extra columns per
-        sample; replaced atomically) and show the samples on the backends that have tables. Returns its path."""
+        sample; replaced atomically) and show the samples on the backends that have tables: all of them, or the
+        first `max_table_rows` (verl's trainer.log_val_generations; 0 = no table, the console still says where
+        the file is). Returns its path."""
         self._check_open()
         if not split or "/" in split or "\\" in split or split.startswith("."):
             raise ValueError(f"split={split!r} must be a plain name such as 'val' or 'train'")
         safe_rows = [_generation_row(i, row) for i, row in enumerate(rows)]
         path = self.run_dir / GENERATIONS_DIR / f"{split}_step_{int(step)}.jsonl"
-        _write_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in safe_rows))
-        for backend in self.backends.values():
-            if hasattr(backend, "log_generations"):
+        _write_atomic(path, _jsonl(safe_rows))
+        table_rows = safe_rows if max_table_rows is None else safe_rows[: max(max_table_rows, 0)]
+        for name, backend in self.backends.items():
+            if not hasattr(backend, "log_generations"):
+                continue
+            if name == "console":
                 backend.log_generations(safe_rows, int(step), split, path)
+            elif table_rows:
+                backend.log_generations(table_rows, int(step), split, path)
         return path
 
     log_text = log_generations  # verl's name for logging sample tables
@@ -464,6 +472,19 @@ def _generation_row(index: int, row: Mapping[str, Any]) -> dict[str, Any]:
         k: v for k, v in row.items() if k not in GENERATION_COLUMNS
     }
     return json_safe(ordered)
+
+
+def dump_generations(rows: Sequence[Mapping[str, Any]], directory: str | os.PathLike, step: int) -> Path:
+    """verl's `trainer.rollout_data_dir` / `validation_data_dir` dump: `<directory>/<step>.jsonl`, one sample per
+    line (input, output, score, the other columns given, and `step`); replaced atomically. Returns its path."""
+    safe_rows = [_generation_row(i, {**row, "step": int(step)}) for i, row in enumerate(rows)]
+    path = Path(directory).expanduser() / f"{int(step)}.jsonl"
+    _write_atomic(path, _jsonl(safe_rows))
+    return path
+
+
+def _jsonl(rows: Sequence[Mapping[str, Any]]) -> str:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
 
 def _write_atomic(path: Path, text: str) -> None:

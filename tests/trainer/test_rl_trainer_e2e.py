@@ -153,7 +153,8 @@ def test_verl_style_command_line(tiny_model_dir, task_dir, tmp_path):
         "    return {'score': float(len(solution_str) > 3), 'long': len(solution_str)}\n")
     run = tmp_path / "run"
     args = overrides(tiny_model_dir, task_dir, run, "trainer.total_training_steps=2",
-                     f"custom_reward_function.path={reward_file}")
+                     f"custom_reward_function.path={reward_file}", f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
+                     f"trainer.validation_data_dir={tmp_path / 'val'}")
     proc = subprocess.run([Path(sys.executable).parent / "hyflow", "train", *args], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -163,6 +164,10 @@ def test_verl_style_command_line(tiny_model_dir, task_dir, tmp_path):
     assert (run / "config.yaml").exists() and (run / "generations" / "val_step_2.jsonl").exists()
     first = json.loads((run / "generations" / "val_step_0.jsonl").read_text().splitlines()[0])
     assert {"input", "output", "score"} <= first.keys()
+    dumped = [json.loads(line) for line in (tmp_path / "rollouts" / "2.jsonl").read_text().splitlines()]
+    assert len(dumped) == 16 and {r["step"] for r in dumped} == {2}  # 4 prompts x 4 samples
+    assert {"input", "output", "score", "ground_truth", "long", "data_source"} <= dumped[0].keys()
+    assert sorted(p.name for p in (tmp_path / "val").iterdir()) == ["0.jsonl", "2.jsonl"]
 
 
 def test_model_based_reward(tiny_model_dir, tiny_tokenizer, task_dir, tmp_path):

@@ -410,3 +410,36 @@ def test_progress_bar_without_total_and_disabled():
         before = out.getvalue()
         bar.update({"critic/score/mean": 1})
     assert out.getvalue() == before
+
+
+def test_table_backends_get_at_most_max_table_rows_and_the_console_always_the_path(tmp_path):
+    stream = io.StringIO()
+    seen: list[int] = []
+
+    class Table:
+        def log(self, metrics, step):
+            pass
+
+        def log_generations(self, rows, step, split, path):
+            seen.append(len(rows))
+
+        def close(self):
+            pass
+
+    rows = [{"input": str(i), "output": "o", "score": 1.0} for i in range(5)]
+    with make(tmp_path, ["console", "file"], console_stream=stream) as tracker:
+        tracker.backends["wandb"] = Table()
+        tracker.log_generations(rows, step=1, max_table_rows=2)
+        tracker.log_generations(rows, step=2, max_table_rows=0)
+        tracker.log_generations(rows, step=3)
+    assert seen == [2, 5]
+    assert stream.getvalue().count("5 val samples") == 3
+    assert len((tmp_path / "generations" / "val_step_2.jsonl").read_text().splitlines()) == 5
+
+
+def test_dump_generations_writes_step_jsonl(tmp_path):
+    from hyflow.trainer.tracking import dump_generations
+
+    path = dump_generations([{"input": "a", "output": "b", "score": 0.5, "ground_truth": "c"}], tmp_path / "d", 3)
+    assert path == tmp_path / "d" / "3.jsonl"
+    assert json.loads(path.read_text()) == {"input": "a", "output": "b", "score": 0.5, "ground_truth": "c", "step": 3}
