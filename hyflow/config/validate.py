@@ -452,6 +452,14 @@ def _check_algorithm(cfg: HyflowConfig) -> list[str]:
             f"algorithm.kl_ctrl.type=adaptive needs algorithm.kl_ctrl.horizon > 0 and algorithm.kl_ctrl.target_kl > 0 "
             f"(got {algo.kl_ctrl.horizon} and {algo.kl_ctrl.target_kl}); e.g. horizon=10000 target_kl=0.1."
         )
+    gen = cfg.data.gen_batch_size
+    if gen is not None and gen < 1:
+        problems.append(f"data.gen_batch_size={gen} must be >= 1 (prompts per generation round), or null")
+    elif gen is not None and gen != cfg.data.train_batch_size and not algo.filter_groups.enable:
+        problems.append(
+            f"data.gen_batch_size={gen} differs from data.train_batch_size={cfg.data.train_batch_size}, but only "
+            "dynamic sampling (algorithm.filter_groups.enable=true) generates rounds of a different size; set "
+            "algorithm.filter_groups.enable=true or drop data.gen_batch_size")
     if algo.filter_groups.enable and not algo.filter_groups.metric:
         problems.append(
             "algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric (the per-sample metric whose "

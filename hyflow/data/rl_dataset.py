@@ -1,7 +1,8 @@
 """The RL prompt dataset (verl's schema) and a resumable, seeded prompt loader.
 
 Rows (parquet or JSONL, several files concatenated): `prompt` (chat messages, or a plain string taken as one
-user message), `data_source` (selects the scorer), `reward_model.ground_truth`, optional `extra_info`,
+user message), `data_source` (selects the scorer; another column with `reward_fn_key`, verl's
+`data.reward_fn_key`: its value becomes the batch's `data_source`), `reward_model.ground_truth`, optional `extra_info`,
 `ability`, `agent_name`, `tools_kwargs`. Each prompt is rendered with the tokenizer's chat template
 (`add_generation_prompt=True`) and tokenised without extra special tokens.
 
@@ -27,7 +28,6 @@ from hyflow.batch import Batch
 from hyflow.data.io import read_rows
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
-REQUIRED_COLUMNS = ("data_source",)
 
 
 class DataError(ValueError):
@@ -74,6 +74,7 @@ class RLDataset:
         tokenizer,
         *,
         prompt_key: str = "prompt",
+        reward_fn_key: str = "data_source",
         max_prompt_length: int = 512,
         filter_overlong_prompts: bool = False,
         truncation: str = "error",
@@ -88,6 +89,7 @@ class RLDataset:
             raise ValueError("no data files given; set data.train_files (and data.val_files)")
         self.tokenizer = tokenizer
         self.prompt_key = prompt_key
+        self.reward_fn_key = reward_fn_key
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
         self.template_kwargs = dict(apply_chat_template_kwargs or {})
@@ -111,9 +113,12 @@ class RLDataset:
                                  f"data.max_prompt_length={max_prompt_length} tokens; raise it")
 
     def _check_row(self, row: dict, where: str) -> dict:
-        for column in (self.prompt_key, *REQUIRED_COLUMNS):
+        for column in (self.prompt_key, self.reward_fn_key):
             if column not in row or row[column] is None:
-                raise DataError(f"{where}: missing column {column!r} (columns present: {', '.join(sorted(row))})")
+                hint = (" (data.reward_fn_key: the column whose value picks the scorer)"
+                        if column == self.reward_fn_key else "")
+                raise DataError(f"{where}: missing column {column!r}{hint} (columns present: "
+                                f"{', '.join(sorted(row))})")
         row = dict(row)
         row["_where"] = where
         row[self.prompt_key] = _as_messages(row[self.prompt_key], where, self.prompt_key)
@@ -156,7 +161,7 @@ class RLDataset:
         return {
             "raw_prompt_ids": ids,
             "raw_prompt": row[self.prompt_key],
-            "data_source": row["data_source"],
+            "data_source": row[self.reward_fn_key],
             "reward_model": row["reward_model"],
             "ground_truth": row["reward_model"].get("ground_truth"),
             "extra_info": row["extra_info"],

@@ -120,7 +120,8 @@ class RLTrainer:
                                  "arithmetic --out DIR)")
             return None
         d = self.config.data
-        return RLDataset(files, self.tokenizer, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+        return RLDataset(files, self.tokenizer, prompt_key=d.prompt_key, reward_fn_key=d.reward_fn_key,
+                         max_prompt_length=d.max_prompt_length,
                          filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
                          max_samples=max_samples, seed=d.seed or 0,
                          apply_chat_template_kwargs=dict(d.apply_chat_template_kwargs or {}))
@@ -136,7 +137,10 @@ class RLTrainer:
     def setup(self) -> None:
         """Workers, data loader, reward managers, tracker; resume from a checkpoint when one applies."""
         cfg = self.config
-        self.loader = PromptLoader(self.train_dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
+        # With dynamic sampling every generation round draws data.gen_batch_size prompts (verl's DAPO recipe).
+        prompts_per_round = ((cfg.data.gen_batch_size or cfg.data.train_batch_size) if cfg.algorithm.filter_groups.enable
+                             else cfg.data.train_batch_size)
+        self.loader = PromptLoader(self.train_dataset, prompts_per_round, shuffle=cfg.data.shuffle,
                                    seed=cfg.data.seed or cfg.trainer.seed)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(self.loader)
         print(describe_batch_arithmetic(cfg, n_devices=self.n_devices))

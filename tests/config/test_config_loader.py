@@ -364,3 +364,13 @@ def test_checkpoint_settings_that_cannot_be_honoured_are_errors():
     assert "critic.checkpoint.async_save is not supported" in text
     with pytest.raises(ConfigError, match="trainer.checkpoint_format"):
         validate_config(load_config(["trainer.checkpoint_format=shards"]))
+
+
+def test_gen_batch_size_needs_dynamic_sampling():
+    from hyflow.config import ConfigError, load_config, validate_config
+
+    with pytest.raises(ConfigError, match=r"data.gen_batch_size=64 differs .* set algorithm.filter_groups.enable=true"):
+        validate_config(load_config(["data.gen_batch_size=64", "data.train_batch_size=32"]))
+    validate_config(load_config(["data.gen_batch_size=64", "data.train_batch_size=32", "algorithm.filter_groups.enable=true",
+                                 "algorithm.filter_groups.metric=acc", "algorithm.adv_estimator=grpo",
+                                 "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=16"]))

@@ -55,6 +55,16 @@ def test_missing_column_names_file_row_and_column(tmp_path, tiny_tokenizer):
         RLDataset(path, tiny_tokenizer)
 
 
+def test_reward_fn_key_picks_the_scorer_column(tmp_path, tiny_tokenizer):
+    rows = [row(0, source="gsm8k"), row(1, source="hyflow/arithmetic")]
+    path = write_rows(rows, tmp_path / "s.jsonl")
+    ds = RLDataset(path, tiny_tokenizer, reward_fn_key="source")
+    assert [ds[i]["data_source"] for i in range(2)] == ["gsm8k", "hyflow/arithmetic"]
+    del rows[1]["source"]
+    with pytest.raises(DataError, match=r"row 1: missing column 'source' \(data.reward_fn_key"):
+        RLDataset(write_rows(rows, tmp_path / "t.jsonl"), tiny_tokenizer, reward_fn_key="source")
+
+
 def test_missing_ground_truth_and_malformed_prompt(tmp_path, tiny_tokenizer):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(row(0, reward_model={"style": "rule"})) + "\n")

@@ -87,8 +87,10 @@ def test_dapo_clip_higher_dynamic_sampling_overlong(warm, tmp_path):
                  "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=10",
                  "reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=true",
                  "reward_model.overlong_buffer.len=8", "reward_model.overlong_buffer.penalty_factor=1.0",
-                 "actor_rollout_ref.actor.ppo_mini_batch_size=8")
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=8", "data.gen_batch_size=8")
     last = history[-1]
     assert "train/num_gen_batches" in last and "reward/overlong_penalty/mean" in last
+    # rounds of data.gen_batch_size=8 prompts fill a train batch of 16 prompts in two rounds at least
+    assert min(h["train/num_gen_batches"] for h in history) >= 2
     # every kept group has samples that disagree, so no advantage row is all zero
     assert last["critic/advantages/max"] > 0 > last["critic/advantages/min"]
