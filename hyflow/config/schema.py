@@ -960,7 +960,9 @@ class TrainerConfig:
         None, "hyflow keeps the actor and the critic in one global_step_N directory: the smaller of "
         "max_actor_ckpt_to_keep and this applies."
     )
-    ray_wait_register_center_timeout: int = option(300, "Seconds to wait for Ray workers to register.")
+    ray_wait_register_center_timeout: int = option(
+        300, "Seconds to wait for the Ray cluster to place a worker group's devices; then an error names what is "
+        "missing (a cluster that can never hold them fails at once).")
     device: str = option(
         "auto",
         "Where models run: cpu, cuda, or auto (cuda when available; hyflow, verl: cuda).",

@@ -99,7 +99,18 @@ def _check_not_built(cfg: HyflowConfig) -> list[str]:
         "critic.checkpoint.async_save": cfg.critic.checkpoint.async_save,
         "trainer.default_hdfs_dir": bool(cfg.trainer.default_hdfs_dir),
         "trainer.del_local_ckpt_after_load": cfg.trainer.del_local_ckpt_after_load,
+        "reward_model.sandbox_fusion.url": bool(cfg.reward_model.sandbox_fusion.url),
+        "actor_rollout_ref.rollout.ignore_eos": arr.rollout.ignore_eos,
     }
+    for prefix, fsdp, devices in (
+        ("actor_rollout_ref.actor.fsdp_config", arr.actor.fsdp_config, total_devices(cfg)),
+        ("actor_rollout_ref.ref.fsdp_config", arr.ref.fsdp_config, total_devices(cfg)),
+        ("critic.model.fsdp_config", cfg.critic.model.fsdp_config, role_devices(cfg, "critic")),
+        ("reward_model.model.fsdp_config", cfg.reward_model.model.fsdp_config, role_devices(cfg, "reward_model")),
+    ):
+        asked[f"{prefix}.offload_policy"] = fsdp.offload_policy
+        asked[f"{prefix}.fsdp_size"] = fsdp.fsdp_size not in (-1, devices)  # hybrid sharding (HSDP)
+        asked[f"{prefix}.wrap_policy.min_num_params"] = fsdp.wrap_policy.min_num_params > 0
     return [f"{key} is not supported by this hyflow version yet; leave it at its default" for key, on in asked.items()
             if on]
 

@@ -207,7 +207,8 @@ class RLTrainer:
 
         t = self.config.trainer
         use_gpu = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
-        pool = RayResourcePool(nnodes, devices_per_node, use_gpu=use_gpu, cpus_per_worker=1.0)
+        pool = RayResourcePool(nnodes, devices_per_node, use_gpu=use_gpu, cpus_per_worker=1.0,
+                               ready_timeout_s=float(t.ray_wait_register_center_timeout))
         self._pools.append(pool)
         return make_worker_group("ray", worker_cls, world_size=nnodes * devices_per_node, pool=pool, **kwargs)
 

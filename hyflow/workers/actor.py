@@ -51,6 +51,7 @@ from hyflow.rollout.base import SamplingParams, make_engine
 from hyflow.workers.engine import (
     all_reduce_metrics,
     all_reduce_sum,
+    apply_full_determinism,
     build_optimizer,
     build_scheduler,
     clip_and_step,
@@ -120,6 +121,7 @@ class ActorRolloutRefWorker(Worker):
         model_cfg = self.arr.model
         actor = self.arr.actor
         self.strategy = parallel_strategy(actor.strategy, self.world_size)
+        apply_full_determinism(actor.fsdp_config.full_determinism or self.arr.ref.fsdp_config.full_determinism)
         maybe_init_distributed(self)
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path,

@@ -26,6 +26,7 @@ from hyflow.workers.actor import autocast, resolve_device
 from hyflow.workers.engine import (
     all_reduce_metrics,
     all_reduce_sum,
+    apply_full_determinism,
     build_optimizer,
     build_scheduler,
     clip_and_step,
@@ -64,6 +65,7 @@ class CriticWorker(Worker):
         model_cfg = self.critic.model
         path = model_cfg.path or self.config.actor_rollout_ref.model.path
         self.strategy = parallel_strategy(self.critic.strategy, self.world_size)
+        apply_full_determinism(model_cfg.fsdp_config.full_determinism)
         maybe_init_distributed(self)
         torch.manual_seed(self.config.trainer.seed + 1)  # the same fresh value head on every rank
         model = load_value_model(path, dtype="float32", trust_remote_code=model_cfg.trust_remote_code,

@@ -20,6 +20,7 @@ global norm before clipping (`clip_grad_norm`), so it equals the single-process 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 
 import torch
@@ -245,3 +246,13 @@ def mini_batches(batch: Batch, mini_batch_size: int, *, epochs: int, shuffle: bo
             batch_e = batch
         for part in batch_e.split(mini_batch_size):
             yield epoch, part
+
+
+def apply_full_determinism(enabled: bool) -> None:
+    """`fsdp_config.full_determinism`: deterministic kernels in this process (torch.use_deterministic_algorithms,
+    warning where an op has no deterministic version; cuBLAS workspace pinned; no cuDNN autotuning)."""
+    if not enabled:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False

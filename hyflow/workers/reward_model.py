@@ -46,7 +46,7 @@ from hyflow.controller import Dispatch, Worker, register
 from hyflow.models.forward import compute_position_ids, reward_scores
 from hyflow.models.loading import load_reward_model, load_tokenizer
 from hyflow.workers.actor import autocast, resolve_device
-from hyflow.workers.engine import SEQUENCE_KEYS, split_micro_batches
+from hyflow.workers.engine import SEQUENCE_KEYS, apply_full_determinism, split_micro_batches
 
 
 def same_tokenizer(a, b) -> bool:
@@ -167,6 +167,7 @@ class RewardModelWorker(Worker):
         else `actor_rollout_ref.model.tokenizer_path` / `.path`.
         """
         model_cfg = self.rm.model
+        apply_full_determinism(model_cfg.fsdp_config.full_determinism)
         if not model_cfg.path:
             raise ValueError(
                 "reward_model.model.path is not set, but the reward-model worker needs it: set "

@@ -374,3 +374,22 @@ def test_gen_batch_size_needs_dynamic_sampling():
     validate_config(load_config(["data.gen_batch_size=64", "data.train_batch_size=32", "algorithm.filter_groups.enable=true",
                                  "algorithm.filter_groups.metric=acc", "algorithm.adv_estimator=grpo",
                                  "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=16"]))
+
+
+def test_verl_knobs_that_would_change_results_but_are_not_built_are_errors():
+    from hyflow.config import ConfigError, load_config, validate_config
+
+    cfg = load_config(["actor_rollout_ref.rollout.ignore_eos=true", "reward_model.sandbox_fusion.url=http://x:8080",
+                       "actor_rollout_ref.actor.fsdp_config.fsdp_size=4", "trainer.n_gpus_per_node=8",
+                       "critic.model.fsdp_config.offload_policy=true",
+                       "actor_rollout_ref.ref.fsdp_config.wrap_policy.min_num_params=1000"])
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    text = str(info.value)
+    for key in ("actor_rollout_ref.rollout.ignore_eos", "reward_model.sandbox_fusion.url",
+                "actor_rollout_ref.actor.fsdp_config.fsdp_size", "critic.model.fsdp_config.offload_policy",
+                "actor_rollout_ref.ref.fsdp_config.wrap_policy.min_num_params"):
+        assert f"{key} is not supported by this hyflow version yet" in text, key
+    # fsdp_size equal to the number of devices is plain FSDP, which is what hyflow does
+    validate_config(load_config(["actor_rollout_ref.actor.fsdp_config.fsdp_size=8", "trainer.n_gpus_per_node=8",
+                                 "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]))

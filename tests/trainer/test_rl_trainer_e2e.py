@@ -183,3 +183,18 @@ def test_model_based_reward(tiny_model_dir, tiny_tokenizer, task_dir, tmp_path):
     last = history[-1]
     assert last["reward/rm_score/mean"] == pytest.approx(last["critic/score/mean"], abs=1e-5)
     assert last["critic/score/max"] > last["critic/score/min"]  # a real model's scores differ per sample
+
+
+def test_full_determinism_turns_on_deterministic_kernels(tiny_model_dir, task_dir, tmp_path):
+    assert not torch.are_deterministic_algorithms_enabled()
+    trainer = RLTrainer(overrides(tiny_model_dir, task_dir, tmp_path / "run",
+                                  "actor_rollout_ref.actor.fsdp_config.full_determinism=true"), reward_fn=digit_reward)
+    try:
+        trainer.setup()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        if getattr(trainer, "tracker", None) is not None:
+            trainer.tracker.close()
+        trainer.shutdown()
