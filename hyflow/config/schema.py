@@ -201,8 +201,13 @@ class ModelConfig:
 class OptimConfig:
     """Optimizer and learning-rate schedule."""
 
-    optimizer: str = option("AdamW", "Optimizer class name inside optimizer_impl.")
-    optimizer_impl: str = option("torch.optim", "Module that holds the optimizer class.")
+    optimizer: str = option("AdamW", "Optimizer class name inside optimizer_impl (e.g. AdamW, Adam, SGD).")
+    optimizer_impl: str = option(
+        "torch.optim", "Module that holds the optimizer class (any importable module, e.g. bitsandbytes.optim)."
+    )
+    override_optimizer_config: dict[str, Any] = option(
+        {}, "Extra keyword arguments for the optimizer (add with +...optim.override_optimizer_config.KEY=VALUE)."
+    )
     lr: float = option(1e-6, "Peak learning rate (verl: 1e-6 for the actor, 1e-5 for the critic).")
     lr_warmup_steps: int = option(
         -1, "Linear warm-up length, in optimizer steps (-1 = use lr_warmup_steps_ratio)."

@@ -70,6 +70,8 @@ def validate_config(cfg: HyflowConfig, n_devices: int | None = None) -> None:
     problems += _check_not_built(cfg)
     problems += _check_checkpoint_contents(cfg)
     problems += _check_pools(cfg)
+    problems += _check_exclusive("reward_model.micro_batch_size", cfg.reward_model.micro_batch_size,
+                                 cfg.reward_model.micro_batch_size_per_gpu)
     _warn_advisories(cfg)
     if len(problems) == 1:
         raise ConfigError(problems[0])
@@ -100,6 +102,7 @@ def _check_not_built(cfg: HyflowConfig) -> list[str]:
         "trainer.default_hdfs_dir": bool(cfg.trainer.default_hdfs_dir),
         "trainer.del_local_ckpt_after_load": cfg.trainer.del_local_ckpt_after_load,
         "reward_model.sandbox_fusion.url": bool(cfg.reward_model.sandbox_fusion.url),
+        "data.sampler.class_path": bool(cfg.data.sampler.class_path),
         "actor_rollout_ref.rollout.ignore_eos": arr.rollout.ignore_eos,
     }
     for prefix, fsdp, devices in (
@@ -477,6 +480,9 @@ def _check_algorithm(cfg: HyflowConfig) -> list[str]:
             "group variance decides); set algorithm.filter_groups.metric=acc (or score)."
         )
     correction = algo.rollout_correction
+    if correction.bypass_mode and correction.loss_type != "ppo_clip":
+        problems.append(f"algorithm.rollout_correction.loss_type={correction.loss_type!r} is not supported by this "
+                        "hyflow version yet (bypass mode trains with the PPO clip loss); use ppo_clip")
     needs_rollout_log_probs = correction.rollout_is or correction.rollout_rs or correction.bypass_mode
     if needs_rollout_log_probs and not cfg.actor_rollout_ref.rollout.calculate_log_probs:
         problems.append(

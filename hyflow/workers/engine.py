@@ -19,6 +19,9 @@ global norm before clipping (`clip_grad_norm`), so it equals the single-process 
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import inspect
 import math
 import os
 from collections.abc import Iterable
@@ -32,10 +35,29 @@ SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], optim) -> torch.optim.Optimizer:
-    """AdamW (verl's only optimizer) from an `optim` config section: lr, betas, weight_decay."""
-    if str(optim.optimizer).lower() != "adamw":
-        raise ValueError(f"optim.optimizer={optim.optimizer!r} is not supported; use AdamW")
-    return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    """`optim.optimizer` from module `optim.optimizer_impl` (default torch.optim.AdamW), built with lr,
+    weight_decay, betas (when the class takes them) and `optim.override_optimizer_config`."""
+    module_name, class_name = str(optim.optimizer_impl), str(optim.optimizer)
+    if module_name == "torch.optim" and class_name.lower() == "adamw":
+        class_name = "AdamW"
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"optim.optimizer_impl={module_name!r} cannot be imported ({e}); install it or use "
+                         "torch.optim") from e
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        names = [n for n, v in vars(module).items()
+                 if isinstance(v, type) and issubclass(v, torch.optim.Optimizer) and v is not torch.optim.Optimizer]
+        close = difflib.get_close_matches(class_name, names, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"optim.optimizer={class_name!r} is not an optimizer class in {module_name}.{hint} "
+                         f"Optimizers there: {', '.join(sorted(names)) or 'none'}")
+    kwargs = {"lr": optim.lr, "weight_decay": optim.weight_decay}
+    if "betas" in inspect.signature(cls).parameters:
+        kwargs["betas"] = tuple(optim.betas)
+    kwargs.update(dict(getattr(optim, "override_optimizer_config", None) or {}))
+    return cls(params, **kwargs)
 
 
 def lr_lambda(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float = 0.0,

@@ -217,7 +217,10 @@ class RewardModelWorker(Worker):
                     f"reward_model.forward_max_token_len_per_gpu={budget}; raise it, set reward_model.max_length, "
                     f"or set reward_model.use_dynamic_bsz=False"
                 )
-        return split_micro_batches(inputs, micro_batch_size=self.rm.micro_batch_size_per_gpu,
+        micro = self.rm.micro_batch_size_per_gpu
+        if micro is None and self.rm.micro_batch_size is not None:  # verl's deprecated global size
+            micro = max(self.rm.micro_batch_size // self.world_size, 1)
+        return split_micro_batches(inputs, micro_batch_size=micro,
                                    use_dynamic_bsz=self.rm.use_dynamic_bsz,
                                    max_token_len=self.rm.forward_max_token_len_per_gpu)
 

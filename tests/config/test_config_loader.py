@@ -393,3 +393,17 @@ def test_verl_knobs_that_would_change_results_but_are_not_built_are_errors():
     # fsdp_size equal to the number of devices is plain FSDP, which is what hyflow does
     validate_config(load_config(["actor_rollout_ref.actor.fsdp_config.fsdp_size=8", "trainer.n_gpus_per_node=8",
                                  "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]))
+
+
+def test_bypass_loss_type_custom_sampler_and_rm_micro_batches():
+    from hyflow.config import ConfigError, load_config, validate_config
+
+    cfg = load_config(["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=reinforce",
+                       "actor_rollout_ref.rollout.calculate_log_probs=true", "data.sampler.class_path=my_sampler.py",
+                       "reward_model.micro_batch_size=8", "reward_model.micro_batch_size_per_gpu=4"])
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    text = str(info.value)
+    assert "algorithm.rollout_correction.loss_type='reinforce' is not supported" in text
+    assert "data.sampler.class_path is not supported" in text
+    assert "reward_model.micro_batch_size" in text and "reward_model.micro_batch_size_per_gpu" in text

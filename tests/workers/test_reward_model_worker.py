@@ -214,3 +214,11 @@ def test_dynamic_batching_refuses_inputs_over_the_token_budget(rm_dir, tiny_toke
                          "reward_model.forward_max_token_len_per_gpu=4")
     with pytest.raises(ValueError, match=r"reward_model\.forward_max_token_len_per_gpu=4"):
         worker.compute_rm_score(make_batch(PROMPTS, RESPONSES, tiny_tokenizer.pad_token_id))
+
+
+def test_deprecated_global_micro_batch_size_is_divided_over_ranks(rm_dir, tiny_tokenizer):
+    worker = make_worker(rm_dir, tiny_tokenizer, "reward_model.micro_batch_size=3")
+    batch = make_batch(PROMPTS, RESPONSES, tiny_tokenizer.pad_token_id)
+    assert [len(m) for m, _ in worker._micro_batches(batch)] == [3, 1]
+    whole = make_worker(rm_dir, tiny_tokenizer).compute_rm_score(batch)["rm_scores"]
+    torch.testing.assert_close(worker.compute_rm_score(batch)["rm_scores"], whole, atol=1e-5, rtol=1e-5)
