@@ -91,7 +91,12 @@ class SFTModelConfig:
 class SFTOptimConfig:
     """AdamW and its learning-rate schedule (verl's SFT defaults)."""
 
-    optimizer: str = option("AdamW", "Optimizer (AdamW, decoupled weight decay: Loshchilov & Hutter, arXiv 1711.05101).")
+    optimizer: str = option("AdamW", "Optimizer class name inside optimizer_impl (default AdamW, decoupled weight "
+                            "decay: Loshchilov & Hutter, arXiv 1711.05101).")
+    optimizer_impl: str = option("torch.optim", "Module that holds the optimizer class.")
+    override_optimizer_config: dict[str, Any] = option(
+        {}, "Extra keyword arguments for the optimizer (add with +optim.override_optimizer_config.KEY=VALUE)."
+    )
     lr: float = option(1e-5, "Peak learning rate.")
     betas: list[float] = option([0.9, 0.95], "Adam (beta1, beta2).")
     weight_decay: float = option(0.01, "Decoupled weight decay.")

@@ -37,7 +37,7 @@ SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
 def build_optimizer(params: Iterable[torch.nn.Parameter], optim) -> torch.optim.Optimizer:
     """`optim.optimizer` from module `optim.optimizer_impl` (default torch.optim.AdamW), built with lr,
     weight_decay, betas (when the class takes them) and `optim.override_optimizer_config`."""
-    module_name, class_name = str(getattr(optim, "optimizer_impl", "torch.optim")), str(optim.optimizer)
+    module_name, class_name = str(optim.optimizer_impl), str(optim.optimizer)
     if module_name == "torch.optim" and class_name.lower() == "adamw":
         class_name = "AdamW"
     try:

@@ -35,3 +35,12 @@ def test_unknown_optimizer_or_module_names_the_fix():
         build_optimizer(params(), optim_of("optimizer=AdamWW"))
     with pytest.raises(ValueError, match=r"optim.optimizer_impl='no_such_pkg.optim' cannot be imported"):
         build_optimizer(params(), optim_of("optimizer_impl=no_such_pkg.optim"))
+
+
+def test_the_sft_optim_section_builds_the_same_way():
+    from hyflow.config.sft_schema import load_sft_config
+
+    optim = load_sft_config(["optim.optimizer=SGD", "optim.lr=0.5", "+optim.override_optimizer_config.nesterov=true",
+                             "+optim.override_optimizer_config.momentum=0.5"]).optim
+    opt = build_optimizer(params(), optim)
+    assert type(opt) is torch.optim.SGD and opt.param_groups[0]["nesterov"] is True
