@@ -90,6 +90,10 @@ class CorruptCheckpointError(RuntimeError):
     """A checkpoint directory that is partial, truncated or altered after its save."""
 
 
+class NotACheckpointError(ValueError):
+    """A path that is not a checkpoint directory (e.g. the run directory that holds them)."""
+
+
 # ------------------------------------------------------------------------------------------ files
 
 
@@ -309,6 +313,15 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
     directory = Path(path)
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
+    if not (directory / MANIFEST_FILE).exists():
+        inner = _complete_steps(directory)
+        if inner or (directory / TRACKER_FILE).exists():
+            latest = f"; the latest complete one is {directory / step_dir_name(inner[-1])}" if inner else ""
+            raise NotACheckpointError(
+                f"{directory} is a run directory, not a checkpoint: pass one of its global_step_N directories{latest}")
+        if not _STEP_DIR.match(directory.name):
+            raise NotACheckpointError(f"{directory} is not a hyflow checkpoint (no {MANIFEST_FILE}); pass a "
+                                      "RUN_DIR/global_step_N directory that a hyflow run saved")
     problem = _checkpoint_problem(directory, checksums=True)
     if problem is not None:
         raise CorruptCheckpointError(_corrupt_message(directory, problem))

@@ -603,3 +603,18 @@ def test_shards_left_on_another_node_are_an_error_naming_the_fix(tmp_path):
     assert "actor's sharded checkpoint is incomplete: shard file __0_0.distcp is missing" in text
     assert "shared filesystem" in text and "trainer.checkpoint_format=full" in text
     assert manager.list_steps() == [1]
+
+
+def test_a_run_directory_or_a_foreign_directory_is_not_called_corrupt(tmp_path):
+    from hyflow.trainer.checkpoint import NotACheckpointError
+
+    CheckpointManager(tmp_path / "run").save(4, {"trainer_state": {"step": 4}})
+    with pytest.raises(NotACheckpointError, match=r"is a run directory, not a checkpoint: .* latest complete one "
+                                                  r"is .*global_step_4"):
+        verify_checkpoint(tmp_path / "run")
+    (tmp_path / "other").mkdir()
+    with pytest.raises(NotACheckpointError, match=r"other is not a hyflow checkpoint \(no manifest.json\)"):
+        verify_checkpoint(tmp_path / "other")
+    (tmp_path / "run" / "global_step_5").mkdir()  # a step directory without a manifest is a partial save
+    with pytest.raises(CorruptCheckpointError, match="partial checkpoint"):
+        verify_checkpoint(tmp_path / "run" / "global_step_5")
