@@ -6,11 +6,34 @@ the models. The same code runs in one plain Python process or on a Ray cluster. 
 
 __version__ = "0.1.0"
 
+
+def _algorithm_catalog():
+    """The config layer's view of `hyflow.algos`' registries (see hyflow/config/catalog.py)."""
+    import hyflow.algos  # noqa: F401  (importing the package registers the built-in functions)
+    from hyflow.algos.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+    from hyflow.config.catalog import AlgorithmCatalog
+
+    return AlgorithmCatalog(
+        advantage_estimators={name: frozenset(getattr(fn, "requires", ())) for name, fn in ADVANTAGE_ESTIMATORS.items()},
+        policy_losses=frozenset(POLICY_LOSSES),
+    )
+
+
+def _install_catalog() -> None:
+    # The package root sits above both layers, so it is the one place allowed to connect config and algos.
+    from hyflow.config.catalog import set_catalog_provider
+
+    set_catalog_provider(_algorithm_catalog)
+
+
+_install_catalog()
+
 __all__ = ["RLTrainer", "SFTTrainer", "load_config"]
 
 
 def __getattr__(name: str):
-    # Lazy: `import hyflow` stays cheap; the trainers pull in torch and transformers on first use.
+    # Lazy: `import hyflow` stays cheap (the config layer only, no torch); the trainers pull in torch and
+    # transformers on first use.
     if name == "RLTrainer":
         from hyflow.trainer.rl_trainer import RLTrainer
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hyflow.config.catalog import algorithm_catalog
 from hyflow.config.schema import HyflowConfig
 
 
@@ -74,10 +75,8 @@ def uses_critic(cfg: HyflowConfig) -> bool:
     enable = cfg.critic.enable
     if enable is not None:
         return bool(enable)
-    from hyflow.algos import ADVANTAGE_ESTIMATORS  # lazy: the schema itself stays free of torch
-
-    estimator = ADVANTAGE_ESTIMATORS.get(cfg.algorithm.adv_estimator)
-    return estimator is not None and "values" in getattr(estimator, "requires", ())
+    catalog = algorithm_catalog()
+    return catalog is not None and "values" in catalog.estimator_requires(cfg.algorithm.adv_estimator)
 
 
 def uses_reference(cfg: HyflowConfig) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import warnings
 from typing import Any
 
@@ -25,6 +24,7 @@ from hyflow.config.arithmetic import (
     uses_critic,
     uses_reference,
 )
+from hyflow.config.catalog import algorithm_catalog
 from hyflow.config.keys import ConfigError
 from hyflow.config.schema import HyflowConfig
 
@@ -173,28 +173,18 @@ def _check_choices(cfg: HyflowConfig, node: Any, prefix: str) -> list[str]:
 
 
 def _check_registered_names(cfg: HyflowConfig) -> list[str]:
+    catalog = algorithm_catalog()
+    if catalog is None:  # config-only use: nothing to check the names against
+        return []
     problems = []
-    estimators = _registry("hyflow.algos.advantages", "ADVANTAGE_ESTIMATORS")
-    if estimators is not None and cfg.algorithm.adv_estimator not in estimators:
+    if cfg.algorithm.adv_estimator not in catalog.advantage_estimators:
         problems.append(
-            _not_one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, sorted(estimators))
+            _not_one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, sorted(catalog.advantage_estimators))
         )
-    losses = _registry("hyflow.algos.policy_losses", "POLICY_LOSSES")
     loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
-    if losses is not None and loss_mode not in losses:
-        problems.append(_not_one_of(f"{A}.policy_loss.loss_mode", loss_mode, sorted(losses)))
+    if loss_mode not in catalog.policy_losses:
+        problems.append(_not_one_of(f"{A}.policy_loss.loss_mode", loss_mode, sorted(catalog.policy_losses)))
     return problems
-
-
-def _registry(module: str, name: str) -> dict | None:
-    """The registry `hyflow.algos.<name>` after importing `module` (which fills it); None if it does not exist."""
-    try:
-        importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name == module:
-            return None
-        raise
-    return getattr(importlib.import_module("hyflow.algos.registry"), name) or None
 
 
 def _not_one_of(key: str, value: Any, choices: Any) -> str:

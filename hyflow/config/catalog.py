@@ -1,0 +1,42 @@
+"""What the config needs to know about the registered algorithms, without importing them.
+
+The config layer is core: it imports nothing of hyflow above it (DESIGN.md's layers). Two of its checks still
+depend on the algorithm registry: whether `algorithm.adv_estimator` / `policy_loss.loss_mode` name registered
+functions, and whether the estimator needs a critic (it declares `requires=("values",)`). They read an
+`AlgorithmCatalog`, which the layer that owns both (the `hyflow` package root) provides through
+`set_catalog_provider`; `hyflow/__init__.py` installs the provider that reads `hyflow.algos`' registries on
+first use. Without a provider (a config-only install), names are not checked and the critic follows
+`critic.enable` (null = no critic).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AlgorithmCatalog:
+    """Registered advantage estimators (name -> the inputs each requires) and policy-loss names."""
+
+    advantage_estimators: Mapping[str, frozenset[str]]
+    policy_losses: frozenset[str]
+
+    def estimator_requires(self, name: str) -> frozenset[str]:
+        """What estimator `name` requires (empty for an unknown name: validation reports that separately)."""
+        return self.advantage_estimators.get(name, frozenset())
+
+
+_provider: Callable[[], AlgorithmCatalog] | None = None
+
+
+def set_catalog_provider(provider: Callable[[], AlgorithmCatalog] | None) -> None:
+    """Install the function that builds the catalog; None removes it."""
+    global _provider
+    _provider = provider
+
+
+def algorithm_catalog() -> AlgorithmCatalog | None:
+    """The catalog from the installed provider (built on each call: the registries may grow at any time, and
+    reading them is cheap), or None without a provider."""
+    return None if _provider is None else _provider()
