@@ -49,12 +49,11 @@ from hyflow.models.forward import backbone_hidden_states, response_logprobs, unw
 from hyflow.models.loading import load_causal_lm, load_tokenizer
 from hyflow.rollout.base import SamplingParams, make_engine
 from hyflow.workers.engine import (
-    all_reduce_metrics,
     all_reduce_sum,
     apply_full_determinism,
     build_optimizer,
     build_scheduler,
-    clip_and_step,
+    finish_mini_batch,
     mini_batches,
     pad_response,
     sync_micro_batch_count,
@@ -333,10 +332,7 @@ class ActorRolloutRefWorker(Worker):
                     for name, value in compute_offpolicy_metrics(logp.detach(), cols["rollout_log_probs"],
                                                                  mask).items():
                         sums[name] += float(value) / (len(micros) * self.world_size)
-            sums = all_reduce_metrics(sums)  # every rank now reports the mini-batch's global values
-            step_metrics = clip_and_step(self.model, self.optimizer, self.scheduler, actor.grad_clip)
-            for name, value in {**sums, **{f"actor/{k}": v for k, v in step_metrics.items()}}.items():
-                metrics.setdefault(name, []).append(value)
+            finish_mini_batch(metrics, sums, self.model, self.optimizer, self.scheduler, actor.grad_clip, "actor")
         if actor.use_kl_loss:
             metrics["actor/kl_coef"] = [actor.kl_loss_coef]
         return Batch(meta={"metrics": metrics})

@@ -24,12 +24,11 @@ from hyflow.models.forward import values_from_model
 from hyflow.models.loading import load_value_model
 from hyflow.workers.actor import autocast, resolve_device
 from hyflow.workers.engine import (
-    all_reduce_metrics,
     all_reduce_sum,
     apply_full_determinism,
     build_optimizer,
     build_scheduler,
-    clip_and_step,
+    finish_mini_batch,
     mini_batches,
     pad_response,
     sync_micro_batch_count,
@@ -131,10 +130,7 @@ class CriticWorker(Worker):
                 sums["critic/vf_loss"] += float(loss.detach())
                 sums["critic/vf_clipfrac"] += float(loss_metrics["vf_clipfrac"]) * weight
                 sums["critic/vpred_mean"] += float(masked_mean(vpreds.detach(), mask)) * weight
-            sums = all_reduce_metrics(sums)  # every rank now reports the mini-batch's global values
-            step_metrics = clip_and_step(self.model, self.optimizer, self.scheduler, c.grad_clip)
-            for name, value in {**sums, **{f"critic/{k}": v for k, v in step_metrics.items()}}.items():
-                metrics.setdefault(name, []).append(value)
+            finish_mini_batch(metrics, sums, self.model, self.optimizer, self.scheduler, c.grad_clip, "critic")
         return Batch(meta={"metrics": metrics})
 
     @register(Dispatch.REPLICATE, collect=Collect.FIRST)
