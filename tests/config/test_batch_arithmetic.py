@@ -386,8 +386,9 @@ def test_a_critic_in_its_own_pool_splits_over_its_own_devices():
 
 
 def test_own_pool_needs_ray_and_a_role_that_is_on():
-    text = problems_of(cfg_of("algorithm.adv_estimator=grpo", "critic.enable_resource_pool=true",
-                              "trainer.executor=local", "reward_model.n_gpus_per_node=-1"))
+    text = problems_of(cfg_of("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
+                              "critic.enable_resource_pool=true", "trainer.executor=local",
+                              "reward_model.n_gpus_per_node=-1"))
     assert "critic.enable_resource_pool=true runs the critic in its own processes" in text
     assert "set trainer.executor=ray" in text
     assert "this run has no critic" in text
