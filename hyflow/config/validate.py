@@ -103,6 +103,7 @@ def _check_not_built(cfg: HyflowConfig) -> list[str]:
         "trainer.del_local_ckpt_after_load": cfg.trainer.del_local_ckpt_after_load,
         "reward_model.sandbox_fusion.url": bool(cfg.reward_model.sandbox_fusion.url),
         "data.sampler.class_path": bool(cfg.data.sampler.class_path),
+        "actor_rollout_ref.model.hf_config_path": bool(arr.model.hf_config_path),
         "actor_rollout_ref.rollout.ignore_eos": arr.rollout.ignore_eos,
     }
     for prefix, fsdp, devices in (

@@ -75,6 +75,7 @@ class RLDataset:
         *,
         prompt_key: str = "prompt",
         reward_fn_key: str = "data_source",
+        media_keys: Sequence[str] = ("images", "videos"),
         max_prompt_length: int = 512,
         filter_overlong_prompts: bool = False,
         truncation: str = "error",
@@ -90,6 +91,7 @@ class RLDataset:
         self.tokenizer = tokenizer
         self.prompt_key = prompt_key
         self.reward_fn_key = reward_fn_key
+        self.media_keys = tuple(media_keys)
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
         self.template_kwargs = dict(apply_chat_template_kwargs or {})
@@ -119,6 +121,11 @@ class RLDataset:
                         if column == self.reward_fn_key else "")
                 raise DataError(f"{where}: missing column {column!r}{hint} (columns present: "
                                 f"{', '.join(sorted(row))})")
+        for column in self.media_keys:
+            value = row.get(column)
+            if value is not None and len(value) > 0:  # a list or array of images / videos
+                raise DataError(f"{where}: column {column!r} holds multimodal inputs, which this hyflow version "
+                                "does not train on yet (they would be silently dropped); use text-only rows")
         row = dict(row)
         row["_where"] = where
         row[self.prompt_key] = _as_messages(row[self.prompt_key], where, self.prompt_key)

@@ -121,6 +121,7 @@ class RLTrainer:
             return None
         d = self.config.data
         return RLDataset(files, self.tokenizer, prompt_key=d.prompt_key, reward_fn_key=d.reward_fn_key,
+                         media_keys=(d.image_key, d.video_key),
                          max_prompt_length=d.max_prompt_length,
                          filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
                          max_samples=max_samples, seed=d.seed or 0,

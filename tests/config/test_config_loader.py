@@ -382,13 +382,14 @@ def test_verl_knobs_that_would_change_results_but_are_not_built_are_errors():
     cfg = load_config(["actor_rollout_ref.rollout.ignore_eos=true", "reward_model.sandbox_fusion.url=http://x:8080",
                        "actor_rollout_ref.actor.fsdp_config.fsdp_size=4", "trainer.n_gpus_per_node=8",
                        "critic.model.fsdp_config.offload_policy=true",
-                       "actor_rollout_ref.ref.fsdp_config.wrap_policy.min_num_params=1000"])
+                       "actor_rollout_ref.ref.fsdp_config.wrap_policy.min_num_params=1000",
+                       "actor_rollout_ref.model.hf_config_path=/models/cfg"])
     with pytest.raises(ConfigError) as info:
         validate_config(cfg)
     text = str(info.value)
     for key in ("actor_rollout_ref.rollout.ignore_eos", "reward_model.sandbox_fusion.url",
                 "actor_rollout_ref.actor.fsdp_config.fsdp_size", "critic.model.fsdp_config.offload_policy",
-                "actor_rollout_ref.ref.fsdp_config.wrap_policy.min_num_params"):
+                "actor_rollout_ref.ref.fsdp_config.wrap_policy.min_num_params", "actor_rollout_ref.model.hf_config_path"):
         assert f"{key} is not supported by this hyflow version yet" in text, key
     # fsdp_size equal to the number of devices is plain FSDP, which is what hyflow does
     validate_config(load_config(["actor_rollout_ref.actor.fsdp_config.fsdp_size=8", "trainer.n_gpus_per_node=8",
