@@ -60,18 +60,14 @@ from hyflow.workers.engine import (
     trim_padding,
 )
 from hyflow.workers.fsdp import (
-    CHECKPOINT_CONTENTS,
     DIST_TIMEOUT_S,
     WEIGHT_BUCKET_BYTES,
+    TrainingStateCheckpoints,
     full_state_dict,
     full_tensor_buckets,
     is_distributed,
-    load_training_state_components,
-    load_training_state_sharded,
     maybe_init_distributed,
     parallel_strategy,
-    save_training_state_sharded,
-    training_state_components,
     wrap_model,
 )
 
@@ -99,8 +95,10 @@ def autocast(device: torch.device, dtype_name: str):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-class ActorRolloutRefWorker(Worker):
+class ActorRolloutRefWorker(TrainingStateCheckpoints, Worker):
     """Policy training, generation and reference log-probs on one device (one rank of a data-parallel group)."""
+
+    checkpoint_prefix = "actor"
 
     def __init__(self, config: HyflowConfig, tokenizer=None, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -338,31 +336,9 @@ class ActorRolloutRefWorker(Worker):
         return Batch(meta={"metrics": metrics})
 
     # ------------------------------------------------------------------ checkpoints
-    @register(Dispatch.REPLICATE, collect=Collect.FIRST)
-    def state_dict(self, contents=CHECKPOINT_CONTENTS) -> dict:
-        """Checkpoint components: full model weights, full optimizer state (by parameter name), LR schedule.
-
-        Collective (every rank gathers); rank 0 returns the components, the other ranks `{}`.
-        """
-        return training_state_components("actor", self.model, self.optimizer, self.scheduler, self.rank,
-                                         contents)
-
-    @register(Dispatch.REPLICATE)
-    def load_state_dict(self, components: dict) -> None:
-        """Restore what `state_dict` returned (saved at any world size), then refresh the rollout's weights."""
-        load_training_state_components("actor", self.model, self.optimizer, self.scheduler, components)
-        self.sync_rollout_weights()
-
-    @register(Dispatch.REPLICATE)
-    def save_sharded_checkpoint(self, path: str, contents=CHECKPOINT_CONTENTS) -> None:
-        """Write every rank's model shards (DCP) into directory `path`, with the optimizer's and the LR schedule
-        when `contents` has "optimizer" / "extra"."""
-        save_training_state_sharded("actor", self.model, self.optimizer, self.scheduler, path, contents)
-
-    @register(Dispatch.REPLICATE)
-    def load_sharded_checkpoint(self, path: str, contents=CHECKPOINT_CONTENTS) -> None:
-        """Read a `save_sharded_checkpoint` directory written at any world size; refresh the rollout's weights."""
-        load_training_state_sharded("actor", self.model, self.optimizer, self.scheduler, path, contents)
+    # state_dict / load_state_dict / save_sharded_checkpoint / load_sharded_checkpoint: TrainingStateCheckpoints
+    def after_weights_loaded(self) -> None:
+        """A loaded checkpoint's weights reach the rollout engine too."""
         self.sync_rollout_weights()
 
     @register(Dispatch.REPLICATE, collect=Collect.FIRST)

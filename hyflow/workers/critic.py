@@ -19,7 +19,7 @@ import torch
 from hyflow.algos import compute_value_loss, loss_normalisers, masked_mean
 from hyflow.batch import Batch
 from hyflow.config import HyflowConfig
-from hyflow.controller import Collect, Dispatch, Worker, register
+from hyflow.controller import Dispatch, Worker, register
 from hyflow.models.forward import values_from_model
 from hyflow.models.loading import load_value_model
 from hyflow.workers.actor import autocast, resolve_device
@@ -35,19 +35,17 @@ from hyflow.workers.engine import (
     trim_padding,
 )
 from hyflow.workers.fsdp import (
-    CHECKPOINT_CONTENTS,
-    load_training_state_components,
-    load_training_state_sharded,
+    TrainingStateCheckpoints,
     maybe_init_distributed,
     parallel_strategy,
-    save_training_state_sharded,
-    training_state_components,
     wrap_model,
 )
 
 
-class CriticWorker(Worker):
+class CriticWorker(TrainingStateCheckpoints, Worker):
     """Value model training and inference on one device (one rank of a data-parallel group)."""
+
+    checkpoint_prefix = "critic"
 
     def __init__(self, config: HyflowConfig, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -132,28 +130,3 @@ class CriticWorker(Worker):
                 sums["critic/vpred_mean"] += float(masked_mean(vpreds.detach(), mask)) * weight
             finish_mini_batch(metrics, sums, self.model, self.optimizer, self.scheduler, c.grad_clip, "critic")
         return Batch(meta={"metrics": metrics})
-
-    @register(Dispatch.REPLICATE, collect=Collect.FIRST)
-    def state_dict(self, contents=CHECKPOINT_CONTENTS) -> dict:
-        """Checkpoint components: full value-model weights, full optimizer state, LR schedule.
-
-        Collective (every rank gathers); rank 0 returns the components, the other ranks `{}`.
-        """
-        return training_state_components("critic", self.model, self.optimizer, self.scheduler, self.rank,
-                                         contents)
-
-    @register(Dispatch.REPLICATE)
-    def load_state_dict(self, components: dict) -> None:
-        """Restore what `state_dict` returned (saved at any world size)."""
-        load_training_state_components("critic", self.model, self.optimizer, self.scheduler, components)
-
-    @register(Dispatch.REPLICATE)
-    def save_sharded_checkpoint(self, path: str, contents=CHECKPOINT_CONTENTS) -> None:
-        """Write every rank's model shards (DCP) into directory `path`, with the optimizer's and the LR schedule
-        when `contents` has "optimizer" / "extra"."""
-        save_training_state_sharded("critic", self.model, self.optimizer, self.scheduler, path, contents)
-
-    @register(Dispatch.REPLICATE)
-    def load_sharded_checkpoint(self, path: str, contents=CHECKPOINT_CONTENTS) -> None:
-        """Read a `save_sharded_checkpoint` directory written at any world size."""
-        load_training_state_sharded("critic", self.model, self.optimizer, self.scheduler, path, contents)

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyflow.controller import Collect, Dispatch, register
 from hyflow.models.forward import unwrap_model
 
 DIST_TIMEOUT_S = 600.0
@@ -540,3 +541,47 @@ def load_training_state_sharded(prefix: str, model, optimizer, scheduler, path: 
     extra = load_sharded(model, optimizer if "optimizer" in contents else None, path)
     if "extra" in contents and f"{prefix}_scheduler" in extra:
         scheduler.load_state_dict(extra[f"{prefix}_scheduler"])
+
+
+class TrainingStateCheckpoints:
+    """The checkpoint methods of a worker role that trains (actor, critic), mixed into its Worker class.
+
+    The role names its components with `checkpoint_prefix` (`actor_model`, `actor_optimizer`, ...) and holds
+    `model`, `optimizer`, `scheduler` and `rank`; `after_weights_loaded` runs after a load (the actor refreshes
+    its rollout engine's weights there).
+    """
+
+    checkpoint_prefix: str
+
+    def after_weights_loaded(self) -> None:
+        """Hook: called on every rank after a checkpoint's weights were loaded."""
+
+    @register(Dispatch.REPLICATE, collect=Collect.FIRST)
+    def state_dict(self, contents=CHECKPOINT_CONTENTS) -> dict:
+        """Checkpoint components: full model weights, full optimizer state (by parameter name), LR schedule.
+
+        Collective (every rank gathers); rank 0 returns the components, the other ranks `{}`.
+        """
+        return training_state_components(self.checkpoint_prefix, self.model, self.optimizer, self.scheduler,
+                                         self.rank, contents)
+
+    @register(Dispatch.REPLICATE)
+    def load_state_dict(self, components: dict) -> None:
+        """Restore what `state_dict` returned (saved at any world size)."""
+        load_training_state_components(self.checkpoint_prefix, self.model, self.optimizer, self.scheduler,
+                                       components)
+        self.after_weights_loaded()
+
+    @register(Dispatch.REPLICATE)
+    def save_sharded_checkpoint(self, path: str, contents=CHECKPOINT_CONTENTS) -> None:
+        """Write every rank's model shards (DCP) into directory `path`, with the optimizer's and the LR schedule
+        when `contents` has "optimizer" / "extra"."""
+        save_training_state_sharded(self.checkpoint_prefix, self.model, self.optimizer, self.scheduler, path,
+                                    contents)
+
+    @register(Dispatch.REPLICATE)
+    def load_sharded_checkpoint(self, path: str, contents=CHECKPOINT_CONTENTS) -> None:
+        """Read a `save_sharded_checkpoint` directory written at any world size."""
+        load_training_state_sharded(self.checkpoint_prefix, self.model, self.optimizer, self.scheduler, path,
+                                    contents)
+        self.after_weights_loaded()
