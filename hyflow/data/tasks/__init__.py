@@ -1,9 +1,9 @@
 """Built-in synthetic tasks that need no download: arithmetic, countdown, sorting.
 
-Each task module has `NAME`, `DATA_SOURCE` (the scorer it pairs with in `hyflow.rewards`), `generate(...)`
-(rows in memory) and `make(out_dir, *, n_train, n_test, seed, fmt="parquet", **task_options) -> {split: path}`,
-which writes `train.<fmt>` and `test.<fmt>` in verl's row schema. Same seed and options, same files; the
-splits are disjoint. `make_task(name, out_dir, **options)` is what `hyflow data make TASK` calls.
+Each task module has `NAME`, `DATA_SOURCE` (the scorer it pairs with in `hyflow.rewards`) and
+`generate(*, n_train, n_test, seed, **task_options) -> {"train": rows, "test": rows}` (rows in verl's schema, in
+memory). `make_task(name, out_dir, fmt="parquet", **options)` writes them as `train.<fmt>` and `test.<fmt>`;
+it is what `hyflow data make TASK` calls. Same seed and options, same files; the splits are disjoint.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 from types import ModuleType
 
 from hyflow.data.tasks import arithmetic, countdown, sorting
+from hyflow.data.tasks.common import write_splits
 
 TASKS: dict[str, ModuleType] = {task.NAME: task for task in (arithmetic, countdown, sorting)}
 
@@ -28,9 +29,10 @@ def get_task(name: str) -> ModuleType:
 
 
 def task_options(name: str) -> dict[str, object]:
-    """Every keyword `make` of task `name` accepts, with its default (n_train, n_test, seed, fmt included)."""
-    params = inspect.signature(get_task(name).make).parameters.values()
-    return {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    """Every option `make_task` accepts for task `name`, with its default: `generate`'s keywords (n_train,
+    n_test, seed included) and `fmt`."""
+    params = inspect.signature(get_task(name).generate).parameters.values()
+    return {**{p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}, "fmt": "parquet"}
 
 
 def make_task(name: str, out_dir: str | Path, **options) -> dict[str, Path]:
@@ -46,7 +48,8 @@ def make_task(name: str, out_dir: str | Path, **options) -> dict[str, Path]:
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ValueError(f"task {name!r} has no option {key!r}.{hint} Options: {', '.join(valid)}")
     converted = {key: _convert(key, value, valid[key]) for key, value in options.items()}
-    return get_task(name).make(out_dir, **converted)
+    fmt = converted.pop("fmt", "parquet")
+    return write_splits(get_task(name).generate(**converted), out_dir, fmt)
 
 
 def _convert(key: str, value, default):

@@ -17,7 +17,6 @@ Problems are distinct by expression, so train and test never share a prompt.
 
 from __future__ import annotations
 
-from pathlib import Path
 from random import Random
 
 from hyflow.data.tasks.common import (
@@ -26,7 +25,6 @@ from hyflow.data.tasks.common import (
     make_row,
     parse_operators,
     split_problems,
-    write_splits,
 )
 
 NAME = "arithmetic"
@@ -123,30 +121,3 @@ def _row(numbers, ops, split, index, show_work, instruction, system_prompt, answ
         extra={"question": content, "answer": answer, "expression": expression},
         system_prompt=system_prompt,
     )
-
-
-def make(
-    out_dir: str | Path,
-    *,
-    n_train: int = 2000,
-    n_test: int = 200,
-    seed: int = 0,
-    fmt: str = "parquet",
-    n_operands: int = 2,
-    digits: int = 2,
-    operators: str = "+-",
-    show_work: bool = True,
-    answer_line_rate: float = 1.0,
-    instruction: str = INSTRUCTION,
-    system_prompt: str | None = None,
-) -> dict[str, Path]:
-    """Write `out_dir/train.<fmt>` and `out_dir/test.<fmt>`; return {split: path}.
-
-    `n_operands` numbers of up to `digits` digits joined by `operators` (any of "+-*").
-    """
-    rows = generate(
-        n_train=n_train, n_test=n_test, seed=seed, n_operands=n_operands, digits=digits, operators=operators,
-        show_work=show_work, answer_line_rate=answer_line_rate, instruction=instruction,
-        system_prompt=system_prompt,
-    )
-    return write_splits(rows, out_dir, fmt)

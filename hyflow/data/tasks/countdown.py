@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 from fractions import Fraction
-from pathlib import Path
 from random import Random
 
 from hyflow.data.tasks.common import (
@@ -30,7 +29,6 @@ from hyflow.data.tasks.common import (
     make_row,
     parse_operators,
     split_problems,
-    write_splits,
 )
 
 NAME = "countdown"
@@ -146,31 +144,3 @@ def _row(numbers, target, tree, split, index, rules, extra_truth, system_prompt)
         },
         system_prompt=system_prompt,
     )
-
-
-def make(
-    out_dir: str | Path,
-    *,
-    n_train: int = 2000,
-    n_test: int = 200,
-    seed: int = 0,
-    fmt: str = "parquet",
-    min_numbers: int = 3,
-    max_numbers: int = 4,
-    max_number: int = 20,
-    max_target: int = 100,
-    operators: str = OPERATORS,
-    use_all: bool = True,
-    instruction: str = INSTRUCTION,
-    system_prompt: str | None = None,
-) -> dict[str, Path]:
-    """Write `out_dir/train.<fmt>` and `out_dir/test.<fmt>`; return {split: path}.
-
-    Instances have `min_numbers`..`max_numbers` numbers in [1, `max_number`] and a target in [1, `max_target`].
-    """
-    rows = generate(
-        n_train=n_train, n_test=n_test, seed=seed, min_numbers=min_numbers, max_numbers=max_numbers,
-        max_number=max_number, max_target=max_target, operators=operators, use_all=use_all,
-        instruction=instruction, system_prompt=system_prompt,
-    )
-    return write_splits(rows, out_dir, fmt)

@@ -9,10 +9,9 @@ integers, `"1 3 5 9"`. Lists have `min_len`..`max_len` values drawn uniformly fr
 
 from __future__ import annotations
 
-from pathlib import Path
 from random import Random
 
-from hyflow.data.tasks.common import check_sizes, draw_distinct, make_row, split_problems, write_splits
+from hyflow.data.tasks.common import check_sizes, draw_distinct, make_row, split_problems
 
 NAME = "sorting"
 DATA_SOURCE = "hyflow/sorting"
@@ -61,28 +60,3 @@ def _row(values, split, index, instruction, system_prompt) -> dict:
         extra={"question": content, "answer": f"#### {answer}", "numbers": list(values)},
         system_prompt=system_prompt,
     )
-
-
-def make(
-    out_dir: str | Path,
-    *,
-    n_train: int = 2000,
-    n_test: int = 200,
-    seed: int = 0,
-    fmt: str = "parquet",
-    min_len: int = 3,
-    max_len: int = 6,
-    min_value: int = 0,
-    max_value: int = 9,
-    instruction: str = INSTRUCTION,
-    system_prompt: str | None = None,
-) -> dict[str, Path]:
-    """Write `out_dir/train.<fmt>` and `out_dir/test.<fmt>`; return {split: path}.
-
-    Lists of `min_len`..`max_len` integers in [`min_value`, `max_value`].
-    """
-    rows = generate(
-        n_train=n_train, n_test=n_test, seed=seed, min_len=min_len, max_len=max_len, min_value=min_value,
-        max_value=max_value, instruction=instruction, system_prompt=system_prompt,
-    )
-    return write_splits(rows, out_dir, fmt)
