@@ -97,14 +97,30 @@ def has_own_pool(cfg: HyflowConfig, role: str) -> bool:
     return bool(getattr(cfg, role).enable_resource_pool)
 
 
+def role_is_on(cfg: HyflowConfig, role: str) -> bool:
+    """Whether the run has `role` (critic, reward_model) at all."""
+    return uses_critic(cfg) if role == "critic" else bool(cfg.reward_model.enable)
+
+
+def own_pool_roles(cfg: HyflowConfig) -> list[str]:
+    """The roles (critic, reward_model) this run has that run in pools of their own."""
+    return [role for role in POOL_ROLES if has_own_pool(cfg, role) and role_is_on(cfg, role)]
+
+
+def role_pool_shape(cfg: HyflowConfig, role: str) -> tuple[int, int]:
+    """(nodes, devices per node) of `role`'s own pool: `<role>.nnodes` x `<role>.n_gpus_per_node`, 0 meaning the
+    trainer's value."""
+    section, t = getattr(cfg, role), cfg.trainer
+    return section.nnodes or t.nnodes, section.n_gpus_per_node or t.n_gpus_per_node
+
+
 def role_devices(cfg: HyflowConfig, role: str, n_devices: int | None = None) -> int:
-    """The devices `role` (critic, reward_model) runs on: its own pool's (`<role>.nnodes` x
-    `<role>.n_gpus_per_node`, 0 meaning the trainer's value) with `<role>.enable_resource_pool`, else the
-    actor's (`total_devices`)."""
+    """The devices `role` (critic, reward_model) runs on: its own pool's with `<role>.enable_resource_pool`
+    (`role_pool_shape`), else the actor's (`total_devices`)."""
     if not has_own_pool(cfg, role):
         return total_devices(cfg, n_devices)
-    section, t = getattr(cfg, role), cfg.trainer
-    return (section.nnodes or t.nnodes) * (section.n_gpus_per_node or t.n_gpus_per_node)
+    nodes, per_node = role_pool_shape(cfg, role)
+    return nodes * per_node
 
 
 def ratio(numerator: float, denominator: float) -> float:

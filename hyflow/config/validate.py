@@ -20,6 +20,8 @@ from hyflow.config.arithmetic import (
     POOL_ROLES,
     has_own_pool,
     role_devices,
+    role_is_on,
+    role_pool_shape,
     total_devices,
     uses_critic,
     uses_reference,
@@ -132,8 +134,7 @@ def _check_pools(cfg: HyflowConfig) -> list[str]:
         if cfg.trainer.executor == "local":
             problems.append(f"{role}.enable_resource_pool=true runs the {role} in its own processes, which "
                             "trainer.executor=local cannot do; set trainer.executor=ray (or auto)")
-        on = uses_critic(cfg) if role == "critic" else cfg.reward_model.enable
-        if not on:
+        if not role_is_on(cfg, role):
             problems.append(f"{role}.enable_resource_pool=true, but this run has no {role} (critic: "
                             "algorithm.adv_estimator=gae or critic.enable=true; reward_model.enable=true); "
                             f"drop {role}.enable_resource_pool")
@@ -371,9 +372,8 @@ def _check_positive(values: dict[str, int]) -> list[str]:
 def _devices_words(cfg: HyflowConfig, devices: int, dp: int, role: str = "actor") -> str:
     t = cfg.trainer
     if role == "critic" and has_own_pool(cfg, "critic"):
-        c = cfg.critic
-        source = (f"critic's own pool: critic.nnodes {c.nnodes or t.nnodes} x critic.n_gpus_per_node "
-                  f"{c.n_gpus_per_node or t.n_gpus_per_node}")
+        nodes, per_node = role_pool_shape(cfg, "critic")
+        source = f"critic's own pool: critic.nnodes {nodes} x critic.n_gpus_per_node {per_node}"
     elif devices == t.nnodes * t.n_gpus_per_node:
         source = f"trainer.nnodes {t.nnodes} x trainer.n_gpus_per_node {t.n_gpus_per_node}"
     else:

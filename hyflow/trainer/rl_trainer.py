@@ -49,7 +49,13 @@ from hyflow.config import (
     load_config,
     validate_config,
 )
-from hyflow.config.arithmetic import POOL_ROLES, has_own_pool, role_devices, uses_critic, uses_reference
+from hyflow.config.arithmetic import (
+    own_pool_roles,
+    role_devices,
+    role_pool_shape,
+    uses_critic,
+    uses_reference,
+)
 from hyflow.controller import make_colocated_class, make_worker_group
 from hyflow.data.rl_dataset import PromptLoader, RLDataset
 from hyflow.models.loading import load_tokenizer
@@ -80,9 +86,7 @@ class RLTrainer:
         validate_config(self.config)
         cfg = self.config
         self.n_devices = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node  # the actor's (and colocated roles')
-        own_pools = [role for role in POOL_ROLES if has_own_pool(cfg, role) and
-                     (uses_critic(cfg) if role == "critic" else cfg.reward_model.enable)]
-        self.total_devices = self.n_devices + sum(role_devices(cfg, role) for role in own_pools)
+        self.total_devices = self.n_devices + sum(role_devices(cfg, role) for role in own_pool_roles(cfg))
         self.executor = cfg.trainer.executor if cfg.trainer.executor != "auto" else (
             "local" if self.total_devices == 1 else "ray")
         if self.executor == "local" and self.n_devices > 1:
@@ -159,8 +163,8 @@ class RLTrainer:
             roles["critic"], role_kwargs["critic"] = CriticWorker, {"config": cfg}
         if cfg.reward_model.enable:
             roles["rm"], role_kwargs["rm"] = RewardModelWorker, {"config": cfg, "tokenizer": self.tokenizer}
-        sections = {"critic": "critic", "rm": "reward_model"}
-        separate = [role for role in roles if role in sections and has_own_pool(cfg, sections[role])]
+        sections = {"critic": "critic", "rm": "reward_model"}  # worker role -> its config section
+        separate = [role for role in roles if sections.get(role) in own_pool_roles(cfg)]
         colocated = {role: cls for role, cls in roles.items() if role not in separate}
         t = cfg.trainer
         self.workers = self.worker_group(make_colocated_class(colocated, name="HybridWorker"), t.nnodes,
@@ -168,10 +172,8 @@ class RLTrainer:
         self.groups = [self.workers]
         views = {role: self.workers.role(role) for role in colocated}
         for role in separate:
-            section = getattr(cfg, sections[role])
             group = self.worker_group(make_colocated_class({role: roles[role]}, name=f"{roles[role].__name__}Host"),
-                                      section.nnodes or t.nnodes, section.n_gpus_per_node or t.n_gpus_per_node,
-                                      **{role: role_kwargs[role]})
+                                      *role_pool_shape(cfg, sections[role]), **{role: role_kwargs[role]})
             self.groups.append(group)
             views[role] = group.role(role)
         self.actor = views["actor"]
