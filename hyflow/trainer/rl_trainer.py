@@ -583,11 +583,9 @@ class RLTrainer:
                 saved = sharded[name].get("contents", [])
                 group.load_sharded_checkpoint(str(sharded[name]["path"]), contents)
             elif f"{name}_model" in components:
-                saved = [part for part, key in (("optimizer", "optimizer"), ("extra", "scheduler"))
-                         if f"{name}_{key}" in components] + ["model"]
-                keep = {"model"} | {"optimizer"} & set(contents) | ({"scheduler"} if "extra" in contents else set())
-                group.load_state_dict({f"{name}_{k}": components[f"{name}_{k}"] for k in keep
-                                       if f"{name}_{k}" in components})
+                saved = ["model"] + [part for part, key in (("optimizer", "optimizer"), ("extra", "scheduler"))
+                                     if f"{name}_{key}" in components]
+                group.load_state_dict({k: v for k, v in components.items() if k.startswith(f"{name}_")}, contents)
             else:
                 raise ValueError(
                     f"checkpoint {path} holds no {name} state (it was saved by a run without a {name}), but this "

@@ -517,12 +517,15 @@ def training_state_components(prefix: str, model, optimizer, scheduler, rank: in
     return out
 
 
-def load_training_state_components(prefix: str, model, optimizer, scheduler, components: dict) -> None:
-    """Restore what `training_state_components` returned, saved at any world size (absent parts stay as they are)."""
+def load_training_state_components(prefix: str, model, optimizer, scheduler, components: dict,
+                                   contents=CHECKPOINT_CONTENTS) -> None:
+    """Restore what `training_state_components` returned, saved at any world size: the model, and the optimizer /
+    LR schedule when `contents` has "optimizer" / "extra" and `components` holds them (else they stay as they
+    are)."""
     load_full_state_dict(model, components[f"{prefix}_model"])
-    if f"{prefix}_optimizer" in components:
+    if "optimizer" in contents and f"{prefix}_optimizer" in components:
         load_full_optimizer_state_dict(model, optimizer, components[f"{prefix}_optimizer"])
-    if f"{prefix}_scheduler" in components:
+    if "extra" in contents and f"{prefix}_scheduler" in components:
         scheduler.load_state_dict(components[f"{prefix}_scheduler"])
 
 
@@ -566,10 +569,10 @@ class TrainingStateCheckpoints:
                                          self.rank, contents)
 
     @register(Dispatch.REPLICATE)
-    def load_state_dict(self, components: dict) -> None:
-        """Restore what `state_dict` returned (saved at any world size)."""
+    def load_state_dict(self, components: dict, contents=CHECKPOINT_CONTENTS) -> None:
+        """Restore what `state_dict` returned (saved at any world size); `contents` as in `state_dict`."""
         load_training_state_components(self.checkpoint_prefix, self.model, self.optimizer, self.scheduler,
-                                       components)
+                                       components, contents)
         self.after_weights_loaded()
 
     @register(Dispatch.REPLICATE)
