@@ -251,16 +251,11 @@ def export_checkpoint(
     ckpt = Path(ckpt_dir).expanduser()
     verify_checkpoint(ckpt)
     manifest = read_manifest(ckpt)
+    held = [*manifest["components"], *_sharded_model_components(manifest)]
     if component is None:  # the policy of an RL run, or the model of an SFT run
-        known = [*manifest["components"], *_sharded_model_components(manifest)]
-        component = next((c for c in DEFAULT_COMPONENTS if c in known), DEFAULT_COMPONENTS[0])
-    if (
-        component not in manifest["components"]
-        and component not in _sharded_model_components(manifest)
-        and (manifest.get("huggingface") or {}).get("component") != component
-    ):
-        held = sorted([*manifest["components"], *_sharded_model_components(manifest)])
-        raise KeyError(f"{ckpt} has no component {component!r}; it holds {held}")
+        component = next((c for c in DEFAULT_COMPONENTS if c in held), DEFAULT_COMPONENTS[0])
+    if component not in held and (manifest.get("huggingface") or {}).get("component") != component:
+        raise KeyError(f"{ckpt} has no component {component!r}; it holds {sorted(held)}")
     out = _prepare_out_dir(out_dir)
     base = resolve_model_path(base_model_path, config_key="base_model_path") if base_model_path else None
     tmp = out.parent / f".tmp_export_{out.name}_{os.getpid()}"
