@@ -19,11 +19,24 @@ def _algorithm_catalog():
     )
 
 
+def _component_catalog():
+    """The config layer's view of the logger, reward-manager and rollout-engine registries."""
+    import hyflow.rollout.hf  # noqa: F401  (registers the "hf" engine)
+    from hyflow.config.catalog import ComponentCatalog
+    from hyflow.rewards.managers import REWARD_MANAGERS
+    from hyflow.rollout.base import ENGINES
+    from hyflow.trainer.tracking import logger_packages
+
+    return ComponentCatalog(loggers=logger_packages(), reward_managers=frozenset(REWARD_MANAGERS),
+                            rollout_engines=frozenset(ENGINES))
+
+
 def _install_catalog() -> None:
     # The package root sits above both layers, so it is the one place allowed to connect config and algos.
-    from hyflow.config.catalog import set_catalog_provider
+    from hyflow.config.catalog import set_catalog_provider, set_component_provider
 
     set_catalog_provider(_algorithm_catalog)
+    set_component_provider(_component_catalog)
 
 
 _install_catalog()

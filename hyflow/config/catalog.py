@@ -40,3 +40,31 @@ def algorithm_catalog() -> AlgorithmCatalog | None:
     """The catalog from the installed provider (built on each call: the registries may grow at any time, and
     reading them is cheap), or None without a provider."""
     return None if _provider is None else _provider()
+
+
+# ------------------------------------------------------------------------ loggers, reward managers, engines
+
+
+@dataclass(frozen=True)
+class ComponentCatalog:
+    """Names the config checks against the registries above it: `trainer.logger` entries (name -> the package it
+    imports and how to install it, None = built in), `reward_model.reward_manager` names and
+    `actor_rollout_ref.rollout.name` engine names (registered in this install)."""
+
+    loggers: Mapping[str, tuple[str, str] | None]
+    reward_managers: frozenset[str]
+    rollout_engines: frozenset[str]
+
+
+_component_provider: Callable[[], ComponentCatalog] | None = None
+
+
+def set_component_provider(provider: Callable[[], ComponentCatalog] | None) -> None:
+    """Install the function that builds the component catalog; None removes it."""
+    global _component_provider
+    _component_provider = provider
+
+
+def component_catalog() -> ComponentCatalog | None:
+    """The component catalog from the installed provider, or None without one (names are then not checked)."""
+    return None if _component_provider is None else _component_provider()

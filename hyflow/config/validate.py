@@ -26,9 +26,10 @@ from hyflow.config.arithmetic import (
     uses_critic,
     uses_reference,
 )
-from hyflow.config.catalog import algorithm_catalog
+from hyflow.config.catalog import algorithm_catalog, component_catalog
 from hyflow.config.keys import ConfigError
 from hyflow.config.schema import HyflowConfig
+from hyflow.config.support import not_supported_problems
 
 # Estimators whose baseline comes from the other samples of the same prompt (need rollout.n > 1).
 GROUP_ESTIMATORS = frozenset(
@@ -57,6 +58,7 @@ def validate_config(cfg: HyflowConfig, n_devices: int | None = None) -> None:
     problems: list[str] = []
     problems += _check_choices(cfg, cfg, "")
     problems += _check_registered_names(cfg)
+    problems += _check_component_names(cfg)
     device_problems = _check_devices(cfg, n_devices)
     problems += device_problems
     if not device_problems:
@@ -87,38 +89,10 @@ def validate_config(cfg: HyflowConfig, n_devices: int | None = None) -> None:
 
 
 def _check_not_built(cfg: HyflowConfig) -> list[str]:
-    """verl features that hyflow accepts by name but has not built yet: an error when asked for, not a surprise."""
-    arr = cfg.actor_rollout_ref
-    asked = {
-        "actor_rollout_ref.model.lora_rank": arr.model.lora_rank > 0,
-        "critic.model.lora_rank": cfg.critic.model.lora_rank > 0,
-        "actor_rollout_ref.actor.ulysses_sequence_parallel_size": arr.actor.ulysses_sequence_parallel_size > 1,
-        "actor_rollout_ref.model.use_liger": arr.model.use_liger,
-        "actor_rollout_ref.model.enable_activation_offload": arr.model.enable_activation_offload,
-        "actor_rollout_ref.actor.fsdp_config.param_offload": arr.actor.fsdp_config.param_offload,
-        "actor_rollout_ref.actor.fsdp_config.optimizer_offload": arr.actor.fsdp_config.optimizer_offload,
-        "actor_rollout_ref.rollout.multi_turn.enable": arr.rollout.multi_turn.enable,
-        "algorithm.use_pf_ppo": cfg.algorithm.use_pf_ppo,
-        "actor_rollout_ref.actor.checkpoint.async_save": arr.actor.checkpoint.async_save,
-        "critic.checkpoint.async_save": cfg.critic.checkpoint.async_save,
-        "trainer.default_hdfs_dir": bool(cfg.trainer.default_hdfs_dir),
-        "trainer.del_local_ckpt_after_load": cfg.trainer.del_local_ckpt_after_load,
-        "reward_model.sandbox_fusion.url": bool(cfg.reward_model.sandbox_fusion.url),
-        "data.sampler.class_path": bool(cfg.data.sampler.class_path),
-        "actor_rollout_ref.model.hf_config_path": bool(arr.model.hf_config_path),
-        "actor_rollout_ref.rollout.ignore_eos": arr.rollout.ignore_eos,
-    }
-    for prefix, fsdp, devices in (
-        ("actor_rollout_ref.actor.fsdp_config", arr.actor.fsdp_config, total_devices(cfg)),
-        ("actor_rollout_ref.ref.fsdp_config", arr.ref.fsdp_config, total_devices(cfg)),
-        ("critic.model.fsdp_config", cfg.critic.model.fsdp_config, role_devices(cfg, "critic")),
-        ("reward_model.model.fsdp_config", cfg.reward_model.model.fsdp_config, role_devices(cfg, "reward_model")),
-    ):
-        asked[f"{prefix}.offload_policy"] = fsdp.offload_policy
-        asked[f"{prefix}.fsdp_size"] = fsdp.fsdp_size not in (-1, devices)  # hybrid sharding (HSDP)
-        asked[f"{prefix}.wrap_policy.min_num_params"] = fsdp.wrap_policy.min_num_params > 0
-    return [f"{key} is not supported by this hyflow version yet; leave it at its default" for key, on in asked.items()
-            if on]
+    """verl features that hyflow accepts by name but has not built yet: an error when asked for, not a surprise.
+
+    The keys, their reasons and what counts as asking live in one table, `hyflow.config.support`."""
+    return not_supported_problems(cfg)
 
 
 def _check_pools(cfg: HyflowConfig) -> list[str]:
@@ -187,6 +161,51 @@ def _check_registered_names(cfg: HyflowConfig) -> list[str]:
     if loss_mode not in catalog.policy_losses:
         problems.append(_not_one_of(f"{A}.policy_loss.loss_mode", loss_mode, sorted(catalog.policy_losses)))
     return problems
+
+
+def _check_component_names(cfg: HyflowConfig) -> list[str]:
+    """trainer.logger, reward_model.reward_manager and rollout.name against their registries (see catalog.py)."""
+    catalog = component_catalog()
+    if catalog is None:  # config-only use: nothing to check the names against
+        return []
+    problems = check_loggers(cfg.trainer.logger)
+    manager = cfg.reward_model.reward_manager
+    if manager not in catalog.reward_managers:
+        problems.append(_not_one_of("reward_model.reward_manager", manager, sorted(catalog.reward_managers)))
+    engine = cfg.actor_rollout_ref.rollout.name
+    if engine not in catalog.rollout_engines and engine in _field_choices(cfg.actor_rollout_ref.rollout, "name"):
+        # A name the schema knows (its choices are checked separately) whose engine this install lacks.
+        problems.append(f"{R}.name={engine} needs an engine that is not installed or not built in this hyflow "
+                        f"version (installed: {', '.join(sorted(catalog.rollout_engines))}); set {R}.name=hf")
+    return problems
+
+
+def check_loggers(loggers: Any, key: str = "trainer.logger") -> list[str]:
+    """Unknown logger names, and loggers whose package is missing (found without importing it), as problems."""
+    import importlib.util
+
+    catalog = component_catalog()
+    if catalog is None:
+        return []
+    names = [loggers] if isinstance(loggers, str) else list(loggers or [])
+    problems = []
+    for name in dict.fromkeys(names):
+        if name not in catalog.loggers:
+            close = difflib.get_close_matches(str(name), list(catalog.loggers), n=1, cutoff=0.5)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            problems.append(f"{key} has an unknown logger {name!r}; valid loggers: {', '.join(catalog.loggers)}."
+                            f"{hint} Fix or remove it in {key}.")
+            continue
+        needs = catalog.loggers[name]
+        if needs is not None and importlib.util.find_spec(needs[0]) is None:
+            problems.append(f"{key} includes {name!r} but the {needs[0]} package is not installed: {needs[1]}, "
+                            f"or remove {name} from {key}")
+    return problems
+
+
+def _field_choices(section: Any, name: str) -> tuple[Any, ...]:
+    field = next(f for f in dataclasses.fields(section) if f.name == name)
+    return tuple(field.metadata.get("choices", ()))
 
 
 def _not_one_of(key: str, value: Any, choices: Any) -> str:

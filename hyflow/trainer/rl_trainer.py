@@ -56,6 +56,7 @@ from hyflow.config.arithmetic import (
     uses_critic,
     uses_reference,
 )
+from hyflow.config.support import performance_only_warning
 from hyflow.controller import make_colocated_class, make_worker_group
 from hyflow.data.rl_dataset import PromptLoader, RLDataset
 from hyflow.models.loading import load_tokenizer
@@ -85,6 +86,8 @@ class RLTrainer:
         self.config = config if isinstance(config, HyflowConfig) else load_config(list(config or []))
         validate_config(self.config)
         cfg = self.config
+        if (accepted := performance_only_warning(cfg)) is not None:
+            print(accepted)  # once, at start: keys that only change speed or memory (hyflow.config.support)
         self.n_devices = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node  # the actor's (and colocated roles')
         self.total_devices = self.n_devices + sum(role_devices(cfg, role) for role in own_pool_roles(cfg))
         self.executor = cfg.trainer.executor if cfg.trainer.executor != "auto" else (
@@ -97,7 +100,8 @@ class RLTrainer:
                              "(make a tiny one with: hyflow init-model --preset tiny --out DIR)")
         self.tokenizer = tokenizer or load_tokenizer(cfg.actor_rollout_ref.model.tokenizer_path
                                                      or cfg.actor_rollout_ref.model.path,
-                                                     trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+                                                     trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code
+                                                     or cfg.data.trust_remote_code)
         self.train_dataset = self._dataset(train_dataset, cfg.data.train_files, cfg.data.train_max_samples, "train")
         self.val_dataset = self._dataset(val_dataset, cfg.data.val_files, cfg.data.val_max_samples, "val")
         self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
@@ -469,9 +473,11 @@ class RLTrainer:
         params = self.sampling_params(validate=True, seed=cfg.trainer.seed)
         sources, uids, preds, rows = [], [], [], []
         scores: dict[str, list] = {"reward": []}
+        order = validation_order(len(ds), cfg.data.validation_shuffle, cfg.data.seed or cfg.trainer.seed)
         for start in range(0, len(ds), size):
-            prompts = ds.collate([ds[i] for i in range(start, min(start + size, len(ds)))])
-            prompts["uid"] = [f"val-{i}" for i in range(start, start + len(prompts))]
+            indices = order[start : start + size]
+            prompts = ds.collate([ds[i] for i in indices])
+            prompts["uid"] = [f"val-{i}" for i in indices]
             batch = self.generate(prompts, params)
             self.score(batch, self.val_reward_manager)
             seq_scores = batch["token_level_scores"].sum(-1).tolist()
@@ -602,6 +608,15 @@ class RLTrainer:
         if "rng" in state and "extra" in self.config.actor_rollout_ref.actor.checkpoint.load_contents:
             restore_rng_state(state["rng"])
         print(f"resumed from {path} at step {self.global_step}")
+
+
+def validation_order(size: int, shuffle: bool, seed: int) -> list[int]:
+    """The order in which validation prompts are generated (data.validation_shuffle): file order, or a
+    permutation drawn from a generator seeded with `seed` (data.seed or trainer.seed), the same at every
+    validation of a run. Metrics cover the whole set either way; the order changes how prompts are batched."""
+    if not shuffle:
+        return list(range(size))
+    return torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def run_rl(overrides: Sequence[str], config_file: str | None = None) -> list[dict]:

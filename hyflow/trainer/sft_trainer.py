@@ -42,6 +42,8 @@ from hyflow.batch import Batch
 from hyflow.config.keys import ConfigError
 from hyflow.config.loader import config_to_dict, config_to_yaml
 from hyflow.config.sft_schema import SFTConfig, load_sft_config, validate_sft_config
+from hyflow.config.support import not_supported_problems, performance_only_warning
+from hyflow.config.validate import check_loggers
 from hyflow.data.rl_dataset import PromptLoader
 from hyflow.data.sft_dataset import SFTDataset
 from hyflow.models.forward import backbone_hidden_states, lm_head_logprobs, unwrap_model
@@ -85,6 +87,18 @@ def accumulate_sft_gradients(model: torch.nn.Module, micro_batches: Sequence[Bat
     return total
 
 
+def _check_keys_and_names(cfg: SFTConfig) -> None:
+    """Before anything loads: keys this version does not support and trainer.logger (names, missing packages)
+    are one ConfigError; keys that only change speed or memory are named once on stdout."""
+    problems = not_supported_problems(cfg) + check_loggers(cfg.trainer.logger)
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} problems in the SFT config:\n" + "\n".join(f"  - {p}" for p in problems))
+    if (accepted := performance_only_warning(cfg)) is not None:
+        print(accepted)
+
+
 class SFTTrainer:
     """Fine-tune `model.partial_pretrain` on `data.train_files` (or the objects passed in); `fit()` runs it."""
 
@@ -96,6 +110,7 @@ class SFTTrainer:
         else:
             self.config = load_sft_config(list(config or ()))
         cfg = self.config
+        _check_keys_and_names(cfg)
         _seed_everything(cfg.trainer.seed)
         self.device = _resolve_device(cfg.trainer.device)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()

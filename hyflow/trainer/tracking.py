@@ -347,6 +347,14 @@ class SwanlabLogger:
 # ------------------------------------------------------------------------------------ tracker
 
 
+def logger_packages() -> dict[str, tuple[str, str] | None]:
+    """Every logger name -> (the package it imports, how to install it), or None for the built-in ones.
+
+    The config layer checks `trainer.logger` against this at validation (names, and missing packages before any
+    model loads); the package root hands it over (hyflow/__init__.py)."""
+    return {name: (name, _INSTALL_HINTS[name]) if name in _INSTALL_HINTS else None for name in VALID_LOGGERS}
+
+
 def check_logger_names(loggers: Sequence[str]) -> tuple[str, ...]:
     """The logger names without duplicates, in order; an unknown name is a ValueError naming the valid ones."""
     if isinstance(loggers, str):

@@ -1,0 +1,345 @@
+"""Which config keys hyflow accepts without acting on them: the one table of "not supported yet" and
+"performance-only" keys.
+
+Every leaf of the RL schema (`HyflowConfig`) and the SFT schema (`SFTConfig`) is exactly one of:
+
+- read by the code that runs (the default: no entry here);
+- `NOT_SUPPORTED`: a verl feature hyflow has not built, or a knob that would change results and that hyflow
+  cannot honour. Asking for it (a non-default value, or what the entry's `asked` predicate says) is a
+  ConfigError `"<key> is not supported by this hyflow version yet (got VALUE): <reason>"`;
+- `PERFORMANCE_ONLY`: a knob that only changes speed or memory (or that only matters for a feature that is off
+  or refused elsewhere), so hyflow's results are the same whatever it holds. Setting it is accepted, and the
+  trainer prints one line at start naming every such key that was set (`performance_only_warning`).
+
+`tests/config/test_key_support.py` walks every leaf of both schemas and fails on a key that is in neither this
+table nor read by hyflow's code, and on an entry here that names a key the code reads.
+
+The verl-0.10-names module (`hyflow.config.verl_compat`, when present) adds its own entries through two dicts,
+`PERFORMANCE_ONLY_KEYS` and `NOT_SUPPORTED_KEYS` (key -> reason); they are merged in below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+NOT_SUPPORTED = "not_supported"
+PERFORMANCE_ONLY = "performance_only"
+
+RL, SFT = "rl", "sft"
+
+WARNING_PREFIX = "hyflow: performance-only key(s) accepted, results unchanged:"
+
+
+@dataclass(frozen=True)
+class KeySupport:
+    """One key that hyflow accepts by name but does not act on.
+
+    `asked(cfg) -> bool` says whether the config asks for the key's effect; None = its value differs from the
+    schema's default. `schema` is RL (`HyflowConfig`) or SFT (`SFTConfig`).
+    """
+
+    key: str
+    kind: str
+    reason: str
+    asked: Callable[[Any], bool] | None = None
+    schema: str = RL
+
+
+def _unsupported(key: str, reason: str, asked: Callable[[Any], bool] | None = None, schema: str = RL) -> KeySupport:
+    return KeySupport(key, NOT_SUPPORTED, reason, asked, schema)
+
+
+def _performance(key: str, reason: str, asked: Callable[[Any], bool] | None = None, schema: str = RL) -> KeySupport:
+    return KeySupport(key, PERFORMANCE_ONLY, reason, asked, schema)
+
+
+ARR = "actor_rollout_ref"
+FSDP_SECTIONS = (f"{ARR}.actor.fsdp_config", f"{ARR}.ref.fsdp_config", "critic.model.fsdp_config",
+                 "reward_model.model.fsdp_config")
+# The role whose devices an FSDP section shards over (for fsdp_size: -1 or that many devices is plain FSDP).
+_FSDP_ROLE = {f"{ARR}.actor.fsdp_config": None, f"{ARR}.ref.fsdp_config": None,
+              "critic.model.fsdp_config": "critic", "reward_model.model.fsdp_config": "reward_model"}
+
+LEAVE = "leave it at its default"
+ONLY_WITH_LORA = "only used with lora_rank > 0, which is not supported yet"
+ONLY_MULTIMODAL = "multimodal rows are refused at load (DataError), so this has nothing to act on"
+VLLM_ONLY = "a vllm/sglang engine knob; the hf engine does not use it and generates the same samples"
+
+
+def _fsdp_size_asked(section: str) -> Callable[[Any], bool]:
+    def asked(cfg: Any) -> bool:
+        from hyflow.config.arithmetic import role_devices, total_devices
+
+        role = _FSDP_ROLE[section]
+        devices = total_devices(cfg) if role is None else role_devices(cfg, role)
+        return lookup(cfg, f"{section}.fsdp_size") not in (-1, devices)  # anything else is hybrid sharding (HSDP)
+
+    return asked
+
+
+def _fsdp_entries() -> list[KeySupport]:
+    entries = []
+    for s in FSDP_SECTIONS:
+        entries += [
+            _unsupported(f"{s}.offload_policy", "FSDP2's CPUOffloadPolicy is not wired (and needs an accelerator); "
+                         + LEAVE),
+            _unsupported(f"{s}.fsdp_size", "hybrid sharding (HSDP) is not built; use -1 (shard over all the "
+                         "role's devices)", _fsdp_size_asked(s)),
+            _unsupported(f"{s}.wrap_policy.min_num_params", "hyflow always wraps each transformer layer; " + LEAVE),
+            _unsupported(f"{s}.seed", "hyflow seeds model set-up with trainer.seed; set trainer.seed instead"),
+            _performance(f"{s}.param_offload", "hyflow keeps parameters on the device (no CPU offload yet): same "
+                         "results, more device memory"),
+            _performance(f"{s}.optimizer_offload", "hyflow keeps optimizer state on the device (no CPU offload "
+                         "yet): same results, more device memory"),
+            _performance(f"{s}.forward_prefetch", "FSDP2 prefetch order only changes overlap, not the numbers"),
+            _performance(f"{s}.use_orig_params", "an FSDP1 option; FSDP2 always keeps the original parameters"),
+        ]
+    for s in FSDP_SECTIONS[:3]:  # the reward model reads its model_dtype; the trained roles keep fp32 masters
+        entries.append(_unsupported(f"{s}.model_dtype", "hyflow keeps fp32 master weights for this role "
+                                    "(mixed precision follows fsdp_config.dtype); use fp32",
+                                    lambda cfg, s=s: lookup(cfg, f"{s}.model_dtype") not in ("fp32", "float32")))
+    return entries
+
+
+def _engine_kwargs_unsupported(cfg: Any) -> bool:
+    """Engine arguments for the engine that runs (the hf engine takes none), or for an unknown engine name."""
+    kwargs = dict(cfg.actor_rollout_ref.rollout.engine_kwargs or {})
+    name = cfg.actor_rollout_ref.rollout.name
+    return bool(kwargs.get(name)) or any(v for k, v in kwargs.items() if k not in ("vllm", "sglang", name))
+
+
+def _engine_kwargs_irrelevant(cfg: Any) -> bool:
+    """vllm/sglang arguments while another engine runs: they have nothing to act on."""
+    kwargs = dict(cfg.actor_rollout_ref.rollout.engine_kwargs or {})
+    name = cfg.actor_rollout_ref.rollout.name
+    return any(kwargs.get(other) for other in ("vllm", "sglang") if other != name)
+
+
+def _hf_engine(cfg: Any) -> bool:
+    return cfg.actor_rollout_ref.rollout.name == "hf"
+
+
+def _vllm_knob(key: str) -> KeySupport:
+    """A vllm/sglang engine setting: speed/memory of an engine hyflow does not run with rollout.name=hf."""
+    return _performance(f"{ARR}.rollout.{key}", VLLM_ONLY,
+                        lambda cfg: _non_default(cfg, f"{ARR}.rollout.{key}") and _hf_engine(cfg))
+
+
+R, A, M = f"{ARR}.rollout", f"{ARR}.actor", f"{ARR}.model"
+
+_TABLE: list[KeySupport] = [
+    # ------------------------------------------------------------------ features not built yet
+    _unsupported(f"{M}.lora_rank", "LoRA is not built yet; " + LEAVE, lambda cfg: lookup(cfg, f"{M}.lora_rank") > 0),
+    _unsupported("critic.model.lora_rank", "LoRA is not built yet; " + LEAVE,
+                 lambda cfg: cfg.critic.model.lora_rank > 0),
+    _unsupported(f"{M}.lora_adapter_path", "LoRA (and loading adapters) is not built yet; merge the adapter into "
+                 "the model (peft's merge_and_unload) and pass the merged directory as actor_rollout_ref.model.path"),
+    _unsupported(f"{A}.ulysses_sequence_parallel_size", "sequence parallelism is not built yet; use 1",
+                 lambda cfg: lookup(cfg, f"{A}.ulysses_sequence_parallel_size") > 1),
+    _unsupported(f"{ARR}.ref.ulysses_sequence_parallel_size", "sequence parallelism is not built yet; use 1",
+                 lambda cfg: cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size > 1
+                 and cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size
+                 != cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size),  # else reported for the actor
+    _unsupported(f"{M}.use_liger", "Liger kernels are not wired; " + LEAVE),
+    _unsupported(f"{M}.enable_activation_offload", "activation offload is not built yet; " + LEAVE),
+    _unsupported("critic.model.enable_activation_offload", "activation offload is not built yet; " + LEAVE),
+    _unsupported(f"{R}.multi_turn.enable", "the multi-turn agent loop is not built yet; " + LEAVE),
+    _unsupported("algorithm.use_pf_ppo", "PF-PPO resampling is not built yet; " + LEAVE),
+    _unsupported(f"{A}.checkpoint.async_save", "checkpoints are written synchronously; " + LEAVE),
+    _unsupported("critic.checkpoint.async_save", "checkpoints are written synchronously; " + LEAVE),
+    _unsupported("trainer.default_hdfs_dir", "HDFS copies are not built yet; " + LEAVE),
+    _unsupported("trainer.del_local_ckpt_after_load", "it needs default_hdfs_dir, which is not built yet; " + LEAVE),
+    _unsupported("reward_model.sandbox_fusion.url", "Sandbox Fusion is not wired; code runs in hyflow's local "
+                 "sandbox; " + LEAVE),
+    _unsupported("data.sampler.class_path", "custom samplers are not built yet; " + LEAVE),
+    _unsupported("data.sampler.class_name", "custom samplers are not built yet; " + LEAVE),
+    _unsupported(f"{M}.hf_config_path", "the model's config.json is read from actor_rollout_ref.model.path; "
+                 + LEAVE),
+    _unsupported(f"{R}.ignore_eos", "generation always stops at end-of-sequence; " + LEAVE),
+    _unsupported("data.tool_config_path", "tool schemas in the chat template come with the multi-turn agent loop, "
+                 "which is not built yet; " + LEAVE),
+    _unsupported("data.tokenizer", "hyflow tokenizes prompts with the policy's tokenizer; set "
+                 "actor_rollout_ref.model.tokenizer_path instead"),
+    _unsupported(f"{ARR}.hybrid_engine", "actor, rollout and reference always share devices in hyflow; use true",
+                 lambda cfg: cfg.actor_rollout_ref.hybrid_engine is not True),
+    _unsupported(f"{M}.external_lib", "only reward_model.model.external_lib is imported so far; import your "
+                 "module in a .pth file or sitecustomize instead"),
+    _unsupported("critic.model.external_lib", "only reward_model.model.external_lib is imported so far; import "
+                 "your module in a .pth file or sitecustomize instead"),
+    _unsupported(f"{R}.engine_kwargs", "the hf engine takes no engine arguments (the vllm and sglang sub-dicts "
+                 "are for those engines)", _engine_kwargs_unsupported),
+    *_fsdp_entries(),
+    # ------------------------------------------------------------------ speed / memory only
+    _performance(f"{R}.engine_kwargs", "vllm/sglang engine arguments with rollout.name=hf: not used",
+                 _engine_kwargs_irrelevant),
+    _performance(f"{R}.mode", "verl 0.10 has only async (server) rollouts; hyflow's engine decodes each batch "
+                 "in one call either way and single-turn samples are the same"),
+    _performance(f"{R}.tensor_model_parallel_size", "the hf engine runs one full copy per device",
+                 lambda cfg: _hf_engine(cfg) and lookup(cfg, f"{R}.tensor_model_parallel_size") != 1),
+    *(_vllm_knob(k) for k in ("gpu_memory_utilization", "enforce_eager", "data_parallel_size",
+                              "expert_parallel_size", "pipeline_model_parallel_size", "max_num_batched_tokens",
+                              "max_model_len", "enable_chunked_prefill", "enable_prefix_caching", "load_format",
+                              "free_cache_engine")),
+    _performance(f"{A}.use_torch_compile", "hyflow does not torch.compile the log-prob kernel (eager: same "
+                 "numbers, slower)"),
+    _performance(f"{ARR}.ref.use_torch_compile", "hyflow does not torch.compile the log-prob kernel (eager: same "
+                 "numbers, slower)", lambda cfg: cfg.actor_rollout_ref.ref.use_torch_compile
+                 != cfg.actor_rollout_ref.actor.use_torch_compile),  # else named for the actor
+    _performance("reward_model.strategy", "hyflow runs a full copy of the reward model on each of its ranks "
+                 "(inference only: the same scores as sharded)",
+                 lambda cfg: cfg.reward_model.strategy != cfg.actor_rollout_ref.actor.strategy),
+    _performance("reward_model.model.fsdp_config.reshard_after_forward", "the reward model is not sharded (see "
+                 "reward_model.strategy)"),
+    _performance(f"{M}.use_fused_kernels", "hyflow computes log-probs and entropy from the full logits; the fused "
+                 "kernel gives the same values with less memory"),
+    _performance(f"{M}.fused_kernel_options.impl_backend", "only for use_fused_kernels (see there)"),
+    _performance(f"{A}.use_prefix_grouper", "sharing the prompt's forward pass saves compute; the log-probs are "
+                 "the same"),
+    _performance(f"{A}.entropy_from_logits_with_chunking", "chunked entropy saves memory; same values"),
+    _performance(f"{A}.entropy_checkpointing", "recomputing entropy saves memory; same values"),
+    _performance(f"{A}.calculate_entropy", "hyflow computes entropy when the loss or its metrics need it; "
+                 "training is the same"),
+    _performance(f"{A}.freeze_vision_tower", "hyflow trains text-only causal LMs (multimodal rows are refused)"),
+    _performance(f"{M}.use_remove_padding", "hyflow trims each micro-batch to its real tokens instead of "
+                 "packing; same values"),
+    _performance("critic.model.use_remove_padding", "hyflow trims each micro-batch to its real tokens instead "
+                 "of packing; same values"),
+    _performance(f"{M}.use_shm", "copying the model to /dev/shm only speeds up loading"),
+    _performance("data.use_shm", "copying the data to /dev/shm only speeds up loading"),
+    _performance("data.dataloader_num_workers", "hyflow loads prompts in the main process (the data is "
+                 "tokenized once at load); the batches are the same"),
+    _performance("data.filter_overlong_prompts_workers", "filtering runs in one process; same prompts kept"),
+    _performance("reward_model.launch_reward_fn_async", "scoring in the background overlaps time only; the "
+                 "rewards are the same (reward_model.num_workers parallelises scoring)"),
+    _performance(f"{A}.optim.total_training_steps", "filled in by the trainer from the run length (verl "
+                 "overwrites it too)"),
+    _performance("critic.optim.total_training_steps", "filled in by the trainer from the run length (verl "
+                 "overwrites it too)"),
+    *(_performance(f"{M}.{k}", ONLY_WITH_LORA) for k in ("lora_alpha", "target_modules", "exclude_modules")),
+    *(_performance(f"critic.model.{k}", ONLY_WITH_LORA) for k in ("lora_alpha", "target_modules")),
+    *(_performance(f"data.{k}", "an extra batch column that hyflow's reward model and rollout do not need "
+                   "(they re-template from the prompt themselves)")
+      for k in ("return_raw_input_ids", "return_raw_chat", "return_full_prompt")),
+    _performance("data.image_patch_size", ONLY_MULTIMODAL),
+    _performance("data.return_multi_modal_inputs", ONLY_MULTIMODAL),
+    *(_performance(f"{R}.multi_turn.{k}", "only used with multi_turn.enable, which is not supported yet")
+      for k in ("max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_length",
+                "tool_response_truncate_side", "tool_config_path", "interaction_config_path", "format")),
+    *(_performance(f"reward_model.sandbox_fusion.{k}", "only used with sandbox_fusion.url, which is not "
+                   "supported yet") for k in ("max_concurrent", "memory_limit_mb")),
+    *(_performance(f"algorithm.pf_ppo.{k}", "only used with algorithm.use_pf_ppo, which is not supported yet")
+      for k in ("reweight_method", "weight_pow")),
+]
+
+
+def _merged_table() -> tuple[KeySupport, ...]:
+    """hyflow's own entries plus those of `hyflow.config.verl_compat` (verl 0.10's names), when it exists."""
+    entries = list(_TABLE)
+    try:
+        compat = importlib.import_module("hyflow.config.verl_compat")
+    except ModuleNotFoundError as exc:
+        if exc.name != "hyflow.config.verl_compat":
+            raise
+        return tuple(entries)
+    own = {(e.key, e.kind) for e in entries}
+    for kind, extra in ((PERFORMANCE_ONLY, getattr(compat, "PERFORMANCE_ONLY_KEYS", {})),
+                        (NOT_SUPPORTED, getattr(compat, "NOT_SUPPORTED_KEYS", {}))):
+        for key, reason in dict(extra).items():
+            if (key, kind) not in own:
+                entries.append(KeySupport(key, kind, reason, None, _schema_of(key)))
+    return tuple(entries)
+
+
+def _schema_of(key: str) -> str:
+    return RL if _resolves(_default(RL), key) else SFT if _resolves(_default(SFT), key) else RL
+
+
+@functools.cache
+def table() -> tuple[KeySupport, ...]:
+    """The declared table (hyflow's entries, then verl_compat's)."""
+    return _merged_table()
+
+
+# ---------------------------------------------------------------------------------------- lookups
+
+
+@functools.cache
+def _default(schema: str) -> Any:
+    if schema == RL:
+        from hyflow.config.schema import HyflowConfig
+
+        return HyflowConfig()
+    from hyflow.config.sft_schema import SFTConfig
+
+    return SFTConfig()
+
+
+def schema_name(cfg: Any) -> str:
+    """RL for a HyflowConfig, SFT for an SFTConfig."""
+    return SFT if type(cfg).__name__ == "SFTConfig" else RL
+
+
+def lookup(cfg: Any, key: str) -> Any:
+    """The value at dotted `key` (dataclass attributes, then dict items)."""
+    node = cfg
+    for part in key.split("."):
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
+
+
+def _resolves(cfg: Any, key: str) -> bool:
+    try:
+        lookup(cfg, key)
+    except (AttributeError, KeyError, TypeError):
+        return False
+    return True
+
+
+def _non_default(cfg: Any, key: str) -> bool:
+    value, default = lookup(cfg, key), lookup(_default(schema_name(cfg)), key)
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value) != dataclasses.asdict(default)
+    return value != default
+
+
+def is_asked(entry: KeySupport, cfg: Any) -> bool:
+    """Whether `cfg` asks for `entry`'s key (its predicate, or a non-default value)."""
+    if entry.schema != schema_name(cfg) or not _resolves(cfg, entry.key):
+        return False
+    return bool(entry.asked(cfg)) if entry.asked is not None else _non_default(cfg, entry.key)
+
+
+def _entries(cfg: Any, kind: str) -> Iterable[KeySupport]:
+    return (e for e in table() if e.kind == kind and is_asked(e, cfg))
+
+
+def not_supported_problems(cfg: Any) -> list[str]:
+    """One message per not-supported key that `cfg` asks for (RL or SFT config)."""
+    return [f"{e.key} is not supported by this hyflow version yet (got {_show(lookup(cfg, e.key))}): {e.reason}"
+            for e in _entries(cfg, NOT_SUPPORTED)]
+
+
+def performance_only_keys(cfg: Any) -> list[KeySupport]:
+    """The performance-only entries whose keys `cfg` sets."""
+    return list(_entries(cfg, PERFORMANCE_ONLY))
+
+
+def performance_only_warning(cfg: Any) -> str | None:
+    """The one line the trainers print at start naming every performance-only key set, or None."""
+    entries = performance_only_keys(cfg)
+    if not entries:
+        return None
+    return WARNING_PREFIX + " " + "; ".join(f"{e.key}={_show(lookup(cfg, e.key))} ({e.reason})" for e in entries)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    return str(value)

@@ -1,0 +1,334 @@
+"""No silent keys: every leaf of the RL and SFT schemas is read by hyflow's code, rejected as "not supported by
+this hyflow version yet", or declared performance-only (accepted, named once at start) in
+`hyflow.config.support`'s one table.
+
+"Read by code" is checked by searching hyflow's source (without the schema files, the support tables and
+validate.py, whose checks are not uses) for the leaf read as an attribute `.<leaf>`, as a mapping item
+`["<leaf>"]` / `.get("<leaf>"`, or as its dotted key string. A leaf name that several leaves share (`seed`,
+`path`, `param_offload` of four FSDP sections) counts as read only in a file that also names its section (the
+parent segment, e.g. `overlong_buffer` or `critic`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import pytest
+
+import hyflow
+from hyflow.config import ConfigError, load_config, support, validate_config
+from hyflow.config import catalog as catalog_module
+from hyflow.config.schema import HyflowConfig
+from hyflow.config.sft_schema import SFTConfig
+
+HYFLOW = Path(hyflow.__file__).parent
+# Files that name keys without using them: the schemas, the support tables, and the validator's checks.
+NOT_USES = {"config/schema.py", "config/sft_schema.py", "config/support.py", "config/verl_compat.py",
+            "config/validate.py"}
+
+# Reads the search cannot see, each with where it happens. Keep this list short and honest.
+READ_WITHOUT_ATTRIBUTE = {
+    # workers/actor.py passes the whole section as keyword arguments: **vars(actor.policy_loss)
+    **dict.fromkeys(f"actor_rollout_ref.actor.policy_loss.{k}" for k in (
+        "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")),
+}
+
+# Keys that a check in validate.py decides instead of the table (it reports them in its own words).
+DECIDED_BY_VALIDATE = {
+    # bypass mode trains with the PPO clip loss; loss_type=reinforce there is "not supported" (_check_algorithm),
+    # and without bypass_mode verl does not use it either.
+    "algorithm.rollout_correction.loss_type",
+}
+# Implemented by the data.custom_cls change (hyflow/data): remove once the search sees its reads.
+PENDING = {"data.custom_cls.path", "data.custom_cls.name"}
+
+
+def schema_leaves(cls: type) -> list[str]:
+    """Every leaf key of a dataclass schema, dotted (`data.train_batch_size`, ...)."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            keys += [f"{f.name}.{k}" for k in schema_leaves(type(default))]
+        else:
+            keys.append(f.name)
+    return keys
+
+
+def hyflow_sources() -> dict[str, str]:
+    return {str(p.relative_to(HYFLOW)): p.read_text() for p in HYFLOW.rglob("*.py")
+            if str(p.relative_to(HYFLOW)) not in NOT_USES}
+
+
+def reads(key: str, sources: Mapping[str, str], shared: bool) -> bool:
+    """Whether some source reads `key` (see the module docstring for what counts)."""
+    parts = key.split(".")
+    leaf, parent = parts[-1], parts[-2] if len(parts) > 1 else None
+    use = re.compile(rf"\.{leaf}\b(?!\s*\()|\[\s*['\"]{leaf}['\"]\s*\]|\.get\(\s*['\"]{leaf}['\"]")
+    for text in sources.values():
+        if f'"{key}"' in text or f"'{key}'" in text:
+            return True
+        if not use.search(text):
+            continue
+        if not shared or parent is None or re.search(rf"\b{parent}\b", text):
+            return True
+    return False
+
+
+def reads_through_section(key: str, sources: Mapping[str, str]) -> bool:
+    """The strict form: `<section>.<leaf>` (e.g. `data.tokenizer`) or the dotted key string in some source."""
+    parent, leaf = key.split(".")[-2:]
+    pattern = re.compile(rf"\b{parent}\.{leaf}\b(?!\s*\()")
+    return any(pattern.search(t) or f'"{key}"' in t or f"'{key}'" in t for t in sources.values())
+
+
+def unclassified(keys: Iterable[str], table_keys: set[str], sources: Mapping[str, str],
+                 shared_names: Counter) -> list[str]:
+    """The keys that are neither in the table, nor allowed by name, nor read by the sources."""
+    return [k for k in keys if k not in table_keys and k not in READ_WITHOUT_ATTRIBUTE and k not in DECIDED_BY_VALIDATE
+            and k not in PENDING
+            and not reads(k, sources, shared_names[k.split(".")[-1]] > 1)]
+
+
+def _all_leaves() -> tuple[list[str], list[str], Counter]:
+    rl, sft = schema_leaves(HyflowConfig), schema_leaves(SFTConfig)
+    return rl, sft, Counter(k.split(".")[-1] for k in set(rl) | set(sft))
+
+
+def _table_keys(schema: str) -> set[str]:
+    return {e.key for e in support.table() if e.schema == schema}
+
+
+# ------------------------------------------------------------------------------------- the walk
+
+
+def test_every_rl_and_sft_leaf_is_read_rejected_or_performance_only():
+    rl, sft, names = _all_leaves()
+    sources = hyflow_sources()
+    silent = (unclassified(rl, _table_keys(support.RL), sources, names)
+              + [f"(sft) {k}" for k in unclassified(sft, _table_keys(support.SFT), sources, names)])
+    assert not silent, (
+        "config keys that nothing reads and hyflow/config/support.py does not declare (read them, or add them "
+        f"to the table as not supported / performance-only): {silent}")
+
+
+def test_the_walk_reports_a_leaf_nothing_reads():
+    @dataclasses.dataclass
+    class Inner:
+        train_batch_size: int = 1  # read all over hyflow
+        zz_never_read_knob: int = 0
+
+    @dataclasses.dataclass
+    class Fake:
+        data: Inner = dataclasses.field(default_factory=Inner)
+
+    keys = schema_leaves(Fake)
+    assert keys == ["data.train_batch_size", "data.zz_never_read_knob"]
+    assert unclassified(keys, set(), hyflow_sources(), Counter()) == ["data.zz_never_read_knob"]
+    assert unclassified(keys, {"data.zz_never_read_knob"}, hyflow_sources(), Counter()) == []
+
+
+def test_a_shared_leaf_name_counts_only_where_its_section_is_named():
+    sources = {"a.py": "x = cfg.critic.model\ny = m.external_lib\n", "b.py": "z = actor.external_lib\n"}
+    assert reads("critic.model.external_lib", sources, shared=True)
+    assert not reads("reward_model.model.external_lib", {"b.py": sources["b.py"]}, shared=True)
+    assert reads("reward_model.model.external_lib", {"b.py": sources["b.py"]}, shared=False)
+    assert reads("reward_model.overlong_buffer.enable", {"m.py": 'self.overlong_buffer.get("enable")'}, shared=True)
+
+
+def test_table_entries_name_schema_leaves_and_do_not_lie():
+    rl, sft, names = _all_leaves()
+    sources = hyflow_sources()
+    leaves = {support.RL: set(rl), support.SFT: set(sft)}
+    missing = [e.key for e in support.table() if e.key not in leaves[e.schema]
+               and not any(k.startswith(e.key + ".") for k in leaves[e.schema])]
+    assert not missing, f"support-table entries that are not keys of their schema: {missing}"
+    # A table entry whose leaf name is unique and that hyflow's code reads: the table would lie about it. Leaf
+    # names that are also common attributes of other objects (self.tokenizer, str.format) need their section.
+    common = {"tokenizer", "format"}
+    lying = [e.key for e in support.table() if names[e.key.split(".")[-1]] == 1
+             and (reads_through_section(e.key, sources) if e.key.split(".")[-1] in common
+                  else reads(e.key, sources, shared=False))]
+    assert not lying, f"declared not supported / performance-only, yet read by hyflow's code: {lying}"
+
+
+def test_a_key_has_one_kind_unless_its_predicates_split_it():
+    kinds: dict[str, set[str]] = {}
+    for e in support.table():
+        kinds.setdefault(e.key, set()).add(e.kind)
+    both = {k for k, v in kinds.items() if len(v) > 1}
+    # engine_kwargs: the running engine's arguments are refused, the other engines' are irrelevant.
+    assert both <= {"actor_rollout_ref.rollout.engine_kwargs"}, both
+    cfg = load_config(["+actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4"])
+    entries = [e for e in support.table() if e.key == "actor_rollout_ref.rollout.engine_kwargs"]
+    assert [e.kind for e in entries if support.is_asked(e, cfg)] == [support.PERFORMANCE_ONLY]
+
+
+# ----------------------------------------------------------------------------- rejections
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["actor_rollout_ref.model.lora_adapter_path=/adapters/a"], "actor_rollout_ref.model.lora_adapter_path"),
+    (["actor_rollout_ref.ref.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2"],
+     "actor_rollout_ref.ref.ulysses_sequence_parallel_size"),
+    (["actor_rollout_ref.actor.fsdp_config.seed=7"], "actor_rollout_ref.actor.fsdp_config.seed"),
+    (["critic.model.fsdp_config.model_dtype=bf16"], "critic.model.fsdp_config.model_dtype"),
+    (["data.tokenizer=/tok"], "data.tokenizer"),
+    (["data.tool_config_path=tools.yaml"], "data.tool_config_path"),
+    (["data.sampler.class_name=Curriculum"], "data.sampler.class_name"),
+    (["actor_rollout_ref.hybrid_engine=false"], "actor_rollout_ref.hybrid_engine"),
+    (["actor_rollout_ref.model.external_lib=my_models"], "actor_rollout_ref.model.external_lib"),
+    (["critic.model.external_lib=my_models"], "critic.model.external_lib"),
+    (["+actor_rollout_ref.rollout.engine_kwargs.hf.attn=sdpa"], "actor_rollout_ref.rollout.engine_kwargs"),
+    (["critic.model.enable_activation_offload=true"], "critic.model.enable_activation_offload"),
+])
+def test_keys_hyflow_cannot_honour_are_named_errors(overrides, key):
+    with pytest.raises(ConfigError) as info:
+        validate_config(load_config(overrides))
+    text = str(info.value)
+    assert f"{key} is not supported by this hyflow version yet (got " in text
+    assert text.count("is not supported by this hyflow version yet") == 1, text
+
+
+def test_defaults_and_allowed_values_are_not_rejected():
+    validate_config(load_config([]))
+    # fsdp_size at -1 or at the role's device count is plain FSDP; fp32 masters are what hyflow keeps.
+    validate_config(load_config(["actor_rollout_ref.actor.fsdp_config.fsdp_size=2", "trainer.n_gpus_per_node=2",
+                                 "actor_rollout_ref.actor.fsdp_config.model_dtype=float32",
+                                 "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]))
+
+
+def test_the_ref_sequence_parallel_size_that_follows_the_actor_is_reported_once():
+    with pytest.raises(ConfigError) as info:
+        validate_config(load_config(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                                     "trainer.n_gpus_per_node=2"]))
+    assert str(info.value).count("ulysses_sequence_parallel_size is not supported") == 1
+
+
+# ---------------------------------------------------------------------- performance-only keys
+
+
+def test_performance_only_keys_are_named_in_one_line_only_when_set():
+    assert support.performance_only_warning(load_config([])) is None
+    cfg = load_config(["actor_rollout_ref.ref.fsdp_config.param_offload=true",
+                       "critic.model.fsdp_config.optimizer_offload=true",
+                       "reward_model.model.fsdp_config.param_offload=true",
+                       "actor_rollout_ref.actor.use_torch_compile=false",
+                       "actor_rollout_ref.model.use_fused_kernels=true",
+                       "actor_rollout_ref.actor.use_prefix_grouper=true",
+                       "reward_model.launch_reward_fn_async=true",
+                       "data.dataloader_num_workers=0",
+                       "actor_rollout_ref.rollout.mode=sync",
+                       "actor_rollout_ref.rollout.gpu_memory_utilization=0.8",
+                       "+actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4"])
+    validate_config(cfg)
+    line = support.performance_only_warning(cfg)
+    assert line.startswith(support.WARNING_PREFIX) and "\n" not in line
+    for key in ("actor_rollout_ref.ref.fsdp_config.param_offload=true",
+                "critic.model.fsdp_config.optimizer_offload=true",
+                "reward_model.model.fsdp_config.param_offload=true",
+                "actor_rollout_ref.actor.use_torch_compile=false",
+                "actor_rollout_ref.model.use_fused_kernels=true", "actor_rollout_ref.actor.use_prefix_grouper=true",
+                "reward_model.launch_reward_fn_async=true", "data.dataloader_num_workers=0",
+                "actor_rollout_ref.rollout.mode=sync", "actor_rollout_ref.rollout.gpu_memory_utilization=0.8",
+                "actor_rollout_ref.rollout.engine_kwargs="):
+        assert key in line, key
+    assert "ref.use_torch_compile" not in line  # it follows the actor's (an interpolation): named once, there
+
+
+def test_the_rl_trainer_prints_the_line_once_at_start(capsys):
+    from hyflow.trainer.rl_trainer import RLTrainer
+
+    with pytest.raises(ValueError, match="actor_rollout_ref.model.path"):  # stops before any model loads
+        RLTrainer(["actor_rollout_ref.ref.fsdp_config.param_offload=true", "data.dataloader_num_workers=2"])
+    out = capsys.readouterr().out
+    assert out.count(support.WARNING_PREFIX) == 1
+    assert "actor_rollout_ref.ref.fsdp_config.param_offload=true" in out and "data.dataloader_num_workers=2" in out
+
+
+def test_a_verl_gsm8k_grpo_command_line_passes_with_its_speed_knobs_named():
+    # verl's examples/grpo_trainer/run_qwen2-7b.sh (legacy names), with entry point, paths, engine and sizes changed.
+    cfg = load_config([
+        "algorithm.adv_estimator=grpo", "data.train_batch_size=16", "data.max_prompt_length=64",
+        "data.max_response_length=32", "data.filter_overlong_prompts=True", "data.truncation=error",
+        "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.name=hf",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.ref.fsdp_config.param_offload=True", "algorithm.use_kl_in_reward=False",
+        "trainer.critic_warmup=0", "trainer.logger=[console]", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
+        "trainer.device=cpu"])
+    validate_config(cfg)
+    line = support.performance_only_warning(cfg)
+    assert "actor_rollout_ref.ref.fsdp_config.param_offload=true" in line
+    assert "actor_rollout_ref.rollout.tensor_model_parallel_size=2" in line
+    assert "fsdp_config.optimizer_offload" not in line  # left at the default: not named
+
+
+# ----------------------------------------------------------------------------- implemented keys
+
+
+def test_validation_shuffle_is_a_seeded_permutation():
+    from hyflow.trainer.rl_trainer import validation_order
+
+    assert validation_order(10, False, 3) == list(range(10))
+    shuffled = validation_order(10, True, 3)
+    assert sorted(shuffled) == list(range(10)) and shuffled != list(range(10))
+    assert validation_order(10, True, 3) == shuffled  # the same order at every validation of a run
+    assert validation_order(10, True, 4) != shuffled
+
+
+# ----------------------------------------------------------------------------- registered names
+
+
+def test_logger_reward_manager_and_engine_names_are_checked_at_config_time():
+    with pytest.raises(ConfigError, match=r"unknown logger 'consol'.*Did you mean 'console'"):
+        validate_config(load_config(["trainer.logger=[consol,file]"]))
+    with pytest.raises(ConfigError, match=r"reward_model.reward_manager='naiv' is not one of: .*Did you mean 'naive'"):
+        validate_config(load_config(["reward_model.reward_manager=naiv"]))
+    with pytest.raises(ConfigError, match=r"rollout.name=sglang needs an engine that is not installed"):
+        validate_config(load_config(["actor_rollout_ref.rollout.name=sglang", "trainer.device=cuda"]))
+
+
+@pytest.fixture
+def missing_tracker_package(monkeypatch):
+    """A component catalog whose wandb logger needs a package that no install has."""
+    real = catalog_module.component_catalog()
+    loggers = dict(real.loggers)
+    loggers["wandb"] = ("hyflow_test_no_such_package", "pip install hyflow-test-no-such-package")
+    fake = dataclasses.replace(real, loggers=loggers)
+    monkeypatch.setattr(catalog_module, "_component_provider", lambda: fake)
+
+
+def test_a_tracker_whose_package_is_missing_fails_at_config_time(missing_tracker_package):
+    with pytest.raises(ConfigError) as info:
+        validate_config(load_config(["trainer.logger=[console,wandb]"]))
+    assert str(info.value) == ("trainer.logger includes 'wandb' but the hyflow_test_no_such_package package is not "
+                               "installed: pip install hyflow-test-no-such-package, or remove wandb from trainer.logger")
+
+
+def test_the_cli_reports_a_missing_tracker_in_one_line_before_loading_a_model(missing_tracker_package, capsys):
+    from hyflow.cli import main
+
+    # No model path is given: the run would fail on it later, so failing on the tracker proves the order.
+    assert main(["train", "trainer.logger=[console,wandb]"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "hyflow_test_no_such_package package is not installed" in err
+    assert "Traceback" not in err
+
+
+def test_sft_checks_loggers_before_loading_the_model(missing_tracker_package):
+    from hyflow.trainer.sft_trainer import SFTTrainer
+
+    with pytest.raises(ConfigError, match="hyflow_test_no_such_package package is not installed"):
+        SFTTrainer(["trainer.logger=[console,wandb]"])  # no model.partial_pretrain: it would fail later on that
