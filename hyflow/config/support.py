@@ -145,6 +145,12 @@ _TABLE: list[KeySupport] = [
                  lambda cfg: cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size > 1
                  and cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size
                  != cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size),  # else reported for the actor
+    _unsupported("critic.ulysses_sequence_parallel_size", "sequence parallelism is not built yet; use 1",
+                 lambda cfg: cfg.critic.ulysses_sequence_parallel_size > 1),
+    *(_unsupported(f"{role}.optim.clip_grad", f"hyflow clips gradients at {role}.grad_clip; set that instead",
+                   lambda cfg, role=role: _non_default(cfg, f"{role}.optim.clip_grad")
+                   and lookup(cfg, f"{role}.optim.clip_grad") != lookup(cfg, f"{role}.grad_clip"))
+      for role in (A, "critic")),
     _unsupported(f"{M}.use_liger", "Liger kernels are not wired; " + LEAVE),
     _unsupported(f"{M}.enable_activation_offload", "activation offload is not built yet; " + LEAVE),
     _unsupported("critic.model.enable_activation_offload", "activation offload is not built yet; " + LEAVE),
@@ -204,6 +210,12 @@ _TABLE: list[KeySupport] = [
     _performance(f"{A}.entropy_checkpointing", "recomputing entropy saves memory; same values"),
     _performance(f"{A}.calculate_entropy", "hyflow computes entropy when the loss or its metrics need it; "
                  "training is the same"),
+    _performance(f"{A}.calculate_sum_pi_squared", "hyflow computes sum_pi_squared whenever the advantage estimator "
+                 "requires it (optimal_token_baseline), and only then"),
+    _performance("reward_model.overlong_buffer.log", "hyflow always records the overlong penalty per sample "
+                 "(reward/overlong_reward/mean, reward/overlong/mean) when the buffer is on"),
+    _performance("critic.model.tokenizer_path", "the critic reads the policy's token ids; no second tokenizer is "
+                 "loaded"),
     _performance(f"{A}.freeze_vision_tower", "hyflow trains text-only causal LMs (multimodal rows are refused)"),
     _performance(f"{M}.use_remove_padding", "hyflow trims each micro-batch to its real tokens instead of "
                  "packing; same values"),

@@ -3,16 +3,19 @@ this hyflow version yet", or declared performance-only (accepted, named once at 
 `hyflow.config.support`'s one table.
 
 "Read by code" is checked by searching hyflow's source (without the schema files, the support tables and
-validate.py, whose checks are not uses) for the leaf read as an attribute `.<leaf>`, as a mapping item
-`["<leaf>"]` / `.get("<leaf>"`, or as its dotted key string. A leaf name that several leaves share (`seed`,
-`path`, `param_offload` of four FSDP sections) counts as read only in a file that also names its section (the
-parent segment, e.g. `overlong_buffer` or `critic`).
+validate.py, whose checks are not uses; comments and prose strings blanked) for the leaf read as an attribute
+`.<leaf>`, as a mapping item `["<leaf>"]` / `.get("<leaf>"`, through `getattr(obj, "<leaf>"`, or as its dotted
+key string. A leaf name that several leaves share (`seed`, `path`, `param_offload` of four FSDP sections) counts
+as read only in a file that also names its section (the parent segment, e.g. `overlong_buffer` or `critic`);
+that cannot tell the four FSDP sections apart, so their per-role truth is kept by hand in the table.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import re
+import tokenize
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -35,6 +38,9 @@ READ_WITHOUT_ATTRIBUTE = {
     # workers/actor.py passes the whole section as keyword arguments: **vars(actor.policy_loss)
     **dict.fromkeys(f"actor_rollout_ref.actor.policy_loss.{k}" for k in (
         "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")),
+    # SFT: config/verl_compat.py's fold_sft_dict_keys reads getattr(data, f"{kind}_dict_keys") (a support module,
+    # so not searched)
+    "data.prompt_dict_keys": None, "data.response_dict_keys": None,
 }
 
 # Keys that a check in validate.py decides instead of the table (it reports them in its own words).
@@ -60,15 +66,31 @@ def schema_leaves(cls: type) -> list[str]:
 
 
 def hyflow_sources() -> dict[str, str]:
-    return {str(p.relative_to(HYFLOW)): p.read_text() for p in HYFLOW.rglob("*.py")
+    """hyflow's modules (without NOT_USES), comments and docstrings blanked: a key named in prose is no read."""
+    return {str(p.relative_to(HYFLOW)): code_only(p.read_text()) for p in HYFLOW.rglob("*.py")
             if str(p.relative_to(HYFLOW)) not in NOT_USES}
+
+
+def code_only(text: str) -> str:
+    """`text` without comments and with every string literal longer than an identifier emptied, so prose
+    (docstrings, messages) cannot look like a read; short strings (`"len"`, dotted keys) stay for item reads."""
+    out = []
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.COMMENT:
+            continue
+        if tok.type == tokenize.STRING and not re.fullmatch(r"[rbuRBU]?(['\"])[\w.]*\1", tok.string):
+            out.append((tok.type, '""'))
+        else:
+            out.append((tok.type, tok.string))
+    return tokenize.untokenize(out)
 
 
 def reads(key: str, sources: Mapping[str, str], shared: bool) -> bool:
     """Whether some source reads `key` (see the module docstring for what counts)."""
     parts = key.split(".")
     leaf, parent = parts[-1], parts[-2] if len(parts) > 1 else None
-    use = re.compile(rf"\.{leaf}\b(?!\s*\()|\[\s*['\"]{leaf}['\"]\s*\]|\.get\(\s*['\"]{leaf}['\"]")
+    use = re.compile(rf"\.\s*{leaf}\b(?!\s*\()|\[\s*['\"]{leaf}['\"]\s*\]|\.\s*get\s*\(\s*['\"]{leaf}['\"]"
+                     rf"|getattr\s*\([^,()]+,\s*['\"]{leaf}['\"]")
     for text in sources.values():
         if f'"{key}"' in text or f"'{key}'" in text:
             return True
@@ -82,7 +104,7 @@ def reads(key: str, sources: Mapping[str, str], shared: bool) -> bool:
 def reads_through_section(key: str, sources: Mapping[str, str]) -> bool:
     """The strict form: `<section>.<leaf>` (e.g. `data.tokenizer`) or the dotted key string in some source."""
     parent, leaf = key.split(".")[-2:]
-    pattern = re.compile(rf"\b{parent}\.{leaf}\b(?!\s*\()")
+    pattern = re.compile(rf"\b{parent}\s*\.\s*{leaf}\b(?!\s*\()")
     return any(pattern.search(t) or f'"{key}"' in t or f"'{key}'" in t for t in sources.values())
 
 
@@ -185,6 +207,8 @@ def test_a_key_has_one_kind_unless_its_predicates_split_it():
     (["critic.model.external_lib=my_models"], "critic.model.external_lib"),
     (["+actor_rollout_ref.rollout.engine_kwargs.hf.attn=sdpa"], "actor_rollout_ref.rollout.engine_kwargs"),
     (["critic.model.enable_activation_offload=true"], "critic.model.enable_activation_offload"),
+    (["critic.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2"], "critic.ulysses_sequence_parallel_size"),
+    (["actor_rollout_ref.actor.optim.clip_grad=0.5"], "actor_rollout_ref.actor.optim.clip_grad"),
 ])
 def test_keys_hyflow_cannot_honour_are_named_errors(overrides, key):
     with pytest.raises(ConfigError) as info:
@@ -200,6 +224,9 @@ def test_defaults_and_allowed_values_are_not_rejected():
     validate_config(load_config(["actor_rollout_ref.actor.fsdp_config.fsdp_size=2", "trainer.n_gpus_per_node=2",
                                  "actor_rollout_ref.actor.fsdp_config.model_dtype=float32",
                                  "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]))
+    # the clip hyflow applies is the role's grad_clip; optim.clip_grad may say the same
+    validate_config(load_config(["actor_rollout_ref.actor.grad_clip=0.5", "critic.grad_clip=0.3",
+                                 "critic.optim.clip_grad=0.3"]))
 
 
 def test_the_ref_sequence_parallel_size_that_follows_the_actor_is_reported_once():
@@ -248,6 +275,26 @@ def test_the_rl_trainer_prints_the_line_once_at_start(capsys):
     out = capsys.readouterr().out
     assert out.count(support.WARNING_PREFIX) == 1
     assert "actor_rollout_ref.ref.fsdp_config.param_offload=true" in out and "data.dataloader_num_workers=2" in out
+
+
+def test_the_sft_trainer_prints_its_line_once_before_loading(monkeypatch, capsys):
+    from hyflow.trainer.sft_trainer import SFTTrainer
+
+    entry = support.KeySupport("optim.weight_decay", support.PERFORMANCE_ONLY, "a test entry", None, support.SFT)
+    monkeypatch.setattr(support, "table", lambda: (*support._merged_table(), entry))
+    with pytest.raises(ConfigError, match="model.partial_pretrain"):  # stops before any model loads
+        SFTTrainer(["optim.weight_decay=0.5"])
+    out = capsys.readouterr().out
+    assert out.count(support.WARNING_PREFIX) == 1 and "optim.weight_decay=0.5 (a test entry)" in out
+
+
+def test_sft_rejects_a_not_supported_key_before_loading(monkeypatch):
+    from hyflow.trainer.sft_trainer import SFTTrainer
+
+    entry = support.KeySupport("data.seed", support.NOT_SUPPORTED, "a test entry", None, support.SFT)
+    monkeypatch.setattr(support, "table", lambda: (*support._merged_table(), entry))
+    with pytest.raises(ConfigError, match=r"data.seed is not supported by this hyflow version yet \(got 3\): a test"):
+        SFTTrainer(["data.seed=3"])
 
 
 def test_a_verl_gsm8k_grpo_command_line_passes_with_its_speed_knobs_named():
