@@ -24,6 +24,15 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the key, its value and how to fix it."""
 
 
+class UnknownKeyError(ConfigError):
+    """A key that names nothing in the schema; `key` is the key as the user wrote it. The loader collects these
+    so that one error lists every unknown key of a command line or file."""
+
+    def __init__(self, message: str, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 @dataclass(frozen=True)
 class KeyInfo:
     """What a dotted key names. `kind` is 'section', 'leaf' or 'free'; `annotation` is the field's type;
@@ -99,9 +108,11 @@ def lookup(key: str, where: str = "", *, schema: type = HyflowConfig) -> KeyInfo
         if is_free_dict(annotation):
             return KeyInfo("free", annotation, path, tuple(segments[i + 1 :]))
         if i != len(segments) - 1:
-            raise ConfigError(
+            if _is_verl_key(key, schema):
+                raise unknown_key_error(key, where, schema=schema)
+            raise UnknownKeyError(
                 f"unknown config key {key!r}{where}: {path!r} is a single value ({type_name(annotation)}), "
-                f"not a section. Set it with {path}=VALUE."
+                f"not a section. Set it with {path}=VALUE.", key
             )
         return KeyInfo("leaf", annotation, path)
     return KeyInfo("section", cls, key)
@@ -128,11 +139,23 @@ def closest_key(key: str, *, schema: type = HyflowConfig) -> str | None:
     return _fix_segments(key, schema) or _same_leaf_name(key, schema) or _closest_full_path(key, schema)
 
 
-def unknown_key_error(key: str, where: str = "", *, schema: type = HyflowConfig) -> ConfigError:
-    """ConfigError for an unknown `key`, naming the closest valid one. `where` says where the key came from."""
+def unknown_key_error(key: str, where: str = "", *, schema: type = HyflowConfig) -> UnknownKeyError:
+    """UnknownKeyError for `key`: a key of verl's config that hyflow lacks says so; any other names the closest
+    valid key. `where` says where the key came from."""
+    if _is_verl_key(key, schema):
+        return UnknownKeyError(
+            f"{key!r}{where} is a verl key that hyflow does not support yet: remove it (hyflow would not act on it; "
+            "`hyflow config` lists the keys hyflow has).", key
+        )
     suggestion = closest_key(key, schema=schema)
     hint = f" Did you mean {suggestion!r}?" if suggestion else " Run `hyflow config` to list the valid keys."
-    return ConfigError(f"unknown config key {key!r}{where}.{hint}")
+    return UnknownKeyError(f"unknown config key {key!r}{where}.{hint}", key)
+
+
+def _is_verl_key(key: str, schema: type) -> bool:
+    from hyflow.config.verl_compat import is_verl_key
+
+    return is_verl_key(key, schema)
 
 
 def _fix_segments(key: str, schema: type) -> str | None:

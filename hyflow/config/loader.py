@@ -9,8 +9,17 @@ Override syntax (Hydra's, parsed by hydra-core's OverridesParser):
 - `+key=value` adds a key inside a free-form dict (`+reward_model.reward_kwargs.strict=true`); on a schema key it
   simply sets it, so verl command lines that `+`-add keys hyflow's schema already has still work;
 - `~key` deletes an entry of a free-form dict, or resets an optional schema key to null.
-Unknown keys (from the command line or the file, at any depth) are errors naming the closest valid key; type
-errors name the key, the value and the expected type. `${...}` interpolations resolve after composition.
+Unknown keys (from the command line or the file, at any depth) are reported together in one error: a key of
+verl's config that hyflow lacks says so, any other names the closest valid key. Type errors name the key, the
+value and the expected type. `${...}` interpolations resolve after composition.
+
+verl 0.10's names are accepted beside the legacy ones hyflow's schema uses (`reward.reward_manager.name` =
+`reward_model.reward_manager`, `critic.fsdp.*` = `critic.model.fsdp_config.*`, ...; see
+`hyflow.config.verl_compat`); both spellings of one setting with two different values are an error naming both.
+
+A config file may start with Hydra's `defaults:` list (as verl's `--config-path/--config-name` configs do):
+`_self_`, other files of the same folder (`- base`, `- group@pkg: name` for DIR/group/name.yaml), and verl's own
+trainer configs (`ppo_trainer`, `sft_trainer_engine`, ...), whose defaults are hyflow's schema defaults.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from omegaconf.errors import OmegaConfBaseException
 from hyflow.config.keys import (
     ConfigError,
     KeyInfo,
+    UnknownKeyError,
     closest_key,
     format_value,
     is_list,
@@ -37,8 +47,13 @@ from hyflow.config.keys import (
     type_name,
 )
 from hyflow.config.schema import HyflowConfig
+from hyflow.config.verl_compat import aliases, canonical_key, fold_sft_dict_keys
 
 _ABSENT = object()
+
+# verl's own trainer configs: a `defaults:` entry naming one of them (and no file of that name in the folder)
+# means verl's defaults, which hyflow's schema defaults already are.
+VERL_BASE_CONFIGS = ("ppo_trainer", "sft_trainer", "sft_trainer_engine", "_generated_ppo_trainer")
 
 
 def load_config(
@@ -51,9 +66,43 @@ def load_config(
     cfg = copy.deepcopy(_schema_node(schema))
     if config_file is not None:
         cfg = _merge_yaml_file(cfg, Path(config_file), schema)
+    unknown: list[UnknownKeyError] = []
+    seen: dict[str, tuple[str, Any]] = {}
     for override in _parse_overrides(overrides):
-        _apply_override(cfg, override, schema)
-    return _to_dataclass(cfg, schema)
+        try:
+            _apply_override(cfg, override, schema, seen)
+        except UnknownKeyError as exc:
+            unknown.append(exc)
+    _raise_unknown(unknown)
+    result = _to_dataclass(cfg, schema)
+    return fold_sft_dict_keys(result) if schema.__name__ == "SFTConfig" else result
+
+
+def config_file_from_hydra_flags(config_path: str | Path | None, config_name: str | None) -> Path | None:
+    """The YAML file Hydra's `--config-path DIR --config-name NAME` name (NAME with or without .yaml).
+
+    verl resolves a relative DIR against its own package (`--config-path=config` = verl/trainer/config); hyflow,
+    which ships no such folder, resolves it against the working directory and says so when nothing is there.
+    """
+    if config_name is None:
+        if config_path is not None:
+            raise ConfigError("--config-path needs --config-name (the YAML file in that folder to load).")
+        return None
+    folder = Path(config_path) if config_path is not None else Path(".")
+    name = str(config_name)
+    candidates = [folder / name] if name.endswith((".yaml", ".yml")) else [folder / f"{name}.yaml",
+                                                                          folder / f"{name}.yml"]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    stem = Path(name).stem
+    hint = ""
+    if stem in VERL_BASE_CONFIGS or stem.startswith(("ppo_", "sft_")):
+        hint = (f" {stem!r} is one of verl's own configs (verl reads --config-path=config inside its package); "
+                "hyflow's defaults already are verl's ppo_trainer/sft_trainer defaults, so drop --config-path and "
+                "--config-name and keep the overrides.")
+    raise ConfigError(f"--config-name {name!r}: no file {str(candidates[0])!r} "
+                      f"(--config-path {str(folder)!r} is resolved against the working directory).{hint}")
 
 
 @functools.cache
@@ -81,20 +130,14 @@ def config_from_yaml_file(path: str | Path, *, schema: type = HyflowConfig) -> A
 
 
 def _merge_yaml_file(cfg: DictConfig, path: Path, schema: type) -> DictConfig:
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist. Pass the path of a YAML file.")
-    try:
-        loaded = OmegaConf.load(path)
-    except Exception as exc:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
-    if loaded is None or (isinstance(loaded, DictConfig) and len(loaded) == 0):
+    loaded = _load_yaml_tree(path, schema, ())
+    if len(loaded) == 0:
         return cfg
-    if not isinstance(loaded, DictConfig):
-        raise ConfigError(
-            f"config file {str(path)!r} must hold a mapping of sections (data:, trainer:, ...)."
-        )
     where = f" in config file {str(path)!r}"
-    _check_yaml_node(loaded, "", where, schema)
+    _rewrite_aliases(loaded, where, schema)
+    unknown: list[UnknownKeyError] = []
+    _check_yaml_node(loaded, "", where, schema, unknown)
+    _raise_unknown(unknown)
     try:
         return OmegaConf.merge(cfg, loaded)
     except OmegaConfBaseException as exc:
@@ -104,15 +147,155 @@ def _merge_yaml_file(cfg: DictConfig, path: Path, schema: type) -> DictConfig:
         raise _type_error(key, _plain(OmegaConf.select(loaded, key)), where, schema) from None
 
 
-def _check_yaml_node(node: DictConfig, prefix: str, where: str, schema: type) -> None:
+def _read_yaml(path: Path) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist. Pass the path of a YAML file.")
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+    if loaded is None or (isinstance(loaded, DictConfig) and len(loaded) == 0):
+        return OmegaConf.create({})
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(
+            f"config file {str(path)!r} must hold a mapping of sections (data:, trainer:, ...)."
+        )
+    return loaded
+
+
+def _load_yaml_tree(path: Path, schema: type, chain: tuple[Path, ...]) -> DictConfig:
+    """The file's mapping with its `defaults:` list composed in (Hydra's order; `_self_` last when absent)."""
+    if path.resolve() in chain:
+        raise ConfigError(f"config file {str(path)!r} includes itself through its defaults list: "
+                          + " -> ".join(str(p) for p in (*chain, path.resolve())))
+    loaded = _read_yaml(path)
+    if "defaults" not in loaded:
+        return loaded
+    entries = loaded.defaults
+    del loaded["defaults"]
+    if not isinstance(entries, ListConfig):
+        raise ConfigError(f"config file {str(path)!r}: `defaults:` must be a list (of `_self_`, file names and "
+                          "`group@package: name` entries), as in Hydra.")
+    parts: list[DictConfig] = []
+    if "_self_" not in entries:
+        entries = [*entries, "_self_"]
+    for entry in entries:
+        if entry == "_self_":
+            parts.append(loaded)
+            continue
+        part = _default_entry(entry, path, schema, (*chain, path.resolve()))
+        if part is not None:
+            parts.append(part)
+    return OmegaConf.merge(*parts) if parts else OmegaConf.create({})
+
+
+def _default_entry(entry: Any, path: Path, schema: type, chain: tuple[Path, ...]) -> DictConfig | None:
+    """One `defaults:` entry of `path`: a mapping to merge (or None for verl's own trainer configs)."""
+    folder = path.parent
+    where = f"defaults entry {_plain(entry)!r} in config file {str(path)!r}"
+    if isinstance(entry, str):
+        name = entry.removesuffix(".yaml")
+        candidate = folder / f"{name}.yaml"
+        if candidate.is_file():
+            return _load_yaml_tree(candidate, schema, chain)
+        if name in VERL_BASE_CONFIGS:
+            return None  # verl's defaults = hyflow's schema defaults
+        raise ConfigError(f"{where}: no file {str(candidate)!r}. hyflow composes `_self_`, files of the same folder "
+                          f"and verl's base trainer configs ({', '.join(VERL_BASE_CONFIGS)}).")
+    if isinstance(entry, DictConfig) and len(entry) == 1:
+        ((group_pkg, name),) = entry.items()
+        group_pkg = str(group_pkg)
+        if group_pkg.startswith("override "):
+            raise ConfigError(f"{where}: Hydra `override` entries replace a config group of verl's own config tree, "
+                              "which hyflow does not ship; set the keys you need directly in this file instead.")
+        group, _, package = group_pkg.partition("@")
+        if name is None:
+            return None  # `group: null` selects nothing, as in Hydra
+        candidate = folder / group / f"{name}.yaml"
+        if not candidate.is_file():
+            raise ConfigError(
+                f"{where}: no file {str(candidate)!r}. This names a config group of verl's own config tree, which "
+                "hyflow does not ship: hyflow's schema defaults are verl's, so drop the entry (or put the "
+                "file there) and set the keys you change directly in this file."
+            )
+        tree = _load_yaml_tree(candidate, schema, chain)
+        target = package or group.replace("/", ".")
+        if target in ("_global_", ""):
+            return tree
+        wrapped = OmegaConf.create({})
+        OmegaConf.update(wrapped, target, tree, merge=True, force_add=True)
+        return wrapped
+    raise ConfigError(f"{where}: an entry is `_self_`, a file name, or `group@package: name` (one pair).")
+
+
+def _rewrite_aliases(tree: DictConfig, where: str, schema: type) -> None:
+    """Move verl 0.10's spellings in a file's tree to hyflow's keys (longest first); both with two values = error."""
+    for new in sorted(aliases(schema), key=len, reverse=True):
+        value = OmegaConf.select(tree, new, default=_ABSENT, throw_on_resolution_failure=False)
+        if value is _ABSENT:
+            continue
+        parent_key, _, name = new.rpartition(".")
+        parent = OmegaConf.select(tree, parent_key) if parent_key else tree
+        raw = parent._get_node(name)
+        raw_value = OmegaConf.to_container(raw, resolve=False) if isinstance(raw, (DictConfig, ListConfig)) \
+            else raw._value()
+        old = canonical_key(new, schema)
+        existing = OmegaConf.select(tree, old, default=_ABSENT, throw_on_resolution_failure=False)
+        if existing is not _ABSENT:
+            existing_raw = _plain_raw(tree, old)
+            if isinstance(raw_value, dict) and isinstance(existing_raw, dict):
+                clash = [k for k in raw_value if k in existing_raw and raw_value[k] != existing_raw[k]]
+                if clash:
+                    raise _alias_conflict(f"{new}.{clash[0]}", raw_value[clash[0]], f"{old}.{clash[0]}",
+                                          existing_raw[clash[0]], where)
+            elif existing_raw != raw_value:
+                raise _alias_conflict(new, raw_value, old, existing_raw, where)
+        del parent[name]
+        OmegaConf.update(tree, old, raw_value, merge=True, force_add=True)
+        _prune_empty(tree, parent_key)
+
+
+def _plain_raw(tree: DictConfig, key: str) -> Any:
+    parent_key, _, name = key.rpartition(".")
+    parent = OmegaConf.select(tree, parent_key) if parent_key else tree
+    node = parent._get_node(name)
+    return OmegaConf.to_container(node, resolve=False) if isinstance(node, (DictConfig, ListConfig)) \
+        else node._value()
+
+
+def _prune_empty(tree: DictConfig, key: str) -> None:
+    """Delete `key` and its parents while they are empty mappings (what is left of a moved alias section)."""
+    while key:
+        parent_key, _, name = key.rpartition(".")
+        parent = OmegaConf.select(tree, parent_key) if parent_key else tree
+        node = parent._get_node(name)
+        if not isinstance(node, DictConfig) or len(node) > 0:
+            return
+        del parent[name]
+        key = parent_key
+
+
+def _alias_conflict(new: str, new_value: Any, old: str, old_value: Any, where: str = "") -> ConfigError:
+    return ConfigError(
+        f"{new}={format_value(new_value)} and {old}={format_value(old_value)}{where} set the same thing (verl 0.10's "
+        f"name and the legacy one) to different values: give only one of them."
+    )
+
+
+def _check_yaml_node(node: DictConfig, prefix: str, where: str, schema: type,
+                     unknown: list[UnknownKeyError]) -> None:
     for name in list(node.keys()):
         key = f"{prefix}{name}"
-        info = lookup(key, where, schema=schema)
+        try:
+            info = lookup(key, where, schema=schema)
+        except UnknownKeyError as exc:
+            unknown.append(exc)
+            continue
         child = node._get_node(name)
         interpolated = OmegaConf.is_interpolation(node, name)
         if info.kind == "section":
             if isinstance(child, DictConfig) and not interpolated:
-                _check_yaml_node(child, key + ".", where, schema)
+                _check_yaml_node(child, key + ".", where, schema, unknown)
             elif child._is_none():
                 del node[name]  # an empty section (`critic:` with nothing under it) changes nothing
             elif not interpolated:
@@ -126,6 +309,14 @@ def _check_yaml_node(node: DictConfig, prefix: str, where: str, schema: type) ->
             and not interpolated
         ):
             node[name] = [child._value()]
+
+
+def _raise_unknown(unknown: list[UnknownKeyError]) -> None:
+    """One ConfigError listing every unknown key (the key's own message when there is one)."""
+    if len(unknown) == 1:
+        raise unknown[0]
+    if unknown:
+        raise ConfigError(f"{len(unknown)} unknown config keys:\n" + "\n".join(f"  - {e}" for e in unknown))
 
 
 # --------------------------------------------------------------------------------------- overrides
@@ -156,19 +347,23 @@ def _parse_overrides(overrides: Sequence[str]) -> list[Any]:
     return parsed
 
 
-def _apply_override(cfg: DictConfig, override: Any, schema: type) -> None:
-    key = override.key_or_group
-    info = lookup(key, schema=schema)
+def _apply_override(cfg: DictConfig, override: Any, schema: type, seen: dict[str, tuple[str, Any]]) -> None:
+    spelled = override.key_or_group
+    key = canonical_key(spelled, schema)
+    info = _lookup_as_spelled(key, spelled, schema)
     if override.is_delete():
         _delete(cfg, key, info, override)
         return
     value = override.value()
     if info.kind == "section":
         if not isinstance(value, dict):
-            raise _section_error(key)
+            raise _section_error(spelled)
         for sub_key, sub_value in _flatten(value, key, schema):
-            _set(cfg, sub_key, sub_value, lookup(sub_key, schema=schema), schema)
+            sub_spelled = spelled + sub_key[len(key):]
+            _note(seen, sub_key, sub_spelled, sub_value)
+            _set(cfg, sub_key, sub_value, _lookup_as_spelled(sub_key, sub_spelled, schema), schema)
         return
+    _note(seen, key, spelled, value)
     adding = override.is_add() or override.is_force_add()
     new_entry = info.kind == "free" and info.rest and OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT
     if new_entry and not adding:
@@ -177,6 +372,26 @@ def _apply_override(cfg: DictConfig, override: Any, schema: type) -> None:
             f"so add new entries with '+': +{override.input_line}"
         )
     _set(cfg, key, value, info, schema)
+
+
+def _lookup_as_spelled(key: str, spelled: str, schema: type) -> KeyInfo:
+    """`lookup(key)`; an unknown key is reported as the user wrote it (its verl 0.10 spelling, if that)."""
+    try:
+        return lookup(key, schema=schema)
+    except UnknownKeyError:
+        if key == spelled:
+            raise
+        from hyflow.config.keys import unknown_key_error
+
+        raise unknown_key_error(spelled, schema=schema) from None
+
+
+def _note(seen: dict[str, tuple[str, Any]], key: str, spelled: str, value: Any) -> None:
+    """Remember who set `key`; its other spelling (verl 0.10's vs legacy) with another value is an error."""
+    previous = seen.get(key)
+    if previous is not None and previous[0] != spelled and previous[1] != value:
+        raise _alias_conflict(spelled, value, previous[0], previous[1], " on the command line")
+    seen[key] = (spelled, value)
 
 
 def _set(cfg: DictConfig, key: str, value: Any, info: KeyInfo, schema: type) -> None:
@@ -215,7 +430,7 @@ def _flatten(value: dict, prefix: str, schema: type) -> list[tuple[str, Any]]:
     items: list[tuple[str, Any]] = []
     for name, sub in value.items():
         key = f"{prefix}.{name}"
-        info = lookup(key, schema=schema)
+        info = lookup(canonical_key(key, schema), schema=schema)
         if isinstance(sub, dict) and info.kind == "section":
             items.extend(_flatten(sub, key, schema))
         else:

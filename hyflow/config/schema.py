@@ -195,6 +195,9 @@ class ModelConfig:
     lora_adapter_path: str | None = option(None, "Load a trained LoRA adapter from this directory.")
     use_shm: bool = option(False, "Copy the model to shared memory (/dev/shm) before loading.")
     trust_remote_code: bool = option(False, "Allow custom modelling code from the model repository.")
+    torch_dtype: str | None = option(
+        None, "dtype the weights load in (older verl scripts set it); hyflow keeps fp32 master weights and computes "
+        "in fsdp_config.dtype.")
 
 
 @dataclass
@@ -283,6 +286,47 @@ class CheckpointConfig:
         "${.save_contents}", "Parts loaded on resume (default = save_contents); parts left out start fresh."
     )
     async_save: bool = option(False, "Write checkpoints in a background thread (not built yet).")
+
+
+# verl's profiler tool_config sub-dicts (defaults as in verl, so `...tool_config.torch.contents=[cpu]` sets them).
+_PROFILER_TOOL_CONFIG = {"nsys": {"discrete": False}, "npu": {"contents": [], "level": "level0", "analysis": True,
+                         "discrete": False}, "torch": {"contents": [], "discrete": False},
+                         "torch_memory": {"trace_alloc_max_entries": 100000, "stack_depth": 32}}
+
+
+@dataclass
+class ProfilerConfig:
+    """verl's per-role profiler settings; hyflow accepts them and profiles nothing (performance-only)."""
+
+    tool: str | None = option(None, "Profiler: nsys, npu, torch, torch_memory (verl: global_profiler.tool).")
+    enable: bool = option(False, "Profile this role.")
+    all_ranks: bool = option(False, "Profile every rank.")
+    ranks: list[int] = option([], "Ranks to profile.")
+    save_path: str | None = option(None, "Where profiles are written.")
+    tool_config: dict[str, Any] = option(_PROFILER_TOOL_CONFIG, "Per-tool settings (nsys, npu, torch, ...).")
+
+
+@dataclass
+class GlobalProfilerConfig:
+    """verl's global profiler settings; hyflow accepts them and profiles nothing (performance-only)."""
+
+    tool: str | None = option(None, "Profiler: nsys, npu, torch, torch_memory.")
+    steps: list[int] | None = option(None, "Training steps to profile.")
+    profile_continuous_steps: bool = option(False, "Profile consecutive steps into one file.")
+    save_path: str | None = option("outputs/profile", "Where profiles are written.")
+    global_tool_config: dict[str, Any] = option({}, "Per-tool settings (nsys, torch_memory, ...).")
+
+
+@dataclass
+class CheckpointEngineConfig:
+    """How the trained weights reach the rollout engine after each update (verl's rollout.checkpoint_engine)."""
+
+    backend: str = option("naive", "Weight-transfer backend: naive (in process, the only one in hyflow).")
+    update_weights_bucket_megabytes: int = option(
+        256, "Weights move to the rollout engine in buckets of at most this many MiB (one larger tensor is a "
+        "bucket alone): peak extra memory vs. transfer calls (hyflow; verl: 2048).")
+    engine_kwargs: dict[str, Any] = option({}, "Arguments of a transfer backend other than naive.")
+    custom_backend_module: str | None = option(None, "Module of a custom transfer backend.")
 
 
 # ------------------------------------------------------------------------------------------ actor
@@ -400,6 +444,7 @@ class ActorConfig:
     checkpoint: CheckpointConfig = section(CheckpointConfig, "What the actor's checkpoints contain.")
     optim: OptimConfig = section(OptimConfig, "Actor optimizer and learning-rate schedule.")
     fsdp_config: FSDPConfig = section(FSDPConfig, "FSDP settings of the actor.")
+    profiler: ProfilerConfig = section(ProfilerConfig, "verl's profiler for the actor (accepted, not run).")
 
 
 # ---------------------------------------------------------------------------------------- rollout
@@ -524,6 +569,12 @@ class RolloutConfig:
         {"vllm": {}, "sglang": {}},
         "Extra engine arguments by engine name, e.g. +actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4.",
     )
+    layered_summon: bool = option(False, "Gather FSDP weights layer by layer for the rollout (memory only).")
+    multi_stage_wake_up: bool = option(False, "Wake the engine's weights and KV cache in stages (memory only).")
+    checkpoint_engine: CheckpointEngineConfig = section(
+        CheckpointEngineConfig, "How updated weights reach the rollout engine."
+    )
+    profiler: ProfilerConfig = section(ProfilerConfig, "verl's profiler for the rollout (accepted, not run).")
 
 
 # -------------------------------------------------------------------------------------- reference
@@ -570,6 +621,7 @@ class RefConfig:
     fsdp_config: FSDPConfig = section(
         FSDPConfig, "FSDP settings of the reference (verl forces parameter offload here)."
     )
+    profiler: ProfilerConfig = section(ProfilerConfig, "verl's profiler for the reference (accepted, not run).")
 
 
 @dataclass
@@ -676,6 +728,7 @@ class CriticConfig:
     grad_clip: float = option(1.0, "Clip the critic's global gradient norm to this value.")
     ulysses_sequence_parallel_size: int = option(1, "Sequence-parallel size of the critic.")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "What the critic's checkpoints contain.")
+    profiler: ProfilerConfig = section(ProfilerConfig, "verl's profiler for the critic (accepted, not run).")
 
 
 # ----------------------------------------------------------------------------------------- reward
@@ -760,6 +813,8 @@ class RewardModelConfig:
         "Registered reward manager: naive (one scorer call per sample), batch, dapo (with overlong_buffer), prime.",
     )
     launch_reward_fn_async: bool = option(False, "Score in the background while log-probs are computed.")
+    use_reward_loop: bool | None = option(
+        None, "verl 0.6-0.9's switch between its reward-loop and legacy reward code (hyflow has one path).")
     timeout_s: float = option(
         30.0, "Per-sample scorer time limit, in seconds; a sample that runs over scores 0 (hyflow)."
     )
@@ -979,6 +1034,10 @@ class TrainerConfig:
         choices=("local", "ray", "auto"),
     )
     seed: int = option(1, "Global seed: dataloader, sampling and initialisation (hyflow).")
+    use_legacy_worker_impl: str = option(
+        "auto", "verl's switch between its legacy and engine-based workers: auto, enable, disable (hyflow has one).",
+        choices=("auto", "enable", "disable"),
+    )
 
 
 @dataclass
@@ -987,8 +1046,10 @@ class RayKwargsConfig:
 
     address: str | None = option(None, "Address of a running Ray cluster (None = start a local one).")
     ray_init: dict[str, Any] = option(
-        {"num_cpus": None},
-        "Keyword arguments for ray.init (num_cpus=None = all cores; add others with +ray_kwargs.ray_init.KEY=VALUE).",
+        {"num_cpus": None, "runtime_env": {"py_executable": None}},
+        "Keyword arguments for ray.init (num_cpus=None = all cores; add others with +ray_kwargs.ray_init.KEY=VALUE). "
+        "runtime_env goes to the job: null entries are dropped, the rest (py_executable, env_vars, working_dir, "
+        "pip, ...) apply to every worker; attaching to a running cluster it must match what the cluster allows.",
     )
 
 
@@ -1011,6 +1072,9 @@ class HyflowConfig:
     algorithm: AlgorithmConfig = section(AlgorithmConfig, "Advantage estimator, KL and reward shaping.")
     trainer: TrainerConfig = section(TrainerConfig, "Training loop, devices, logging, checkpoints.")
     ray_kwargs: RayKwargsConfig = section(RayKwargsConfig, "Ray cluster options.")
+    global_profiler: GlobalProfilerConfig = section(
+        GlobalProfilerConfig, "verl's global profiler settings (accepted, not run)."
+    )
 
     def __post_init__(self) -> None:
         # Built directly (not by load_config), the `${...}` defaults are still strings: resolve them once.

@@ -65,6 +65,39 @@ class SFTDataConfig:
     val_max_samples: int = option(-1, "Use at most this many validation samples (-1 = all).")
     shuffle: bool = option(True, "Shuffle the training samples every epoch (order = f(seed, epoch)).")
     seed: int | None = option(None, "Seed of the training data order (None = trainer.seed).")
+    prompt_dict_keys: list[str] | None = option(
+        None, "verl's legacy form of a nested prompt column: prompt_key=extra_info prompt_dict_keys=[question] "
+        "means prompt_key=extra_info.question (folded into prompt_key at load).")
+    response_dict_keys: list[str] | None = option(
+        None, "verl's legacy form of a nested response column (folded into response_key at load, as above).")
+    use_dynamic_bsz: bool = option(
+        False, "Pack micro-batches by token count instead of sample count (verl: true). hyflow divides the loss by "
+        "the batch's token count, so this only changes speed and memory, not the gradient.")
+    max_token_len_per_gpu: int = option(
+        8192, "Most tokens per device per micro-batch with use_dynamic_bsz (speed/memory only).")
+
+
+@dataclass
+class SFTEngineConfig:
+    """verl's SFT training-engine section (`engine@engine: fsdp`). hyflow's SFT runs one process on one device;
+    the sharding and offload knobs only change speed and memory there, and the numerics knobs are checked."""
+
+    strategy: str = option("fsdp", "Training engine (verl: fsdp, fsdp2); one device needs no sharding.")
+    param_offload: bool = option(False, "Keep parameters in CPU memory between uses.")
+    optimizer_offload: bool = option(False, "Keep optimizer state in CPU memory between steps.")
+    offload_policy: bool = option(False, "Use FSDP2's CPUOffloadPolicy.")
+    reshard_after_forward: bool = option(True, "Free gathered parameters after the forward pass.")
+    fsdp_size: int = option(-1, "Devices one FSDP group shards over (-1 = all).")
+    forward_prefetch: bool = option(False, "Prefetch the next layer's all-gather during the forward pass.")
+    use_orig_params: bool = option(False, "FSDP1 option: keep the original parameters.")
+    model_dtype: str = option("fp32", "dtype of the master weights (hyflow: fp32).")
+    dtype: str = option("bfloat16", "Mixed-precision compute dtype (hyflow: bf16 autocast on cuda, fp32 on cpu).")
+    seed: int = option(42, "Seed used when building the model (hyflow seeds with trainer.seed).")
+    full_determinism: bool = option(False, "Deterministic kernels everywhere.")
+    ulysses_sequence_parallel_size: int = option(1, "Sequence-parallel size (1 = off).")
+    use_torch_compile: bool = option(True, "torch.compile the loss kernels.")
+    entropy_from_logits_with_chunking: bool = option(False, "Compute entropy in row chunks (RL only).")
+    entropy_checkpointing: bool = option(False, "Recompute entropy in the backward pass (RL only).")
 
 
 @dataclass
@@ -140,6 +173,8 @@ class SFTTrainerConfig:
     resume_from_path: str | None = option(None, "Checkpoint directory (global_step_N) for resume_mode=resume_path.")
     max_ckpt_to_keep: int | None = option(None, "Keep at most this many checkpoints (None = all).")
     seed: int = option(1, "Global seed: model initialisation draws, data order (unless data.seed) and dropout.")
+    nnodes: int = option(1, "Machines (hyflow's SFT trainer runs one process on one device: 1).")
+    n_gpus_per_node: int = option(1, "Devices per machine (hyflow's SFT trainer runs on one device: 1).")
     device: str = option(
         "auto",
         "Where the model trains: cpu, cuda (bf16 autocast, fp32 master weights), or auto (cuda when available; verl: cuda).",
@@ -155,6 +190,7 @@ class SFTConfig:
     model: SFTModelConfig = section(SFTModelConfig, "The model to fine-tune and its tokenizer.")
     optim: SFTOptimConfig = section(SFTOptimConfig, "Optimizer and learning-rate schedule.")
     trainer: SFTTrainerConfig = section(SFTTrainerConfig, "Training loop, logging, checkpoints, device.")
+    engine: SFTEngineConfig = section(SFTEngineConfig, "Training-engine settings (verl's engine.* keys).")
 
     def __post_init__(self) -> None:
         if _holds_interpolation(self):
@@ -189,6 +225,12 @@ def validate_sft_config(cfg: SFTConfig, n_devices: int = 1) -> None:
             f"data.micro_batch_size_per_gpu={data.micro_batch_size_per_gpu} x {n_devices} device(s) = {per_step}, "
             f"so it cannot be split into whole micro-batches. Set data.train_batch_size to a multiple of {per_step} "
             f"(e.g. {lower or per_step} or {lower + per_step}) or pick a micro_batch_size_per_gpu that divides it."
+        )
+    if (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) != (1, 1):
+        problems.append(
+            f"trainer.nnodes={cfg.trainer.nnodes} x trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node}: hyflow's "
+            "SFT trainer runs one process on one device (trainer.device); multi-device SFT is not supported by "
+            "this hyflow version yet. Set trainer.nnodes=1 trainer.n_gpus_per_node=1."
         )
     if cfg.trainer.total_training_steps is None and cfg.trainer.total_epochs < 1:
         problems.append(f"trainer.total_epochs={cfg.trainer.total_epochs} must be >= 1 (or set trainer.total_training_steps).")

@@ -83,6 +83,9 @@ def ensure_ray(address: str | None = None, *, num_cpus: float | None = None,
     `ray_init["num_cpus"]`. Does nothing and returns False when Ray is already initialised.
     """
     options = dict(ray_init or {})
+    runtime_env = _runtime_env(options.pop("runtime_env", None))
+    if runtime_env:
+        options["runtime_env"] = runtime_env
     if num_cpus is not None:
         options["num_cpus"] = num_cpus
     sized = sorted(k for k in ("num_cpus", "num_gpus", "resources") if k in options)
@@ -97,6 +100,17 @@ def ensure_ray(address: str | None = None, *, num_cpus: float | None = None,
         return False
     _start_local(ray, options)
     return True
+
+
+def _runtime_env(runtime_env: dict | None) -> dict:
+    """verl's `ray_kwargs.ray_init.runtime_env` for ray.init, without its null entries (verl's scripts pass
+    `runtime_env.py_executable=null` to mean "this Python"): what remains applies to every worker of the job."""
+    if runtime_env is None:
+        return {}
+    if not isinstance(runtime_env, dict):
+        raise ValueError(f"ray_kwargs.ray_init.runtime_env must be a mapping (py_executable, env_vars, "
+                         f"working_dir, ...), got {runtime_env!r}")
+    return {key: value for key, value in runtime_env.items() if value is not None}
 
 
 def _connect(ray, address: str, options: dict) -> None:

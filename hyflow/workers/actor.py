@@ -61,7 +61,6 @@ from hyflow.workers.engine import (
 )
 from hyflow.workers.fsdp import (
     DIST_TIMEOUT_S,
-    WEIGHT_BUCKET_BYTES,
     TrainingStateCheckpoints,
     full_state_dict,
     full_tensor_buckets,
@@ -138,7 +137,7 @@ class ActorRolloutRefWorker(TrainingStateCheckpoints, Worker):
             else:
                 ref_model = copy.deepcopy(model)
             ref_model.requires_grad_(False).eval()
-        self.weight_bucket_bytes = WEIGHT_BUCKET_BYTES
+        self.weight_bucket_bytes = self.arr.rollout.checkpoint_engine.update_weights_bucket_megabytes << 20
         self.rollout = self._build_rollout(model)
         self.model = wrap_model(model, self.strategy, actor.fsdp_config)
         self.ref_model = None

@@ -200,7 +200,7 @@ def test_plus_adds_entries_to_free_form_dicts():
     assert cfg.reward_model.reward_kwargs == {"strict": True, "nested": {"depth": 3}}
     assert cfg.actor_rollout_ref.model.override_config == {"attn_implementation": "sdpa"}
     assert cfg.custom_reward_function.reward_kwargs == {"scale": [1, 2]}
-    assert cfg.ray_kwargs.ray_init == {"num_cpus": 2}
+    assert cfg.ray_kwargs.ray_init == {"num_cpus": 2, "runtime_env": {"py_executable": None}}
 
 
 def test_new_free_form_entry_without_plus_says_to_use_plus():
