@@ -44,7 +44,10 @@ def compute_value_loss(
         error = error_unclipped
         clipped_BT = torch.zeros_like(error_unclipped, dtype=torch.bool)
     else:
-        vpreds_clipped = values + torch.clamp(vpreds - values, -cliprange_value, cliprange_value)
+        # clamp(V, V_old - c, V_old + c) returns V itself inside the range, so a token that is not clipped has
+        # error_clipped == error_unclipped exactly and never counts in vf_clipfrac. The algebraically equal
+        # V_old + clamp(V - V_old, -c, c) differs from V by rounding, which made the metric count ties at random.
+        vpreds_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
         error_clipped = (vpreds_clipped - returns).square()
         error = torch.maximum(error_unclipped, error_clipped)
         clipped_BT = error_clipped > error_unclipped

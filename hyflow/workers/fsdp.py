@@ -298,18 +298,35 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor], *, br
     set_model_state_dict(model, state, options=_options(full_state_dict=True, broadcast_from_rank0=broadcast))
 
 
+def optimizer_has_stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` holds state (has taken a step). torch's `get_optimizer_state_dict` gives an optimizer
+    without state one with a zero-gradient, zero-lr step, which leaves Adam's step count at 1 and so changes
+    the bias correction of the next real step: saving a checkpoint before the first update would change the
+    run that saved it. The save functions below therefore write no optimizer state for an unstepped optimizer."""
+    return bool(optimizer.state)
+
+
 def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The unsharded optimizer state keyed by parameter name, on CPU, on rank 0 (`{}` elsewhere); collective."""
+    """The unsharded optimizer state keyed by parameter name, on CPU, on rank 0 (`{}` elsewhere); collective.
+
+    `{}` for an optimizer that has not stepped yet (see `optimizer_has_stepped`); loading `{}` restores that."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    if not optimizer_has_stepped(optimizer):  # the same on every rank: they step together
+        return {}
     return get_optimizer_state_dict(model, optimizer, options=_options(full_state_dict=True, cpu_offload=True))
 
 
 def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, *,
                                    broadcast_from_rank0: bool = False) -> None:
-    """Load a full optimizer state (by parameter name, or positional as `optimizer.state_dict()` gives it)."""
+    """Load a full optimizer state (by parameter name, or positional as `optimizer.state_dict()` gives it).
+
+    A state without entries (saved before the first step) leaves the optimizer unstepped, as it was saved."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+    if not state or not state.get("state"):
+        optimizer.state.clear()
+        return
     state = optimizer_state_by_name(model, optimizer, state)
     broadcast = broadcast_from_rank0 and is_distributed()
     with _tuple_hyperparameters_kept(optimizer):
@@ -370,7 +387,7 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path
     path.mkdir(parents=True, exist_ok=True)
     reshard(model)
     state = {MODEL_KEY: get_model_state_dict(model)}
-    if optimizer is not None:
+    if optimizer is not None and optimizer_has_stepped(optimizer):  # unstepped: saved without, loads as fresh
         state[OPTIMIZER_KEY] = get_optimizer_state_dict(model, optimizer)
     with _single_process_dcp_quiet():
         dcp.save(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())

@@ -44,6 +44,23 @@ def test_wide_clip_range_never_clips():
     assert metrics["vf_clipfrac"].item() == 0.0
 
 
+def test_unclipped_tokens_never_count_as_clipped_in_float32():
+    """Inside the clip range V_clip is V itself, so no token counts as clipped however the floats round (the
+    form V_old + clamp(V − V_old, −c, c) rounds away from V and counted one in nine of these tokens)."""
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(64, 32, generator=gen)  # old values and a fresh head's small predictions: V − V_old rounds
+    vpreds = (0.05 * torch.randn(64, 32, generator=gen)).requires_grad_()
+    returns = values + torch.randn(64, 32, generator=gen)
+    mask = torch.ones(64, 32)
+    assert not torch.equal(values + (vpreds - values), vpreds)  # the premise: the other form rounds
+    assert (vpreds - values).abs().max() < 6.0  # every token inside the clip range
+    loss, metrics = compute_value_loss(vpreds, returns, values, mask, cliprange_value=6.0)
+    assert metrics["vf_clipfrac"].item() == 0.0
+    torch.testing.assert_close(loss, 0.5 * (vpreds - returns).square().mean())
+    loss.backward()
+    torch.testing.assert_close(vpreds.grad, (vpreds - returns).detach() / mask.sum())
+
+
 def test_aggregation_modes_and_global_counts():
     vpreds, returns, values, mask = _hand_case()
     loss, _ = compute_value_loss(vpreds, returns, values, mask, 0.5, "seq-mean-token-sum", global_seq_count=4)

@@ -33,6 +33,14 @@ ATOL = 1e-5
 SMALL_BUCKET = 64 << 10  # forces several weight-sync buckets for the 0.5 M-parameter model
 
 
+# Adam's first step moves every weight by about lr x g / (|g| + eps): with torch's eps = 1e-8 a gradient entry
+# whose true value is within rounding of zero (the sum of terms that cancel) moves by up to +-lr with the sign of
+# its rounding error, which differs between one process and two ranks, between thread counts and between CPUs.
+# A larger eps keeps Adam (moments, bias correction, state layout) while an update stays proportional to its
+# gradient near zero, so rounding-sized gradient differences give rounding-sized weight differences.
+ADAM_EPS = 1e-4
+
+
 def make_config(model_dir: str, *extra: str):
     return load_config([
         f"actor_rollout_ref.model.path={model_dir}", "trainer.device=cpu", "data.train_batch_size=4",
@@ -40,7 +48,9 @@ def make_config(model_dir: str, *extra: str):
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.entropy_coeff=0.01", "actor_rollout_ref.actor.shuffle=false",
         "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.grad_clip=0.5",
-        "critic.ppo_micro_batch_size_per_gpu=1", "critic.optim.lr=1e-3", *extra,
+        f"+actor_rollout_ref.actor.optim.override_optimizer_config.eps={ADAM_EPS}",
+        "critic.ppo_micro_batch_size_per_gpu=1", "critic.optim.lr=1e-4",
+        f"+critic.optim.override_optimizer_config.eps={ADAM_EPS}", *extra,
     ])
 
 
@@ -61,14 +71,40 @@ def make_batch(vocab: int) -> dict[str, torch.Tensor]:
     }
 
 
-def add_training_columns(columns: dict[str, torch.Tensor], old_log_probs: torch.Tensor) -> dict[str, torch.Tensor]:
-    """old_log_probs near the model's own (so PPO ratios are near 1), a reference, advantages, values, returns."""
+# Every clip decision of the tests is far from its boundary, so none depends on how a CPU rounds: the rollout's
+# log-ratios (clip 0.8-1.2, i.e. -0.22..0.18 in log-ratio) and value offsets |V − V_old| (critic.cliprange_value
+# 0.5) sit at fixed offsets from the models' own first predictions, some well inside the clip range and some
+# well outside, farther than the updates move them (test_no_token_sits_near_a_clip_boundary checks it).
+LOG_RATIO_OFFSETS = (0.0, 0.05, -0.6, -0.04, 0.7, 0.02, -0.8)
+VALUE_OFFSETS = (0.0, 0.1, -1.0, -0.1, 1.5, 1.1)
+CLIP_MARGIN = 0.02  # the least distance to a clip boundary required of the reference run (rounding is ~1e-6)
+
+
+def _offsets(values: tuple[float, ...]) -> torch.Tensor:
+    return torch.tensor(values).repeat(N * R // len(values) + 1)[: N * R].view(N, R)
+
+
+def add_training_columns(columns: dict[str, torch.Tensor], old_log_probs: torch.Tensor,
+                         critic_values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Rollout log-probs and values at the offsets above from the models' own, a reference, advantages and
+    returns."""
     gen = torch.Generator().manual_seed(1)
     mask = columns["response_mask"].float()
     noise = lambda scale: scale * torch.randn(N, R, generator=gen)  # noqa: E731
-    return {**columns, "old_log_probs": (old_log_probs + noise(0.05)) * mask,
+    return {**columns, "old_log_probs": (old_log_probs - _offsets(LOG_RATIO_OFFSETS)) * mask,
             "ref_log_prob": (old_log_probs + noise(0.1)) * mask, "advantages": noise(1.0) * mask,
-            "values": noise(0.5) * mask, "returns": noise(1.0) * mask}
+            "values": (critic_values + _offsets(VALUE_OFFSETS)) * mask, "returns": noise(1.0) * mask}
+
+
+def clip_boundary_distances(columns: dict[str, torch.Tensor], log_probs: torch.Tensor,
+                            vpreds: torch.Tensor) -> tuple[float, float]:
+    """The least distance of any valid token to the PPO ratio clip (in log-ratio) and to the value clip."""
+    mask = columns["response_mask"].bool()
+    log_ratio = (log_probs - columns["old_log_probs"])[mask]
+    bounds = torch.log(torch.tensor([0.8, 1.2]))
+    ratio_distance = (log_ratio[:, None] - bounds).abs().min()
+    value_distance = ((vpreds - columns["values"]).abs() - 0.5)[mask].abs().min()
+    return float(ratio_distance), float(value_distance)
 
 
 def share(columns: dict[str, torch.Tensor], rank: int) -> Batch:
@@ -197,6 +233,43 @@ def test_sharded_round_trip_in_one_process(tmp_path):
             torch.testing.assert_close(got["state"][name][key], value, atol=0, rtol=0)
     with pytest.raises(FileNotFoundError, match="is not a sharded checkpoint directory"):
         load_sharded(fresh, fresh_opt, tmp_path / "missing")
+
+
+@pytest.mark.parametrize("save", ["full", "sharded"])
+def test_a_checkpoint_before_the_first_step_does_not_change_training(save, tmp_path):
+    """torch's get_optimizer_state_dict steps an unstepped optimizer with zero gradients (Adam's step count 1);
+    the save functions must not, or saving before the first update changes the run (and its resume)."""
+    from hyflow.workers.fsdp import (
+        full_optimizer_state_dict,
+        load_full_optimizer_state_dict,
+        load_sharded,
+        save_sharded,
+    )
+
+    def train(save_first: bool, restore: bool = False):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        if save_first and save == "full":
+            state = full_optimizer_state_dict(model, optimizer)
+            assert state == {}
+            if restore:
+                load_full_optimizer_state_dict(model, optimizer, state)
+        elif save_first:
+            save_sharded(model, optimizer, tmp_path / f"dcp_{restore}")
+            if restore:
+                load_sharded(model, optimizer, tmp_path / f"dcp_{restore}")
+        assert not optimizer.state
+        model(torch.ones(3, 4)).square().sum().backward()
+        optimizer.step()
+        return model.weight.detach().clone(), optimizer.state_dict()["state"][0]["step"]
+
+    plain, step = train(save_first=False)
+    assert step == 1
+    for restore in (False, True):
+        weights, step = train(save_first=True, restore=restore)
+        assert step == 1
+        torch.testing.assert_close(weights, plain, atol=0, rtol=0)
 
 
 def test_sharded_merge_reads_only_the_model_whole(tmp_path):
@@ -426,8 +499,11 @@ def run(tiny_model_dir, tiny_tokenizer, tmp_path_factory):
     actor = ActorRolloutRefWorker(cfg)
     actor.init_model(total_training_steps=1)
     old = actor.compute_log_prob(Batch(columns))["old_log_probs"]
-    columns = add_training_columns(columns, old)
+    critic = CriticWorker(cfg)
+    critic.init_model(total_training_steps=1)
+    columns = add_training_columns(columns, old, critic.compute_values(Batch(columns))["values"])
     torch.save(columns, out / "batch.pt")
+    distances = {"before": clip_boundary_distances(columns, old, critic.compute_values(Batch(columns))["values"])}
 
     ref = {"actor_metrics": actor.update_actor(Batch(columns)).meta["metrics"]}
     ref["actor_state"] = actor.state_dict()
@@ -435,10 +511,12 @@ def run(tiny_model_dir, tiny_tokenizer, tmp_path_factory):
     ref["log_probs"], ref["sum_pi_squared"] = log_probs["old_log_probs"], log_probs["sum_pi_squared"]
     ref["ref_log_prob"] = actor.compute_ref_log_prob(Batch(columns))["ref_log_prob"]
     actor.save_sharded_checkpoint(str(out / "dcp_actor_1"))
-    critic = CriticWorker(cfg)
-    critic.init_model(total_training_steps=1)
+    ref["critic_initial_model"] = {k: v.clone() for k, v in critic.state_dict()["critic_model"].items()}
     ref["critic_metrics"] = critic.update_critic(Batch(columns)).meta["metrics"]
     ref["critic_state"] = critic.state_dict()
+    distances["after"] = clip_boundary_distances(columns, ref["log_probs"],
+                                                 critic.compute_values(Batch(columns))["values"])
+    ref["clip_boundary_distances"] = distances
     critic.save_sharded_checkpoint(str(out / "dcp_critic_1"))
 
     mp.spawn(_rank_main, args=(2, free_port(), str(tiny_model_dir), str(out)), nprocs=2, join=True)
@@ -449,7 +527,7 @@ def run(tiny_model_dir, tiny_tokenizer, tmp_path_factory):
 def assert_state_close(got: dict, want: dict, atol: float = ATOL) -> None:
     assert set(got) == set(want)
     for key, tensor in want.items():
-        torch.testing.assert_close(got[key], tensor, atol=atol, rtol=0, msg=key)
+        torch.testing.assert_close(got[key], tensor, atol=atol, rtol=0, msg=lambda m, key=key: f"{key}: {m}")
 
 
 def assert_optimizer_close(got: dict, want: dict) -> None:
@@ -497,6 +575,7 @@ def test_actor_update_on_two_ranks_matches_one_process(run):
     """Same metrics on every rank (all-reduced in the worker) as one process, and the same updated weights."""
     want = run["ref"]["actor_metrics"]
     assert len(want["actor/pg_loss"]) == 2  # two optimizer steps
+    assert all(0 < fraction < 1 for fraction in want["actor/pg_clipfrac"])  # the PPO clip really acts
     for rank in run["ranks"]:
         assert_metrics_equal(rank["actor_metrics"], want, ACTOR_METRICS)
     assert want["actor/grad_norm"][0] > 0.5  # grad_clip=0.5 was active: the clipped update matches too
@@ -545,8 +624,22 @@ def test_log_prob_passes_on_two_ranks_match_one_process(run):
 
 
 @pytest.mark.slow
+def test_no_token_sits_near_a_clip_boundary(run):
+    """The premise of the equality tests: before and after the one-process update (the second mini-batch decides
+    between the two) every token's PPO ratio and value prediction are at least CLIP_MARGIN from a clip boundary,
+    so rounding cannot flip a clip decision."""
+    for when, (ratio_distance, value_distance) in run["ref"]["clip_boundary_distances"].items():
+        assert ratio_distance > CLIP_MARGIN, (when, ratio_distance, value_distance)
+        assert value_distance > CLIP_MARGIN, (when, ratio_distance, value_distance)
+
+
+@pytest.mark.slow
 def test_critic_update_on_two_ranks_matches_one_process(run):
     want = run["ref"]["critic_metrics"]
+    assert all(0 < fraction < 1 for fraction in want["critic/vf_clipfrac"])  # the value clip really acts
+    initial = run["ref"]["critic_initial_model"]
+    moved = max(float((run["ref"]["critic_state"]["critic_model"][k] - v).abs().max()) for k, v in initial.items())
+    assert moved > 10 * ATOL  # a real update, far larger than the tolerance of the comparison below
     for rank in run["ranks"]:
         assert_metrics_equal(rank["critic_metrics"], want, ("critic/vf_loss", "critic/grad_norm",
                                                             "critic/vf_clipfrac", "critic/vpred_mean"))
