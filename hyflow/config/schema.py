@@ -108,9 +108,13 @@ class DataConfig:
     shuffle: bool = option(True, "Shuffle the training prompts every epoch.")
     seed: int | None = option(None, "Seed of the training dataloader's shuffle (None = trainer.seed).")
     dataloader_num_workers: int = option(
-        8, "Worker processes of the dataloader (0 = load in the main process)."
+        8, "Worker processes of the dataloader (verl). hyflow batches in the main process and tokenizes each prompt "
+        "once (cached): performance-only, named at start when set."
     )
-    validation_shuffle: bool = option(False, "Shuffle the validation set.")
+    validation_shuffle: bool = option(
+        False, "Generate the validation prompts in a shuffled order (seeded with data.seed or trainer.seed, the same "
+        "at every validation); metrics always cover the whole set."
+    )
     filter_overlong_prompts: bool = option(
         False, "Drop prompts longer than max_prompt_length tokens before training."
     )
@@ -497,7 +501,8 @@ class RolloutConfig:
     )
     mode: str = option(
         "async",
-        "Rollout mode (verl name): async (server-style engine) or sync (one batched call).",
+        "Rollout mode (verl name): async (server-style engine; verl 0.10's only mode) or sync. hyflow's engine "
+        "decodes each batch in one call either way: performance-only, sync is named at start.",
         choices=("async", "sync"),
     )
     n: int = option(1, "Samples generated per prompt (GRPO's group size).")
@@ -810,7 +815,8 @@ class RewardModelConfig:
     )
     reward_manager: str = option(
         "naive",
-        "Registered reward manager: naive (one scorer call per sample), batch, dapo (with overlong_buffer), prime.",
+        "Registered reward manager: naive (one scorer call per sample), batch, dapo (with overlong_buffer); checked at "
+        "start against hyflow.rewards.managers.REWARD_MANAGERS.",
     )
     launch_reward_fn_async: bool = option(False, "Score in the background while log-probs are computed.")
     use_reward_loop: bool | None = option(

@@ -107,17 +107,14 @@ def _fsdp_entries() -> list[KeySupport]:
 
 
 def _engine_kwargs_unsupported(cfg: Any) -> bool:
-    """Engine arguments for the engine that runs (the hf engine takes none), or for an unknown engine name."""
-    kwargs = dict(cfg.actor_rollout_ref.rollout.engine_kwargs or {})
-    name = cfg.actor_rollout_ref.rollout.name
-    return bool(kwargs.get(name)) or any(v for k, v in kwargs.items() if k not in ("vllm", "sglang", name))
+    """Engine arguments for the engine that runs: no engine hyflow has built takes any yet."""
+    return bool(dict(cfg.actor_rollout_ref.rollout.engine_kwargs or {}).get(cfg.actor_rollout_ref.rollout.name))
 
 
 def _engine_kwargs_irrelevant(cfg: Any) -> bool:
-    """vllm/sglang arguments while another engine runs: they have nothing to act on."""
+    """Arguments for other engines (vllm, sglang, trtllm while hf runs): they have nothing to act on."""
     kwargs = dict(cfg.actor_rollout_ref.rollout.engine_kwargs or {})
-    name = cfg.actor_rollout_ref.rollout.name
-    return any(kwargs.get(other) for other in ("vllm", "sglang") if other != name)
+    return any(v for k, v in kwargs.items() if k != cfg.actor_rollout_ref.rollout.name)
 
 
 def _hf_engine(cfg: Any) -> bool:
@@ -177,12 +174,12 @@ _TABLE: list[KeySupport] = [
                  "module in a .pth file or sitecustomize instead"),
     _unsupported("critic.model.external_lib", "only reward_model.model.external_lib is imported so far; import "
                  "your module in a .pth file or sitecustomize instead"),
-    _unsupported(f"{R}.engine_kwargs", "the hf engine takes no engine arguments (the vllm and sglang sub-dicts "
-                 "are for those engines)", _engine_kwargs_unsupported),
+    _unsupported(f"{R}.engine_kwargs", "the running engine's entry (engine_kwargs.<rollout.name>) must be empty: "
+                 "the hf engine takes no engine arguments", _engine_kwargs_unsupported),
     *_fsdp_entries(),
     # ------------------------------------------------------------------ speed / memory only
-    _performance(f"{R}.engine_kwargs", "vllm/sglang engine arguments with rollout.name=hf: not used",
-                 _engine_kwargs_irrelevant),
+    _performance(f"{R}.engine_kwargs", "arguments for engines other than the running one (rollout.name): not "
+                 "used", _engine_kwargs_irrelevant),
     _performance(f"{R}.mode", "verl 0.10 has only async (server) rollouts; hyflow's engine decodes each batch "
                  "in one call either way and single-turn samples are the same"),
     _performance(f"{R}.tensor_model_parallel_size", "the hf engine runs one full copy per device",
@@ -223,8 +220,8 @@ _TABLE: list[KeySupport] = [
                  "of packing; same values"),
     _performance(f"{M}.use_shm", "copying the model to /dev/shm only speeds up loading"),
     _performance("data.use_shm", "copying the data to /dev/shm only speeds up loading"),
-    _performance("data.dataloader_num_workers", "hyflow loads prompts in the main process (the data is "
-                 "tokenized once at load); the batches are the same"),
+    _performance("data.dataloader_num_workers", "hyflow batches prompts in the main process (each prompt is "
+                 "tokenized once and cached); the batches are the same"),
     _performance("data.filter_overlong_prompts_workers", "filtering runs in one process; same prompts kept"),
     _performance("reward_model.launch_reward_fn_async", "scoring in the background overlaps time only; the "
                  "rewards are the same (reward_model.num_workers parallelises scoring)"),
