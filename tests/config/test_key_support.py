@@ -379,3 +379,28 @@ def test_sft_checks_loggers_before_loading_the_model(missing_tracker_package):
 
     with pytest.raises(ConfigError, match="hyflow_test_no_such_package package is not installed"):
         SFTTrainer(["trainer.logger=[console,wandb]"])  # no model.partial_pretrain: it would fail later on that
+
+
+@pytest.mark.slow
+def test_validation_shuffle_changes_the_generation_order_of_a_run(tiny_model_dir, tmp_path):
+    import json
+
+    from hyflow.data.tasks import make_task
+    from hyflow.trainer.rl_trainer import RLTrainer, validation_order
+
+    make_task("arithmetic", tmp_path / "task", n_train=8, n_test=6, seed=0, digits=1)
+
+    def val_inputs(run: str, *extra: str) -> list[str]:
+        RLTrainer([f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files={tmp_path}/task/train.parquet",
+                   f"data.val_files={tmp_path}/task/test.parquet", f"trainer.default_local_dir={tmp_path / run}",
+                   "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                   "data.max_prompt_length=48", "data.max_response_length=4", "data.val_batch_size=2",
+                   "reward_model.num_workers=0", "trainer.logger=[file]", "trainer.val_only=true", "data.seed=5",
+                   *extra]).fit()
+        lines = (tmp_path / run / "generations" / "val_step_0.jsonl").read_text().splitlines()
+        return [json.loads(line)["input"] for line in lines]
+
+    in_file_order = val_inputs("plain")
+    shuffled = val_inputs("shuffled", "data.validation_shuffle=true")
+    assert sorted(shuffled) == sorted(in_file_order) and shuffled != in_file_order
+    assert shuffled == [in_file_order[i] for i in validation_order(6, True, 5)]
