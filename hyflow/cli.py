@@ -9,21 +9,42 @@
     hyflow export --ckpt RUN/global_step_N --out D   Hugging Face model directory from a checkpoint
     hyflow plot RUN_DIR                      PNG curves (reward, validation, length, KL, entropy, timing)
 
-Overrides use Hydra's syntax (`key=value`, `+key=value`), with verl's key names.
+Overrides use Hydra's syntax (`key=value`, `+key=value`), with verl's key names (0.10's and the legacy ones).
+`--config-path DIR --config-name NAME` (Hydra's flags, as verl's scripts use them) or `--config FILE` load a YAML
+file first.
+
+A problem you can fix (a config key, a missing or unreadable file, a reward file that does not import, a Ray
+cluster that cannot be reached) ends with one line `hyflow CMD: error: ...` and exit status 2; anything else
+with one line, the hint to run again with `--traceback`, and exit status 1. `--traceback` (before or after the
+subcommand) shows the full stack instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import linecache
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+
+def _config_file(args: argparse.Namespace) -> str | Path | None:
+    """`--config FILE`, or the file Hydra's `--config-path/--config-name` name (not both)."""
+    from hyflow.config.keys import ConfigError
+    from hyflow.config.loader import config_file_from_hydra_flags
+
+    hydra = config_file_from_hydra_flags(args.config_path, args.config_name)
+    if hydra is not None and args.config is not None:
+        raise ConfigError("give either --config FILE or --config-path/--config-name, not both.")
+    return hydra if hydra is not None else args.config
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from hyflow.trainer.rl_trainer import run_rl
 
-    history = run_rl(args.overrides, config_file=args.config)
+    history = run_rl(args.overrides, config_file=_config_file(args))
     if history:
         last = history[-1]
         keys = [k for k in last if k.startswith(("val-core/", "critic/score/mean"))]
@@ -34,7 +55,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_sft(args: argparse.Namespace) -> int:
     from hyflow.trainer.sft_trainer import run_sft
 
-    history = run_sft(args.overrides, config_file=args.config)
+    history = run_sft(args.overrides, config_file=_config_file(args))
     if history:
         print("final: " + ", ".join(f"{k}={v:.4g}" for k, v in history[-1].items() if k.endswith("loss")))
     return 0
@@ -43,7 +64,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 def _cmd_config(args: argparse.Namespace) -> int:
     from hyflow.config import describe_batch_arithmetic, load_config, render_config, validate_config
 
-    cfg = load_config(args.overrides, config_file=args.config)
+    cfg = load_config(args.overrides, config_file=_config_file(args))
     print(render_config(cfg, with_help=not args.no_help))
     validate_config(cfg)
     print()
@@ -104,23 +125,39 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="a YAML config file applied before the overrides")
+    p.add_argument("--config-path", "-cp", dest="config_path", default=None,
+                   help="Hydra's flag: the folder of --config-name (relative to the working directory)")
+    p.add_argument("--config-name", "-cn", dest="config_name", default=None,
+                   help="Hydra's flag: the YAML file (with or without .yaml) in --config-path; its `defaults:` "
+                   "list may name other files of that folder and verl's base trainer configs")
+
+
+def _add_traceback_flag(p: argparse.ArgumentParser, *, top: bool) -> None:
+    # The subcommands' copies do not set a default, so `hyflow --traceback train` is not reset by `train`.
+    p.add_argument("--traceback", action="store_true", default=False if top else argparse.SUPPRESS,
+                   help="on an error, show the full Python stack instead of one line")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_traceback_flag(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="RL training (PPO, GRPO, DAPO, RLOO, ...) from verl-style overrides")
     p.add_argument("overrides", nargs="*", help="e.g. algorithm.adv_estimator=grpo data.train_files=D/train.parquet")
-    p.add_argument("--config", help="a YAML config file applied before the overrides")
+    _add_config_flags(p)
     p.set_defaults(fn=_cmd_train)
 
     p = sub.add_parser("sft", help="supervised fine-tuning (verl's sft_trainer keys)")
-    p.add_argument("overrides", nargs="*", help="e.g. data.train_files=D/train.parquet model.partial_pretrain=M")
-    p.add_argument("--config", help="a YAML config file applied before the overrides")
+    p.add_argument("overrides", nargs="*", help="e.g. data.train_files=D/train.parquet model.path=M")
+    _add_config_flags(p)
     p.set_defaults(fn=_cmd_sft)
 
     p = sub.add_parser("config", help="print the resolved config with help text and the batch arithmetic")
     p.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. data.train_batch_size=32")
-    p.add_argument("--config", help="a YAML config file applied before the overrides")
+    _add_config_flags(p)
     p.add_argument("--no-help", action="store_true", help="omit the help comments")
     p.set_defaults(fn=_cmd_config)
 
@@ -163,19 +200,119 @@ def build_parser() -> argparse.ArgumentParser:
         d.add_argument("--out", required=True)
         d.add_argument("--split", default=None, help="train | test (default: guessed from the file name)")
         d.set_defaults(fn=_cmd_data_preprocess, dataset=name)
+    for subparser in _subparsers(parser):
+        _add_traceback_flag(subparser, top=False)
     return parser
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                found += [child, *_subparsers(child)]
+    return found
+
+
+# ------------------------------------------------------------------------------------------- errors
+
+# OSError numbers that a user fixes (a path, a permission, a full disk), not a bug.
+_USER_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.EEXIST,
+                errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG, errno.ECONNREFUSED, errno.EHOSTUNREACH,
+                errno.ETIMEDOUT, errno.ENOTEMPTY}
+_OS_HINTS = {
+    errno.EACCES: "the path is not writable or readable for you; fix its permissions or choose another path; "
+                  "for a run, trainer.default_local_dir",
+    errno.EPERM: "the operation is not permitted on this path; choose another path",
+    errno.EROFS: "the file system is read-only; choose a writable path; for a run, "
+                 "trainer.default_local_dir",
+    errno.ENOTDIR: "a file is in the way where a directory is needed; remove it or choose another path; "
+                   "for a run, trainer.default_local_dir",
+    errno.EEXIST: "a file is in the way where a directory is needed; remove it or choose another path; "
+                  "for a run, trainer.default_local_dir",
+    errno.EISDIR: "a directory was given where a file is needed",
+    errno.ENOSPC: "free space on that device or write somewhere else",
+    errno.EDQUOT: "the disk quota is exhausted; free space or write somewhere else",
+    errno.ECONNREFUSED: "nothing listens at that address; start the service (for Ray: ray start --head) or fix "
+                        "ray_kwargs.address",
+}
+
+
+def _ray_error(exc: BaseException) -> bool:
+    """An error of the Ray cluster itself (a dead raylet or node, a lost connection): the user restarts it."""
+    module = type(exc).__module__ or ""
+    return module.startswith("ray.") and type(exc).__name__ in {
+        "RaySystemError", "RayActorError", "ActorDiedError", "NodeDiedError", "ActorUnavailableError",
+        "GetTimeoutError", "RayChannelError", "ObjectLostError", "OwnerDiedError", "LocalRayletDiedError",
+        "WorkerCrashedError", "OutOfMemoryError", "RuntimeEnvSetupError", "ActorPlacementGroupRemoved"}
+
+
+def _raised_on_purpose(exc: BaseException) -> bool:
+    """Whether hyflow raised `exc` itself with a `raise` statement (a checked problem with a message), rather
+    than Python, torch or a library failing inside it (a bug)."""
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    filename = tb.tb_frame.f_code.co_filename
+    package = str(Path(__file__).resolve().parent)
+    if not str(Path(filename).resolve()).startswith(package):
+        return False
+    return linecache.getline(filename, tb.tb_lineno).lstrip().startswith("raise")
+
+
+def _user_error(exc: BaseException) -> str | None:
+    """The one-line message for an error the user can fix, or None for anything else."""
+    from hyflow.config.keys import ConfigError
+
+    if isinstance(exc, ConfigError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.errno in _USER_ERRNOS:
+        where = f": {exc.filename!r}" if exc.filename is not None else ""
+        other = f" -> {exc.filename2!r}" if getattr(exc, "filename2", None) else ""
+        hint = _OS_HINTS.get(exc.errno)
+        return f"{exc.strerror or exc}{where}{other}" + (f" ({hint})" if hint else "")
+    if isinstance(exc, OSError) and exc.errno is None and _raised_on_purpose(exc):
+        return str(exc)  # FileNotFoundError("custom reward file ... not found") and the like
+    if _ray_error(exc):
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return (f"the Ray cluster failed ({type(exc).__name__}: {first}); check it with `ray status`, restart it "
+                "(ray stop; ray start --head) or leave ray_kwargs.address unset to start a local one")
+    if isinstance(exc, (ValueError, TypeError, KeyError, AttributeError, ImportError, RuntimeError, LookupError,
+                        NotImplementedError, TimeoutError)) and _raised_on_purpose(exc):
+        return exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+    if isinstance(exc, SyntaxError):
+        return f"{exc.msg} in {exc.filename}, line {exc.lineno}"
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, KeyError, FileNotFoundError, TypeError, RuntimeError) as exc:
-        if getattr(args, "traceback", False):
+    except KeyboardInterrupt:
+        if args.traceback:
             raise
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"hyflow {args.command}: error: {message}", file=sys.stderr)
-        return 2
+        print(f"hyflow {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if args.traceback:
+            raise
+        message = _user_error(exc)
+        if message is not None:
+            print(f"hyflow {args.command}: error: {_tidy(message)}", file=sys.stderr)
+            return 2
+        text = _tidy(str(exc)) or "(no message)"
+        print(f"hyflow {args.command}: error: {type(exc).__name__}: {text} "
+              "(an unexpected error, maybe a bug in hyflow: run again with --traceback to see where)",
+              file=sys.stderr)
+        return 1
+
+
+def _tidy(message: str) -> str:
+    """Multi-line messages (a list of problems) stay readable; a single trailing newline is dropped."""
+    return str(message).rstrip()
 
 
 if __name__ == "__main__":

@@ -575,6 +575,8 @@ class RolloutConfig:
         "Extra engine arguments by engine name, e.g. +actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4.",
     )
     layered_summon: bool = option(False, "Gather FSDP weights layer by layer for the rollout (memory only).")
+    skip_tokenizer_init: bool = option(
+        True, "vllm/sglang: start the engine without its tokenizer (token ids in and out, as hyflow's engines are).")
     multi_stage_wake_up: bool = option(False, "Wake the engine's weights and KV cache in stages (memory only).")
     checkpoint_engine: CheckpointEngineConfig = section(
         CheckpointEngineConfig, "How updated weights reach the rollout engine."

@@ -122,6 +122,8 @@ PERFORMANCE_ONLY_KEYS: dict[str, str] = {
     **{f"global_profiler.{leaf}": _PROFILER for leaf in _GLOBAL_PROFILER_LEAVES},
     f"{ARR}.rollout.layered_summon": "gathering the FSDP weights layer by layer for the rollout engine only lowers "
     "peak memory (verl uses it for LoRA); the rollout receives the same weights",
+    f"{ARR}.rollout.skip_tokenizer_init": "hyflow's engines always take and return token ids, so the engine's "
+    "own tokenizer is never needed; generation is the same either way",
     f"{ARR}.rollout.multi_stage_wake_up": "waking the rollout engine's weights and KV cache in stages only lowers "
     "peak memory; generation is the same",
     f"{ARR}.rollout.checkpoint_engine.engine_kwargs": "arguments of a weight-transfer backend other than naive, "

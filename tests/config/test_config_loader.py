@@ -408,3 +408,127 @@ def test_bypass_loss_type_custom_sampler_and_rm_micro_batches():
     assert "algorithm.rollout_correction.loss_type='reinforce' is not supported" in text
     assert "data.sampler.class_path is not supported" in text
     assert "reward_model.micro_batch_size" in text and "reward_model.micro_batch_size_per_gpu" in text
+
+
+# ------------------------------------------------------------------------ verl 0.10's names and key list
+
+
+def test_verl_010_reward_names_mean_the_legacy_keys():
+    cfg = load_config([
+        "reward.reward_manager.name=dapo", "reward.custom_reward_function.path=/r.py",
+        "reward.custom_reward_function.name=score", "+reward.reward_kwargs.overlong_buffer_cfg.len=4",
+        "reward.num_workers=3", "reward.reward_model.enable=true", "reward.reward_model.model_path=/rm",
+        "critic.fsdp.optimizer_offload=true", "reward.sandbox_fusion.max_concurrent=8",
+    ])
+    assert cfg.reward_model.reward_manager == "dapo"
+    assert (cfg.custom_reward_function.path, cfg.custom_reward_function.name) == ("/r.py", "score")
+    assert cfg.reward_model.reward_kwargs == {"overlong_buffer_cfg": {"len": 4}}
+    assert cfg.reward_model.num_workers == 3 and cfg.reward_model.enable is True
+    assert cfg.reward_model.model.path == "/rm" and cfg.reward_model.sandbox_fusion.max_concurrent == 8
+    assert cfg.critic.model.fsdp_config.optimizer_offload is True
+
+
+def test_both_spellings_agreeing_are_fine_disagreeing_name_both():
+    cfg = load_config(["reward.reward_manager.name=dapo", "reward_model.reward_manager=dapo"])
+    assert cfg.reward_model.reward_manager == "dapo"
+    with pytest.raises(ConfigError) as err:
+        load_config(["reward_model.reward_manager=naive", "reward.reward_manager.name=dapo"])
+    assert "reward.reward_manager.name=dapo" in str(err.value) and "reward_model.reward_manager=naive" in str(err.value)
+
+
+def test_verl_010_names_in_a_yaml_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("reward:\n  reward_manager:\n    name: prime\n  custom_reward_function:\n    path: /r.py\n"
+                    "critic:\n  fsdp:\n    param_offload: true\n")
+    cfg = load_config(config_file=path)
+    assert cfg.reward_model.reward_manager == "prime" and cfg.custom_reward_function.path == "/r.py"
+    assert cfg.critic.model.fsdp_config.param_offload is True
+    path.write_text("reward:\n  reward_manager:\n    name: prime\nreward_model:\n  reward_manager: naive\n")
+    with pytest.raises(ConfigError, match="reward.reward_manager.name=prime and reward_model.reward_manager=naive"):
+        load_config(config_file=path)
+
+
+def test_every_unknown_key_is_reported_at_once_and_verl_keys_say_so():
+    with pytest.raises(ConfigError) as err:
+        load_config(["actor_rollout_ref.actor.profiler.rangs=[0]", "actor_rollout_ref.rollout.agent.num_workers=2",
+                     "trainer.use_v1=false", "critic.fsdp.qat.enable=true", "data.train_batch_size=4"])
+    text = str(err.value)
+    assert text.startswith("4 unknown config keys:")
+    assert "'actor_rollout_ref.actor.profiler.rangs'. Did you mean 'actor_rollout_ref.actor.profiler.ranks'?" in text
+    for key in ("actor_rollout_ref.rollout.agent.num_workers", "trainer.use_v1", "critic.fsdp.qat.enable"):
+        assert f"'{key}' is a verl key that hyflow does not support yet" in text
+
+
+def test_verl_keys_hyflow_now_has_are_accepted():
+    cfg = load_config([
+        "actor_rollout_ref.actor.profiler.ranks=[0,1]", "actor_rollout_ref.actor.profiler.enable=true",
+        "global_profiler.tool=nsys", "actor_rollout_ref.rollout.layered_summon=true",
+        "actor_rollout_ref.rollout.multi_stage_wake_up=true", "+trainer.use_legacy_worker_impl=disable",
+        "reward_model.use_reward_loop=true", "actor_rollout_ref.model.torch_dtype=bfloat16",
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=64",
+        "ray_kwargs.ray_init.runtime_env.py_executable=null",
+    ])
+    assert cfg.actor_rollout_ref.actor.profiler.ranks == [0, 1]
+    assert cfg.actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes == 64
+    assert cfg.trainer.use_legacy_worker_impl == "disable"
+
+
+def test_verl_keys_list_ships_with_the_package():
+    from hyflow.config.verl_compat import is_verl_key, verl_keys
+
+    keys, free = verl_keys("rl")
+    assert len(keys) > 800 and "actor_rollout_ref.rollout.engine_kwargs.vllm" in free
+    assert is_verl_key("+actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space", HyflowConfig)
+    assert not is_verl_key("actor_rollout_ref.actor.ppo_mini_batchsize", HyflowConfig)
+
+
+# ---------------------------------------------------------------------- Hydra's --config-path/--config-name
+
+
+def test_config_name_with_defaults_list(tmp_path):
+    from hyflow.config.loader import config_file_from_hydra_flags
+
+    (tmp_path / "base.yaml").write_text("data:\n  train_batch_size: 8\n  max_prompt_length: 32\n")
+    (tmp_path / "actor").mkdir()
+    (tmp_path / "actor" / "small.yaml").write_text("ppo_mini_batch_size: 4\n")
+    (tmp_path / "exp.yaml").write_text("defaults:\n  - ppo_trainer\n  - base\n  - actor@actor_rollout_ref.actor: small\n"
+                                       "  - _self_\ndata:\n  max_prompt_length: 64\n")
+    for name in ("exp", "exp.yaml"):
+        path = config_file_from_hydra_flags(tmp_path, name)
+        cfg = load_config(["data.train_batch_size=16"], config_file=path)
+        assert cfg.data.train_batch_size == 16 and cfg.data.max_prompt_length == 64
+        assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 4
+
+
+def test_config_name_errors_are_clear(tmp_path):
+    from hyflow.config.loader import config_file_from_hydra_flags
+
+    with pytest.raises(ConfigError, match="verl's own configs"):
+        config_file_from_hydra_flags("config", "ppo_megatron_trainer.yaml")
+    (tmp_path / "exp.yaml").write_text("defaults:\n  - override actor@actor_rollout_ref.actor: dp_actor\n")
+    with pytest.raises(ConfigError, match="override"):
+        load_config(config_file=tmp_path / "exp.yaml")
+    (tmp_path / "exp.yaml").write_text("defaults:\n  - actor@actor_rollout_ref.actor: dp_actor\n")
+    with pytest.raises(ConfigError, match="config group of verl's own config tree"):
+        load_config(config_file=tmp_path / "exp.yaml")
+
+
+# ------------------------------------------------------------------------------- SFT: verl's current names
+
+
+def test_sft_accepts_verl_current_names():
+    from hyflow.config.sft_schema import SFTConfig, load_sft_config
+
+    cfg = load_sft_config(["model.path=/m", "engine.param_offload=true", "data.use_dynamic_bsz=true",
+                           "data.max_token_len_per_gpu=4096", "trainer.n_gpus_per_node=1",
+                           "data.prompt_key=extra_info", "data.prompt_dict_keys=[question]",
+                           "data.response_key=extra_info", "data.response_dict_keys=[answer]"])
+    assert cfg.model.partial_pretrain == "/m" and cfg.engine.param_offload is True
+    assert (cfg.data.prompt_key, cfg.data.response_key) == ("extra_info.question", "extra_info.answer")
+    assert cfg.data.prompt_dict_keys is None
+    with pytest.raises(ConfigError, match="model.path=/a and model.partial_pretrain=/b"):
+        load_config(["model.partial_pretrain=/b", "model.path=/a"], schema=SFTConfig)
+    with pytest.raises(ConfigError, match="one process on one device"):
+        load_sft_config(["trainer.n_gpus_per_node=8"])
+    with pytest.raises(ConfigError, match="'engine.qat.enable' is a verl key that hyflow does not support yet"):
+        load_config(["engine.qat.enable=true"], schema=SFTConfig)
