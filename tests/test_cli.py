@@ -100,3 +100,145 @@ def test_sft_command(tmp_path, tiny_model_dir):
     assert "train/loss" in out.stdout and (tmp_path / "run" / "global_step_2").is_dir()
     out = run("sft", "data.train_batchsize=4")
     assert out.returncode == 2 and "Did you mean 'data.train_batch_size'" in out.stderr
+
+
+# ------------------------------------------------------------- errors, in process: one line, exit status, --traceback
+
+import errno  # noqa: E402
+import os  # noqa: E402
+
+from hyflow.cli import main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    from hyflow.data.tasks import make_task
+    from hyflow.models.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("cli_errors")
+    make_task("arithmetic", root / "data", n_train=8, n_test=2, seed=0, digits=1)
+    model = make_tiny_model(root / "model", preset="tiny", seed=0)
+    base = [f"actor_rollout_ref.model.path={model}", f"data.train_files={root}/data/train.parquet",
+            f"data.val_files={root}/data/test.parquet", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
+            "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.max_prompt_length=48",
+            "data.max_response_length=4", "trainer.logger=[file]", "trainer.total_training_steps=1",
+            "reward_model.num_workers=0", "trainer.val_before_train=false"]
+    return root, base
+
+
+def one_line_error(capsys, argv, status=2):
+    assert main(argv) == status
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    # Progress bars (model loading) may come first; the error is one line of its own.
+    lines = [line for line in err.splitlines() if line.startswith("hyflow ")]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"hyflow {argv[0] if not argv[0].startswith('-') else argv[1]}: error: ")
+    return lines[0]
+
+
+def test_reward_file_with_a_syntax_error(small_run, tmp_path, capsys):
+    _root, base = small_run
+    bad = tmp_path / "bad_reward.py"
+    bad.write_text("def compute_score(:\n")
+    err = one_line_error(capsys, ["train", *base, f"custom_reward_function.path={bad}",
+                                  f"trainer.default_local_dir={tmp_path / 'run'}"])
+    assert str(bad) in err and "SyntaxError" in err
+
+
+def test_wrong_reward_function_name(small_run, tmp_path, capsys):
+    _root, base = small_run
+    good = tmp_path / "reward.py"
+    good.write_text("def my_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    err = one_line_error(capsys, ["train", *base, f"reward.custom_reward_function.path={good}",
+                                  "reward.custom_reward_function.name=my_scor",
+                                  f"trainer.default_local_dir={tmp_path / 'run'}"])
+    assert "'my_scor'" in err and "Did you mean 'my_score'?" in err
+
+
+def test_run_directory_that_is_a_file(small_run, tmp_path, capsys):
+    _root, base = small_run
+    (tmp_path / "taken").write_text("not a directory")
+    err = one_line_error(capsys, ["train", *base, f"trainer.default_local_dir={tmp_path / 'taken'}"])
+    assert str(tmp_path / "taken") in err and "trainer.default_local_dir" in err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_read_only_run_directory(small_run, tmp_path, capsys):
+    _root, base = small_run
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    err = one_line_error(capsys, ["train", *base, f"trainer.default_local_dir={locked / 'run'}"])
+    assert "Permission denied" in err
+
+
+def test_permission_and_disk_errors_are_user_errors(monkeypatch, capsys):
+    import hyflow.trainer.rl_trainer as rl_trainer
+
+    for exc, words in ((PermissionError(errno.EACCES, "Permission denied", "/runs/x"), "fix its permissions"),
+                       (OSError(errno.EROFS, "Read-only file system", "/runs/x"), "read-only"),
+                       (OSError(errno.ENOSPC, "No space left on device", "/runs/x"), "free space")):
+        def fail(*args, exc=exc, **kwargs):
+            raise exc
+
+        monkeypatch.setattr(rl_trainer, "run_rl", fail)
+        err = one_line_error(capsys, ["train"])
+        assert "'/runs/x'" in err and words in err
+
+
+def test_missing_data_file_and_unreachable_ray(small_run, tmp_path, capsys):
+    _root, base = small_run
+    err = one_line_error(capsys, ["train", *base, f"data.train_files={tmp_path}/nope.parquet",
+                                  f"trainer.default_local_dir={tmp_path / 'run'}"])
+    assert "nope.parquet" in err
+    err = one_line_error(capsys, ["train", *base, "trainer.executor=ray", "ray_kwargs.address=127.0.0.1:1",
+                                  f"trainer.default_local_dir={tmp_path / 'run2'}"])
+    assert "127.0.0.1:1" in err and "ray start" in err
+
+
+def test_dead_raylet_is_one_line(monkeypatch, capsys):
+    from ray.exceptions import RaySystemError
+
+    import hyflow.trainer.rl_trainer as rl_trainer
+
+    def fail(*args, **kwargs):
+        raise RaySystemError("The raylet died unexpectedly")
+
+    monkeypatch.setattr(rl_trainer, "run_rl", fail)
+    err = one_line_error(capsys, ["train"])
+    assert "Ray cluster failed" in err and "raylet died" in err and "ray status" in err
+
+
+def test_unexpected_error_says_run_with_traceback_and_traceback_shows_it(monkeypatch, capsys):
+    import hyflow.trainer.rl_trainer as rl_trainer
+
+    def bug(*args, **kwargs):
+        return [][1]
+
+    monkeypatch.setattr(rl_trainer, "run_rl", bug)
+    err = one_line_error(capsys, ["train"], status=1)
+    assert "IndexError" in err and "--traceback" in err
+    for argv in (["--traceback", "train"], ["train", "--traceback"]):
+        with pytest.raises(IndexError):
+            main(argv)
+
+
+def test_config_errors_are_one_error_listing_every_unknown_key(capsys):
+    assert main(["config", "actor_rollout_ref.actor.profiler.rangs=1", "actor_rollout_ref.rollout.agent.num_workers=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hyflow config: error: 2 unknown config keys:")
+    assert "'actor_rollout_ref.rollout.agent.num_workers' is a verl key that hyflow does not support yet" in err
+    with pytest.raises(Exception, match="unknown config keys"):
+        main(["config", "--traceback", "a.b=1", "c.d=2"])
+
+
+def test_config_path_and_name_as_in_hydra(tmp_path, capsys):
+    (tmp_path / "exp.yaml").write_text("defaults:\n  - ppo_trainer\n  - _self_\ndata:\n  train_batch_size: 8\n")
+    assert main(["config", "--no-help", "--config-path", str(tmp_path), "--config-name", "exp",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=4"]) == 0
+    assert "train_batch_size: 8" in capsys.readouterr().out
+    assert main(["config", f"--config-path={tmp_path}", "--config-name=exp.yaml", "-cn", "exp",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=8"]) == 0
+    capsys.readouterr()
+    err = one_line_error(capsys, ["config", "--config-path=config", "--config-name=ppo_megatron_trainer.yaml"])
+    assert "drop --config-path and --config-name" in err
