@@ -186,8 +186,9 @@ _TABLE: list[KeySupport] = [
                  lambda cfg: _hf_engine(cfg) and lookup(cfg, f"{R}.tensor_model_parallel_size") != 1),
     *(_vllm_knob(k) for k in ("gpu_memory_utilization", "enforce_eager", "data_parallel_size",
                               "expert_parallel_size", "pipeline_model_parallel_size", "max_num_batched_tokens",
-                              "max_model_len", "enable_chunked_prefill", "enable_prefix_caching", "load_format",
-                              "free_cache_engine")),
+                              "max_model_len", "enable_chunked_prefill", "enable_prefix_caching", "load_format")),
+    _performance(f"{R}.free_cache_engine", "the hf engine builds its KV cache inside each generate call and drops it "
+                 "after, so there is no cache to keep between steps (memory only)"),
     _performance(f"{A}.use_torch_compile", "hyflow does not torch.compile the log-prob kernel (eager: same "
                  "numbers, slower)"),
     _performance(f"{ARR}.ref.use_torch_compile", "hyflow does not torch.compile the log-prob kernel (eager: same "
@@ -255,17 +256,18 @@ def _merged_table() -> tuple[KeySupport, ...]:
         if exc.name != "hyflow.config.verl_compat":
             raise
         return tuple(entries)
-    own = {(e.key, e.kind) for e in entries}
+    own = {(e.key, e.kind, e.schema) for e in entries}
     for kind, extra in ((PERFORMANCE_ONLY, getattr(compat, "PERFORMANCE_ONLY_KEYS", {})),
                         (NOT_SUPPORTED, getattr(compat, "NOT_SUPPORTED_KEYS", {}))):
         for key, reason in dict(extra).items():
-            if (key, kind) not in own:
-                entries.append(KeySupport(key, kind, reason, None, _schema_of(key)))
+            entries += [KeySupport(key, kind, reason, None, schema) for schema in _schemas_of(key)
+                        if (key, kind, schema) not in own]
     return tuple(entries)
 
 
-def _schema_of(key: str) -> str:
-    return RL if _resolves(_default(RL), key) else SFT if _resolves(_default(SFT), key) else RL
+def _schemas_of(key: str) -> list[str]:
+    """The schemas that have `key` (RL when neither has it: the table test then names the stray entry)."""
+    return [s for s in (RL, SFT) if _resolves(_default(s), key)] or [RL]
 
 
 @functools.cache
