@@ -1,21 +1,44 @@
-"""Run untrusted-ish Python in a separate, resource-limited process: the executor behind the code scorer.
+"""Run untrusted Python in a separate, kernel-confined, resource-limited process: the executor behind the code scorer.
 
 `run_code(code, stdin)` writes `code` to ``solution.py`` in a fresh temporary directory and runs it with
 ``python -I -S -X utf8`` (isolated mode: no PYTHON* variables, no user site, script directory not on
 sys.path; no `site` start-up, which halves the start-up time: the parent's site-packages directories are put
-on sys.path directly, so numpy & co. import, but their ``.pth`` files are not run) as the leader of a new
-session, reading stdin from a file, and returns a `SandboxResult`:
+on sys.path directly, so numpy & co. import, but their ``.pth`` files are not run), reading stdin from a file,
+and returns a `SandboxResult`:
 
 - ``status``: ``"ok"`` (exit code 0), ``"timeout"`` (wall clock past `timeout_s`, or CPU time past the
   limit: SIGXCPU), ``"memory"`` (a MemoryError under the address-space limit), ``"error"`` (any other
   non-zero exit: exception, syntax error, blocked network or process call, output limit).
 - ``stdout``, ``stderr`` (decoded, each capped at `max_output_bytes`), ``returncode`` (negative = signal),
-  ``wall_s``.
+  ``wall_s``, ``protections`` (the kernel mechanisms that held for this call, see below).
 
-Limits, set with `resource.setrlimit` (soft = hard, so the code cannot raise them unless run as root) by the
-child's prelude before the solution runs. Not in a `preexec_fn`: that hook can deadlock the fork when the
-parent has threads (CPython's documented caveat), and reward scoring runs in thread pools. The cost is that
-the interpreter's own start-up (tens of ms, a few MiB) runs before the limits apply.
+Processes. The interpreter started by `run_code` is a trusted supervisor (S0, a new session) that never runs
+the solution itself:
+
+- S0 enters new PID, network, mount and IPC namespaces (``unshare(2)`` through ctypes: Python 3.11 has no
+  ``os.unshare``), plus a user namespace when not root (mapping only its own uid), and forks an init process
+  (pid 1 of the new PID namespace). The init mounts a fresh ``/proc`` that shows only the sandbox's processes,
+  forks the solution process and reaps. When the init exits or is killed, the kernel SIGKILLs every process
+  of the namespace: nothing the solution starts (``setsid()``, double forks) outlives the call.
+- S0 keeps the wall clock: past `timeout_s` it SIGKILLs the init (or, without namespaces, everything below
+  it). S0 is a child subreaper (``PR_SET_CHILD_SUBREAPER``), so without a PID namespace orphans come back to
+  it, and after the solution ends it kills its remaining descendants (and, when root, every process of the
+  sandbox uid). `run_code` itself waits `timeout_s` + 2 s as a backstop and then SIGKILLs S0's process group.
+- The solution process, before the solution runs: when hyflow runs as root, it switches to a fresh random
+  unprivileged uid/gid (no supplementary groups; all capabilities lost), so it can neither signal nor
+  ptrace hyflow's processes, nor read ``/proc/<pid>/environ`` of a root process, and RLIMIT_NPROC counts
+  only the sandbox; directories on the interpreter's paths that others may not search (e.g. a venv under a
+  0700 ``/root``) are replaced, inside the sandbox's mount namespace, by an empty tmpfs into which only the
+  needed directories are bind-mounted back (the rest of the directory stays hidden). In a user namespace it
+  drops all capabilities instead. Then it sets the rlimits and ``PR_SET_NO_NEW_PRIVS`` and installs a
+  seccomp filter (classic BPF, built here for x86_64 and aarch64) that makes ``socket(2)`` fail with EPERM
+  for every address family (``socketpair(2)``, which asyncio's event loop needs, stays allowed), and denies
+  ``ptrace``, ``process_vm_readv/writev``, ``pidfd_getfd``, the mount and namespace calls
+  (``mount``, ``umount2``, ``pivot_root``, ``unshare``, ``setns``, ``clone`` with a ``CLONE_NEW*`` flag;
+  ``clone3`` returns ENOSYS so libc falls back to ``clone``), ``io_uring_*`` (which could open sockets behind
+  the filter), ``bpf``, ``perf_event_open``, ``userfaultfd``, the key-ring, module and kexec calls.
+
+Limits, set with `resource.setrlimit` (soft = hard, so the code cannot raise them) in the solution process:
 
 - RLIMIT_AS = `memory_mb` MiB of address space (Python raises MemoryError when an allocation fails);
 - RLIMIT_CPU = `cpu_time_s` seconds, rounded up (default: `timeout_s` + 1), then SIGXCPU;
@@ -23,71 +46,372 @@ the interpreter's own start-up (tens of ms, a few MiB) runs before the limits ap
   the kernel itself caps the output (a write past the cap fails with EFBIG), and files it writes are capped
   the same way; the parent never buffers unbounded output;
 - RLIMIT_CORE = 0 (no core dumps);
-- the wall clock: past `timeout_s` the whole process group gets SIGKILL (`os.killpg`); and in case the
-  parent dies first (a reward worker killed for its own timeout), the child sets ``alarm(ceil(timeout_s) + 2)``
-  on itself, so no sleeping orphan outlives it for long.
+- RLIMIT_NPROC = `max_processes` tasks (processes + threads) for the sandbox's own uid (root: the fresh uid;
+  user namespace: the kernel counts per namespace; otherwise: the user's current count + `max_processes`).
 
-RLIMIT_NPROC is not used: it counts every process and thread of the user, not of the sandbox, so a useful
-value depends on what else runs; a low one breaks the common ``threading.Thread`` deep-recursion idiom of
-competitive programmers; and it does not apply to root.
+The environment is replaced by an explicit minimal one (no proxy variables, no credentials, nothing of the
+trainer's; ``HOME``/``TMPDIR`` = the temporary directory, one BLAS/OpenMP thread). Python-level guards stay
+in front of the kernel for clear messages: ``_socket.socket`` refuses to create sockets ("network access is
+disabled"), and ``os.system``, ``os.fork``, ``os.exec*``, ``os.spawn*``, ``os.posix_spawn*`` and
+``_posixsubprocess.fork_exec`` raise PermissionError ("starting processes is disabled"). They are not what
+holds: ``posix.fork`` or ctypes bypass them and meet the kernel's limits.
 
-No network and no child processes, best effort: a prelude run before the solution replaces
-``_socket.socket`` (the base class of ``socket.socket``, so urllib, http.client, asyncio... inherit it) with a
-class whose constructor raises PermissionError for every family but AF_UNIX (local socket pairs, which
-asyncio's event loop needs), and ``getaddrinfo``/``gethostbyname*``,
-``os.system``, ``os.popen``, ``os.fork``, ``os.exec*``, ``os.spawn*``, ``os.posix_spawn*`` and
-``_posixsubprocess.fork_exec`` (behind ``subprocess``/``multiprocessing``) with functions that raise
-PermissionError. The environment is replaced by a minimal one (no proxy variables, no credentials,
-``HOME``/``TMPDIR`` = the temporary directory, one BLAS/OpenMP thread).
+Degraded modes (each missing guarantee is named once in a warning, and `sandbox_guarantees()` reports them):
+not root and unprivileged user namespaces disabled (``sysctl kernel.unprivileged_userns_clone`` /
+``user.max_user_namespaces``, AppArmor's ``kernel.apparmor_restrict_unprivileged_userns``): no PID namespace
+and no separate uid, so the solution runs as hyflow's user: it can read ``/proc/<trainer>/environ`` and can
+kill the supervisor to escape the clean-up. Root without CAP_SYS_ADMIN (a default Docker container): no
+namespaces; the separate uid, the rlimits, seccomp and the uid-based clean-up still hold, unless the
+interpreter's directories are not readable by others (then it stays root: no fork limit).
 
-THIS IS NOT A SECURITY BOUNDARY. Code that wants out can reach the original objects (``type()`` of a C-made
-socket, ``importlib.reload``), call libc through ``ctypes``, or read any file the user running hyflow can read. It stops honest mistakes
-and accidents of generated code (runaway loops, memory blow-ups, stray network calls, huge outputs), not an
-adversary. For hostile code use a container/VM sandbox (e.g. a SandboxFusion server, gVisor, firejail,
-nsjail) and keep this as the cheap default for local experiments.
+What remains: this is not a VM. The solution shares the kernel (a kernel bug is an escape), can read every
+file that is world-readable (the uid switch only hides what "others" cannot read), can write to
+world-writable directories (``/tmp``, ``/dev/shm``; each file capped by RLIMIT_FSIZE, not their number), and
+can use the CPU of its cores and `memory_mb` per process for the duration of the call. For hostile code at
+scale use a container/VM sandbox (SandboxFusion, gVisor, nsjail, firecracker).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import importlib.util
+import logging
+import marshal
 import math
 import os
+import secrets
+import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Literal
+
+logger = logging.getLogger(__name__)
 
 Status = Literal["ok", "timeout", "error", "memory"]
 
 MEMORY_ERROR_EXIT_CODE = 201
 """Exit code the prelude uses for an uncaught MemoryError (checked together with 'MemoryError' in stderr)."""
 
+DEADLINE_EXIT_CODE = 202
+"""Exit code of the supervisor when it killed the solution at the wall-clock limit."""
+
 DEFAULT_MAX_OUTPUT_BYTES = 1 << 20
+DEFAULT_MAX_PROCESSES = 64
 
 # The parent's package directories, so solutions can import numpy & co.; `.pth` files there are not run.
-_SITE_PACKAGES = os.pathsep.join(
-    p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")
-)
+_SITE_PACKAGES = [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")]
 
-# Runs in the child before the solution (python -S: only builtin modules are imported here, which keeps start-up
-# near 25 ms). argv: solution path, address-space bytes, CPU seconds, file-size bytes, site-packages dirs,
-# alarm seconds.
-# Sets the rlimits, blocks sockets and process creation, executes solution.py as a clean __main__ module and
-# maps an uncaught MemoryError to MEMORY_ERROR_EXIT_CODE.
-_PRELUDE = r"""
-import builtins, os, resource, sys, types, _posixsubprocess, _signal, _socket
+# Fresh sandbox uids are drawn from here (root only): far above the ranges distributions hand out to users,
+# system services and the usual subordinate-uid blocks, and unlikely to collide between concurrent calls.
+_SANDBOX_UID_RANGE = (1_500_000_000, 2_000_000_000)
 
-_path, _memory_bytes, _cpu_s, _fsize = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-sys.path.extend(p for p in sys.argv[5].split(os.pathsep) if p)
-_signal.alarm(int(sys.argv[6]))  # self-destruct (SIGALRM) even if the parent dies before killing us
-resource.setrlimit(resource.RLIMIT_AS, (_memory_bytes, _memory_bytes))
-resource.setrlimit(resource.RLIMIT_CPU, (_cpu_s, _cpu_s + 1))
-resource.setrlimit(resource.RLIMIT_FSIZE, (_fsize, _fsize))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+# Mechanisms a test may switch off to exercise the fallbacks: "namespaces", "separate_uid", "seccomp".
+_DISABLED_MECHANISMS: frozenset[str] = frozenset()
+
+GUARANTEES = {
+    "fork limit": ("fork_limit",),
+    "no process outlives the call": ("pid_namespace", "separate_uid"),
+    "no sockets": ("seccomp",),
+    "trainer environment unreadable": ("private_proc", "separate_uid"),
+}
+"""Each guarantee and the mechanisms (any one suffices) that provide it."""
+
+# The supervisor (S0), the init of the PID namespace and the solution process, in one program, compiled once
+# per hyflow process into a .pyc that `python -I -S` runs (compiling it on every call cost ~5 ms). argv[1] is
+# the settings dict as a Python literal (json's import costs more than the rest of the start-up). Only
+# built-in/stdlib modules are imported (python -S); the protections each stage applied are written, one per
+# line, to the report pipe.
+_PRELUDE = r'''
+import builtins, ctypes, os, resource, signal, struct, sys, time, types, _posixsubprocess, _socket
+
+_C = eval(sys.argv[1], {"__builtins__": {}})  # a literal written by run_code
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_NEWNS, _NEWIPC, _NEWUSER, _NEWPID, _NEWNET = 0x20000, 0x08000000, 0x10000000, 0x20000000, 0x40000000
+_ALL_NEW_NAMESPACES = 0x7E020080  # CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET|NEWTIME
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+_REPORT = _C["report_fd"]
+
+def _report(*names):
+    os.write(_REPORT, "".join(name + "\n" for name in names).encode())
+
+def _call(result, what):
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+def _mount(source, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    _call(_LIBC.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
+
+def _write_file(path, text):
+    with open(path, "w") as file:
+        file.write(text)
+
+# ---- S0, the supervisor -----------------------------------------------------------------------------------
+
+def _enter_namespaces():
+    """New PID/net/mount/IPC namespaces (+ a user namespace when not root). False when the kernel refuses."""
+    if "namespaces" in _C["disabled"]:
+        return False
+    uid, gid = os.getuid(), os.getgid()
+    flags = _NEWNS | _NEWPID | _NEWNET | _NEWIPC | (0 if uid == 0 else _NEWUSER)
+    if _LIBC.unshare(flags) != 0:
+        return False
+    if uid != 0:
+        _write_file("/proc/self/setgroups", "deny")
+        _write_file("/proc/self/uid_map", f"{uid} {uid} 1")
+        _write_file("/proc/self/gid_map", f"{gid} {gid} 1")
+        _report("user_namespace")
+    _report("pid_namespace", "net_namespace")
+    return True
+
+def _scan_processes():
+    """(pid, ppid, state, real uid) of every process (from /proc/PID/status: a process that changed its uid
+    is not dumpable, and its /proc directory then belongs to root)."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status", "rb") as file:
+                fields = dict(line.split(b":", 1) for line in file.read().splitlines() if b":" in line)
+            yield int(name), int(fields[b"PPid"]), fields[b"State"].split()[0], int(fields[b"Uid"].split()[0])
+        except (OSError, KeyError, ValueError):
+            continue
+
+def _kill_leftovers(uid):
+    """SIGKILL every descendant (they come back to us: we are a subreaper) and every process of `uid`."""
+    me = os.getpid()
+    give_up = time.monotonic() + 2.0  # only a process stuck in the kernel (state D) could hold us longer
+    while time.monotonic() < give_up:
+        victims = [pid for pid, ppid, state, owner in _scan_processes()
+                   if pid != me and (ppid == me or (uid is not None and owner == uid and state != b"Z"))]
+        if not victims:
+            break
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for pid in victims:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+    while True:  # reap what is left
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                break
+        except ChildProcessError:
+            break
+
+def _stay_root():
+    """Give the work directory back to root (run_code chowned it to the sandbox uid); returns no uid."""
+    for path in (_C["workdir"], _C["solution"]):
+        os.chown(path, 0, 0)
+    return None
+
+def _mirror(status):
+    """Exit like the solution did: same exit code, or killed by the same signal."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)
+    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+def _supervise():
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    in_namespaces = _enter_namespaces()
+    uid = _C["uid"]
+    if uid is not None and _C["exposures"] and not in_namespaces:
+        uid = _stay_root()  # the interpreter's directories cannot be re-exposed without a mount namespace
+        _report("no separate_uid: the interpreter's directories are closed to other users and there is no "
+                "mount namespace to re-expose them")
+    if not in_namespaces:
+        _call(_LIBC.prctl(36, 1, 0, 0, 0), "PR_SET_CHILD_SUBREAPER")
+        _report("subreaper")
+    status_r, status_w = os.pipe()
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
+    deadline = time.monotonic() + _C["timeout_s"]
+    child = os.fork()
+    if child == 0:
+        os.close(status_r)
+        if in_namespaces:
+            uid = _init(uid, status_w)  # returns in the solution process only
+        os.close(status_w)
+        _solution(uid, userns=in_namespaces and not _C["root"])
+        return
+    os.close(status_w)
+    status = None
+    while status is None:
+        pid, raw = os.waitpid(child, os.WNOHANG)
+        if pid:
+            status = raw
+            break
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        signal.sigtimedwait([signal.SIGCHLD], left)
+    if status is None:  # past the wall clock: killing the init tears down its whole PID namespace
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    if not in_namespaces:
+        _kill_leftovers(uid)
+    if status is None:
+        os._exit(DEADLINE_EXIT)
+    if in_namespaces:
+        reported = os.read(status_r, 64)
+        if not reported:  # the init died without a word: its namespace is gone, report it as a crash
+            os._exit(1)
+        status = int(reported)
+    _mirror(status)
+
+# ---- the init (pid 1 of the new PID namespace) ------------------------------------------------------------
+
+def _expose(exposures):
+    """Replace each directory others may not search by a tmpfs and bind the needed paths back into it."""
+    os.umask(0o022)
+    for mask, paths in exposures:
+        fds = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY)) for path in paths]
+        _mount("tmpfs", mask, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=755,size=64k")
+        for path, fd in fds:
+            os.makedirs(path, mode=0o755, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
+            os.close(fd)
+
+def _init(uid, status_w):
+    """Pid 1 of the new PID namespace: a private /proc, the exposures, then fork the solution and reap.
+
+    Returns (the uid to switch to) in the forked solution process only; the init itself never returns."""
+    try:
+        _mount(None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing mounted here propagates to the host
+        try:
+            _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+            _report("private_proc")
+        except OSError as error:  # e.g. a user namespace inside a container that masks parts of /proc
+            _report("no private_proc: " + str(error))
+        if uid is not None and _C["exposures"]:
+            try:
+                _expose(_C["exposures"])
+            except OSError as error:
+                _report("no separate_uid: " + str(error))
+                uid = _stay_root()
+        child = os.fork()
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        os._exit(1)
+    if child == 0:
+        return uid
+    try:
+        while True:
+            pid, status = os.waitpid(-1, 0)
+            if pid == child:
+                os.write(status_w, str(status).encode())
+                break
+    finally:
+        os._exit(0)  # the kernel now kills whatever is left in the namespace
+
+# ---- the solution process ---------------------------------------------------------------------------------
+
+_SECCOMP_ARCH = {  # machine: (AUDIT_ARCH, denied syscalls, socket, clone, clone3)
+    "x86_64": (0xC000003E, (101, 155, 161, 165, 166, 175, 176, 246, 248, 249, 250, 272, 298, 303, 304, 308, 310,
+                            311, 312, 313, 320, 321, 323, 425, 426, 427, 428, 429, 430, 431, 432, 433, 438, 442),
+               41, 56, 435),
+    "aarch64": (0xC00000B7, (39, 40, 41, 51, 97, 104, 105, 106, 117, 217, 218, 219, 241, 264, 265, 268, 270, 271,
+                             273, 280, 282, 294, 425, 426, 427, 428, 429, 430, 431, 432, 433, 438, 442),
+                198, 220, 435),
+}
+
+def _seccomp_program():
+    """Classic BPF: wrong arch -> kill; x32 -> ENOSYS; socket and the denied calls -> EPERM; clone3 -> ENOSYS;
+    clone with a CLONE_NEW* flag -> EPERM; everything else allowed."""
+    arch, denied, socket_nr, clone_nr, clone3_nr = _SECCOMP_ARCH[os.uname().machine]
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K
+    allow, kill, errno = 0x7FFF0000, 0x80000000, 0x00050000
+    eperm, enosys = errno | 1, errno | 38
+    prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, kill), (ld, 0, 0, 0)]
+    if arch == 0xC000003E:
+        prog += [(jge, 0, 1, 0x40000000), (ret, 0, 0, enosys)]
+    for nr in (socket_nr, *denied):
+        prog += [(jeq, 0, 1, nr), (ret, 0, 0, eperm)]
+    prog += [(jeq, 0, 1, clone3_nr), (ret, 0, 0, enosys),
+             (jeq, 0, 3, clone_nr), (ld, 0, 0, 16), (jset, 0, 1, _ALL_NEW_NAMESPACES), (ret, 0, 0, eperm),
+             (ret, 0, 0, allow)]
+    return b"".join(struct.pack("HBBI", *op) for op in prog), len(prog)
+
+def _install_seccomp():
+    _call(_LIBC.prctl(38, 1, 0, 0, 0), "PR_SET_NO_NEW_PRIVS")
+    if "seccomp" in _C["disabled"] or os.uname().machine not in _SECCOMP_ARCH:
+        return False
+    code, length = _seccomp_program()
+    buffer = ctypes.create_string_buffer(code)
+    class _Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+    prog = _Prog(length, ctypes.addressof(buffer))
+    return _LIBC.prctl(22, 2, ctypes.byref(prog), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+
+def _drop_capabilities():
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    data = (ctypes.c_uint32 * 6)()
+    _call(_LIBC.capset(header, data), "capset")
+
+def _user_task_count(uid):
+    count = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.stat(f"/proc/{name}").st_uid == uid:
+                    count += len(os.listdir(f"/proc/{name}/task"))
+            except OSError:
+                pass
+    return count
+
+def _solution(uid, userns):
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    protections = []
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+        protections += ["separate_uid", "fork_limit"]
+        nproc = _C["max_processes"]
+    elif os.getuid() != 0 and userns:
+        _drop_capabilities()
+        protections.append("fork_limit")
+        nproc = _C["max_processes"] + 2  # the supervisor and the init share this user namespace's count
+    elif os.getuid() != 0:
+        protections.append("fork_limit")
+        nproc = _user_task_count(os.getuid()) + _C["max_processes"]
+    else:  # root that could not switch uid: no capabilities at least (root is exempt from RLIMIT_NPROC)
+        _drop_capabilities()
+        nproc = _C["max_processes"]
+    os.chdir(_C["workdir"])
+    resource.setrlimit(resource.RLIMIT_AS, (_C["memory_bytes"], _C["memory_bytes"]))
+    resource.setrlimit(resource.RLIMIT_CPU, (_C["cpu_s"], _C["cpu_s"] + 1))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (_C["fsize"], _C["fsize"]))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    if _install_seccomp():
+        protections.append("seccomp")
+    _report(*protections)
+    os.closerange(3, 1 << 16)  # the report pipe and anything else the supervisor held
+    signal.alarm(_C["alarm_s"])  # one more self-destruct, in case both supervisors are gone
+    _run_solution_code()
 
 def _blocked(what):
     def deny(*args, **kwargs):
@@ -97,44 +421,69 @@ def _blocked(what):
 class _NoNetworkSocket(_socket.socket):
     __slots__ = ()  # like its C base: socket.socket adds __weakref__ itself and fails if it exists
     def __init__(self, family=-1, type=-1, proto=-1, fileno=None):
-        if family != _socket.AF_UNIX:  # local pairs stay allowed: asyncio's event loop needs socketpair()
+        if fileno is None:  # wrapping an existing descriptor (socketpair(), which asyncio needs) stays allowed
             raise PermissionError("network access is disabled in the hyflow sandbox")
         super().__init__(family, type, proto, fileno)
 
-# `socket.socket` subclasses `_socket.socket` and copies `_socket`'s functions when first imported, so
-# patching `_socket` first makes every later `import socket` (urllib, http, asyncio...) inherit the block.
-_socket.socket = _socket.SocketType = _NoNetworkSocket
-for _name in ("getaddrinfo", "gethostbyname", "gethostbyname_ex", "gethostbyaddr"):
-    setattr(_socket, _name, _blocked("network access"))
-for _name in ("system", "popen", "fork", "forkpty", "execv", "execve", "execl", "execle", "execlp", "execlpe",
-              "execvp", "execvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnv", "spawnve", "spawnvp",
-              "spawnvpe", "posix_spawn", "posix_spawnp"):
-    if hasattr(os, _name):
-        setattr(os, _name, _blocked("starting processes"))
-_posixsubprocess.fork_exec = _blocked("starting processes")  # what subprocess.Popen uses
+def _run_solution_code():
+    """Friendly Python-level guards, then the solution as a clean __main__ module."""
+    sys.path.extend(_C["site_packages"])
+    # `socket.socket` subclasses `_socket.socket` and copies `_socket`'s functions when first imported, so
+    # patching `_socket` first makes every later `import socket` (urllib, http, asyncio...) inherit the block.
+    _socket.socket = _socket.SocketType = _NoNetworkSocket
+    for name in ("getaddrinfo", "gethostbyname", "gethostbyname_ex", "gethostbyaddr"):
+        setattr(_socket, name, _blocked("network access"))
+    for name in ("system", "popen", "fork", "forkpty", "execv", "execve", "execl", "execle", "execlp", "execlpe",
+                 "execvp", "execvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnv", "spawnve", "spawnvp",
+                 "spawnvpe", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            setattr(os, name, _blocked("starting processes"))
+    _posixsubprocess.fork_exec = _blocked("starting processes")  # what subprocess.Popen uses
 
-def _quit(code=None):  # `exit()`/`quit()` normally come from the `site` module, skipped by -S
-    raise SystemExit(code)
-builtins.exit = builtins.quit = _quit
+    def _quit(code=None):  # `exit()`/`quit()` normally come from the `site` module, skipped by -S
+        raise SystemExit(code)
+    builtins.exit = builtins.quit = _quit
 
-sys.argv = [_path]
-with open(_path, encoding="utf-8") as _file:
-    _source = _file.read()
-_main = types.ModuleType("__main__")  # a clean __main__ module for the solution, as `runpy` makes
-_main.__file__ = _path
-_main.__builtins__ = builtins
-sys.modules["__main__"] = _main
-try:
-    exec(compile(_source, _path, "exec"), _main.__dict__)
-except SystemExit:
-    raise
-except BaseException as _error:
-    import traceback
-    traceback.print_exception(type(_error), _error, _error.__traceback__.tb_next)  # hide the prelude frame
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(MEMORY_EXIT if isinstance(_error, MemoryError) else 1)
-""".replace("MEMORY_EXIT", str(MEMORY_ERROR_EXIT_CODE))
+    path = _C["solution"]
+    sys.argv = [path]
+    with open(path, encoding="utf-8") as file:
+        source = file.read()
+    main = types.ModuleType("__main__")  # a clean __main__ module for the solution, as `runpy` makes
+    main.__file__ = path
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    try:
+        exec(compile(source, path, "exec"), main.__dict__)
+    except SystemExit:
+        raise
+    except BaseException as error:
+        import traceback
+        traceback.print_exception(type(error), error, error.__traceback__.tb_next)  # hide the prelude frame
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(MEMORY_EXIT if isinstance(error, MemoryError) else 1)
+
+_supervise()
+'''.replace("MEMORY_EXIT", str(MEMORY_ERROR_EXIT_CODE)).replace("DEADLINE_EXIT", str(DEADLINE_EXIT_CODE))
+
+
+_prelude_lock = threading.Lock()
+_prelude_path: str | None = None
+
+
+def _prelude_file() -> str:
+    """Path of the compiled prelude (written once per process into a private temporary directory)."""
+    global _prelude_path
+    with _prelude_lock:
+        if _prelude_path is None or not os.path.exists(_prelude_path):
+            directory = tempfile.mkdtemp(prefix="hyflow_sandbox_prelude_")
+            atexit.register(shutil.rmtree, directory, True)
+            path = os.path.join(directory, "prelude.pyc")
+            code = compile(_PRELUDE, "<hyflow sandbox prelude>", "exec")
+            with open(path, "wb") as file:  # a .pyc header (magic, flags, mtime, size: unchecked for a script)
+                file.write(importlib.util.MAGIC_NUMBER + bytes(12) + marshal.dumps(code))
+            _prelude_path = path
+        return _prelude_path
 
 
 @dataclass(frozen=True)
@@ -147,6 +496,7 @@ class SandboxResult:
     returncode: int | None
     wall_s: float
     output_truncated: bool = False
+    protections: frozenset[str] = frozenset()
 
     @property
     def ok(self) -> bool:
@@ -168,17 +518,70 @@ def _child_env(workdir: str) -> dict[str, str]:
     }
 
 
-def _read_capped(path: str, max_bytes: int) -> tuple[str, bool]:
-    """The first `max_bytes` of a file, decoded (invalid UTF-8 replaced), and whether the cap was reached."""
-    with open(path, "rb") as file:
-        data = file.read(max_bytes + 1)
+def _read_capped(file, max_bytes: int) -> tuple[str, bool]:
+    """The first `max_bytes` of an open file, decoded (invalid UTF-8 replaced), and whether the cap was reached.
+
+    Reads the descriptor `run_code` opened, never the path: the sandbox may own the directory and replace the
+    file by a symlink to something only the parent can read.
+    """
+    file.seek(0)
+    data = file.read(max_bytes + 1)
     return data[:max_bytes].decode("utf-8", errors="replace"), len(data) >= max_bytes
 
 
+def _wait(process: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait for `process` up to `timeout_s`; True when it ended. Wakes up when it ends (a pidfd), where
+    `Popen.wait(timeout)` polls with a back-off that reaches 50 ms and adds tens of ms to a short call."""
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except (AttributeError, OSError):
+        try:
+            process.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            if time.monotonic() >= deadline:
+                return process.poll() is not None
+        process.wait()
+        return True
+    finally:
+        os.close(pidfd)
+
+
 def _kill_group(pid: int) -> None:
-    """SIGKILL the sandbox's process group (the leader and anything it managed to start)."""
+    """SIGKILL the supervisor's process group (the supervisor and what stayed in its session)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
+
+
+def _real_uid(pid: str) -> int:
+    """The real uid of a process (its /proc directory belongs to root once it changed its uid)."""
+    with open(f"/proc/{pid}/status", "rb") as file:
+        for line in file:
+            if line.startswith(b"Uid:"):
+                return int(line.split()[1])
+    raise ValueError(f"no Uid line for process {pid}")
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process owned by the sandbox uid (the backstop when the supervisor itself was killed)."""
+    for _ in range(100):
+        victims = []
+        for name in os.listdir("/proc"):
+            with contextlib.suppress(OSError, ValueError):
+                if name.isdigit() and _real_uid(name) == uid:
+                    victims.append(int(name))
+        if not victims:
+            return
+        for pid in victims:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
 
 
 def _classify(returncode: int, stderr: str, timed_out: bool, truncated: bool) -> Status:
@@ -192,6 +595,88 @@ def _classify(returncode: int, stderr: str, timed_out: bool, truncated: bool) ->
     return "error"
 
 
+def _first_unsearchable(path: str) -> str | None:
+    """The outermost directory on the way to `path` (itself included) that others may not search, if any."""
+    current = "/"
+    for part in path.strip("/").split("/"):
+        current = os.path.join(current, part)
+        try:
+            mode = os.stat(current).st_mode
+        except OSError:
+            return None
+        if stat.S_ISDIR(mode) and not mode & stat.S_IXOTH:
+            return current
+    return None
+
+
+def _exposures(paths: list[str], workdir: str) -> list[tuple[str, list[str]]] | None:
+    """[(directory others may not search, [needed paths below it])] for the sandbox uid; None if impossible.
+
+    `paths` must be readable by others themselves: impossible when one is closed (binding it back would not
+    open it). `workdir` belongs to the sandbox uid: only the directories above it matter.
+    """
+    groups: dict[str, list[str]] = {}
+    for path in [*paths, workdir]:
+        mask = _first_unsearchable(path if path != workdir else os.path.dirname(workdir))
+        if mask is None:
+            continue
+        if mask == path:
+            return None
+        groups.setdefault(mask, []).append(path)
+    result = []
+    for mask, needed in groups.items():
+        kept: list[str] = []
+        for path in sorted(set(needed), key=len):  # a path inside one already bound back comes with it
+            if not any(path.startswith(outer + "/") for outer in kept):
+                kept.append(path)
+        result.append((mask, kept))
+    return result
+
+
+def _interpreter_paths() -> list[str]:
+    """The directories the solution process imports from (real paths), existing ones only."""
+    paths = []
+    for entry in [*sys.path, os.path.dirname(os.__file__)]:
+        if not entry:
+            continue
+        real = os.path.realpath(entry)
+        if os.path.isfile(real):  # python3XX.zip
+            real = os.path.dirname(real)
+        if os.path.isdir(real) and real not in paths:
+            paths.append(real)
+    return paths
+
+
+_warned_missing: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def _missing_guarantees(protections: frozenset[str]) -> list[str]:
+    return [name for name, mechanisms in GUARANTEES.items() if not protections.intersection(mechanisms)]
+
+
+def _warn_once(protections: frozenset[str], notes: list[str]) -> None:
+    """One warning per process naming the sandbox guarantees that do not hold on this machine, and why."""
+    missing = _missing_guarantees(protections)
+    with _warn_lock:
+        new = [name for name in missing if name not in _warned_missing]
+        if not new:
+            return
+        _warned_missing.update(new)
+    reason = "; ".join(notes) or (
+        "unprivileged user namespaces are disabled"
+        if os.geteuid() != 0
+        else "no CAP_SYS_ADMIN for namespaces, or the interpreter's directories are closed to other users"
+    )
+    logger.warning(
+        "hyflow code sandbox: these guarantees do NOT hold on this machine: %s (%s). Run hyflow as root, or "
+        "enable unprivileged user namespaces (sysctl user.max_user_namespaces>0, "
+        "kernel.unprivileged_userns_clone=1), or use a container/VM sandbox for untrusted code.",
+        ", ".join(new),
+        reason,
+    )
+
+
 def run_code(
     code: str,
     stdin: str = "",
@@ -200,48 +685,67 @@ def run_code(
     memory_mb: int = 512,
     cpu_time_s: float | None = None,
     max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+    max_processes: int = DEFAULT_MAX_PROCESSES,
 ) -> SandboxResult:
-    """Run Python `code` with `stdin` in a separate, limited process; never raises for anything the code does.
+    """Run Python `code` with `stdin` in a separate, confined process; never raises for anything the code does.
 
     Limits: wall clock `timeout_s`; CPU time `cpu_time_s` (default ceil(timeout_s) + 1); address space
-    `memory_mb` MiB; stdout, stderr and written files `max_output_bytes` each. An output that reaches the cap
-    makes the status "error" (the answer cannot be judged) with `output_truncated=True`.
+    `memory_mb` MiB; stdout, stderr and written files `max_output_bytes` each; `max_processes` processes and
+    threads. An output that reaches the cap makes the status "error" (the answer cannot be judged) with
+    `output_truncated=True`. Nothing the code starts is alive when this returns (see the module docstring for
+    the conditions).
     """
-    if timeout_s <= 0 or memory_mb <= 0 or max_output_bytes <= 0:
+    if timeout_s <= 0 or memory_mb <= 0 or max_output_bytes <= 0 or max_processes <= 0:
         raise ValueError(
             f"run_code needs positive limits, got timeout_s={timeout_s}, memory_mb={memory_mb}, "
-            f"max_output_bytes={max_output_bytes}"
+            f"max_output_bytes={max_output_bytes}, max_processes={max_processes}"
         )
     cpu_limit_s = max(1, math.ceil(cpu_time_s if cpu_time_s is not None else timeout_s + 1))
     workdir = tempfile.mkdtemp(prefix="hyflow_sandbox_")
+    notes: list[str] = []
+    report_r = report_w = -1
     try:
-        paths = {name: os.path.join(workdir, name) for name in ("solution.py", "stdin", "stdout", "stderr")}
-        with open(paths["solution.py"], "w", encoding="utf-8") as file:
+        solution_path = os.path.join(workdir, "solution.py")
+        with open(solution_path, "w", encoding="utf-8") as file:
             file.write(code)
-        with open(paths["stdin"], "w", encoding="utf-8") as file:
-            file.write(stdin)
+        uid = None
+        exposures: list[tuple[str, list[str]]] | None = []
+        if os.geteuid() == 0 and "separate_uid" not in _DISABLED_MECHANISMS:
+            exposures = _exposures(_interpreter_paths(), os.path.realpath(workdir))
+            if exposures is None:
+                notes.append("a directory on the interpreter's path is closed to other users")
+            else:
+                uid = _SANDBOX_UID_RANGE[0] + secrets.randbelow(_SANDBOX_UID_RANGE[1] - _SANDBOX_UID_RANGE[0])
+                os.chown(workdir, uid, uid)
+                os.chown(solution_path, uid, uid)
+        settings = {
+            "solution": solution_path,
+            "workdir": workdir,
+            "memory_bytes": memory_mb * 1024 * 1024,
+            "cpu_s": cpu_limit_s,
+            "fsize": max_output_bytes,
+            "max_processes": max_processes,
+            "site_packages": _SITE_PACKAGES,
+            "timeout_s": timeout_s,
+            "alarm_s": math.ceil(timeout_s) + 2,
+            "uid": uid,
+            "root": os.geteuid() == 0,
+            "exposures": exposures or [],
+            "disabled": sorted(_DISABLED_MECHANISMS),
+        }
+        report_r, report_w = os.pipe()
+        settings["report_fd"] = report_w
         with (
-            open(paths["stdin"], "rb") as stdin_file,
-            open(paths["stdout"], "wb") as stdout_file,
-            open(paths["stderr"], "wb") as stderr_file,
+            open(os.path.join(workdir, "stdin"), "w+b") as stdin_file,
+            open(os.path.join(workdir, "stdout"), "w+b") as stdout_file,
+            open(os.path.join(workdir, "stderr"), "w+b") as stderr_file,
         ):
+            stdin_file.write(stdin.encode("utf-8"))
+            stdin_file.flush()
+            stdin_file.seek(0)
             start = time.monotonic()
             process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-I",
-                    "-S",
-                    "-X",
-                    "utf8",
-                    "-c",
-                    _PRELUDE,
-                    paths["solution.py"],
-                    str(memory_mb * 1024 * 1024),
-                    str(cpu_limit_s),
-                    str(max_output_bytes),
-                    _SITE_PACKAGES,
-                    str(math.ceil(timeout_s) + 2),
-                ],
+                [sys.executable, "-I", "-S", "-X", "utf8", _prelude_file(), repr(settings)],
                 stdin=stdin_file,
                 stdout=stdout_file,
                 stderr=stderr_file,
@@ -249,26 +753,67 @@ def run_code(
                 env=_child_env(workdir),
                 start_new_session=True,
                 close_fds=True,
+                pass_fds=(report_w,),
             )
-            timed_out = False
-            try:
-                process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
+            os.close(report_w)
+            report_w = -1
+            timed_out = not _wait(process, timeout_s + 2)  # the supervisor keeps `timeout_s`; this is the backstop
+            if timed_out:
                 _kill_group(process.pid)
                 process.wait()
             wall_s = time.monotonic() - start
-            _kill_group(process.pid)  # stragglers the solution may have left behind
-        stdout, stdout_truncated = _read_capped(paths["stdout"], max_output_bytes)
-        stderr, stderr_truncated = _read_capped(paths["stderr"], max_output_bytes)
+            _kill_group(process.pid)  # stragglers left in the supervisor's session
+            if uid is not None and timed_out:
+                _kill_uid(uid)
+            returncode = process.returncode
+            if returncode == DEADLINE_EXIT_CODE:
+                timed_out, returncode = True, -signal.SIGKILL
+            stdout, stdout_truncated = _read_capped(stdout_file, max_output_bytes)
+            stderr, stderr_truncated = _read_capped(stderr_file, max_output_bytes)
+        protections = _read_report(report_r, notes)
         truncated = stdout_truncated or stderr_truncated
-        status = _classify(process.returncode, stderr, timed_out, truncated)
-        if timed_out or process.returncode == -signal.SIGALRM:
+        status = _classify(returncode, stderr, timed_out, truncated)
+        if timed_out or returncode == -signal.SIGALRM:
             stderr += f"\n[hyflow sandbox] killed after the wall-clock limit of {timeout_s:g} s"
         elif status == "timeout":
             stderr += f"\n[hyflow sandbox] killed after the CPU-time limit of {cpu_limit_s:g} s"
         if truncated:
             stderr += f"\n[hyflow sandbox] output reached the limit of {max_output_bytes} bytes"
-        return SandboxResult(status, stdout, stderr, process.returncode, wall_s, truncated)
+        if protections:
+            _warn_once(protections, notes)
+        return SandboxResult(status, stdout, stderr, returncode, wall_s, truncated, protections)
     finally:
+        for fd in (report_r, report_w):
+            if fd >= 0:
+                os.close(fd)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _read_report(report_r: int, notes: list[str]) -> frozenset[str]:
+    """The protections the sandbox's stages reported (what did not hold is added to `notes`)."""
+    os.set_blocking(report_r, False)
+    chunks = []
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(report_r, 65536):
+            chunks.append(chunk)
+    protections = set()
+    for line in b"".join(chunks).decode("utf-8", errors="replace").splitlines():
+        if line.startswith("no "):
+            notes.append(line[3:])
+        elif line:
+            protections.add(line)
+    return frozenset(protections)
+
+
+_guarantees_cache: dict[str, bool] | None = None
+
+
+def sandbox_guarantees() -> dict[str, bool]:
+    """Which of `GUARANTEES` hold on this machine for this user (probed once per process with a trivial call)."""
+    global _guarantees_cache
+    if _guarantees_cache is None:
+        protections = run_code("pass").protections
+        _guarantees_cache = {
+            name: bool(protections.intersection(mechanisms)) for name, mechanisms in GUARANTEES.items()
+        }
+    return dict(_guarantees_cache)

@@ -1,16 +1,22 @@
-"""Local Python sandbox: status classification, limits, blocked network/processes, clean environment."""
+"""Local Python sandbox: status classification, limits, blocked network/processes, clean environment, and the
+escapes it must stop (fork bomb, setsid survivor, raw and ctypes sockets, AF_UNIX, the trainer's environ)."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
 import pytest
 
-from hyflow.rewards.sandbox import SandboxResult, run_code
+from hyflow.rewards import sandbox
+from hyflow.rewards.sandbox import SandboxResult, run_code, sandbox_guarantees
 
 
 def test_ok_program_reads_stdin_and_captures_stdout():
@@ -180,32 +186,254 @@ def test_invalid_limits_are_errors():
         run_code("print(1)", timeout_s=0)
 
 
-@pytest.mark.slow
-def test_child_destroys_itself_when_the_parent_dies(tmp_path):
-    pid_file = tmp_path / "child.pid"
-    parent_code = (
-        "from hyflow.rewards.sandbox import run_code\n"
-        f"run_code(\"import os, time\\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\\ntime.sleep(60)\", "
-        "timeout_s=1)\n"
-    )
-    env = dict(os.environ, TMPDIR=str(tmp_path))
-    parent = subprocess.Popen([sys.executable, "-c", parent_code], env=env)
-    deadline = time.monotonic() + 5
-    while not pid_file.exists() or not pid_file.read_text():
-        assert time.monotonic() < deadline, "the sandboxed child never started"
+# ---- escapes: each runs the real exploit through run_code and checks that the kernel stopped it ----------
+
+
+@pytest.fixture
+def open_dir():
+    """A directory every uid may write to (the sandbox may run as a fresh uid), removed afterwards."""
+    path = tempfile.mkdtemp(prefix="hyflow_sandbox_test_")
+    os.chmod(path, 0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _require(guarantee: str) -> None:
+    if not sandbox_guarantees()[guarantee]:
+        pytest.skip(f"the sandbox cannot guarantee '{guarantee}' on this machine (see the warning it logged)")
+
+
+def _wait_for(path: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            return True
         time.sleep(0.05)
-    parent.kill()  # the wall-clock kill in run_code never happens now
-    parent.wait()
-    child = int(pid_file.read_text())
-    deadline = time.monotonic() + 6  # alarm(ceil(1) + 2) = 3 s after the child started
-    while os.path.exists(f"/proc/{child}") and "Z" not in _proc_state(child):
-        assert time.monotonic() < deadline, "the orphaned sandbox child is still running"
-        time.sleep(0.1)
+    return os.path.exists(path)
 
 
-def _proc_state(pid: int) -> str:
+FORK_BOMB = """
+import posix, time
+forked = 0
+for _ in range(200):
     try:
-        with open(f"/proc/{pid}/stat") as file:
-            return file.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return "gone"
+        pid = posix.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(30)
+        posix._exit(0)
+    forked += 1
+print(forked)
+"""
+
+
+def test_fork_bomb_is_bounded_by_the_process_limit():
+    _require("fork limit")
+    result = run_code(FORK_BOMB, timeout_s=5, max_processes=16)
+    assert result.status == "ok", result.stderr
+    assert 0 <= int(result.stdout) < 16  # the solution process itself counts
+    assert result.wall_s < 5  # the sleeping children did not hold the call open
+
+
+SETSID_ESCAPE = """
+import os, posix, time
+if posix.fork() == 0:
+    os.setsid()
+    if posix.fork() == 0:  # a grandchild in its own session, orphaned at once
+        time.sleep(1)
+        open({marker!r}, "w").write("still alive")
+    posix._exit(0)
+print("parent done")
+"""
+
+
+@pytest.mark.parametrize("disabled", [frozenset(), frozenset({"namespaces"})], ids=["strongest", "no-namespaces"])
+def test_setsid_grandchild_does_not_outlive_the_call(open_dir, monkeypatch, disabled):
+    monkeypatch.setattr(sandbox, "_DISABLED_MECHANISMS", disabled)
+    if not disabled:
+        _require("no process outlives the call")
+    marker = os.path.join(open_dir, "alive")
+    result = run_code(SETSID_ESCAPE.format(marker=marker), timeout_s=5)
+    assert (result.status, result.stdout) == ("ok", "parent done\n"), result.stderr
+    assert result.wall_s < 1  # returned when the solution ended, without waiting for the grandchild
+    assert not _wait_for(marker, 2.0), "a process started by the solution was still running 1 s after the call"
+
+
+def test_wall_clock_kill_takes_the_descendants_too(open_dir):
+    _require("no process outlives the call")
+    marker = os.path.join(open_dir, "alive")
+    code = SETSID_ESCAPE.format(marker=marker).replace('print("parent done")', "time.sleep(30)")
+    result = run_code(code, timeout_s=0.3)
+    assert result.status == "timeout"
+    assert not _wait_for(marker, 2.0)
+
+
+@pytest.fixture
+def loopback_listener():
+    """A TCP listener on 127.0.0.1 in the test process; yields (port, accepted(): did anyone connect?)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.3)
+
+    def accepted() -> bool:
+        try:
+            connection, _ = listener.accept()
+        except TimeoutError:
+            return False
+        connection.close()
+        return True
+
+    yield listener.getsockname()[1], accepted
+    listener.close()
+
+
+MRO_SOCKET = """
+import _socket
+raw_socket = _socket.socket.__mro__[-2]  # the C socket type, under the sandbox's Python-level guard if any
+s = raw_socket(_socket.AF_INET, _socket.SOCK_STREAM)
+s.connect(("127.0.0.1", {port}))
+s.send(b"escaped")
+print("connected")
+"""
+
+CTYPES_SOCKET = """
+import ctypes, struct
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.socket(2, 1, 0)  # AF_INET, SOCK_STREAM
+address = struct.pack("=H", 2) + struct.pack(">H", {port}) + bytes([127, 0, 0, 1]) + bytes(8)  # sockaddr_in
+connected = fd >= 0 and libc.connect(fd, address, len(address)) == 0
+print("connected" if connected else f"refused: fd={{fd}} errno={{ctypes.get_errno()}}")
+"""
+
+
+@pytest.mark.parametrize("exploit", [MRO_SOCKET, CTYPES_SOCKET], ids=["mro-base-class", "ctypes"])
+def test_inet_socket_cannot_reach_a_loopback_listener(loopback_listener, exploit):
+    _require("no sockets")
+    port, accepted = loopback_listener
+    code = exploit.format(port=port)
+    control = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert accepted(), f"the exploit does not work even unsandboxed: {control.stderr}"  # it is a real exploit
+    result = run_code(code)
+    assert not accepted()
+    assert "connected" not in result.stdout
+    if exploit is MRO_SOCKET:
+        assert result.status == "error" and "PermissionError" in result.stderr
+    else:  # returned normally, and the kernel refused to create the socket
+        assert result.status == "ok" and result.stdout.startswith("refused: fd=-1 errno=1"), result.stderr
+
+
+def test_unix_socket_cannot_reach_a_listener(open_dir):
+    _require("no sockets")
+    path = os.path.join(open_dir, "listener.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    os.chmod(path, 0o777)
+    listener.listen(8)
+    listener.settimeout(0.3)
+
+    def accepted() -> bool:
+        try:
+            listener.accept()[0].close()
+            return True
+        except TimeoutError:
+            return False
+
+    code = (
+        "import _socket\n"
+        "s = _socket.socket.__mro__[-2](_socket.AF_UNIX, _socket.SOCK_STREAM)\n"
+        f"s.connect({path!r})\n"
+        "print('connected')\n"
+    )
+    try:
+        subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30)
+        assert accepted(), "the exploit does not work even unsandboxed"
+        result = run_code(code)
+        assert not accepted()
+        assert result.status == "error" and "connected" not in result.stdout
+        assert "PermissionError" in result.stderr
+    finally:
+        listener.close()
+
+
+ENVIRON_EXPLOIT = """
+import os
+def read(pid):
+    try:
+        return open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace")
+    except OSError as error:
+        return f"<{error.__class__.__name__}>"
+found = []
+pid = os.getppid()
+while pid > 1:  # $PPID and every ancestor
+    found.append(read(pid))
+    try:
+        pid = int(next(line.split()[1] for line in open(f"/proc/{pid}/status") if line.startswith("PPid:")))
+    except (OSError, StopIteration):
+        break
+found += [read(name) for name in os.listdir("/proc") if name.isdigit()]  # and every process in sight
+print("\\n".join(found))
+"""
+
+
+@pytest.mark.slow
+def test_trainer_environment_is_not_readable_from_proc():
+    _require("trainer environment unreadable")
+    secret = f"hunter2-{os.getpid()}-{time.time_ns()}"
+    trainer = (
+        "import subprocess, sys\n"
+        "from hyflow.rewards.sandbox import run_code\n"
+        f"exploit = {ENVIRON_EXPLOIT!r}\n"
+        "control = subprocess.run([sys.executable, '-c', exploit], capture_output=True, text=True).stdout\n"
+        "print('CONTROL', 'SECRET_TOKEN=' + sys.argv[1] in control)\n"
+        "result = run_code(exploit)\n"
+        "print('STATUS', result.status)\n"
+        "print(result.stdout)\n"
+    )
+    env = dict(os.environ, SECRET_TOKEN=secret)  # in the trainer's exec environment: /proc/PID/environ shows it
+    output = subprocess.run(
+        [sys.executable, "-c", trainer, secret], env=env, capture_output=True, text=True, timeout=60
+    ).stdout
+    assert "CONTROL True" in output  # the exploit reads the secret when it is not sandboxed
+    assert "STATUS ok" in output
+    assert secret not in output.split("STATUS ok", 1)[1]
+
+
+@pytest.mark.slow
+def test_nothing_survives_when_the_trainer_dies(open_dir, tmp_path):
+    started, late = os.path.join(open_dir, "started"), os.path.join(open_dir, "late")
+    solution = f"import time\nopen({started!r}, 'w').close()\ntime.sleep(4)\nopen({late!r}, 'w').close()\n"
+    trainer = f"from hyflow.rewards.sandbox import run_code\nrun_code({solution!r}, timeout_s=1)\n"
+    env = dict(os.environ, TMPDIR=str(tmp_path))  # a temporary directory under a 0700 parent, too
+    process = subprocess.Popen([sys.executable, "-c", trainer], env=env)
+    try:
+        assert _wait_for(started, 10), "the sandboxed solution never started"
+        process.kill()  # the wall-clock kill in run_code never happens now
+        process.wait()
+        assert not _wait_for(late, 5), "the orphaned solution outlived its wall-clock limit"
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_missing_guarantee_is_warned_about_once(monkeypatch, caplog):
+    monkeypatch.setattr(sandbox, "_DISABLED_MECHANISMS", frozenset({"namespaces", "separate_uid", "seccomp"}))
+    monkeypatch.setattr(sandbox, "_warned_missing", set())
+    with caplog.at_level(logging.WARNING, logger="hyflow.rewards.sandbox"):
+        first = run_code("print(1)")
+        second = run_code("print(2)")
+    assert (first.stdout, second.stdout) == ("1\n", "2\n")
+    assert "seccomp" not in first.protections and "pid_namespace" not in first.protections
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1
+    assert "do NOT hold on this machine" in warnings[0] and "no sockets" in warnings[0]
+
+
+def test_protections_on_a_capable_machine_are_all_reported():
+    protections = run_code("pass").protections
+    if os.geteuid() == 0 and "pid_namespace" in protections:
+        assert {"net_namespace", "private_proc", "seccomp"} <= protections
+        if "separate_uid" in protections:
+            assert "fork_limit" in protections
+    assert sandbox_guarantees().keys() == sandbox.GUARANTEES.keys()
