@@ -233,6 +233,37 @@ def test_a_key_has_one_kind_unless_its_predicates_split_it():
 # ----------------------------------------------------------------------------- rejections
 
 
+def _other_value(value):
+    """A value that differs from `value` and has its type (None becomes a string)."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, str):
+        return value + "_other"
+    if isinstance(value, list):
+        return [*value, "other"]
+    if isinstance(value, dict):
+        return {**value, "other": 1}
+    return "other"
+
+
+@pytest.mark.parametrize("entry", [e for e in support.table() if e.asked is None], ids=lambda e: f"{e.schema}:{e.key}")
+def test_every_entry_without_a_predicate_triggers_on_a_non_default_value(entry):
+    cfg = {support.RL: HyflowConfig, support.SFT: SFTConfig}[entry.schema]()
+    if not support._resolves(cfg, entry.key):
+        pytest.skip(f"{entry.key} is not a key of the {entry.schema} schema yet (see the table test)")
+    *path, leaf = entry.key.split(".")
+    parent = support.lookup(cfg, ".".join(path)) if path else cfg
+    assert support.not_supported_problems(cfg) == [] and support.performance_only_warning(cfg) is None
+    setattr(parent, leaf, _other_value(getattr(parent, leaf)))
+    problems, line = support.not_supported_problems(cfg), support.performance_only_warning(cfg) or ""
+    if entry.kind == support.NOT_SUPPORTED:
+        assert [p for p in problems if p.startswith(f"{entry.key} is not supported by this hyflow version yet")]
+    else:
+        assert problems == [] and f" {entry.key}=" in line and entry.reason in line
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["actor_rollout_ref.model.lora_adapter_path=/adapters/a"], "actor_rollout_ref.model.lora_adapter_path"),
     (["actor_rollout_ref.ref.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2"],
