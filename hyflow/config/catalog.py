@@ -7,6 +7,10 @@ functions, and whether the estimator needs a critic (it declares `requires=("val
 `set_catalog_provider`; `hyflow/__init__.py` installs the provider that reads `hyflow.algos`' registries on
 first use. Without a provider (a config-only install), names are not checked and the critic follows
 `critic.enable` (null = no critic).
+
+The same way, a `ComponentCatalog` (`set_component_provider`) lists the names of the registries above the config
+layer: `trainer.logger` backends with the package each needs, reward managers and rollout engines, so that
+`validate_config` checks them before anything loads.
 """
 
 from __future__ import annotations
