@@ -2,8 +2,9 @@
 
     python tools/gen_verl_keys.py VERL_CHECKOUT
 
-reads `verl/trainer/config/_generated_ppo_trainer.yaml` (the flattened `main_ppo` config) and
-`verl/trainer/config/sft_trainer_engine.yaml` with the config groups its `defaults:` list names, and writes
+reads verl's flattened `main_ppo` configs (`verl/trainer/config/_generated_ppo*_trainer.yaml`: FSDP, Megatron,
+VeOmni, TorchTitan) and `verl/trainer/config/sft_trainer_engine.yaml` with every choice of the config groups its
+`defaults:` list names (engine=fsdp|megatron|..., the keys of all of them), and writes
 `hyflow/config/verl_keys.txt` and `hyflow/config/verl_sft_keys.txt`: one dotted key a line (sections and
 leaves; `_target_` entries dropped). A key whose value is a mapping that is empty in verl's config (a free-form
 dict such as `engine_kwargs.vllm`) is written as `KEY.*`: any key below it is verl's too.
@@ -42,20 +43,20 @@ def dotted_keys(node: object, prefix: str = "") -> list[str]:
     return keys
 
 
-def sft_config(config_dir: Path) -> dict:
-    """verl's SFT trainer config with its `defaults:` groups (`group@package: name`) placed at their packages."""
+def sft_keys(config_dir: Path) -> list[str]:
+    """The keys of verl's SFT trainer config, with each `defaults:` group (`group@package: name`) at its package:
+    the keys of every file of the group (a command line picks one with `engine=megatron`)."""
     root = yaml.safe_load((config_dir / "sft_trainer_engine.yaml").read_text())
-    composed: dict = {}
+    keys = dotted_keys({k: v for k, v in root.items() if k != "defaults"})
     for entry in root.get("defaults", []):
         if not isinstance(entry, dict):
             continue  # _self_
-        ((group_pkg, name),) = entry.items()
+        ((group_pkg, _name),) = entry.items()
         group, _, package = group_pkg.partition("@")
-        composed[package or group] = yaml.safe_load((config_dir / group / f"{name}.yaml").read_text()) or {}
-    for key, value in root.items():
-        if key != "defaults":
-            composed[key] = value
-    return composed
+        keys.append(package or group)
+        for choice in sorted((config_dir / group).glob("*.yaml")):
+            keys.extend(dotted_keys(yaml.safe_load(choice.read_text()) or {}, f"{package or group}."))
+    return keys
 
 
 def header(verl_root: Path, source: str, commit: str | None) -> str:
@@ -76,10 +77,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT, help="folder to write the two lists to")
     args = parser.parse_args()
     config_dir = args.verl_root / "verl" / "trainer" / "config"
-    ppo = yaml.safe_load((config_dir / "_generated_ppo_trainer.yaml").read_text())
+    ppo: list[str] = []
+    for generated in sorted(config_dir.glob("_generated_ppo*_trainer.yaml")):
+        ppo.extend(dotted_keys(yaml.safe_load(generated.read_text())))
     outputs = {
-        "verl_keys.txt": ("_generated_ppo_trainer.yaml", dotted_keys(ppo)),
-        "verl_sft_keys.txt": ("sft_trainer_engine.yaml + its defaults", dotted_keys(sft_config(config_dir))),
+        "verl_keys.txt": ("_generated_ppo*_trainer.yaml", ppo),
+        "verl_sft_keys.txt": ("sft_trainer_engine.yaml + every choice of its defaults groups", sft_keys(config_dir)),
     }
     for filename, (source, keys) in outputs.items():
         text = header(args.verl_root, source, args.commit) + "".join(f"{k}\n" for k in sorted(set(keys)))

@@ -290,6 +290,7 @@ class CheckpointConfig:
         "${.save_contents}", "Parts loaded on resume (default = save_contents); parts left out start fresh."
     )
     async_save: bool = option(False, "Write checkpoints in a background thread (not built yet).")
+    strict: bool = option(True, "Every saved tensor must match the model's on load (hyflow always loads strictly).")
 
 
 # verl's profiler tool_config sub-dicts (defaults as in verl, so `...tool_config.torch.contents=[cpu]` sets them).
@@ -307,6 +308,10 @@ class ProfilerConfig:
     all_ranks: bool = option(False, "Profile every rank.")
     ranks: list[int] = option([], "Ranks to profile.")
     save_path: str | None = option(None, "Where profiles are written.")
+    relocate_results: bool = option(False, "Move the profiles to save_path after the run.")
+    finish_hook_cmd: str | None = option(None, "Shell command run when profiling ends.")
+    finish_hook_all_ranks: bool = option(False, "Run finish_hook_cmd on every rank.")
+    finish_hook_ranks: list[int] = option([], "Ranks that run finish_hook_cmd.")
     tool_config: dict[str, Any] = option(_PROFILER_TOOL_CONFIG, "Per-tool settings (nsys, npu, torch, ...).")
 
 
@@ -318,6 +323,10 @@ class GlobalProfilerConfig:
     steps: list[int] | None = option(None, "Training steps to profile.")
     profile_continuous_steps: bool = option(False, "Profile consecutive steps into one file.")
     save_path: str | None = option("outputs/profile", "Where profiles are written.")
+    relocate_results: bool = option(False, "Move the profiles to save_path after the run.")
+    finish_hook_cmd: str | None = option(None, "Shell command run when profiling ends.")
+    finish_hook_all_ranks: bool = option(False, "Run finish_hook_cmd on every rank.")
+    finish_hook_ranks: list[int] = option([], "Ranks that run finish_hook_cmd.")
     global_tool_config: dict[str, Any] = option({}, "Per-tool settings (nsys, torch_memory, ...).")
 
 
@@ -575,6 +584,8 @@ class RolloutConfig:
         "Extra engine arguments by engine name, e.g. +actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4.",
     )
     layered_summon: bool = option(False, "Gather FSDP weights layer by layer for the rollout (memory only).")
+    disable_log_stats: bool = option(True, "vllm/sglang: do not log engine statistics.")
+    cudagraph_capture_sizes: list[int] | None = option(None, "vllm: batch sizes captured as CUDA graphs.")
     skip_tokenizer_init: bool = option(
         True, "vllm/sglang: start the engine without its tokenizer (token ids in and out, as hyflow's engines are).")
     multi_stage_wake_up: bool = option(False, "Wake the engine's weights and KV cache in stages (memory only).")
@@ -628,6 +639,8 @@ class RefConfig:
     fsdp_config: FSDPConfig = section(
         FSDPConfig, "FSDP settings of the reference (verl forces parameter offload here)."
     )
+    entropy_from_logits_with_chunking: bool = option(False, "Compute entropy in row chunks to save memory.")
+    entropy_checkpointing: bool = option(False, "Recompute entropy in the backward pass to save memory.")
     profiler: ProfilerConfig = section(ProfilerConfig, "verl's profiler for the reference (accepted, not run).")
 
 
@@ -636,6 +649,7 @@ class ActorRolloutRefConfig:
     """Actor, rollout engine and reference policy: one model, three roles, sharing devices."""
 
     hybrid_engine: bool = option(True, "Actor, rollout and reference share devices (one process per device).")
+    nccl_timeout: int = option(600, "verl: seconds a collective may wait before the run fails (hyflow uses its own).")
     model: ModelConfig = section(ModelConfig, "The policy model.")
     actor: ActorConfig = section(ActorConfig, "Policy training.")
     rollout: RolloutConfig = section(RolloutConfig, "Generation.")
@@ -821,6 +835,12 @@ class RewardModelConfig:
         "start against hyflow.rewards.managers.REWARD_MANAGERS.",
     )
     launch_reward_fn_async: bool = option(False, "Score in the background while log-probs are computed.")
+    reward_loop_source: str = option(
+        "register", "Where the reward manager comes from: register (hyflow's registry, by reward_manager name); "
+        "verl's importlib (a class from reward_loop_module_path) is not built yet.")
+    reward_loop_module_path: str | None = option(None, "File of a custom reward-manager class (source importlib).")
+    reward_loop_class_name: str | None = option(
+        "custom_reward_manager", "Class name inside reward_loop_module_path (source importlib).")
     use_reward_loop: bool | None = option(
         None, "verl 0.6-0.9's switch between its reward-loop and legacy reward code (hyflow has one path).")
     timeout_s: float = option(

@@ -75,6 +75,9 @@ class SFTDataConfig:
         "the batch's token count, so this only changes speed and memory, not the gradient.")
     max_token_len_per_gpu: int = option(
         8192, "Most tokens per device per micro-batch with use_dynamic_bsz (speed/memory only).")
+    pad_mode: str = option("no_padding", "verl: no_padding (packed) or right; hyflow pads each micro-batch to its "
+                           "longest sample and masks the pads, so the loss is the same.")
+    num_workers: int = option(8, "verl: dataloader worker processes; hyflow tokenizes in the main process.")
 
 
 @dataclass
@@ -118,6 +121,8 @@ class SFTModelConfig:
     custom_chat_template: str | None = option(
         None, "A Jinja chat template (or a .jinja file) replacing the tokenizer's (verl: data.chat_template)."
     )
+    use_remove_padding: bool = option(
+        True, "verl: pack samples without pads; hyflow masks the pads instead, so the loss is the same.")
 
 
 @dataclass

@@ -34,12 +34,25 @@ RL_ALIASES: dict[str, str] = {
     "reward.reward_model.nnodes": "reward_model.nnodes",
     "reward.reward_model.model_path": "reward_model.model.path",
     "reward.sandbox_fusion": "reward_model.sandbox_fusion",
+    "reward.reward_manager.source": "reward_model.reward_loop_source",
+    "reward.reward_manager.module.path": "reward_model.reward_loop_module_path",
+    "reward.reward_manager.module.name": "reward_model.reward_loop_class_name",
     "critic.fsdp": "critic.model.fsdp_config",
+    # verl 0.10 keeps these per-role settings in the FSDP engine config; the role-level keys are the legacy names
+    # (verl copies actor.ulysses_sequence_parallel_size into fsdp_config, and reads the fsdp_config entropy and
+    # compile keys from the role's through ${oc.select:...}).
+    **{f"{role}.fsdp_config.{leaf}": f"{role}.{leaf}"
+       for role in (f"{ARR}.actor", f"{ARR}.ref")
+       for leaf in ("ulysses_sequence_parallel_size", "entropy_from_logits_with_chunking", "entropy_checkpointing",
+                    "use_torch_compile")},
+    "critic.fsdp.ulysses_sequence_parallel_size": "critic.ulysses_sequence_parallel_size",
 }
 
 # verl's current SFT trainer (sft_trainer_engine.yaml) -> hyflow's SFT schema (verl's legacy sft_trainer names).
 SFT_ALIASES: dict[str, str] = {
     "model.path": "model.partial_pretrain",
+    "optim.lr_scheduler_type": "optim.lr_scheduler",
+    "optim.warmup_style": "optim.lr_scheduler",  # verl's deprecated name of lr_scheduler_type
 }
 
 
@@ -110,8 +123,9 @@ def fold_sft_dict_keys(cfg: Any) -> Any:
 
 _PROFILER = ("hyflow has no profiler integration (nsys/npu/torch): profiling only measures a run and never "
              "changes its results; profile with py-spy or torch.profiler around `hyflow train` instead")
-_PROFILER_LEAVES = ("tool", "enable", "all_ranks", "ranks", "save_path", "tool_config")
-_GLOBAL_PROFILER_LEAVES = ("tool", "steps", "profile_continuous_steps", "save_path", "global_tool_config")
+_HOOKS = ("relocate_results", "finish_hook_cmd", "finish_hook_all_ranks", "finish_hook_ranks")
+_PROFILER_LEAVES = ("tool", "enable", "all_ranks", "ranks", "save_path", *_HOOKS, "tool_config")
+_GLOBAL_PROFILER_LEAVES = ("tool", "steps", "profile_continuous_steps", "save_path", *_HOOKS, "global_tool_config")
 
 _ONE_DEVICE = ("hyflow's SFT trainer runs one process on one device, so FSDP sharding, offload and prefetch "
                "settings have nothing to act on and the results are the same")
@@ -132,12 +146,26 @@ PERFORMANCE_ONLY_KEYS: dict[str, str] = {
     "from fsdp_config.dtype, as verl's FSDP workers do whatever the load dtype",
     "reward_model.use_reward_loop": "hyflow has one reward path (its reward managers); verl's switch between its "
     "reward-loop and legacy implementations changes how scoring is scheduled, not the scores",
+    f"{ARR}.ref.entropy_from_logits_with_chunking": "the reference computes log-probs, not entropy; chunking "
+    "only saves memory",
+    f"{ARR}.ref.entropy_checkpointing": "the reference computes log-probs, not entropy; recomputation only saves "
+    "memory",
+    f"{ARR}.nccl_timeout": "a time limit on collective operations decides only when a stuck run fails, not what a "
+    "run computes; hyflow's workers use their own limit",
+    f"{ARR}.rollout.disable_log_stats": "a vllm/sglang logging knob; the hf engine has no statistics log",
+    f"{ARR}.rollout.cudagraph_capture_sizes": "a vllm CUDA-graph knob (speed only); the hf engine has none",
+    "reward_model.reward_loop_class_name": "only used with reward_model.reward_loop_source=importlib, which is not "
+    "supported yet",
     "trainer.use_legacy_worker_impl": "hyflow has one worker implementation; verl's switch picks between two "
     "implementations of the same computation",
     # SFT (verl's sft_trainer_engine.yaml names): hyflow's SFT trainer runs one process on one device.
     "data.use_dynamic_bsz": "hyflow's SFT loss is divided by the batch's token count, so packing micro-batches by "
     "tokens only changes speed and memory, not the gradient",
     "data.max_token_len_per_gpu": "only used with data.use_dynamic_bsz (speed and memory only)",
+    "data.pad_mode": "hyflow pads each micro-batch to its longest sample and masks the pads: the same loss as "
+    "verl's packed no_padding mode",
+    "data.num_workers": "hyflow tokenizes in the main process; the batches are the same",
+    "model.use_remove_padding": "hyflow masks the pads instead of packing samples: the same loss",
     **{f"engine.{leaf}": _ONE_DEVICE for leaf in ("strategy", "param_offload", "optimizer_offload", "offload_policy",
                                                   "reshard_after_forward", "fsdp_size", "forward_prefetch",
                                                   "use_orig_params")},
@@ -147,6 +175,12 @@ PERFORMANCE_ONLY_KEYS: dict[str, str] = {
 }
 
 NOT_SUPPORTED_KEYS: dict[str, str] = {
+    f"{ARR}.actor.checkpoint.strict": "hyflow always loads checkpoints strictly (every tensor must match); use true",
+    "critic.checkpoint.strict": "hyflow always loads checkpoints strictly (every tensor must match); use true",
+    "reward_model.reward_loop_source": "hyflow takes reward managers from its registry by reward_model."
+    "reward_manager (verl's register); loading a manager class from a file (importlib) is not built yet",
+    "reward_model.reward_loop_module_path": "loading a reward-manager class from a file is not built yet; register "
+    "the manager and name it in reward_model.reward_manager",
     f"{ARR}.rollout.checkpoint_engine.backend": "hyflow moves weights into the rollout engine in process (verl's "
     "naive backend); nccl/hccl/mooncake transfer backends are not built yet; use naive",
     f"{ARR}.rollout.checkpoint_engine.custom_backend_module": "custom weight-transfer backends are not built "

@@ -532,3 +532,26 @@ def test_sft_accepts_verl_current_names():
         load_sft_config(["trainer.n_gpus_per_node=8"])
     with pytest.raises(ConfigError, match="'engine.qat.enable' is a verl key that hyflow does not support yet"):
         load_config(["engine.qat.enable=true"], schema=SFTConfig)
+
+
+def test_sft_verl_scheduler_and_padding_names():
+    from hyflow.config.sft_schema import load_sft_config
+
+    cfg = load_sft_config(["optim.lr_scheduler_type=constant", "model.use_remove_padding=true",
+                           "data.pad_mode=right", "data.num_workers=2"])
+    assert cfg.optim.lr_scheduler == "constant" and cfg.data.pad_mode == "right"
+    with pytest.raises(ConfigError) as err:
+        load_sft_config(["engine.tensor_model_parallel_size=2", "optim.min_lr=0.1"])
+    assert "'engine.tensor_model_parallel_size' is a verl key" in str(err.value)
+    assert "'optim.min_lr' is a verl key" in str(err.value)
+
+
+def test_verl_010_fsdp_config_role_names():
+    cfg = load_config(["actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2",
+                       "actor_rollout_ref.ref.fsdp_config.entropy_from_logits_with_chunking=true",
+                       "critic.fsdp.ulysses_sequence_parallel_size=2"])
+    assert cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size == 2
+    assert cfg.actor_rollout_ref.ref.entropy_from_logits_with_chunking is True
+    assert cfg.critic.ulysses_sequence_parallel_size == 2
+    with pytest.raises(ConfigError, match="is a verl key that hyflow does not support yet"):
+        load_config(["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
