@@ -199,13 +199,16 @@ _TABLE: list[KeySupport] = [
                  lambda cfg: cfg.reward_model.strategy != cfg.actor_rollout_ref.actor.strategy),
     _performance("reward_model.model.fsdp_config.reshard_after_forward", "the reward model is not sharded (see "
                  "reward_model.strategy)"),
-    _performance(f"{M}.use_fused_kernels", "hyflow computes log-probs and entropy from the full logits; the fused "
-                 "kernel gives the same values with less memory"),
+    _performance(f"{M}.use_fused_kernels", "hyflow always computes log-probs and entropy from the lm_head in "
+                 "checkpointed row chunks (hyflow.models.forward.lm_head_logprobs), never holding the full logits, "
+                 "which is what the fused kernel does: same values"),
     _performance(f"{M}.fused_kernel_options.impl_backend", "only for use_fused_kernels (see there)"),
     _performance(f"{A}.use_prefix_grouper", "sharing the prompt's forward pass saves compute; the log-probs are "
                  "the same"),
-    _performance(f"{A}.entropy_from_logits_with_chunking", "chunked entropy saves memory; same values"),
-    _performance(f"{A}.entropy_checkpointing", "recomputing entropy saves memory; same values"),
+    _performance(f"{A}.entropy_from_logits_with_chunking", "hyflow always computes entropy in row chunks; same "
+                 "values"),
+    _performance(f"{A}.entropy_checkpointing", "hyflow always recomputes each chunk's logits in the backward pass "
+                 "(checkpointed); same values"),
     _performance(f"{A}.calculate_entropy", "hyflow computes entropy when the loss or its metrics need it; "
                  "training is the same"),
     _performance(f"{A}.calculate_sum_pi_squared", "hyflow computes sum_pi_squared whenever the advantage estimator "
