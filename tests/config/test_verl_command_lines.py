@@ -245,3 +245,48 @@ def test_verl_function_reward_command_line_trains_one_step(paths, tmp_path, caps
     assert rows and rows[-1]["step"] == 1
     assert rows[-1]["critic/score/mean"] == pytest.approx(0.1)  # verl's my_reward_function scored every sample
     assert "critic/vf_loss" in rows[-1]  # PPO: the critic trained
+
+
+def test_runtime_env_nulls_are_dropped_and_the_rest_is_kept():
+    from hyflow.controller.resources import _runtime_env
+
+    assert _runtime_env({"py_executable": None}) == {}
+    assert _runtime_env({"py_executable": None, "env_vars": {"A": "1"}}) == {"env_vars": {"A": "1"}}
+    with pytest.raises(ValueError, match="runtime_env must be a mapping"):
+        _runtime_env("uv run")
+
+
+@pytest.mark.slow
+def test_runtime_env_reaches_every_ray_worker(monkeypatch):
+    """`ray_kwargs.ray_init.runtime_env` goes to ray.init: its env_vars reach tasks, and actors that set env_vars of
+    their own (as hyflow's worker groups do) keep both."""
+    import os
+    import sys
+
+    ray = pytest.importorskip("ray")
+    from hyflow.controller.resources import ensure_ray, shutdown_ray
+
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if ray.is_initialized():
+        pytest.skip("Ray is already initialised in this process")
+    cfg = load_config(["+ray_kwargs.ray_init.runtime_env.env_vars.HYFLOW_RT=yes",
+                       f"ray_kwargs.ray_init.runtime_env.py_executable={sys.executable}"])
+    ray_init = {k: v for k, v in cfg.ray_kwargs.ray_init.items() if v is not None}
+    assert ensure_ray(num_cpus=2, ray_init=ray_init)
+    try:
+        @ray.remote(num_cpus=0.1)
+        def read_env():
+            return os.environ.get("HYFLOW_RT"), sys.executable
+
+        assert ray.get(read_env.remote()) == ("yes", sys.executable)
+
+        @ray.remote(num_cpus=0.1)
+        class Reader:
+            def env(self):
+                return os.environ.get("HYFLOW_RT"), os.environ.get("OWN")
+
+        actor = Reader.options(runtime_env={"env_vars": {"OWN": "1"}}).remote()
+        assert ray.get(actor.env.remote()) == ("yes", "1")
+    finally:
+        shutdown_ray()
