@@ -139,6 +139,7 @@ _NEWNS, _NEWIPC, _NEWUSER, _NEWPID, _NEWNET = 0x20000, 0x08000000, 0x10000000, 0
 _ALL_NEW_NAMESPACES = 0x7E020080  # CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET|NEWTIME
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
 _REPORT = _C["report_fd"]
+_LINUX = sys.platform.startswith("linux")  # elsewhere: rlimits, the wall clock and the Python guards only
 
 def _report(*names):
     os.write(_REPORT, "".join(name + "\n" for name in names).encode())
@@ -160,7 +161,7 @@ def _write_file(path, text):
 
 def _enter_namespaces():
     """New PID/net/mount/IPC namespaces (+ a user namespace when not root). False when the kernel refuses."""
-    if "namespaces" in _C["disabled"]:
+    if "namespaces" in _C["disabled"] or not _LINUX:
         return False
     uid, gid = os.getuid(), os.getgid()
     flags = _NEWNS | _NEWPID | _NEWNET | _NEWIPC | (0 if uid == 0 else _NEWUSER)
@@ -189,6 +190,8 @@ def _scan_processes():
 
 def _kill_leftovers(uid):
     """SIGKILL every descendant (they come back to us: we are a subreaper) and every process of `uid`."""
+    if not _LINUX:
+        return
     me = os.getpid()
     give_up = time.monotonic() + 2.0  # only a process stuck in the kernel (state D) could hold us longer
     while time.monotonic() < give_up:
@@ -242,7 +245,7 @@ def _supervise():
         uid = _stay_root()  # the interpreter's directories cannot be re-exposed without a mount namespace
         _report("no separate_uid: the interpreter's directories are closed to other users and there is no "
                 "mount namespace to re-expose them")
-    if not in_namespaces:
+    if not in_namespaces and _LINUX:
         _call(_LIBC.prctl(36, 1, 0, 0, 0), "PR_SET_CHILD_SUBREAPER")
         _report("subreaper")
     status_r, status_w = os.pipe()
@@ -356,6 +359,8 @@ def _seccomp_program():
     return b"".join(struct.pack("HBBI", *op) for op in prog), len(prog)
 
 def _install_seccomp():
+    if not _LINUX:
+        return False
     _call(_LIBC.prctl(38, 1, 0, 0, 0), "PR_SET_NO_NEW_PRIVS")
     if "seccomp" in _C["disabled"] or os.uname().machine not in _SECCOMP_ARCH:
         return False
@@ -367,11 +372,15 @@ def _install_seccomp():
     return _LIBC.prctl(22, 2, ctypes.byref(prog), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
 
 def _drop_capabilities():
+    if not _LINUX:
+        return
     header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
     data = (ctypes.c_uint32 * 6)()
     _call(_LIBC.capset(header, data), "capset")
 
 def _user_task_count(uid):
+    if not _LINUX:
+        return 1 << 20  # no /proc to count with: no fork limit (not reported as one)
     count = 0
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -396,7 +405,7 @@ def _solution(uid, userns):
         protections.append("fork_limit")
         nproc = _C["max_processes"] + 2  # the supervisor and the init share this user namespace's count
     elif os.getuid() != 0:
-        protections.append("fork_limit")
+        protections += ["fork_limit"] if _LINUX else []
         nproc = _user_task_count(os.getuid()) + _C["max_processes"]
     else:  # root that could not switch uid: no capabilities at least (root is exempt from RLIMIT_NPROC)
         _drop_capabilities()
