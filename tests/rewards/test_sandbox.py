@@ -391,7 +391,6 @@ print("\\n".join(found))
 """
 
 
-@pytest.mark.slow
 def test_trainer_environment_is_not_readable_from_proc():
     _require("trainer environment unreadable")
     secret = f"hunter2-{os.getpid()}-{time.time_ns()}"
@@ -416,8 +415,12 @@ def test_trainer_environment_is_not_readable_from_proc():
 
 @pytest.mark.slow
 def test_nothing_survives_when_the_trainer_dies(open_dir, tmp_path):
-    started, late = os.path.join(open_dir, "started"), os.path.join(open_dir, "late")
-    solution = f"import time\nopen({started!r}, 'w').close()\ntime.sleep(4)\nopen({late!r}, 'w').close()\n"
+    started, go, late = (os.path.join(open_dir, name) for name in ("started", "go", "late"))
+    solution = (
+        f"import os, time\nopen({started!r}, 'w').close()\n"
+        f"for _ in range(200):\n    if os.path.exists({go!r}):\n        open({late!r}, 'w').close()\n        break\n"
+        "    time.sleep(0.05)\n"
+    )
     trainer = f"from hyflow.rewards.sandbox import run_code\nrun_code({solution!r}, timeout_s=1)\n"
     env = dict(os.environ, TMPDIR=str(tmp_path))  # a temporary directory under a 0700 parent, too
     process = subprocess.Popen([sys.executable, "-c", trainer], env=env)
@@ -425,7 +428,9 @@ def test_nothing_survives_when_the_trainer_dies(open_dir, tmp_path):
         assert _wait_for(started, 10), "the sandboxed solution never started"
         process.kill()  # the wall-clock kill in run_code never happens now
         process.wait()
-        assert not _wait_for(late, 5), "the orphaned solution outlived its wall-clock limit"
+        time.sleep(1.5)  # past the solution's 1 s wall clock
+        open(go, "w").close()
+        assert not _wait_for(late, 0.5), "the orphaned solution outlived its wall-clock limit"
     finally:
         process.kill()
         process.wait()
