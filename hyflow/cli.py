@@ -287,8 +287,21 @@ def _user_error(exc: BaseException) -> str | None:
     return None
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the command line; overrides may come before, between and after the flags, as Hydra allows
+    (`hyflow train --config-path D a=1 --config-name N b=2`)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if hasattr(args, "overrides") and not any(word.startswith("-") for word in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return args.fn(args)
     except KeyboardInterrupt:

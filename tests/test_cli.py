@@ -242,3 +242,14 @@ def test_config_path_and_name_as_in_hydra(tmp_path, capsys):
     capsys.readouterr()
     err = one_line_error(capsys, ["config", "--config-path=config", "--config-name=ppo_megatron_trainer.yaml"])
     assert "drop --config-path and --config-name" in err
+
+
+def test_overrides_may_come_between_flags_as_in_hydra():
+    from hyflow.cli import parse_args
+
+    args = parse_args(["train", "--config-path", "D", "a=1", "--config-name", "N", "b=2", "--traceback"])
+    assert (args.overrides, args.config_path, args.config_name, args.traceback) == (["a=1", "b=2"], "D", "N", True)
+    assert parse_args(["--traceback", "sft", "x=1"]).traceback is True
+    assert parse_args(["config", "x=1"]).traceback is False
+    with pytest.raises(SystemExit):
+        parse_args(["train", "a=1", "--bogus"])
