@@ -290,3 +290,15 @@ def test_runtime_env_reaches_every_ray_worker(monkeypatch):
         assert ray.get(actor.env.remote()) == ("yes", "1")
     finally:
         shutdown_ray()
+
+
+def test_checkpoint_engine_bucket_size_sets_the_weight_sync_bucket(paths):
+    """verl's rollout.checkpoint_engine.update_weights_bucket_megabytes is the bucket of hyflow's weight sync."""
+    from hyflow.workers.actor import ActorRolloutRefWorker
+
+    cfg = load_config([f"actor_rollout_ref.model.path={paths['model']}", "trainer.device=cpu",
+                       "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                       "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=3"])
+    actor = ActorRolloutRefWorker(cfg)
+    actor.init_model(total_training_steps=1)
+    assert actor.weight_bucket_bytes == 3 * 2**20
