@@ -102,7 +102,8 @@ MEMORY_ERROR_EXIT_CODE = 201
 """Exit code the prelude uses for an uncaught MemoryError (checked together with 'MemoryError' in stderr)."""
 
 DEADLINE_EXIT_CODE = 202
-"""Exit code of the supervisor when it killed the solution at the wall-clock limit."""
+"""Exit code of the supervisor when it killed the solution at the wall-clock limit (a solution that exits with
+it is reported as a timeout: a failure either way)."""
 
 DEFAULT_MAX_OUTPUT_BYTES = 1 << 20
 DEFAULT_MAX_PROCESSES = 64
