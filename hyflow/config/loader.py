@@ -169,6 +169,8 @@ def _load_yaml_tree(path: Path, schema: type, chain: tuple[Path, ...]) -> DictCo
         raise ConfigError(f"config file {str(path)!r} includes itself through its defaults list: "
                           + " -> ".join(str(p) for p in (*chain, path.resolve())))
     loaded = _read_yaml(path)
+    _drop_hydra_section(loaded, f" in config file {str(path)!r}")
+    _drop_verl_targets(loaded, f" in config file {str(path)!r}")
     if "defaults" not in loaded:
         return loaded
     entries = loaded.defaults
@@ -226,6 +228,42 @@ def _default_entry(entry: Any, path: Path, schema: type, chain: tuple[Path, ...]
         OmegaConf.update(wrapped, target, tree, merge=True, force_add=True)
         return wrapped
     raise ConfigError(f"{where}: an entry is `_self_`, a file name, or `group@package: name` (one pair).")
+
+
+def _drop_hydra_section(tree: DictConfig, where: str) -> None:
+    """`hydra: searchpath:` (where Hydra looks for the defaults list's files: verl's configs point it at verl's
+    package) has nothing to do in hyflow, which looks beside the file; any other Hydra runtime setting is refused."""
+    if "hydra" not in tree:
+        return
+    section = tree._get_node("hydra")
+    names = list(section.keys()) if isinstance(section, DictConfig) else []
+    other = [name for name in names if name != "searchpath"]
+    if other or not isinstance(section, DictConfig):
+        raise ConfigError(_hydra_error(f"hydra.{other[0]}" if other else "hydra", where))
+    del tree["hydra"]
+
+
+def _hydra_error(key: str, where: str = "") -> ConfigError:
+    return ConfigError(
+        f"{key!r}{where} configures Hydra's own runtime (output folders, logging, launchers), which hyflow does not "
+        "run: remove it (the run directory is trainer.default_local_dir). Only hydra.searchpath is accepted, and "
+        "ignored: hyflow finds a defaults list's files beside the config file."
+    )
+
+
+def _drop_verl_targets(node: DictConfig, where: str, prefix: str = "") -> None:
+    """verl's YAML names the dataclass of many sections (`_target_: verl.workers.config.FSDPActorConfig`); hyflow's
+    typed schema is that class, so verl's own targets are dropped. Another class is refused."""
+    for name in list(node.keys()):
+        child = node._get_node(name)
+        if name == "_target_":
+            target = child._value()
+            if not (isinstance(target, str) and target.startswith("verl.")):
+                raise ConfigError(f"{prefix}_target_={target!r}{where}: hyflow builds each section from its own typed "
+                                  "schema and cannot instantiate another class; remove the _target_ entry.")
+            del node[name]
+        elif isinstance(child, DictConfig) and not OmegaConf.is_interpolation(node, name):
+            _drop_verl_targets(child, where, f"{prefix}{name}.")
 
 
 def _rewrite_aliases(tree: DictConfig, where: str, schema: type) -> None:
@@ -349,6 +387,10 @@ def _parse_overrides(overrides: Sequence[str]) -> list[Any]:
 
 def _apply_override(cfg: DictConfig, override: Any, schema: type, seen: dict[str, tuple[str, Any]]) -> None:
     spelled = override.key_or_group
+    if spelled == "hydra.searchpath":
+        return  # where Hydra finds defaults-list files; hyflow looks beside the config file
+    if spelled == "hydra" or spelled.startswith("hydra."):
+        raise _hydra_error(spelled, " on the command line")
     key = canonical_key(spelled, schema)
     info = _lookup_as_spelled(key, spelled, schema)
     if override.is_delete():

@@ -555,3 +555,45 @@ def test_verl_010_fsdp_config_role_names():
     assert cfg.critic.ulysses_sequence_parallel_size == 2
     with pytest.raises(ConfigError, match="is a verl key that hyflow does not support yet"):
         load_config(["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
+
+
+VERL_STYLE_CONFIG = """\
+hydra:
+  searchpath:
+    - file://verl/trainer/config
+
+defaults:
+  - ppo_trainer
+  - _self_
+
+actor_rollout_ref:
+  actor:
+    _target_: verl.workers.config.FSDPActorConfig
+    ppo_mini_batch_size: 4
+reward:
+  _target_: verl.workers.config.RewardConfig
+  reward_manager:
+    _target_: verl.workers.config.reward.RewardManagerConfig
+    source: register
+    name: dapo
+  custom_reward_function:
+    path: null
+    name: compute_score
+data:
+  train_batch_size: 8
+"""
+
+
+def test_a_verl_style_config_file(tmp_path):
+    from hyflow.config.loader import config_file_from_hydra_flags
+
+    (tmp_path / "my_trainer.yaml").write_text(VERL_STYLE_CONFIG)
+    cfg = load_config(["hydra.searchpath=[file://elsewhere]"],
+                      config_file=config_file_from_hydra_flags(tmp_path, "my_trainer"))
+    assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 4 and cfg.data.train_batch_size == 8
+    assert cfg.reward_model.reward_manager == "dapo" and cfg.reward_model.reward_loop_source == "register"
+    with pytest.raises(ConfigError, match="Hydra's own runtime"):
+        load_config(["hydra.run.dir=/tmp/x"])
+    (tmp_path / "bad.yaml").write_text("actor_rollout_ref:\n  actor:\n    _target_: my.Class\n")
+    with pytest.raises(ConfigError, match="cannot instantiate another class"):
+        load_config(config_file=tmp_path / "bad.yaml")
