@@ -53,7 +53,9 @@ _ABSENT = object()
 
 # verl's own trainer configs: a `defaults:` entry naming one of them (and no file of that name in the folder)
 # means verl's defaults, which hyflow's schema defaults already are.
-VERL_BASE_CONFIGS = ("ppo_trainer", "sft_trainer", "sft_trainer_engine", "_generated_ppo_trainer")
+VERL_RL_BASE_CONFIGS = ("ppo_trainer", "_generated_ppo_trainer")
+VERL_SFT_BASE_CONFIGS = ("sft_trainer", "sft_trainer_engine")
+VERL_BASE_CONFIGS = VERL_RL_BASE_CONFIGS + VERL_SFT_BASE_CONFIGS
 
 
 def load_config(
@@ -200,10 +202,11 @@ def _default_entry(entry: Any, path: Path, schema: type, chain: tuple[Path, ...]
         candidate = folder / f"{name}.yaml"
         if candidate.is_file():
             return _load_yaml_tree(candidate, schema, chain)
-        if name in VERL_BASE_CONFIGS:
+        bases = VERL_SFT_BASE_CONFIGS if schema.__name__ == "SFTConfig" else VERL_RL_BASE_CONFIGS
+        if name in bases:
             return None  # verl's defaults = hyflow's schema defaults
         raise ConfigError(f"{where}: no file {str(candidate)!r}. hyflow composes `_self_`, files of the same folder "
-                          f"and verl's base trainer configs ({', '.join(VERL_BASE_CONFIGS)}).")
+                          f"and verl's base config of this trainer ({', '.join(bases)}).")
     if isinstance(entry, DictConfig) and len(entry) == 1:
         ((group_pkg, name),) = entry.items()
         group_pkg = str(group_pkg)

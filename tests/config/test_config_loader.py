@@ -597,3 +597,13 @@ def test_a_verl_style_config_file(tmp_path):
     (tmp_path / "bad.yaml").write_text("actor_rollout_ref:\n  actor:\n    _target_: my.Class\n")
     with pytest.raises(ConfigError, match="cannot instantiate another class"):
         load_config(config_file=tmp_path / "bad.yaml")
+
+
+def test_sft_config_file_on_verls_sft_base(tmp_path):
+    from hyflow.config.sft_schema import SFTConfig
+
+    (tmp_path / "sft.yaml").write_text("defaults:\n  - sft_trainer_engine\n  - _self_\nmodel:\n  path: /m\n")
+    assert load_config(config_file=tmp_path / "sft.yaml", schema=SFTConfig).model.partial_pretrain == "/m"
+    (tmp_path / "sft.yaml").write_text("defaults:\n  - ppo_trainer\n  - _self_\n")
+    with pytest.raises(ConfigError, match="verl's base config of this trainer"):
+        load_config(config_file=tmp_path / "sft.yaml", schema=SFTConfig)
