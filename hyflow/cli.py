@@ -63,12 +63,16 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 def _cmd_config(args: argparse.Namespace) -> int:
     from hyflow.config import describe_batch_arithmetic, load_config, render_config, validate_config
+    from hyflow.config.support import performance_only_warning
 
     cfg = load_config(args.overrides, config_file=_config_file(args))
     print(render_config(cfg, with_help=not args.no_help))
     validate_config(cfg)
     print()
     print(describe_batch_arithmetic(cfg))
+    if (accepted := performance_only_warning(cfg)) is not None:
+        print()
+        print(accepted)
     return 0
 
 

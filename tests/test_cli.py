@@ -31,6 +31,18 @@ def test_config_prints_help_and_batch_arithmetic():
     assert "8 prompts x 4 samples = 32 samples" in out.stdout
 
 
+def test_config_names_the_performance_only_keys_that_are_set():
+    plain = run("config", "--no-help")
+    assert plain.returncode == 0, plain.stderr
+    assert "performance-only" not in plain.stdout
+    out = run("config", "--no-help", "actor_rollout_ref.model.use_remove_padding=false",
+              "actor_rollout_ref.ref.fsdp_config.param_offload=true")
+    assert out.returncode == 0, out.stderr
+    (line,) = [text for text in out.stdout.splitlines() if text.startswith("hyflow: performance-only key(s)")]
+    assert "actor_rollout_ref.model.use_remove_padding=false" in line
+    assert "actor_rollout_ref.ref.fsdp_config.param_offload=true" in line
+
+
 def test_config_validation_error_is_clear():
     out = run("config", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=8")
     assert out.returncode == 2

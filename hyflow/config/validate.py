@@ -437,6 +437,10 @@ def _check_sampling(cfg: HyflowConfig) -> list[str]:
     rollout = cfg.actor_rollout_ref.rollout
     val = rollout.val_kwargs
     problems = []
+    bucket = rollout.checkpoint_engine.update_weights_bucket_megabytes
+    if bucket < 1:
+        problems.append(f"{R}.checkpoint_engine.update_weights_bucket_megabytes={bucket} must be >= 1 (MiB per "
+                        "weight-sync bucket); e.g. 256")
     if rollout.temperature <= 0:
         problems.append(
             f"{R}.temperature={rollout.temperature}: training rollouts must sample and log-probs are computed "

@@ -320,6 +320,10 @@ def test_dynamic_token_budget_must_cover_the_longest_sample():
         ),
         ("algorithm.gamma=1.5", "algorithm.gamma=1.5 must be in [0, 1]"),
         ("actor_rollout_ref.rollout.top_p=0", "actor_rollout_ref.rollout.top_p=0.0 must be in (0, 1]"),
+        (
+            "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=0",
+            "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=0 must be >= 1",
+        ),
     ],
 )
 def test_each_validation_message(override, message):
