@@ -32,10 +32,12 @@ Verification. "Complete" (what `list_steps` and `latest_step` accept) means: `ma
 every listed file exists with its recorded size. `verify` also recomputes every sha256 and raises
 `CorruptCheckpointError` naming the directory, the problem and the fix.
 
-Trust. Nested components are pickles read back with `torch.load(weights_only=False)`, which can run code
-embedded in the file: load only checkpoints you (or someone you trust) wrote. The sha256 manifest guards
-against truncation and bit rot, not against a malicious author. Flat tensor dicts use safetensors, which
-cannot run code.
+Trust. Loading a checkpoint never runs code from it. Flat tensor dicts use safetensors; every other component
+is read with `torch.load(weights_only=True)` (`hyflow.serialization.load_plain_data`), torch's restricted
+unpickler that builds only tensors and plain containers (dict, list, tuple, str, numbers, None) and refuses any
+other class or call: a crafted pickle is a `CheckpointSecurityError` naming the file, and nothing in it runs.
+Components are therefore saved as plain data (the RNG snapshot stores NumPy's state as a tensor). The sha256
+manifest guards against truncation and bit rot, not against an author who rewrites it.
 
 Bit-exact resume. `capture_rng_state()` / `restore_rng_state()` cover Python's `random`, NumPy's global
 generator, torch's CPU generator and every initialised CUDA device's generator; saved and restored with the
@@ -66,6 +68,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hyflow import __version__ as HYFLOW_VERSION
+from hyflow.serialization import CheckpointSecurityError, load_plain_data  # noqa: F401 (re-exported)
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "manifest.json"
@@ -194,8 +197,7 @@ def _read_component(directory: Path, entry: Mapping[str, str], map_location: str
             metadata = f.metadata() or {}
             keys = json.loads(metadata[_KEY_ORDER_METADATA]) if _KEY_ORDER_METADATA in metadata else f.keys()
             return {key: f.get_tensor(key) for key in keys}
-    # Pickle: may run code from the file (see the module docstring: load only trusted checkpoints).
-    return torch.load(path, map_location=map_location, weights_only=False)
+    return load_plain_data(path, map_location=map_location)
 
 
 def _save_pretrained_dir(obj: Any, directory: Path, what: str, **kwargs: Any) -> None:
@@ -337,9 +339,11 @@ def capture_rng_state() -> dict[str, Any]:
     cuda = (
         torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     )
-    return {
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    return {  # plain data only: checkpoints are loaded with weights_only=True
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": [kind, torch.from_numpy(np.asarray(keys, dtype=np.uint32).astype(np.int64)), int(pos),
+                  int(has_gauss), float(cached_gaussian)],
         "torch_cpu": torch.get_rng_state(),
         "torch_cuda": cuda,
     }
@@ -354,8 +358,11 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
     missing = [k for k in ("python", "numpy", "torch_cpu", "torch_cuda") if k not in state]
     if missing:
         raise ValueError(f"RNG state is missing {missing}; pass the dict that capture_rng_state() returned")
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+    np.random.set_state((kind, keys.astype(np.uint32), int(pos), int(has_gauss), float(cached_gaussian)))
     torch.set_rng_state(state["torch_cpu"].cpu())
     cuda_states = state["torch_cuda"]
     if cuda_states is None:
@@ -668,7 +675,7 @@ class CheckpointManager:
         """The saved components, name -> state (all of them, or only `names`).
 
         Safetensors components come back as plain {str: Tensor} dicts in their saved key order, on
-        `map_location`; others via `torch.load(weights_only=False)` (a pickle: trusted checkpoints only).
+        `map_location`; others via `load_plain_data` (tensors and plain containers only: no code runs).
         `verify` checks sizes and sha256 first (pass False right after `resolve_resume`, which verified).
         """
         directory = self._as_dir(path_or_step)

@@ -50,6 +50,7 @@ from transformers import (
 )
 
 from hyflow.models.loading import resolve_model_path
+from hyflow.serialization import CheckpointSecurityError
 from hyflow.trainer.checkpoint import (
     CONFIG_YAML,
     HF_CONFIG_DIR,
@@ -206,6 +207,12 @@ def _read_state(ckpt: Path, manifest: dict, component: str) -> Any:
     shards = _sharded_model_components(manifest)
     if component in shards and component not in manifest["components"]:
         return read_sharded_model_state(ckpt / shards[component])
+    entry = manifest["components"].get(component, {})
+    if entry.get("format") != "safetensors":  # hyflow writes model weights as safetensors, never as a pickle
+        raise CheckpointSecurityError(
+            f"{ckpt}: component {component!r} is stored as {entry.get('format')!r} ({entry.get('file')}), not as "
+            "safetensors; hyflow writes model weights only as safetensors and refuses to unpickle a model: "
+            "export a checkpoint written by hyflow")
     return CheckpointManager(ckpt.parent).load(ckpt, names=[component], verify=False)[component]
 
 

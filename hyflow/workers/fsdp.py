@@ -48,6 +48,13 @@ from torch import nn
 
 from hyflow.controller import Collect, Dispatch, register
 from hyflow.models.forward import unwrap_model
+from hyflow.serialization import (
+    CheckpointSecurityError,
+    load_plain_data,
+    read_dcp_metadata,
+    safe_dcp_planner,
+    safe_dcp_reader,
+)
 
 DIST_TIMEOUT_S = 600.0
 WEIGHT_BUCKET_BYTES = 256 << 20
@@ -422,24 +429,25 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path
     if optimizer is not None:
         state[OPTIMIZER_KEY] = get_optimizer_state_dict(model, optimizer)  # creates the state tensors to load into
     with _single_process_dcp_quiet():
-        dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        dcp.load(state, storage_reader=safe_dcp_reader(path), planner=safe_dcp_planner(),
+                 no_dist=not dist.is_initialized())
     set_model_state_dict(model, state[MODEL_KEY])
     if optimizer is not None:
         with _tuple_hyperparameters_kept(optimizer):
             set_optimizer_state_dict(model, optimizer, state[OPTIMIZER_KEY])
     extra_file = path / EXTRA_STATE_FILE
-    return torch.load(extra_file, weights_only=False) if extra_file.is_file() else {}
+    return load_plain_data(extra_file) if extra_file.is_file() else {}
 
 
 def _dcp_metadata(path: Path):
     """The `.metadata` of a DCP directory, or a ValueError naming the directory and the problem."""
-    import torch.distributed.checkpoint as dcp
-
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"{path} is not a sharded checkpoint directory (no .metadata); pass the directory "
                                 "that save_sharded / save_sharded_checkpoint wrote")
     try:
-        return dcp.FileSystemReader(str(path)).read_metadata()
+        return read_dcp_metadata(path)
+    except CheckpointSecurityError:
+        raise
     except Exception as e:  # any unpickling or I/O failure means the same thing to the user
         raise ValueError(f"the sharded checkpoint {path} has an unreadable .metadata ({type(e).__name__}: {e}); "
                          "it was damaged after the save: use another checkpoint") from e
@@ -494,7 +502,7 @@ def read_sharded_model_state(path: str | os.PathLike) -> dict[str, torch.Tensor]
     if not model:
         raise ValueError(f"the sharded checkpoint {path} holds no model tensors (no '{prefix}*' entries)")
     with _single_process_dcp_quiet():
-        dcp.load({MODEL_KEY: model}, checkpoint_id=str(path), no_dist=True)
+        dcp.load({MODEL_KEY: model}, storage_reader=safe_dcp_reader(path), planner=safe_dcp_planner(), no_dist=True)
     return model
 
 

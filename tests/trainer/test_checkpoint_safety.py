@@ -1,0 +1,160 @@
+"""Checkpoints cannot run code: a crafted pickle in any file hyflow reads back (trainer state, a model component,
+a sharded checkpoint's .metadata or extra state) is refused on resume and on export, and its code never runs.
+
+The attacker controls the whole checkpoint directory, so each test rewrites the sha256 manifest to match the
+crafted file: the manifest is no defence, the loader is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from hyflow.cli import main
+from hyflow.serialization import CheckpointSecurityError, load_plain_data, read_dcp_metadata
+from hyflow.trainer.checkpoint import MANIFEST_FILE, CheckpointManager, capture_rng_state, restore_rng_state
+from hyflow.trainer.export import export_checkpoint
+
+
+class Exploit:
+    """Unpickling this calls `Path.touch(marker)`: the stand-in for arbitrary code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def plant(path: Path, marker: Path, *, torch_format: bool = True) -> None:
+    """Write a crafted pickle to `path` and fix up the sha256 manifest of its checkpoint, as an attacker would."""
+    if torch_format:
+        torch.save({"payload": Exploit(marker)}, path)
+    else:
+        path.write_bytes(pickle.dumps(Exploit(marker)))
+    assert not marker.exists()
+    for parent in path.parents:
+        manifest_file = parent / MANIFEST_FILE
+        if manifest_file.is_file():
+            manifest = json.loads(manifest_file.read_text())
+            rel = path.relative_to(parent).as_posix()
+            manifest["files"][rel] = {"size": path.stat().st_size,
+                                      "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+            manifest_file.write_text(json.dumps(manifest))
+            return
+
+
+def the_exploit_works(tmp_path: Path) -> None:
+    """Control: the crafted file does run code when unpickled the old way."""
+    marker = tmp_path / "control_marker"
+    torch.save({"payload": Exploit(marker)}, tmp_path / "control.pt")
+    torch.load(tmp_path / "control.pt", weights_only=False)
+    assert marker.exists()
+
+
+def _model() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 3).state_dict()
+
+
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                        num_key_value_heads=1, intermediate_size=32, vocab_size=32))
+
+
+def test_rng_state_round_trips_as_plain_data(tmp_path):
+    import random
+
+    import numpy as np
+
+    state = capture_rng_state()
+    torch.save(state, tmp_path / "rng.pt")
+    want = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    restore_rng_state(load_plain_data(tmp_path / "rng.pt"))
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == want
+
+
+def test_crafted_trainer_state_is_refused_on_resume(tmp_path):
+    the_exploit_works(tmp_path)
+    manager = CheckpointManager(tmp_path / "run")
+    ckpt = manager.save(2, {"actor_model": _model(), "trainer_state": {"step": 2, "rng": capture_rng_state()}})
+    marker = tmp_path / "pwned"
+    plant(ckpt / "trainer_state.pt", marker)
+    resume = manager.resolve_resume("auto")  # sizes and sha256 agree: the manifest was rewritten too
+    assert resume == ckpt
+    with pytest.raises(CheckpointSecurityError, match="trainer_state.pt holds more than tensors and plain data"):
+        manager.load(resume, verify=False)
+    assert not marker.exists()
+
+
+def test_crafted_model_component_is_refused_on_export(tmp_path):
+    manager = CheckpointManager(tmp_path / "run")
+    model = _qwen2()
+    ckpt = manager.save(1, {"actor_model": model.state_dict()}, hf_config=model.config)
+    marker = tmp_path / "pwned"
+    manifest = json.loads((ckpt / MANIFEST_FILE).read_text())
+    (ckpt / "actor_model.safetensors").unlink()
+    del manifest["files"]["actor_model.safetensors"]
+    manifest["components"]["actor_model"] = {"file": "actor_model.pt", "format": "torch"}
+    (ckpt / MANIFEST_FILE).write_text(json.dumps(manifest))
+    plant(ckpt / "actor_model.pt", marker)
+    with pytest.raises(CheckpointSecurityError, match="refuses to unpickle a model"):
+        export_checkpoint(ckpt, tmp_path / "out", base_model_path=None)
+    with pytest.raises(CheckpointSecurityError):  # and the generic loader refuses it too
+        manager.load(ckpt, names=["actor_model"])
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists()
+
+
+def test_crafted_dcp_metadata_and_extra_state_are_refused(tmp_path):
+    from hyflow.workers.fsdp import load_sharded, read_sharded_model_state, save_sharded
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    save_sharded(model, optimizer, tmp_path / "dcp", extra={"actor_scheduler": {"last_epoch": 1}})
+    assert read_dcp_metadata(tmp_path / "dcp").state_dict_metadata  # the real metadata passes the filter
+    assert load_sharded(model, optimizer, tmp_path / "dcp") == {"actor_scheduler": {"last_epoch": 1}}
+
+    marker = tmp_path / "pwned_extra"
+    plant(tmp_path / "dcp" / "extra_state.pt", marker)
+    with pytest.raises(CheckpointSecurityError, match="extra_state.pt holds more than tensors"):
+        load_sharded(model, optimizer, tmp_path / "dcp")
+    assert not marker.exists()
+
+    marker = tmp_path / "pwned_metadata"
+    plant(tmp_path / "dcp" / ".metadata", marker, torch_format=False)
+    with pytest.raises(ValueError, match="asks for pathlib.Path.touch|asks for pathlib"):
+        read_sharded_model_state(tmp_path / "dcp")
+    with pytest.raises(ValueError, match="holds more than tensors and plain data"):
+        load_sharded(model, optimizer, tmp_path / "dcp")
+    assert not marker.exists()
+
+
+def test_hyflow_export_of_a_crafted_sharded_checkpoint_is_one_line_and_runs_nothing(tmp_path, capsys):
+    from hyflow.workers.fsdp import save_sharded
+
+    model = _qwen2()
+    manager = CheckpointManager(tmp_path / "run")
+    def writer(directory: Path) -> dict:
+        save_sharded(model, None, directory)
+        return {"model_component": "actor_model"}
+
+    ckpt = manager.save(1, {"trainer_state": {"step": 1}}, sharded={"actor": writer}, hf_config=model.config)
+    marker = tmp_path / "pwned"
+    plant(ckpt / "actor" / ".metadata", marker, torch_format=False)
+    assert main(["export", "--ckpt", str(ckpt), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hyflow export: error:") and "holds more than tensors and plain data" in err
+    assert "Traceback" not in err
+    assert not marker.exists()
