@@ -1019,7 +1019,7 @@ class TrainerConfig:
     balance_batch: bool = option(True, "Reorder samples so every device gets a similar token count.")
     resume_mode: str = option(
         "auto",
-        "auto: resume from the latest checkpoint in default_local_dir if any; disable: start fresh; resume_path: from resume_from_path.",
+        "auto: resume from the latest intact checkpoint in default_local_dir (a directory holding a previous run with none is an error, never a silent restart); disable: start from step 0 (the explicit choice to start over a previous run there); resume_path: from resume_from_path.",
         choices=("auto", "disable", "resume_path"),
     )
     resume_from_path: str | None = option(

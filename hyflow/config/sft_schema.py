@@ -172,7 +172,7 @@ class SFTTrainerConfig:
     test_freq: int = option(-1, "Compute val/loss every this many steps (-1 = only at the end, when val_files is set).")
     resume_mode: str = option(
         "auto",
-        "auto: resume from the latest checkpoint in default_local_dir if any; disable: start fresh; resume_path: from resume_from_path.",
+        "auto: resume from the latest intact checkpoint in default_local_dir (a directory holding a previous run with none is an error, never a silent restart); disable: start from step 0 (the explicit choice to start over a previous run there); resume_path: from resume_from_path.",
         choices=("auto", "disable", "resume_path"),
     )
     resume_from_path: str | None = option(None, "Checkpoint directory (global_step_N) for resume_mode=resume_path.")

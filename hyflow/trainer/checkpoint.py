@@ -180,14 +180,36 @@ def _tensors_for_safetensors(name: str, state: Mapping[str, torch.Tensor]) -> di
 
 def _write_component(directory: Path, name: str, state: Any) -> dict[str, str]:
     """Write one component; a flat {str: Tensor} dict as safetensors, anything else with torch.save."""
-    if _is_flat_tensor_dict(state):
-        file = f"{name}.safetensors"
-        tensors = _tensors_for_safetensors(name, state)
-        save_file(tensors, directory / file, metadata={_KEY_ORDER_METADATA: json.dumps(list(tensors))})
-        return {"file": file, "format": "safetensors"}
-    file = f"{name}.pt"
-    torch.save(state, directory / file)
-    return {"file": file, "format": "torch"}
+    flat = _is_flat_tensor_dict(state)
+    file = f"{name}.safetensors" if flat else f"{name}.pt"
+    try:
+        if flat:
+            tensors = _tensors_for_safetensors(name, state)
+            save_file(tensors, directory / file, metadata={_KEY_ORDER_METADATA: json.dumps(list(tensors))})
+        else:
+            torch.save(state, directory / file)
+    except (OSError, RuntimeError) as exc:
+        full = disk_full_error(exc, directory / file)
+        if full is None:
+            raise
+        raise full from exc
+    return {"file": file, "format": "safetensors" if flat else "torch"}
+
+
+def disk_full_error(exc: BaseException, path: str | os.PathLike) -> OSError | None:
+    """An `OSError(ENOSPC)` saying "no space left on device while writing PATH" for a write that failed because
+    the device is full (an ENOSPC/EDQUOT OSError, or torch's `[enforce fail at inline_container.cc] unexpected
+    pos` from a short write); None for any other failure."""
+    import errno
+
+    text = str(exc)
+    full = (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or (
+        isinstance(exc, RuntimeError) and "inline_container" in text
+        and ("unexpected pos" in text or "write failed" in text))
+    if not full:
+        return None
+    return OSError(errno.ENOSPC, f"no space left on device while writing {path}; the previous checkpoint is "
+                   "intact. Free space, or point trainer.default_local_dir at a larger disk, then resume", str(path))
 
 
 def _read_component(directory: Path, entry: Mapping[str, str], map_location: str | torch.device) -> Any:
@@ -490,8 +512,11 @@ class CheckpointManager:
             try:
                 self._write_contents(tmp, step, components, **extras)
                 final = self._move_into_place(tmp, step)
-            except BaseException:
+            except BaseException as exc:
                 shutil.rmtree(tmp, ignore_errors=True)
+                full = disk_full_error(exc, tmp) if not getattr(exc, "filename", None) else None
+                if full is not None:
+                    raise full from exc
                 raise
             self._write_tracker(step)
             self._apply_max_to_keep(keep=step)

@@ -208,7 +208,8 @@ def _read_state(ckpt: Path, manifest: dict, component: str) -> Any:
     if component in shards and component not in manifest["components"]:
         return read_sharded_model_state(ckpt / shards[component])
     entry = manifest["components"].get(component, {})
-    if entry.get("format") != "safetensors":  # hyflow writes model weights as safetensors, never as a pickle
+    is_model = component == "model" or component.endswith("_model")
+    if is_model and entry.get("format") != "safetensors":  # hyflow writes model weights as safetensors only
         raise CheckpointSecurityError(
             f"{ckpt}: component {component!r} is stored as {entry.get('format')!r} ({entry.get('file')}), not as "
             "safetensors; hyflow writes model weights only as safetensors and refuses to unpickle a model: "

@@ -66,6 +66,7 @@ from hyflow.rollout.base import SamplingParams
 from hyflow.trainer.balance import balanced_order
 from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from hyflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, timer
+from hyflow.trainer.run_dir import claim_run_directory
 from hyflow.trainer.tracking import ProgressBar, Tracker, dump_generations, truncate_metrics
 from hyflow.workers.actor import ActorRolloutRefWorker
 from hyflow.workers.critic import CriticWorker
@@ -153,6 +154,12 @@ class RLTrainer:
                                    seed=cfg.data.seed or cfg.trainer.seed)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(self.loader)
         print(describe_batch_arithmetic(cfg, n_devices=self.n_devices))
+        # The run directory first, before any model loads: locked for this process, and what to resume decided
+        # (a previous run that cannot be resumed is an error, never a silent start over it).
+        keep = [k for k in (cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep) if k is not None]
+        self.checkpoints = CheckpointManager(self.run_dir, max_to_keep=min(keep) if keep else None)
+        self.run_claim = claim_run_directory(self.run_dir, cfg.trainer.resume_mode, cfg.trainer.resume_from_path,
+                                             self.checkpoints)
         self.started_ray = False
         if self.executor == "ray":
             from hyflow.controller.resources import ensure_ray
@@ -194,9 +201,7 @@ class RLTrainer:
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.reward_manager = self._reward_manager(num_examine=0)
         self.val_reward_manager = self._reward_manager(num_examine=1)
-        keep = [k for k in (cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep) if k is not None]
-        self.checkpoints = CheckpointManager(self.run_dir, max_to_keep=min(keep) if keep else None)
-        resume = self.checkpoints.resolve_resume(cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
+        resume = self.run_claim.resume_path
         if resume is not None:
             self.load_checkpoint(resume)
         truncate_metrics(self.run_dir, self.global_step)
@@ -220,7 +225,9 @@ class RLTrainer:
         return make_worker_group("ray", worker_cls, world_size=nnodes * devices_per_node, pool=pool, **kwargs)
 
     def shutdown(self) -> None:
-        """Stop the worker processes (and the local Ray cluster this trainer started)."""
+        """Stop the worker processes (and the local Ray cluster this trainer started); release the run directory."""
+        if getattr(self, "run_claim", None) is not None:
+            self.run_claim.release()
         for group in getattr(self, "groups", []):
             group.shutdown()
         self.groups, self.workers = [], None

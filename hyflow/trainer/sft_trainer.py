@@ -49,6 +49,7 @@ from hyflow.data.sft_dataset import SFTDataset
 from hyflow.models.forward import backbone_hidden_states, lm_head_logprobs, unwrap_model
 from hyflow.models.loading import load_causal_lm, load_tokenizer
 from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from hyflow.trainer.run_dir import claim_run_directory
 from hyflow.trainer.tracking import ProgressBar, Tracker, truncate_metrics
 from hyflow.workers.engine import build_optimizer, build_scheduler, clip_and_step
 
@@ -195,9 +196,17 @@ class SFTTrainer:
     def fit(self) -> list[dict]:
         """Train to `total_steps` (resuming per trainer.resume_mode); returns this call's metric rows."""
         t = self.config.trainer
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        claim = claim_run_directory(self.run_dir, t.resume_mode, t.resume_from_path, self.checkpoints)
+        try:
+            return self._fit(claim.resume_path)
+        finally:
+            claim.release()
+
+    def _fit(self, resume_path: Path | None) -> list[dict]:
+        t = self.config.trainer
         (self.run_dir / "config.yaml").write_text(config_to_yaml(self.config))
-        self.resume()
+        if resume_path is not None:
+            self.resume(resume_path)
         truncate_metrics(self.run_dir, self.step)
         print(self.describe(), flush=True)
         history: list[dict] = []
@@ -231,10 +240,11 @@ class SFTTrainer:
                                      generation_config=getattr(model, "generation_config", None),
                                      config_yaml=config_to_yaml(self.config))
 
-    def resume(self) -> int:
-        """Load the checkpoint chosen by trainer.resume_mode (if any); returns the step it holds (0 = fresh)."""
+    def resume(self, path: Path | None = None) -> int:
+        """Load `path`, or the checkpoint chosen by trainer.resume_mode (if any); returns the step it holds (0 =
+        fresh)."""
         t = self.config.trainer
-        path = self.checkpoints.resolve_resume(t.resume_mode, t.resume_from_path)
+        path = path or self.checkpoints.resolve_resume(t.resume_mode, t.resume_from_path)
         if path is None:
             return self.step
         saved = self.checkpoints.load(path, verify=False)
