@@ -265,3 +265,18 @@ def test_overrides_may_come_between_flags_as_in_hydra():
     assert parse_args(["config", "x=1"]).traceback is False
     with pytest.raises(SystemExit):
         parse_args(["train", "a=1", "--bogus"])
+
+
+@pytest.mark.slow
+def test_a_reward_function_that_always_raises_stops_the_run_at_step_one(small_run, tmp_path, capsys):
+    _root, base = small_run
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(extra_info['missing'])\n")
+    run = tmp_path / "run"
+    err = one_line_error(capsys, ["train", *base, f"custom_reward_function.path={reward}",
+                                  f"trainer.default_local_dir={run}", "trainer.save_freq=1"])
+    assert f"the reward function {reward}:compute_score failed on 4 of 4 samples" in err
+    assert "KeyError: 'missing'" in err and "reward_model.max_error_fraction" in err
+    assert (run / "config.yaml").is_file()  # what was written before the failure stays
+    assert not list(run.glob("global_step_*"))  # no checkpoint of a step trained on zeros

@@ -846,7 +846,13 @@ class RewardModelConfig:
     timeout_s: float = option(
         30.0, "Per-sample scorer time limit, in seconds; a sample that runs over scores 0 (hyflow)."
     )
-    num_workers: int = option(1, "Parallel scoring processes (1 = score in the driver process; hyflow).")
+    num_workers: int = option(
+        1, "Scoring processes forked for each batch (0 = score in the driver process, timeouts by SIGALRM; once a "
+        "sample times out the rest of the batch is scored concurrently, one process each; hyflow).")
+    max_error_fraction: float = option(
+        0.5, "Stop the run when more than this fraction of a batch's samples failed in the reward function "
+        "(raised, returned None / a string / NaN / inf, timed out or killed its process); below it failed samples "
+        "score 0 and are counted in reward/errors (hyflow).")
     reward_kwargs: dict[str, Any] = option(
         {}, "Extra keyword arguments for the reward manager (add with +reward_model.reward_kwargs.KEY=VALUE)."
     )

@@ -437,6 +437,10 @@ def _check_sampling(cfg: HyflowConfig) -> list[str]:
     rollout = cfg.actor_rollout_ref.rollout
     val = rollout.val_kwargs
     problems = []
+    fraction = cfg.reward_model.max_error_fraction
+    if not 0 <= fraction <= 1:
+        problems.append(f"reward_model.max_error_fraction={fraction} must be in [0, 1] (the share of a batch's "
+                        "samples whose reward function may fail before the run stops); e.g. 0.5")
     bucket = rollout.checkpoint_engine.update_weights_bucket_megabytes
     if bucket < 1:
         problems.append(f"{R}.checkpoint_engine.update_weights_bucket_megabytes={bucket} must be >= 1 (MiB per "

@@ -10,8 +10,11 @@ returned by a scorer (a dict with `score` plus e.g. `acc`, `pred`) become per-sa
 - `dapo`: `naive` plus DAPO's overlong penalty (arXiv 2503.14476): with buffer L and maximum length Lmax,
   `penalty = min(0, -(len - (Lmax - L)) / L * factor)`, 0 inside the budget and -factor at Lmax.
 
-A scorer that raises or times out gives that sample a score of 0; it is counted in `reward/errors` /
-`reward/timeouts` and logged once per distinct error together with the sample. The run goes on.
+A scorer that fails on a sample (raises, returns None / a string / NaN / inf, times out, or kills its
+process) gives that sample a score of 0; it is counted in `reward/errors` (every failure) and
+`reward/timeouts` (the timed-out ones) and logged once per distinct error together with the sample. When more
+than `max_error_fraction` of a batch's samples failed, the batch is not scored: `RewardFunctionError` names the
+function, the first failure and the fix, and the run stops instead of training on zeros.
 """
 
 from __future__ import annotations
@@ -53,12 +56,32 @@ class RewardResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+class RewardFunctionError(ValueError):
+    """Too many samples of a batch failed in the reward function; the message names it and the first failure."""
+
+
+def describe_function(fn: Callable) -> str:
+    """`file:name` (or `module.name`) of a reward function, through functools.partial."""
+    import functools
+    import inspect
+
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    try:
+        return f"{inspect.getsourcefile(fn)}:{name}"
+    except TypeError:
+        return f"{getattr(fn, '__module__', '?')}.{name}"
+
+
 class _BaseManager:
     def __init__(self, tokenizer, compute_score: Callable | None = None, *, num_workers: int = 1,
                  timeout_s: float = 30.0, reward_kwargs: dict | None = None, num_examine: int = 0,
-                 max_response_length: int | None = None, overlong_buffer: dict | None = None) -> None:
+                 max_response_length: int | None = None, overlong_buffer: dict | None = None,
+                 max_error_fraction: float = 0.5) -> None:
         self.tokenizer = tokenizer
         self.compute_score = compute_score or default_compute_score
+        self.max_error_fraction = max_error_fraction
         self.num_workers, self.timeout_s = num_workers, timeout_s
         self.reward_kwargs = dict(reward_kwargs or {})
         self.num_examine = num_examine
@@ -91,21 +114,35 @@ class _BaseManager:
                        "timed out" if outcome.timed_out else "raised", sample, detail)
 
     def _finish(self, batch: Batch, outcomes: list[Outcome], calls: list[dict], lengths: torch.Tensor) -> RewardResult:
-        scores, extras, errors, timeouts = [], [], 0, 0
-        for outcome, call in zip(outcomes, calls):
+        scores, extras, errors, timeouts, first = [], [], 0, 0, None
+        for index, (outcome, call) in enumerate(zip(outcomes, calls)):
             if outcome.ok:
                 try:
                     score, extra = normalize_score(outcome.value)
                 except (TypeError, ValueError) as exc:
                     outcome = Outcome(error=str(exc))
             if not outcome.ok:
-                errors += not outcome.timed_out
+                errors += 1
                 timeouts += outcome.timed_out
                 self._record_failure(outcome, {k: call.get(k) for k in ("data_source", "solution_str", "ground_truth")})
+                first = first or (index, call.get("data_source"), outcome)
                 score, extra = 0.0, {}
             scores.append(score)
             extras.append(extra)
+        if errors > self.max_error_fraction * len(calls):
+            self._stop(errors, len(calls), first)
         return self._assemble(batch, scores, extras, lengths, errors, timeouts)
+
+    def _stop(self, errors: int, total: int, first: tuple) -> None:
+        index, data_source, outcome = first
+        what = (f"timed out after {self.timeout_s} s (reward_model.timeout_s)" if outcome.timed_out
+                else (outcome.error or "").strip().splitlines()[0])
+        raise RewardFunctionError(
+            f"the reward function {describe_function(self.compute_score)} failed on {errors} of {total} samples of "
+            f"this batch, more than reward_model.max_error_fraction={self.max_error_fraction}; the first: sample "
+            f"{index} (data_source={data_source!r}) {what}. Fix the function (run it on a few dataset rows by hand), "
+            "raise reward_model.timeout_s if it is slow, or raise reward_model.max_error_fraction to train on "
+            "anyway (failed samples score 0)")
 
     def _assemble(self, batch, scores, extras, lengths, errors, timeouts) -> RewardResult:
         metrics: dict[str, float] = {"reward/errors": float(errors), "reward/timeouts": float(timeouts)}

@@ -5,7 +5,13 @@
 are inherited, never pickled, so a closure or a function loaded from a user file works as is. Each worker
 announces the sample it starts; a worker silent past `timeout_s` on one sample is killed, that sample is
 recorded as timed out, and a fresh worker takes over its remaining samples. A function that raises records
-the error for that sample only. Nothing a scorer does can stop the run.
+the error for that sample only; whether too many failures stop the run is the reward manager's decision.
+
+Timeouts are served concurrently: once one sample of a call has timed out, the function is taken to hang, and
+every sample not finished yet runs at once, each in a forked process of its own with its own `timeout_s` (at
+most `HANG_CONCURRENCY` at a time). A function that hangs on every sample therefore costs about two
+`timeout_s` per call, not samples x timeout_s. With `num_workers = 0` the first timeout switches the rest of the
+call to the same forked mode.
 
 Caveat: forked workers must not use torch threads or CUDA (scorers are plain Python; that is the contract).
 """
@@ -77,29 +83,64 @@ def _call_with_alarm(fn: Callable, kwargs: dict, timeout_s: float) -> Outcome:
         signal.signal(signal.SIGALRM, previous)
 
 
+HANG_CONCURRENCY = 64  # most forked processes at once for the samples of a function that hangs
+
+
 def run_calls(fn: Callable, calls: Sequence[dict], *, num_workers: int = 1, timeout_s: float = 30.0) -> list[Outcome]:
     """`[fn(**kwargs) for kwargs in calls]` as Outcomes, each bounded by `timeout_s` seconds."""
     if not calls:
         return []
     if num_workers <= 0:
-        return [_call_with_alarm(fn, kwargs, timeout_s) for kwargs in calls]
+        results: list[Outcome | None] = [None] * len(calls)
+        for i, kwargs in enumerate(calls):
+            results[i] = _call_with_alarm(fn, kwargs, timeout_s)
+            if results[i].timed_out and i + 1 < len(calls):  # it hangs: the rest concurrently, in forks
+                rest = _run_forked(fn, calls, list(range(i + 1, len(calls))), HANG_CONCURRENCY, timeout_s,
+                                   one_per_process=True)
+                results[i + 1:] = rest[i + 1:]
+                break
+        return results
+    return _run_forked(fn, calls, list(range(len(calls))), num_workers, timeout_s)
 
+
+def _run_forked(fn: Callable, calls: Sequence[dict], todo_indices: list[int], num_workers: int, timeout_s: float,
+                *, one_per_process: bool = False) -> list[Outcome | None]:
+    """Outcomes of `todo_indices` (others None) from forked workers; see the module docstring."""
     ctx = mp.get_context("fork")
     results: list[Outcome | None] = [None] * len(calls)
-    pending = {w: list(range(w, len(calls), num_workers)) for w in range(min(num_workers, len(calls)))}
+    hanging = one_per_process
+    pending = {w: todo_indices[w::num_workers] for w in range(min(num_workers, len(todo_indices)))}
     workers: dict = {}  # conn -> (process, worker id, current index, start time)
 
-    def launch(w: int) -> None:
-        todo = [i for i in pending[w] if results[i] is None]
-        if not todo:
-            return
+    running: set[int] = set()  # samples a live worker has been given
+
+    def start(w, todo: list[int]) -> None:
         parent, child = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_worker, args=(fn, calls, todo, child), daemon=True)
         proc.start()
         child.close()
         workers[parent] = [proc, w, None, time.monotonic()]
+        running.update(todo)
+
+    def launch(w) -> None:
+        """Worker `w` (again) for its samples without a result; in hang mode, one process per sample instead."""
+        if hanging:
+            spread()
+            return
+        todo = [i for i in pending.get(w, []) if results[i] is None]
+        if todo:
+            start(w, todo)
+
+    def spread() -> None:
+        """Hang mode: every sample without a result and not running gets a process of its own."""
+        waiting = [i for i in todo_indices if results[i] is None and i not in running]
+        for i in waiting[: max(0, HANG_CONCURRENCY - len(workers))]:
+            start(("single", i), [i])
 
     for w in pending:
+        if hanging:
+            spread()
+            break
         launch(w)
     while workers:
         now = time.monotonic()
@@ -115,6 +156,7 @@ def run_calls(fn: Callable, calls: Sequence[dict], *, num_workers: int = 1, time
                 proc.join(timeout=1)
                 if current is not None:  # it died mid-sample (os._exit, segfault, OOM kill)
                     results[current] = Outcome(error=f"the scoring process died (exit code {proc.exitcode})")
+                _release(running, pending, w, results)
                 launch(w)  # no-op when its list is done
                 continue
             if message[0] == "start":
@@ -123,12 +165,25 @@ def run_calls(fn: Callable, calls: Sequence[dict], *, num_workers: int = 1, time
                 results[message[1]] = message[2]
                 workers[conn][2] = None
         now = time.monotonic()
-        for conn, (proc, w, idx, start) in list(workers.items()):
-            if idx is not None and timeout_s and now - start > timeout_s:
+        for conn, (proc, w, idx, started) in list(workers.items()):
+            if idx is not None and timeout_s and now - started > timeout_s:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.join(timeout=5)
                 conn.close()
                 del workers[conn]
                 results[idx] = Outcome(timed_out=True)
+                hanging = True
+                _release(running, pending, w, results)
                 launch(w)
-    return [r if r is not None else Outcome(error="no result was produced") for r in results]
+        if hanging and not workers:
+            spread()
+    for i in todo_indices:
+        if results[i] is None:
+            results[i] = Outcome(error="no result was produced")
+    return results
+
+
+def _release(running: set[int], pending: dict, w, results: list) -> None:
+    """Forget the unfinished samples of a killed worker `w`, so hang mode gives them processes of their own."""
+    own = pending.get(w, []) if not (isinstance(w, tuple) and w[0] == "single") else [w[1]]
+    running.difference_update(i for i in own if results[i] is None)

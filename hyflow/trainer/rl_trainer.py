@@ -142,7 +142,8 @@ class RLTrainer:
                                    num_workers=rm.num_workers, timeout_s=rm.timeout_s,
                                    reward_kwargs=dict(rm.reward_kwargs or {}), num_examine=num_examine,
                                    max_response_length=self.config.actor_rollout_ref.rollout.response_length,
-                                   overlong_buffer=config_to_dict(self.config)["reward_model"]["overlong_buffer"])
+                                   overlong_buffer=config_to_dict(self.config)["reward_model"]["overlong_buffer"],
+                                   max_error_fraction=rm.max_error_fraction)
 
     def setup(self) -> None:
         """Workers, data loader, reward managers, tracker; resume from a checkpoint when one applies."""

@@ -606,7 +606,9 @@ class ProgressBar:
         vals = [to_number(k, v) for k, v in step_metrics.items() if fnmatch.fnmatchcase(k, VAL_PATTERN)]
         if vals:
             self.val = sum(vals) / len(vals)
-        shown = {"reward": self.reward, "val": self.val}
+        errors = step_metrics.get("reward/errors")
+        shown = {"reward": self.reward, "val": self.val,
+                 "reward_errors": to_number("reward/errors", errors) if errors else None}
         self.bar.set_postfix_str(
             " ".join(f"{k}={_fmt(v)}" for k, v in shown.items() if v is not None), refresh=False
         )

@@ -84,7 +84,8 @@ def test_hanging_scorer_times_out(tiny_tokenizer):
 
 def test_bad_return_values_count_as_errors(tiny_tokenizer):
     batch = make_batch(tiny_tokenizer, ["0", "1"])
-    result = make_reward_manager("naive", tiny_tokenizer, compute_score=lambda **kw: "oops", num_workers=0)(batch)
+    result = make_reward_manager("naive", tiny_tokenizer, compute_score=lambda **kw: "oops", num_workers=0,
+                                 max_error_fraction=1.0)(batch)
     assert result.scores == [0.0, 0.0] and result.metrics["reward/errors"] == 2
 
 
@@ -99,7 +100,8 @@ def test_batch_manager_one_call(tiny_tokenizer):
     result = make_reward_manager("batch", tiny_tokenizer, compute_score=batch_fn, num_workers=0,
                                  reward_kwargs={"scale": 2.0})(batch)
     assert seen == [3] and result.scores == [2.0, 0.0, 2.0]
-    wrong = make_reward_manager("batch", tiny_tokenizer, compute_score=lambda **kw: [1.0], num_workers=0)(batch)
+    wrong = make_reward_manager("batch", tiny_tokenizer, compute_score=lambda **kw: [1.0], num_workers=0,
+                                max_error_fraction=1.0)(batch)
     assert wrong.scores == [0.0, 0.0, 0.0] and wrong.metrics["reward/errors"] == 3
 
 
