@@ -75,6 +75,8 @@ def read_rows(path: str | Path) -> list[dict]:
     suffix = _suffix(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file; check the path (the data commands write train/test files)")
+    if path.stat().st_size == 0:
+        return []  # an empty file of any format holds no rows (the datasets say so, naming the file)
     if suffix == ".parquet":
         return pq.read_table(path).to_pylist()
     text = path.read_text(encoding="utf-8")

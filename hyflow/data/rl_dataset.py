@@ -51,6 +51,15 @@ def _as_messages(value: Any, where: str, prompt_key: str) -> list[dict]:
     return messages
 
 
+def _is_missing(value: Any) -> bool:
+    """None, a float NaN (pandas/parquet's missing value) or an empty string."""
+    if value is None:
+        return True
+    if isinstance(value, float) and value != value:
+        return True
+    return isinstance(value, str) and not value.strip()
+
+
 def truncate_ids(ids: list[int], max_length: int, mode: str) -> list[int]:
     """Cut `ids` to `max_length` tokens: keep the end (`left`), the start (`right`) or both ends (`middle`)."""
     if len(ids) <= max_length:
@@ -98,7 +107,11 @@ class RLDataset:
 
         self.rows: list[dict] = []
         for path in files:
-            for i, row in enumerate(read_rows(path)):
+            rows = read_rows(path)
+            if not rows:
+                raise DataError(f"{path} holds no rows; give a file with at least one prompt (or drop it from "
+                                "data.train_files / data.val_files)")
+            for i, row in enumerate(rows):
                 self.rows.append(self._check_row(row, f"{path} row {i}"))
         if max_samples is not None and 0 < max_samples < len(self.rows):
             keep = np.random.default_rng(seed).permutation(len(self.rows))[:max_samples]
@@ -135,8 +148,13 @@ class RLDataset:
         if not isinstance(reward_model, dict):
             raise DataError(f"{where}: column 'reward_model' must be a dict like "
                             f"{{'style': 'rule', 'ground_truth': ...}}, got {type(reward_model).__name__}")
-        if reward_model.get("style", "rule") == "rule" and "ground_truth" not in reward_model:
-            raise DataError(f"{where}: missing column 'reward_model.ground_truth' (rule-scored rows need it)")
+        if reward_model.get("style", "rule") == "rule":
+            if "ground_truth" not in reward_model:
+                raise DataError(f"{where}: missing column 'reward_model.ground_truth' (rule-scored rows need it)")
+            if _is_missing(reward_model["ground_truth"]):
+                raise DataError(f"{where}: 'reward_model.ground_truth' is {reward_model['ground_truth']!r}: a "
+                                "rule-scored row needs the reference answer (a scorer would compare against "
+                                "'None'); fill it in or drop the row")
         row["reward_model"] = reward_model
         extra = row.get("extra_info")
         row["extra_info"] = dict(extra) if isinstance(extra, dict) else {}

@@ -81,7 +81,11 @@ class SFTDataset:
         self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
         self.examples: list[tuple[list[dict], list | None, str]] = []
         for path in files:
-            for i, row in enumerate(read_rows(path)):
+            rows = read_rows(path)
+            if not rows:
+                raise DataError(f"{path} holds no rows; give a file with at least one conversation (or drop it "
+                                "from data.train_files / data.val_files)")
+            for i, row in enumerate(rows):
                 where = f"{path} row {i}"
                 tools = row.get(tools_key)
                 self.examples.append((_conversation(row, where, prompt_key, response_key, messages_key), tools, where))

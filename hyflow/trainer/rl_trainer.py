@@ -62,6 +62,7 @@ from hyflow.data.rl_dataset import PromptLoader, RLDataset
 from hyflow.models.loading import load_tokenizer
 from hyflow.rewards.custom import load_custom_reward_function
 from hyflow.rewards.managers import make_reward_manager
+from hyflow.rewards.registry import check_scorers_exist
 from hyflow.rollout.base import SamplingParams
 from hyflow.trainer.balance import balanced_order
 from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
@@ -111,6 +112,8 @@ class RLTrainer:
             self.reward_fn = load_custom_reward_function(cfg.custom_reward_function.path,
                                                          cfg.custom_reward_function.name,
                                                          dict(cfg.custom_reward_function.reward_kwargs or {}))
+        if self.reward_fn is None and not cfg.reward_model.enable:  # the built-in scorers must cover the data
+            check_scorers_exist(self._data_sources())
         self.run_dir = Path(cfg.trainer.default_local_dir)
         self.global_step = 0
         self.history: list[dict] = []
@@ -119,6 +122,14 @@ class RLTrainer:
         self._pools: list = []
 
     # ------------------------------------------------------------------ set-up
+    def _data_sources(self) -> dict[str, str]:
+        """data_source -> the row where it first appears, over the training and validation rows."""
+        key, seen = self.config.data.reward_fn_key, {}
+        for dataset in (self.train_dataset, self.val_dataset):
+            for row in getattr(dataset, "rows", None) or []:
+                seen.setdefault(row.get(key), row.get("_where", "the dataset"))
+        return seen
+
     def _dataset(self, given, files, max_samples: int, split: str):
         if given is not None and not isinstance(given, (str, Path, list, tuple)):
             return given

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
-from hyflow.rewards.registry import register_scorer
+from hyflow.rewards.registry import register_scorer, require_ground_truth
 
 # `####`, then digits, commas, dots with optional minus and `$` (verl's `#### (-?[0-9.,]+)`, spaces tolerated);
 # it stops at the last digit, so a sentence-ending `.` is not part of the number.
@@ -101,6 +101,7 @@ def compute_score(
     `pred` is the normalised extracted answer (usable for majority voting). Extra keyword arguments (other
     reward_kwargs) are accepted and ignored.
     """
+    require_ground_truth(ground_truth, data_source)
     pred = extract_answer(solution_str, method=method, tail_chars=tail_chars)
     if pred is None:
         return {"score": 0.0, "acc": False, "pred": None}

@@ -31,7 +31,7 @@ import warnings
 from fractions import Fraction
 from types import ModuleType
 
-from hyflow.rewards.registry import register_scorer
+from hyflow.rewards.registry import register_scorer, require_ground_truth
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _TEXT_WRAPPER_RE = re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm)\{([^{}]*)\}")
@@ -251,6 +251,7 @@ def compute_score(
     Returns ``{"score": float, "acc": bool, "pred": normalised box content or None}``; other keyword
     arguments are accepted and ignored.
     """
+    require_ground_truth(ground_truth, data_source)
     module = None
     if use_math_verify is not False:
         module = _load_math_verify()
