@@ -87,7 +87,32 @@ class _BaseManager:
         self.num_examine = num_examine
         self.max_response_length = max_response_length
         self.overlong_buffer = dict(overlong_buffer or {})
+        self._take_verl_overlong_kwargs()
         self._logged_errors: set[str] = set()
+
+    def _take_verl_overlong_kwargs(self) -> None:
+        """verl's DAPO spelling, `reward_kwargs.overlong_buffer_cfg.{enable,len,penalty_factor,log}` and
+        `reward_kwargs.max_resp_len` (arguments of verl's DAPO manager), configures the same overlong penalty as
+        `reward_model.overlong_buffer.*` instead of reaching the scorer as keyword arguments."""
+        verl_buffer = self.reward_kwargs.pop("overlong_buffer_cfg", None)
+        max_resp_len = self.reward_kwargs.pop("max_resp_len", None)
+        if verl_buffer is not None:
+            verl_buffer = dict(verl_buffer)
+            unknown = sorted(set(verl_buffer) - {"enable", "len", "penalty_factor", "log"})
+            if unknown:
+                raise ValueError(f"reward_model.reward_kwargs.overlong_buffer_cfg has unknown key(s) {unknown}; verl's "
+                                 "keys are enable, len, penalty_factor, log")
+            if self.overlong_buffer.get("enable"):
+                clash = {k: (self.overlong_buffer.get(k), v) for k, v in verl_buffer.items()
+                         if k in self.overlong_buffer and self.overlong_buffer.get(k) != v}
+                if clash:
+                    raise ValueError(
+                        "the overlong penalty is set twice with different values: reward_model.overlong_buffer and "
+                        "reward_model.reward_kwargs.overlong_buffer_cfg (verl's spelling) disagree on "
+                        + ", ".join(f"{k} ({a!r} vs {b!r})" for k, (a, b) in clash.items()) + "; keep one")
+            self.overlong_buffer.update(verl_buffer)
+        if max_resp_len is not None:
+            self.max_response_length = int(max_resp_len)
 
     def decode_responses(self, batch: Batch) -> tuple[list[str], torch.Tensor]:
         lengths = batch["response_mask"].sum(-1).long()

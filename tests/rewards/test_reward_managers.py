@@ -118,6 +118,35 @@ def test_dapo_overlong_penalty(tiny_tokenizer):
                             overlong_buffer={"len": 0})(batch)
 
 
+@pytest.mark.parametrize("name", ["dapo", "naive"])
+def test_verl_overlong_buffer_cfg_applies_the_penalty(tiny_tokenizer, name):
+    """verl's DAPO recipe: +reward_model.reward_kwargs.overlong_buffer_cfg.* and max_resp_len (arguments of its DAPO
+    manager) give the same penalty as reward_model.overlong_buffer, and never reach the scorer."""
+    seen = []
+
+    def scorer(**kw):
+        seen.append(sorted(kw))
+        return 1.0
+
+    batch = make_batch(tiny_tokenizer, ["0"] * 4, lengths=[10, 12, 14, 16])
+    manager = make_reward_manager(name, tiny_tokenizer, compute_score=scorer, num_workers=0, max_response_length=64,
+                                  overlong_buffer={"enable": False, "len": 0, "penalty_factor": 1.0, "log": False},
+                                  reward_kwargs={"overlong_buffer_cfg": {"enable": True, "len": 4,
+                                                                         "penalty_factor": 1.0, "log": False},
+                                                 "max_resp_len": 16})
+    result = manager(batch)
+    assert result.scores == pytest.approx([1.0, 1.0, 0.5, 0.0])
+    assert "reward/overlong_penalty/mean" in result.metrics
+    assert all("overlong_buffer_cfg" not in keys and "max_resp_len" not in keys for keys in seen)
+
+
+def test_overlong_penalty_set_twice_differently_is_an_error(tiny_tokenizer):
+    with pytest.raises(ValueError, match=r"set twice .* len \(4 vs 8\)"):
+        make_reward_manager("dapo", tiny_tokenizer, compute_score=lambda **kw: 1.0, max_response_length=16,
+                            overlong_buffer={"enable": True, "len": 4},
+                            reward_kwargs={"overlong_buffer_cfg": {"enable": True, "len": 8}})
+
+
 def test_unknown_manager():
     with pytest.raises(ValueError, match="unknown reward manager 'naïve'"):
         make_reward_manager("naïve", None)
