@@ -74,7 +74,7 @@ def truncate_ids(ids: list[int], max_length: int, mode: str) -> list[int]:
     raise ValueError(f"unknown truncation mode {mode!r}; choose one of {', '.join(TRUNCATION_MODES)}")
 
 
-class RLDataset:
+class RLDataset(torch.utils.data.Dataset):
     """Prompts for RL, tokenised with the chat template. `dataset[i]` is a dict row; `collate` makes a Batch."""
 
     def __init__(

@@ -58,6 +58,7 @@ from hyflow.config.arithmetic import (
 )
 from hyflow.config.support import performance_only_warning
 from hyflow.controller import make_colocated_class, make_worker_group
+from hyflow.data.custom import load_custom_dataset
 from hyflow.data.rl_dataset import PromptLoader, RLDataset
 from hyflow.models.loading import load_tokenizer
 from hyflow.rewards.custom import load_custom_reward_function
@@ -140,6 +141,9 @@ class RLTrainer:
                                  "arithmetic --out DIR)")
             return None
         d = self.config.data
+        if d.custom_cls.path:  # verl's data.custom_cls: the user's Dataset class replaces the built-in one
+            return load_custom_dataset(d.custom_cls.path, d.custom_cls.name, data_files=files, tokenizer=self.tokenizer,
+                                       config=d, max_samples=max_samples)
         return RLDataset(files, self.tokenizer, prompt_key=d.prompt_key, reward_fn_key=d.reward_fn_key,
                          media_keys=(d.image_key, d.video_key),
                          max_prompt_length=d.max_prompt_length,

@@ -52,8 +52,8 @@ DECIDED_BY_VALIDATE = {
     # the SFT trainer runs one process on one device: validate_sft_config refuses anything but 1 x 1.
     "sft": {"trainer.nnodes", "trainer.n_gpus_per_node"},
 }
-# Implemented by the data.custom_cls change (hyflow/data): remove once the search sees its reads.
-PENDING = {"data.custom_cls.path", "data.custom_cls.name"}
+# Keys implemented by a change in flight (none now: data.custom_cls is read by hyflow/trainer/rl_trainer.py).
+PENDING: set[str] = set()
 
 
 def schema_leaves(cls: type) -> list[str]:
