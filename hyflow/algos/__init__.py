@@ -32,6 +32,7 @@ from hyflow.algos.logprobs import (
 )
 from hyflow.algos.masked import group_ids, masked_mean, masked_sum, masked_var, masked_whiten
 from hyflow.algos.metrics import compute_validation_metrics, reduce_metrics
+from hyflow.algos.pf_ppo import pf_ppo_resample_indices, pf_ppo_weights
 from hyflow.algos.registry import (
     ADVANTAGE_ESTIMATORS,
     POLICY_LOSSES,
@@ -68,6 +69,8 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "pf_ppo_resample_indices",
+    "pf_ppo_weights",
     "reduce_metrics",
     "register_advantage_estimator",
     "register_policy_loss",

@@ -186,6 +186,7 @@ def gae(
 # group baselines (outcome rewards)
 
 
+@register_advantage_estimator("grpo_vectorized", requires=("index",))  # verl's name for the same math
 @register_advantage_estimator("grpo", requires=("index",))
 @torch.no_grad()
 def grpo(
@@ -250,6 +251,7 @@ def grpo_passk(
     return adv_BT, adv_BT
 
 
+@register_advantage_estimator("rloo_vectorized", requires=("index",))  # verl's name for the same math
 @register_advantage_estimator("rloo", requires=("index",))
 @torch.no_grad()
 def rloo(

@@ -1,11 +1,12 @@
 """Loss aggregation: reduce a per-token loss matrix [B, T] to the scalar that is back-propagated.
 
-Four modes (verl's names), with `L` the per-token loss, `m` the response mask, `S_i = Σ_t L_it m_it` the
+Five modes (verl's names), with `L` the per-token loss, `m` the response mask, `S_i = Σ_t L_it m_it` the
 token sum of sample i and `n_i = Σ_t m_it` its length:
 
 | mode                      | value                                            |
 |---------------------------|--------------------------------------------------|
 | `token-mean`              | `Σ_i S_i / N_tok`                                 |
+| `token-sum`               | `Σ_i S_i` (no normaliser: the loss grows with the batch's tokens) |
 | `seq-mean-token-sum`      | `Σ_i S_i / N_seq`                                 |
 | `seq-mean-token-mean`     | `Σ_i (S_i / n_i) / N_seq`                         |
 | `seq-mean-token-sum-norm` | `Σ_i (S_i / loss_scale_factor) / N_seq` (Dr.GRPO) |
@@ -40,7 +41,7 @@ import torch
 
 from hyflow.algos.masked import masked_sum
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 Count = int | float | torch.Tensor
 
@@ -109,6 +110,8 @@ def agg_loss(
     if loss_agg_mode == "token-mean":
         n_tok = _count(global_token_count, mask_BT.sum(), "global_token_count")
         return masked_sum(loss_mat, mask_BT) / n_tok
+    if loss_agg_mode == "token-sum":  # verl's: the sum over every valid token of the mini-batch on all ranks
+        return masked_sum(loss_mat, mask_BT)
 
     sums_B = masked_sum(loss_mat, mask_BT, dim=-1)
     lengths_B = mask_BT.sum(dim=-1)

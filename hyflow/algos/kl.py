@@ -48,13 +48,15 @@ def _base_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, name: str
     return _k3(log_prob, ref_log_prob)
 
 
-def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_penalty: str = "kl") -> torch.Tensor:
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str = "kl") -> torch.Tensor:
     """Per-token KL estimate [B, T] by name (see the module table); `name+` = base value with k2's gradient.
 
-    Straight-through: `k2 − sg(k2) + sg(base)`, so the value is the base estimator and
-    `∂/∂ log π_θ = log π_θ − log π_ref`.
+    The argument names are verl's (`kl_penalty(logprob, ref_logprob, kl_penalty)`), so verl code calling it by
+    keyword ports unchanged. Straight-through: `k2 − sg(k2) + sg(base)`, so the value is the base estimator and
+    `∂/∂ log π_θ = log π_θ − log π_ref`. `full` (verl's name for full-vocabulary KL, which verl's own function
+    does not implement either) is a ValueError.
     """
-    name = kl_penalty
+    log_prob, ref_log_prob, name = logprob, ref_logprob, kl_penalty
     if name not in KL_PENALTY_NAMES:
         hint = " Full-vocabulary KL needs logits and is not supported;" if name == "full" else ""
         raise ValueError(

@@ -524,3 +524,126 @@ __all__ = [
     "compute_policy_loss_sapo",
     "compute_policy_loss_vanilla",
 ]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# DPPO (arXiv 2602.04879) and DRO
+
+
+def _dppo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, valid_BT, clip_ratio_c,
+               rollout_is_weights, global_token_count, global_seq_count, loss_scale_factor):
+    """Shared body of the DPPO-Binary losses: `L = −A · sg(min(r, c)) · log π_θ · valid`, where `valid` (a
+    trust region on the sampled token's probability, per sign of A) stops the gradient of tokens outside it.
+    Metrics: `pg_clipfrac` = share of tokens outside the region, `pg_clipfrac_lower` = share inside it whose
+    ratio was truncated at c = clip_ratio_c."""
+    log_ratio = _log_ratio(old_log_prob, log_prob)
+    ratio = torch.exp(log_ratio)
+    truncated = torch.clamp(ratio, max=clip_ratio_c).detach()
+    valid = valid_BT.detach().to(log_prob.dtype)
+    loss = agg_loss(
+        _weighted(-advantages * truncated * log_prob * valid, rollout_is_weights),
+        response_mask,
+        loss_agg_mode,
+        global_token_count=global_token_count,
+        global_seq_count=global_seq_count,
+        loss_scale_factor=loss_scale_factor,
+    )
+    return loss, _metrics(_ppo_kl(log_ratio, response_mask), _frac(valid == 0, response_mask),
+                          _frac((ratio > clip_ratio_c) & (valid > 0), response_mask))
+
+
+@register_policy_loss("dppo_tv")
+def compute_policy_loss_dppo_tv(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    *,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_token_count=None,
+    global_seq_count=None,
+    loss_scale_factor: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, Metrics]:
+    """DPPO-Binary-TV (arXiv 2602.04879; verl's `compute_policy_loss_dppo_tv`): a trust region on the total
+    variation of the sampled token's probability instead of PPO's ratio clip.
+
+    With p = π_θ(a), p_old = π_old(a) and δ_h / δ_l = clip_ratio_high / clip_ratio_low (TV thresholds, each
+    falling back to clip_ratio): valid = (p − p_old ≤ δ_h) for A > 0, (p − p_old ≥ −δ_l) otherwise;
+    `L = −A · sg(min(r, c)) · log π_θ · valid` (truncated IS at c = clip_ratio_c instead of dual clip).
+    """
+    eps_low, eps_high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+    diff = torch.exp(log_prob) - torch.exp(old_log_prob)
+    valid = torch.where(advantages > 0, diff <= eps_high, diff >= -eps_low)
+    return _dppo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, valid, clip_ratio_c,
+                      rollout_is_weights, global_token_count, global_seq_count, loss_scale_factor)
+
+
+@register_policy_loss("dppo_kl")
+def compute_policy_loss_dppo_kl(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    *,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_token_count=None,
+    global_seq_count=None,
+    loss_scale_factor: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, Metrics]:
+    """DPPO-Binary-KL (arXiv 2602.04879; verl's `compute_policy_loss_dppo_kl`): the trust region is the KL between
+    the Bernoulli distributions (a vs not a) of the old and new policy.
+
+    `KL_b = p_old·(log p_old − log p) + (1 − p_old)·log((1 − p_old + 1e-8)/(1 − p + 1e-8))`; valid =
+    (KL_b ≤ δ_h or p ≤ p_old) for A > 0, (KL_b ≤ δ_l or p ≥ p_old) otherwise; the loss as `dppo_tv`.
+    """
+    eps_low, eps_high = _clip_bounds(clip_ratio, clip_ratio_low, clip_ratio_high)
+    p, p_old = torch.exp(log_prob), torch.exp(old_log_prob)
+    binary_kl = p_old * (old_log_prob - log_prob) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+    valid = torch.where(advantages > 0, (binary_kl <= eps_high) | (p <= p_old), (binary_kl <= eps_low) | (p >= p_old))
+    return _dppo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, valid, clip_ratio_c,
+                      rollout_is_weights, global_token_count, global_seq_count, loss_scale_factor)
+
+
+@register_policy_loss("dro")
+def compute_policy_loss_dro(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    *,
+    dro_beta: float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_token_count=None,
+    global_seq_count=None,
+    loss_scale_factor: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, Metrics]:
+    """Direct Reward Optimization (verl's `compute_policy_loss_dro`): the policy gradient with a quadratic
+    penalty on the log-ratio, `L = −(A · log π_θ − ½ β (log π_θ − log π_old)²)`, β = policy_loss.dro_beta > 0.
+    No clipping; `ppo_kl` is reported, the clip fractions are 0."""
+    if dro_beta is None or dro_beta <= 0:
+        raise ValueError(f"policy_loss.dro_beta must be > 0 for loss_mode=dro, got {dro_beta}; set "
+                         "actor_rollout_ref.actor.policy_loss.dro_beta (e.g. 0.1)")
+    log_ratio = log_prob - old_log_prob
+    loss = agg_loss(
+        _weighted(-(log_prob * advantages - 0.5 * dro_beta * log_ratio.square()), rollout_is_weights),
+        response_mask,
+        loss_agg_mode,
+        global_token_count=global_token_count,
+        global_seq_count=global_seq_count,
+        loss_scale_factor=loss_scale_factor,
+    )
+    return loss, _metrics(_ppo_kl(log_ratio, response_mask))

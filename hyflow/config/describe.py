@@ -20,6 +20,8 @@ R = "actor_rollout_ref.rollout"
 LOSS_AGG_WORDS = {
     "token-mean": "token-mean: the summed per-token loss of a mini-batch is divided by its response-token count over "
     "all devices",
+    "token-sum": "token-sum: the per-token loss summed over the mini-batch's response tokens on all devices (no "
+    "normaliser)",
     "seq-mean-token-sum": "seq-mean-token-sum: each sample's summed token loss, averaged over the mini-batch's "
     "samples on all devices",
     "seq-mean-token-mean": "seq-mean-token-mean: each sample's mean token loss, averaged over the mini-batch's "

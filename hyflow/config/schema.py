@@ -25,7 +25,7 @@ from typing import Any
 
 KL_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 KL_PENALTY_NAMES = KL_ESTIMATORS + tuple(f"{name}+" for name in KL_ESTIMATORS)
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def option(default: Any, help: str, *, choices: tuple[Any, ...] | None = None) -> Any:
@@ -362,6 +362,8 @@ class PolicyLossConfig:
         0.0002, "kl_cov: fraction of tokens (highest covariance) that get the KL penalty."
     )
     ppo_kl_coef: float = option(0.1, "kl_cov: coefficient of the |log-ratio| penalty on those tokens.")
+    dro_beta: float | None = option(
+        None, "dro: weight beta of the quadratic log-ratio penalty (required, > 0, for loss_mode=dro; verl).")
 
 
 @dataclass
@@ -419,7 +421,7 @@ class ActorConfig:
     tau_neg: float = option(1.05, "SAPO gate temperature for negative advantages.")
     loss_agg_mode: str = option(
         "token-mean",
-        "How per-token losses become one number: token-mean (mean over all response tokens of the mini-batch, DAPO), seq-mean-token-sum, seq-mean-token-mean (GRPO paper), seq-mean-token-sum-norm (Dr. GRPO, arXiv 2503.20783).",
+        "How per-token losses become one number: token-mean (mean over all response tokens of the mini-batch, DAPO), token-sum (their sum, no normaliser), seq-mean-token-sum, seq-mean-token-mean (GRPO paper), seq-mean-token-sum-norm (Dr. GRPO, arXiv 2503.20783).",
         choices=LOSS_AGG_MODES,
     )
     loss_scale_factor: float | None = option(
@@ -436,8 +438,8 @@ class ActorConfig:
     kl_loss_coef: float = option(0.001, "Weight of the KL loss term.")
     kl_loss_type: str = option(
         "low_var_kl",
-        "KL estimator of the loss: kl/k1, abs, mse/k2, low_var_kl/k3 (Schulman 2020, 'Approximating KL divergence'); a trailing '+' uses k2's gradient (straight-through).",
-        choices=KL_PENALTY_NAMES,
+        "KL estimator of the loss: kl/k1, abs, mse/k2, low_var_kl/k3 (Schulman 2020, 'Approximating KL divergence'); a trailing '+' uses k2's gradient (straight-through); full: verl's full-vocabulary KL, not supported yet.",
+        choices=(*KL_PENALTY_NAMES, "full"),
     )
     grad_clip: float = option(1.0, "Clip the global gradient norm to this value before each optimizer step.")
     ulysses_sequence_parallel_size: int = option(
@@ -969,8 +971,9 @@ class AlgorithmConfig:
     )
     kl_penalty: str = option(
         "kl",
-        "KL estimator in the reward: kl/k1, abs, mse/k2, low_var_kl/k3, or a '+' variant.",
-        choices=KL_PENALTY_NAMES,
+        "KL estimator in the reward: kl/k1, abs, mse/k2, low_var_kl/k3, or a '+' variant (full: verl's "
+        "full-vocabulary KL, not supported yet).",
+        choices=(*KL_PENALTY_NAMES, "full"),
     )
     kl_ctrl: KLControlConfig = section(KLControlConfig, "KL coefficient controller for use_kl_in_reward.")
     use_pf_ppo: bool = option(False, "Resample the batch by reward (PF-PPO, arXiv 2409.06957) after GAE.")

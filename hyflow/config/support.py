@@ -152,7 +152,6 @@ _TABLE: list[KeySupport] = [
     _unsupported(f"{M}.enable_activation_offload", "activation offload is not built yet; " + LEAVE),
     _unsupported("critic.model.enable_activation_offload", "activation offload is not built yet; " + LEAVE),
     _unsupported(f"{R}.multi_turn.enable", "the multi-turn agent loop is not built yet; " + LEAVE),
-    _unsupported("algorithm.use_pf_ppo", "PF-PPO resampling is not built yet; " + LEAVE),
     _unsupported(f"{A}.checkpoint.async_save", "checkpoints are written synchronously; " + LEAVE),
     _unsupported("critic.checkpoint.async_save", "checkpoints are written synchronously; " + LEAVE),
     _unsupported("trainer.default_hdfs_dir", "HDFS copies are not built yet; " + LEAVE),
@@ -245,8 +244,6 @@ _TABLE: list[KeySupport] = [
                 "tool_response_truncate_side", "tool_config_path", "interaction_config_path", "format")),
     *(_performance(f"reward_model.sandbox_fusion.{k}", "only used with sandbox_fusion.url, which is not "
                    "supported yet") for k in ("max_concurrent", "memory_limit_mb")),
-    *(_performance(f"algorithm.pf_ppo.{k}", "only used with algorithm.use_pf_ppo, which is not supported yet")
-      for k in ("reweight_method", "weight_pow")),
 ]
 
 

@@ -31,22 +31,6 @@ from hyflow.config.keys import ConfigError
 from hyflow.config.schema import HyflowConfig
 from hyflow.config.support import not_supported_problems
 
-# Estimators whose baseline comes from the other samples of the same prompt (need rollout.n > 1).
-GROUP_ESTIMATORS = frozenset(
-    {
-        "grpo",
-        "grpo_vectorized",
-        "grpo_passk",
-        "rloo",
-        "rloo_vectorized",
-        "opo",
-        "gpg",
-        "gdpo",
-        "reinforce_plus_plus_baseline",
-        "optimal_token_baseline",
-        "tir_optimal_token_baseline",
-    }
-)
 GPU_ONLY_ENGINES = ("vllm", "sglang")
 
 A = "actor_rollout_ref.actor"
@@ -497,6 +481,23 @@ def _check_algorithm(cfg: HyflowConfig) -> list[str]:
             "algorithm.filter_groups.enable=true needs algorithm.filter_groups.metric (the per-sample metric whose "
             "group variance decides); set algorithm.filter_groups.metric=acc (or score)."
         )
+    for key, value in (("algorithm.kl_penalty", algo.kl_penalty),
+                       (f"{A}.kl_loss_type", cfg.actor_rollout_ref.actor.kl_loss_type)):
+        if value == "full":
+            problems.append(f"{key}=full (full-vocabulary KL) is not supported by this hyflow version yet: it needs the "
+                            "policy's and the reference's distributions over the whole vocabulary at every token, and "
+                            "hyflow keeps log-probs of the sampled tokens (verl's kl_penalty raises NotImplementedError "
+                            "for it too); use low_var_kl (k3) or k3+")
+    if algo.use_pf_ppo:
+        catalog = algorithm_catalog()
+        if catalog is not None and "values" not in catalog.estimator_requires(algo.adv_estimator):
+            problems.append(f"algorithm.use_pf_ppo=true with algorithm.adv_estimator={algo.adv_estimator}: PF-PPO "
+                            "resamples the batch after GAE (verl applies it only there and ignores it otherwise); "
+                            "use adv_estimator=gae or drop use_pf_ppo")
+    policy_loss = cfg.actor_rollout_ref.actor.policy_loss
+    if policy_loss.loss_mode == "dro" and (policy_loss.dro_beta is None or policy_loss.dro_beta <= 0):
+        problems.append(f"{A}.policy_loss.loss_mode=dro needs {A}.policy_loss.dro_beta > 0 (the weight of its "
+                        f"quadratic log-ratio penalty; got {policy_loss.dro_beta}); e.g. dro_beta=0.1")
     correction = algo.rollout_correction
     if correction.bypass_mode and correction.loss_type != "ppo_clip":
         problems.append(f"algorithm.rollout_correction.loss_type={correction.loss_type!r} is not supported by this "
@@ -519,11 +520,23 @@ def _check_algorithm(cfg: HyflowConfig) -> list[str]:
 
 def _warn_advisories(cfg: HyflowConfig) -> None:
     algo, n = cfg.algorithm, cfg.actor_rollout_ref.rollout.n
-    if algo.adv_estimator in GROUP_ESTIMATORS and n == 1:
+    catalog = algorithm_catalog()
+    # A group estimator compares each sample with the others of its prompt: it declares requires=("index", ...).
+    groups = catalog is not None and "index" in catalog.estimator_requires(algo.adv_estimator)
+    if groups and n == 1:
         warnings.warn(
             f"algorithm.adv_estimator={algo.adv_estimator} compares each sample with the other samples of its "
             f"prompt, but {R}.n=1: every group is a singleton and advantages carry no signal. "
             f"Set {R}.n > 1 (e.g. 4-16).",
+            UserWarning,
+            stacklevel=3,
+        )
+    actor = cfg.actor_rollout_ref.actor
+    if actor.policy_loss.loss_mode in ("gspo", "sapo") and actor.loss_agg_mode != "seq-mean-token-mean":
+        warnings.warn(
+            f"{A}.policy_loss.loss_mode={actor.policy_loss.loss_mode} aggregates its loss with seq-mean-token-mean "
+            f"whatever {A}.loss_agg_mode says (as verl's does), so {A}.loss_agg_mode={actor.loss_agg_mode} applies "
+            "only to the entropy and KL terms. Set it to seq-mean-token-mean to make the config say what runs.",
             UserWarning,
             stacklevel=3,
         )

@@ -36,6 +36,7 @@ from hyflow.algos import (
     apply_kl_penalty,
     compute_rollout_correction,
     compute_validation_metrics,
+    pf_ppo_resample_indices,
     reduce_metrics,
 )
 from hyflow.algos.kl import make_kl_controller
@@ -330,6 +331,7 @@ class RLTrainer:
                 self.apply_token_level_rewards(batch, metrics)
                 self.apply_rollout_correction(batch, metrics)
                 self.compute_advantages(batch)
+                batch = self.filter_policy(batch, metrics)
             if self.config.trainer.rollout_data_dir:
                 with timer("dump_rollout_generations", timing):
                     dump_generations(self.sample_rows(batch, self.reward_manager),
@@ -486,6 +488,19 @@ class RLTrainer:
                                              response_mask=batch["response_mask"], gamma=algo.gamma, lam=algo.lam,
                                              norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, **inputs)
         batch["advantages"], batch["returns"] = advantages, returns
+
+    def filter_policy(self, batch: Batch, metrics: dict) -> Batch:
+        """PF-PPO (algorithm.use_pf_ppo, arXiv 2409.06957): the batch resampled, same size, with replacement, with
+        probability by the samples' total scores (hyflow.algos.pf_ppo), seeded by trainer.seed and the step;
+        the batch unchanged otherwise."""
+        algo = self.config.algorithm
+        if not algo.use_pf_ppo:
+            return batch
+        generator = torch.Generator().manual_seed(self.config.trainer.seed * 1_000_003 + self.global_step)
+        rows = pf_ppo_resample_indices(batch["token_level_scores"].sum(-1), algo.pf_ppo.reweight_method,
+                                       algo.pf_ppo.weight_pow, generator=generator)
+        metrics["pf_ppo/unique_samples"] = float(rows.unique().numel())
+        return batch[rows]
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:

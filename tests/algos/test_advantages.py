@@ -93,9 +93,10 @@ def random_batches(draw, discrete=False):
 # registry and calling convention
 
 
-def test_registry_holds_exactly_the_ten_estimators():
+def test_registry_holds_exactly_the_ten_estimators_and_verls_vectorized_names():
     mine = {name for name, fn in ADVANTAGE_ESTIMATORS.items() if fn.__module__ == adv.__name__}
-    assert mine == ESTIMATORS
+    assert mine == ESTIMATORS | {"grpo_vectorized", "rloo_vectorized"}
+    assert ADVANTAGE_ESTIMATORS["grpo_vectorized"] is adv.grpo and ADVANTAGE_ESTIMATORS["rloo_vectorized"] is adv.rloo
     assert get_advantage_estimator("grpo") is adv.grpo
 
 

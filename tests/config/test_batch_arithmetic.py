@@ -297,7 +297,7 @@ def test_dynamic_token_budget_must_cover_the_longest_sample():
         ),
         (
             "actor_rollout_ref.actor.loss_agg_mode=token_mean",
-            "actor_rollout_ref.actor.loss_agg_mode='token_mean' is not one of: token-mean, seq-mean-token-sum, "
+            "actor_rollout_ref.actor.loss_agg_mode='token_mean' is not one of: token-mean, token-sum, seq-mean-token-sum, "
             "seq-mean-token-mean, seq-mean-token-sum-norm. Did you mean 'token-mean'?",
         ),
         (

@@ -38,7 +38,7 @@ NOT_USES = {"config/schema.py", "config/sft_schema.py", "config/support.py", "co
 READ_WITHOUT_ATTRIBUTE = {
     # workers/actor.py passes the whole section as keyword arguments: **vars(actor.policy_loss)
     **dict.fromkeys(f"actor_rollout_ref.actor.policy_loss.{k}" for k in (
-        "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")),
+        "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")),
     # SFT: config/verl_compat.py's fold_sft_dict_keys reads getattr(data, f"{kind}_dict_keys") (a support module,
     # so not searched)
     "data.prompt_dict_keys": None, "data.response_dict_keys": None,

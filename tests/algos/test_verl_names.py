@@ -1,0 +1,166 @@
+"""The rest of verl's algorithm names: token-sum aggregation, the *_vectorized estimators, DPPO-TV/KL, DRO,
+PF-PPO resampling, kl_penalty's verl argument names; each against its published formula (hand-computed on small
+tensors, float64) and verl's code (verl/trainer/ppo/core_algos.py at verl-project/verl 1dda039)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hyflow.algos import agg_loss, kl_penalty, pf_ppo_resample_indices, pf_ppo_weights
+from hyflow.algos.registry import get_advantage_estimator, get_policy_loss
+
+D = torch.float64
+
+
+def test_token_sum_is_the_masked_sum_and_micro_batch_invariant():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=D)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert agg_loss(loss, mask, "token-sum").item() == 1 + 2 + 4
+    parts = agg_loss(loss[:1], mask[:1], "token-sum") + agg_loss(loss[1:], mask[1:], "token-sum")
+    assert parts.item() == agg_loss(loss, mask, "token-sum").item()
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo"])
+def test_vectorized_names_compute_the_same_advantages(name):
+    gen = torch.Generator().manual_seed(0)
+    rewards = torch.zeros(8, 5, dtype=D)
+    rewards[:, -1] = torch.randn(8, generator=gen, dtype=D)
+    mask = torch.ones(8, 5, dtype=torch.long)
+    index = [0, 0, 0, 0, 1, 1, 1, 1]
+    plain = get_advantage_estimator(name)(rewards, mask, index=index)
+    vectorized = get_advantage_estimator(f"{name}_vectorized")(rewards, mask, index=index)
+    for a, b in zip(plain, vectorized):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert get_advantage_estimator(f"{name}_vectorized").requires == ("index",)
+
+
+def _dppo_case():
+    # token 0: A>0, p rises 0.30 -> 0.60 (TV 0.30 > 0.2: outside); token 1: A>0, p 0.30 -> 0.40 (inside);
+    # token 2: A<0, p falls 0.50 -> 0.20 (TV -0.30 < -0.2: outside); token 3: A<0, p 0.50 -> 0.45 (inside)
+    p_old = torch.tensor([[0.30, 0.30, 0.50, 0.50]], dtype=D)
+    p_new = torch.tensor([[0.60, 0.40, 0.20, 0.45]], dtype=D)
+    adv = torch.tensor([[1.0, 2.0, -1.0, -3.0]], dtype=D)
+    return p_old.log(), p_new.log().requires_grad_(), adv, torch.ones(1, 4)
+
+
+def test_dppo_tv_masks_tokens_outside_the_tv_region():
+    old, new, adv, mask = _dppo_case()
+    loss, metrics = get_policy_loss("dppo_tv")(old, new, adv, mask, clip_ratio=0.2, clip_ratio_c=3.0)
+    ratio = (new - old).exp().detach()
+    valid = torch.tensor([[0.0, 1.0, 0.0, 1.0]], dtype=D)
+    want = (-adv * ratio.clamp(max=3.0) * new.detach() * valid).mean()
+    assert loss.item() == pytest.approx(want.item())
+    assert metrics["pg_clipfrac"].item() == pytest.approx(0.5)
+    loss.backward()  # gradient -A·sg(r)/N on valid tokens only
+    torch.testing.assert_close(new.grad, -adv * ratio * valid / 4)
+
+
+def test_dppo_kl_uses_the_binary_kl_region():
+    old, new, adv, mask = _dppo_case()
+    p, q = new.detach().exp(), old.exp()
+    binary_kl = q * (old - new.detach()) + (1 - q) * torch.log((1 - q + 1e-8) / (1 - p + 1e-8))
+    # verl: A>0 valid if KL_b <= δ or p <= p_old; A<0 valid if KL_b <= δ or p >= p_old (δ = 0.05 here)
+    want_valid = torch.where(adv > 0, (binary_kl <= 0.05) | (p <= q), (binary_kl <= 0.05) | (p >= q))
+    assert want_valid.tolist() == [[False, True, False, True]]  # hand check: KL_b = 0.184, 0.022, 0.223, 0.005
+    loss, metrics = get_policy_loss("dppo_kl")(old, new, adv, mask, clip_ratio=0.05, clip_ratio_c=3.0)
+    ratio = (new - old).exp().detach()
+    want = (-adv * ratio * new.detach() * want_valid.to(D)).mean()
+    assert loss.item() == pytest.approx(want.item())
+    assert metrics["pg_clipfrac"].item() == pytest.approx(0.5)
+
+
+def test_dppo_truncates_the_importance_ratio_at_clip_ratio_c():
+    old = torch.tensor([[math.log(0.01)]], dtype=D)
+    new = torch.tensor([[math.log(0.2)]], dtype=D, requires_grad=True)  # ratio 20, TV 0.19 < 0.2: inside
+    adv = torch.tensor([[1.0]], dtype=D)
+    loss, metrics = get_policy_loss("dppo_tv")(old, new, adv, torch.ones(1, 1), clip_ratio=0.2, clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx(-3.0 * math.log(0.2))
+    assert metrics["pg_clipfrac_lower"].item() == 1.0
+
+
+def test_dro_is_the_policy_gradient_with_a_quadratic_log_ratio_penalty():
+    old = torch.tensor([[-1.0, -2.0]], dtype=D)
+    new = torch.tensor([[-0.5, -2.5]], dtype=D, requires_grad=True)
+    adv = torch.tensor([[2.0, -1.0]], dtype=D)
+    loss, metrics = get_policy_loss("dro")(old, new, adv, torch.ones(1, 2), dro_beta=0.4)
+    want = -((new.detach() * adv) - 0.5 * 0.4 * (new.detach() - old) ** 2).mean()
+    assert loss.item() == pytest.approx(want.item())
+    assert metrics["ppo_kl"].item() == pytest.approx(0.0)  # mean(-(log π − log π_old)) = -(0.5 - 0.5)/2
+    loss.backward()  # d/dlogp = -(A - β(logp - logp_old)) / N
+    torch.testing.assert_close(new.grad, -(adv - 0.4 * (new.detach() - old)) / 2)
+    with pytest.raises(ValueError, match="dro_beta must be > 0"):
+        get_policy_loss("dro")(old, new, adv, torch.ones(1, 2))
+
+
+def test_pf_ppo_weights_follow_the_three_methods():
+    scores = torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=D)
+    torch.testing.assert_close(pf_ppo_weights(scores, "pow", 2.0), scores.abs() ** 2 + 1e-8)
+    torch.testing.assert_close(pf_ppo_weights(scores, "max_min"), torch.tensor([0, 1, 0, 1], dtype=D) + 1e-8)
+    torch.testing.assert_close(pf_ppo_weights(scores, "max_random"), torch.tensor([.1, .1, .1, .4], dtype=D) + 1e-8)
+    with pytest.raises(ValueError, match="reweight_method='nope'"):
+        pf_ppo_weights(scores, "nope")
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(-5, 5, allow_nan=False), min_size=2, max_size=12), st.integers(0, 2**31 - 1))
+def test_pf_ppo_resamples_to_the_same_size_and_never_draws_a_zero_weight_sample_often(scores, seed):
+    scores_B = torch.tensor(scores, dtype=D)
+    rows = pf_ppo_resample_indices(scores_B, "max_min", generator=torch.Generator().manual_seed(seed))
+    assert rows.shape == (len(scores),) and rows.dtype == torch.int64
+    assert int(rows.min()) >= 0 and int(rows.max()) < len(scores)
+    extreme = (scores_B == scores_B.max()) | (scores_B == scores_B.min())
+    assert bool(extreme[rows].all())  # the others have weight 1e-8: drawn with probability ~1e-8 each
+    again = pf_ppo_resample_indices(scores_B, "max_min", generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(rows, again)  # seeded: a run and its resume draw the same samples
+
+
+def test_kl_penalty_takes_verl_argument_names():
+    logprob = torch.tensor([[-1.0, -0.5]], dtype=D)
+    ref_logprob = torch.tensor([[-1.5, -0.5]], dtype=D)
+    by_keyword = kl_penalty(logprob=logprob, ref_logprob=ref_logprob, kl_penalty="k1")
+    torch.testing.assert_close(by_keyword, logprob - ref_logprob)
+    with pytest.raises(ValueError, match="Full-vocabulary KL"):
+        kl_penalty(logprob, ref_logprob, "full")
+
+
+def test_config_accepts_the_new_names_and_refuses_what_is_not_built():
+    import warnings
+
+    from hyflow.config import load_config, validate_config
+    from hyflow.config.keys import ConfigError
+
+    base = ["actor_rollout_ref.model.path=/m", "actor_rollout_ref.rollout.n=2"]
+    for extra in (["algorithm.adv_estimator=grpo_vectorized"], ["algorithm.adv_estimator=rloo_vectorized"],
+                  ["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_tv"],
+                  ["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_kl"],
+                  ["actor_rollout_ref.actor.policy_loss.loss_mode=dro", "actor_rollout_ref.actor.policy_loss.dro_beta=0.1"],
+                  ["actor_rollout_ref.actor.loss_agg_mode=token-sum"],
+                  ["algorithm.adv_estimator=gae", "algorithm.use_pf_ppo=true", "algorithm.pf_ppo.reweight_method=max_min"]):
+        validate_config(load_config([*base, *extra]))
+    for extra, message in (
+        (["actor_rollout_ref.actor.policy_loss.loss_mode=dro"], "needs actor_rollout_ref.actor.policy_loss.dro_beta > 0"),
+        (["algorithm.kl_penalty=full", "algorithm.use_kl_in_reward=true"], "algorithm.kl_penalty=full (full-vocabulary KL) is not supported"),
+        (["algorithm.adv_estimator=grpo", "algorithm.use_pf_ppo=true"], "PF-PPO resamples the batch after GAE"),
+    ):
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            validate_config(load_config([*base, *extra]))
+    with pytest.warns(UserWarning, match="aggregates its loss with seq-mean-token-mean"):
+        validate_config(load_config([*base, "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate_config(load_config([*base, "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+                                     "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"]))
+
+
+@pytest.mark.parametrize("name", ["grpo", "grpo_vectorized", "rloo_vectorized", "gpg", "opo"])
+def test_a_group_estimator_with_one_sample_per_prompt_warns_from_the_registry(name):
+    from hyflow.config import load_config, validate_config
+
+    with pytest.warns(UserWarning, match="every group is a singleton"):
+        validate_config(load_config(["actor_rollout_ref.model.path=/m", f"algorithm.adv_estimator={name}",
+                                     "actor_rollout_ref.rollout.n=1"]))
