@@ -212,6 +212,53 @@ def grpo(
     return adv_BT, adv_BT
 
 
+@register_advantage_estimator("gdpo", requires=("index", "reward_extras"))
+@torch.no_grad()
+def gdpo(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index=None,
+    reward_extras=None,
+    gdpo_reward_keys=None,
+    gdpo_reward_weights=None,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO (arXiv 2601.05242; verl's `compute_gdpo_outcome_advantage`): normalise each reward component within its
+    group separately, then combine, so a dominant component cannot drown the others.
+
+    For each key k of `gdpo_reward_keys` (per-sample components the reward function returned, `reward_extras[k]`
+    [B]): `A_k = grpo(r_k)`; `A = Σ_k w_k A_k` (`gdpo_reward_weights`, default 1 each); finally
+    `A ← whiten(A)` over the batch's valid tokens (unbiased variance). returns = advantages.
+    """
+    keys = list(gdpo_reward_keys or [])
+    if not keys:
+        raise ValueError("gdpo needs algorithm.gdpo_reward_keys: the reward components (keys of the dict your "
+                         "reward function returns, e.g. [format_reward, accuracy_reward]) to normalise separately")
+    extras = dict(reward_extras or {})
+    missing = [k for k in keys if k not in extras]
+    if missing:
+        raise ValueError(f"gdpo: the reward function returned no {missing} (algorithm.gdpo_reward_keys); it "
+                         f"returned {sorted(extras) or 'no extra keys'}: return a dict with those keys")
+    weights = [1.0] * len(keys) if gdpo_reward_weights is None else [float(w) for w in gdpo_reward_weights]
+    if len(weights) != len(keys):
+        raise ValueError(f"algorithm.gdpo_reward_weights has {len(weights)} entries for {len(keys)} "
+                         "gdpo_reward_keys; give one weight per key")
+    mask_BT = response_mask.bool()
+    last_B = (mask_BT.long().sum(-1) - 1).clamp(min=0)
+    total_BT = torch.zeros_like(token_level_rewards, dtype=torch.float64)
+    for key, weight in zip(keys, weights):
+        component_BT = torch.zeros_like(total_BT)
+        component_BT[torch.arange(len(last_B)), last_B] = torch.as_tensor(extras[key], dtype=torch.float64)
+        adv_BT, _ = grpo(component_BT, response_mask, index=index, epsilon=epsilon,
+                         norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+        total_BT += weight * adv_BT
+    adv_BT = _zero_masked(masked_whiten(total_BT, mask_BT), mask_BT).to(token_level_rewards.dtype)
+    return adv_BT, adv_BT
+
+
 @register_advantage_estimator("grpo_passk", requires=("index",))
 @torch.no_grad()
 def grpo_passk(

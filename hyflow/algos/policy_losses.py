@@ -80,6 +80,7 @@ def _sequence_mean(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tens
     return masked_sum(values_BT, mask_BT, dim=-1) / mask_BT.sum(dim=-1).clamp(min=1)
 
 
+@register_policy_loss("bypass_mode")  # verl's loss for rollout_correction.bypass_mode (old = rollout log-probs)
 @register_policy_loss("vanilla")
 def compute_policy_loss_vanilla(
     old_log_prob: torch.Tensor,

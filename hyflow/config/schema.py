@@ -976,6 +976,11 @@ class AlgorithmConfig:
         choices=(*KL_PENALTY_NAMES, "full"),
     )
     kl_ctrl: KLControlConfig = section(KLControlConfig, "KL coefficient controller for use_kl_in_reward.")
+    gdpo_reward_keys: list[str] | None = option(
+        None, "gdpo: the reward components (keys of the dict the reward function returns) normalised separately "
+        "within each group before they are combined (GDPO, arXiv 2601.05242; verl reads +algorithm.gdpo_reward_keys).")
+    gdpo_reward_weights: list[float] | None = option(
+        None, "gdpo: one weight per gdpo_reward_keys entry in the combination (None = 1 each).")
     use_pf_ppo: bool = option(False, "Resample the batch by reward (PF-PPO, arXiv 2409.06957) after GAE.")
     pf_ppo: PFPPOConfig = section(PFPPOConfig, "PF-PPO resampling.")
     filter_groups: FilterGroupsConfig = section(FilterGroupsConfig, "DAPO dynamic sampling.")

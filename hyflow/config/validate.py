@@ -488,6 +488,13 @@ def _check_algorithm(cfg: HyflowConfig) -> list[str]:
                             "policy's and the reference's distributions over the whole vocabulary at every token, and "
                             "hyflow keeps log-probs of the sampled tokens (verl's kl_penalty raises NotImplementedError "
                             "for it too); use low_var_kl (k3) or k3+")
+    if algo.adv_estimator == "gdpo" and not algo.gdpo_reward_keys:
+        problems.append("algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys: the reward components (keys "
+                        "of the dict your reward function returns) to normalise separately, e.g. "
+                        "'algorithm.gdpo_reward_keys=[format_reward,accuracy_reward]'")
+    if algo.gdpo_reward_weights is not None and len(algo.gdpo_reward_weights) != len(algo.gdpo_reward_keys or []):
+        problems.append(f"algorithm.gdpo_reward_weights has {len(algo.gdpo_reward_weights)} entries for "
+                        f"{len(algo.gdpo_reward_keys or [])} algorithm.gdpo_reward_keys; give one weight per key")
     if algo.use_pf_ppo:
         catalog = algorithm_catalog()
         if catalog is not None and "values" not in catalog.estimator_requires(algo.adv_estimator):
@@ -495,6 +502,10 @@ def _check_algorithm(cfg: HyflowConfig) -> list[str]:
                             "resamples the batch after GAE (verl applies it only there and ignores it otherwise); "
                             "use adv_estimator=gae or drop use_pf_ppo")
     policy_loss = cfg.actor_rollout_ref.actor.policy_loss
+    if policy_loss.loss_mode == "bypass_mode" and not algo.rollout_correction.bypass_mode:
+        problems.append(f"{A}.policy_loss.loss_mode=bypass_mode is the PPO-clip loss against the rollout's log-probs "
+                        "(verl selects it itself in bypass mode); it needs algorithm.rollout_correction.bypass_mode="
+                        "true, which makes the rollout log-probs the old ones. Set that, or use loss_mode=vanilla")
     if policy_loss.loss_mode == "dro" and (policy_loss.dro_beta is None or policy_loss.dro_beta <= 0):
         problems.append(f"{A}.policy_loss.loss_mode=dro needs {A}.policy_loss.dro_beta > 0 (the weight of its "
                         f"quadratic log-ratio penalty; got {policy_loss.dro_beta}); e.g. dro_beta=0.1")

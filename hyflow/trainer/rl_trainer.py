@@ -480,13 +480,16 @@ class RLTrainer:
                      "old_log_prob": "old_log_probs", "sum_pi_squared": "sum_pi_squared",
                      "rollout_is_weights": "rollout_is_weights"}
         inputs = {name: batch[column] for name, column in available.items() if column in batch}
+        inputs["reward_extras"] = numeric_reward_extras(batch)  # the reward function's per-sample components
         missing = [name for name in self.estimator.requires if name not in inputs]
         if missing:
             raise ValueError(f"algorithm.adv_estimator={algo.adv_estimator!r} needs {missing}, which this run does "
                              "not produce (a critic gives `values`: critic.enable=True)")
         advantages, returns = self.estimator(token_level_rewards=batch["token_level_rewards"],
                                              response_mask=batch["response_mask"], gamma=algo.gamma, lam=algo.lam,
-                                             norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, **inputs)
+                                             norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+                                             gdpo_reward_keys=algo.gdpo_reward_keys,
+                                             gdpo_reward_weights=algo.gdpo_reward_weights, **inputs)
         batch["advantages"], batch["returns"] = advantages, returns
 
     def filter_policy(self, batch: Batch, metrics: dict) -> Batch:
@@ -660,3 +663,13 @@ def validation_order(size: int, shuffle: bool, seed: int) -> list[int]:
 def run_rl(overrides: Sequence[str], config_file: str | None = None) -> list[dict]:
     """`hyflow train <overrides>`: build the config, train, return the per-step metrics."""
     return RLTrainer(load_config(list(overrides), config_file=config_file)).fit()
+
+
+def numeric_reward_extras(batch: Batch) -> dict[str, torch.Tensor]:
+    """The reward function's extra keys whose values are all numbers (bools count), as float64 tensors [B]."""
+    out = {}
+    for key in [k for k in batch.keys() if k.startswith("reward_extra/")]:  # noqa: SIM118 (iter = rows)
+        values = list(batch[key])
+        if values and all(isinstance(v, (bool, int, float, np.number)) for v in values):
+            out[key.removeprefix("reward_extra/")] = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    return out

@@ -140,12 +140,17 @@ def test_config_accepts_the_new_names_and_refuses_what_is_not_built():
                   ["actor_rollout_ref.actor.policy_loss.loss_mode=dppo_kl"],
                   ["actor_rollout_ref.actor.policy_loss.loss_mode=dro", "actor_rollout_ref.actor.policy_loss.dro_beta=0.1"],
                   ["actor_rollout_ref.actor.loss_agg_mode=token-sum"],
+                  ["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[fmt,acc]"],
+                  ["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode",
+                   "algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.rollout.calculate_log_probs=true"],
                   ["algorithm.adv_estimator=gae", "algorithm.use_pf_ppo=true", "algorithm.pf_ppo.reweight_method=max_min"]):
         validate_config(load_config([*base, *extra]))
     for extra, message in (
         (["actor_rollout_ref.actor.policy_loss.loss_mode=dro"], "needs actor_rollout_ref.actor.policy_loss.dro_beta > 0"),
         (["algorithm.kl_penalty=full", "algorithm.use_kl_in_reward=true"], "algorithm.kl_penalty=full (full-vocabulary KL) is not supported"),
         (["algorithm.adv_estimator=grpo", "algorithm.use_pf_ppo=true"], "PF-PPO resamples the batch after GAE"),
+        (["algorithm.adv_estimator=gdpo"], "algorithm.adv_estimator=gdpo needs algorithm.gdpo_reward_keys"),
+        (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"], "needs algorithm.rollout_correction.bypass_mode=true"),
     ):
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             validate_config(load_config([*base, *extra]))
@@ -164,3 +169,27 @@ def test_a_group_estimator_with_one_sample_per_prompt_warns_from_the_registry(na
     with pytest.warns(UserWarning, match="every group is a singleton"):
         validate_config(load_config(["actor_rollout_ref.model.path=/m", f"algorithm.adv_estimator={name}",
                                      "actor_rollout_ref.rollout.n=1"]))
+
+
+def test_gdpo_normalises_each_component_in_its_group_then_whitens_the_weighted_sum():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
+    index = ["a", "a", "b", "b"]
+    fmt = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=D)
+    acc = torch.tensor([0.0, 1.0, 1.0, 0.0], dtype=D)
+    adv, returns = get_advantage_estimator("gdpo")(
+        torch.zeros(4, 3, dtype=D), mask, index=index, reward_extras={"format": fmt, "acc": acc},
+        gdpo_reward_keys=["format", "acc"], gdpo_reward_weights=[1.0, 2.0])
+    # GRPO per component (unbiased std of two values 0,1 is 0.7071; equal values give 0):
+    z = 1 / (0.5 ** 0.5 + 1e-6) * 0.5
+    a_format = torch.tensor([z, -z, 0.0, 0.0], dtype=D)
+    a_acc = torch.tensor([-z, z, z, -z], dtype=D)
+    combined = (a_format + 2.0 * a_acc)[:, None].expand(4, 3) * mask
+    valid = mask.bool()
+    mean = combined[valid].mean()
+    var = combined[valid].var(unbiased=True)
+    want = (combined - mean) / torch.sqrt(var + 1e-8) * mask
+    torch.testing.assert_close(adv, want)
+    torch.testing.assert_close(returns, adv)
+    with pytest.raises(ValueError, match=r"returned no \['missing'\]"):
+        get_advantage_estimator("gdpo")(torch.zeros(4, 3, dtype=D), mask, index=index, reward_extras={"acc": acc},
+                                        gdpo_reward_keys=["missing"])

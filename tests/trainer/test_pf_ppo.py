@@ -47,3 +47,24 @@ def test_a_ppo_run_with_pf_ppo_trains(tiny_model_dir, tmp_path):
                          f"trainer.default_local_dir={tmp_path / 'run'}", "reward_model.num_workers=0"]).fit()
     assert 1 <= history[-1]["pf_ppo/unique_samples"] <= 4
     assert "critic/vf_loss" in history[-1]
+
+
+def two_components(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return {"score": float(ground_truth in solution_str), "fmt": float("####" in solution_str),
+            "digits": float(sum(c.isdigit() for c in solution_str))}
+
+
+@pytest.mark.slow
+def test_a_gdpo_run_reads_the_reward_components(tiny_model_dir, tmp_path):
+    from hyflow.data.tasks import make_task
+    from hyflow.trainer.rl_trainer import RLTrainer
+
+    data = make_task("arithmetic", tmp_path / "data", n_train=8, n_test=2, seed=0, digits=1)
+    history = RLTrainer([f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files={data['train']}",
+                         "algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[fmt,digits]",
+                         "actor_rollout_ref.rollout.n=2", "data.train_batch_size=2",
+                         "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.max_response_length=6",
+                         "trainer.total_training_steps=1", "trainer.logger=[file]",
+                         f"trainer.default_local_dir={tmp_path / 'run'}", "reward_model.num_workers=0"],
+                        reward_fn=two_components).fit()
+    assert "actor/pg_loss" in history[-1]
