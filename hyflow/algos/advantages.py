@@ -453,6 +453,47 @@ def optimal_token_baseline(
     return adv_BT, returns_BT
 
 
+@register_advantage_estimator("tir_optimal_token_baseline", requires=("index", "old_log_prob", "sum_pi_squared"))
+@torch.no_grad()
+def tir_optimal_token_baseline(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index=None,
+    old_log_prob: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The optimal token baseline for tool-integrated (multi-turn) responses (verl's
+    `compute_multi_turn_optimal_token_baseline_advantage`): `optimal_token_baseline` over each response's MODEL
+    tokens only, aligned by their ordinal (the k-th generated token of every trajectory of a group shares a
+    baseline, whatever tool output sits between turns), with `handle_zero_tail` on by default.
+
+    Each row's valid tokens are packed to the left, the estimator runs there, and the advantages go back to
+    their positions. returns = G over the original layout (masked reverse cumulative sum of the rewards).
+    For single-turn responses (a mask that is a prefix) it equals `optimal_token_baseline(handle_zero_tail=True)`.
+    """
+    old_log_prob = old_log_prob if old_log_prob is not None else kwargs.get("old_log_probs")
+    mask_BT = response_mask.bool()
+    order_BT = torch.argsort((~mask_BT).to(torch.int8), dim=-1, stable=True)  # valid tokens first, in order
+    length_B = mask_BT.sum(-1)
+    packed_mask_BT = torch.arange(mask_BT.shape[1], device=mask_BT.device) < length_B.unsqueeze(-1)
+
+    def pack(x_BT):
+        return None if x_BT is None else _zero_masked(torch.gather(x_BT, 1, order_BT), packed_mask_BT)
+
+    packed_adv_BT, _ = optimal_token_baseline(
+        pack(token_level_rewards), packed_mask_BT.long(), index=index, old_log_prob=pack(old_log_prob),
+        sum_pi_squared=pack(sum_pi_squared), rollout_is_weights=pack(rollout_is_weights),
+        handle_zero_tail=handle_zero_tail, epsilon=epsilon)
+    adv_BT = torch.zeros_like(packed_adv_BT).scatter(1, order_BT, packed_adv_BT)
+    returns_BT = _zero_masked(_reverse_cumsum(_zero_masked(token_level_rewards, mask_BT)), mask_BT)
+    return _zero_masked(adv_BT, mask_BT), returns_BT
+
+
 def _zero_tail(
     baseline_BT: torch.Tensor, mask_BT: torch.Tensor, gid_B: torch.Tensor, count_G: torch.Tensor
 ) -> torch.Tensor:

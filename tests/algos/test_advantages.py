@@ -95,7 +95,7 @@ def random_batches(draw, discrete=False):
 
 def test_registry_holds_exactly_the_ten_estimators_and_verls_vectorized_names():
     mine = {name for name, fn in ADVANTAGE_ESTIMATORS.items() if fn.__module__ == adv.__name__}
-    assert mine == ESTIMATORS | {"grpo_vectorized", "rloo_vectorized", "gdpo"}
+    assert mine == ESTIMATORS | {"grpo_vectorized", "rloo_vectorized", "gdpo", "tir_optimal_token_baseline"}
     assert ADVANTAGE_ESTIMATORS["grpo_vectorized"] is adv.grpo and ADVANTAGE_ESTIMATORS["rloo_vectorized"] is adv.rloo
     assert get_advantage_estimator("grpo") is adv.grpo
 

@@ -193,3 +193,69 @@ def test_gdpo_normalises_each_component_in_its_group_then_whitens_the_weighted_s
     with pytest.raises(ValueError, match=r"returned no \['missing'\]"):
         get_advantage_estimator("gdpo")(torch.zeros(4, 3, dtype=D), mask, index=index, reward_extras={"acc": acc},
                                         gdpo_reward_keys=["missing"])
+
+
+def _tir_reference(rewards, mask, index, logp, spp, zero_tail=True, eps=1e-8):
+    """verl's loop (compute_multi_turn_optimal_token_baseline_advantage), restated: per group, baselines over the
+    k-th valid token of each trajectory; returns on the original layout."""
+    B = rewards.shape[0]
+    returns = (rewards * mask).flip(-1).cumsum(-1).flip(-1)
+    w_cum = ((1 - 2 * logp.exp() + spp) * mask).cumsum(-1)
+    lengths = [int(m.sum()) for m in mask]
+    L = max(lengths)
+    W = torch.zeros(B, L, dtype=D)
+    G = torch.zeros(B, L, dtype=D)
+    for i in range(B):
+        W[i, : lengths[i]] = w_cum[i, mask[i].bool()]
+        G[i, : lengths[i]] = returns[i, mask[i].bool()]
+    base = torch.zeros(B, L, dtype=D)
+    for g in set(index):
+        rows = [i for i in range(B) if index[i] == g and lengths[i] > 0]
+        if len(rows) == 1:
+            continue
+        b = (G[rows] * W[rows]).sum(0) / (W[rows].sum(0) + eps)
+        base[rows] = b
+        if zero_tail:
+            ls = sorted(lengths[i] for i in rows)
+            longest = [i for i in rows if lengths[i] == ls[-1]]
+            if len(longest) == 1 and ls[-1] > ls[-2]:
+                base[longest[0], ls[-2]:] = 0.0
+    adv = torch.zeros_like(rewards)
+    for i in range(B):
+        adv[i, mask[i].bool()] = (G[i] - base[i])[: lengths[i]]
+    # verl leaves the return-to-go at the gap (tool) positions; hyflow zeroes every masked position, which no
+    # loss or metric reads
+    return adv * mask, returns * mask
+
+
+def test_tir_optimal_token_baseline_aligns_model_tokens_across_tool_gaps():
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0],   # two turns with a 2-token tool response between them
+                         [1, 1, 1, 1, 1, 0, 0],
+                         [1, 0, 0, 1, 1, 1, 1],
+                         [1, 1, 1, 0, 0, 0, 0],
+                         [1, 1, 1, 1, 0, 0, 0]])
+    index = ["a", "a", "a", "b", "b"]
+    rewards = torch.zeros(5, 7, dtype=D)
+    for i, m in enumerate(mask):
+        rewards[i, int(m.nonzero().max())] = float(torch.randn((), generator=gen))
+    logp = -torch.rand(5, 7, generator=gen, dtype=D)
+    spp = torch.rand(5, 7, generator=gen, dtype=D) * 0.5
+    adv, returns = get_advantage_estimator("tir_optimal_token_baseline")(
+        rewards, mask, index=index, old_log_prob=logp, sum_pi_squared=spp)
+    want_adv, want_returns = _tir_reference(rewards, mask, index, logp, spp)
+    torch.testing.assert_close(adv, want_adv)
+    torch.testing.assert_close(returns, want_returns)
+
+
+def test_tir_equals_the_optimal_token_baseline_on_single_turn_responses():
+    gen = torch.Generator().manual_seed(4)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    rewards = torch.zeros(4, 4, dtype=D)
+    rewards[torch.arange(4), mask.sum(-1) - 1] = torch.randn(4, generator=gen, dtype=D)
+    kw = dict(index=[0, 0, 1, 1], old_log_prob=-torch.rand(4, 4, generator=gen, dtype=D),
+              sum_pi_squared=torch.rand(4, 4, generator=gen, dtype=D))
+    tir = get_advantage_estimator("tir_optimal_token_baseline")(rewards, mask, **kw)
+    otb = get_advantage_estimator("optimal_token_baseline")(rewards, mask, handle_zero_tail=True, **kw)
+    for a, b in zip(tir, otb):
+        torch.testing.assert_close(a, b)
