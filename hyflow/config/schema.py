@@ -351,7 +351,7 @@ class PolicyLossConfig:
 
     loss_mode: str = option(
         "vanilla",
-        "Registered policy loss: vanilla (PPO clip, Schulman et al. 2017, arXiv 1707.06347), gspo (arXiv 2507.18071), sapo (arXiv 2511.20347), gpg, clip_cov, kl_cov (arXiv 2505.22617), geo_mean (GMPO, arXiv 2507.20673), cispo (arXiv 2506.13585), ... see hyflow.algos.POLICY_LOSSES.",
+        "Registered policy loss: vanilla (PPO clip, Schulman et al. 2017, arXiv 1707.06347), gspo (arXiv 2507.18071), sapo (arXiv 2511.20347), gpg, clip_cov, kl_cov (arXiv 2505.22617), geo_mean (GMPO, arXiv 2507.20673), cispo (arXiv 2506.13585), dppo_tv / dppo_kl (arXiv 2602.04879), dro (needs dro_beta), reinforce, bypass_mode (PPO clip against the rollout log-probs, with algorithm.rollout_correction.bypass_mode=true); see hyflow.algos.POLICY_LOSSES.",
     )
     clip_cov_ratio: float = option(
         0.0002, "clip_cov: fraction of tokens whose gradient is dropped (arXiv 2505.22617)."
@@ -961,7 +961,7 @@ class AlgorithmConfig:
     lam: float = option(1.0, "GAE lambda: bias-variance trade-off (Schulman et al. 2016, arXiv 1506.02438).")
     adv_estimator: str = option(
         "gae",
-        "Registered advantage estimator: gae (PPO with critic), grpo (DeepSeekMath, arXiv 2402.03300), rloo (arXiv 2402.14740), reinforce_plus_plus(_baseline) (arXiv 2501.03262), remax (arXiv 2310.10505), opo, gpg, grpo_passk, ... see hyflow.algos.ADVANTAGE_ESTIMATORS.",
+        "Registered advantage estimator: gae (PPO with critic), grpo (DeepSeekMath, arXiv 2402.03300), rloo (arXiv 2402.14740), reinforce_plus_plus(_baseline) (arXiv 2501.03262), remax (arXiv 2310.10505), opo, gpg, grpo_passk, optimal_token_baseline, tir_optimal_token_baseline (multi-turn), gdpo (needs gdpo_reward_keys, arXiv 2601.05242), grpo_vectorized / rloo_vectorized (verl's names for grpo / rloo); see hyflow.algos.ADVANTAGE_ESTIMATORS.",
     )
     norm_adv_by_std_in_grpo: bool = option(
         True, "GRPO: divide group-centred rewards by the group std (False = Dr. GRPO, arXiv 2503.20783)."

@@ -39,6 +39,24 @@ def test_vectorized_names_compute_the_same_advantages(name):
     assert get_advantage_estimator(f"{name}_vectorized").requires == ("index",)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=12), st.integers(0, 2**31 - 1), st.booleans())
+def test_vectorized_names_equal_their_twins_on_any_grouping(groups, seed, norm_by_std):
+    # verl registers compute_grpo_vectorized_outcome_advantage / compute_rloo_vectorized_outcome_advantage as
+    # vectorised rewrites of grpo / rloo: same advantages for any group layout, singletons included.
+    gen = torch.Generator().manual_seed(seed)
+    B = len(groups)
+    mask = (torch.rand(B, 4, generator=gen) < 0.8).long()
+    mask[:, 0] = 1
+    rewards = torch.randn(B, 4, generator=gen, dtype=D) * mask
+    for name in ("grpo", "rloo"):
+        plain = get_advantage_estimator(name)(rewards, mask, index=groups, norm_adv_by_std_in_grpo=norm_by_std)
+        twin = get_advantage_estimator(f"{name}_vectorized")(rewards, mask, index=groups,
+                                                             norm_adv_by_std_in_grpo=norm_by_std)
+        for a, b in zip(plain, twin):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 def _dppo_case():
     # token 0: A>0, p rises 0.30 -> 0.60 (TV 0.30 > 0.2: outside); token 1: A>0, p 0.30 -> 0.40 (inside);
     # token 2: A<0, p falls 0.50 -> 0.20 (TV -0.30 < -0.2: outside); token 3: A<0, p 0.50 -> 0.45 (inside)
