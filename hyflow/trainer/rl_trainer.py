@@ -76,6 +76,8 @@ from hyflow.workers.critic import CriticWorker
 from hyflow.workers.fsdp import sharded_checkpoint_problem
 from hyflow.workers.reward_model import RewardModelWorker
 
+ROLLOUT_SEED_DEFAULT = 42  # actor_rollout_ref.rollout.seed's default (verl's)
+
 
 class RLTrainer:
     """PPO-family training from a config (object, or a list of verl-style overrides).
@@ -360,6 +362,8 @@ class RLTrainer:
     def sampling_params(self, *, validate: bool = False, seed: int | None = None) -> SamplingParams:
         r = self.config.actor_rollout_ref.rollout
         source = r.val_kwargs if validate else r
+        if seed is not None:  # rollout.seed moves every call's seed (its default, 42, leaves them as they were)
+            seed += (r.seed - ROLLOUT_SEED_DEFAULT) * 1_000_000_007
         return SamplingParams(n=source.n, max_new_tokens=r.response_length, temperature=source.temperature,
                               top_p=source.top_p, top_k=source.top_k, do_sample=source.do_sample,
                               calculate_log_probs=r.calculate_log_probs, seed=seed)

@@ -47,7 +47,7 @@ from hyflow.config.arithmetic import uses_reference
 from hyflow.controller import Collect, Dispatch, Worker, register
 from hyflow.models.forward import backbone_hidden_states, response_logprobs, unwrap_model
 from hyflow.models.loading import load_causal_lm, load_tokenizer
-from hyflow.rollout.base import SamplingParams, make_engine
+from hyflow.rollout.base import EngineSpec, SamplingParams, make_engine
 from hyflow.workers.engine import (
     all_reduce_sum,
     apply_full_determinism,
@@ -140,6 +140,8 @@ class ActorRolloutRefWorker(TrainingStateCheckpoints, Worker):
         self.weight_bucket_bytes = self.arr.rollout.checkpoint_engine.update_weights_bucket_megabytes << 20
         self.rollout = self._build_rollout(model)
         self.model = wrap_model(model, self.strategy, actor.fsdp_config)
+        if not self.rollout.shares_weights:
+            self.sync_rollout_weights()  # collective under FSDP2: every rank is here
         self.ref_model = None
         if ref_model is not None:
             ref_strategy = parallel_strategy(self.arr.ref.strategy, self.world_size)
@@ -159,25 +161,21 @@ class ActorRolloutRefWorker(TrainingStateCheckpoints, Worker):
         return sorted(ids)
 
     def _build_rollout(self, model):
-        """The engine on the actor's own module (one CPU process, or DDP on CPU: zero-copy) or on a full copy.
+        """The rollout engine of this rank, built by name (`hyflow.rollout.base.make_engine`).
 
-        The copy is in `rollout.dtype` on accelerators and in the actor's fp32 on CPU; FSDP2 always needs one,
-        since the actor's parameters are shards.
+        The hf engine generates with the actor's own module in one CPU process, or DDP on CPU (zero copy), else
+        with a copy of it; the vllm engine loads the model path itself. Either way the engine then holds the
+        actor's weights (a separate engine receives them at once: vllm may start from `load_format=dummy`).
         """
         rollout_cfg = self.arr.rollout
-        shares_weights = self.model_device.type == "cpu" and self.strategy != "fsdp2"
-        if shares_weights:
-            engine_model = model
-        else:
-            dtype = torch.float32 if self.model_device.type == "cpu" else {
-                "bfloat16": torch.bfloat16, "float16": torch.float16}.get(rollout_cfg.dtype, torch.float32)
-            engine_model = copy.deepcopy(model).to(dtype=dtype)
-            engine_model.requires_grad_(False)
-        self._rollout_shares_weights = shares_weights
-        self._rollout_model = engine_model
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        return make_engine(rollout_cfg.name, model=engine_model, eos_token_id=self._eos_ids(model), pad_token_id=pad,
-                           max_batch_size=rollout_cfg.max_num_seqs)
+        self._model_class, self._model_config = type(model), model.config
+        spec = EngineSpec(model_path=self.arr.model.path, device=self.model_device, rollout=rollout_cfg,
+                          eos_token_ids=self._eos_ids(model), pad_token_id=pad, module=model,
+                          share_module=self.model_device.type == "cpu" and self.strategy != "fsdp2",
+                          trust_remote_code=self.arr.model.trust_remote_code, seed=self.config.trainer.seed,
+                          rank=self.rank, world_size=self.world_size)
+        return make_engine(rollout_cfg.name, spec)
 
     # ------------------------------------------------------------------ rollout
     @register(Dispatch.DP_SPLIT, pad=False)
@@ -186,7 +184,12 @@ class ActorRolloutRefWorker(TrainingStateCheckpoints, Worker):
         if params.seed is not None:  # each rank draws its own samples
             params = dataclasses.replace(params, seed=params.seed + 1_000_003 * self.rank)
         start = time.perf_counter()
-        out = self.rollout.generate(prompts, params)
+        self.rollout.wake()
+        try:
+            out = self.rollout.generate(prompts, params)
+        finally:
+            if self.arr.rollout.free_cache_engine:
+                self.rollout.sleep()  # free the engine's memory while the actor trains
         out.meta.setdefault("metrics", {})["timing_s/generate_sequences"] = time.perf_counter() - start
         return out
 
@@ -199,12 +202,11 @@ class ActorRolloutRefWorker(TrainingStateCheckpoints, Worker):
         joins makes the others raise after the process-group timeout (DIST_TIMEOUT_S) instead of hanging.
         """
         start = time.perf_counter()
-        if not self._rollout_shares_weights:
+        if not self.rollout.shares_weights:
             try:
-                for bucket in full_tensor_buckets(self.model, self.weight_bucket_bytes):
-                    self.rollout.load_weights(bucket)
+                self.rollout.update_weights(full_tensor_buckets(self.model, self.weight_bucket_bytes))
             except RuntimeError as err:
-                if not is_distributed():
+                if not is_distributed() or type(err).__name__ == "VLLMEngineError":
                     raise
                 raise RuntimeError(f"sync_rollout_weights on rank {self.rank}: gathering the actor's weights failed "
                                    f"after {time.perf_counter() - start:.1f} s (a collective times out after the "
@@ -351,6 +353,6 @@ class ActorRolloutRefWorker(TrainingStateCheckpoints, Worker):
         state = full_state_dict(self.model)
         if self.rank != 0:
             return None
-        model = copy.deepcopy(self._rollout_model).to(device="cpu", dtype=torch.float32)
+        model = self._model_class(self._model_config).to(device="cpu", dtype=torch.float32)
         model.load_state_dict(state)
         return model, self.tokenizer

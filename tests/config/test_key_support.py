@@ -183,14 +183,15 @@ def lying_entries(entries: Iterable[support.KeySupport], leaves: Mapping[str, se
     sections' param_offload: a read of any of them contradicts an entry). Leaf names that are also common
     attributes of other objects (self.tokenizer, str.format) need their section written out. A not-supported
     entry with a predicate allows some values (ulysses size 1, fsdp_size -1), which the code reads and honours,
-    so only entries without one (and every performance-only entry) are checked."""
+    and a performance-only entry with a predicate is ignored only where the predicate holds (the vllm knobs while
+    rollout.name=hf; the vllm engine reads them), so only entries without a predicate are checked."""
     entries = list(entries)
     names = Counter(k.split(".")[-1] for ks in leaves.values() for k in set(ks))
     declared = {(e.schema, e.key) for e in entries}
     all_declared = {leaf for leaf in names if all((schema, k) in declared for schema, ks in leaves.items()
                                                   for k in ks if k.split(".")[-1] == leaf)}
     lying = []
-    for e in (e for e in entries if e.kind == support.PERFORMANCE_ONLY or e.asked is None):
+    for e in (e for e in entries if e.asked is None):
         leaf, sources = e.key.split(".")[-1], sources_for(e.schema)
         if leaf in {"tokenizer", "format"}:
             lying += [e.key] if reads_through_section(e.key, sources) else []
@@ -226,8 +227,11 @@ def test_a_key_has_one_kind_unless_its_predicates_split_it():
     for e in support.table():
         kinds.setdefault(e.key, set()).add(e.kind)
     both = {k for k, v in kinds.items() if len(v) > 1}
-    # engine_kwargs: the running engine's arguments are refused, the other engines' are irrelevant.
-    assert both <= {"actor_rollout_ref.rollout.engine_kwargs"}, both
+    # engine_kwargs: the hf engine's arguments are refused, the other engines' are irrelevant; engine parallelism:
+    # refused for vllm (not built), irrelevant for hf.
+    assert both <= {"actor_rollout_ref.rollout.engine_kwargs", *(f"actor_rollout_ref.rollout.{k}" for k in (
+        "tensor_model_parallel_size", "data_parallel_size", "expert_parallel_size",
+        "pipeline_model_parallel_size"))}, both
     cfg = load_config(["+actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4"])
     entries = [e for e in support.table() if e.key == "actor_rollout_ref.rollout.engine_kwargs"]
     assert [e.kind for e in entries if support.is_asked(e, cfg)] == [support.PERFORMANCE_ONLY]
@@ -417,7 +421,7 @@ def test_logger_reward_manager_and_engine_names_are_checked_at_config_time():
         validate_config(load_config(["trainer.logger=[consol,file]"]))
     with pytest.raises(ConfigError, match=r"reward_model.reward_manager='naiv' is not one of: .*Did you mean 'naive'"):
         validate_config(load_config(["reward_model.reward_manager=naiv"]))
-    with pytest.raises(ConfigError, match=r"rollout.name=sglang needs an engine that is not installed"):
+    with pytest.raises(ConfigError, match=r"rollout.name=sglang is not supported by this hyflow version yet"):
         validate_config(load_config(["actor_rollout_ref.rollout.name=sglang", "trainer.device=cuda"]))
 
 

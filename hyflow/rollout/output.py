@@ -1,0 +1,49 @@
+"""The output every engine returns: verl's rollout keys, assembled from prompts and sampled token ids.
+
+Rows are interleaved (p0s0, p0s1, ..., p1s0, ...). Keys: `prompts` [N, P] (left-padded), `responses` [N, R]
+(right-padded with the pad id), `response_mask` (1 up to and including the stop token), `input_ids`,
+`attention_mask`, `position_ids` [N, P + R], `rollout_log_probs` [N, R] (0 where masked; only when asked), every
+other column of the prompt batch repeated per sample, and `meta["temperature"]`: the temperature the log-probs
+were taken at (1.0 for greedy), which the trainer recomputes at.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyflow.batch import Batch
+from hyflow.rollout.base import SamplingParams
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """clamp(cumsum(mask) - 1, min=0): positions count only real tokens, so left padding does not shift them."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def assemble_rollout(prompts: Batch, input_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
+                     logprobs: torch.Tensor, lengths: torch.Tensor, params: SamplingParams) -> Batch:
+    """The rollout Batch from left-padded prompts [B, P], responses [B*n, R], their log-probs and lengths [B*n]."""
+    n = params.n
+    response_mask = (torch.arange(responses.shape[1], device=responses.device)[None] < lengths[:, None]).long()
+    prompt_ids = input_ids.repeat_interleave(n, dim=0)
+    prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
+    attention_mask = torch.cat([prompt_mask.long(), response_mask], dim=-1)
+    out = prompts.repeat(n, interleave=True)
+    for key in ("input_ids", "attention_mask", "position_ids", "raw_prompt_ids"):
+        if key in out:
+            out.pop(key)
+    out = out.to("cpu")
+    columns = {
+        "prompts": prompt_ids,
+        "responses": responses,
+        "response_mask": response_mask,
+        "input_ids": torch.cat([prompt_ids, responses], dim=-1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids_from_mask(attention_mask),
+    }
+    if params.calculate_log_probs:
+        columns["rollout_log_probs"] = logprobs * response_mask
+    for key, value in columns.items():
+        out[key] = value.cpu()
+    out.meta["temperature"] = 1.0 if params.greedy else params.temperature
+    return out

@@ -1,0 +1,386 @@
+"""The `vllm` rollout engine: vLLM's `LLM` in the worker process, colocated with the trainer (verl's hybrid engine).
+
+One engine per rank, built from `actor_rollout_ref.model.path` and the rollout config with verl's keys. Per call:
+1. prompts arrive left-padded; each row's real tokens become a `TokensPrompt` (token ids in, never text);
+2. vLLM samples `n` responses per prompt with `SamplingParams` built from hyflow's (temperature, top-k, top-p,
+   greedy, the EOS and stop ids, a seed per prompt so a run and its resume draw the same samples);
+3. the log-prob of every sampled token comes from vLLM's `processed_logprobs` mode: log_softmax(logits / T), the
+   definition the trainer recomputes (greedy: T = 1), so `rollout_log_probs` and rollout correction work
+   unchanged. With top-k / top-p on, vLLM takes the softmax over the kept tokens only (as verl's rollouts do);
+4. the output has the same keys as the `hf` engine's (`hyflow.rollout.output`).
+
+Weights: after every actor update `update_weights` receives the trainer's full weights, bucket by bucket:
+- on CPU vLLM prepacks each linear layer and empties `.weight`, so `model.load_weights` fails part-way (after it
+  has overwritten embeddings and norms). hyflow gathers every bucket, checks names and shapes against the
+  model's checkpoint, then runs vLLM's `reload_weights` (which re-packs), re-packs a tied `lm_head` (it keeps a
+  stale GEMM otherwise) and resets the prefix cache;
+- on CUDA each bucket goes to `model.load_weights` (verl's path), names and shapes checked first, then the prefix
+  cache is reset.
+A sync that fails part-way marks the engine broken: it refuses to generate until a sync succeeds, so no sample
+ever comes from a half-updated model.
+
+Environment, set by hyflow (a user sets config keys and nothing else): the engine runs in this process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`), advertises 127.0.0.1 (`VLLM_HOST_IP`), and on CPU gets a KV cache sized from
+`max_num_seqs x max_model_len` (capped by `gpu_memory_utilization` x free memory; vLLM's own default on CPU is half
+the machine's memory). vLLM's start-up reseeds the process's RNGs and replaces `torch.set_num_threads`; both are
+put back, so building the engine does not change the trainer's process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hyflow.batch import Batch
+from hyflow.rollout.base import EngineSpec, SamplingParams, register_engine
+from hyflow.rollout.output import assemble_rollout
+
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+           "float32": "float32", "fp32": "float32"}
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def vllm_environment() -> dict[str, str]:
+    """Environment variables the engine needs, set before vLLM is imported (existing values win for the
+    logging level; the others are what hyflow's engine relies on)."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1"}
+    env["VLLM_LOGGING_LEVEL"] = os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")
+    return env
+
+
+# vLLM loggers whose warnings say nothing to a hyflow user: the chat-template probe of a tokenizer-less engine,
+# the CPU worker refusing torch.set_num_threads during start-up, the layer-wise reload naming layers that have no
+# checkpoint tensors (rotary caches, a tied head).
+_QUIET_LOGGERS = ("vllm.renderers.base", "vllm.v1.worker.cpu_worker",
+                  "vllm.model_executor.model_loader.reload.layerwise")
+
+
+def _quiet_vllm_loggers() -> None:
+    import logging
+
+    for name in _QUIET_LOGGERS:  # `disabled` survives the dictConfig vLLM runs at start-up (a level would not)
+        logging.getLogger(name).disabled = True
+
+
+def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]] | None:
+    """Tensor name -> shape of the safetensors checkpoint at `model_path` (headers only), or None without one."""
+    path = Path(model_path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    return shapes
+
+
+def kv_cache_bytes(hf_config, *, dtype: str, max_num_seqs: int, max_model_len: int, fraction: float) -> int:
+    """KV cache for `max_num_seqs` sequences of `max_model_len` tokens:
+    2 (K and V) x layers x kv_heads x head_dim x dtype bytes per token, capped at `fraction` of the memory this
+    machine has free, and never less than one full sequence (vLLM refuses to start with less)."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * _DTYPE_BYTES[dtype]
+    wanted = per_token * max_num_seqs * max_model_len
+    import psutil
+
+    cap = int(psutil.virtual_memory().available * fraction)
+    block = 128  # vLLM's CPU block size: round to whole blocks of one sequence
+    one_sequence = per_token * block * -(-max_model_len // block)
+    return max(min(wanted, cap), one_sequence)
+
+
+@contextlib.contextmanager
+def _process_state_kept():
+    """Put back what vLLM's start-up changes in the calling process: the RNG states (it reseeds torch, numpy and
+    random) and `torch.set_num_threads` (its CPU worker replaces it with a function that refuses)."""
+    set_num_threads = torch.set_num_threads
+    torch_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+
+
+class VLLMEngineError(RuntimeError):
+    """The vLLM engine could not start, or a weight sync failed (the message names the cause and the fix)."""
+
+
+@register_engine("vllm")
+class VLLMRolloutEngine:
+    """Generation with vLLM in this process; see the module docstring."""
+
+    shares_weights = False
+
+    def __init__(self, model_path: str, *, eos_token_ids: Sequence[int], pad_token_id: int, device: str = "cpu",
+                 dtype: str = "bfloat16", max_model_len: int = 2048, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True,
+                 enable_prefix_caching: bool = True, enforce_eager: bool = False,
+                 gpu_memory_utilization: float = 0.5, free_cache_engine: bool = True, load_format: str = "auto",
+                 seed: int = 0, disable_log_stats: bool = True, cudagraph_capture_sizes: Sequence[int] | None = None,
+                 trust_remote_code: bool = False, tensor_parallel_size: int = 1,
+                 engine_kwargs: dict | None = None) -> None:
+        self.device_type = torch.device(device).type
+        if self.device_type not in ("cpu", "cuda"):
+            raise VLLMEngineError(f"the vllm engine runs on cpu or cuda, not {device!r}; set trainer.device")
+        if tensor_parallel_size != 1:
+            raise VLLMEngineError(
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tensor_parallel_size}: hyflow's vllm engine "
+                "runs one engine per device (tensor parallel 1); several devices sharing one engine is not built "
+                "yet. Set it to 1.")
+        self.eos_token_ids = sorted({int(i) for i in eos_token_ids})
+        if not self.eos_token_ids:
+            raise VLLMEngineError("the vllm engine needs at least one EOS token id (tokenizer.eos_token_id is None)")
+        self.pad_token_id = int(pad_token_id)
+        self.model_path = str(model_path)
+        self.max_model_len = int(max_model_len)
+        self.dtype = _DTYPES.get(dtype, dtype)
+        if self.dtype not in _DTYPE_BYTES:
+            raise VLLMEngineError(f"actor_rollout_ref.rollout.dtype={dtype!r}: the vllm engine runs in bfloat16, "
+                                  "float16 or float32")
+        self.torch_dtype = getattr(torch, self.dtype)
+        self.sleep_mode = self.device_type == "cuda" and free_cache_engine
+        self._asleep = False
+        self._weights_asleep = False
+        self._broken: str | None = None
+        self._expected = checkpoint_shapes(self.model_path)
+
+        os.environ.update(vllm_environment())
+        _quiet_vllm_loggers()
+        try:
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as err:
+            raise VLLMEngineError(f"the vllm engine cannot read the model config at {self.model_path!r}: {err}. "
+                                  "Set actor_rollout_ref.model.path to a Hugging Face model directory") from err
+        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        args = dict(
+            model=self.model_path, skip_tokenizer_init=True, dtype=self.dtype, load_format=load_format,
+            trust_remote_code=trust_remote_code, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max(max_num_batched_tokens, self.max_model_len if not enable_chunked_prefill
+                                       else max_num_batched_tokens),
+            enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
+            seed=seed, logprobs_mode="processed_logprobs", disable_log_stats=disable_log_stats,
+            tensor_parallel_size=1,
+        )
+        if self.device_type == "cpu":
+            # CPU: no CUDA graphs (eager), and the KV cache sized from the config instead of half the machine.
+            args.update(enforce_eager=True, kv_cache_memory_bytes=kv_cache_bytes(
+                hf_config, dtype=self.dtype, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+                fraction=gpu_memory_utilization))
+        else:
+            args.update(enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
+                        enable_sleep_mode=self.sleep_mode)
+            if cudagraph_capture_sizes:
+                args["compilation_config"] = {"cudagraph_capture_sizes": list(cudagraph_capture_sizes)}
+        args.update(engine_kwargs or {})
+        self.engine_args = args
+        try:
+            with _process_state_kept():
+                from vllm import LLM
+
+                self.llm = LLM(**args)
+        except Exception as err:  # vLLM raises many types; the cause is in the message
+            raise VLLMEngineError(f"the vllm engine failed to start for {self.model_path!r} on {self.device_type}: "
+                                  f"{type(err).__name__}: {err}") from err
+        self.model = self._model_runner().get_model()
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec) -> VLLMRolloutEngine:
+        """The engine for one rank from `actor_rollout_ref.rollout` (verl's keys)."""
+        r = spec.rollout
+        if spec.model_path is None:
+            raise VLLMEngineError("the vllm engine loads the model itself: set actor_rollout_ref.model.path")
+        return cls(
+            spec.model_path, eos_token_ids=spec.eos_token_ids, pad_token_id=spec.pad_token_id, device=spec.device,
+            dtype=r.dtype, max_model_len=r.max_model_len or (r.prompt_length + r.response_length),
+            max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
+            enable_chunked_prefill=r.enable_chunked_prefill, enable_prefix_caching=r.enable_prefix_caching,
+            enforce_eager=r.enforce_eager, gpu_memory_utilization=r.gpu_memory_utilization,
+            free_cache_engine=r.free_cache_engine, load_format=r.load_format, seed=r.seed + spec.rank,
+            disable_log_stats=r.disable_log_stats, cudagraph_capture_sizes=r.cudagraph_capture_sizes,
+            trust_remote_code=spec.trust_remote_code, tensor_parallel_size=r.tensor_model_parallel_size,
+            engine_kwargs=dict((r.engine_kwargs or {}).get("vllm") or {}),
+        )
+
+    # ------------------------------------------------------------------ protocol
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """Sample `params.n` responses per prompt; the output keys are those of `hyflow.rollout.output`."""
+        if self._broken is not None:
+            raise VLLMEngineError(f"the vllm engine holds a half-updated model and will not generate: {self._broken}")
+        if self._asleep:
+            raise RuntimeError("the vllm rollout engine is asleep; call wake() before generate()")
+        for key in ("input_ids", "attention_mask"):
+            if key not in prompts:
+                raise KeyError(f"generate() needs a {key!r} column of left-padded prompt token ids")
+        input_ids, prompt_mask = prompts["input_ids"].cpu(), prompts["attention_mask"].cpu()
+        if (prompt_mask[:, -1] == 0).any():
+            raise ValueError("prompts must be LEFT-padded (the last position of every row must be a real token)")
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        token_lists = [row[mask.bool()].tolist() for row, mask in zip(input_ids, prompt_mask)]
+        longest = max((len(t) for t in token_lists), default=0)
+        if longest + params.max_new_tokens > self.max_model_len:
+            raise ValueError(f"a prompt of {longest} tokens + {params.max_new_tokens} new tokens exceeds the vllm "
+                             f"engine's max_model_len={self.max_model_len}; raise actor_rollout_ref.rollout."
+                             "max_model_len (or leave it null: prompt_length + response_length)")
+        stop_ids = sorted(set(self.eos_token_ids) | {int(i) for i in params.stop_token_ids})
+        base = dict(n=params.n, max_tokens=params.max_new_tokens, stop_token_ids=stop_ids, ignore_eos=False,
+                    logprobs=0 if params.calculate_log_probs else None, detokenize=False,
+                    temperature=0.0 if params.greedy else params.temperature,
+                    top_p=1.0 if params.greedy else params.top_p,
+                    top_k=0 if params.greedy or params.top_k is None or params.top_k <= 0 else params.top_k)
+        # One seed per prompt; vLLM gives its n samples seed + 0 .. n - 1, so every row has its own stream.
+        sampling = [VLLMSamplingParams(**base, seed=None if params.seed is None else
+                                       (params.seed + i * params.n) % (2**63 - 1))
+                    for i in range(len(token_lists))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=t) for t in token_lists], sampling,
+                                    use_tqdm=False)
+        rows = len(token_lists) * params.n
+        R = params.max_new_tokens
+        responses = torch.full((rows, R), self.pad_token_id, dtype=torch.long)
+        logprobs = torch.zeros((rows, R), dtype=torch.float32)
+        lengths = torch.zeros(rows, dtype=torch.long)
+        for i, output in enumerate(outputs):
+            for j, sample in enumerate(sorted(output.outputs, key=lambda c: c.index)):
+                row, ids = i * params.n + j, list(sample.token_ids)[:R]
+                responses[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+                lengths[row] = len(ids)
+                if params.calculate_log_probs:
+                    if sample.logprobs is None:
+                        raise VLLMEngineError("vLLM returned no log-probs although they were asked for")
+                    logprobs[row, : len(ids)] = torch.tensor(
+                        [step[token].logprob for token, step in zip(ids, sample.logprobs)], dtype=torch.float32)
+        return assemble_rollout(prompts, input_ids, prompt_mask, responses, logprobs, lengths, params)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load one complete set of weights (see `update_weights`)."""
+        return self.update_weights([list(named_tensors)])
+
+    def update_weights(self, buckets: Iterable[Sequence[tuple[str, torch.Tensor]]]) -> int:
+        """Receive the trainer's full weights, bucket by bucket; returns how many tensors were loaded.
+
+        All or nothing: names and shapes are checked against the checkpoint before a tensor is written; a failure
+        part-way leaves the engine refusing to generate (VLLMEngineError) until a later sync succeeds.
+        """
+        if self.device_type == "cpu":
+            weights = [item for bucket in buckets for item in self._checked(bucket)]
+            self._check_complete(name for name, _ in weights)
+            loaded = self._guarded(lambda: self._reload_on_cpu(weights))
+        else:
+            seen: list[str] = []
+
+            def load_streaming() -> int:
+                if self._weights_asleep:
+                    self.llm.wake_up(tags=["weights"])
+                    self._weights_asleep = False
+                for bucket in buckets:
+                    checked = self._checked(bucket)
+                    self.model.load_weights(iter(checked))
+                    seen.extend(name for name, _ in checked)
+                self._check_complete(seen)
+                return len(seen)
+
+            loaded = self._guarded(load_streaming)
+        self.llm.reset_prefix_cache()
+        return loaded
+
+    def sleep(self) -> None:
+        """Free the KV cache and offload the weights while the trainer runs (CUDA with free_cache_engine: vLLM
+        sleep level 1). vLLM has no sleep mode on CPU: there it only marks the engine asleep."""
+        if self._asleep:
+            return
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
+            self._weights_asleep = True
+        self._asleep = True
+
+    def wake(self) -> None:
+        """Restore what `sleep` freed before the next `generate`."""
+        if not self._asleep:
+            return
+        if self.sleep_mode:
+            self.llm.wake_up(tags=None if self._weights_asleep else ["kv_cache"])
+            self._weights_asleep = False
+        self._asleep = False
+
+    # ------------------------------------------------------------------ internals
+    def _model_runner(self):
+        executor = self.llm.llm_engine.model_executor
+        return executor.driver_worker.worker.model_runner
+
+    def _checked(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """Names without wrapper prefixes, checked against the checkpoint's names and shapes."""
+        out = []
+        for name, tensor in bucket:
+            key = name
+            for prefix in _WRAPPER_PREFIXES:
+                key = key.replace(prefix, "")
+            if self._expected is not None:
+                if key == "lm_head.weight" and self.tied:
+                    continue  # the tied head is the embedding: vLLM loads it from embed_tokens
+                if key not in self._expected:
+                    raise VLLMEngineError(f"weight sync: the vllm engine's checkpoint has no tensor {name!r}; the "
+                                          "trainer's model and actor_rollout_ref.model.path disagree")
+                if tuple(tensor.shape) != self._expected[key]:
+                    raise VLLMEngineError(f"weight sync: {name!r} has shape {tuple(tensor.shape)}, the vllm "
+                                          f"engine's model expects {self._expected[key]}")
+            out.append((key, tensor.detach().to(dtype=self.torch_dtype)))
+        return out
+
+    def _check_complete(self, names: Iterable[str]) -> None:
+        if self._expected is None:
+            return
+        missing = sorted(set(self._expected) - set(names) - ({"lm_head.weight"} if self.tied else set()))
+        if missing:
+            raise VLLMEngineError(f"weight sync: {len(missing)} of the model's {len(self._expected)} tensors did not "
+                                  f"arrive (first: {missing[0]!r}); a partial sync would leave a half-updated model")
+
+    def _guarded(self, load) -> int:
+        """Run a load that writes into the model; if it fails, the engine is marked broken (see generate)."""
+        try:
+            loaded = load()
+        except Exception as err:
+            self._broken = f"the last weight sync failed: {type(err).__name__}: {err}"
+            if isinstance(err, VLLMEngineError):
+                raise
+            raise VLLMEngineError(f"weight sync into the vllm engine failed: {type(err).__name__}: {err}. The "
+                                  "engine refuses to generate until a sync succeeds") from err
+        self._broken = None
+        return loaded
+
+    def _reload_on_cpu(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """vLLM's in-place reload (it re-packs every linear layer), then the tied head's GEMM re-packed."""
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        self._model_runner().reload_weights(weights_iterator=iter(weights))
+        if self.tied and hasattr(self.model, "lm_head"):
+            dispatch_cpu_unquantized_gemm(self.model.lm_head, remove_weight=False)
+        return len(weights)
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The engine model's own parameters (vLLM names: fused qkv_proj, gate_up_proj); for tests and debugging."""
+        yield from self.model.named_parameters()
