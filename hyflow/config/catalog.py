@@ -15,8 +15,8 @@ layer: `trainer.logger` backends with the package each needs, reward managers an
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
 import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 

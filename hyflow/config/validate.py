@@ -31,7 +31,6 @@ from hyflow.config.keys import ConfigError
 from hyflow.config.schema import HyflowConfig
 from hyflow.config.support import not_supported_problems
 
-
 A = "actor_rollout_ref.actor"
 R = "actor_rollout_ref.rollout"
 
