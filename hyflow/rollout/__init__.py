@@ -1,1 +1,1 @@
-"""Generation engines behind one protocol (`hf` default), multi-turn agent loop and tools."""
+"""Generation engines behind one protocol, built by name: `hf` (transformers, the default) and `vllm`."""

@@ -1,8 +1,11 @@
-"""The rollout-engine protocol and sampling parameters.
+"""The rollout-engine protocol, sampling parameters, and the one factory that builds an engine by name.
 
 An engine turns prompt token ids into response token ids (never text): `generate(prompts, params) -> Batch`
-with verl's keys, `load_weights(named_tensors)` to receive the trainer's weights, `sleep()` / `wake()` to give
-memory back while the trainer runs. Engines register by name (`actor_rollout_ref.rollout.name`).
+with verl's keys (`hyflow.rollout.output`), `update_weights(buckets)` to receive the trainer's weights after an
+update (all or nothing), `sleep()` / `wake()` to give memory back while the trainer runs. `make_engine(name,
+EngineSpec(...))` builds the engine registered as `actor_rollout_ref.rollout.name` for one rank from the model
+path, device, rollout config and, for `hf`, the trainer's own module. Engine modules are imported on first use
+(`ENGINE_MODULES`), so importing this module loads no engine and no vLLM.
 """
 
 from __future__ import annotations

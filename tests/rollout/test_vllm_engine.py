@@ -139,7 +139,7 @@ def test_n_samples_interleaved_seeded_and_columns_repeated(engine, tiny_tokenize
     assert set(out.keys()) >= {"prompts", "responses", "response_mask", "input_ids", "attention_mask",
                                "position_ids", "rollout_log_probs"}
     unlogged = SamplingParams(n=1, max_new_tokens=4, seed=1, calculate_log_probs=False)
-    assert "rollout_log_probs" not in engine.generate(prompts, unlogged).keys()
+    assert "rollout_log_probs" not in engine.generate(prompts, unlogged)
 
 
 def test_a_stop_id_ends_the_response_and_is_kept(engine, tiny_tokenizer):
@@ -163,9 +163,9 @@ def test_a_partial_or_mismatched_sync_is_refused_before_anything_is_written(engi
         engine.update_weights([state[: len(state) // 2]])
     name, tensor = state[0]
     with pytest.raises(RuntimeError, match=f"{name}.*has shape"):
-        engine.update_weights([[(name, tensor[:-1])] + state[1:]])
+        engine.update_weights([[(name, tensor[:-1]), *state[1:]]])
     with pytest.raises(RuntimeError, match="has no tensor 'nope.weight'"):
-        engine.update_weights([state + [("nope.weight", torch.zeros(2))]])
+        engine.update_weights([[*state, ("nope.weight", torch.zeros(2))]])
     assert torch.equal(engine.generate(prompts, params)["responses"], before)  # still the old, whole model
 
 
