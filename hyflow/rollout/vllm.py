@@ -32,6 +32,7 @@ import contextlib
 import json
 import os
 import random
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -201,6 +202,10 @@ class VLLMRolloutEngine:
                               LOCAL_RANK=str(device_index if device_index is not None else rank))
         if self.device_type == "cpu":
             # CPU: no CUDA graphs (eager), and the KV cache sized from the config instead of half the machine.
+            if not enforce_eager:
+                warnings.warn("actor_rollout_ref.rollout.enforce_eager=False: the vllm engine runs eagerly on CPU "
+                              "anyway (CUDA graphs exist only on GPUs); speed only, the samples are the same",
+                              stacklevel=2)
             args.update(enforce_eager=True, kv_cache_memory_bytes=kv_cache_bytes(
                 hf_config, dtype=self.dtype, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                 fraction=gpu_memory_utilization, tensor_parallel_size=self.tp))

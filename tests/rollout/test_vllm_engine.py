@@ -233,3 +233,19 @@ def test_an_engine_that_cannot_start_names_the_cause(tmp_path, tiny_tokenizer):
         build(broken, tiny_tokenizer)
     with pytest.raises(RuntimeError, match="tensor_model_parallel_size=2"):
         build(tmp_path / "nowhere", tiny_tokenizer, None, "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+
+
+def test_config_keys_reach_the_engine(tiny_model_dir, tiny_tokenizer, model):
+    with pytest.warns(UserWarning, match="runs eagerly on CPU anyway"):
+        engine = build(tiny_model_dir, tiny_tokenizer, model, "actor_rollout_ref.rollout.max_num_seqs=7",
+                       "actor_rollout_ref.rollout.enable_prefix_caching=false",
+                       "+actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs=3")
+    config = engine.llm.llm_engine.vllm_config
+    assert config.scheduler_config.max_num_seqs == 7
+    assert config.cache_config.enable_prefix_caching is False
+    assert config.model_config.max_logprobs == 3  # engine_kwargs.vllm goes to vllm.LLM as it is
+    assert config.model_config.max_model_len == 32 + 24  # prompt_length + response_length
+    assert config.model_config.logprobs_mode == "processed_logprobs"
+    # KV cache: 7 sequences x 56 tokens x (2 x 2 layers x 2 kv heads x 32 dims x 4 bytes), at least one 128-block
+    kv = config.cache_config.kv_cache_memory_bytes
+    assert kv == max(7 * 56, 128) * 2 * 2 * 2 * 32 * 4 < 1 << 20
