@@ -16,6 +16,7 @@ Works on CPU and GPU with any Hugging Face decoder. Per call:
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -77,6 +78,9 @@ class HFRolloutEngine:
         self._asleep = False
         self._device = next(model.parameters()).device
         self.shares_weights = False  # from_spec sets it when the model is the trainer's own module
+        # transformers >= 5.24 names the KV-cache argument `cache` (`past_key_values` is deprecated there)
+        forward_args = inspect.signature(type(model).forward).parameters
+        self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
 
     # ------------------------------------------------------------------ protocol
     @torch.inference_mode()
@@ -169,7 +173,7 @@ class HFRolloutEngine:
         cache = DynamicCache(config=getattr(self.model, "config", None))
         positions = position_ids_from_mask(prompt_mask)
         out = self.model(input_ids=input_ids, attention_mask=prompt_mask, position_ids=positions,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+                         **{self._cache_arg: cache}, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1].repeat_interleave(n, dim=0)
         if n > 1:
             cache.batch_repeat_interleave(n)
@@ -197,7 +201,7 @@ class HFRolloutEngine:
                 done = done[keep]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
             out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                             past_key_values=cache, use_cache=True)
+                             **{self._cache_arg: cache}, use_cache=True)
             logits = out.logits[:, -1]
             next_pos = next_pos + 1
         return responses, logprobs, lengths
