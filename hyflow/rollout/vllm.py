@@ -106,6 +106,33 @@ def kv_cache_bytes(hf_config, *, dtype: str, max_num_seqs: int, max_model_len: i
     return max(min(wanted, cap), one_sequence)
 
 
+def remove_stale_cpu_shm(shm_dir: str = "/dev/shm") -> list[str]:
+    """Delete the shared-memory segments of vLLM's CPU tensor-parallel all-reduce (`*-cpushm_*`) that no live
+    process maps, and return their names.
+
+    vLLM names them after the process group, the same name every run (its external launcher's `env://`), and a run
+    whose workers were killed leaves them behind; the next tensor-parallel engine then fails with "create shm in
+    SHMManager failed. errno: 17". A segment some process still maps (another live engine) is left alone.
+    """
+    root = Path(shm_dir)
+    candidates = {f.name for f in root.glob("*-cpushm_*")} if root.is_dir() else set()
+    if not candidates:
+        return []
+    in_use: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue  # gone, or not ours to read
+        in_use.update(name for name in candidates if f"{shm_dir}/{name}" in text)
+    removed = []
+    for name in sorted(candidates - in_use):
+        with contextlib.suppress(FileNotFoundError):
+            (root / name).unlink()
+            removed.append(name)
+    return removed
+
+
 @contextlib.contextmanager
 def _process_state_kept():
     """Put back what vLLM's start-up changes in the calling process: the RNG states (it reseeds torch, numpy and
@@ -200,6 +227,10 @@ class VLLMRolloutEngine:
             device_index = torch.device(device).index
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
                               LOCAL_RANK=str(device_index if device_index is not None else rank))
+            if self.device_type == "cpu":  # one rank clears what a killed run left, then all build together
+                if rank == 0:
+                    remove_stale_cpu_shm()
+                torch.distributed.barrier()
         if self.device_type == "cpu":
             # CPU: no CUDA graphs (eager), and the KV cache sized from the config instead of half the machine.
             if not enforce_eager:

@@ -111,3 +111,16 @@ def test_rollout_seed_moves_every_call_seed_and_its_default_keeps_them(tiny_mode
     assert seed_of() == 1234 and seed_of(f"{R}.seed=42") == 1234
     assert seed_of(f"{R}.seed=43") != 1234
     assert seed_of(f"{R}.seed=43") != seed_of(f"{R}.seed=44")
+
+
+def test_stale_cpu_shared_memory_of_a_killed_tensor_parallel_run_is_removed_and_live_one_kept(tmp_path):
+    import mmap
+
+    from hyflow.rollout.vllm import remove_stale_cpu_shm
+
+    stale, live, other = tmp_path / "-tp:0-[0-1]-cpushm_0", tmp_path / "-tp:0-[0-1]-cpushm_1", tmp_path / "psm_x"
+    for f in (stale, live, other):
+        f.write_bytes(b"\0" * 4096)
+    with open(live, "r+b") as handle, mmap.mmap(handle.fileno(), 4096):  # mapped by a live process: this one
+        assert remove_stale_cpu_shm(str(tmp_path)) == [stale.name]
+    assert not stale.exists() and live.exists() and other.exists()

@@ -163,6 +163,10 @@ def test_two_ray_workers_share_one_tensor_parallel_engine(tiny_model_dir, task_d
     the workers' gloo group), each holding half of every sharded weight; every rank gets its own prompts' samples,
     and after a training step the synced shards still give log-probs equal to the trainer's recompute."""
     run = tmp_path / "tp"
+    if tp == 2:  # what a killed tensor-parallel run leaves behind (vLLM names its CPU all-reduce segments the same
+        # in every run): the engine must clear it instead of failing with "create shm in SHMManager failed"
+        for rank in range(2):
+            Path(f"/dev/shm/-tp:0-[0-1]-cpushm_{rank}").write_bytes(b"\0" * 4096)
     args = overrides(tiny_model_dir, task_dir, run, f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
                      "actor_rollout_ref.rollout.calculate_log_probs=true", "trainer.total_training_steps=2",
                      "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # one optimizer step: the gap is pre-update
