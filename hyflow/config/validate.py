@@ -460,6 +460,10 @@ def _check_sampling(cfg: HyflowConfig) -> list[str]:
     for key, top_p in ((f"{R}.top_p", rollout.top_p), (f"{R}.val_kwargs.top_p", val.top_p)):
         if not 0 < top_p <= 1:
             problems.append(f"{key}={top_p} must be in (0, 1]; use 1.0 to turn nucleus sampling off.")
+    if rollout.name == "vllm" and rollout.max_num_batched_tokens < rollout.max_num_seqs:
+        problems.append(f"{R}.max_num_batched_tokens={rollout.max_num_batched_tokens} is smaller than {R}.max_num_seqs="
+                        f"{rollout.max_num_seqs}; vLLM schedules at least one token per sequence per step: raise "
+                        f"max_num_batched_tokens or lower max_num_seqs.")
     needed = rollout.prompt_length + rollout.response_length
     if rollout.max_model_len is not None and rollout.max_model_len < needed:
         problems.append(f"{R}.max_model_len={rollout.max_model_len} is shorter than prompt_length + response_length "

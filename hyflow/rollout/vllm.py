@@ -88,22 +88,21 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]] | None:
 
 def kv_cache_bytes(hf_config, *, dtype: str, max_num_seqs: int, max_model_len: int, fraction: float,
                    tensor_parallel_size: int = 1) -> int:
-    """KV cache of one rank for `max_num_seqs` sequences of `max_model_len` tokens:
-    2 (K and V) x layers x kv_heads / tp x head_dim x dtype bytes per token, capped at `fraction` of the memory
-    this machine has free, and never less than one full sequence (vLLM refuses to start with less)."""
+    """KV cache of one rank for `max_num_seqs` sequences of `max_model_len` tokens (rounded up to vLLM's 128-token
+    CPU blocks): 2 (K and V) x layers x kv_heads / tp x head_dim x dtype bytes per token, capped at `fraction` of
+    the memory this machine has free, and never less than one full sequence (vLLM refuses to start with less)."""
     text = getattr(hf_config, "text_config", None) or hf_config
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = max(1, kv_heads // tensor_parallel_size)
     per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * _DTYPE_BYTES[dtype]
-    wanted = per_token * max_num_seqs * max_model_len
+    block = 128  # vLLM's CPU block size: a sequence holds whole blocks
+    one_sequence = per_token * block * -(-max_model_len // block)
     import psutil
 
     cap = int(psutil.virtual_memory().available * fraction)
-    block = 128  # vLLM's CPU block size: round to whole blocks of one sequence
-    one_sequence = per_token * block * -(-max_model_len // block)
-    return max(min(wanted, cap), one_sequence)
+    return max(min(one_sequence * max_num_seqs, cap), one_sequence)
 
 
 def remove_stale_cpu_shm(shm_dir: str = "/dev/shm") -> list[str]:
@@ -232,12 +231,19 @@ class VLLMRolloutEngine:
                     remove_stale_cpu_shm()
                 torch.distributed.barrier()
         if self.device_type == "cpu":
-            # CPU: no CUDA graphs (eager), and the KV cache sized from the config instead of half the machine.
-            if not enforce_eager:
-                warnings.warn("actor_rollout_ref.rollout.enforce_eager=False: the vllm engine runs eagerly on CPU "
-                              "anyway (CUDA graphs exist only on GPUs); speed only, the samples are the same",
+            # CPU: eager (CUDA graphs exist only on GPUs); whole-prompt prefills (vLLM 0.32 cannot resume a seeded
+            # request's split prefill on CPU: "CPU Generator does not use offset"); the KV cache sized from the
+            # config instead of half the machine.
+            overridden = ([] if enforce_eager else ["enforce_eager=False"]) + (
+                ["enable_chunked_prefill=True"] if enable_chunked_prefill else [])
+            if overridden:
+                warnings.warn(f"actor_rollout_ref.rollout.{' and '.join(overridden)}: on CPU the vllm engine runs "
+                              "eagerly and prefills whole prompts (CUDA graphs exist only on GPUs; vLLM cannot split "
+                              "a seeded prompt's prefill on CPU); speed only, the samples are the same",
                               stacklevel=2)
-            args.update(enforce_eager=True, kv_cache_memory_bytes=kv_cache_bytes(
+            args.update(enforce_eager=True, enable_chunked_prefill=False,
+                        max_num_batched_tokens=max(max_num_batched_tokens, self.max_model_len),
+                        kv_cache_memory_bytes=kv_cache_bytes(
                 hf_config, dtype=self.dtype, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
                 fraction=gpu_memory_utilization, tensor_parallel_size=self.tp))
         else:

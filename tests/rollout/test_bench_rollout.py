@@ -1,5 +1,5 @@
-"""benchmarks/bench_rollout.py runs end to end with all three paths (crash check only: no timing assertions) and
-rejects bad options before it loads vLLM (that test runs in the main venv too)."""
+"""benchmarks/bench_rollout.py runs end to end with all three paths (crash check only: no timing
+assertions) and rejects bad options before it loads vLLM (that test runs in the main venv too)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ SMALLEST = ["--presets", "tiny", "--prompts", "2", "--samples", "2", "--max-new-
 
 
 def run_script(*argv: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.mark.vllm

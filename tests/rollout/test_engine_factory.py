@@ -84,6 +84,8 @@ def test_vllm_config_checks(vllm_available):
     assert "data_parallel_size is not supported" in config_problems(f"{R}.name=vllm", f"{R}.data_parallel_size=2")
     msg = config_problems(f"{R}.name=vllm", f"{R}.logprobs_mode=raw_logprobs")
     assert "logprobs_mode is not supported" in msg and "processed_logprobs" in msg
+    msg = config_problems(f"{R}.name=vllm", f"{R}.max_num_batched_tokens=64", f"{R}.max_num_seqs=128")
+    assert "max_num_batched_tokens=64 is smaller than actor_rollout_ref.rollout.max_num_seqs=128" in msg
     msg = config_problems(f"{R}.name=hf", f"+{R}.engine_kwargs.hf.x=1")
     assert "the hf engine takes no engine arguments" in msg
 

@@ -236,7 +236,8 @@ def test_an_engine_that_cannot_start_names_the_cause(tmp_path, tiny_tokenizer):
 
 
 def test_config_keys_reach_the_engine(tiny_model_dir, tiny_tokenizer, model):
-    with pytest.warns(UserWarning, match="runs eagerly on CPU anyway"):
+    with pytest.warns(UserWarning, match=r"enforce_eager=False and enable_chunked_prefill=True: on CPU the vllm "
+                                         r"engine runs eagerly and prefills whole prompts"):
         engine = build(tiny_model_dir, tiny_tokenizer, model, "actor_rollout_ref.rollout.max_num_seqs=7",
                        "actor_rollout_ref.rollout.enable_prefix_caching=false",
                        "+actor_rollout_ref.rollout.engine_kwargs.vllm.max_logprobs=3")
@@ -246,6 +247,22 @@ def test_config_keys_reach_the_engine(tiny_model_dir, tiny_tokenizer, model):
     assert config.model_config.max_logprobs == 3  # engine_kwargs.vllm goes to vllm.LLM as it is
     assert config.model_config.max_model_len == 32 + 24  # prompt_length + response_length
     assert config.model_config.logprobs_mode == "processed_logprobs"
-    # KV cache: 7 sequences x 56 tokens x (2 x 2 layers x 2 kv heads x 32 dims x 4 bytes), at least one 128-block
+    assert config.scheduler_config.enable_chunked_prefill is False
+    # KV cache: 7 sequences x 56 tokens, each rounded up to one 128-token block, x (2 x 2 layers x 2 kv heads x
+    # 32 dims x 4 bytes) per token: room for all max_num_seqs at once, and no more
     kv = config.cache_config.kv_cache_memory_bytes
-    assert kv == max(7 * 56, 128) * 2 * 2 * 2 * 32 * 4 < 1 << 20
+    assert kv == 7 * 128 * 2 * 2 * 2 * 32 * 4 < 1 << 20
+
+
+def test_a_batch_of_prompts_larger_than_the_token_budget_is_generated_whole(tiny_model_dir, tiny_tokenizer, model):
+    # 8 prompts x n=4 over a 64-token scheduler budget: vLLM must spread the prefills over several steps. A split
+    # prefill of a seeded request crashed vLLM 0.32 on CPU ("CPU Generator does not use offset"); the CPU engine
+    # therefore prefills whole prompts.
+    engine = build(tiny_model_dir, tiny_tokenizer, model, "actor_rollout_ref.rollout.max_num_batched_tokens=64",
+                   "actor_rollout_ref.rollout.max_num_seqs=64")
+    engine.update_weights([list(model.state_dict().items())])
+    prompts = prompt_batch(tiny_tokenizer, TEXTS * 2)
+    out = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=8, temperature=1.0, seed=2))
+    assert len(out) == 32
+    mask = out["response_mask"].bool()
+    torch.testing.assert_close(out["rollout_log_probs"][mask], recompute(model, out, 1.0)[mask], atol=1e-5, rtol=0)
