@@ -213,8 +213,9 @@ class VLLMRolloutEngine:
         args = dict(
             model=self.model_path, skip_tokenizer_init=True, dtype=self.dtype, load_format=load_format,
             trust_remote_code=trust_remote_code, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max(max_num_batched_tokens, self.max_model_len if not enable_chunked_prefill
-                                       else max_num_batched_tokens),
+            # without chunked prefill vLLM needs room for one whole sequence per scheduler step
+            max_num_batched_tokens=(max_num_batched_tokens if enable_chunked_prefill
+                                    else max(max_num_batched_tokens, self.max_model_len)),
             enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
             seed=seed, logprobs_mode="processed_logprobs", disable_log_stats=disable_log_stats,
             tensor_parallel_size=self.tp,
@@ -241,11 +242,11 @@ class VLLMRolloutEngine:
                               "eagerly and prefills whole prompts (CUDA graphs exist only on GPUs; vLLM cannot split "
                               "a seeded prompt's prefill on CPU); speed only, the samples are the same",
                               stacklevel=2)
-            args.update(enforce_eager=True, enable_chunked_prefill=False,
-                        max_num_batched_tokens=max(max_num_batched_tokens, self.max_model_len),
-                        kv_cache_memory_bytes=kv_cache_bytes(
-                hf_config, dtype=self.dtype, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
-                fraction=gpu_memory_utilization, tensor_parallel_size=self.tp))
+            kv_bytes = kv_cache_bytes(hf_config, dtype=self.dtype, max_num_seqs=max_num_seqs,
+                                      max_model_len=self.max_model_len, fraction=gpu_memory_utilization,
+                                      tensor_parallel_size=self.tp)
+            args.update(enforce_eager=True, enable_chunked_prefill=False, kv_cache_memory_bytes=kv_bytes,
+                        max_num_batched_tokens=max(max_num_batched_tokens, self.max_model_len))
         else:
             args.update(enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
                         enable_sleep_mode=self.sleep_mode)

@@ -3,29 +3,9 @@ RLOO and DAPO run a few steps each, and GRPO and PPO raise the mean reward."""
 
 import pytest
 
-from hyflow.config.sft_schema import load_sft_config
-from hyflow.data.tasks import make_task
-from hyflow.trainer.export import export_checkpoint
 from hyflow.trainer.rl_trainer import RLTrainer
-from hyflow.trainer.sft_trainer import SFTTrainer
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def warm(tiny_model_dir, tmp_path_factory):
-    """(SFT model dir, data dir): the quickstart's task and SFT warm start."""
-    root = tmp_path_factory.mktemp("warm")
-    make_task("arithmetic", root / "data", n_train=3000, n_test=32, seed=0, digits=1, n_operands=3, operators="+-",
-              answer_line_rate=0.5)
-    SFTTrainer(load_sft_config([
-        f"model.partial_pretrain={tiny_model_dir}", f"data.train_files={root}/data/train.parquet",
-        "data.response_key=extra_info.answer", "data.max_length=96", "data.train_batch_size=32",
-        "data.micro_batch_size_per_gpu=32", "optim.lr=3e-3", "optim.lr_scheduler=cosine",
-        "optim.lr_warmup_steps_ratio=0.05", "trainer.total_training_steps=600", "trainer.logger=[file]",
-        f"trainer.default_local_dir={root}/sft", "model.enable_gradient_checkpointing=false", "trainer.seed=0",
-    ])).fit()
-    return export_checkpoint(root / "sft" / "global_step_600", root / "sft_model"), root / "data"
 
 
 def rl(warm, run_dir, steps, *extra):

@@ -20,15 +20,6 @@ def digit_reward(data_source, solution_str, ground_truth, extra_info=None, **kwa
     return {"score": digits / max(len(solution_str), 1), "digits": digits}
 
 
-@pytest.fixture(scope="module")
-def task_dir(tmp_path_factory):
-    from hyflow.data.tasks import make_task
-
-    out = tmp_path_factory.mktemp("arith")
-    make_task("arithmetic", out, n_train=64, n_test=8, seed=0, digits=1)
-    return out
-
-
 def overrides(model_dir, task_dir, run_dir, *extra):
     return [
         f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={task_dir}/train.parquet",

@@ -22,15 +22,6 @@ def digit_reward(data_source, solution_str, ground_truth, extra_info=None, **kwa
     return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
 
 
-@pytest.fixture(scope="module")
-def task_dir(tmp_path_factory):
-    from hyflow.data.tasks import make_task
-
-    out = tmp_path_factory.mktemp("arith")
-    make_task("arithmetic", out, n_train=64, n_test=8, seed=0, digits=1)
-    return out
-
-
 def overrides(model_dir, task_dir, run_dir, *extra):
     return [
         f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={task_dir}/train.parquet",
@@ -75,27 +66,6 @@ def test_resume_with_vllm_is_exact(tiny_model_dir, task_dir, tmp_path):
     RLTrainer(overrides(tiny_model_dir, task_dir, part, "trainer.total_training_steps=4", "trainer.test_freq=2",
                         "trainer.save_freq=2"), reward_fn=digit_reward).fit()
     assert comparable(read_metrics(part)) == comparable(read_metrics(full))
-
-
-@pytest.fixture(scope="module")
-def warm(tiny_model_dir, tmp_path_factory):
-    """(SFT model dir, data dir): the quickstart's task and its SFT warm start (about a minute)."""
-    from hyflow.config.sft_schema import load_sft_config
-    from hyflow.data.tasks import make_task
-    from hyflow.trainer.export import export_checkpoint
-    from hyflow.trainer.sft_trainer import SFTTrainer
-
-    root = tmp_path_factory.mktemp("warm")
-    make_task("arithmetic", root / "data", n_train=3000, n_test=32, seed=0, digits=1, n_operands=3, operators="+-",
-              answer_line_rate=0.5)
-    SFTTrainer(load_sft_config([
-        f"model.partial_pretrain={tiny_model_dir}", f"data.train_files={root}/data/train.parquet",
-        "data.response_key=extra_info.answer", "data.max_length=96", "data.train_batch_size=32",
-        "data.micro_batch_size_per_gpu=32", "optim.lr=3e-3", "optim.lr_scheduler=cosine",
-        "optim.lr_warmup_steps_ratio=0.05", "trainer.total_training_steps=600", "trainer.logger=[file]",
-        f"trainer.default_local_dir={root}/sft", "model.enable_gradient_checkpointing=false", "trainer.seed=0",
-    ])).fit()
-    return export_checkpoint(root / "sft" / "global_step_600", root / "sft_model"), root / "data"
 
 
 def test_grpo_with_vllm_raises_the_reward(warm, tmp_path):
