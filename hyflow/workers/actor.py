@@ -43,7 +43,7 @@ from hyflow.algos import (
 )
 from hyflow.batch import Batch
 from hyflow.config import HyflowConfig
-from hyflow.config.arithmetic import uses_reference
+from hyflow.config.arithmetic import batch_arithmetic, uses_reference
 from hyflow.controller import Collect, Dispatch, Worker, register
 from hyflow.models.forward import backbone_hidden_states, response_logprobs, unwrap_model
 from hyflow.models.loading import load_causal_lm, load_tokenizer
@@ -54,9 +54,9 @@ from hyflow.workers.engine import (
     build_optimizer,
     build_scheduler,
     finish_mini_batch,
+    micro_batches_as_derived,
     mini_batches,
     pad_response,
-    sync_micro_batch_count,
     trim_padding,
 )
 from hyflow.workers.fsdp import (
@@ -116,6 +116,7 @@ class ActorRolloutRefWorker(TrainingStateCheckpoints, Worker):
         """
         model_cfg = self.arr.model
         actor = self.arr.actor
+        self.batches = batch_arithmetic(self.config)  # what `hyflow config` prints: micro-batch sizes of each pass
         self.strategy = parallel_strategy(actor.strategy, self.world_size)
         apply_full_determinism(actor.fsdp_config.full_determinism or self.arr.ref.fsdp_config.full_determinism)
         maybe_init_distributed(self)
@@ -215,14 +216,9 @@ class ActorRolloutRefWorker(TrainingStateCheckpoints, Worker):
         return time.perf_counter() - start
 
     # ------------------------------------------------------------------ forward passes
-    def _forward_micro_batches(self, batch: Batch):
-        rollout = self.arr.rollout
-        return sync_micro_batch_count(batch, micro_batch_size=rollout.log_prob_micro_batch_size_per_gpu
-                                      or self.arr.actor.ppo_micro_batch_size_per_gpu,
-                                      use_dynamic_bsz=rollout.log_prob_use_dynamic_bsz,
-                                      max_token_len=rollout.log_prob_max_token_len_per_gpu)
 
-    def _log_probs(self, model, batch: Batch, *, with_entropy: bool, with_sum_pi_squared: bool = False) -> Batch:
+    def _log_probs(self, model, batch: Batch, *, with_entropy: bool, with_sum_pi_squared: bool = False,
+                   sizes=None) -> Batch:
         R = batch["responses"].shape[1]
         temperature = batch.meta.get("temperature", self.arr.rollout.temperature)
         logp = torch.zeros(len(batch), R)
@@ -230,7 +226,7 @@ class ActorRolloutRefWorker(TrainingStateCheckpoints, Worker):
         sum_pi_sq = torch.zeros(len(batch), R) if with_sum_pi_squared else None
         model.eval()
         with torch.no_grad(), autocast(self.model_device, self.arr.actor.fsdp_config.dtype):
-            for micro, rows in self._forward_micro_batches(batch):
+            for micro, rows in micro_batches_as_derived(batch, sizes or self.batches.old_log_prob):
                 seq, r = trim_padding(micro, R)
                 seq = {k: v.to(self.model_device) for k, v in seq.items()}
                 lp, ent = response_logprobs(model, seq["input_ids"], seq["attention_mask"], seq["position_ids"], r,
@@ -265,7 +261,9 @@ class ActorRolloutRefWorker(TrainingStateCheckpoints, Worker):
         if self.ref_model is None:
             raise RuntimeError("no reference policy was loaded: set actor_rollout_ref.actor.use_kl_loss=True or "
                                "algorithm.use_kl_in_reward=True")
-        return Batch({"ref_log_prob": self._log_probs(self.ref_model, batch, with_entropy=False)["log_probs"]})
+        sizes = self.batches.ref_log_prob or self.batches.old_log_prob
+        return Batch({"ref_log_prob": self._log_probs(self.ref_model, batch, with_entropy=False,
+                                                      sizes=sizes)["log_probs"]})
 
     # ------------------------------------------------------------------ training
     @register(Dispatch.DP_SPLIT, pad=False)
@@ -291,9 +289,7 @@ class ActorRolloutRefWorker(TrainingStateCheckpoints, Worker):
             # Every entry of `sums` is this rank's part of a global value: losses are already normalised by the
             # global counts, per-token means are weighted by (tokens of the micro-batch / global tokens).
             sums: defaultdict[str, float] = defaultdict(float)
-            micros = sync_micro_batch_count(mini, micro_batch_size=actor.ppo_micro_batch_size_per_gpu,
-                                            use_dynamic_bsz=actor.use_dynamic_bsz,
-                                            max_token_len=actor.ppo_max_token_len_per_gpu)
+            micros = micro_batches_as_derived(mini, self.batches.actor)
             for micro, _ in micros:
                 seq, r = trim_padding(micro, R)
                 seq = {k: v.to(self.model_device) for k, v in seq.items()}

@@ -19,6 +19,7 @@ import torch
 from hyflow.algos import compute_value_loss, loss_normalisers, masked_mean
 from hyflow.batch import Batch
 from hyflow.config import HyflowConfig
+from hyflow.config.arithmetic import batch_arithmetic
 from hyflow.controller import Dispatch, Worker, register
 from hyflow.models.forward import values_from_model
 from hyflow.models.loading import load_value_model
@@ -29,9 +30,9 @@ from hyflow.workers.engine import (
     build_optimizer,
     build_scheduler,
     finish_mini_batch,
+    micro_batches_as_derived,
     mini_batches,
     pad_response,
-    sync_micro_batch_count,
     trim_padding,
 )
 from hyflow.workers.fsdp import (
@@ -61,6 +62,7 @@ class CriticWorker(TrainingStateCheckpoints, Worker):
         """
         model_cfg = self.critic.model
         path = model_cfg.path or self.config.actor_rollout_ref.model.path
+        self.batches = batch_arithmetic(self.config)  # what `hyflow config` prints: micro-batch sizes of each pass
         self.strategy = parallel_strategy(self.critic.strategy, self.world_size)
         apply_full_determinism(model_cfg.fsdp_config.full_determinism)
         maybe_init_distributed(self)
@@ -76,13 +78,9 @@ class CriticWorker(TrainingStateCheckpoints, Worker):
                                          total_training_steps * self.critic.ppo_epochs * mini_batches_per_step)
 
     def _micro_batches(self, batch: Batch, *, training: bool):
-        c = self.critic
-        if training:
-            return sync_micro_batch_count(batch, micro_batch_size=c.ppo_micro_batch_size_per_gpu,
-                                          use_dynamic_bsz=c.use_dynamic_bsz, max_token_len=c.ppo_max_token_len_per_gpu)
-        return sync_micro_batch_count(batch, micro_batch_size=c.forward_micro_batch_size_per_gpu
-                                      or c.ppo_micro_batch_size_per_gpu, use_dynamic_bsz=c.use_dynamic_bsz,
-                                      max_token_len=c.forward_max_token_len_per_gpu)
+        """Micro-batches of an update (`critic.ppo_*`) or of a values pass (`critic.forward_*`), as derived by
+        `batch_arithmetic` (what `hyflow config` prints)."""
+        return micro_batches_as_derived(batch, self.batches.critic if training else self.batches.critic_values)
 
     def _values(self, micro: Batch, R: int) -> tuple[torch.Tensor, int]:
         seq, r = trim_padding(micro, R)

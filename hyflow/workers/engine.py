@@ -156,6 +156,15 @@ def sync_micro_batch_count(batch: Batch, *, micro_batch_size: int | None, use_dy
                                max_token_len=max_token_len, min_micro_batches=target)
 
 
+def micro_batches_as_derived(batch: Batch, sizes) -> list[tuple[Batch, torch.Tensor]]:
+    """`sync_micro_batch_count` with the sizes `hyflow.config.arithmetic.batch_arithmetic` derived for a pass
+    (`RoleBatches` or `ForwardBatches`): the numbers `hyflow config` prints are the numbers that run, deprecated
+    global knobs and each pass's own fallbacks included."""
+    micro = sizes.micro_batch_size_per_device
+    return sync_micro_batch_count(batch, micro_batch_size=None if micro is None else max(1, int(micro)),
+                                  use_dynamic_bsz=sizes.use_dynamic_bsz, max_token_len=sizes.max_token_len_per_device)
+
+
 def trim_padding(micro: Batch, response_length: int) -> tuple[dict[str, torch.Tensor], int]:
     """The sequence tensors cut to the columns holding a real token in some row; and the kept response length.
 
