@@ -51,6 +51,10 @@ class SamplingParams:
         return not self.do_sample or self.temperature == 0.0
 
 
+class RolloutEngineError(RuntimeError):
+    """An engine could not start, or a weight sync into it failed; the message names the cause and the fix."""
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """What the trainer needs from a generation engine.
@@ -91,7 +95,6 @@ class EngineSpec:
     module: torch.nn.Module | None = None
     share_module: bool = False
     trust_remote_code: bool = False
-    seed: int = 0
     rank: int = 0
     world_size: int = 1
 

@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from hyflow.batch import Batch
+from hyflow.models.loading import as_torch_dtype
 from hyflow.rollout.base import EngineSpec, SamplingParams, register_engine
 from hyflow.rollout.output import assemble_rollout, position_ids_from_mask
 from hyflow.rollout.sampling import sample_next_token
@@ -52,9 +53,8 @@ class HFRolloutEngine:
             model = spec.module
         else:
             on_cpu = torch.device(spec.device).type == "cpu"
-            dtype = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-                     "fp16": torch.float16}.get(getattr(spec.rollout, "dtype", "float32"), torch.float32)
-            model = copy.deepcopy(spec.module).to(dtype=next(spec.module.parameters()).dtype if on_cpu else dtype)
+            dtype = next(spec.module.parameters()).dtype if on_cpu else as_torch_dtype(spec.rollout.dtype)
+            model = copy.deepcopy(spec.module).to(dtype=dtype)
             model.requires_grad_(False)
         engine = cls(model, eos_token_id=list(spec.eos_token_ids), pad_token_id=spec.pad_token_id,
                      max_batch_size=getattr(spec.rollout, "max_num_seqs", 256))

@@ -33,19 +33,17 @@ import json
 import os
 import random
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from hyflow.batch import Batch
-from hyflow.rollout.base import EngineSpec, SamplingParams, register_engine
+from hyflow.models.loading import as_torch_dtype
+from hyflow.rollout.base import EngineSpec, RolloutEngineError, SamplingParams, register_engine
 from hyflow.rollout.output import assemble_rollout
 
-_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-           "float32": "float32", "fp32": "float32"}
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 
@@ -86,7 +84,7 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]] | None:
     return shapes
 
 
-def kv_cache_bytes(hf_config, *, dtype: str, max_num_seqs: int, max_model_len: int, fraction: float,
+def kv_cache_bytes(hf_config, *, dtype_bytes: int, max_num_seqs: int, max_model_len: int, fraction: float,
                    tensor_parallel_size: int = 1) -> int:
     """KV cache of one rank for `max_num_seqs` sequences of `max_model_len` tokens (rounded up to vLLM's 128-token
     CPU blocks): 2 (K and V) x layers x kv_heads / tp x head_dim x dtype bytes per token, capped at `fraction` of
@@ -96,7 +94,7 @@ def kv_cache_bytes(hf_config, *, dtype: str, max_num_seqs: int, max_model_len: i
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = max(1, kv_heads // tensor_parallel_size)
-    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * _DTYPE_BYTES[dtype]
+    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * dtype_bytes
     block = 128  # vLLM's CPU block size: a sequence holds whole blocks
     one_sequence = per_token * block * -(-max_model_len // block)
     import psutil
@@ -152,7 +150,7 @@ def _process_state_kept():
         random.setstate(py_state)
 
 
-class VLLMEngineError(RuntimeError):
+class VLLMEngineError(RolloutEngineError):
     """The vLLM engine could not start, or a weight sync failed (the message names the cause and the fix)."""
 
 
@@ -189,11 +187,14 @@ class VLLMRolloutEngine:
         self.pad_token_id = int(pad_token_id)
         self.model_path = str(model_path)
         self.max_model_len = int(max_model_len)
-        self.dtype = _DTYPES.get(dtype, dtype)
-        if self.dtype not in _DTYPE_BYTES:
+        try:
+            self.weight_dtype = as_torch_dtype(dtype)
+        except ValueError as err:
+            raise VLLMEngineError(f"actor_rollout_ref.rollout.dtype: {err}") from err
+        if not isinstance(self.weight_dtype, torch.dtype):
             raise VLLMEngineError(f"actor_rollout_ref.rollout.dtype={dtype!r}: the vllm engine runs in bfloat16, "
                                   "float16 or float32")
-        self.weight_dtype = getattr(torch, self.dtype)
+        self.dtype = str(self.weight_dtype).removeprefix("torch.")
         self.sleep_mode = self.device_type == "cuda" and free_cache_engine
         self._asleep = False
         self._weights_asleep = False
@@ -242,7 +243,7 @@ class VLLMRolloutEngine:
                               "eagerly and prefills whole prompts (CUDA graphs exist only on GPUs; vLLM cannot split "
                               "a seeded prompt's prefill on CPU); speed only, the samples are the same",
                               stacklevel=2)
-            kv_bytes = kv_cache_bytes(hf_config, dtype=self.dtype, max_num_seqs=max_num_seqs,
+            kv_bytes = kv_cache_bytes(hf_config, dtype_bytes=self.weight_dtype.itemsize, max_num_seqs=max_num_seqs,
                                       max_model_len=self.max_model_len, fraction=gpu_memory_utilization,
                                       tensor_parallel_size=self.tp)
             args.update(enforce_eager=True, enable_chunked_prefill=False, kv_cache_memory_bytes=kv_bytes,
@@ -456,7 +457,3 @@ class VLLMRolloutEngine:
         if self.tied and hasattr(self.model, "lm_head"):
             dispatch_cpu_unquantized_gemm(self.model.lm_head, remove_weight=False)
         return len(weights)
-
-    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The engine model's own parameters (vLLM names: fused qkv_proj, gate_up_proj); for tests and debugging."""
-        yield from self.model.named_parameters()

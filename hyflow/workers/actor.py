@@ -47,7 +47,7 @@ from hyflow.config.arithmetic import batch_arithmetic, uses_reference
 from hyflow.controller import Collect, Dispatch, Worker, register
 from hyflow.models.forward import backbone_hidden_states, response_logprobs, unwrap_model
 from hyflow.models.loading import load_causal_lm, load_tokenizer
-from hyflow.rollout.base import EngineSpec, SamplingParams, make_engine
+from hyflow.rollout.base import EngineSpec, RolloutEngineError, SamplingParams, make_engine
 from hyflow.workers.engine import (
     all_reduce_sum,
     apply_full_determinism,
@@ -174,8 +174,8 @@ class ActorRolloutRefWorker(TrainingStateCheckpoints, Worker):
         spec = EngineSpec(model_path=self.arr.model.path, device=self.model_device, rollout=rollout_cfg,
                           eos_token_ids=self._eos_ids(model), pad_token_id=pad, module=model,
                           share_module=self.model_device.type == "cpu" and self.strategy != "fsdp2",
-                          trust_remote_code=self.arr.model.trust_remote_code, seed=self.config.trainer.seed,
-                          rank=self.rank, world_size=self.world_size)
+                          trust_remote_code=self.arr.model.trust_remote_code, rank=self.rank,
+                          world_size=self.world_size)
         return make_engine(rollout_cfg.name, spec)
 
     # ------------------------------------------------------------------ rollout
@@ -207,7 +207,7 @@ class ActorRolloutRefWorker(TrainingStateCheckpoints, Worker):
             try:
                 self.rollout.update_weights(full_tensor_buckets(self.model, self.weight_bucket_bytes))
             except RuntimeError as err:
-                if not is_distributed() or type(err).__name__ == "VLLMEngineError":
+                if not is_distributed() or isinstance(err, RolloutEngineError):
                     raise
                 raise RuntimeError(f"sync_rollout_weights on rank {self.rank}: gathering the actor's weights failed "
                                    f"after {time.perf_counter() - start:.1f} s (a collective times out after the "
