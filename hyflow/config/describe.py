@@ -31,10 +31,13 @@ LOSS_AGG_WORDS = {
 }
 
 
-def describe_batch_arithmetic(cfg: HyflowConfig, n_devices: int | None = None) -> str:
+def describe_batch_arithmetic(cfg: HyflowConfig, n_devices: int | None = None,
+                              batches: BatchArithmetic | None = None) -> str:
     """The step's batch sizes in words with units: prompts x samples per step, optimizer steps, samples per
-    device and micro-batches (or token budgets with use_dynamic_bsz) for actor, log-probs, reference and critic."""
-    b = batch_arithmetic(cfg, n_devices)
+    device and micro-batches (or token budgets with use_dynamic_bsz) for actor, log-probs, reference and critic.
+
+    `batches`: the `batch_arithmetic(cfg, n_devices)` object the workers receive (derived here when None)."""
+    b = batches if batches is not None else batch_arithmetic(cfg, n_devices)
     actor = cfg.actor_rollout_ref.actor
     source = (
         f"trainer.nnodes {cfg.trainer.nnodes} x trainer.n_gpus_per_node {cfg.trainer.n_gpus_per_node}"

@@ -51,6 +51,7 @@ from hyflow.config import (
     validate_config,
 )
 from hyflow.config.arithmetic import (
+    batch_arithmetic,
     own_pool_roles,
     role_devices,
     role_pool_shape,
@@ -172,7 +173,9 @@ class RLTrainer:
         self.loader = PromptLoader(self.train_dataset, prompts_per_round, shuffle=cfg.data.shuffle,
                                    seed=cfg.data.seed or cfg.trainer.seed)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(self.loader)
-        print(describe_batch_arithmetic(cfg, n_devices=self.n_devices))
+        # One source of batch arithmetic: this object is what is printed and what every role receives.
+        self.batches = batch_arithmetic(cfg, n_devices=self.n_devices)
+        print(describe_batch_arithmetic(cfg, n_devices=self.n_devices, batches=self.batches))
         # The run directory first, before any model loads: locked for this process, and what to resume decided
         # (a previous run that cannot be resumed is an error, never a silent start over it).
         keep = [k for k in (cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep) if k is not None]
@@ -209,9 +212,9 @@ class RLTrainer:
         self.actor = views["actor"]
         self.critic = views.get("critic")
         self.reward_model = views.get("rm")
-        self.actor.init_model(self.total_steps)
+        self.actor.init_model(self.total_steps, self.batches)
         if self.critic is not None:
-            self.critic.init_model(self.total_steps)
+            self.critic.init_model(self.total_steps, self.batches)
         if self.reward_model is not None:
             self.reward_model.init_model()
         self.use_reference = uses_reference(cfg)

@@ -25,11 +25,9 @@ world size, `save_sharded_checkpoint` / `load_sharded_checkpoint` write and read
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import time
-from collections import defaultdict
 
 import torch
 
@@ -38,63 +36,33 @@ from hyflow.algos import (
     compute_offpolicy_metrics,
     get_policy_loss,
     kl_penalty,
-    loss_normalisers,
-    sum_pi_squared_from_logits,
 )
 from hyflow.batch import Batch
 from hyflow.config import HyflowConfig
-from hyflow.config.arithmetic import batch_arithmetic, uses_reference
+from hyflow.config.arithmetic import BatchArithmetic, uses_reference
 from hyflow.controller import Collect, Dispatch, Worker, register
-from hyflow.models.forward import backbone_hidden_states, response_logprobs, unwrap_model
+from hyflow.models.forward import unwrap_model
 from hyflow.models.loading import load_causal_lm, load_tokenizer
 from hyflow.rollout.base import EngineSpec, RolloutEngineError, SamplingParams, make_engine
-from hyflow.workers.engine import (
-    all_reduce_sum,
-    apply_full_determinism,
-    build_optimizer,
-    build_scheduler,
-    finish_mini_batch,
-    micro_batches_as_derived,
-    mini_batches,
-    pad_response,
-    trim_padding,
-)
-from hyflow.workers.fsdp import (
-    DIST_TIMEOUT_S,
-    TrainingStateCheckpoints,
-    full_state_dict,
-    full_tensor_buckets,
-    is_distributed,
-    maybe_init_distributed,
-    parallel_strategy,
-    wrap_model,
+from hyflow.workers.engine import apply_full_determinism
+from hyflow.workers.fsdp import DIST_TIMEOUT_S, is_distributed, maybe_init_distributed, parallel_strategy
+from hyflow.workers.train_engine import (
+    EngineCheckpoints,
+    TrainEngine,
+    UpdatePlan,
+    autocast,
+    lora_from_config,
+    resolve_device,
 )
 
 RESPONSE_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_prob", "rollout_is_weights",
                  "rollout_log_probs")
 
 
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """`trainer.device`: auto = cuda when available, else cpu."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device(name)
+__all__ = ["ActorRolloutRefWorker", "autocast", "resolve_device"]
 
 
-def autocast(device: torch.device, dtype_name: str):
-    """bf16/fp16 autocast on accelerators (fsdp_config.dtype); full precision on CPU."""
-    if device.type == "cpu" or dtype_name in ("fp32", "float32"):
-        return contextlib.nullcontext()
-    dtype = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-             "fp16": torch.float16}[dtype_name]
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-class ActorRolloutRefWorker(TrainingStateCheckpoints, Worker):
+class ActorRolloutRefWorker(EngineCheckpoints, Worker):
     """Policy training, generation and reference log-probs on one device (one rank of a data-parallel group)."""
 
     checkpoint_prefix = "actor"
@@ -108,15 +76,18 @@ class ActorRolloutRefWorker(TrainingStateCheckpoints, Worker):
 
     # ------------------------------------------------------------------ set-up
     @register(Dispatch.REPLICATE)
-    def init_model(self, total_training_steps: int) -> None:
-        """Load the policy (and the reference copy), build optimizer, LR schedule and the rollout engine.
+    def init_model(self, total_training_steps: int, batches: BatchArithmetic) -> None:
+        """Load the policy into a TrainEngine (LoRA, wrapper, optimizer, LR schedule), the reference policy and the
+        rollout engine. `batches` is the run's derived batch arithmetic (what `hyflow config` prints): the
+        micro-batch sizes of every pass and the optimizer steps of the LR schedule come from it.
 
         With several ranks: join the process group, give the rollout engine its own full copy, then shard the
-        actor and the reference (FSDP2) or wrap the actor in DDP; the optimizer is built on the wrapped model.
+        actor and the reference (FSDP2) or wrap the actor in DDP. With LoRA and no `ref.model.path` the
+        reference is the actor with its adapter disabled (no second copy of the weights).
         """
         model_cfg = self.arr.model
         actor = self.arr.actor
-        self.batches = batch_arithmetic(self.config)  # what `hyflow config` prints: micro-batch sizes of each pass
+        self.batches = batches
         self.strategy = parallel_strategy(actor.strategy, self.world_size)
         apply_full_determinism(actor.fsdp_config.full_determinism or self.arr.ref.fsdp_config.full_determinism)
         maybe_init_distributed(self)
@@ -129,28 +100,36 @@ class ActorRolloutRefWorker(TrainingStateCheckpoints, Worker):
                                override_config=dict(model_cfg.override_config or {}),
                                enable_gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
                                device=self.model_device)
+        lora = lora_from_config(model_cfg)
         ref_model = None
         if uses_reference(self.config):
             ref_path = self.arr.ref.model.path
             if ref_path:
                 ref_model = load_causal_lm(ref_path, dtype="float32", device=self.model_device,
                                            trust_remote_code=model_cfg.trust_remote_code)
-            else:
+            elif lora is None:
                 ref_model = copy.deepcopy(model)
-            ref_model.requires_grad_(False).eval()
         self.weight_bucket_bytes = self.arr.rollout.checkpoint_engine.update_weights_bucket_megabytes << 20
         self.rollout = self._build_rollout(model)
-        self.model = wrap_model(model, self.strategy, actor.fsdp_config)
+        self.engine = TrainEngine(
+            model, name="actor", head="lm", device=self.model_device, strategy=self.strategy,
+            fsdp_config=actor.fsdp_config, optim=actor.optim, grad_clip=actor.grad_clip,
+            total_optimizer_steps=total_training_steps * int(batches.actor.optimizer_steps),
+            use_remove_padding=model_cfg.use_remove_padding, lora=lora, world_size=self.world_size, rank=self.rank)
+        self.model = self.engine.model
+        if self.rank == 0:
+            print(self.engine.describe_parameters(), flush=True)
         if not self.rollout.shares_weights:
             self.sync_rollout_weights()  # collective under FSDP2: every rank is here
-        self.ref_model = None
+        self.ref = None
         if ref_model is not None:
-            ref_strategy = parallel_strategy(self.arr.ref.strategy, self.world_size)
-            self.ref_model = wrap_model(ref_model, ref_strategy, self.arr.ref.fsdp_config, trainable=False)
-        mini_batches_per_step = max(1, self.config.data.train_batch_size // actor.ppo_mini_batch_size)
-        self.optimizer = build_optimizer(self.model.parameters(), actor.optim)
-        self.scheduler = build_scheduler(self.optimizer, actor.optim,
-                                         total_training_steps * actor.ppo_epochs * mini_batches_per_step)
+            self.ref = TrainEngine(ref_model, name="ref", head="lm", device=self.model_device,
+                                   strategy=parallel_strategy(self.arr.ref.strategy, self.world_size),
+                                   fsdp_config=self.arr.ref.fsdp_config, compute_dtype=actor.fsdp_config.dtype,
+                                   use_remove_padding=model_cfg.use_remove_padding, world_size=self.world_size,
+                                   rank=self.rank)
+        elif uses_reference(self.config):
+            self.ref = self.engine  # LoRA: the reference is the actor with its adapter disabled
 
     def _eos_ids(self, model) -> list[int]:
         ids = set()
@@ -205,7 +184,7 @@ class ActorRolloutRefWorker(TrainingStateCheckpoints, Worker):
         start = time.perf_counter()
         if not self.rollout.shares_weights:
             try:
-                self.rollout.update_weights(full_tensor_buckets(self.model, self.weight_bucket_bytes))
+                self.rollout.update_weights(self.engine.weight_buckets(self.weight_bucket_bytes))
             except RuntimeError as err:
                 if not is_distributed() or isinstance(err, RolloutEngineError):
                     raise
@@ -217,138 +196,98 @@ class ActorRolloutRefWorker(TrainingStateCheckpoints, Worker):
 
     # ------------------------------------------------------------------ forward passes
 
-    def _log_probs(self, model, batch: Batch, *, with_entropy: bool, with_sum_pi_squared: bool = False,
-                   sizes=None) -> Batch:
-        R = batch["responses"].shape[1]
-        temperature = batch.meta.get("temperature", self.arr.rollout.temperature)
-        logp = torch.zeros(len(batch), R)
-        entropy = torch.zeros(len(batch), R) if with_entropy else None
-        sum_pi_sq = torch.zeros(len(batch), R) if with_sum_pi_squared else None
-        model.eval()
-        with torch.no_grad(), autocast(self.model_device, self.arr.actor.fsdp_config.dtype):
-            for micro, rows in micro_batches_as_derived(batch, sizes or self.batches.old_log_prob):
-                seq, r = trim_padding(micro, R)
-                seq = {k: v.to(self.model_device) for k, v in seq.items()}
-                lp, ent = response_logprobs(model, seq["input_ids"], seq["attention_mask"], seq["position_ids"], r,
-                                            temperature=temperature, calculate_entropy=with_entropy)
-                logp[rows] = pad_response(lp.cpu(), R)
-                if with_entropy:
-                    entropy[rows] = pad_response(ent.cpu(), R)
-                if with_sum_pi_squared:
-                    hidden = backbone_hidden_states(model, seq["input_ids"], seq["attention_mask"], seq["position_ids"])
-                    logits = unwrap_model(model).get_output_embeddings()(hidden[:, -r - 1 : -1])
-                    sum_pi_sq[rows] = pad_response(sum_pi_squared_from_logits(logits, temperature).cpu(), R)
-        mask = batch["response_mask"].float()
-        out = {"log_probs": logp * mask}
-        if with_entropy:
-            out["entropys"] = entropy * mask
-        if with_sum_pi_squared:
-            out["sum_pi_squared"] = sum_pi_sq * mask
-        return Batch(out, meta={"temperature": temperature})
-
     @register(Dispatch.DP_SPLIT)
     def compute_log_prob(self, batch: Batch, with_sum_pi_squared: bool = False) -> Batch:
         """`old_log_probs` and `entropys` [N, R] under the current weights (+ `sum_pi_squared` when asked)."""
-        out = self._log_probs(self.model, batch, with_entropy=True, with_sum_pi_squared=with_sum_pi_squared)
-        result = Batch({"old_log_probs": out["log_probs"], "entropys": out["entropys"]})
+        temperature = batch.meta.get("temperature", self.arr.rollout.temperature)
+        out = self.engine.infer(batch, self.batches.old_log_prob, temperature=temperature, with_entropy=True,
+                                with_sum_pi_squared=with_sum_pi_squared)
+        result = Batch({"old_log_probs": out["log_probs"], "entropys": out["entropy"]})
         if with_sum_pi_squared:
             result["sum_pi_squared"] = out["sum_pi_squared"]
         return result
 
     @register(Dispatch.DP_SPLIT)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        """`ref_log_prob` [N, R] under the frozen reference policy."""
-        if self.ref_model is None:
+        """`ref_log_prob` [N, R] under the frozen reference policy (the base model of a LoRA actor)."""
+        if self.ref is None:
             raise RuntimeError("no reference policy was loaded: set actor_rollout_ref.actor.use_kl_loss=True or "
                                "algorithm.use_kl_in_reward=True")
+        temperature = batch.meta.get("temperature", self.arr.rollout.temperature)
         sizes = self.batches.ref_log_prob or self.batches.old_log_prob
-        return Batch({"ref_log_prob": self._log_probs(self.ref_model, batch, with_entropy=False,
-                                                      sizes=sizes)["log_probs"]})
+        out = self.ref.infer(batch, sizes, temperature=temperature, adapter=self.ref is not self.engine)
+        return Batch({"ref_log_prob": out["log_probs"]})
 
     # ------------------------------------------------------------------ training
     @register(Dispatch.DP_SPLIT, pad=False)
     def update_actor(self, batch: Batch) -> Batch:
         """PPO-style policy update over the step's samples; returns a row-less Batch carrying the metrics."""
         actor = self.arr.actor
-        loss_fn = get_policy_loss(actor.policy_loss.loss_mode)
+        policy_loss = get_policy_loss(actor.policy_loss.loss_mode)
         loss_kwargs = {
             "clip_ratio": actor.clip_ratio, "clip_ratio_low": actor.clip_ratio_low,
             "clip_ratio_high": actor.clip_ratio_high, "clip_ratio_c": actor.clip_ratio_c,
             "tau_pos": actor.tau_pos, "tau_neg": actor.tau_neg, "loss_scale_factor": actor.loss_scale_factor,
             **{k: v for k, v in vars(actor.policy_loss).items() if k != "loss_mode"},
         }
-        temperature = batch.meta.get("temperature", self.arr.rollout.temperature)
-        R = batch["responses"].shape[1]
-        mini_size = max(1, actor.ppo_mini_batch_size * self.arr.rollout.n // self.world_size)
-        metrics: dict[str, list[float]] = {}
-        self.model.train()
-        step_seed = actor.data_loader_seed + int(batch.meta.get("global_step", 0)) * 7919
-        for _, mini in mini_batches(batch, mini_size, epochs=actor.ppo_epochs, shuffle=actor.shuffle, seed=step_seed):
-            norms = all_reduce_sum(loss_normalisers(mini["response_mask"], actor.loss_agg_mode))
-            global_tokens = max(float(norms["global_token_count"]), 1.0)
-            # Every entry of `sums` is this rank's part of a global value: losses are already normalised by the
-            # global counts, per-token means are weighted by (tokens of the micro-batch / global tokens).
-            sums: defaultdict[str, float] = defaultdict(float)
-            micros = micro_batches_as_derived(mini, self.batches.actor)
-            for micro, _ in micros:
-                seq, r = trim_padding(micro, R)
-                seq = {k: v.to(self.model_device) for k, v in seq.items()}
-                cols = {key: micro[key][:, :r].to(self.model_device) for key in RESPONSE_KEYS if key in micro}
-                mask = cols["response_mask"].float()
-                weight = float(mask.sum()) / global_tokens
-                on_policy = "old_log_probs" not in cols  # the driver skipped the recompute: pi_old = pi_theta
-                with autocast(self.model_device, actor.fsdp_config.dtype):
-                    logp, entropy = response_logprobs(self.model, seq["input_ids"], seq["attention_mask"],
-                                                      seq["position_ids"], r, temperature=temperature,
-                                                      calculate_entropy=actor.entropy_coeff != 0 or on_policy)
-                if on_policy:
-                    cols["old_log_probs"] = logp.detach()
-                    sums["actor/entropy"] += float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1)) * weight
-                pg_loss, pg_metrics = loss_fn(old_log_prob=cols["old_log_probs"], log_prob=logp,
-                                              advantages=cols["advantages"], response_mask=mask,
-                                              rollout_is_weights=cols.get("rollout_is_weights"),
-                                              loss_agg_mode=actor.loss_agg_mode,
-                                              **norms, **loss_kwargs)
-                loss = pg_loss
-                agg = dict(loss_agg_mode=actor.loss_agg_mode, loss_scale_factor=actor.loss_scale_factor, **norms)
-                if actor.entropy_coeff != 0:
-                    entropy_loss = agg_loss(entropy, mask, **agg)
-                    loss = loss - actor.entropy_coeff * entropy_loss
-                    sums["actor/entropy_loss"] += float(entropy_loss.detach())
-                if actor.use_kl_loss:
-                    kl = agg_loss(kl_penalty(logp, cols["ref_log_prob"], actor.kl_loss_type), mask, **agg)
-                    loss = loss + actor.kl_loss_coef * kl
-                    sums["actor/kl_loss"] += float(kl.detach())
-                (loss * self.world_size).backward()  # DDP/FSDP average gradients; the losses are global sums
-                sums["actor/pg_loss"] += float(pg_loss.detach())
-                for name, value in pg_metrics.items():
-                    sums[f"actor/{name}"] += float(value) * weight
-                if "rollout_log_probs" in cols:
-                    for name, value in compute_offpolicy_metrics(logp.detach(), cols["rollout_log_probs"],
-                                                                 mask).items():
-                        sums[name] += float(value) / (len(micros) * self.world_size)
-            finish_mini_batch(metrics, sums, self.model, self.optimizer, self.scheduler, actor.grad_clip, "actor")
+        on_policy = "old_log_probs" not in batch  # the driver skipped the recompute: pi_old = pi_theta
+
+        def loss_fn(out: dict, cols: dict, ctx) -> tuple[torch.Tensor, dict]:
+            logp, entropy = out["log_probs"], out["entropy"]
+            mask = cols["response_mask"].float()
+            weight = ctx.token_weight(mask)
+            parts: dict[str, float] = {}
+            old = logp.detach() if on_policy else cols["old_log_probs"]
+            if on_policy:
+                parts["actor/entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1)) * weight
+            pg_loss, pg_metrics = policy_loss(old_log_prob=old, log_prob=logp, advantages=cols["advantages"],
+                                              response_mask=mask, rollout_is_weights=cols.get("rollout_is_weights"),
+                                              loss_agg_mode=actor.loss_agg_mode, **ctx.norms, **loss_kwargs)
+            loss = pg_loss
+            agg = dict(loss_agg_mode=actor.loss_agg_mode, loss_scale_factor=actor.loss_scale_factor, **ctx.norms)
+            if actor.entropy_coeff != 0:
+                entropy_loss = agg_loss(entropy, mask, **agg)
+                loss = loss - actor.entropy_coeff * entropy_loss
+                parts["actor/entropy_loss"] = float(entropy_loss.detach())
+            if actor.use_kl_loss:
+                kl = agg_loss(kl_penalty(logp, cols["ref_log_prob"], actor.kl_loss_type), mask, **agg)
+                loss = loss + actor.kl_loss_coef * kl
+                parts["actor/kl_loss"] = float(kl.detach())
+            parts["actor/pg_loss"] = float(pg_loss.detach())
+            for name, value in pg_metrics.items():
+                parts[f"actor/{name}"] = float(value) * weight
+            if "rollout_log_probs" in cols:
+                for name, value in compute_offpolicy_metrics(logp.detach(), cols["rollout_log_probs"], mask).items():
+                    parts[name] = float(value) / (ctx.n_micro * ctx.world_size)
+            return loss, parts
+
+        plan = UpdatePlan(mini_batch_size=max(1, actor.ppo_mini_batch_size * self.arr.rollout.n // self.world_size),
+                          epochs=actor.ppo_epochs, shuffle=actor.shuffle, sizes=self.batches.actor,
+                          seed=actor.data_loader_seed + int(batch.meta.get("global_step", 0)) * 7919,
+                          loss_agg_mode=actor.loss_agg_mode, metric_prefix="actor")
+        metrics = self.engine.update(batch, plan, loss_fn, columns=RESPONSE_KEYS,
+                                     temperature=batch.meta.get("temperature", self.arr.rollout.temperature),
+                                     with_entropy=actor.entropy_coeff != 0 or on_policy)
         if actor.use_kl_loss:
             metrics["actor/kl_coef"] = [actor.kl_loss_coef]
         return Batch(meta={"metrics": metrics})
 
     # ------------------------------------------------------------------ checkpoints
-    # state_dict / load_state_dict / save_sharded_checkpoint / load_sharded_checkpoint: TrainingStateCheckpoints
+    # state_dict / load_state_dict / save_sharded_checkpoint / load_sharded_checkpoint: EngineCheckpoints
     def after_weights_loaded(self) -> None:
         """A loaded checkpoint's weights reach the rollout engine too."""
         self.sync_rollout_weights()
 
     @register(Dispatch.REPLICATE, collect=Collect.FIRST)
     def hf_model(self):
-        """(policy as a plain Hugging Face module with full weights, tokenizer) on rank 0, None on the others.
-
-        Under FSDP2 this gathers a full state dict (collective) into a CPU fp32 copy of the rollout's module.
-        """
-        if self.strategy != "fsdp2":
+        """(policy as a plain Hugging Face module with full weights, LoRA merged, tokenizer) on rank 0, None on
+        the others. Without FSDP2 or LoRA this is the trained module itself; else a CPU fp32 copy is built from
+        the gathered (collective) full weights."""
+        if self.strategy != "fsdp2" and self.engine.lora is None:
             return (unwrap_model(self.model), self.tokenizer) if self.rank == 0 else None
-        state = full_state_dict(self.model)
+        state = self.engine.full_model_state()
         if self.rank != 0:
             return None
         model = self._model_class(self._model_config).to(device="cpu", dtype=torch.float32)
-        model.load_state_dict(state)
+        model.load_state_dict(state, strict=False)
         return model, self.tokenizer

@@ -287,14 +287,3 @@ def apply_full_determinism(enabled: bool) -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
-
-
-def finish_mini_batch(metrics: dict[str, list], sums: dict[str, float], model, optimizer, scheduler,
-                      grad_clip: float, prefix: str) -> None:
-    """The end of every mini-batch of an update: all-reduce the metric sums over ranks (every rank then reports
-    the mini-batch's global values), clip and step, and append both to `metrics` (step metrics as
-    `<prefix>/grad_norm`, `<prefix>/lr`)."""
-    sums = all_reduce_metrics(sums)
-    step_metrics = clip_and_step(model, optimizer, scheduler, grad_clip)
-    for name, value in {**sums, **{f"{prefix}/{k}": v for k, v in step_metrics.items()}}.items():
-        metrics.setdefault(name, []).append(value)

@@ -39,14 +39,13 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from hyflow.controller import Collect, Dispatch, register
 from hyflow.models.forward import unwrap_model
 from hyflow.serialization import (
     CheckpointSecurityError,
@@ -255,13 +254,13 @@ def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, _full(buffer.detach())
 
 
-def full_tensor_buckets(model: nn.Module, bucket_bytes: int = WEIGHT_BUCKET_BYTES
-                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """`iter_full_tensors` grouped into lists of at most `bucket_bytes` (one larger tensor is a bucket alone)."""
+def tensor_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = WEIGHT_BUCKET_BYTES
+                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """(name, tensor) pairs grouped into lists of at most `bucket_bytes` (one larger tensor is a bucket alone)."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     bucket, size = [], 0
-    for name, tensor in iter_full_tensors(model):
+    for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
@@ -270,6 +269,14 @@ def full_tensor_buckets(model: nn.Module, bucket_bytes: int = WEIGHT_BUCKET_BYTE
         size += nbytes
     if bucket:
         yield bucket
+
+
+def full_tensor_buckets(model: nn.Module, bucket_bytes: int = WEIGHT_BUCKET_BYTES
+                        ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """`iter_full_tensors` grouped into lists of at most `bucket_bytes` (one larger tensor is a bucket alone)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    return tensor_buckets(iter_full_tensors(model), bucket_bytes)
 
 
 # ---------------------------------------------------------------------------------------------- state dicts
@@ -380,12 +387,13 @@ OPTIMIZER_KEY = "optimizer"
 
 
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *,
-                 extra: dict | None = None) -> None:
+                 extra: dict | None = None, options=None) -> None:
     """Write the model (and optimizer) shards of every rank into the DCP directory `path`; collective.
 
     Layout: torch.distributed.checkpoint files (`.metadata` + one `__<rank>_0.distcp` per rank) holding
     {"model": ..., "optimizer": ...} (no optimizer when `optimizer` is None), plus `extra_state.pt` (rank 0's
-    `extra`, e.g. the LR scheduler) when given; `load_sharded` reads it back at any world size.
+    `extra`, e.g. the LR scheduler) when given; `load_sharded` reads it back at any world size. `options`
+    (`StateDictOptions`, e.g. `ignore_frozen_params` for a LoRA model's adapter only) shapes the model's state.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -393,7 +401,7 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     reshard(model)
-    state = {MODEL_KEY: get_model_state_dict(model)}
+    state = {MODEL_KEY: get_model_state_dict(model, options=options)}
     if optimizer is not None and optimizer_has_stepped(optimizer):  # unstepped: saved without, loads as fresh
         state[OPTIMIZER_KEY] = get_optimizer_state_dict(model, optimizer)
     with _single_process_dcp_quiet():
@@ -403,7 +411,8 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path
     barrier()
 
 
-def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike) -> dict:
+def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *,
+                 options=None) -> dict:
     """Read a `save_sharded` directory into `model` (and `optimizer`), resharding to this world size; collective.
 
     The optimizer is left as it is when the directory holds no optimizer state (saved without one). Returns
@@ -425,13 +434,13 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path
     if not any(key.startswith(OPTIMIZER_KEY + ".") for key in saved):
         optimizer = None
     reshard(model)
-    state = {MODEL_KEY: get_model_state_dict(model)}
+    state = {MODEL_KEY: get_model_state_dict(model, options=options)}
     if optimizer is not None:
         state[OPTIMIZER_KEY] = get_optimizer_state_dict(model, optimizer)  # creates the state tensors to load into
     with _single_process_dcp_quiet():
         dcp.load(state, storage_reader=safe_dcp_reader(path), planner=safe_dcp_planner(),
                  no_dist=not dist.is_initialized())
-    set_model_state_dict(model, state[MODEL_KEY])
+    set_model_state_dict(model, state[MODEL_KEY], options=options)
     if optimizer is not None:
         with _tuple_hyperparameters_kept(optimizer):
             set_optimizer_state_dict(model, optimizer, state[OPTIMIZER_KEY])
@@ -518,98 +527,3 @@ def barrier() -> None:
     """Wait for every rank (nothing to wait for in one process)."""
     if is_distributed():
         dist.barrier()
-
-
-CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")
-
-
-def training_state_components(prefix: str, model, optimizer, scheduler, rank: int,
-                              contents=CHECKPOINT_CONTENTS) -> dict:
-    """Full (unsharded) state for a checkpoint: `{prefix}_model`, and `{prefix}_optimizer` / `{prefix}_scheduler`
-    when `contents` has "optimizer" / "extra".
-
-    Collective (every rank gathers); rank 0 returns the components, the other ranks `{}`.
-    """
-    weights = full_state_dict(model)
-    optimizer_state = full_optimizer_state_dict(model, optimizer) if "optimizer" in contents else None
-    if rank != 0:
-        return {}
-    out = {f"{prefix}_model": weights}
-    if optimizer_state is not None:
-        out[f"{prefix}_optimizer"] = optimizer_state
-    if "extra" in contents:
-        out[f"{prefix}_scheduler"] = scheduler.state_dict()
-    return out
-
-
-def load_training_state_components(prefix: str, model, optimizer, scheduler, components: dict,
-                                   contents=CHECKPOINT_CONTENTS) -> None:
-    """Restore what `training_state_components` returned, saved at any world size: the model, and the optimizer /
-    LR schedule when `contents` has "optimizer" / "extra" and `components` holds them (else they stay as they
-    are)."""
-    load_full_state_dict(model, components[f"{prefix}_model"])
-    if "optimizer" in contents and f"{prefix}_optimizer" in components:
-        load_full_optimizer_state_dict(model, optimizer, components[f"{prefix}_optimizer"])
-    if "extra" in contents and f"{prefix}_scheduler" in components:
-        scheduler.load_state_dict(components[f"{prefix}_scheduler"])
-
-
-def save_training_state_sharded(prefix: str, model, optimizer, scheduler, path: str | os.PathLike,
-                                contents=CHECKPOINT_CONTENTS) -> None:
-    """`save_sharded` of the model, the optimizer (with "optimizer" in `contents`) and `{prefix}_scheduler` (with
-    "extra"); collective."""
-    save_sharded(model, optimizer if "optimizer" in contents else None, path,
-                 extra={f"{prefix}_scheduler": scheduler.state_dict()} if "extra" in contents else None)
-
-
-def load_training_state_sharded(prefix: str, model, optimizer, scheduler, path: str | os.PathLike,
-                                contents=CHECKPOINT_CONTENTS) -> None:
-    """Restore what `save_training_state_sharded` wrote, at any world size: the model, and the optimizer / LR
-    schedule when `contents` has "optimizer" / "extra" and the directory holds them (else they stay as they are)."""
-    extra = load_sharded(model, optimizer if "optimizer" in contents else None, path)
-    if "extra" in contents and f"{prefix}_scheduler" in extra:
-        scheduler.load_state_dict(extra[f"{prefix}_scheduler"])
-
-
-class TrainingStateCheckpoints:
-    """The checkpoint methods of a worker role that trains (actor, critic), mixed into its Worker class.
-
-    The role names its components with `checkpoint_prefix` (`actor_model`, `actor_optimizer`, ...) and holds
-    `model`, `optimizer`, `scheduler` and `rank`; `after_weights_loaded` runs after a load (the actor refreshes
-    its rollout engine's weights there).
-    """
-
-    checkpoint_prefix: str
-
-    def after_weights_loaded(self) -> None:
-        """Hook: called on every rank after a checkpoint's weights were loaded."""
-
-    @register(Dispatch.REPLICATE, collect=Collect.FIRST)
-    def state_dict(self, contents=CHECKPOINT_CONTENTS) -> dict:
-        """Checkpoint components: full model weights, full optimizer state (by parameter name), LR schedule.
-
-        Collective (every rank gathers); rank 0 returns the components, the other ranks `{}`.
-        """
-        return training_state_components(self.checkpoint_prefix, self.model, self.optimizer, self.scheduler,
-                                         self.rank, contents)
-
-    @register(Dispatch.REPLICATE)
-    def load_state_dict(self, components: dict, contents=CHECKPOINT_CONTENTS) -> None:
-        """Restore what `state_dict` returned (saved at any world size); `contents` as in `state_dict`."""
-        load_training_state_components(self.checkpoint_prefix, self.model, self.optimizer, self.scheduler,
-                                       components, contents)
-        self.after_weights_loaded()
-
-    @register(Dispatch.REPLICATE)
-    def save_sharded_checkpoint(self, path: str, contents=CHECKPOINT_CONTENTS) -> None:
-        """Write every rank's model shards (DCP) into directory `path`, with the optimizer's and the LR schedule
-        when `contents` has "optimizer" / "extra"."""
-        save_training_state_sharded(self.checkpoint_prefix, self.model, self.optimizer, self.scheduler, path,
-                                    contents)
-
-    @register(Dispatch.REPLICATE)
-    def load_sharded_checkpoint(self, path: str, contents=CHECKPOINT_CONTENTS) -> None:
-        """Read a `save_sharded_checkpoint` directory written at any world size."""
-        load_training_state_sharded(self.checkpoint_prefix, self.model, self.optimizer, self.scheduler, path,
-                                    contents)
-        self.after_weights_loaded()

@@ -300,5 +300,12 @@ def test_checkpoint_engine_bucket_size_sets_the_weight_sync_bucket(paths):
                        "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=3"])
     actor = ActorRolloutRefWorker(cfg)
-    actor.init_model(total_training_steps=1)
+    init_for_test(actor)
     assert actor.weight_bucket_bytes == 3 * 2**20
+
+
+def init_for_test(worker) -> None:
+    """init_model with the batch arithmetic the trainer would pass (the worker's world size as the devices)."""
+    from hyflow.config.arithmetic import batch_arithmetic
+
+    worker.init_model(1, batch_arithmetic(worker.config, worker.world_size))

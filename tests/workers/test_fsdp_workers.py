@@ -381,10 +381,10 @@ def _rank_main(rank: int, world_size: int, port: int, model_dir: str, out: str) 
 
     actor = ActorRolloutRefWorker(cfg, rank=rank, world_size=world_size)
     actor.init_process_group("gloo", timeout_s=120.0)  # a mismatched collective fails the test, not hangs it
-    actor.init_model(total_training_steps=1)
+    init_for_test(actor)
     actor.weight_bucket_bytes = SMALL_BUCKET
     result["ref_log_prob"] = actor.compute_ref_log_prob(batch)["ref_log_prob"]
-    result["actor_is_fsdp2"] = is_fsdp2(actor.model) and is_fsdp2(actor.ref_model)
+    result["actor_is_fsdp2"] = is_fsdp2(actor.model) and is_fsdp2(actor.ref.model)
     result["tied"] = actor.model.lm_head.weight is actor.model.model.embed_tokens.weight
     result["actor_metrics"] = actor.update_actor(batch).meta["metrics"]
     result["sync_seconds"] = actor.sync_rollout_weights()
@@ -400,24 +400,24 @@ def _rank_main(rank: int, world_size: int, port: int, model_dir: str, out: str) 
     actor.save_sharded_checkpoint(str(out / "dcp_actor_2"))
 
     critic = CriticWorker(cfg, rank=rank, world_size=world_size)
-    critic.init_model(total_training_steps=1)
+    init_for_test(critic)
     result["critic_metrics"] = critic.update_critic(batch).meta["metrics"]
     result["critic_state"] = critic.state_dict()
     critic.save_sharded_checkpoint(str(out / "dcp_critic_2"))
 
     fresh = ActorRolloutRefWorker(cfg, rank=rank, world_size=world_size)
-    fresh.init_model(total_training_steps=1)
+    init_for_test(fresh)
     fresh.load_sharded_checkpoint(str(out / "dcp_actor_1"))
     result["dcp_1_to_2_actor"] = fresh.state_dict()
     result["dcp_1_to_2_rollout"] = {k: v.clone() for k, v in fresh.rollout.model.state_dict().items()}
     fresh_critic = CriticWorker(cfg, rank=rank, world_size=world_size)
-    fresh_critic.init_model(total_training_steps=1)
+    init_for_test(fresh_critic)
     fresh_critic.load_sharded_checkpoint(str(out / "dcp_critic_1"))
     result["dcp_1_to_2_critic"] = fresh_critic.state_dict()
 
     ddp = ActorRolloutRefWorker(make_config(model_dir, "actor_rollout_ref.actor.strategy=ddp"), rank=rank,
                                 world_size=world_size)
-    ddp.init_model(total_training_steps=1)
+    init_for_test(ddp)
     result["ddp_metrics"] = ddp.update_actor(batch).meta["metrics"]
     result["ddp_state"] = ddp.state_dict()
 
@@ -425,7 +425,7 @@ def _rank_main(rank: int, world_size: int, port: int, model_dir: str, out: str) 
     dynamic = ActorRolloutRefWorker(make_config(model_dir, "actor_rollout_ref.actor.use_dynamic_bsz=true",
                                                 "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16"),
                                     rank=rank, world_size=world_size)
-    dynamic.init_model(total_training_steps=1)
+    init_for_test(dynamic)
     result["dynamic_metrics"] = dynamic.update_actor(batch).meta["metrics"]
     result["dynamic_state"] = dynamic.state_dict()
     result["wrap_options"] = _wrap_options(model_dir, batch)
@@ -470,7 +470,7 @@ def _timeout_main(rank: int, world_size: int, port: int, model_dir: str, out: st
 
     worker = ActorRolloutRefWorker(make_config(model_dir), rank=rank, world_size=world_size)
     worker.init_process_group("gloo", timeout_s=3.0)
-    worker.init_model(total_training_steps=1)
+    init_for_test(worker)
     if rank == 1:
         time.sleep(8.0)
         return
@@ -497,10 +497,10 @@ def run(tiny_model_dir, tiny_tokenizer, tmp_path_factory):
     torch.set_num_threads(2)
     columns = make_batch(len(tiny_tokenizer))
     actor = ActorRolloutRefWorker(cfg)
-    actor.init_model(total_training_steps=1)
+    init_for_test(actor)
     old = actor.compute_log_prob(Batch(columns))["old_log_probs"]
     critic = CriticWorker(cfg)
-    critic.init_model(total_training_steps=1)
+    init_for_test(critic)
     columns = add_training_columns(columns, old, critic.compute_values(Batch(columns))["values"])
     torch.save(columns, out / "batch.pt")
     distances = {"before": clip_boundary_distances(columns, old, critic.compute_values(Batch(columns))["values"])}
@@ -662,7 +662,7 @@ def test_full_state_dict_from_two_ranks_gives_identical_log_probs_in_one(run):
     from hyflow.workers.actor import ActorRolloutRefWorker
 
     worker = ActorRolloutRefWorker(run["cfg"])
-    worker.init_model(total_training_steps=1)
+    init_for_test(worker)
     worker.load_state_dict(run["ranks"][0]["actor_state"])
     columns = run["columns"]
     got = worker.compute_log_prob(Batch(columns))["old_log_probs"]
@@ -680,7 +680,7 @@ def test_sharded_checkpoint_from_two_ranks_loads_into_one(run):
     from hyflow.workers.critic import CriticWorker
 
     actor = ActorRolloutRefWorker(run["cfg"])
-    actor.init_model(total_training_steps=1)
+    init_for_test(actor)
     actor.load_sharded_checkpoint(str(run["out"] / "dcp_actor_2"))
     got = actor.state_dict()
     want = run["ref"]["actor_state"]
@@ -693,7 +693,7 @@ def test_sharded_checkpoint_from_two_ranks_loads_into_one(run):
     assert sharded_checkpoint_problem(run["out"] / "dcp_actor_2") is None
     assert_state_close(read_sharded_model_state(run["out"] / "dcp_actor_2"), got["actor_model"], atol=0)
     critic = CriticWorker(run["cfg"])
-    critic.init_model(total_training_steps=1)
+    init_for_test(critic)
     critic.load_sharded_checkpoint(str(run["out"] / "dcp_critic_2"))
     assert_state_close(critic.state_dict()["critic_model"], run["ref"]["critic_state"]["critic_model"])
 
@@ -718,3 +718,10 @@ def test_weight_sync_raises_when_a_rank_never_joins(tiny_model_dir, tmp_path):
     result = torch.load(tmp_path / "timeout.pt")
     assert "every rank must call sync_rollout_weights together" in result["outcome"]
     assert result["seconds"] < 7.0
+
+
+def init_for_test(worker) -> None:
+    """init_model with the batch arithmetic the trainer would pass (the worker's world size as the devices)."""
+    from hyflow.config.arithmetic import batch_arithmetic
+
+    worker.init_model(1, batch_arithmetic(worker.config, worker.world_size))

@@ -1,0 +1,425 @@
+"""TrainEngine: one object per trained (or frozen, forward-only) model of a worker role.
+
+It owns what every trained role repeats: the model (with LoRA adapters when configured), the parallel wrapper
+(one device, DDP or FSDP2; `hyflow.workers.fsdp`), autocast, the optimizer and LR schedule, micro-batching
+(by sample count or token budget, the sizes `hyflow.config.arithmetic.batch_arithmetic` derived), sequence
+packing (`use_remove_padding`), the per-token forward of a micro-batch, the PPO mini-batch loop with global loss
+normalisation, clipping and stepping, the weights a rollout engine receives, and the checkpoint state (full and
+sharded). A role (actor, critic, SFT) says which columns its loss reads and what the loss is, nothing else:
+
+    engine = TrainEngine(model, name="critic", head="value", ...)
+    values = engine.infer(batch, sizes)["values"]                          # no-grad pass, [N, R]
+    metrics = engine.update(batch, plan, loss_fn, columns=("returns", "values", "response_mask"))
+
+Per-token outputs of a micro-batch (`forward_micro`), for a response span of the last R columns:
+- head "lm": `log_probs` [b, r] (and `entropy`, `sum_pi_squared` when asked) of the response tokens at the
+  sampling temperature (`hyflow.models.forward.response_logprobs`);
+- head "value": `values` [b, r], V(s_t) read before response token t (`hyflow.models.forward.values_from_model`).
+Padded path: the micro-batch is trimmed to the columns that hold a real token (`trim_padding`), so r <= R.
+Packed path (`use_remove_padding=True`): the real tokens of all rows run as one row without pads
+(`hyflow.models.packing`), position ids restarting per sequence, attention never crossing a sequence; r = R.
+
+The loss function of `update` / `forward_backward` is called once per micro-batch as
+`loss_fn(out, cols, ctx) -> (loss, parts)`: `out` the per-token outputs above, `cols` the micro-batch's columns
+named in `columns` cut to the same r response columns, `ctx` a `MicroContext` (the mini-batch's global loss
+normalisers, its global token count, the micro-batch count, the world size). `loss` must already be normalised by
+the global counts (`hyflow.algos.agg_loss(..., **ctx.norms)`): then the gradients summed over micro-batches and
+ranks are the full mini-batch's gradient whatever the cut. `parts` maps metric names to this micro-batch's
+share of the mini-batch value; they are summed over micro-batches and all-reduced over ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hyflow.algos import loss_normalisers
+from hyflow.batch import Batch
+from hyflow.controller import Collect, Dispatch, register
+from hyflow.models.forward import backbone_hidden_states, response_logprobs, unwrap_model, values_from_model
+from hyflow.workers.engine import (
+    all_reduce_metrics,
+    all_reduce_sum,
+    build_optimizer,
+    build_scheduler,
+    clip_and_step,
+    micro_batches_as_derived,
+    mini_batches,
+    pad_response,
+    trim_padding,
+)
+from hyflow.workers.fsdp import (
+    WEIGHT_BUCKET_BYTES,
+    full_optimizer_state_dict,
+    iter_full_tensors,
+    load_full_optimizer_state_dict,
+    load_sharded,
+    reshard,
+    save_sharded,
+    tensor_buckets,
+    wrap_model,
+)
+
+HEADS = ("lm", "value")
+CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """`trainer.device`: auto = cuda when available, else cpu."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device(name)
+
+
+def autocast(device: torch.device, dtype_name: str):
+    """bf16/fp16 autocast on accelerators (fsdp_config.dtype); full precision on CPU."""
+    if device.type == "cpu" or dtype_name in ("fp32", "float32"):
+        return contextlib.nullcontext()
+    dtype = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+             "fp16": torch.float16}[dtype_name]
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def lora_from_config(model_cfg):
+    """The LoRA settings of a model config section (`hyflow.models.lora.lora_settings`), None without LoRA
+    (lora_rank 0 and no lora_adapter_path): peft is imported only when a run uses it."""
+    if not getattr(model_cfg, "lora_rank", 0) and not getattr(model_cfg, "lora_adapter_path", None):
+        return None
+    from hyflow.models.lora import lora_settings
+
+    return lora_settings(model_cfg)
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """How one `update` call walks its batch: `epochs` passes in mini-batches of `mini_batch_size` samples (this
+    rank's share), shuffled per epoch with `seed` when `shuffle`, each cut into micro-batches as `sizes` says
+    (`RoleBatches` of `batch_arithmetic`); the loss normalisers follow `loss_agg_mode`."""
+
+    mini_batch_size: int
+    epochs: int
+    shuffle: bool
+    seed: int
+    sizes: object
+    loss_agg_mode: str
+    metric_prefix: str
+
+
+@dataclass(frozen=True)
+class MicroContext:
+    """What a loss function needs to know about the micro-batch it scores (see the module docstring)."""
+
+    norms: dict
+    global_tokens: float
+    n_micro: int
+    world_size: int
+
+    def token_weight(self, mask: torch.Tensor) -> float:
+        """The micro-batch's share of the mini-batch's tokens: weight of a per-token mean metric."""
+        return float(mask.sum()) / self.global_tokens
+
+
+LossFn = Callable[[dict, dict, MicroContext], tuple[torch.Tensor, dict]]
+
+
+class TrainEngine:
+    """One model of a role: wrapped for `strategy`, optionally with LoRA, with its optimizer and LR schedule
+    (none when `optim` is None: a frozen model such as a separate reference policy)."""
+
+    def __init__(self, model: nn.Module, *, name: str, head: str, device: torch.device, strategy: str,
+                 fsdp_config, optim=None, total_optimizer_steps: int = 1, grad_clip: float | None = None,
+                 use_remove_padding: bool = False, lora=None, world_size: int = 1, rank: int = 0,
+                 compute_dtype: str | None = None, checkpoint_prefix: str | None = None):
+        if head not in HEADS:
+            raise ValueError(f"head={head!r}; use one of {HEADS}")
+        self.name, self.head, self.device = name, head, device
+        # checkpoint component names: `<prefix>model`, `<prefix>optimizer`, ... (default prefix `<name>_`)
+        self.prefix = f"{name}_" if checkpoint_prefix is None else checkpoint_prefix
+        self.strategy, self.world_size, self.rank = strategy, world_size, rank
+        self.grad_clip = grad_clip
+        self.use_remove_padding = bool(use_remove_padding)
+        self.compute_dtype = compute_dtype or getattr(fsdp_config, "dtype", "fp32")
+        self.lora = lora
+        if lora is not None:
+            from hyflow.models.lora import apply_lora
+
+            model = apply_lora(model, lora, task="causal_lm" if head == "lm" else "value")
+        trainable = optim is not None
+        if not trainable:
+            model.requires_grad_(False).eval()
+        self.module = model  # before wrapping (FSDP2 shards it in place; DDP holds it as .module)
+        self.model = wrap_model(model, strategy, fsdp_config, trainable=trainable)
+        self.optimizer = self.scheduler = None
+        if trainable:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            self.optimizer = build_optimizer(params, optim)
+            self.scheduler = build_scheduler(self.optimizer, optim, max(1, int(total_optimizer_steps)))
+
+    # ------------------------------------------------------------------------------------------ describing
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(trainable, total) parameters of the unsharded model (sharded DTensors count their full size)."""
+        trainable = total = 0
+        for param in unwrap_model(self.model).parameters():
+            total += param.numel()
+            trainable += param.numel() if param.requires_grad else 0
+        return trainable, total
+
+    def describe_parameters(self) -> str:
+        trainable, total = self.parameter_counts()
+        share = 100.0 * trainable / max(total, 1)
+        kind = f"LoRA rank {self.lora.rank}" if self.lora is not None else "full fine-tuning"
+        return f"{self.name}: trainable params {trainable:,} of {total:,} ({share:.2f} %), {kind}"
+
+    @property
+    def has_adapter(self) -> bool:
+        return self.lora is not None
+
+    @contextlib.contextmanager
+    def adapter_disabled(self) -> Iterator[None]:
+        """Forwards inside run the base model (LoRA off): the reference policy without a second copy."""
+        if self.lora is None:
+            raise RuntimeError(f"{self.name} has no LoRA adapter to disable")
+        from hyflow.models.lora import adapter_disabled
+
+        with adapter_disabled(self.model):
+            yield
+
+    # ------------------------------------------------------------------------------------------ forward
+
+    def forward_micro(self, micro: Batch, response_length: int, *, temperature: float = 1.0,
+                      with_entropy: bool = False, with_sum_pi_squared: bool = False) -> tuple[dict, int]:
+        """Per-token outputs of one micro-batch over its response span (module docstring); returns (outputs, r)."""
+        R = response_length
+        if False and self.use_remove_padding and not with_sum_pi_squared:  # TMP
+            from hyflow.models.packing import packed_response_logprobs, packed_values
+
+            ids = micro["input_ids"].to(self.device)
+            mask = micro["attention_mask"].to(self.device)
+            with autocast(self.device, self.compute_dtype):
+                if self.head == "value":
+                    return {"values": packed_values(self.model, ids, mask, R)}, R
+                logp, entropy = packed_response_logprobs(self.model, ids, mask, R, temperature=temperature,
+                                                         calculate_entropy=with_entropy)
+            return {"log_probs": logp, "entropy": entropy}, R
+        seq, r = trim_padding(micro, R)
+        seq = {k: v.to(self.device) for k, v in seq.items()}
+        with autocast(self.device, self.compute_dtype):
+            if self.head == "value":
+                values = values_from_model(self.model, seq["input_ids"], seq["attention_mask"],
+                                           seq["position_ids"], r)
+                return {"values": values}, r
+            logp, entropy = response_logprobs(self.model, seq["input_ids"], seq["attention_mask"],
+                                              seq["position_ids"], r, temperature=temperature,
+                                              calculate_entropy=with_entropy)
+            out = {"log_probs": logp, "entropy": entropy}
+            if with_sum_pi_squared:
+                from hyflow.algos import sum_pi_squared_from_logits
+
+                hidden = backbone_hidden_states(self.model, seq["input_ids"], seq["attention_mask"],
+                                                seq["position_ids"])
+                logits = unwrap_model(self.model).get_output_embeddings()(hidden[:, -r - 1 : -1])
+                out["sum_pi_squared"] = sum_pi_squared_from_logits(logits, temperature)
+        return out, r
+
+    def infer(self, batch: Batch, sizes, *, temperature: float = 1.0, with_entropy: bool = False,
+              with_sum_pi_squared: bool = False, adapter: bool = True) -> dict[str, torch.Tensor]:
+        """No-grad per-token outputs [N, R] (CPU, float32, 0 off the response mask) of every sample of `batch`,
+        micro-batched as `sizes` says. `adapter=False` runs the base model of a LoRA model."""
+        R = batch["responses"].shape[1]
+        outputs: dict[str, torch.Tensor] = {}
+        self.model.eval()
+        off = self.adapter_disabled() if not adapter else contextlib.nullcontext()
+        with torch.no_grad(), off:
+            for micro, rows in micro_batches_as_derived(batch, sizes):
+                out, _ = self.forward_micro(micro, R, temperature=temperature, with_entropy=with_entropy,
+                                            with_sum_pi_squared=with_sum_pi_squared)
+                for key, value in out.items():
+                    if value is None:
+                        continue
+                    if key not in outputs:
+                        outputs[key] = torch.zeros(len(batch), R)
+                    outputs[key][rows] = pad_response(value.float().cpu(), R)
+        mask = batch["response_mask"].float()
+        return {key: value * mask for key, value in outputs.items()}
+
+    # ------------------------------------------------------------------------------------------ training
+
+    def forward_backward(self, batch: Batch, sizes, loss_fn: LossFn, *, columns: Sequence[str], norms: dict,
+                         temperature: float = 1.0, with_entropy: bool = False) -> dict[str, float]:
+        """Forward and backward every micro-batch of `batch` (one mini-batch of this rank) with `loss_fn`;
+        gradients accumulate in `.grad`. Returns this rank's metric parts, summed over the micro-batches."""
+        R = batch["responses"].shape[1]
+        micros = micro_batches_as_derived(batch, sizes)
+        ctx = MicroContext(norms=norms, global_tokens=max(float(norms["global_token_count"]), 1.0),
+                           n_micro=len(micros), world_size=self.world_size)
+        sums: defaultdict[str, float] = defaultdict(float)
+        for micro, _ in micros:
+            out, r = self.forward_micro(micro, R, temperature=temperature, with_entropy=with_entropy)
+            cols = {key: micro[key][:, :r].to(self.device) for key in columns if key in micro}
+            loss, parts = loss_fn(out, cols, ctx)
+            if loss.requires_grad:
+                (loss * self.world_size).backward()  # DDP/FSDP average gradients; the losses are global sums
+            for key, value in parts.items():
+                sums[key] += float(value)
+        return sums
+
+    def step(self) -> dict[str, float]:
+        """Clip the global gradient norm, step (skipped when the norm is not finite), advance the LR schedule."""
+        return clip_and_step(self.model, self.optimizer, self.scheduler, self.grad_clip)
+
+    def update(self, batch: Batch, plan: UpdatePlan, loss_fn: LossFn, *, columns: Sequence[str],
+               temperature: float = 1.0, with_entropy: bool = False) -> dict[str, list[float]]:
+        """`plan.epochs` passes over this rank's `batch` in mini-batches, one optimizer step each; returns every
+        mini-batch's global metric values (all-reduced, the same on every rank), plus `<prefix>/grad_norm`,
+        `<prefix>/lr` and `<prefix>/grad_norm_skipped`."""
+        self.model.train()
+        metrics: dict[str, list[float]] = {}
+        for _, mini in mini_batches(batch, plan.mini_batch_size, epochs=plan.epochs, shuffle=plan.shuffle,
+                                    seed=plan.seed):
+            norms = all_reduce_sum(loss_normalisers(mini["response_mask"], plan.loss_agg_mode))
+            sums = self.forward_backward(mini, plan.sizes, loss_fn, columns=columns, norms=norms,
+                                         temperature=temperature, with_entropy=with_entropy)
+            sums = all_reduce_metrics(dict(sums))
+            stepped = self.step()
+            for key, value in {**sums, **{f"{plan.metric_prefix}/{k}": v for k, v in stepped.items()}}.items():
+                metrics.setdefault(key, []).append(value)
+        return metrics
+
+    # ------------------------------------------------------------------------------------------ weights out
+
+    def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) of the plain Hugging Face model, LoRA merged in; collective under FSDP2."""
+        if self.lora is not None:
+            from hyflow.models.lora import merged_named_tensors
+
+            reshard(unwrap_model(self.model))
+            yield from merged_named_tensors(self.model)
+        else:
+            yield from iter_full_tensors(self.model)
+
+    def weight_buckets(self, bucket_bytes: int = WEIGHT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """`named_full_tensors` in lists of at most `bucket_bytes` (a larger tensor is a bucket alone)."""
+        return tensor_buckets(self.named_full_tensors(), bucket_bytes)
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """The plain model's full state dict (LoRA merged) on rank 0, `{}` elsewhere; collective."""
+        state = {name: tensor.detach().cpu().clone() for name, tensor in self.named_full_tensors()}
+        return state if self.rank == 0 else {}
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def _state_options(self, **kwargs):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        # With LoRA only the trainable tensors (the adapter, and a value head) are checkpoint state: the frozen
+        # base weights come from the model path again.
+        return StateDictOptions(ignore_frozen_params=self.lora is not None, strict=self.lora is None, **kwargs)
+
+    def _model_state(self, **kwargs) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        reshard(self.model)
+        return get_model_state_dict(self.model, options=self._state_options(**kwargs))
+
+    def _check_adapter_keys(self, state: dict) -> None:
+        if self.lora is None:
+            return
+        expected = set(self._model_state())
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise ValueError(f"the {self.name} checkpoint does not match this LoRA model: missing "
+                             f"{missing[:4]}{' ...' if len(missing) > 4 else ''}, unexpected "
+                             f"{unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}; resume with the lora_rank, "
+                             "lora_alpha, target_modules and exclude_modules the run was saved with")
+
+    def state_dict(self, contents=CHECKPOINT_CONTENTS) -> dict:
+        """Full (unsharded) checkpoint components `<name>_model` (the adapter only under LoRA),
+        `<name>_optimizer`, `<name>_scheduler` (as `contents` asks); collective; rank 0 returns them, others {}."""
+        weights = self._model_state(full_state_dict=True, cpu_offload=True)
+        optimizer_state = (full_optimizer_state_dict(self.model, self.optimizer)
+                           if "optimizer" in contents and self.optimizer is not None else None)
+        if self.rank != 0:
+            return {}
+        out = {f"{self.prefix}model": weights}
+        if self.lora is not None:
+            out[f"{self.prefix}lora"] = dataclasses.asdict(self.lora)
+        if optimizer_state is not None:
+            out[f"{self.prefix}optimizer"] = optimizer_state
+        if "extra" in contents and self.scheduler is not None:
+            out[f"{self.prefix}scheduler"] = self.scheduler.state_dict()
+        return out
+
+    def load_state_dict(self, components: dict, contents=CHECKPOINT_CONTENTS) -> None:
+        """Restore what `state_dict` returned, saved at any world size (optimizer / schedule when `contents` has
+        them and `components` holds them; else they stay as they are)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        state = components[f"{self.prefix}model"]
+        self._check_adapter_keys(state)
+        set_model_state_dict(self.model, state, options=self._state_options(full_state_dict=True))
+        if "optimizer" in contents and f"{self.prefix}optimizer" in components and self.optimizer is not None:
+            load_full_optimizer_state_dict(self.model, self.optimizer, components[f"{self.prefix}optimizer"])
+        if "extra" in contents and f"{self.prefix}scheduler" in components and self.scheduler is not None:
+            self.scheduler.load_state_dict(components[f"{self.prefix}scheduler"])
+
+    def save_sharded(self, path, contents=CHECKPOINT_CONTENTS) -> None:
+        """Every rank's shards (DCP) of the model (the adapter only under LoRA), with the optimizer's and the LR
+        schedule when `contents` has "optimizer" / "extra"; collective."""
+        extra = {f"{self.prefix}scheduler": self.scheduler.state_dict()} if "extra" in contents else None
+        if extra is not None and self.lora is not None:
+            extra[f"{self.prefix}lora"] = dataclasses.asdict(self.lora)
+        save_sharded(self.model, self.optimizer if "optimizer" in contents else None, path, extra=extra,
+                     options=self._state_options())
+
+    def load_sharded(self, path, contents=CHECKPOINT_CONTENTS) -> None:
+        """Read a `save_sharded` directory written at any world size."""
+        extra = load_sharded(self.model, self.optimizer if "optimizer" in contents else None, path,
+                             options=self._state_options())
+        if "extra" in contents and f"{self.prefix}scheduler" in extra:
+            self.scheduler.load_state_dict(extra[f"{self.prefix}scheduler"])
+
+
+class EngineCheckpoints:
+    """The checkpoint methods of a worker role that trains through a `TrainEngine` held as `self.engine`, mixed
+    into its Worker class: collective calls the driver makes on every rank. `after_weights_loaded` runs after a
+    load (the actor refreshes its rollout engine's weights there)."""
+
+    engine: TrainEngine
+
+    def after_weights_loaded(self) -> None:
+        """Hook: called on every rank after a checkpoint's weights were loaded."""
+
+    @register(Dispatch.REPLICATE, collect=Collect.FIRST)
+    def state_dict(self, contents=CHECKPOINT_CONTENTS) -> dict:
+        """Checkpoint components: full model weights (the adapter under LoRA), full optimizer state (by parameter
+        name), LR schedule. Collective (every rank gathers); rank 0 returns the components, the other ranks {}."""
+        return self.engine.state_dict(contents)
+
+    @register(Dispatch.REPLICATE)
+    def load_state_dict(self, components: dict, contents=CHECKPOINT_CONTENTS) -> None:
+        """Restore what `state_dict` returned (saved at any world size); `contents` as in `state_dict`."""
+        self.engine.load_state_dict(components, contents)
+        self.after_weights_loaded()
+
+    @register(Dispatch.REPLICATE)
+    def save_sharded_checkpoint(self, path: str, contents=CHECKPOINT_CONTENTS) -> None:
+        """Write every rank's model shards (DCP) into directory `path`, with the optimizer's and the LR schedule
+        when `contents` has "optimizer" / "extra"."""
+        self.engine.save_sharded(path, contents)
+
+    @register(Dispatch.REPLICATE)
+    def load_sharded_checkpoint(self, path: str, contents=CHECKPOINT_CONTENTS) -> None:
+        """Read a `save_sharded_checkpoint` directory written at any world size."""
+        self.engine.load_sharded(path, contents)
+        self.after_weights_loaded()
