@@ -286,13 +286,22 @@ def summarize(results: list[RunResult], warmup: int) -> dict:
     return summary
 
 
-def machine_info() -> dict:
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where the OS has none): other processes on a shared machine."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def machine_info(load_before: list[float] | None = None) -> dict:
     import torch
     import transformers
 
     info = {"python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "cpu": _cpu_model(), "cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads()}
+            "torch_threads": torch.get_num_threads(), "load_avg_before": load_before,
+            "load_avg_after": load_average()}
     try:
         import trl
         info["trl"] = trl.__version__
@@ -323,6 +332,7 @@ def format_report(summaries: dict[str, dict], args: argparse.Namespace, info: di
         f"machine: {info['cpu']}, {info['cores']} cores, torch threads {info['torch_threads']}; "
         f"python {info['python']}, torch {info['torch']}, transformers {info['transformers']}, trl {info['trl']}"
         + (f", gpu {info['gpu']}" if "gpu" in info else ""),
+        f"load average (1/5/15 min) before {info.get('load_avg_before')}, after {info.get('load_avg_after')}",
         "stage columns are medians in seconds; gen tok/s = generated tokens / step time; other s = seconds of a "
         "run outside its steps (loading, data, logging, hyflow's final checkpoint)",
         header, "-" * len(header),
@@ -359,6 +369,7 @@ def main(argv: list[str] | None = None) -> dict:
         except ImportError:
             raise SystemExit("TRL is not installed: pip install -e '.[bench]' (or pass --skip-trl)") from None
     runners = {"hyflow": run_hyflow, "trl": run_trl}
+    load_before = load_average()
     with contextlib.ExitStack() as stack:
         workdir = Path(args.workdir) if args.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         workdir.mkdir(parents=True, exist_ok=True)
@@ -381,7 +392,7 @@ def main(argv: list[str] | None = None) -> dict:
                 per_round.append(statistics.median(results["trl"][-1].step_s[args.warmup:])
                                  / statistics.median(results["hyflow"][-1].step_s[args.warmup:]))
         summaries = {name: summarize(runs, args.warmup) for name, runs in results.items()}
-        info = machine_info()
+        info = machine_info(load_before)
         print(format_report(summaries, args, info, per_round))
         report = {"args": vars(args), "machine": info, "summaries": summaries, "per_round_ratio": per_round,
                   "raw": {name: [vars(r) for r in runs] for name, runs in results.items()}}

@@ -44,13 +44,14 @@ import contextlib
 import importlib.util
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, also when loaded by path
+from machine import load_average, machine_info
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -103,57 +104,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     return args
-
-
-# ---------------------------------------------------------------------------------------------- machine
-def _run(cmd: list[str]) -> str:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def cpu_model() -> str:
-    for line in _run(["lscpu"]).splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def ram_gib() -> float | None:
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return round(int(line.split()[1]) / 2**20, 1)
-    return None
-
-
-def load_average() -> list[float] | None:
-    with contextlib.suppress(OSError):
-        return [round(x, 2) for x in os.getloadavg()]
-    return None
-
-
-def machine_info() -> dict:
-    import torch
-    import transformers
-
-    root = Path(__file__).resolve().parents[1]
-    info = {
-        "cpu": cpu_model(), "cores": os.cpu_count(), "ram_gib": ram_gib(),
-        "python": platform.python_version(),
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "torch_threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-        "hyflow_commit": _run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"]) or None,
-        "hyflow_tree_dirty": bool(_run(["git", "-C", str(root), "status", "--porcelain"])),
-    }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
 
 
 # ---------------------------------------------------------------------------------------------- workload

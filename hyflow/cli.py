@@ -124,8 +124,9 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from hyflow.trainer.export import export_checkpoint
 
-    out = export_checkpoint(args.ckpt, args.out, component=args.component, base_model_path=args.base_model)
-    print(f"wrote a Hugging Face model directory to {out}")
+    out = export_checkpoint(args.ckpt, args.out, component=args.component, base_model_path=args.base_model,
+                            adapter=args.adapter)
+    print(f"wrote {'a peft LoRA adapter' if args.adapter else 'a Hugging Face model'} directory to {out}")
     return 0
 
 
@@ -183,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--component", default=None, help="actor_model (RL; the default when present), model (SFT; "
                    "the default otherwise) or critic_model")
     p.add_argument("--base-model", default=None, help="model path for the architecture when the checkpoint "
-                   "holds no config")
+                   "holds no config, and the base a LoRA adapter is merged into (default: the run's model path)")
+    p.add_argument("--adapter", action="store_true", help="LoRA runs: write the bare adapter (peft directory) "
+                   "instead of the merged model")
     p.set_defaults(fn=_cmd_export)
 
     p = sub.add_parser("data", help="make built-in task data or convert public datasets")

@@ -58,11 +58,17 @@ def _shifted_chunk(logits_cV: Tensor, temperature: float) -> Tensor:
     Working relative to the row max keeps every exponent <= 0 and every sum small: overflow-safe, and the
     entropy is about 10x more accurate in float32 than lse(z) - E_p[z] on unshifted logits.
     """
-    z_cV = logits_cV.to(_compute_dtype(logits_cV.dtype), copy=True)
-    if temperature != 1.0:
-        z_cV.div_(temperature)
+    cdtype = _compute_dtype(logits_cV.dtype)
+    if temperature == 1.0 and logits_cV.dtype == cdtype:  # z is the logits: no copy before the subtraction
+        z_cV = logits_cV
+    else:
+        z_cV = logits_cV.to(cdtype, copy=True)
+        if temperature != 1.0:
+            z_cV.div_(temperature)
     max_c = z_cV.amax(dim=-1)
     max_c = torch.where(torch.isfinite(max_c), max_c, torch.zeros_like(max_c))
+    if z_cV is logits_cV:
+        return z_cV - max_c.unsqueeze(-1)
     return z_cV.sub_(max_c.unsqueeze(-1))
 
 
@@ -113,9 +119,11 @@ class _LogprobEntropy(torch.autograd.Function):
             grad_entropy_N = None
         if grad_logp_N is None and grad_entropy_N is None:
             return None, None, None, None, None
-        grad_NV = torch.empty_like(logits_NV)
-        for start in range(0, logits_NV.shape[0], chunk_size):
-            rows = slice(start, min(start + chunk_size, logits_NV.shape[0]))
+        n_rows = logits_NV.shape[0]
+        single_chunk = 0 < n_rows <= chunk_size  # then the chunk's own buffer is the gradient
+        grad_NV = None if single_chunk else torch.empty_like(logits_NV)
+        for start in range(0, n_rows, chunk_size):
+            rows = slice(start, min(start + chunk_size, n_rows))
             zs_cV = _shifted_chunk(logits_NV[rows], temperature)
             p_cV = zs_cV.sub(log_sum_N[rows].unsqueeze(-1)).exp_()
             if grad_entropy_N is not None:
@@ -134,6 +142,8 @@ class _LogprobEntropy(torch.autograd.Function):
                 )
             if temperature != 1.0:
                 g_cV.div_(temperature)
+            if single_chunk:
+                return g_cV.to(logits_NV.dtype), None, None, None, None
             grad_NV[rows] = g_cV
             del g_cV, p_cV
         return grad_NV, None, None, None, None

@@ -180,8 +180,9 @@ class ModelConfig:
     )
     use_remove_padding: bool = option(
         True,
-        "verl: pack sequences without padding. hyflow does not pack yet; it always trims each micro-batch to the "
-        "columns that hold real tokens. Accepted for verl command lines.",
+        "Sequence packing: each micro-batch's sequences run as one row without pads (position ids restart per "
+        "sequence, attention stays within a sequence) in every log-prob, entropy and update forward of the actor "
+        "and the reference. false = the padded path (each micro-batch trimmed to its longest row).",
     )
     use_liger: bool = option(False, "Use Liger kernels for the model.")
     use_fused_kernels: bool = option(
@@ -190,13 +191,17 @@ class ModelConfig:
     fused_kernel_options: FusedKernelOptions = section(
         FusedKernelOptions, "Options of the fused log-prob kernel."
     )
-    lora_rank: int = option(0, "LoRA rank (0 = full fine-tuning). LoRA: Hu et al. 2021, arXiv 2106.09685.")
+    lora_rank: int = option(0, "LoRA rank (0 = full fine-tuning): the actor trains low-rank adapters (peft) and "
+                            "the reference policy is the actor with its adapter disabled (no second copy); the "
+                            "rollout receives merged weights; checkpoints hold the adapter only. LoRA: Hu et al. "
+                            "2021, arXiv 2106.09685.")
     lora_alpha: int = option(16, "LoRA scaling alpha (update scaled by lora_alpha / lora_rank).")
     target_modules: Any = option(
         "all-linear", "Modules that get LoRA adapters: 'all-linear' or a list of module names."
     )
     exclude_modules: Any = option(None, "Modules excluded from LoRA (a name, regex or list).")
-    lora_adapter_path: str | None = option(None, "Load a trained LoRA adapter from this directory.")
+    lora_adapter_path: str | None = option(None, "Start from this trained LoRA adapter (a peft directory: "
+                                           "adapter_config.json + adapter_model.safetensors).")
     use_shm: bool = option(False, "Copy the model to shared memory (/dev/shm) before loading.")
     trust_remote_code: bool = option(False, "Allow custom modelling code from the model repository.")
     torch_dtype: str | None = option(
@@ -697,12 +702,14 @@ class CriticModelConfig:
     enable_activation_offload: bool = option(False, "Offload activations to CPU memory.")
     use_remove_padding: bool = option(
         False,
-        "Accepted for verl command lines; hyflow does not pack sequences yet. It trims each micro-batch to the "
-        "columns that hold real tokens instead.",
+        "Sequence packing for the critic's value and update forwards (see actor_rollout_ref.model."
+        "use_remove_padding); false = the padded path.",
     )
-    lora_rank: int = option(0, "LoRA rank of the critic (0 = full fine-tuning).")
+    lora_rank: int = option(0, "LoRA rank of the critic (0 = full fine-tuning); the value head stays fully trained.")
     lora_alpha: int = option(16, "LoRA alpha of the critic.")
     target_modules: Any = option("all-linear", "Critic modules that get LoRA adapters.")
+    exclude_modules: Any = option(None, "Critic modules excluded from LoRA (a name, regex or list).")
+    lora_adapter_path: str | None = option(None, "Start the critic from this trained LoRA adapter directory.")
     fsdp_config: FSDPConfig = section(FSDPConfig, "FSDP settings of the critic.")
 
 

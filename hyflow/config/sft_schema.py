@@ -9,6 +9,12 @@ switch here: a row with a `data.messages_key` column is multi-turn, one with pro
 Units: *samples* are conversations (dataset rows), *tokens* are tokens. `train_batch_size` is global (all
 devices), `micro_batch_size_per_gpu` per device per forward pass. Composed with the RL loader's machinery:
 `load_sft_config(overrides, config_file)` (unknown keys name the closest valid SFT key).
+
+Derived sizes: with B = data.train_batch_size, W = trainer.nnodes x trainer.n_gpus_per_node devices and
+m = data.micro_batch_size_per_gpu, each device trains on B / W samples per step in (B / W) / m micro-batches
+(gradient accumulation), or in micro-batches of at most data.max_token_len_per_gpu tokens with
+data.use_dynamic_bsz. `hyflow.trainer.sft_trainer.sft_batch_arithmetic(cfg)` computes these numbers once (an
+`SFTBatches`); the trainer prints them and the workers run them.
 """
 
 # ruff: noqa: RUF009 -- option() and section() return dataclasses.field(...) objects, which ruff cannot see.
@@ -22,7 +28,13 @@ from typing import Any
 
 from hyflow.config.keys import ConfigError
 from hyflow.config.loader import load_config
-from hyflow.config.schema import _holds_interpolation, _resolve_interpolations, option, section
+from hyflow.config.schema import (
+    RayKwargsConfig,
+    _holds_interpolation,
+    _resolve_interpolations,
+    option,
+    section,
+)
 from hyflow.config.validate import _check_choices
 
 
@@ -59,7 +71,8 @@ class SFTDataConfig:
     )
     micro_batch_size_per_gpu: int = option(
         4,
-        "Samples per device per forward/backward pass (gradient accumulation = train_batch_size / this); also the validation batch size.",
+        "Samples per device per forward/backward pass (gradient accumulation = train_batch_size / devices / this); "
+        "also the validation micro-batch size.",
     )
     train_max_samples: int = option(-1, "Use at most this many training samples (-1 = all).")
     val_max_samples: int = option(-1, "Use at most this many validation samples (-1 = all).")
@@ -71,30 +84,35 @@ class SFTDataConfig:
     response_dict_keys: list[str] | None = option(
         None, "verl's legacy form of a nested response column (folded into response_key at load, as above).")
     use_dynamic_bsz: bool = option(
-        False, "Pack micro-batches by token count instead of sample count (verl: true). hyflow divides the loss by "
-        "the batch's token count, so this only changes speed and memory, not the gradient.")
+        False, "Cut each device's share of a step into micro-batches by token count (at most max_token_len_per_gpu "
+        "real tokens each) instead of micro_batch_size_per_gpu samples (verl: true). hyflow divides the loss by the "
+        "step's trained-token count, so this only changes speed and memory, not the gradient.")
     max_token_len_per_gpu: int = option(
-        8192, "Most tokens per device per micro-batch with use_dynamic_bsz (speed/memory only).")
-    pad_mode: str = option("no_padding", "verl: no_padding (packed) or right; hyflow pads each micro-batch to its "
-                           "longest sample and masks the pads, so the loss is the same.")
+        8192, "Most real tokens per device per micro-batch with use_dynamic_bsz; at least data.max_length.")
+    pad_mode: str = option("no_padding", "verl: no_padding (packed) or right; hyflow packs or pads by "
+                           "model.use_remove_padding, and the loss is the same either way.")
     num_workers: int = option(8, "verl: dataloader worker processes; hyflow tokenizes in the main process.")
 
 
 @dataclass
 class SFTEngineConfig:
-    """verl's SFT training-engine section (`engine@engine: fsdp`). hyflow's SFT runs one process on one device;
-    the sharding and offload knobs only change speed and memory there, and the numerics knobs are checked."""
+    """verl's SFT training-engine section (`engine@engine: fsdp`): how the model is spread over the devices
+    (`hyflow.workers.train_engine.TrainEngine`, as the RL actor); the offload knobs only change speed and memory,
+    and the numerics knobs are checked."""
 
-    strategy: str = option("fsdp", "Training engine (verl: fsdp, fsdp2); one device needs no sharding.")
+    strategy: str = option("fsdp", "Data-parallel strategy on several devices: fsdp or fsdp2 (FSDP2, ZeRO-3 "
+                           "sharding), or ddp (replicated weights); one device runs the model as is.")
     param_offload: bool = option(False, "Keep parameters in CPU memory between uses.")
     optimizer_offload: bool = option(False, "Keep optimizer state in CPU memory between steps.")
     offload_policy: bool = option(False, "Use FSDP2's CPUOffloadPolicy.")
-    reshard_after_forward: bool = option(True, "Free gathered parameters after the forward pass.")
+    reshard_after_forward: bool = option(True, "FSDP2: free each layer's gathered parameters after its forward "
+                                         "pass (less memory, one more all-gather in backward).")
     fsdp_size: int = option(-1, "Devices one FSDP group shards over (-1 = all).")
     forward_prefetch: bool = option(False, "Prefetch the next layer's all-gather during the forward pass.")
     use_orig_params: bool = option(False, "FSDP1 option: keep the original parameters.")
     model_dtype: str = option("fp32", "dtype of the master weights (hyflow: fp32).")
-    dtype: str = option("bfloat16", "Mixed-precision compute dtype (hyflow: bf16 autocast on cuda, fp32 on cpu).")
+    dtype: str = option("bfloat16", "Mixed-precision compute dtype (bf16 autocast / FSDP2 mixed precision on cuda "
+                        "over fp32 master weights; fp32 on cpu).")
     seed: int = option(42, "Seed used when building the model (hyflow seeds with trainer.seed).")
     full_determinism: bool = option(False, "Deterministic kernels everywhere.")
     ulysses_sequence_parallel_size: int = option(1, "Sequence-parallel size (1 = off).")
@@ -122,7 +140,9 @@ class SFTModelConfig:
         None, "A Jinja chat template (or a .jinja file) replacing the tokenizer's (verl: data.chat_template)."
     )
     use_remove_padding: bool = option(
-        True, "verl: pack samples without pads; hyflow masks the pads instead, so the loss is the same.")
+        True, "Pack each micro-batch's real tokens into one row without pads (attention never crosses a sample; "
+        "hyflow.models.packing); false pads each micro-batch to its longest sample and masks the pads. The loss "
+        "is the same either way.")
 
 
 @dataclass
@@ -178,12 +198,20 @@ class SFTTrainerConfig:
     resume_from_path: str | None = option(None, "Checkpoint directory (global_step_N) for resume_mode=resume_path.")
     max_ckpt_to_keep: int | None = option(None, "Keep at most this many checkpoints (None = all).")
     seed: int = option(1, "Global seed: model initialisation draws, data order (unless data.seed) and dropout.")
-    nnodes: int = option(1, "Machines (hyflow's SFT trainer runs one process on one device: 1).")
-    n_gpus_per_node: int = option(1, "Devices per machine (hyflow's SFT trainer runs on one device: 1).")
+    nnodes: int = option(1, "Machines; the run trains on nnodes x n_gpus_per_node devices, one worker each.")
+    n_gpus_per_node: int = option(
+        1, "Devices per machine (GPUs; on CPU, worker processes of one CPU each, a gloo process group). Several "
+        "devices need trainer.executor ray (or auto).")
     device: str = option(
         "auto",
         "Where the model trains: cpu, cuda (bf16 autocast, fp32 master weights), or auto (cuda when available; verl: cuda).",
         choices=("auto", "cpu", "cuda"),
+    )
+    executor: str = option(
+        "auto",
+        "How the workers run: local (one worker in this process, debuggable with pdb; one device), ray (one Ray "
+        "actor per device, torch.distributed between them), auto (local for one device, ray for more; hyflow).",
+        choices=("local", "ray", "auto"),
     )
 
 
@@ -196,6 +224,7 @@ class SFTConfig:
     optim: SFTOptimConfig = section(SFTOptimConfig, "Optimizer and learning-rate schedule.")
     trainer: SFTTrainerConfig = section(SFTTrainerConfig, "Training loop, logging, checkpoints, device.")
     engine: SFTEngineConfig = section(SFTEngineConfig, "Training-engine settings (verl's engine.* keys).")
+    ray_kwargs: RayKwargsConfig = section(RayKwargsConfig, "Ray cluster options (trainer.executor=ray; hyflow).")
 
     def __post_init__(self) -> None:
         if _holds_interpolation(self):
@@ -212,36 +241,87 @@ def load_sft_config(overrides: Sequence[str] = (), config_file: str | Path | Non
     return cfg
 
 
-def validate_sft_config(cfg: SFTConfig, n_devices: int = 1) -> None:
-    """Raise ConfigError listing every problem: choices, positive sizes, and the batch rule
-    `train_batch_size % (micro_batch_size_per_gpu x n_devices) == 0` (gradient accumulation steps per update)."""
+@dataclass(frozen=True)
+class SFTBatches:
+    """The derived batch sizes of one SFT step: what the trainer prints and what every worker runs.
+
+    The micro-batch fields are the ones `hyflow.workers.engine.micro_batches_as_derived` reads (as RL's
+    `RoleBatches`): `micro_batch_size_per_device` samples per pass, or with `use_dynamic_bsz` micro-batches of at
+    most `max_token_len_per_device` real tokens.
+    """
+
+    n_devices: int
+    samples_per_step: int
+    samples_per_device: int
+    use_dynamic_bsz: bool
+    micro_batch_size_per_device: int
+    micro_batches: int | None
+    max_token_len_per_device: int | None
+    max_sequence_tokens: int
+
+    def describe(self) -> str:
+        """The sizes in words, with units."""
+        share = (f"{self.n_devices} device(s) x {self.samples_per_device} samples" if self.n_devices > 1
+                 else f"{self.samples_per_device} samples on one device")
+        if self.use_dynamic_bsz:
+            micro = f"micro-batches of at most {self.max_token_len_per_device} tokens per device"
+        else:
+            micro = (f"{self.micro_batches} micro-batch(es) of {self.micro_batch_size_per_device} samples per "
+                     "device")
+        return (f"{self.samples_per_step} samples per step = {share}, in {micro}, at most "
+                f"{self.max_sequence_tokens} tokens per sample")
+
+
+def validate_sft_config(cfg: SFTConfig) -> None:
+    """Raise ConfigError listing every problem: choices, positive sizes, the devices and executor, and the batch
+    rules with W = trainer.nnodes x trainer.n_gpus_per_node devices: `train_batch_size % W == 0` (every device
+    gets an equal share) and, without use_dynamic_bsz, `train_batch_size % (micro_batch_size_per_gpu x W) == 0`
+    (whole micro-batches on every device)."""
     problems = _check_choices(cfg, cfg, "")
-    data = cfg.data
-    for key, value in (("train_batch_size", data.train_batch_size),
-                       ("micro_batch_size_per_gpu", data.micro_batch_size_per_gpu),
-                       ("max_length", data.max_length)):
+    data, t = cfg.data, cfg.trainer
+    for key, value in (("data.train_batch_size", data.train_batch_size),
+                       ("data.micro_batch_size_per_gpu", data.micro_batch_size_per_gpu),
+                       ("data.max_length", data.max_length), ("trainer.nnodes", t.nnodes),
+                       ("trainer.n_gpus_per_node", t.n_gpus_per_node)):
         if value < 1:
-            problems.append(f"data.{key}={value} must be >= 1.")
-    per_step = data.micro_batch_size_per_gpu * n_devices
-    if data.train_batch_size >= 1 and per_step >= 1 and data.train_batch_size % per_step:
-        lower = data.train_batch_size // per_step * per_step
+            problems.append(f"{key}={value} must be >= 1.")
+    devices = t.nnodes * t.n_gpus_per_node
+    sizes_ok = min(data.train_batch_size, data.micro_batch_size_per_gpu, t.nnodes, t.n_gpus_per_node) >= 1
+    where = f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node} = {devices} device(s)"
+    if sizes_ok and data.train_batch_size % devices:
+        problems.append(
+            f"data.train_batch_size={data.train_batch_size} samples cannot be split evenly over {where}: every "
+            f"device trains on an equal share. Set data.train_batch_size to a multiple of {devices} (e.g. "
+            f"{_neighbours(data.train_batch_size, devices)}) or use a number of devices that divides it.")
+    elif sizes_ok and not data.use_dynamic_bsz and data.train_batch_size % (data.micro_batch_size_per_gpu * devices):
+        per_step = data.micro_batch_size_per_gpu * devices
         problems.append(
             f"data.train_batch_size={data.train_batch_size} samples is not a multiple of "
-            f"data.micro_batch_size_per_gpu={data.micro_batch_size_per_gpu} x {n_devices} device(s) = {per_step}, "
+            f"data.micro_batch_size_per_gpu={data.micro_batch_size_per_gpu} x {devices} device(s) = {per_step}, "
             f"so it cannot be split into whole micro-batches. Set data.train_batch_size to a multiple of {per_step} "
-            f"(e.g. {lower or per_step} or {lower + per_step}) or pick a micro_batch_size_per_gpu that divides it."
+            f"(e.g. {_neighbours(data.train_batch_size, per_step)}) or pick a micro_batch_size_per_gpu that divides "
+            f"data.train_batch_size / {devices} = {data.train_batch_size / devices:g}."
         )
-    if (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) != (1, 1):
+    if data.use_dynamic_bsz and data.max_token_len_per_gpu < data.max_length:
         problems.append(
-            f"trainer.nnodes={cfg.trainer.nnodes} x trainer.n_gpus_per_node={cfg.trainer.n_gpus_per_node}: hyflow's "
-            "SFT trainer runs one process on one device (trainer.device); multi-device SFT is not supported by "
-            "this hyflow version yet. Set trainer.nnodes=1 trainer.n_gpus_per_node=1."
-        )
-    if cfg.trainer.total_training_steps is None and cfg.trainer.total_epochs < 1:
-        problems.append(f"trainer.total_epochs={cfg.trainer.total_epochs} must be >= 1 (or set trainer.total_training_steps).")
-    if cfg.trainer.total_training_steps is not None and cfg.trainer.total_training_steps < 1:
-        problems.append(f"trainer.total_training_steps={cfg.trainer.total_training_steps} must be >= 1 or null.")
+            f"data.max_token_len_per_gpu={data.max_token_len_per_gpu} tokens is less than data.max_length="
+            f"{data.max_length}: with data.use_dynamic_bsz a micro-batch must hold the longest sample. Raise "
+            f"data.max_token_len_per_gpu to at least {data.max_length} (or lower data.max_length).")
+    if t.executor == "local" and devices > 1:
+        problems.append(
+            f"trainer.executor=local runs one worker in this process, but {where}; use trainer.executor=ray (or "
+            "auto) to train on several devices, or set trainer.nnodes=1 trainer.n_gpus_per_node=1.")
+    if t.total_training_steps is None and t.total_epochs < 1:
+        problems.append(f"trainer.total_epochs={t.total_epochs} must be >= 1 (or set trainer.total_training_steps).")
+    if t.total_training_steps is not None and t.total_training_steps < 1:
+        problems.append(f"trainer.total_training_steps={t.total_training_steps} must be >= 1 or null.")
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:
         raise ConfigError(f"{len(problems)} problems in the SFT config:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _neighbours(value: int, step: int) -> str:
+    """The multiples of `step` around `value`, as "a or b" (just "b" when a would be 0)."""
+    lower = value // step * step
+    return f"{lower} or {lower + step}" if lower else f"{step}"

@@ -66,9 +66,17 @@ _FSDP_ROLE = {f"{ARR}.actor.fsdp_config": None, f"{ARR}.ref.fsdp_config": None,
               "critic.model.fsdp_config": "critic", "reward_model.model.fsdp_config": "reward_model"}
 
 LEAVE = "leave it at its default"
-ONLY_WITH_LORA = "only used with lora_rank > 0, which is not supported yet"
+ONLY_WITH_LORA = "a LoRA setting: only read when lora_rank > 0 (or lora_adapter_path is set), and LoRA is off"
 ONLY_MULTIMODAL = "multimodal rows are refused at load (DataError), so this has nothing to act on"
 VLLM_ONLY = "a vllm engine knob; the hf engine (rollout.name=hf) does not use it and generates the same samples"
+
+
+def _lora_off(section: str, key: str) -> Callable[[Any], bool]:
+    """True when `section.key` was changed from its default while the section trains without LoRA."""
+    def off(cfg: Any) -> bool:
+        return (not lookup(cfg, f"{section}.lora_rank") and not lookup(cfg, f"{section}.lora_adapter_path")
+                and _non_default(cfg, f"{section}.{key}"))
+    return off
 
 
 def _fsdp_size_asked(section: str) -> Callable[[Any], bool]:
@@ -151,11 +159,6 @@ R, A, M = f"{ARR}.rollout", f"{ARR}.actor", f"{ARR}.model"
 
 _TABLE: list[KeySupport] = [
     # ------------------------------------------------------------------ features not built yet
-    _unsupported(f"{M}.lora_rank", "LoRA is not built yet; " + LEAVE, lambda cfg: lookup(cfg, f"{M}.lora_rank") > 0),
-    _unsupported("critic.model.lora_rank", "LoRA is not built yet; " + LEAVE,
-                 lambda cfg: cfg.critic.model.lora_rank > 0),
-    _unsupported(f"{M}.lora_adapter_path", "LoRA (and loading adapters) is not built yet; merge the adapter into "
-                 "the model (peft's merge_and_unload) and pass the merged directory as actor_rollout_ref.model.path"),
     _unsupported(f"{A}.ulysses_sequence_parallel_size", "sequence parallelism is not built yet; use 1",
                  lambda cfg: lookup(cfg, f"{A}.ulysses_sequence_parallel_size") > 1),
     _unsupported(f"{ARR}.ref.ulysses_sequence_parallel_size", "sequence parallelism is not built yet; use 1",
@@ -248,10 +251,6 @@ _TABLE: list[KeySupport] = [
     _performance("critic.model.tokenizer_path", "the critic reads the policy's token ids; no second tokenizer is "
                  "loaded"),
     _performance(f"{A}.freeze_vision_tower", "hyflow trains text-only causal LMs (multimodal rows are refused)"),
-    _performance(f"{M}.use_remove_padding", "hyflow trims each micro-batch to its real tokens instead of "
-                 "packing; same values"),
-    _performance("critic.model.use_remove_padding", "hyflow trims each micro-batch to its real tokens instead "
-                 "of packing; same values"),
     _performance(f"{M}.use_shm", "copying the model to /dev/shm only speeds up loading"),
     _performance("data.use_shm", "copying the data to /dev/shm only speeds up loading"),
     _performance("data.dataloader_num_workers", "hyflow batches prompts in the main process (each prompt is "
@@ -263,8 +262,10 @@ _TABLE: list[KeySupport] = [
                  "overwrites it too)"),
     _performance("critic.optim.total_training_steps", "filled in by the trainer from the run length (verl "
                  "overwrites it too)"),
-    *(_performance(f"{M}.{k}", ONLY_WITH_LORA) for k in ("lora_alpha", "target_modules", "exclude_modules")),
-    *(_performance(f"critic.model.{k}", ONLY_WITH_LORA) for k in ("lora_alpha", "target_modules")),
+    *(_performance(f"{M}.{k}", ONLY_WITH_LORA, _lora_off(M, k)) for k in ("lora_alpha", "target_modules",
+                                                                           "exclude_modules")),
+    *(_performance(f"critic.model.{k}", ONLY_WITH_LORA, _lora_off("critic.model", k))
+      for k in ("lora_alpha", "target_modules", "exclude_modules")),
     *(_performance(f"data.{k}", "an extra batch column that hyflow's reward model and rollout do not need "
                    "(they re-template from the prompt themselves)")
       for k in ("return_raw_input_ids", "return_raw_chat", "return_full_prompt")),

@@ -54,6 +54,7 @@ def validate_config(cfg: HyflowConfig, n_devices: int | None = None) -> None:
     problems += _check_sampling(cfg)
     problems += _check_algorithm(cfg)
     problems += _check_not_built(cfg)
+    problems += _check_lora(cfg)
     problems += _check_checkpoint_contents(cfg)
     problems += _check_pools(cfg)
     problems += _check_exclusive("reward_model.micro_batch_size", cfg.reward_model.micro_batch_size,
@@ -65,6 +66,28 @@ def validate_config(cfg: HyflowConfig, n_devices: int | None = None) -> None:
         raise ConfigError(
             f"{len(problems)} problems in the config:\n" + "\n".join(f"  - {p}" for p in problems)
         )
+
+
+# ---------------------------------------------------------------------------------------- LoRA
+
+
+def _check_lora(cfg: HyflowConfig) -> list[str]:
+    """The LoRA keys of the actor and the critic parse (rank, alpha, target/exclude modules) before any model
+    loads; what they match in the model is checked when it loads (`hyflow.models.lora.apply_lora`)."""
+    sections = [("actor_rollout_ref.model", cfg.actor_rollout_ref.model)]
+    if uses_critic(cfg):
+        sections.append(("critic.model", cfg.critic.model))
+    problems = []
+    for key, section in sections:
+        if not section.lora_rank and not section.lora_adapter_path:
+            continue
+        from hyflow.models.lora import lora_settings
+
+        try:
+            lora_settings(section, config_key=key)
+        except ValueError as err:
+            problems.append(str(err))
+    return problems
 
 
 # ---------------------------------------------------------------------------------------- not built yet

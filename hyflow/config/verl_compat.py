@@ -127,8 +127,9 @@ _HOOKS = ("relocate_results", "finish_hook_cmd", "finish_hook_all_ranks", "finis
 _PROFILER_LEAVES = ("tool", "enable", "all_ranks", "ranks", "save_path", *_HOOKS, "tool_config")
 _GLOBAL_PROFILER_LEAVES = ("tool", "steps", "profile_continuous_steps", "save_path", *_HOOKS, "global_tool_config")
 
-_ONE_DEVICE = ("hyflow's SFT trainer runs one process on one device, so FSDP sharding, offload and prefetch "
-               "settings have nothing to act on and the results are the same")
+_SFT_ENGINE = ("hyflow's SFT engine shards with FSDP2 over all its workers and keeps parameters and optimizer "
+               "state on the device: offload, prefetch and FSDP1 options change memory and speed only, not the "
+               "results")
 
 PERFORMANCE_ONLY_KEYS: dict[str, str] = {
     **{f"{prefix}.profiler.{leaf}": _PROFILER
@@ -156,15 +157,11 @@ PERFORMANCE_ONLY_KEYS: dict[str, str] = {
     "supported yet",
     "trainer.use_legacy_worker_impl": "hyflow has one worker implementation; verl's switch picks between two "
     "implementations of the same computation",
-    # SFT (verl's sft_trainer_engine.yaml names): hyflow's SFT trainer runs one process on one device.
-    "data.use_dynamic_bsz": "hyflow's SFT loss is divided by the batch's token count, so packing micro-batches by "
-    "tokens only changes speed and memory, not the gradient",
-    "data.max_token_len_per_gpu": "only used with data.use_dynamic_bsz (speed and memory only)",
-    "data.pad_mode": "hyflow pads each micro-batch to its longest sample and masks the pads: the same loss as "
-    "verl's packed no_padding mode",
+    # SFT (verl's sft_trainer_engine.yaml names).
+    "data.pad_mode": "hyflow packs or pads by model.use_remove_padding (packed by default, like verl's no_padding "
+    "mode); either way the pads carry no loss, so the loss is the same",
     "data.num_workers": "hyflow tokenizes in the main process; the batches are the same",
-    "model.use_remove_padding": "hyflow masks the pads instead of packing samples: the same loss",
-    **{f"engine.{leaf}": _ONE_DEVICE for leaf in ("strategy", "param_offload", "optimizer_offload", "offload_policy",
+    **{f"engine.{leaf}": _SFT_ENGINE for leaf in ("param_offload", "optimizer_offload", "offload_policy",
                                                   "reshard_after_forward", "fsdp_size", "forward_prefetch",
                                                   "use_orig_params")},
     "engine.use_torch_compile": "hyflow's SFT computes the loss eagerly: same numbers, slower",

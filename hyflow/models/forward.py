@@ -8,11 +8,22 @@ length R). The token at position t is predicted by the hidden state at t - 1, so
     H_t         = logsumexp(z) - sum_v softmax(z)_v z_v,    z = W h_{t-1} / T
     V(s_t)      = w_v . h_{t-1} + b_v                       (critic: value of the state before y_t)
 
-Memory. The [B, R, V] logits are never built at once: the backbone runs once (no lm_head), then the lm_head
-and the log-softmax run on `chunk_size` rows of hidden states at a time. When gradients are needed each
-chunk runs inside `torch.utils.checkpoint` (non-reentrant), so autograd keeps only the hidden-state chunk
-and backward recomputes that chunk's logits: peak extra memory is about one [chunk_size, V] block instead of
-[B·R, V] logits in the model dtype plus their float32 log-softmax. The log-softmax/entropy math is
+Memory and speed: the backbone runs once (no lm_head); the lm_head and the log-softmax then run on the
+N = B·R response rows of hidden states in one of two ways, chosen by the size of the logits, N·V elements:
+
+- N·V <= `full_logits_max_elements` (default 2**24, i.e. 64 MiB of float32 logits: every tiny/small model on
+  CPU, e.g. 8192 rows x 512 tokens = 2**22): the [N, V] logits are built at once and autograd keeps them for
+  backward. Nothing is recomputed; the extra memory is a few [N, V] float32 buffers (at most ~256 MiB).
+- larger (any real vocabulary: 2**24 elements are 110 rows of Qwen2's 151,936 tokens): `chunk_size` rows at a
+  time, and when gradients are needed each chunk runs inside `torch.utils.checkpoint` (non-reentrant), so
+  autograd keeps only the hidden-state chunk and backward recomputes that chunk's logits: peak extra memory
+  is about one [chunk_size, V] block instead of [B·R, V] logits in the model dtype plus their float32
+  log-softmax.
+
+The log-prob kernel works row by row, so both ways give the same values (to float rounding, should the
+matmul round differently for a different number of rows; bit for bit on CPU); they differ in memory and
+in the recompute, which on CPU cost 25-45 % of the lm_head + log-prob time at a 512-token vocabulary
+(BENCHMARKS.md). The log-softmax/entropy math is
 `hyflow.algos.logprobs.logprobs_and_entropy_from_logits` (float32 outputs).
 
 Position ids for left padding: `position_ids = clamp(cumsum(attention_mask) - 1, min=0)`.
@@ -93,13 +104,28 @@ def backbone_hidden_states(
     return captured[-1]
 
 
+FULL_LOGITS_MAX_ELEMENTS = 1 << 24
+"""Largest N·V for which `lm_head_logprobs` builds the [N, V] logits at once, without chunks or checkpointing."""
+
+
 def _head_logprobs_chunk(
     hidden_cH: Tensor, labels_c: Tensor, lm_head: nn.Module, temperature: float, with_entropy: bool
 ) -> tuple[Tensor, Tensor | None]:
     logits_cV = lm_head(hidden_cH)
     return logprobs_and_entropy_from_logits(
-        logits_cV, labels_c, temperature=temperature, chunk_size=logits_cV.shape[0], with_entropy=with_entropy
+        logits_cV, labels_c, temperature=temperature, chunk_size=max(1, logits_cV.shape[0]),
+        with_entropy=with_entropy,
     )
+
+
+def _vocab_size(lm_head: nn.Module) -> int | None:
+    """V of an lm_head without running it: `out_features` (nn.Linear, PEFT layers) or the weight's rows
+    (a DTensor reports its global shape); None when neither is known."""
+    out_features = getattr(lm_head, "out_features", None)
+    if isinstance(out_features, int):
+        return out_features
+    weight = getattr(lm_head, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, Tensor) and weight.dim() == 2 else None
 
 
 def lm_head_logprobs(
@@ -110,19 +136,28 @@ def lm_head_logprobs(
     temperature: float = 1.0,
     calculate_entropy: bool = False,
     chunk_size: int = 1024,
+    full_logits_max_elements: int = FULL_LOGITS_MAX_ELEMENTS,
 ) -> tuple[Tensor, Tensor | None]:
-    """log softmax(lm_head(h) / T)[label] (and entropy) for [N, H] rows, `chunk_size` rows at a time.
+    """log softmax(lm_head(h) / T)[label] (and entropy) for [N, H] rows.
 
-    Returns float32 ([N], [N] or None). With gradients enabled each chunk is checkpointed, so backward
-    recomputes its [chunk_size, V] logits instead of keeping [N, V] of them.
+    Returns float32 ([N], [N] or None). When N·V <= `full_logits_max_elements` the [N, V] logits are built
+    at once (no recompute in backward); otherwise `chunk_size` rows at a time, each chunk checkpointed when
+    gradients are enabled, so backward recomputes its [chunk_size, V] logits instead of keeping [N, V] of
+    them (module docstring). Pass `full_logits_max_elements=0` to always chunk. Same values either way (to
+    float rounding).
     """
     if int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be a positive number of rows; got {chunk_size}")
+    n_rows = hidden_NH.shape[0]
+    vocab = _vocab_size(lm_head)
+    if n_rows > 0 and vocab is not None and n_rows * vocab <= full_logits_max_elements:
+        logp_N, entropy_N = _head_logprobs_chunk(hidden_NH, labels_N, lm_head, temperature, calculate_entropy)
+        return logp_N.float(), entropy_N.float() if calculate_entropy else None
     needs_grad = torch.is_grad_enabled() and (
         hidden_NH.requires_grad or any(p.requires_grad for p in lm_head.parameters())
     )
     logp_chunks, entropy_chunks = [], []
-    for start in range(0, hidden_NH.shape[0], chunk_size):
+    for start in range(0, n_rows, chunk_size):
         args = (hidden_NH[start : start + chunk_size], labels_N[start : start + chunk_size], lm_head)
         if needs_grad:
             logp_c, entropy_c = checkpoint(
@@ -147,11 +182,13 @@ def response_logprobs(
     temperature: float = 1.0,
     calculate_entropy: bool = False,
     chunk_size: int = 1024,
+    full_logits_max_elements: int = FULL_LOGITS_MAX_ELEMENTS,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs [B, R] (float32) of the last R tokens of `input_ids`, and their entropy [B, R] if asked.
 
     log_probs[b, i] = log_softmax(lm_head(h[b, L-R-1+i]) / T)[input_ids[b, L-R+i]]; the backbone runs once,
-    the lm_head runs in chunks of `chunk_size` rows (see the module docstring). Differentiable.
+    the lm_head runs on all B·R rows at once when B·R·V <= `full_logits_max_elements`, else in checkpointed
+    chunks of `chunk_size` rows (see the module docstring). Differentiable.
     """
     _check_response_length(input_ids, response_length)
     hidden_BLH = backbone_hidden_states(model, input_ids, attention_mask, position_ids)
@@ -165,6 +202,7 @@ def response_logprobs(
         temperature=temperature,
         calculate_entropy=calculate_entropy,
         chunk_size=chunk_size,
+        full_logits_max_elements=full_logits_max_elements,
     )
     entropy_BR = entropy_N.view(batch, response_length) if entropy_N is not None else None
     return logp_N.view(batch, response_length), entropy_BR

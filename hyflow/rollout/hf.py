@@ -11,6 +11,18 @@ Works on CPU and GPU with any Hugging Face decoder. Per call:
    the pad id, R = max_new_tokens), `response_mask` (1 up to and including the first EOS), `input_ids`,
    `attention_mask`, `position_ids` [N, P + R], `rollout_log_probs` [N, R] (0 where masked), and every other
    column of the prompt batch repeated per sample (interleaved: rows 0..n-1 are prompt 0's samples).
+
+Per decoding step the loop does only what the step needs (on CPU at small sizes the Python and allocation
+overhead of a step is comparable to the model's arithmetic): the KV cache of every full-attention layer
+is written in place into buffers sized for prompt + `max_new_tokens` (transformers' `DynamicCache`
+concatenates, i.e. copies the whole cache of every layer at every step), the attention mask is a view
+of one preallocated buffer, and finished rows are written with masked writes instead of boolean
+indexing. With SDPA attention and only full-attention layers, the decoding steps hand the model the
+4-D boolean mask SDPA receives anyway ([rows, 1, 1, keys], True = attend; transformers passes a 4-D mask
+through as is; no mask while no row is padded, as transformers does), instead of a 2-D mask from which
+transformers rebuilds it at every step. The arithmetic is unchanged: the same logits, tokens and
+log-probs for the same seed (tests/rollout/test_hf_engine.py compares them with transformers' own cache and
+masks).
 """
 
 from __future__ import annotations
@@ -21,6 +33,11 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from transformers import DynamicCache
+
+try:  # transformers >= 4.56: the cache is a list of per-layer objects
+    from transformers.cache_utils import DynamicLayer
+except ImportError:  # pragma: no cover - older transformers: plain DynamicCache
+    DynamicLayer = None
 
 from hyflow.batch import Batch
 from hyflow.models.loading import as_torch_dtype
@@ -166,42 +183,171 @@ class HFRolloutEngine:
     def _generate_chunk(self, input_ids, prompt_mask, params: SamplingParams, stop_ids, generator):
         n, max_new = params.n, params.max_new_tokens
         num_rows = len(input_ids) * n
+        prompt_width = input_ids.shape[1]
         responses = torch.full((num_rows, max_new), self.pad_token_id, dtype=torch.long, device=self._device)
         logprobs = torch.zeros((num_rows, max_new), dtype=torch.float32, device=self._device)
         lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=self._device)
 
-        cache = DynamicCache(config=getattr(self.model, "config", None))
+        # the decode steps feed one token each: the prompt and at most max_new - 1 of them are ever cached
+        cache = _preallocated_cache(getattr(self.model, "config", None), capacity=prompt_width + max_new - 1)
         positions = position_ids_from_mask(prompt_mask)
         out = self.model(input_ids=input_ids, attention_mask=prompt_mask, position_ids=positions,
                          **{self._cache_arg: cache}, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1].repeat_interleave(n, dim=0)
         if n > 1:
             cache.batch_repeat_interleave(n)
-        mask = prompt_mask.repeat_interleave(n, dim=0)
+        # attention mask of prompt + every decoded token: step t attends to columns [0, prompt_width + t + 1)
+        mask_4d = decodes_with_4d_mask(self.model)
+        mask = torch.ones((num_rows, prompt_width + max_new), dtype=torch.bool if mask_4d else prompt_mask.dtype,
+                          device=self._device)
+        mask[:, :prompt_width] = prompt_mask.repeat_interleave(n, dim=0)
+        # SDPA gets no mask when no row is padded (what transformers does with an all-ones mask; a mask of all True
+        # would change the kernel's rounding), so the ready-made mask is passed only while some row is padded
+        unpadded = bool(mask[:, :prompt_width].all())
         next_pos = positions[:, -1].repeat_interleave(n, dim=0) + 1
 
-        active = torch.arange(num_rows, device=self._device)  # row ids still held in the cache
-        done = torch.zeros(num_rows, dtype=torch.bool, device=self._device)  # aligned with `active`
+        active = None  # row ids still held in the cache (None: all rows, in order)
+        done = torch.zeros(num_rows, dtype=torch.bool, device=self._device)  # aligned with the cache's rows
+        n_done = 0
         for t in range(max_new):
             tokens, token_logprobs = sample_next_token(
                 logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                 greedy=params.greedy, generator=generator)
-            live = ~done
-            responses[active[live], t] = tokens[live]
-            logprobs[active[live], t] = token_logprobs[live]
-            stopped = live & torch.isin(tokens, stop_ids)
-            lengths[active[stopped]] = t + 1
+            # rows finished earlier (still in the cache until the next compaction) keep their padding
+            new_tokens = tokens.masked_fill(done, self.pad_token_id) if n_done else tokens
+            new_logprobs = token_logprobs.masked_fill(done, 0.0) if n_done else token_logprobs
+            stopped = torch.isin(tokens, stop_ids)
+            if n_done:
+                stopped &= ~done
+            if active is None:
+                responses[:, t] = new_tokens
+                logprobs[:, t] = new_logprobs
+                lengths.masked_fill_(stopped, t + 1)
+            else:
+                responses[active, t] = new_tokens
+                logprobs[active, t] = new_logprobs
+                lengths[active] = torch.where(stopped, t + 1, lengths[active])
             done |= stopped
-            if bool(done.all()) or t == max_new - 1:
+            n_done = int(done.sum())
+            if n_done == len(done) or t == max_new - 1:
                 break
-            if int(done.sum()) * 4 >= len(done):  # compact the cache once a quarter of the rows are finished
+            if n_done * 4 >= len(done):  # compact the cache once a quarter of the rows are finished
                 keep = (~done).nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
-                active, tokens, mask, next_pos = active[keep], tokens[keep], mask[keep], next_pos[keep]
-                done = done[keep]
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-            out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                active = keep if active is None else active[keep]
+                tokens, mask, next_pos, done = tokens[keep], mask[keep], next_pos[keep], done[keep]
+                n_done = 0
+                unpadded = bool(mask[:, :prompt_width].all())
+            step_mask = mask[:, : prompt_width + t + 1]
+            if mask_4d:
+                step_mask = None if unpadded else step_mask[:, None, None]
+            out = self.model(input_ids=tokens[:, None], attention_mask=step_mask, position_ids=next_pos[:, None],
                              **{self._cache_arg: cache}, use_cache=True)
             logits = out.logits[:, -1]
             next_pos = next_pos + 1
         return responses, logprobs, lengths
+
+
+def decodes_with_4d_mask(model: torch.nn.Module) -> bool:
+    """Whether a decoding step may get its [rows, 1, 1, keys] boolean mask ready-made: SDPA attention and only
+    full-attention layers (a sliding-window or chunked layer needs transformers to build its own mask)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return all(kind == "full_attention" for kind in layer_types)
+    if getattr(config, "attention_chunk_size", None) is not None:
+        return False
+    return getattr(config, "sliding_window", None) is None or getattr(config, "use_sliding_window", True) is False
+
+
+def _preallocated_cache(config, capacity: int) -> DynamicCache:
+    """A `DynamicCache` whose full-attention layers write into buffers of `capacity` positions.
+
+    Other layer kinds (sliding-window, linear attention) and transformers versions without per-layer cache objects
+    keep transformers' own layers.
+    """
+    cache = DynamicCache(config=config)
+    layers = getattr(cache, "layers", None)
+    if DynamicLayer is not None and isinstance(layers, list):
+        for i, layer in enumerate(layers):
+            if type(layer) is DynamicLayer:
+                layers[i] = _PreallocatedLayer(capacity)
+    return cache
+
+
+if DynamicLayer is not None:
+
+    class _PreallocatedLayer(DynamicLayer):
+        """A full-attention KV-cache layer that writes new keys/values in place into [B, H, capacity, D] buffers
+        and hands attention views of the filled part; `DynamicLayer` concatenates instead (a copy of the whole
+        layer cache per step). Past `capacity` it grows by doubling, so it is never wrong, only slower."""
+
+        def __init__(self, capacity: int) -> None:
+            super().__init__()
+            self.capacity = max(1, int(capacity))
+            self.length = 0
+            self._key_buf = self._value_buf = None
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+            # written out rather than super()'s: its signature changed between transformers releases
+            value_states = key_states if value_states is None else value_states
+            self.dtype, self.device = key_states.dtype, key_states.device
+            batch, heads, _, _ = key_states.shape
+            self._key_buf = key_states.new_empty(batch, heads, self.capacity, key_states.shape[-1])
+            self._value_buf = value_states.new_empty(batch, value_states.shape[1], self.capacity,
+                                                     value_states.shape[-1])
+            self.is_initialized = True
+            self._refresh_views()
+
+        def _refresh_views(self) -> None:
+            self.keys = self._key_buf[:, :, : self.length]
+            self.values = self._value_buf[:, :, : self.length]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            if end > self.capacity:
+                self.capacity = max(end, 2 * self.capacity)
+                grown_k = self._key_buf.new_empty(*self._key_buf.shape[:2], self.capacity, self._key_buf.shape[-1])
+                grown_v = self._value_buf.new_empty(*self._value_buf.shape[:2], self.capacity,
+                                                    self._value_buf.shape[-1])
+                grown_k[:, :, : self.length] = self.keys
+                grown_v[:, :, : self.length] = self.values
+                self._key_buf, self._value_buf = grown_k, grown_v
+            self._key_buf[:, :, self.length : end] = key_states
+            self._value_buf[:, :, self.length : end] = value_states
+            self.length = end
+            self._refresh_views()
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            if self.is_initialized:
+                self._key_buf = self._key_buf.repeat_interleave(repeats, dim=0)
+                self._value_buf = self._value_buf.repeat_interleave(repeats, dim=0)
+                self._refresh_views()
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.is_initialized:
+                self._key_buf = self._key_buf[indices]
+                self._value_buf = self._value_buf[indices]
+                self._refresh_views()
+
+        def reset(self) -> None:
+            super().reset()
+            self.length = 0
+            self._key_buf = self._value_buf = None
+
+        def crop(self, tokens_to_remove: int) -> None:
+            if tokens_to_remove < 0 and self.is_initialized:
+                self.length = max(0, self.length + tokens_to_remove)
+                self._refresh_views()
+            else:
+                super().crop(tokens_to_remove)

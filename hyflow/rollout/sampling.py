@@ -3,6 +3,11 @@
 The returned log-prob is log softmax(logits / T)[token] of the *temperature-scaled, unfiltered* distribution,
 which is exactly what the trainer recomputes (`hyflow.models.forward.response_logprobs` with the same T).
 Top-k / top-p only decide which tokens may be drawn. Greedy decoding reports log-probs at T = 1.
+
+Drawing is by inverse CDF: one uniform number u per row, token = the first index whose cumulative probability
+(float64) reaches (1 - u) * total. That is exact sampling from the filtered distribution (a token of probability
+0 is never drawn) and costs one random number per row; `torch.multinomial` draws one exponential number per
+vocabulary entry (V per row: 0.5 ms of a 3 ms decoding step for 64 rows x 512 tokens on one CPU core).
 """
 
 from __future__ import annotations
@@ -43,8 +48,26 @@ def sample_next_token(
         tokens_B = logits_BV.argmax(dim=-1)
         logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
     else:
-        scaled_BV = logits_BV / temperature
+        scaled_BV = logits_BV / temperature if temperature != 1.0 else logits_BV
         logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
         probs_BV = torch.softmax(filter_logits(scaled_BV, top_k, top_p), dim=-1)
-        tokens_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
+        tokens_B = draw_from_probs(probs_BV, generator=generator)
     return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+
+
+def draw_from_probs(probs_BV: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One index per row with P(i) = probs[i] / sum(probs), by inverse CDF.
+
+    cdf = cumsum(probs) in float64; token = min{i : cdf_i >= (1 - u) cdf_V}, u ~ U[0, 1). (1 - u) is in (0, 1], so
+    the target is > 0 and at most the total: the index exists, and cdf_i > cdf_(i-1) there (probability > 0).
+    """
+    dtype = torch.float32 if probs_BV.device.type == "mps" else torch.float64  # MPS has no float64
+    cdf_BV = probs_BV.cumsum(dim=-1, dtype=dtype)
+    total_B1 = cdf_BV[:, -1:]
+    if not bool((torch.isfinite(total_B1) & (total_B1 > 0)).all()):
+        raise ValueError("cannot sample: a row of next-token probabilities is NaN, infinite or all zero (the "
+                         "model's logits are not finite: check the loss and learning rate of the last updates)")
+    u_B1 = torch.rand((probs_BV.shape[0], 1), dtype=dtype, device=probs_BV.device, generator=generator)
+    target_B1 = (1.0 - u_B1) * total_B1
+    tokens_B = torch.searchsorted(cdf_BV, target_B1).squeeze(-1)
+    return tokens_B.clamp_(max=probs_BV.shape[-1] - 1)  # defensive: target <= cdf_V already bounds it

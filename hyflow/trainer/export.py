@@ -49,8 +49,8 @@ from transformers import (
     GenerationConfig,
 )
 
-from hyflow.models.loading import resolve_model_path
-from hyflow.serialization import CheckpointSecurityError
+from hyflow.models.loading import load_causal_lm, load_value_model, resolve_model_path
+from hyflow.serialization import CheckpointSecurityError, load_plain_data
 from hyflow.trainer.checkpoint import (
     CONFIG_YAML,
     HF_CONFIG_DIR,
@@ -60,7 +60,7 @@ from hyflow.trainer.checkpoint import (
     read_manifest,
     verify_checkpoint,
 )
-from hyflow.workers.fsdp import read_sharded_model_state
+from hyflow.workers.fsdp import EXTRA_STATE_FILE, read_sharded_model_state
 
 LEADING_WRAPPER_PREFIX = "module"
 WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
@@ -217,16 +217,94 @@ def _read_state(ckpt: Path, manifest: dict, component: str) -> Any:
     return CheckpointManager(ckpt.parent).load(ckpt, names=[component], verify=False)[component]
 
 
-def _build_from_state_dict(ckpt: Path, manifest: dict, out: Path, component: str, base: str | None) -> None:
-    config, source = _load_model_config(ckpt, component, base)
+def lora_of(ckpt: Path, manifest: dict, component: str) -> dict | None:
+    """The LoRA settings `component` was trained with (its `<prefix>lora` entry: `actor_lora` for `actor_model`,
+    `lora` for an SFT `model`), None for a fully trained model. A LoRA component holds the adapter only."""
+    name = component[: -len("model")] + "lora" if component.endswith("model") else None
+    if name is None:
+        return None
+    if name in manifest["components"]:
+        return CheckpointManager(ckpt.parent).load(ckpt, names=[name], verify=False)[name]
+    shards = _sharded_model_components(manifest)
+    extra = ckpt / shards[component] / EXTRA_STATE_FILE if component in shards else None
+    if extra is not None and extra.is_file():
+        return load_plain_data(extra).get(name)
+    return None
+
+
+def _run_model_path(ckpt: Path, component: str) -> str | None:
+    """The model path the run started from, read from the checkpoint's config.yaml (None when unreadable)."""
+    keys = {"critic_model": ["critic.model.path", "actor_rollout_ref.model.path"],
+            "model": ["model.partial_pretrain"]}.get(component, ["actor_rollout_ref.model.path"])
+    try:
+        config: Any = yaml.safe_load((ckpt / CONFIG_YAML).read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    for key in keys:
+        node = config
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node:
+            return str(node)
+    return None
+
+
+def _adapter_state(ckpt: Path, manifest: dict, component: str) -> dict[str, torch.Tensor]:
     raw = _read_state(ckpt, manifest, component)
     if not isinstance(raw, dict) or not raw or not all(isinstance(v, torch.Tensor) for v in raw.values()):
-        models = _model_components(manifest)
-        raise ValueError(
-            f"component {component!r} of {ckpt} is not a model state dict (a flat name -> tensor dict); "
-            f"model components in this checkpoint: {models}"
-        )
-    state = strip_wrapper_prefixes(raw)
+        raise ValueError(f"component {component!r} of {ckpt} is not an adapter state dict (name -> tensor)")
+    return strip_wrapper_prefixes(raw)
+
+
+def _lora_base(ckpt: Path, component: str, base: str | None) -> str:
+    path = base or _run_model_path(ckpt, component)
+    if path is None:
+        raise FileNotFoundError(f"{ckpt}: component {component!r} is a LoRA adapter; merging it needs the base model "
+                                "the run trained it on, and the checkpoint's config.yaml names none. Fix: pass "
+                                "base_model_path=<that model> (hyflow export --base-model)")
+    return str(resolve_model_path(path, config_key="base_model_path"))
+
+
+def _merged_lora_state(ckpt: Path, manifest: dict, component: str, base: str | None, settings: dict
+                       ) -> tuple[dict[str, torch.Tensor], str]:
+    """(base weights + the checkpoint's adapter merged, base path): W' = W + (alpha / r) B A per adapted module."""
+    from hyflow.models.lora import LoraSettings, merge_adapter_into_state
+
+    path = _lora_base(ckpt, component, base)
+    loader = load_value_model if component.startswith("critic") else load_causal_lm
+    base_state = loader(path, dtype="float32").state_dict()
+    lora = LoraSettings(**settings)
+    return merge_adapter_into_state(base_state, _adapter_state(ckpt, manifest, component), lora), path
+
+
+def _write_adapter(ckpt: Path, manifest: dict, out: Path, component: str, base: str | None) -> None:
+    """`hyflow export --adapter`: the component's LoRA adapter as a peft adapter directory."""
+    from hyflow.models.lora import LoraSettings, save_adapter
+
+    settings = lora_of(ckpt, manifest, component)
+    if settings is None:
+        raise ValueError(f"component {component!r} of {ckpt} was trained without LoRA (lora_rank=0): it has no "
+                         "adapter to export; drop --adapter to export the model")
+    path = base or _run_model_path(ckpt, component)
+    save_adapter(_adapter_state(ckpt, manifest, component), LoraSettings(**settings), out,
+                 base_model_name_or_path=path, task="value" if component.startswith("critic") else "causal_lm")
+
+
+def _build_from_state_dict(ckpt: Path, manifest: dict, out: Path, component: str, base: str | None) -> None:
+    config, source = _load_model_config(ckpt, component, base)
+    lora = lora_of(ckpt, manifest, component)
+    if lora is not None:
+        state, base_path = _merged_lora_state(ckpt, manifest, component, base, lora)
+        source += f", LoRA adapter merged into {base_path}"
+    else:
+        raw = _read_state(ckpt, manifest, component)
+        if not isinstance(raw, dict) or not raw or not all(isinstance(v, torch.Tensor) for v in raw.values()):
+            models = _model_components(manifest)
+            raise ValueError(
+                f"component {component!r} of {ckpt} is not a model state dict (a flat name -> tensor dict); "
+                f"model components in this checkpoint: {models}"
+            )
+        state = strip_wrapper_prefixes(raw)
     model = _build_model(config, component)
     dtype = _uniform_float_dtype(state)
     if dtype is not None:
@@ -248,9 +326,15 @@ def export_checkpoint(
     *,
     component: str | None = None,
     base_model_path: str | None = None,
+    adapter: bool = False,
 ) -> Path:
     """Write `component` of the checkpoint `ckpt_dir` (a `global_step_N` directory) as a Hugging Face model
     directory `out_dir` (safetensors + config + generation config + tokenizer); returns `out_dir`.
+
+    A LoRA component (trained with lora_rank > 0: the checkpoint holds the adapter only) is merged into the base
+    model the run started from (its config.yaml's model path, or `base_model_path`); `adapter=True` writes the
+    bare adapter instead (a peft directory: adapter_config.json + adapter_model.safetensors, loadable with
+    `peft.PeftModel.from_pretrained(base, out_dir)`), with the tokenizer.
 
     The checkpoint must verify (CorruptCheckpointError otherwise). `out_dir` must be new or empty; it is
     written as a sibling temporary directory and renamed into place, so a failed export leaves nothing.
@@ -270,7 +354,10 @@ def export_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         saved_hf = manifest.get("huggingface") or {}
-        if saved_hf.get("component") == component and (ckpt / HF_MODEL_DIR).is_dir():
+        if adapter:
+            tmp.mkdir()
+            _write_adapter(ckpt, manifest, tmp, component, base_model_path)
+        elif saved_hf.get("component") == component and (ckpt / HF_MODEL_DIR).is_dir():
             shutil.copytree(ckpt / HF_MODEL_DIR, tmp)
         else:
             tmp.mkdir()

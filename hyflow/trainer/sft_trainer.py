@@ -6,26 +6,36 @@ end-of-turn token, see `hyflow.data.sft_dataset`), as a token mean over the whol
     L = -(1 / N) * sum_{b,t: m[b,t] = 1} log p(x[b,t] | x[b,<t]),      N = sum_{b,t} m[b,t]
 
 The token at position t is predicted from the hidden state at t - 1 (the shift). A step's
-`data.train_batch_size` samples are cut into micro-batches of `data.micro_batch_size_per_gpu`; each micro-batch
-backpropagates its own sum of -log p divided by the step's N, so the accumulated gradient is exactly the
-full-batch gradient however unevenly the trained tokens fall into micro-batches. (verl's legacy trainer
-divides each micro-batch by its own token count and then by the micro-batch count: a mean of means.)
+`data.train_batch_size` samples are split evenly over the W = trainer.nnodes x trainer.n_gpus_per_node devices
+and each device's share is cut into micro-batches of `data.micro_batch_size_per_gpu` (or of at most
+`data.max_token_len_per_gpu` tokens with `data.use_dynamic_bsz`); each micro-batch backpropagates its own sum of
+-log p divided by the step's N over all devices, so the accumulated gradient is exactly the full-batch gradient
+however unevenly the trained tokens fall into micro-batches and devices. (verl's legacy trainer divides each
+micro-batch by its own token count and then by the micro-batch count: a mean of means.)
 
 One step, top to bottom in `fit`:
 
     batch = loader.next_batch()                  seeded order = f(seed, epoch); resumable position
-    train_step: micro-batch forward/backward -> clip grad norm -> AdamW -> LR schedule (warm-up, constant|cosine)
+    train_step: each worker its share -> micro-batch forward/backward -> clip grad norm -> AdamW -> LR schedule
     validate (every test_freq steps, and at the end): val/loss = token mean of -log p over the validation set
     log train/loss, train/lr, train/grad_norm, val/loss to metrics.jsonl (verl's names)
     save_checkpoint (every save_freq steps, and at the end)
 
-Simplifications: one process on one device (cpu, or cuda with bf16 autocast over fp32 master weights); no LoRA,
-no packing, no sequence parallelism. The lm_head runs only on the trained positions, in chunks
+The workers (`hyflow.workers.sft.SFTWorker`, one per device) train through the same `TrainEngine` as the RL
+actor. `trainer.executor`: local = one worker in this process (one device; `breakpoint()` works anywhere), ray =
+one Ray actor per device with torch.distributed (gloo on CPU, NCCL on GPU) and FSDP2 (`engine.strategy`); auto =
+local for one device, ray for more. The metrics are global (all-reduced), so 2 CPU workers log what one process
+logs, up to floating-point summation order.
+
+Simplifications: no LoRA keys in the SFT config yet, no sequence parallelism, no CPU offload; bf16 autocast (FSDP2
+mixed precision) on cuda over fp32 master weights, fp32 on cpu. The lm_head runs in row chunks
 (`hyflow.models.forward.lm_head_logprobs`), so [B, T, V] logits are never built.
 
-Resume: a checkpoint holds the model, AdamW and scheduler state, the loader's (epoch, position) and every RNG;
-a run stopped after step k and resumed writes the same metrics.jsonl rows for steps k+1.. as one that never
-stopped. The checkpoint also holds hf_config/ and tokenizer/, so `hyflow export --component model` works.
+Resume: a checkpoint holds the full (unsharded) model, AdamW state keyed by parameter name and the scheduler (the
+workers' collective `state_dict`, written by rank 0), the loader's (epoch, position) and the driver's RNG; a run
+stopped after step k and resumed writes the same metrics.jsonl rows for steps k+1.. as one that never stopped, at
+any number of devices (a checkpoint written by 2 workers resumes in 1 process and vice versa). The checkpoint
+also holds hf_config/ and tokenizer/, so `hyflow export --component model` works.
 """
 
 from __future__ import annotations
@@ -33,7 +43,6 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -41,17 +50,36 @@ import torch
 from hyflow.batch import Batch
 from hyflow.config.keys import ConfigError
 from hyflow.config.loader import config_to_dict, config_to_yaml
-from hyflow.config.sft_schema import SFTConfig, load_sft_config, validate_sft_config
+from hyflow.config.sft_schema import SFTBatches, SFTConfig, load_sft_config, validate_sft_config
 from hyflow.config.support import not_supported_problems, performance_only_warning
 from hyflow.config.validate import check_loggers
+from hyflow.controller import make_worker_group
 from hyflow.data.rl_dataset import PromptLoader
 from hyflow.data.sft_dataset import SFTDataset
 from hyflow.models.forward import backbone_hidden_states, lm_head_logprobs, unwrap_model
-from hyflow.models.loading import load_causal_lm, load_tokenizer
+from hyflow.models.loading import load_tokenizer
 from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from hyflow.trainer.run_dir import claim_run_directory
 from hyflow.trainer.tracking import ProgressBar, Tracker, truncate_metrics
-from hyflow.workers.engine import build_optimizer, build_scheduler, clip_and_step
+from hyflow.workers.sft import SFTWorker
+
+MODEL_COMPONENTS = ("model", "optimizer", "scheduler")  # the workers' checkpoint components
+RAY_READY_TIMEOUT_S = 300.0
+
+
+def sft_batch_arithmetic(cfg: SFTConfig) -> SFTBatches:
+    """The derived sizes of one step on W = trainer.nnodes x trainer.n_gpus_per_node devices: B / W samples per
+    device (B = data.train_batch_size), in micro-batches of data.micro_batch_size_per_gpu samples, or of at most
+    data.max_token_len_per_gpu tokens with data.use_dynamic_bsz (a validated config divides evenly)."""
+    d, t = cfg.data, cfg.trainer
+    devices = t.nnodes * t.n_gpus_per_node
+    per_device, micro = d.train_batch_size // devices, d.micro_batch_size_per_gpu
+    return SFTBatches(
+        n_devices=devices, samples_per_step=d.train_batch_size, samples_per_device=per_device,
+        use_dynamic_bsz=bool(d.use_dynamic_bsz), micro_batch_size_per_device=micro,
+        micro_batches=None if d.use_dynamic_bsz else -(-per_device // micro),
+        max_token_len_per_device=d.max_token_len_per_gpu if d.use_dynamic_bsz else None,
+        max_sequence_tokens=d.max_length)
 
 
 def trained_tokens(batch: Batch) -> int:
@@ -62,6 +90,7 @@ def trained_tokens(batch: Batch) -> int:
 def token_nll_sum(model: torch.nn.Module, micro: Batch) -> torch.Tensor:
     """sum over t with m[b,t] = 1 of -log p(x[b,t] | x[b,<t]) for a right-padded micro-batch (a scalar).
 
+    The reference form of the SFT loss (the workers compute it through the engine, `hyflow.workers.sft`).
     Columns past the longest sample are cut first; the lm_head runs on the trained positions only.
     """
     width = int(micro["attention_mask"].sum(-1).max())
@@ -76,7 +105,8 @@ def token_nll_sum(model: torch.nn.Module, micro: Batch) -> torch.Tensor:
 
 def accumulate_sft_gradients(model: torch.nn.Module, micro_batches: Sequence[Batch], device: torch.device) -> float:
     """Backpropagate L = sum over micro-batches of token_nll_sum / N, N = trained tokens of ALL micro-batches
-    (the global token mean); gradients add into `.grad`. Returns L (the step's mean token loss)."""
+    (the global token mean); gradients add into `.grad`. Returns L (the step's mean token loss). The reference
+    the workers' engine path is tested against, in one process."""
     n_tokens = max(sum(trained_tokens(m) for m in micro_batches), 1)
     total = 0.0
     for micro in micro_batches:
@@ -101,7 +131,10 @@ def _check_keys_and_names(cfg: SFTConfig) -> None:
 
 
 class SFTTrainer:
-    """Fine-tune `model.partial_pretrain` on `data.train_files` (or the objects passed in); `fit()` runs it."""
+    """Fine-tune `model.partial_pretrain` on `data.train_files` (or the objects passed in); `fit()` runs it.
+
+    `model=`: a model object trained in place instead of loading `model.partial_pretrain`; one device only (the
+    local executor). `tokenizer=`, `train_dataset=`, `val_dataset=`: objects used instead of the config's."""
 
     def __init__(self, config: SFTConfig | Sequence[str] | None = None, *, train_dataset=None,
                  val_dataset=None, tokenizer=None, model: torch.nn.Module | None = None):
@@ -114,8 +147,21 @@ class SFTTrainer:
         _check_keys_and_names(cfg)
         _seed_everything(cfg.trainer.seed)
         self.device = _resolve_device(cfg.trainer.device)
+        self.n_devices = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+        # trainer.executor: auto = local (this process) for one device, ray for more
+        self.executor = cfg.trainer.executor if cfg.trainer.executor != "auto" else (
+            "local" if self.n_devices == 1 else "ray")
+        if model is not None and self.executor != "local":
+            raise ConfigError(
+                f"SFTTrainer(model=...) trains that object in this process, on one device (trainer.executor=local), "
+                f"but this run has {self.n_devices} device(s) on trainer.executor={self.executor}: each worker "
+                "loads its own copy. Save the model (model.save_pretrained(DIR)) and set model.partial_pretrain=DIR, "
+                "or train on one device (trainer.nnodes=1 trainer.n_gpus_per_node=1).")
+        if model is None and cfg.model.partial_pretrain is None:
+            raise ConfigError("model.partial_pretrain is not set; set model.partial_pretrain=<HF model directory "
+                              "or hub id> (the model to fine-tune), or pass model=")
+        self.given_model = model
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
-        self.model = (model if model is not None else self._load_model()).to(self.device)
         self.train_dataset = train_dataset if train_dataset is not None else self._dataset(
             cfg.data.train_files, cfg.data.train_max_samples, "data.train_files")
         self.val_dataset = val_dataset if val_dataset is not None or not cfg.data.val_files else self._dataset(
@@ -124,12 +170,14 @@ class SFTTrainer:
         self.loader = PromptLoader(self.train_dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                    seed=seed)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(self.loader)
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
-        engine_optim = SimpleNamespace(**config_to_dict(cfg)["optim"], lr_scheduler_type=cfg.optim.lr_scheduler)
-        self.scheduler = build_scheduler(self.optimizer, engine_optim, self.total_steps)
+        # One source of batch arithmetic: this object is what `describe` prints and what every worker runs.
+        self.batches = sft_batch_arithmetic(cfg)
         self.run_dir = Path(cfg.trainer.default_local_dir).expanduser()
         self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer.max_ckpt_to_keep)
         self.step = 0
+        self.workers = None
+        self._pool = None
+        self.started_ray = False
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -142,15 +190,6 @@ class SFTTrainer:
         return load_tokenizer(m.tokenizer_path or m.partial_pretrain, trust_remote_code=m.trust_remote_code,
                               chat_template=m.custom_chat_template, config_key=key)
 
-    def _load_model(self) -> torch.nn.Module:
-        m = self.config.model
-        if m.partial_pretrain is None:
-            raise ConfigError("model.partial_pretrain is not set; set model.partial_pretrain=<HF model directory "
-                              "or hub id> (the model to fine-tune), or pass model=")
-        return load_causal_lm(m.partial_pretrain, dtype="float32", trust_remote_code=m.trust_remote_code,
-                              override_config=m.override_config, config_key="model.partial_pretrain",
-                              enable_gradient_checkpointing=m.enable_gradient_checkpointing)
-
     def _dataset(self, files, max_samples: int, key: str) -> SFTDataset:
         if not files:
             raise ConfigError(f"{key} is not set; set {key}=<parquet/jsonl file> (or a list [a.parquet, b.parquet])")
@@ -159,47 +198,83 @@ class SFTTrainer:
                           prompt_key=d.prompt_key, response_key=d.response_key, messages_key=d.messages_key,
                           tools_key=d.tools_key, max_samples=max_samples, seed=self.config.trainer.seed)
 
+    def setup(self) -> None:
+        """Start the workers (in this process, or one Ray actor per device) and load the model into them."""
+        cfg = self.config
+        if self.executor == "local":
+            self.workers = make_worker_group("local", SFTWorker, world_size=1, config=cfg, model=self.given_model)
+        else:
+            from hyflow.controller.resources import RayResourcePool, ensure_ray
+
+            ray_init = {k: v for k, v in dict(cfg.ray_kwargs.ray_init or {}).items() if v is not None}
+            self.started_ray = ensure_ray(cfg.ray_kwargs.address, ray_init=ray_init)
+            t = cfg.trainer
+            self._pool = RayResourcePool(t.nnodes, t.n_gpus_per_node, use_gpu=self.device.type == "cuda",
+                                         cpus_per_worker=1.0, ready_timeout_s=RAY_READY_TIMEOUT_S,
+                                         name="hyflow-sft")
+            self.workers = make_worker_group("ray", SFTWorker, world_size=self.n_devices, pool=self._pool,
+                                             config=cfg)
+        self.workers.init_model(self.total_steps, self.batches)
+        self.hf_config, self.generation_config = self.workers.model_configs()
+
+    def shutdown(self) -> None:
+        """Stop the workers (and the local Ray cluster this trainer started)."""
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
+        if self._pool is not None:
+            self._pool.remove()
+            self._pool = None
+        if self.started_ray:
+            from hyflow.controller.resources import shutdown_ray
+
+            shutdown_ray()
+            self.started_ray = False
+
     def describe(self) -> str:
         """The run's batch arithmetic in words, with units."""
-        d, o = self.config.data, self.config.optim
-        accumulation = d.train_batch_size // d.micro_batch_size_per_gpu
-        return (f"SFT on {self.device.type}: {len(self.train_dataset)} training samples, {len(self.loader)} steps "
-                f"per epoch, {self.total_steps} optimizer steps. Each step: {d.train_batch_size} samples = "
-                f"{accumulation} micro-batch(es) of {d.micro_batch_size_per_gpu} samples, at most {d.max_length} "
-                f"tokens per sample; loss = token mean over the step's trained tokens. "
-                f"lr {o.lr:g} ({o.lr_scheduler}), grad clip {o.clip_grad:g}. Run directory: {self.run_dir}")
+        o = self.config.optim
+        workers = (f"{self.n_devices} {self.device.type} workers ({self.executor})" if self.n_devices > 1
+                   else f"{self.device.type}")
+        return (f"SFT on {workers}: {len(self.train_dataset)} training samples, {len(self.loader)} steps per "
+                f"epoch, {self.total_steps} optimizer steps. Each step: {self.batches.describe()}; loss = token "
+                f"mean over the step's trained tokens. lr {o.lr:g} ({o.lr_scheduler}), grad clip {o.clip_grad:g}. "
+                f"Run directory: {self.run_dir}")
 
     # ------------------------------------------------------------------------------------------ steps
 
     def train_step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step on `batch` (train_batch_size samples); returns train/loss, lr, grad_norm."""
-        self.model.train()
-        loss = accumulate_sft_gradients(self.model, batch.split(self.config.data.micro_batch_size_per_gpu),
-                                        self.device)
-        stats = clip_and_step(self.model, self.optimizer, self.scheduler, self.config.optim.clip_grad)
-        return {"train/loss": loss, "train/lr": stats["lr"], "train/grad_norm": stats["grad_norm"]}
+        """One optimizer step on `batch` (train_batch_size samples, split over the workers); returns train/loss,
+        train/lr, train/grad_norm."""
+        return self.workers.train_step(batch)
 
-    @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """val/loss: sum of -log p over every trained token of the validation set / their number."""
-        self.model.eval()
-        ds, size = self.val_dataset, self.config.data.micro_batch_size_per_gpu
-        nll, tokens = 0.0, 0
-        for start in range(0, len(ds), size):
-            micro = ds.collate([ds[i] for i in range(start, min(start + size, len(ds)))])
-            with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16,
-                                enabled=self.device.type == "cuda"):
-                nll += float(token_nll_sum(self.model, micro.to(self.device)))
-            tokens += trained_tokens(micro)
-        return {"val/loss": nll / max(tokens, 1)}
+        """val/loss: sum of -log p over every trained token of the validation set / their number.
+
+        The set goes to the workers in chunks of train_batch_size samples; the last chunk is filled up to a
+        multiple of the worker count with rows whose loss_mask is 0, which add nothing."""
+        ds, chunk, workers = self.val_dataset, self.batches.samples_per_step, self.n_devices
+        nll = tokens = 0.0
+        for start in range(0, len(ds), chunk):
+            batch = ds.collate([ds[i] for i in range(start, min(start + chunk, len(ds)))])
+            padded, pad = batch.pad_to_multiple(workers)
+            if pad:
+                mask = padded["loss_mask"].clone()
+                mask[len(batch):] = 0
+                padded["loss_mask"] = mask
+            sums = self.workers.validate(padded)
+            nll, tokens = nll + sums["nll"], tokens + sums["tokens"]
+        return {"val/loss": nll / max(tokens, 1.0)}
 
     def fit(self) -> list[dict]:
         """Train to `total_steps` (resuming per trainer.resume_mode); returns this call's metric rows."""
         t = self.config.trainer
         claim = claim_run_directory(self.run_dir, t.resume_mode, t.resume_from_path, self.checkpoints)
         try:
+            self.setup()
             return self._fit(claim.resume_path)
         finally:
+            self.shutdown()
             claim.release()
 
     def _fit(self, resume_path: Path | None) -> list[dict]:
@@ -231,26 +306,24 @@ class SFTTrainer:
     # ------------------------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self) -> Path:
-        """`run_dir/global_step_N/`: model, optimizer, scheduler, trainer_state (step, loader, RNG) + HF files."""
-        model = unwrap_model(self.model)
-        state = {"step": self.step, "loader": self.loader.state_dict(), "rng": capture_rng_state()}
-        components = {"model": model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                      "scheduler": self.scheduler.state_dict(), "trainer_state": state}
-        return self.checkpoints.save(self.step, components, tokenizer=self.tokenizer, hf_config=model.config,
-                                     generation_config=getattr(model, "generation_config", None),
+        """`run_dir/global_step_N/`: model, optimizer, scheduler (full state dicts gathered from the workers),
+        trainer_state (step, loader, RNG) + HF config and tokenizer."""
+        components = dict(self.workers.state_dict())  # collective; rank 0's full components
+        components["trainer_state"] = {"step": self.step, "loader": self.loader.state_dict(),
+                                       "rng": capture_rng_state()}
+        return self.checkpoints.save(self.step, components, tokenizer=self.tokenizer, hf_config=self.hf_config,
+                                     generation_config=self.generation_config,
                                      config_yaml=config_to_yaml(self.config))
 
     def resume(self, path: Path | None = None) -> int:
-        """Load `path`, or the checkpoint chosen by trainer.resume_mode (if any); returns the step it holds (0 =
-        fresh)."""
+        """Load `path`, or the checkpoint chosen by trainer.resume_mode (if any), into the workers (any number of
+        them, whatever number wrote it); returns the step it holds (0 = fresh)."""
         t = self.config.trainer
         path = path or self.checkpoints.resolve_resume(t.resume_mode, t.resume_from_path)
         if path is None:
             return self.step
         saved = self.checkpoints.load(path, verify=False)
-        unwrap_model(self.model).load_state_dict(saved["model"])
-        self.optimizer.load_state_dict(saved["optimizer"])
-        self.scheduler.load_state_dict(saved["scheduler"])
+        self.workers.load_state_dict({name: saved[name] for name in MODEL_COMPONENTS if name in saved})
         state = saved["trainer_state"]
         self.loader.load_state_dict(state["loader"])
         restore_rng_state(state["rng"])

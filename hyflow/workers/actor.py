@@ -100,7 +100,7 @@ class ActorRolloutRefWorker(EngineCheckpoints, Worker):
                                override_config=dict(model_cfg.override_config or {}),
                                enable_gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
                                device=self.model_device)
-        lora = lora_from_config(model_cfg)
+        lora = lora_from_config(model_cfg, "actor_rollout_ref.model")
         ref_model = None
         if uses_reference(self.config):
             ref_path = self.arr.ref.model.path

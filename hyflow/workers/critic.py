@@ -62,7 +62,7 @@ class CriticWorker(EngineCheckpoints, Worker):
             model, name="critic", head="value", device=self.model_device, strategy=strategy,
             fsdp_config=model_cfg.fsdp_config, optim=self.critic.optim, grad_clip=self.critic.grad_clip,
             total_optimizer_steps=total_training_steps * int(batches.critic.optimizer_steps),
-            use_remove_padding=model_cfg.use_remove_padding, lora=lora_from_config(model_cfg),
+            use_remove_padding=model_cfg.use_remove_padding, lora=lora_from_config(model_cfg, "critic.model"),
             world_size=self.world_size, rank=self.rank)
         self.model = self.engine.model
         if self.rank == 0:

@@ -90,14 +90,14 @@ def autocast(device: torch.device, dtype_name: str):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def lora_from_config(model_cfg):
-    """The LoRA settings of a model config section (`hyflow.models.lora.lora_settings`), None without LoRA
-    (lora_rank 0 and no lora_adapter_path): peft is imported only when a run uses it."""
+def lora_from_config(model_cfg, config_key: str):
+    """The LoRA settings of the model config section `config_key` (`hyflow.models.lora.lora_settings`), None
+    without LoRA (lora_rank 0 and no lora_adapter_path): peft is imported only when a run uses it."""
     if not getattr(model_cfg, "lora_rank", 0) and not getattr(model_cfg, "lora_adapter_path", None):
         return None
     from hyflow.models.lora import lora_settings
 
-    return lora_settings(model_cfg)
+    return lora_settings(model_cfg, config_key=config_key)
 
 
 @dataclass(frozen=True)
@@ -197,11 +197,20 @@ class TrainEngine:
 
     # ------------------------------------------------------------------------------------------ forward
 
+    def packing(self, enabled: bool = True):
+        """The context a packed forward (and its backward, which may recompute layers under gradient
+        checkpointing) runs in: the model attends within each packed sequence (`hyflow.models.packing`)."""
+        if not (self.use_remove_padding and enabled):
+            return contextlib.nullcontext()
+        from hyflow.models.packing import packed_attention
+
+        return packed_attention(self.model)
+
     def forward_micro(self, micro: Batch, response_length: int, *, temperature: float = 1.0,
                       with_entropy: bool = False, with_sum_pi_squared: bool = False) -> tuple[dict, int]:
         """Per-token outputs of one micro-batch over its response span (module docstring); returns (outputs, r)."""
         R = response_length
-        if False and self.use_remove_padding and not with_sum_pi_squared:  # TMP
+        if self.use_remove_padding and not with_sum_pi_squared:
             from hyflow.models.packing import packed_response_logprobs, packed_values
 
             ids = micro["input_ids"].to(self.device)
@@ -240,7 +249,7 @@ class TrainEngine:
         outputs: dict[str, torch.Tensor] = {}
         self.model.eval()
         off = self.adapter_disabled() if not adapter else contextlib.nullcontext()
-        with torch.no_grad(), off:
+        with torch.no_grad(), off, self.packing(not with_sum_pi_squared):
             for micro, rows in micro_batches_as_derived(batch, sizes):
                 out, _ = self.forward_micro(micro, R, temperature=temperature, with_entropy=with_entropy,
                                             with_sum_pi_squared=with_sum_pi_squared)
@@ -265,11 +274,12 @@ class TrainEngine:
                            n_micro=len(micros), world_size=self.world_size)
         sums: defaultdict[str, float] = defaultdict(float)
         for micro, _ in micros:
-            out, r = self.forward_micro(micro, R, temperature=temperature, with_entropy=with_entropy)
-            cols = {key: micro[key][:, :r].to(self.device) for key in columns if key in micro}
-            loss, parts = loss_fn(out, cols, ctx)
-            if loss.requires_grad:
-                (loss * self.world_size).backward()  # DDP/FSDP average gradients; the losses are global sums
+            with self.packing():  # forward and backward: a checkpointed layer re-runs its attention in backward
+                out, r = self.forward_micro(micro, R, temperature=temperature, with_entropy=with_entropy)
+                cols = {key: micro[key][:, :r].to(self.device) for key in columns if key in micro}
+                loss, parts = loss_fn(out, cols, ctx)
+                if loss.requires_grad:
+                    (loss * self.world_size).backward()  # DDP/FSDP average gradients; the losses are global sums
             for key, value in parts.items():
                 sums[key] += float(value)
         return sums
@@ -330,7 +340,11 @@ class TrainEngine:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         reshard(self.model)
-        return get_model_state_dict(self.model, options=self._state_options(**kwargs))
+        state = get_model_state_dict(self.model, options=self._state_options(**kwargs))
+        if self.lora is not None:  # a tied alias of a frozen weight (lm_head.weight) is not a parameter name
+            trainable = {name for name, p in self.module.named_parameters() if p.requires_grad}
+            state = {name: value for name, value in state.items() if name in trainable}
+        return state
 
     def _check_adapter_keys(self, state: dict) -> None:
         if self.lora is None:

@@ -49,8 +49,7 @@ DECIDED_BY_VALIDATE = {
     # bypass mode trains with the PPO clip loss; loss_type=reinforce there is "not supported" (validate.py,
     # _check_algorithm), and without bypass_mode verl does not use it either.
     "rl": {"algorithm.rollout_correction.loss_type"},
-    # the SFT trainer runs one process on one device: validate_sft_config refuses anything but 1 x 1.
-    "sft": {"trainer.nnodes", "trainer.n_gpus_per_node"},
+    "sft": set(),
 }
 # Keys implemented by a change in flight (none now: data.custom_cls is read by hyflow/trainer/rl_trainer.py).
 PENDING: set[str] = set()
@@ -69,7 +68,7 @@ def schema_leaves(cls: type) -> list[str]:
 
 
 # Modules that only one trainer runs: an RL key is not read by the SFT trainer, nor an SFT key by the RL stack.
-SFT_ONLY = {"trainer/sft_trainer.py", "data/sft_dataset.py"}
+SFT_ONLY = {"trainer/sft_trainer.py", "data/sft_dataset.py", "workers/sft.py"}
 RL_ONLY = {"trainer/rl_trainer.py", "workers/actor.py", "workers/critic.py", "workers/reward_model.py",
            "config/arithmetic.py", "config/describe.py", "data/rl_dataset.py"}
 
@@ -272,7 +271,6 @@ def test_every_entry_without_a_predicate_triggers_on_a_non_default_value(entry):
 
 
 @pytest.mark.parametrize("overrides, key", [
-    (["actor_rollout_ref.model.lora_adapter_path=/adapters/a"], "actor_rollout_ref.model.lora_adapter_path"),
     (["actor_rollout_ref.ref.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2"],
      "actor_rollout_ref.ref.ulysses_sequence_parallel_size"),
     (["actor_rollout_ref.actor.fsdp_config.seed=7"], "actor_rollout_ref.actor.fsdp_config.seed"),

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hyflow.models.forward import (
+    FULL_LOGITS_MAX_ELEMENTS,
     compute_position_ids,
     lm_head_logprobs,
     response_logprobs,
@@ -54,7 +55,8 @@ def test_compute_position_ids_left_padding():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("chunk_size", [1, 4, 1024])
-def test_logprobs_and_entropy_match_naive(model, batch, temperature, chunk_size):
+@pytest.mark.parametrize("full_max", [0, FULL_LOGITS_MAX_ELEMENTS], ids=["chunked", "full"])
+def test_logprobs_and_entropy_match_naive(model, batch, temperature, chunk_size, full_max):
     with torch.no_grad():
         logp, entropy = response_logprobs(
             model,
@@ -63,6 +65,7 @@ def test_logprobs_and_entropy_match_naive(model, batch, temperature, chunk_size)
             temperature=temperature,
             calculate_entropy=True,
             chunk_size=chunk_size,
+            full_logits_max_elements=full_max,
         )
         ref_logp, ref_entropy = naive_logprobs(model, *batch, temperature)
     assert logp.shape == entropy.shape == (3, RESPONSE_LEN)
@@ -71,18 +74,62 @@ def test_logprobs_and_entropy_match_naive(model, batch, temperature, chunk_size)
     torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=0)
 
 
-def test_lm_head_never_sees_more_than_chunk_size_rows(model, batch):
+def rows_through_head(model, batch, grad: bool, full_logits_max_elements: int) -> list[int]:
+    """Rows of each lm_head call of one response_logprobs (and its backward when `grad`), chunks of 4 rows."""
     rows_seen = []
     handle = model.lm_head.register_forward_hook(
         lambda _m, args, _out: rows_seen.append(args[0].shape[:-1].numel())
     )
     try:
-        with torch.no_grad():
-            response_logprobs(model, *batch, RESPONSE_LEN, chunk_size=4)
+        with torch.set_grad_enabled(grad):
+            logp, _ = response_logprobs(model, *batch, RESPONSE_LEN, chunk_size=4,
+                                        full_logits_max_elements=full_logits_max_elements)
+            if grad:
+                logp.sum().backward()
+                model.zero_grad()
     finally:
         handle.remove()
+    return rows_seen
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_lm_head_never_sees_more_than_chunk_size_rows(model, batch, grad):
+    """Above `full_logits_max_elements` the head runs in chunks: once per chunk, once more per chunk in backward."""
+    rows_seen = rows_through_head(model, batch, grad, 3 * RESPONSE_LEN * model.config.vocab_size - 1)
     assert max(rows_seen) == 4
-    assert sum(rows_seen) == 3 * RESPONSE_LEN  # the root forward asks for logits at no position
+    # the root forward asks for logits at no position; checkpointed chunks run again in backward
+    assert sum(rows_seen) == 3 * RESPONSE_LEN * (2 if grad else 1)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_small_logits_are_built_at_once_and_never_recomputed(model, batch, grad):
+    """At or below `full_logits_max_elements` (N·V) the head runs once on all N rows, also in backward."""
+    rows_seen = rows_through_head(model, batch, grad, 3 * RESPONSE_LEN * model.config.vocab_size)
+    assert rows_seen == [0, 3 * RESPONSE_LEN]  # the root forward (no position), then all rows once
+
+
+def test_full_and_chunked_heads_give_identical_values_and_close_gradients():
+    """The two ways differ in memory and recompute only: same values and gradients to float rounding (values bit
+    for bit on CPU, where the head's matmul rounds a row alike whatever the row count)."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 300, bias=False)
+    hidden = torch.randn(50, 32)
+    labels = torch.randint(0, 300, (50,))
+    weights = torch.randn(50)
+    results = []
+    for full_max in (0, FULL_LOGITS_MAX_ELEMENTS):
+        h = hidden.clone().requires_grad_(True)
+        logp, entropy = lm_head_logprobs(
+            h, labels, head, temperature=0.9, calculate_entropy=True, chunk_size=7, full_logits_max_elements=full_max
+        )
+        ((logp * weights).sum() + 0.2 * entropy.sum()).backward()
+        results.append((logp.detach(), entropy.detach(), h.grad, head.weight.grad.clone()))
+        head.weight.grad = None
+    (lp_c, ent_c, gh_c, gw_c), (lp_f, ent_f, gh_f, gw_f) = results
+    torch.testing.assert_close(lp_f, lp_c, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent_f, ent_c, atol=1e-6, rtol=0)
+    torch.testing.assert_close(gh_f, gh_c, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(gw_f, gw_c, atol=1e-6, rtol=1e-5)
 
 
 def test_unwrap_model_through_wrappers(model):
@@ -116,8 +163,10 @@ def test_entropy_is_none_unless_requested(model, batch):
     assert entropy is None
 
 
-def test_gradients_match_naive(model, batch):
-    """d(sum of logp + 0.3 entropy)/d(params) through the checkpointed chunks equals the naive gradient."""
+@pytest.mark.parametrize("full_max", [0, FULL_LOGITS_MAX_ELEMENTS], ids=["chunked", "full"])
+def test_gradients_match_naive(model, batch, full_max):
+    """d(sum of logp + 0.3 entropy)/d(params), through checkpointed chunks or the full logits, equals the naive
+    gradient."""
     weights = torch.linspace(-1, 1, 3 * RESPONSE_LEN).view(3, RESPONSE_LEN)
 
     def grads(fn):
@@ -128,7 +177,8 @@ def test_gradients_match_naive(model, batch):
 
     got = grads(
         lambda: response_logprobs(
-            model, *batch, RESPONSE_LEN, temperature=0.8, calculate_entropy=True, chunk_size=4
+            model, *batch, RESPONSE_LEN, temperature=0.8, calculate_entropy=True, chunk_size=4,
+            full_logits_max_elements=full_max,
         )
     )
     want = grads(lambda: naive_logprobs(model, *batch, 0.8))
@@ -152,7 +202,8 @@ def _saved_bytes_for_backward(fn) -> int:
 
 
 def test_chunked_head_keeps_no_logits_for_backward():
-    """With checkpointing the saved memory is the hidden rows, not the [N, V] logits; without it, logits."""
+    """With checkpointing the saved memory is the hidden rows, not the [N, V] logits; below the size threshold
+    (no checkpointing) it is the logits once."""
     torch.manual_seed(0)
     n_rows, hidden, vocab = 64, 16, 4096
     head = torch.nn.Linear(hidden, vocab, bias=False)
@@ -161,11 +212,17 @@ def test_chunked_head_keeps_no_logits_for_backward():
     logits_bytes = n_rows * vocab * 4
 
     chunked = _saved_bytes_for_backward(
+        lambda: lm_head_logprobs(
+            hidden_NH, labels_N, head, calculate_entropy=True, chunk_size=16, full_logits_max_elements=0
+        )
+    )
+    full = _saved_bytes_for_backward(
         lambda: lm_head_logprobs(hidden_NH, labels_N, head, calculate_entropy=True, chunk_size=16)
     )
     naive = _saved_bytes_for_backward(lambda: torch.log_softmax(head(hidden_NH), -1))
     assert naive >= logits_bytes
     assert chunked < logits_bytes / 10
+    assert logits_bytes <= full < 2 * logits_bytes  # below the threshold: the logits, once, in their own dtype
 
 
 def test_values_from_model_match_full_forward(tiny_model_dir, batch):

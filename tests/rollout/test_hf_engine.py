@@ -127,3 +127,76 @@ def test_input_errors(model, tiny_tokenizer):
         make_engine("hff", model=model, eos_token_id=2, pad_token_id=0)
     with pytest.raises(ValueError, match="rollout.n"):
         SamplingParams(n=0)
+
+
+def _generate_without_fast_paths(monkeypatch, engine, prompts, params):
+    """The same call with transformers' own DynamicCache (concatenating) and 2-D masks rebuilt every step."""
+    import hyflow.rollout.hf as hf
+
+    with monkeypatch.context() as patch:
+        patch.setattr(hf, "_preallocated_cache", lambda config, capacity: hf.DynamicCache(config=config))
+        patch.setattr(hf, "decodes_with_4d_mask", lambda model: False)
+        return engine.generate(prompts, params)
+
+
+def _tiny_llama_family_model(kind: str, vocab: int):
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(1)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common)).eval()
+    return MistralForCausalLM(MistralConfig(**common, sliding_window=6)).eval()  # window shorter than the rows
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama", "mistral-sliding-window"])
+def test_fast_decode_paths_give_identical_samples(monkeypatch, model, tiny_tokenizer, kind):
+    """The preallocated KV cache, the ready-made 4-D mask and the masked writes change no number: same tokens, same
+    log-probs, same lengths as transformers' DynamicCache and 2-D masks, with rows stopping early and the cache
+    compacted (many stop ids), for Qwen2 (layer_types), Llama (no layer_types) and a sliding-window Mistral (which
+    keeps transformers' masks)."""
+    import hyflow.rollout.hf as hf
+
+    if kind != "qwen2":
+        model = _tiny_llama_family_model(kind.split("-")[0], len(tiny_tokenizer))
+    assert hf.decodes_with_4d_mask(model) == (kind != "mistral-sliding-window")
+    stop = list(range(0, len(tiny_tokenizer), 9))
+    engine = HFRolloutEngine(model, eos_token_id=stop, pad_token_id=tiny_tokenizer.pad_token_id)
+    prompts = prompt_batch(tiny_tokenizer, TEXTS)
+    params = SamplingParams(n=3, max_new_tokens=16, temperature=0.9, seed=5)
+    fast = engine.generate(prompts, params)
+    slow = _generate_without_fast_paths(monkeypatch, engine, prompts, params)
+    lengths = fast["response_mask"].sum(-1)
+    assert (lengths < 16).sum() >= 3, "enough rows should stop early for the cache to be compacted"
+    for key in ("responses", "response_mask", "rollout_log_probs", "input_ids", "attention_mask", "position_ids"):
+        assert torch.equal(fast[key], slow[key]), key
+
+
+def test_equal_length_prompts_decode_identically(monkeypatch, model, tiny_tokenizer):
+    """No padding at all (transformers would drop an all-ones mask): still the same samples."""
+    ids = torch.randint(3, len(tiny_tokenizer), (3, 7), generator=torch.Generator().manual_seed(0))
+    prompts = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    engine = HFRolloutEngine(model, eos_token_id=tiny_tokenizer.eos_token_id, pad_token_id=tiny_tokenizer.pad_token_id)
+    params = SamplingParams(n=2, max_new_tokens=9, seed=2)
+    fast = engine.generate(prompts, params)
+    slow = _generate_without_fast_paths(monkeypatch, engine, prompts, params)
+    assert torch.equal(fast["responses"], slow["responses"])
+    assert torch.equal(fast["rollout_log_probs"], slow["rollout_log_probs"])
+
+
+def test_preallocated_cache_layer_grows_past_its_capacity():
+    from hyflow.rollout.hf import _PreallocatedLayer
+
+    layer = _PreallocatedLayer(capacity=3)
+    keys = torch.randn(2, 2, 5, 4)
+    values = torch.randn(2, 2, 5, 4)
+    k, v = layer.update(keys[:, :, :2], values[:, :, :2])
+    assert k.shape == (2, 2, 2, 4) and layer.get_seq_length() == 2
+    for t in range(2, 5):  # the third token fills it, the next ones grow it
+        k, v = layer.update(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+    assert torch.equal(k, keys) and torch.equal(v, values) and layer.get_seq_length() == 5
+    layer.batch_select_indices(torch.tensor([1]))
+    assert torch.equal(layer.keys, keys[1:]) and torch.equal(layer.values, values[1:])
+    layer.batch_repeat_interleave(2)
+    assert torch.equal(layer.keys, keys[[1, 1]])

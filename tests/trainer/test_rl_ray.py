@@ -94,7 +94,7 @@ def assert_same_update(got_metrics, want_metrics, keys, got_weights, want_weight
     for key in keys:
         assert reduce_metrics(got_metrics)[key] == pytest.approx(reduce_metrics(want_metrics)[key], abs=atol), key
     for name, tensor in want_weights.items():
-        torch.testing.assert_close(got_weights[name], tensor, atol=atol, rtol=0, msg=name)
+        torch.testing.assert_close(got_weights[name], tensor, atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_resume_across_world_sizes(tiny_model_dir, task_dir, tmp_path):

@@ -1,5 +1,6 @@
-"""SFT trainer: it learns, gradients are micro-batch invariant, resume is exact, checkpoints export, and config
-errors name the fix."""
+"""SFT trainer: it learns, gradients are micro-batch invariant (the reference functions and the worker's engine
+path agree), resume is exact, checkpoints export, and config errors name the fix. Several workers:
+test_sft_distributed.py."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import itertools
 import pytest
 import torch
 
+from hyflow.algos import loss_normalisers
 from hyflow.config.keys import ConfigError
 from hyflow.config.sft_schema import SFTConfig, load_sft_config
 from hyflow.data.sft_dataset import SFTDataset
@@ -15,6 +17,8 @@ from hyflow.data.tasks import make_task
 from hyflow.models.loading import load_causal_lm
 from hyflow.trainer.sft_trainer import SFTTrainer, accumulate_sft_gradients, run_sft, token_nll_sum
 from hyflow.trainer.tracking import read_metrics
+from hyflow.workers.engine import all_reduce_sum
+from hyflow.workers.sft import SFTWorker, as_engine_batch, sft_loss
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +79,37 @@ def test_gradient_accumulation_equals_full_batch_gradient(tiny_model_dir, tiny_t
         torch.testing.assert_close(grad, full_grad, rtol=0, atol=1e-6)
 
 
+def sft_worker(model_dir, paths, run_dir, *extra) -> SFTWorker:
+    """A one-process SFT worker with its engine built, as the trainer's local executor makes it."""
+    trainer = SFTTrainer(overrides(model_dir, paths, run_dir, *extra))
+    worker = SFTWorker(trainer.config)
+    worker.init_model(1, trainer.batches)
+    return worker
+
+
+@pytest.mark.parametrize("sizing", [("data.micro_batch_size_per_gpu=1",), ("data.micro_batch_size_per_gpu=5",),
+                                    ("data.use_dynamic_bsz=true", "data.max_length=64",
+                                     "data.max_token_len_per_gpu=70")])
+def test_the_workers_engine_path_equals_the_reference_loss_and_gradient(tiny_model_dir, tiny_tokenizer, task_paths,
+                                                                        tmp_path, sizing):
+    ds = SFTDataset(task_paths["train"], tiny_tokenizer, response_key="extra_info.answer")
+    batch = ds.collate([ds[i] for i in range(5)])
+    reference = load_causal_lm(tiny_model_dir)
+    want_loss = accumulate_sft_gradients(reference, [batch], torch.device("cpu"))
+    want = {name: p.grad for name, p in reference.named_parameters()}
+
+    worker = sft_worker(tiny_model_dir, task_paths, tmp_path, "data.train_batch_size=5", *sizing)
+    data = as_engine_batch(batch)
+    norms = all_reduce_sum(loss_normalisers(data["response_mask"], "token-mean"))
+    parts = worker.engine.forward_backward(data, worker.batches, sft_loss, columns=("response_mask",), norms=norms)
+    assert parts["train/loss"] == pytest.approx(want_loss, abs=1e-6)
+    for name, param in worker.engine.model.named_parameters():
+        torch.testing.assert_close(param.grad, want[name], rtol=0, atol=1e-6, msg=name)
+    nll = worker.validate(batch)
+    assert nll["tokens"] == batch["loss_mask"][:, 1:].sum()
+    assert nll["nll"] / nll["tokens"] == pytest.approx(want_loss, abs=1e-6)
+
+
 # ------------------------------------------------------------------------------------------- training
 
 
@@ -123,19 +158,23 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run(tiny_model_dir, t
     assert read_metrics(tmp_path / "b") == read_metrics(tmp_path / "a")
 
 
-def test_checkpoint_exports_to_a_transformers_model(tiny_model_dir, task_paths, tmp_path):
+def test_checkpoint_exports_to_a_transformers_model(tiny_model_dir, tiny_tokenizer, task_paths, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hyflow.trainer.export import export_checkpoint
 
-    trainer = SFTTrainer(overrides(tiny_model_dir, task_paths, tmp_path / "run", "trainer.total_training_steps=2"))
+    model = load_causal_lm(tiny_model_dir)  # objects passed in: trained in place by the in-process worker
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    trainer = SFTTrainer(overrides(tiny_model_dir, task_paths, tmp_path / "run", "trainer.total_training_steps=2"),
+                         model=model, tokenizer=tiny_tokenizer)
     trainer.fit()
     out = export_checkpoint(tmp_path / "run" / "global_step_2", tmp_path / "hf", component="model")
     exported = AutoModelForCausalLM.from_pretrained(out)
-    for name, tensor in trainer.model.state_dict().items():
+    assert not torch.equal(model.state_dict()["model.norm.weight"], before["model.norm.weight"])
+    for name, tensor in model.state_dict().items():
         torch.testing.assert_close(exported.state_dict()[name], tensor, rtol=0, atol=0)
     tokenizer = AutoTokenizer.from_pretrained(out)
-    assert tokenizer("1 + 2")["input_ids"] == trainer.tokenizer("1 + 2")["input_ids"]
+    assert tokenizer("1 + 2")["input_ids"] == tiny_tokenizer("1 + 2")["input_ids"]
 
 
 def test_run_sft_trains_from_overrides(tiny_model_dir, task_paths, tmp_path):

@@ -1,0 +1,259 @@
+"""Training throughput: packed sequences (`use_remove_padding=true`) vs the padded micro-batch, same model and data.
+
+Measured: real tokens per second of one training micro-batch step, forward + backward of the token-mean response
+log-prob loss
+
+    loss = -(1 / N) * sum_{b, t: response_mask[b, t] = 1} log pi(y[b, t] | x[b, <t]),    N = response tokens
+
+(plus an AdamW step with `--optimizer-step`), along two paths in one process, on the same module and batches:
+
+    padded   what the workers do without packing: `hyflow.workers.engine.trim_padding` cuts the columns no row
+             uses, then `hyflow.models.forward.response_logprobs` on the [B, L'] batch (attention `--attn`)
+    packed   `hyflow.models.packing.packed_response_logprobs`: the real tokens as one row, attention per sequence
+             (on CPU: SDPA over each sequence's slice), the lm_head on the real response tokens only
+
+Workload: micro-batches of `--batch-size` sequences whose total lengths n are drawn uniformly from
+[`--min-len`, `--max-len`] (seeded); each splits into a prompt of p ~ U[1, min(`--prompt-max`, n // 2)] tokens,
+left-padded, and a response of n - p tokens, right-padded (the layout rollouts produce). Random token ids, a
+random-weight model from `hyflow.models.tiny` (`--preset`, seed 0), float32 on CPU. Both paths count the same
+real tokens (the padded path also computes the pad positions, reported as "computed positions").
+
+Protocol: `--warmup` untimed steps per path, then `--rounds` rounds of `--steps` steps per path; within a round
+both paths run the round's same batches, each batch by both paths back to back, the order alternating from one
+batch to the next and from one round to the next, so load from other processes hits both alike. Reported per path: median over rounds of (real tokens / seconds of
+the round), median seconds per step, and the ratio packed / padded of the median tokens/s (per-round ratios
+too). Before timing, both paths' losses on one batch are compared (they must agree to float rounding).
+Torch threads are set to `--threads` (default 1; the machines are shared).
+
+Run:  OMP_NUM_THREADS=1 python benchmarks/bench_train.py                     (small, 16 x U[8, 512], 3 rounds)
+      python benchmarks/bench_train.py --preset tiny --batch-size 4 --max-len 64 --rounds 1 --steps 1 --json o.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, also when loaded by path
+from machine import load_average, machine_info
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+PATHS = ("padded", "packed")
+
+
+# ---------------------------------------------------------------------------------------------- options
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from hyflow.models.tiny import PRESETS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS), help="model of hyflow.models.tiny")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch")
+    p.add_argument("--min-len", type=int, default=8, help="shortest total sequence length (prompt + response)")
+    p.add_argument("--max-len", type=int, default=512, help="longest total sequence length")
+    p.add_argument("--prompt-max", type=int, default=64, help="longest prompt (at most half the sequence)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds (the path order alternates per round)")
+    p.add_argument("--steps", type=int, default=4, help="micro-batch steps per path per round")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per path before the rounds")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    p.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="attention of the padded path")
+    p.add_argument("--optimizer-step", action="store_true", help="also time an AdamW step (lr 1e-6) per step")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--seed", type=int, default=0, help="seed of the sequence lengths and token ids")
+    p.add_argument("--workdir", default=None, help="keep the model here (default: a temp dir)")
+    p.add_argument("--json", default=None, help="also write every number and the machine facts to this file")
+    args = p.parse_args(argv)
+    for name in ("batch_size", "rounds", "steps", "threads", "prompt_max"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    if not 2 <= args.min_len <= args.max_len:
+        p.error(f"need 2 <= --min-len <= --max-len (a prompt and a response token); got {args.min_len}, "
+                f"{args.max_len}")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------- workload
+def make_batch(args: argparse.Namespace, seed: int, vocab_size: int, device):
+    """B sequences: left-padded prompts ++ right-padded responses; returns (input_ids, attention_mask, R)."""
+    import torch
+
+    rng = random.Random(seed)
+    shapes = []
+    for _ in range(args.batch_size):
+        n = rng.randint(args.min_len, args.max_len)
+        p = rng.randint(1, max(1, min(args.prompt_max, n // 2)))
+        shapes.append((p, n - p))
+    prompt_width = max(p for p, _ in shapes)
+    response_width = max(max(r for _, r in shapes), 1)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab_size, (args.batch_size, prompt_width + response_width), generator=gen)
+    mask = torch.zeros_like(ids)
+    for b, (p, r) in enumerate(shapes):
+        mask[b, prompt_width - p : prompt_width + r] = 1
+    return (ids * mask).to(device), mask.to(device), response_width
+
+
+def path_step(name: str, model, batch):
+    """One forward of `name` on `batch` -> (loss, computed positions). The caller times it with the backward."""
+    from hyflow.batch import Batch
+    from hyflow.models.forward import response_logprobs
+    from hyflow.models.packing import packed_response_logprobs
+    from hyflow.workers.engine import trim_padding
+
+    ids, mask, R, position_ids = batch
+    if name == "packed":
+        logp, _ = packed_response_logprobs(model, ids, mask, R)
+        response_mask = mask[:, -R:]
+        computed = int(mask.sum())
+    else:
+        seq, r = trim_padding(Batch({"input_ids": ids, "attention_mask": mask, "position_ids": position_ids}), R)
+        logp, _ = response_logprobs(model, seq["input_ids"], seq["attention_mask"], seq["position_ids"], r)
+        response_mask = seq["attention_mask"][:, -r:]
+        computed = seq["input_ids"].numel()
+    response_mask = response_mask.float()
+    return -(logp * response_mask).sum() / response_mask.sum().clamp(min=1), computed
+
+
+def timed_step(name: str, model, optimizer, batch, device: str) -> dict:
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    loss, computed = path_step(name, model, batch)
+    loss.backward()
+    if optimizer is not None:
+        optimizer.step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    return {"s": seconds, "tokens": int(batch[1].sum()), "computed_positions": computed, "loss": float(loss.detach())}
+
+
+def summarize(rounds: dict[str, list[list[dict]]]) -> dict:
+    summary: dict = {"paths": {}}
+    for name, per_round in rounds.items():
+        tps = [sum(s["tokens"] for s in steps) / sum(s["s"] for s in steps) for steps in per_round]
+        all_steps = [s for steps in per_round for s in steps]
+        summary["paths"][name] = {
+            "rounds_tokens_per_s": tps,
+            "median_tokens_per_s": statistics.median(tps),
+            "median_s_per_step": statistics.median(s["s"] for s in all_steps),
+            "tokens_per_step": statistics.mean(s["tokens"] for s in all_steps),
+            "computed_positions_per_step": statistics.mean(s["computed_positions"] for s in all_steps),
+        }
+    by = summary["paths"]
+    summary["ratio_packed_over_padded"] = by["packed"]["median_tokens_per_s"] / by["padded"]["median_tokens_per_s"]
+    summary["per_round_ratios"] = [a / b for a, b in zip(by["packed"]["rounds_tokens_per_s"],
+                                                         by["padded"]["rounds_tokens_per_s"])]
+    return summary
+
+
+def format_table(summary: dict) -> str:
+    header = (f"{'path':<8} {'median s/step':>13} {'real tokens/step':>16} {'computed positions/step':>23} "
+              f"{'tokens/s':>9}")
+    lines = [header, "-" * len(header)]
+    for name, s in summary["paths"].items():
+        lines.append(f"{name:<8} {s['median_s_per_step']:>13.3f} {s['tokens_per_step']:>16.0f} "
+                     f"{s['computed_positions_per_step']:>23.0f} {s['median_tokens_per_s']:>9.0f}")
+    lines.append(f"ratio packed/padded (median tokens/s): {summary['ratio_packed_over_padded']:.2f}x; per round: "
+                 + ", ".join(f"{v:.2f}x" for v in summary["per_round_ratios"]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but no CUDA device is visible; run with --device cpu")
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run_benchmark(args)
+    finally:
+        torch.set_num_threads(threads_before)  # main() may run inside another process (the smoke test)
+
+
+def _run_benchmark(args: argparse.Namespace) -> dict:
+    import torch
+
+    from hyflow.models.forward import compute_position_ids
+    from hyflow.models.loading import load_causal_lm
+    from hyflow.models.tiny import make_tiny_model
+
+    machine = machine_info()
+    machine["load_average_before"] = load_average()
+    print(f"train benchmark: preset={args.preset} batch={args.batch_size} lengths U[{args.min_len}, {args.max_len}] "
+          f"prompt<= {args.prompt_max} rounds={args.rounds} steps={args.steps} warmup={args.warmup} "
+          f"attn(padded)={args.attn} optimizer_step={args.optimizer_step} dtype={args.dtype} device={args.device}",
+          flush=True)
+    print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch threads {machine['torch_threads']} "
+          f"(OMP_NUM_THREADS={machine['OMP_NUM_THREADS']}), load average {machine['load_average_before']}; "
+          f"python {machine['python']}, torch {machine['torch']}, transformers {machine['transformers']}"
+          + (f", gpu {machine['gpu']}" if "gpu" in machine else ""), flush=True)
+
+    with contextlib.ExitStack() as stack:
+        workdir = Path(args.workdir) if args.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        model_dir = make_tiny_model(workdir / f"model-{args.preset}", preset=args.preset, seed=0)
+        model = load_causal_lm(str(model_dir), dtype=args.dtype, attn_implementation=args.attn, device=args.device)
+    model.train()
+    parameters = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6) if args.optimizer_step else None
+    vocab = model.config.vocab_size
+
+    def batch(seed: int):
+        ids, mask, R = make_batch(args, seed, vocab, args.device)
+        return ids, mask, R, compute_position_ids(mask)
+
+    check = batch(args.seed * 100_003 + 99_991)
+    with torch.no_grad():
+        losses = {name: float(path_step(name, model, check)[0]) for name in PATHS}
+    loss_diff = abs(losses["packed"] - losses["padded"])
+    print(f"loss check: padded {losses['padded']:.6f}, packed {losses['packed']:.6f}, |diff| {loss_diff:.2e}",
+          flush=True)
+    for i in range(args.warmup):
+        for name in PATHS:
+            timed_step(name, model, optimizer, batch(args.seed * 100_003 + 50_000 + i), args.device)
+
+    rounds: dict[str, list[list[dict]]] = {name: [] for name in PATHS}
+    for r in range(args.rounds):
+        batches = [batch(args.seed * 100_003 + r * args.steps + s) for s in range(args.steps)]
+        steps: dict[str, list[dict]] = {name: [] for name in PATHS}
+        for s, b in enumerate(batches):  # both paths on each batch back to back; the order alternates
+            for name in PATHS if (r + s) % 2 == 0 else PATHS[::-1]:
+                steps[name].append(timed_step(name, model, optimizer, b, args.device))
+        for name in PATHS:
+            rounds[name].append(steps[name])
+            seconds = sum(step["s"] for step in steps[name])
+            print(f"round {r + 1}/{args.rounds} {name}: {seconds:.2f} s, "
+                  f"{sum(step['tokens'] for step in steps[name]) / seconds:.0f} tokens/s", file=sys.stderr, flush=True)
+    summary = summarize(rounds)
+    machine["load_average_after"] = load_average()
+    print(format_table(summary))
+    print(f"load average before {machine['load_average_before']}, after {machine['load_average_after']}; "
+          f"{parameters:,} parameters")
+    report = {"args": vars(args), "machine": machine, "parameters": parameters, "loss_check": losses,
+              "loss_check_abs_diff": loss_diff, "results": summary, "rounds": rounds}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,474 @@
+"""Sequence packing (verl's `use_remove_padding=true`): the real tokens of a micro-batch run as one row, no pads.
+
+A padded micro-batch `input_ids [B, L]`, `attention_mask [B, L]` (prompts left-padded, responses right-padded,
+so the real tokens of a row are contiguous) spends compute on B·L positions. Packed, the forward pass runs on
+the T = sum_b n_b real tokens only:
+
+    packed ids   x_1 ++ x_2 ++ ... ++ x_B                  one row [1, T]   (x_b = the n_b real tokens of row b)
+    position ids 0..n_1-1, 0..n_2-1, ..., 0..n_B-1         restart at every sequence (RoPE sees the padded
+                                                            positions clamp(cumsum(mask) - 1, 0) of each token)
+    cu_seqlens   [0, n_1, n_1+n_2, ..., T]                 int32 [B+1]; sequence b is packed[cu[b]:cu[b+1]]
+
+Attention must never cross a sequence boundary: token i of sequence b attends to tokens cu[b]..i only. That
+is a block-diagonal causal mask over the row, which is never built. Instead the model runs with the attention
+implementation `hyflow_packed` (registered in transformers' `AttentionInterface`, with an
+`AttentionMaskInterface` entry that builds no mask), which reads the boundaries from the flash-attention
+keyword arguments transformers forwards to every attention call (`cu_seq_lens_q/k`, `max_length_q/k`) and
+computes causal attention per sequence:
+
+    CPU (and any dtype/device the CUDA kernel does not take): `F.scaled_dot_product_attention(is_causal=True)`
+        on each sequence's slice, so the cost is sum_b n_b^2, not T^2 (a dense block-diagonal mask over the one
+        row would make packing slower than padding). Grouped-query attention repeats the K/V heads once.
+    CUDA, fp16/bf16, no attention dropout: PyTorch's own varlen flash kernel,
+        `torch.nn.attention.varlen.varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))`
+        (older signatures with `is_causal=` are adapted to). THIS BRANCH HAS NEVER RUN ON A GPU: it was written
+        against the torch 2.13 CPU build's source and is untested; the per-sequence SDPA path is what runs here.
+
+Refused loudly (an error naming the model and `use_remove_padding=false` as the fix): sliding-window layers,
+logit soft-capping, attention sinks, bidirectional attention, and a `hyflow_packed` call without boundaries.
+
+The attention implementation is switched only inside `packed_attention(model)` (the config of the model under
+its DDP / FSDP2 / PEFT wrappers, restored on exit), so the padded path of the same module (and the rollout
+engine sharing it) is untouched. Gradient checkpointing (transformers' `gradient_checkpointing_enable`, or
+FSDP2's composable `checkpoint`) recomputes each layer during backward, after the forward returned, and the
+recompute looks the attention function up again: the backward must then run inside `packed_attention(model)`
+too, or it would recompute packed activations with the original (sequence-crossing) attention. The packed
+functions below refuse to run in that situation unless an enclosing `packed_attention(model)` is active:
+
+    with packed_attention(model):
+        log_probs, _ = packed_response_logprobs(model, input_ids, attention_mask, response_length)
+        loss_fn(log_probs).backward()
+
+Outputs match `hyflow.models.forward` on the padded batch (float32; up to floating-point reassociation), with
+zeros where the padded path reads padding: the lm_head runs on the real response tokens only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from hyflow.models.forward import _check_response_length, lm_head_logprobs, unwrap_model
+
+Tensor = torch.Tensor
+
+PACKED_ATTENTION = "hyflow_packed"
+FIX = ("set use_remove_padding=false (actor_rollout_ref.model.use_remove_padding, critic.model.use_remove_padding, "
+       "or model.use_remove_padding for SFT)")
+
+
+# ---------------------------------------------------------------------------------------------- packing
+@dataclass
+class PackedSequences:
+    """The real tokens of a [B, L] batch as one row of T tokens, and what is needed to go back.
+
+    `flat_index[t] = b * L + l` is where packed token t sits in the padded batch; `cu_seqlens[b]` is the packed
+    offset of row b (int32, [B + 1], repeated where a row has no real token); `seq_lengths` are the n_b as
+    Python ints; `max_seqlen = max_b n_b`.
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    cu_seqlens: Tensor
+    max_seqlen: int
+    seq_lengths: tuple[int, ...]
+    flat_index: Tensor
+    batch_size: int
+    seq_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the number of real tokens."""
+        return int(self.flat_index.numel())
+
+    def attention_kwargs(self) -> dict:
+        """The keyword arguments transformers forwards to every attention call: the boundaries of the non-empty
+        sequences (`cu_seq_lens_q/k` int32, `max_length_q/k` int), as its flash-attention path names them."""
+        cu = [0]
+        for n in self.seq_lengths:
+            if n:
+                cu.append(cu[-1] + n)
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=self.input_ids.device)
+        return {"cu_seq_lens_q": cu_t, "cu_seq_lens_k": cu_t,
+                "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen}
+
+
+def pack_sequences(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None) -> PackedSequences:
+    """Concatenate the real tokens (attention_mask = 1) of every row, in row order, into one row [1, T].
+
+    Position ids restart at 0 for every sequence (n-th real token of a row -> n - 1, which is
+    `compute_position_ids` of the padded row), unless `position_ids [B, L]` is given: then its values at the real
+    tokens are kept. Rows without real tokens contribute nothing (a zero-length sequence in `cu_seqlens`).
+    """
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(f"pack_sequences needs input_ids and attention_mask of one shape [B, L]; got "
+                         f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
+    batch, width = input_ids.shape
+    mask = attention_mask.bool()
+    lengths = mask.sum(-1)
+    flat_index = mask.reshape(-1).nonzero().squeeze(-1)
+    cu_seqlens = torch.zeros(batch + 1, dtype=torch.int32, device=input_ids.device)
+    cu_seqlens[1:] = lengths.cumsum(0)
+    seq_lengths = tuple(int(n) for n in lengths.tolist())
+    if position_ids is None:
+        row_of_token = flat_index // width
+        positions = torch.arange(flat_index.numel(), device=input_ids.device) - cu_seqlens[row_of_token].long()
+    else:
+        positions = position_ids.reshape(-1)[flat_index]
+    return PackedSequences(
+        input_ids=input_ids.reshape(-1)[flat_index].unsqueeze(0),
+        position_ids=positions.unsqueeze(0),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max(seq_lengths, default=0),
+        seq_lengths=seq_lengths,
+        flat_index=flat_index,
+        batch_size=batch,
+        seq_len=width,
+    )
+
+
+def unpack(values: Tensor, packed: PackedSequences) -> Tensor:
+    """Scatter per-token packed values ([T, ...] or [1, T, ...]) back to [B, L, ...], zeros at the pads.
+
+    Differentiable (out-of-place `index_put`)."""
+    if values.dim() >= 2 and values.shape[0] == 1 and values.shape[1] == packed.num_tokens:
+        values = values[0]
+    if values.shape[0] != packed.num_tokens:
+        raise ValueError(f"unpack got {values.shape[0]} packed values for {packed.num_tokens} packed tokens")
+    rest = tuple(values.shape[1:])
+    out = values.new_zeros((packed.batch_size * packed.seq_len, *rest))
+    out = out.index_put((packed.flat_index,), values)
+    return out.view(packed.batch_size, packed.seq_len, *rest)
+
+
+def _predictor_index(packed: PackedSequences, attention_mask: Tensor, targets: Tensor,
+                     columns: slice) -> tuple[Tensor, Tensor]:
+    """For the target tokens (targets = 1, real, not the first real token of their row) in `columns`: the bool
+    mask of those targets and the packed index of the hidden state that predicts each (the previous real token).
+
+    The packed index of real token (b, c) is cu_seqlens[b] + #real tokens of row b before column c.
+    """
+    mask = attention_mask.long()
+    real_before = (mask.cumsum(-1) - mask)[:, columns]
+    valid = targets.bool() & attention_mask[:, columns].bool() & (real_before > 0)
+    packed_pos = packed.cu_seqlens[:-1, None].long() + real_before
+    return valid, packed_pos[valid] - 1
+
+
+# ---------------------------------------------------------------------------------------------- attention
+def _model_name(module: nn.Module) -> str:
+    config = getattr(module, "config", None)
+    architectures = getattr(config, "architectures", None)
+    if architectures:
+        return str(architectures[0])
+    model_type = getattr(config, "model_type", None)
+    return f"{model_type} ({type(module).__name__})" if model_type else type(module).__name__
+
+
+def _refuse(module: nn.Module, what: str) -> None:
+    raise NotImplementedError(
+        f"sequence packing does not support {what} ({_model_name(module)}); {FIX}, which runs the padded path"
+    )
+
+
+def _repeat_kv(states: Tensor, groups: int) -> Tensor:
+    """[b, h_kv, t, d] -> [b, h_kv * groups, t, d], each K/V head shared by `groups` query heads."""
+    return states if groups == 1 else states.repeat_interleave(groups, dim=1)
+
+
+def _varlen_cuda(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, max_len: int,
+                 scaling: float) -> Tensor | None:
+    """PyTorch's varlen flash kernel on [1, h, T, d] states -> [1, T, h, d], or None where it cannot be called.
+
+    NEVER RUN ON A GPU (see the module docstring). Adapts to the two known signatures of
+    `torch.nn.attention.varlen.varlen_attn`: (`window_size`, `scale`, `enable_gqa` keywords) and the first one
+    (`is_causal`, no scale, equal head counts)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    head_dim = query.shape[-1]
+    groups = query.shape[1] // key.shape[1]
+    kwargs: dict = {}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)
+    elif "is_causal" in params:
+        kwargs["is_causal"] = True
+    else:
+        return None
+    if "scale" in params:
+        kwargs["scale"] = scaling
+    elif not math.isclose(scaling, head_dim**-0.5, rel_tol=1e-6):
+        return None
+    if groups > 1 and "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    elif groups > 1:
+        key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    q_THD = query[0].transpose(0, 1).contiguous()
+    k_THD = key[0].transpose(0, 1).contiguous()
+    v_THD = value[0].transpose(0, 1).contiguous()
+    cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
+    out_THD = varlen_attn(q_THD, k_THD, v_THD, cu, cu, int(max_len), int(max_len), **kwargs)
+    return out_THD.unsqueeze(0)
+
+
+def packed_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """Causal attention within each packed sequence: out_i = sum_{j in seq(i), j <= i} softmax_j(q_i.k_j s) v_j.
+
+    Query [1, h, T, d], key/value [1, h_kv, T, d] (h_kv divides h); returns ([1, T, h, d], None) as transformers'
+    attention functions do. The boundaries are `kwargs["cu_seq_lens_q"]` (int32 [N+1], N non-empty sequences).
+    """
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None or attention_mask is not None:
+        raise RuntimeError(
+            f"attention implementation {PACKED_ATTENTION!r} runs only on packed input (one row, attention_mask=None, "
+            f"boundaries in cu_seq_lens_q) as hyflow.models.packing passes it ({_model_name(module)}); a padded "
+            f"forward ran inside packed_attention(model): run padded forwards outside it"
+        )
+    if sliding_window is not None:
+        _refuse(module, f"sliding-window attention layers (sliding_window={sliding_window})")
+    if softcap is not None:
+        _refuse(module, f"attention logit soft-capping (softcap={softcap})")
+    if kwargs.get("s_aux") is not None:
+        _refuse(module, "attention sinks")
+    is_causal = kwargs.get("is_causal")
+    if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
+        _refuse(module, "bidirectional (non-causal) attention")
+    if query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[1] % key.shape[1]:
+        raise RuntimeError(f"{PACKED_ATTENTION!r} expects one packed row with as many keys as queries and "
+                           f"h_kv dividing h; got query {tuple(query.shape)}, key {tuple(key.shape)}")
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    if (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0
+            and (out := _varlen_cuda(query, key, value, cu_seqlens, kwargs.get("max_length_q", 0), scale))
+            is not None):
+        return out, None
+    bounds = cu_seqlens.tolist()
+    if bounds[-1] != query.shape[2]:
+        raise RuntimeError(f"cu_seq_lens_q ends at {bounds[-1]} but the packed row has {query.shape[2]} tokens")
+    groups = query.shape[1] // key.shape[1]
+    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    outs = [
+        F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout,
+                                       is_causal=True, scale=scale)
+        for s, e in itertools.pairwise(bounds)
+        if e > s
+    ]
+    out_1hTd = torch.cat(outs, dim=2) if outs else query.new_zeros(query.shape)
+    return out_1hTd.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """The AttentionMaskInterface entry of `hyflow_packed`: boundaries come as cu_seq_lens, no mask is built."""
+    return None
+
+
+AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+AttentionMaskInterface.register(PACKED_ATTENTION, _no_mask)
+
+
+def _configs(model: nn.Module) -> list:
+    """Every distinct transformers config held by the modules of `model` (parents before their sub-configs)."""
+    seen: dict[int, object] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation") and id(config) not in seen:
+            seen[id(config)] = config
+    return list(seen.values())
+
+
+_DEPTH_ATTR = "_hyflow_packed_attention_depth"
+
+
+@contextlib.contextmanager
+def packed_attention(model: nn.Module) -> Iterator[None]:
+    """Inside, the model (under DDP / FSDP2 / PEFT wrappers) attends with `hyflow_packed`; on exit every config
+    gets its previous `_attn_implementation` back. Nests. Wrap forward and backward in it when the model
+    recomputes activations in backward (gradient checkpointing)."""
+    inner = unwrap_model(model)
+    previous = [(config, config._attn_implementation) for config in _configs(inner)]
+    setattr(inner, _DEPTH_ATTR, getattr(inner, _DEPTH_ATTR, 0) + 1)
+    try:
+        for config, _ in previous:
+            config._attn_implementation = PACKED_ATTENTION
+        yield
+    finally:
+        for config, implementation in reversed(previous):
+            config._attn_implementation = implementation
+        setattr(inner, _DEPTH_ATTR, getattr(inner, _DEPTH_ATTR) - 1)
+
+
+def _recomputes_in_backward(inner: nn.Module) -> bool:
+    """True when a backward of this forward would re-run layers (transformers' gradient checkpointing or
+    FSDP2's composable `checkpoint`, or a `CheckpointWrapper`), with gradients enabled and in training mode."""
+    if not (torch.is_grad_enabled() and inner.training):
+        return False
+    try:
+        from torch.distributed._composable.contract import _get_registry
+    except ImportError:  # pragma: no cover - torch without the composable API
+        def _get_registry(_module):
+            return None
+    for module in inner.modules():
+        if getattr(module, "gradient_checkpointing", False) is True:
+            return True
+        if "checkpoint" in (_get_registry(module) or {}) or type(module).__name__ == "CheckpointWrapper":
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def _packed_forward_context(model: nn.Module) -> Iterator[None]:
+    inner = unwrap_model(model)
+    if getattr(inner, _DEPTH_ATTR, 0) == 0 and _recomputes_in_backward(inner):
+        raise RuntimeError(
+            f"{_model_name(inner)} recomputes activations in backward (gradient checkpointing), and the recompute "
+            f"looks the attention implementation up again: run the forward AND the backward inside "
+            f"`with hyflow.models.packing.packed_attention(model):`, or disable gradient checkpointing, or {FIX}"
+        )
+    with packed_attention(model):
+        yield
+
+
+# ---------------------------------------------------------------------------------------------- forwards
+def _model_kwargs(packed: PackedSequences) -> dict:
+    return {"input_ids": packed.input_ids, "attention_mask": None, "position_ids": packed.position_ids,
+            "use_cache": False, **packed.attention_kwargs()}
+
+
+def _dummy_if_empty(packed: PackedSequences) -> PackedSequences:
+    """A batch without any real token still runs the model (on one token) so that data-parallel collectives of
+    FSDP/DDP stay in step across ranks and the outputs stay attached to the graph."""
+    if packed.num_tokens > 0:
+        return packed
+    device = packed.input_ids.device
+    return PackedSequences(
+        input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+        position_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32, device=device), max_seqlen=1, seq_lengths=(1,),
+        flat_index=torch.zeros(1, dtype=torch.long, device=device), batch_size=1, seq_len=1,
+    )
+
+
+def packed_hidden_states(model: nn.Module, packed: PackedSequences) -> Tensor:
+    """Final decoder hidden states [1, T, H] of the packed row (as `forward.backbone_hidden_states`: the call goes
+    through the outermost module so wrapper hooks run; a forward hook captures the decoder's output; no logits)."""
+    inner = unwrap_model(model)
+    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else getattr(inner, inner.base_model_prefix)
+    captured: list[Tensor] = []
+
+    def capture(_module, _args, output):
+        captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+    kwargs = _model_kwargs(_dummy_if_empty(packed))
+    if "logits_to_keep" in inspect.signature(inner.forward).parameters:
+        kwargs["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=packed.input_ids.device)
+    handle = decoder.register_forward_hook(capture)
+    try:
+        with _packed_forward_context(model):
+            model(**kwargs)
+    finally:
+        handle.remove()
+    return captured[-1]
+
+
+def _attach(out: Tensor, hidden: Tensor) -> Tensor:
+    """`out` + 0 * sum(hidden) when nothing was scored, so a loss built on `out` still reaches the parameters."""
+    return out + 0.0 * hidden.sum().float() if hidden.requires_grad else out
+
+
+def packed_response_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    response_length: int,
+    *,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    chunk_size: int = 1024,
+) -> tuple[Tensor, Tensor | None]:
+    """`forward.response_logprobs` of the padded batch, computed packed: log-probs [B, R] (float32), entropy.
+
+    log_probs[b, i] = log_softmax(lm_head(h_prev) / T)[y] for the real response token y = input_ids[b, L-R+i],
+    h_prev the packed hidden state of the real token before it; 0 where attention_mask[b, L-R+i] = 0. The backbone
+    runs once on the packed row; the lm_head (chunked as in `forward.lm_head_logprobs`) only on the real response
+    tokens. Position ids restart per sequence (`compute_position_ids` of the padded rows). Differentiable.
+    """
+    _check_response_length(input_ids, response_length)
+    packed = pack_sequences(input_ids, attention_mask)
+    hidden_1TH = packed_hidden_states(model, packed)
+    columns = slice(input_ids.shape[1] - response_length, None)
+    valid_BR, predictor_N = _predictor_index(packed, attention_mask, attention_mask[:, columns], columns)
+    logp_N, entropy_N = lm_head_logprobs(
+        hidden_1TH[0, predictor_N], input_ids[:, columns][valid_BR],
+        unwrap_model(model).get_output_embeddings(),
+        temperature=temperature, calculate_entropy=calculate_entropy, chunk_size=chunk_size,
+    )
+    if calculate_entropy and entropy_N is None:  # lm_head_logprobs gives None for zero rows
+        entropy_N = logp_N.new_zeros(0)
+    shape = valid_BR.shape
+    where = valid_BR.nonzero(as_tuple=True)
+    logp_BR = logp_N.new_zeros(shape).index_put(where, logp_N)
+    entropy_BR = entropy_N.new_zeros(shape).index_put(where, entropy_N) if entropy_N is not None else None
+    if predictor_N.numel() == 0:
+        logp_BR = _attach(logp_BR, hidden_1TH)
+        entropy_BR = _attach(entropy_BR, hidden_1TH) if entropy_BR is not None else None
+    return logp_BR, entropy_BR
+
+
+def packed_values(value_model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_length: int) -> Tensor:
+    """`forward.values_from_model` of the padded batch, computed packed: V [B, R] (float32), 0 at padding.
+
+    values[b, i] = V(s) at the real token before response token (b, L-R+i): the critic's value of the state
+    before that token is emitted. The value model is a token classifier with one label (`load_value_model`).
+    """
+    _check_response_length(input_ids, response_length)
+    packed = pack_sequences(input_ids, attention_mask)
+    with _packed_forward_context(value_model):
+        out = value_model(**_model_kwargs(_dummy_if_empty(packed)))
+    logits_1T1 = out.logits if hasattr(out, "logits") else out[0]
+    if logits_1T1.shape[-1] != 1:
+        raise ValueError(
+            f"value model outputs {logits_1T1.shape[-1]} scores per token; a critic needs exactly one "
+            f"(AutoModelForTokenClassification with num_labels=1, as built by load_value_model)"
+        )
+    values_T = logits_1T1[0, :, 0].float()
+    columns = slice(input_ids.shape[1] - response_length, None)
+    valid_BR, predictor_N = _predictor_index(packed, attention_mask, attention_mask[:, columns], columns)
+    values_BR = values_T.new_zeros(valid_BR.shape).index_put(valid_BR.nonzero(as_tuple=True), values_T[predictor_N])
+    return _attach(values_BR, values_T) if predictor_N.numel() == 0 else values_BR
+
+
+def packed_token_nll_sum(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor,
+                         loss_mask: Tensor) -> Tensor:
+    """`sft_trainer.token_nll_sum` computed packed: sum over targets (b, t), t >= 1, loss_mask[b, t] = 1 (and real),
+    of -log p(x[b, t] | x[b, <t]), a scalar. The batch's own position ids are kept at the real tokens; the lm_head
+    runs on the target tokens only."""
+    packed = pack_sequences(input_ids, attention_mask, position_ids)
+    hidden_1TH = packed_hidden_states(model, packed)
+    columns = slice(1, None)
+    valid_BT, predictor_N = _predictor_index(packed, attention_mask, loss_mask[:, columns], columns)
+    logp_N, _ = lm_head_logprobs(hidden_1TH[0, predictor_N], input_ids[:, columns][valid_BT],
+                                 unwrap_model(model).get_output_embeddings())
+    nll = -logp_N.sum()
+    return _attach(nll, hidden_1TH) if predictor_N.numel() == 0 else nll

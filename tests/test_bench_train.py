@@ -1,0 +1,52 @@
+"""benchmarks/bench_train.py runs end to end on a tiny workload (crash check only: no timing assertions), its two
+paths agree on the loss, and bad options are rejected before a model is built."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_train.py"
+TINY = ["--preset", "tiny", "--batch-size", "3", "--min-len", "4", "--max-len", "40", "--rounds", "2",
+        "--steps", "1", "--warmup", "0"]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_train", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_both_paths_run_and_write_json(bench, tmp_path, capsys):
+    out = tmp_path / "result.json"
+    report = bench.main([*TINY, "--optimizer-step", "--workdir", str(tmp_path / "work"), "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert json.loads(out.read_text())["results"] == json.loads(json.dumps(report["results"]))
+    paths = report["results"]["paths"]
+    assert set(paths) == {"padded", "packed"}
+    for name, summary in paths.items():
+        assert len(summary["rounds_tokens_per_s"]) == 2 and summary["median_tokens_per_s"] > 0, name
+    assert paths["packed"]["tokens_per_step"] == paths["padded"]["tokens_per_step"]  # same real tokens
+    assert paths["packed"]["computed_positions_per_step"] <= paths["padded"]["computed_positions_per_step"]
+    assert report["results"]["ratio_packed_over_padded"] > 0
+    assert report["loss_check_abs_diff"] < 1e-4
+    for row in ("padded ", "packed ", "ratio packed/padded"):
+        assert row in printed, printed
+    assert report["machine"]["torch_threads"] == 1
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--min-len", "1"], "--min-len"),
+    (["--preset", "huge"], "invalid choice"),
+])
+def test_bad_options_exit_before_building_a_model(bench, argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code != 0
+    assert message in capsys.readouterr().err
