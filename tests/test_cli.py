@@ -35,11 +35,11 @@ def test_config_names_the_performance_only_keys_that_are_set():
     plain = run("config", "--no-help")
     assert plain.returncode == 0, plain.stderr
     assert "performance-only" not in plain.stdout
-    out = run("config", "--no-help", "actor_rollout_ref.model.use_remove_padding=false",
+    out = run("config", "--no-help", "actor_rollout_ref.model.use_shm=true",
               "actor_rollout_ref.ref.fsdp_config.param_offload=true")
     assert out.returncode == 0, out.stderr
     (line,) = [text for text in out.stdout.splitlines() if text.startswith("hyflow: performance-only key(s)")]
-    assert "actor_rollout_ref.model.use_remove_padding=false" in line
+    assert "actor_rollout_ref.model.use_shm=true" in line
     assert "actor_rollout_ref.ref.fsdp_config.param_offload=true" in line
 
 

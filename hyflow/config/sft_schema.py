@@ -143,6 +143,12 @@ class SFTModelConfig:
         True, "Pack each micro-batch's real tokens into one row without pads (attention never crosses a sample; "
         "hyflow.models.packing); false pads each micro-batch to its longest sample and masks the pads. The loss "
         "is the same either way.")
+    lora_rank: int = option(0, "LoRA rank (0 = full fine-tuning): train low-rank adapters (peft) on a frozen "
+                            "base; checkpoints hold the adapter only; hyflow export merges it (or --adapter).")
+    lora_alpha: int = option(16, "LoRA scaling alpha (update scaled by lora_alpha / lora_rank).")
+    target_modules: Any = option("all-linear", "Modules that get LoRA adapters: 'all-linear' or a list of names.")
+    exclude_modules: Any = option(None, "Modules excluded from LoRA (a name, regex or list).")
+    lora_adapter_path: str | None = option(None, "Start from this trained LoRA adapter (a peft directory).")
 
 
 @dataclass
@@ -311,6 +317,13 @@ def validate_sft_config(cfg: SFTConfig) -> None:
         problems.append(
             f"trainer.executor=local runs one worker in this process, but {where}; use trainer.executor=ray (or "
             "auto) to train on several devices, or set trainer.nnodes=1 trainer.n_gpus_per_node=1.")
+    if cfg.model.lora_rank or cfg.model.lora_adapter_path:
+        from hyflow.models.lora import lora_settings
+
+        try:
+            lora_settings(cfg.model, config_key="model")
+        except ValueError as err:
+            problems.append(str(err))
     if t.total_training_steps is None and t.total_epochs < 1:
         problems.append(f"trainer.total_epochs={t.total_epochs} must be >= 1 (or set trainer.total_training_steps).")
     if t.total_training_steps is not None and t.total_training_steps < 1:

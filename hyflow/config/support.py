@@ -264,6 +264,8 @@ _TABLE: list[KeySupport] = [
                  "overwrites it too)"),
     *(_performance(f"{M}.{k}", ONLY_WITH_LORA, _lora_off(M, k)) for k in ("lora_alpha", "target_modules",
                                                                            "exclude_modules")),
+    *(_performance(f"model.{k}", ONLY_WITH_LORA, _lora_off("model", k))  # SFT
+      for k in ("lora_alpha", "target_modules", "exclude_modules")),
     *(_performance(f"critic.model.{k}", ONLY_WITH_LORA, _lora_off("critic.model", k))
       for k in ("lora_alpha", "target_modules", "exclude_modules")),
     *(_performance(f"data.{k}", "an extra batch column that hyflow's reward model and rollout do not need "

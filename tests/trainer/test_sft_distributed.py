@@ -128,6 +128,41 @@ def test_hyflow_export_of_a_two_worker_checkpoint_loads_in_transformers(two_work
         torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow
+def test_lora_sft_on_two_workers_matches_one_process_resumes_and_exports(ray_cluster, tiny_model_dir, task_dir,
+                                                                        tmp_path):
+    """SFT with model.lora_rank: checkpoints hold the adapter only, 2 FSDP2 workers equal one process, a run
+    resumed from step 1 continues identically, and the export is the merged model (or the bare adapter)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    # SGD: Adam's first step moves each weight by +-lr whatever its gradient, and a fresh adapter's B factors
+    # have gradient entries near 0 whose sign may round differently in another layout.
+    lora = ("model.lora_rank=8", "model.lora_alpha=16", "optim.optimizer=SGD", "optim.lr=0.5")
+    one = run_sft(overrides(tiny_model_dir, task_dir, tmp_path / "one", "trainer.n_gpus_per_node=1", *lora))
+    assert main(["sft", *overrides(tiny_model_dir, task_dir, tmp_path / "two", "trainer.n_gpus_per_node=2",
+                                   *lora)]) == 0
+    assert_same_rows(read_metrics(tmp_path / "two"), one)
+    assert one[-1]["train/loss"] < one[0]["train/loss"] - 0.05  # the adapter trained
+    last = f"global_step_{STEPS}"
+    adapter = model_weights(tmp_path / "one" / last)
+    assert adapter and all(".lora_" in name for name in adapter), sorted(adapter)[:3]
+    assert_same_weights(model_weights(tmp_path / "two" / last), adapter)
+    resumed = run_sft(overrides(tiny_model_dir, task_dir, tmp_path / "resumed", "trainer.n_gpus_per_node=1", *lora,
+                                *resume_from(tmp_path / "one" / "global_step_1")))
+    assert_same_rows(resumed, one[1:])
+    for flag, out in (([], "merged"), (["--adapter"], "adapter")):
+        assert main(["export", "--ckpt", str(tmp_path / "two" / last), "--out", str(tmp_path / out), *flag]) == 0
+    ids = torch.randint(3, 200, (2, 9))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        plain = base(input_ids=ids).logits
+        with_adapter = PeftModel.from_pretrained(base, tmp_path / "adapter")(input_ids=ids).logits
+    torch.testing.assert_close(merged, with_adapter, atol=1e-5, rtol=0)
+    assert float((merged - plain).abs().max()) > 1e-3
+
+
 # ------------------------------------------------------------------------------------------- config errors
 
 

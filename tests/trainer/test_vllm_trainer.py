@@ -148,3 +148,16 @@ def test_two_ray_workers_share_one_tensor_parallel_engine(tiny_model_dir, task_d
     for row in steps:
         assert abs(row["rollout_corr/log_ppl_diff"]) < 1e-5, row
         assert row["response_length/mean"] > 0
+
+
+def test_lora_actor_with_vllm_generates_with_the_merged_weights(tiny_model_dir, task_dir, tmp_path):
+    """LoRA + vllm: the engine receives W + (alpha/r) B A after every update (names of the plain model); the
+    rollout's own log-probs then equal the LoRA actor's, step after step, while the adapter moves (lr 1e-2)."""
+    history = RLTrainer(overrides(tiny_model_dir, task_dir, tmp_path, "trainer.total_training_steps=3",
+                                  "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.optim.lr=1e-2",
+                                  "actor_rollout_ref.rollout.calculate_log_probs=true", "trainer.val_before_train=false",
+                                  "actor_rollout_ref.actor.ppo_mini_batch_size=4"), reward_fn=digit_reward).fit()
+    assert [row["step"] for row in history] == [1, 2, 3]
+    for row in history:
+        assert abs(row["rollout_corr/log_ppl_diff"]) < 1e-5, row
+    assert history[-1]["actor/pg_loss"] != history[0]["actor/pg_loss"]
