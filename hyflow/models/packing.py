@@ -269,6 +269,9 @@ def packed_attention_forward(
         raise RuntimeError(f"cu_seq_lens_q ends at {bounds[-1]} but the packed row has {query.shape[2]} tokens")
     groups = query.shape[1] // key.shape[1]
     key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    lengths = [e - s for s, e in itertools.pairwise(bounds)]
+    if _batched_is_cheaper(lengths):
+        return _batched_attention(query, key, value, lengths, dropout, scale), None
     outs = [
         F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout,
                                        is_causal=True, scale=scale)
@@ -277,6 +280,48 @@ def packed_attention_forward(
     ]
     out_1hTd = torch.cat(outs, dim=2) if outs else query.new_zeros(query.shape)
     return out_1hTd.transpose(1, 2).contiguous(), None
+
+
+# The CPU path computes attention either per sequence (one SDPA call each: cost sum of len_i^2, plus a fixed cost
+# per call that dominates for many short sequences) or batched (the sequences scattered into [N, L_max] with a
+# causal + key-length mask, one SDPA call: cost N * L_max^2). Batched is chosen when it wastes at most this factor
+# of attention work: similar lengths (a GRPO group's samples) take one call, very different ones go one by one.
+BATCHED_ATTENTION_MAX_WASTE = 2.0
+
+
+def _batched_is_cheaper(lengths: list[int]) -> bool:
+    lengths = [n for n in lengths if n > 0]
+    if len(lengths) < 2:
+        return False
+    return len(lengths) * max(lengths) ** 2 <= BATCHED_ATTENTION_MAX_WASTE * sum(n * n for n in lengths)
+
+
+def _batched_attention(query: Tensor, key: Tensor, value: Tensor, lengths: list[int], dropout: float,
+                       scale: float) -> Tensor:
+    """Causal attention of the packed sequences as one [N, h, L_max, d] SDPA call; returns [1, T, h, d].
+
+    Token t of sequence b sits at (b, t - start_b); key j is visible to query i of the same row when j <= i and
+    j < len_b (padded query rows see key 0 only and are dropped when gathering back)."""
+    device = query.device
+    sizes = torch.tensor(lengths, device=device)
+    keep = sizes > 0
+    n_rows, width = int(keep.sum()), int(sizes.max())
+    sizes = sizes[keep]
+    row = torch.repeat_interleave(torch.arange(n_rows, device=device), sizes)
+    starts = torch.cumsum(sizes, 0) - sizes
+    col = torch.arange(row.numel(), device=device) - starts[row]
+
+    def scatter(x_1hTd: Tensor) -> Tensor:
+        x_Thd = x_1hTd[0].transpose(0, 1)
+        out = x_Thd.new_zeros(n_rows, width, *x_Thd.shape[1:])
+        out[row, col] = x_Thd
+        return out.transpose(1, 2)  # [N, h, L_max, d]
+
+    positions = torch.arange(width, device=device)
+    mask = (positions[None, :, None] >= positions[None, None, :]) & (positions[None, None, :] < sizes[:, None, None])
+    out = F.scaled_dot_product_attention(scatter(query), scatter(key), scatter(value), attn_mask=mask[:, None],
+                                         dropout_p=dropout, scale=scale)
+    return out.transpose(1, 2)[row, col].unsqueeze(0).contiguous()
 
 
 def _no_mask(*args, **kwargs) -> None:

@@ -3,6 +3,8 @@ attention never crosses a packed sequence's boundary."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -36,6 +38,16 @@ def rl_batch(rows=ROWS, seed: int = 1, vocab: int = 400):
     for b, (p, r) in enumerate(rows):
         mask[b, PROMPT_WIDTH - p : PROMPT_WIDTH + r] = 1
     return ids * mask, mask
+
+
+@pytest.fixture(autouse=True, params=["per_sequence", "batched"])
+def cpu_attention_path(request, monkeypatch):
+    """Every test runs with both CPU attention paths: one SDPA call per sequence, and all sequences in one
+    masked call (`BATCHED_ATTENTION_MAX_WASTE` 0 = never batched, inf = always when there are 2+ sequences)."""
+    import hyflow.models.packing as packing
+
+    monkeypatch.setattr(packing, "BATCHED_ATTENTION_MAX_WASTE", 0.0 if request.param == "per_sequence" else math.inf)
+    return request.param
 
 
 @pytest.fixture(scope="module", params=["sdpa", "eager"])
