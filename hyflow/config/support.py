@@ -265,7 +265,7 @@ _TABLE: list[KeySupport] = [
                  "overwrites it too)"),
     *(_performance(f"{M}.{k}", ONLY_WITH_LORA, _lora_off(M, k)) for k in ("lora_alpha", "target_modules",
                                                                            "exclude_modules")),
-    *(_performance(f"model.{k}", ONLY_WITH_LORA, _lora_off("model", k))  # SFT
+    *(_performance(f"model.{k}", ONLY_WITH_LORA, _lora_off("model", k), schema=SFT)
       for k in ("lora_alpha", "target_modules", "exclude_modules")),
     *(_performance(f"critic.model.{k}", ONLY_WITH_LORA, _lora_off("critic.model", k))
       for k in ("lora_alpha", "target_modules", "exclude_modules")),
