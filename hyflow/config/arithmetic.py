@@ -154,7 +154,7 @@ def batch_arithmetic(cfg: HyflowConfig, n_devices: int | None = None) -> BatchAr
         max_token_len=actor.ppo_max_token_len_per_gpu * max(actor.ulysses_sequence_parallel_size, 1),
     )
     rollout = arr.rollout
-    old_micro = _micro(rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_micro_batch_size, actor_dp)
+    old_micro = micro_per_device(rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_micro_batch_size, actor_dp)
     if old_micro is None:
         old_micro = actor_batches.micro_batch_size_per_device
     old_log_prob = _forward_batches(
@@ -166,7 +166,7 @@ def batch_arithmetic(cfg: HyflowConfig, n_devices: int | None = None) -> BatchAr
     ref_log_prob = None
     if uses_reference(cfg):
         ref = arr.ref
-        ref_micro = _micro(ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_micro_batch_size, actor_dp)
+        ref_micro = micro_per_device(ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_micro_batch_size, actor_dp)
         ref_log_prob = _forward_batches(
             ratio(samples, actor_dp),
             ref_micro if ref_micro is not None else old_log_prob.micro_batch_size_per_device,
@@ -190,7 +190,7 @@ def batch_arithmetic(cfg: HyflowConfig, n_devices: int | None = None) -> BatchAr
             dynamic=critic.use_dynamic_bsz,
             max_token_len=critic.ppo_max_token_len_per_gpu * max(critic.ulysses_sequence_parallel_size, 1),
         )
-        forward_micro = _micro(
+        forward_micro = micro_per_device(
             critic.forward_micro_batch_size_per_gpu, critic.forward_micro_batch_size, critic_dp
         )
         critic_values = _forward_batches(
@@ -216,8 +216,9 @@ def batch_arithmetic(cfg: HyflowConfig, n_devices: int | None = None) -> BatchAr
     )
 
 
-def _micro(per_gpu: int | None, global_size: int | None, dp: int) -> float | None:
-    """The per-device micro-batch size from the per-GPU knob, else the deprecated global one / dp."""
+def micro_per_device(per_gpu: int | None, global_size: int | None, dp: int) -> float | None:
+    """The per-device micro-batch size from the per-GPU knob, else the deprecated global one / dp (a float when it
+    does not divide), None when neither is set: the one place this fallback is written."""
     if per_gpu is not None:
         return per_gpu
     if global_size is not None:
@@ -245,7 +246,7 @@ def _role_batches(
         token_len = max_token_len
         max_micro = -(-int(per_device * max_sequence) // max(max_token_len, 1))
     else:
-        micro = _micro(micro_per_gpu, micro_global, dp)
+        micro = micro_per_device(micro_per_gpu, micro_global, dp)
         micro = per_device if micro is None else micro
         micro_batches = ratio(per_device, micro)
     return RoleBatches(

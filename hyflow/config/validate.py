@@ -19,6 +19,7 @@ from typing import Any
 from hyflow.config.arithmetic import (
     POOL_ROLES,
     has_own_pool,
+    micro_per_device,
     role_devices,
     role_is_on,
     role_pool_shape,
@@ -360,9 +361,13 @@ def _check_role_batches(cfg: HyflowConfig, role: str, knobs: Any, devices: int, 
     problems += _check_exclusive(
         f"{role}.ppo_micro_batch_size", knobs.ppo_micro_batch_size, knobs.ppo_micro_batch_size_per_gpu
     )
-    micro = knobs.ppo_micro_batch_size_per_gpu
-    if micro is None and knobs.ppo_micro_batch_size is not None:
-        micro, micro_key = knobs.ppo_micro_batch_size // dp, f"{role}.ppo_micro_batch_size / {dp} devices"
+    micro = micro_per_device(knobs.ppo_micro_batch_size_per_gpu, knobs.ppo_micro_batch_size, dp)
+    if knobs.ppo_micro_batch_size_per_gpu is None and knobs.ppo_micro_batch_size is not None:
+        micro_key = f"{role}.ppo_micro_batch_size / {dp} devices"
+        if micro != int(micro):
+            problems.append(f"{role}.ppo_micro_batch_size={knobs.ppo_micro_batch_size} (deprecated, global) does not "
+                            f"split evenly over {dp} devices; set {role}.ppo_micro_batch_size_per_gpu instead.")
+            micro = None
     else:
         micro_key = f"{role}.ppo_micro_batch_size_per_gpu"
     if knobs.use_dynamic_bsz:

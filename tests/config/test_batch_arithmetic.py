@@ -415,3 +415,17 @@ def test_own_pool_needs_ray_and_a_role_that_is_on():
     assert "set trainer.executor=ray" in text
     assert "this run has no critic" in text
     assert "reward_model.n_gpus_per_node=-1 must be >= 0" in text
+
+
+def test_a_deprecated_global_micro_batch_that_does_not_split_over_the_devices_is_an_error():
+    """The fallback global micro-batch / devices is derived once (`micro_per_device`); validation reports a
+    quotient that is not a whole number of samples instead of flooring it."""
+    from hyflow.config import ConfigError, load_config, validate_config
+
+    cfg = load_config(["data.train_batch_size=4", "actor_rollout_ref.rollout.n=4",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size=3",
+                       "trainer.n_gpus_per_node=2", "trainer.executor=ray"])
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.ppo_micro_batch_size=3 \(deprecated, global\) "
+                                          r"does not split evenly over 2 devices; set actor_rollout_ref.actor."
+                                          r"ppo_micro_batch_size_per_gpu instead"):
+        validate_config(cfg)
