@@ -54,13 +54,14 @@ def _tensor_bytes(tensors) -> int:
 
 def run_mode(args: argparse.Namespace) -> dict:
     """One mode in this process: load, build the engine, `args.steps` updates; the measurements as a dict."""
+    import peft  # noqa: F401  (imported in both modes before the baseline RSS; the LoRA mode needs it)
     import torch
 
     from hyflow.algos import get_policy_loss
     from hyflow.batch import Batch
     from hyflow.config.arithmetic import ForwardBatches
+    from hyflow.config.lora import lora_settings
     from hyflow.models.loading import load_causal_lm
-    from hyflow.models.lora import lora_settings  # peft imported in both modes, before the baseline
     from hyflow.workers.train_engine import TrainEngine, UpdatePlan
 
     torch.manual_seed(0)

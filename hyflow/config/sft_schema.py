@@ -28,6 +28,7 @@ from typing import Any
 
 from hyflow.config.keys import ConfigError
 from hyflow.config.loader import load_config
+from hyflow.config.lora import lora_settings
 from hyflow.config.schema import (
     RayKwargsConfig,
     _holds_interpolation,
@@ -317,13 +318,10 @@ def validate_sft_config(cfg: SFTConfig) -> None:
         problems.append(
             f"trainer.executor=local runs one worker in this process, but {where}; use trainer.executor=ray (or "
             "auto) to train on several devices, or set trainer.nnodes=1 trainer.n_gpus_per_node=1.")
-    if cfg.model.lora_rank or cfg.model.lora_adapter_path:
-        from hyflow.models.lora import lora_settings
-
-        try:
-            lora_settings(cfg.model, config_key="model")
-        except ValueError as err:
-            problems.append(str(err))
+    try:
+        lora_settings(cfg.model, config_key="model")
+    except ValueError as err:
+        problems.append(str(err))
     if t.total_training_steps is None and t.total_epochs < 1:
         problems.append(f"trainer.total_epochs={t.total_epochs} must be >= 1 (or set trainer.total_training_steps).")
     if t.total_training_steps is not None and t.total_training_steps < 1:

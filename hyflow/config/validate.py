@@ -29,6 +29,7 @@ from hyflow.config.arithmetic import (
 )
 from hyflow.config.catalog import algorithm_catalog, component_catalog
 from hyflow.config.keys import ConfigError
+from hyflow.config.lora import lora_settings
 from hyflow.config.schema import HyflowConfig
 from hyflow.config.support import not_supported_problems
 
@@ -80,10 +81,6 @@ def _check_lora(cfg: HyflowConfig) -> list[str]:
         sections.append(("critic.model", cfg.critic.model))
     problems = []
     for key, section in sections:
-        if not section.lora_rank and not section.lora_adapter_path:
-            continue
-        from hyflow.models.lora import lora_settings
-
         try:
             lora_settings(section, config_key=key)
         except ValueError as err:

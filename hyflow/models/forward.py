@@ -76,13 +76,14 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 
 def backbone_hidden_states(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor, **model_kwargs
 ) -> Tensor:
     """Final hidden states [B, L, H] of the model's decoder (after the final norm), no KV cache.
 
     The call goes through the outermost module, so DDP and FSDP2 hooks run as in a normal forward; a
     forward hook on the decoder captures its output, and a causal LM is asked for logits at no position
-    (`logits_to_keep` = an empty index), so no [B, L, V] logits are computed.
+    (`logits_to_keep` = an empty index), so no [B, L, V] logits are computed. `model_kwargs` go to the model
+    call as well (e.g. the packed-sequence boundaries of `hyflow.models.packing`).
     """
     inner = unwrap_model(model)
     decoder = (
@@ -93,7 +94,8 @@ def backbone_hidden_states(
     def capture(_module, _args, output):
         captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
 
-    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+              **model_kwargs}
     if "logits_to_keep" in inspect.signature(inner.forward).parameters:
         kwargs["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=input_ids.device)
     handle = decoder.register_forward_hook(capture)
@@ -209,11 +211,13 @@ def response_logprobs(
 
 
 def token_values(
-    value_model: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor
+    value_model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor, **model_kwargs
 ) -> Tensor:
-    """Per-token values [B, L] (float32) of a critic from `load_value_model` (token classifier, 1 label)."""
+    """Per-token values [B, L] (float32) of a critic from `load_value_model` (token classifier, 1 label);
+    `model_kwargs` go to the model call as well (e.g. packed-sequence boundaries)."""
     out = value_model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+        **model_kwargs,
     )
     logits_BL1 = out.logits if hasattr(out, "logits") else out[0]
     if logits_BL1.shape[-1] != 1:

@@ -59,121 +59,27 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from hyflow.config.lora import ALL_LINEAR, LoraSettings, lora_settings, parse_module_names
 from hyflow.models.forward import unwrap_model
 
-ALL_LINEAR = "all-linear"
+__all__ = ["LoraSettings", "lora_settings", "parse_module_names"]  # re-exported: the settings live in config
+
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 _LEGACY_ADAPTER_WEIGHTS_FILE = "adapter_model.bin"
 _PEFT_PREFIX = "base_model.model."
 _TASKS = ("causal_lm", "value")
 _VALUE_HEAD_NAMES = ("score", "classifier")
-_REGEX_CHARS = set("^$*+?()[]{}|\\")
 
 
 # ---------------------------------------------------------------------------------------------- settings
-
-
-@dataclass
-class LoraSettings:
-    """What the config asks for (see the module docstring for the meaning of each key).
-
-    rank: r (0 only together with `adapter_path`); alpha: the scale numerator (update = alpha / r * B @ A);
-    target_modules: "all-linear", a regex string or a list of names; exclude_modules: None, a regex or a list;
-    adapter_path: a peft adapter directory to start from; dropout: LoRA dropout (0, verl's);
-    config_key: the config section, for error messages ("actor_rollout_ref.model", "critic.model").
-    """
-
-    rank: int
-    alpha: float = 16
-    target_modules: str | list[str] = ALL_LINEAR
-    exclude_modules: str | list[str] | None = None
-    adapter_path: str | None = None
-    dropout: float = 0.0
-    config_key: str = "actor_rollout_ref.model"
-
-    @property
-    def scaling(self) -> float:
-        """alpha / r: the factor of B @ A in W' = W + (alpha / r) * B @ A."""
-        return self.alpha / self.rank
-
-
-def _get(section: Any, key: str, default: Any = None) -> Any:
-    if isinstance(section, Mapping):
-        return section.get(key, default)
-    if hasattr(section, "get") and not hasattr(section, key):  # OmegaConf DictConfig
-        return section.get(key, default)
-    return getattr(section, key, default)
-
-
-def parse_module_names(value: Any, *, key: str = "target_modules") -> str | list[str] | None:
-    """Normalise a target/exclude spec: None, "all-linear", a regex string, or a list of module names.
-
-    A string without regex characters (`^$*+?()[]{}|\\`) is a comma-separated list of names ("q_proj,v_proj");
-    "[q_proj, v_proj]" as a string is a list too; a string with regex characters stays a regex (matched in
-    full against full module names, as peft does). "all-linear" is case-insensitive.
-    """
-    if value is None:
-        return None
-    if isinstance(value, str):
-        text = value.strip()
-        if text.lower() == ALL_LINEAR:
-            return ALL_LINEAR
-        bracketed = re.fullmatch(r"\[([\w.\-\s,'\"]*)\]", text)
-        if bracketed is not None:
-            text = bracketed.group(1).replace("'", "").replace('"', "")
-        elif any(ch in _REGEX_CHARS for ch in text):
-            try:
-                re.compile(text)
-            except re.error as e:
-                raise ValueError(f"{key}={value!r} is neither a list of names nor a valid regex ({e})") from e
-            return text
-        names = [name.strip() for name in text.split(",") if name.strip()]
-    elif isinstance(value, Sequence) or hasattr(value, "__iter__"):
-        names = [str(name).strip() for name in value]
-    else:
-        raise ValueError(f"{key}={value!r} must be 'all-linear', a list of module names or a regex string")
-    if not names or any(not name for name in names):
-        raise ValueError(f"{key}={value!r} names no module; use 'all-linear', a list of module names or a regex")
-    if len(names) == 1 and names[0].lower() == ALL_LINEAR:
-        return ALL_LINEAR
-    if ALL_LINEAR in (name.lower() for name in names):
-        raise ValueError(f"{key}={value!r} mixes 'all-linear' with module names; use one or the other")
-    return names
-
-
-def lora_settings(model_cfg: Any, *, config_key: str = "actor_rollout_ref.model") -> LoraSettings | None:
-    """The LoRA settings of a model config section, or None when it trains in full.
-
-    Reads `lora_rank`, `lora_alpha`, `target_modules`, `exclude_modules`, `lora_adapter_path` (a dataclass,
-    dict or DictConfig; missing keys take verl's defaults). None when lora_rank is 0 and there is no adapter
-    path (verl: LoRA is on when `lora_rank > 0 or lora_adapter_path is not None`).
-    """
-    rank = _get(model_cfg, "lora_rank", 0) or 0
-    adapter_path = _get(model_cfg, "lora_adapter_path", None) or None
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-        raise ValueError(f"{config_key}.lora_rank={rank!r} must be an integer >= 0 (0 = full fine-tuning)")
-    if rank == 0 and adapter_path is None:
-        return None
-    alpha = _get(model_cfg, "lora_alpha", 16)
-    if alpha is None or not isinstance(alpha, (int, float)) or alpha <= 0:
-        raise ValueError(f"{config_key}.lora_alpha={alpha!r} must be a positive number (update = alpha / r)")
-    targets = parse_module_names(_get(model_cfg, "target_modules", ALL_LINEAR) or ALL_LINEAR,
-                                 key=f"{config_key}.target_modules")
-    excludes = parse_module_names(_get(model_cfg, "exclude_modules", None), key=f"{config_key}.exclude_modules")
-    if excludes == ALL_LINEAR:
-        raise ValueError(f"{config_key}.exclude_modules='all-linear' would exclude every target; list names")
-    return LoraSettings(rank=rank, alpha=alpha, target_modules=targets, exclude_modules=excludes,
-                        adapter_path=str(adapter_path) if adapter_path is not None else None,
-                        config_key=config_key)
 
 
 # ---------------------------------------------------------------------------------------------- building

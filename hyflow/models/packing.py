@@ -58,7 +58,13 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from hyflow.models.forward import _check_response_length, lm_head_logprobs, unwrap_model
+from hyflow.models.forward import (
+    _check_response_length,
+    backbone_hidden_states,
+    lm_head_logprobs,
+    token_values,
+    unwrap_model,
+)
 
 Tensor = torch.Tensor
 
@@ -396,11 +402,6 @@ def _packed_forward_context(model: nn.Module) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------------- forwards
-def _model_kwargs(packed: PackedSequences) -> dict:
-    return {"input_ids": packed.input_ids, "attention_mask": None, "position_ids": packed.position_ids,
-            "use_cache": False, **packed.attention_kwargs()}
-
-
 def _dummy_if_empty(packed: PackedSequences) -> PackedSequences:
     """A batch without any real token still runs the model (on one token) so that data-parallel collectives of
     FSDP/DDP stay in step across ranks and the outputs stay attached to the graph."""
@@ -416,25 +417,12 @@ def _dummy_if_empty(packed: PackedSequences) -> PackedSequences:
 
 
 def packed_hidden_states(model: nn.Module, packed: PackedSequences) -> Tensor:
-    """Final decoder hidden states [1, T, H] of the packed row (as `forward.backbone_hidden_states`: the call goes
-    through the outermost module so wrapper hooks run; a forward hook captures the decoder's output; no logits)."""
-    inner = unwrap_model(model)
-    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else getattr(inner, inner.base_model_prefix)
-    captured: list[Tensor] = []
-
-    def capture(_module, _args, output):
-        captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
-
-    kwargs = _model_kwargs(_dummy_if_empty(packed))
-    if "logits_to_keep" in inspect.signature(inner.forward).parameters:
-        kwargs["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=packed.input_ids.device)
-    handle = decoder.register_forward_hook(capture)
-    try:
-        with _packed_forward_context(model):
-            model(**kwargs)
-    finally:
-        handle.remove()
-    return captured[-1]
+    """Final decoder hidden states [1, T, H] of the packed row (`forward.backbone_hidden_states` with the
+    sequence boundaries, under the packed attention)."""
+    packed = _dummy_if_empty(packed)
+    with _packed_forward_context(model):
+        return backbone_hidden_states(model, packed.input_ids, None, packed.position_ids,
+                                      **packed.attention_kwargs())
 
 
 def _attach(out: Tensor, hidden: Tensor) -> Tensor:
@@ -489,15 +477,9 @@ def packed_values(value_model: nn.Module, input_ids: Tensor, attention_mask: Ten
     """
     _check_response_length(input_ids, response_length)
     packed = pack_sequences(input_ids, attention_mask)
+    run = _dummy_if_empty(packed)
     with _packed_forward_context(value_model):
-        out = value_model(**_model_kwargs(_dummy_if_empty(packed)))
-    logits_1T1 = out.logits if hasattr(out, "logits") else out[0]
-    if logits_1T1.shape[-1] != 1:
-        raise ValueError(
-            f"value model outputs {logits_1T1.shape[-1]} scores per token; a critic needs exactly one "
-            f"(AutoModelForTokenClassification with num_labels=1, as built by load_value_model)"
-        )
-    values_T = logits_1T1[0, :, 0].float()
+        values_T = token_values(value_model, run.input_ids, None, run.position_ids, **run.attention_kwargs())[0]
     columns = slice(input_ids.shape[1] - response_length, None)
     valid_BR, predictor_N = _predictor_index(packed, attention_mask, attention_mask[:, columns], columns)
     values_BR = values_T.new_zeros(valid_BR.shape).index_put(valid_BR.nonzero(as_tuple=True), values_T[predictor_N])

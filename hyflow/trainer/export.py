@@ -98,16 +98,31 @@ def _prepare_out_dir(out_dir: str | os.PathLike) -> Path:
     return out
 
 
+_MODEL_PATH_KEYS = {"critic_model": ("critic.model.path", "actor_rollout_ref.model.path"),
+                    "model": ("model.partial_pretrain",)}
+
+
+def _run_model_path(ckpt: Path, component: str) -> tuple[str, str | None]:
+    """(config key, value) of the model path the component's run started from, read from the checkpoint's
+    config.yaml (a critic without its own path starts from the actor's); the value is None when unreadable."""
+    keys = _MODEL_PATH_KEYS.get(component, ("actor_rollout_ref.model.path",))
+    try:
+        config: Any = yaml.safe_load((ckpt / CONFIG_YAML).read_text())
+    except (OSError, yaml.YAMLError):
+        return keys[0], None
+    for key in keys:
+        node = config
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node:
+            return key, str(node)
+    return keys[0], None
+
+
 def _base_model_hint(ckpt: Path, component: str) -> str:
     """`key=value` of the run's own model path from the checkpoint's config.yaml, when readable."""
-    key = "critic.model.path" if component.startswith("critic") else "actor_rollout_ref.model.path"
-    try:
-        node: Any = yaml.safe_load((ckpt / CONFIG_YAML).read_text())
-        for part in key.split("."):
-            node = node[part]
-    except (OSError, yaml.YAMLError, KeyError, TypeError):
-        return f"the run's {key}"
-    return f"{key}={node} in the run's config.yaml"
+    key, value = _run_model_path(ckpt, component)
+    return f"the run's {key}" if value is None else f"{key}={value} in the run's config.yaml"
 
 
 def _load_model_config(ckpt: Path, component: str, base: str | None) -> tuple[Any, str]:
@@ -232,23 +247,6 @@ def lora_of(ckpt: Path, manifest: dict, component: str) -> dict | None:
     return None
 
 
-def _run_model_path(ckpt: Path, component: str) -> str | None:
-    """The model path the run started from, read from the checkpoint's config.yaml (None when unreadable)."""
-    keys = {"critic_model": ["critic.model.path", "actor_rollout_ref.model.path"],
-            "model": ["model.partial_pretrain"]}.get(component, ["actor_rollout_ref.model.path"])
-    try:
-        config: Any = yaml.safe_load((ckpt / CONFIG_YAML).read_text())
-    except (OSError, yaml.YAMLError):
-        return None
-    for key in keys:
-        node = config
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if node:
-            return str(node)
-    return None
-
-
 def _adapter_state(ckpt: Path, manifest: dict, component: str) -> dict[str, torch.Tensor]:
     raw = _read_state(ckpt, manifest, component)
     if not isinstance(raw, dict) or not raw or not all(isinstance(v, torch.Tensor) for v in raw.values()):
@@ -257,7 +255,7 @@ def _adapter_state(ckpt: Path, manifest: dict, component: str) -> dict[str, torc
 
 
 def _lora_base(ckpt: Path, component: str, base: str | None) -> str:
-    path = base or _run_model_path(ckpt, component)
+    path = base or _run_model_path(ckpt, component)[1]
     if path is None:
         raise FileNotFoundError(f"{ckpt}: component {component!r} is a LoRA adapter; merging it needs the base model "
                                 "the run trained it on, and the checkpoint's config.yaml names none. Fix: pass "
@@ -285,7 +283,7 @@ def _write_adapter(ckpt: Path, manifest: dict, out: Path, component: str, base: 
     if settings is None:
         raise ValueError(f"component {component!r} of {ckpt} was trained without LoRA (lora_rank=0): it has no "
                          "adapter to export; drop --adapter to export the model")
-    path = base or _run_model_path(ckpt, component)
+    path = base or _run_model_path(ckpt, component)[1]
     save_adapter(_adapter_state(ckpt, manifest, component), LoraSettings(**settings), out,
                  base_model_name_or_path=path, task="value" if component.startswith("critic") else "causal_lm")
 

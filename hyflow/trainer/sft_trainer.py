@@ -27,9 +27,11 @@ one Ray actor per device with torch.distributed (gloo on CPU, NCCL on GPU) and F
 local for one device, ray for more. The metrics are global (all-reduced), so 2 CPU workers log what one process
 logs, up to floating-point summation order.
 
-Simplifications: no LoRA keys in the SFT config yet, no sequence parallelism, no CPU offload; bf16 autocast (FSDP2
-mixed precision) on cuda over fp32 master weights, fp32 on cpu. The lm_head runs in row chunks
-(`hyflow.models.forward.lm_head_logprobs`), so [B, T, V] logits are never built.
+LoRA (`model.lora_rank`, ...): the engine trains an adapter; checkpoints hold the adapter only and `hyflow export`
+merges it. Packing (`model.use_remove_padding`, default true): each micro-batch runs as one row without pads.
+Simplifications: no sequence parallelism, no CPU offload; bf16 autocast (FSDP2 mixed precision) on cuda over fp32
+master weights, fp32 on cpu. The lm_head runs only on the response positions, at once when their logits are small
+and else in checkpointed row chunks (`hyflow.models.forward.lm_head_logprobs`).
 
 Resume: a checkpoint holds the full (unsharded) model, AdamW state keyed by parameter name and the scheduler (the
 workers' collective `state_dict`, written by rank 0), the loader's (epoch, position) and the driver's RNG; a run

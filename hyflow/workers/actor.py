@@ -40,18 +40,23 @@ from hyflow.algos import (
 from hyflow.batch import Batch
 from hyflow.config import HyflowConfig
 from hyflow.config.arithmetic import BatchArithmetic, uses_reference
+from hyflow.config.lora import lora_settings
 from hyflow.controller import Collect, Dispatch, Worker, register
 from hyflow.models.forward import unwrap_model
 from hyflow.models.loading import load_causal_lm, load_tokenizer
 from hyflow.rollout.base import EngineSpec, RolloutEngineError, SamplingParams, make_engine
 from hyflow.workers.engine import apply_full_determinism
-from hyflow.workers.fsdp import DIST_TIMEOUT_S, is_distributed, maybe_init_distributed, parallel_strategy
+from hyflow.workers.fsdp import (
+    DIST_TIMEOUT_S,
+    is_distributed,
+    iter_full_tensors,
+    maybe_init_distributed,
+    parallel_strategy,
+)
 from hyflow.workers.train_engine import (
     EngineCheckpoints,
     TrainEngine,
     UpdatePlan,
-    autocast,
-    lora_from_config,
     resolve_device,
 )
 
@@ -59,13 +64,8 @@ RESPONSE_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_prob",
                  "rollout_log_probs")
 
 
-__all__ = ["ActorRolloutRefWorker", "autocast", "resolve_device"]
-
-
 class ActorRolloutRefWorker(EngineCheckpoints, Worker):
     """Policy training, generation and reference log-probs on one device (one rank of a data-parallel group)."""
-
-    checkpoint_prefix = "actor"
 
     def __init__(self, config: HyflowConfig, tokenizer=None, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -100,7 +100,7 @@ class ActorRolloutRefWorker(EngineCheckpoints, Worker):
                                override_config=dict(model_cfg.override_config or {}),
                                enable_gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
                                device=self.model_device)
-        lora = lora_from_config(model_cfg, "actor_rollout_ref.model")
+        lora = lora_settings(model_cfg, config_key="actor_rollout_ref.model")
         ref_model = None
         if uses_reference(self.config):
             ref_path = self.arr.ref.model.path
@@ -261,8 +261,9 @@ class ActorRolloutRefWorker(EngineCheckpoints, Worker):
                     parts[name] = float(value) / (ctx.n_micro * ctx.world_size)
             return loss, parts
 
-        plan = UpdatePlan(mini_batch_size=max(1, actor.ppo_mini_batch_size * self.arr.rollout.n // self.world_size),
-                          epochs=actor.ppo_epochs, shuffle=actor.shuffle, sizes=self.batches.actor,
+        sizes = self.batches.actor  # the derived arithmetic: samples of a mini-batch on this device, epochs
+        plan = UpdatePlan(mini_batch_size=max(1, int(sizes.samples_per_device)), epochs=sizes.ppo_epochs,
+                          shuffle=actor.shuffle, sizes=sizes,
                           seed=actor.data_loader_seed + int(batch.meta.get("global_step", 0)) * 7919,
                           loss_agg_mode=actor.loss_agg_mode, metric_prefix="actor")
         metrics = self.engine.update(batch, plan, loss_fn, columns=RESPONSE_KEYS,
@@ -289,5 +290,9 @@ class ActorRolloutRefWorker(EngineCheckpoints, Worker):
         if self.rank != 0:
             return None
         model = self._model_class(self._model_config).to(device="cpu", dtype=torch.float32)
-        model.load_state_dict(state, strict=False)
+        expected = {name for name, _ in iter_full_tensors(model)}  # tied weights once, persistent buffers
+        if set(state) != expected:
+            raise RuntimeError(f"the gathered weights do not match {type(model).__name__}: missing "
+                               f"{sorted(expected - set(state))[:4]}, unexpected {sorted(set(state) - expected)[:4]}")
+        model.load_state_dict(state, strict=False)  # only the tied aliases (lm_head.weight) are not in `state`
         return model, self.tokenizer

@@ -18,6 +18,7 @@ from hyflow.algos import compute_value_loss, masked_mean
 from hyflow.batch import Batch
 from hyflow.config import HyflowConfig
 from hyflow.config.arithmetic import BatchArithmetic
+from hyflow.config.lora import lora_settings
 from hyflow.controller import Dispatch, Worker, register
 from hyflow.models.loading import load_value_model
 from hyflow.workers.engine import apply_full_determinism
@@ -26,7 +27,6 @@ from hyflow.workers.train_engine import (
     EngineCheckpoints,
     TrainEngine,
     UpdatePlan,
-    lora_from_config,
     resolve_device,
 )
 
@@ -62,7 +62,7 @@ class CriticWorker(EngineCheckpoints, Worker):
             model, name="critic", head="value", device=self.model_device, strategy=strategy,
             fsdp_config=model_cfg.fsdp_config, optim=self.critic.optim, grad_clip=self.critic.grad_clip,
             total_optimizer_steps=total_training_steps * int(batches.critic.optimizer_steps),
-            use_remove_padding=model_cfg.use_remove_padding, lora=lora_from_config(model_cfg, "critic.model"),
+            use_remove_padding=model_cfg.use_remove_padding, lora=lora_settings(model_cfg, config_key="critic.model"),
             world_size=self.world_size, rank=self.rank)
         self.model = self.engine.model
         if self.rank == 0:
@@ -88,9 +88,9 @@ class CriticWorker(EngineCheckpoints, Worker):
                           "critic/vf_clipfrac": float(parts["vf_clipfrac"]) * weight,
                           "critic/vpred_mean": float(masked_mean(out["values"].detach(), mask)) * weight}
 
-        plan = UpdatePlan(mini_batch_size=max(1, c.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n
-                                              // self.world_size),
-                          epochs=c.ppo_epochs, shuffle=c.shuffle, sizes=self.batches.critic,
+        sizes = self.batches.critic  # the derived arithmetic: samples of a mini-batch on this device, epochs
+        plan = UpdatePlan(mini_batch_size=max(1, int(sizes.samples_per_device)), epochs=sizes.ppo_epochs,
+                          shuffle=c.shuffle, sizes=sizes,
                           seed=int(batch.meta.get("global_step", 0)) * 7919 + 17, loss_agg_mode=c.loss_agg_mode,
                           metric_prefix="critic")
         return Batch(meta={"metrics": self.engine.update(batch, plan, loss_fn, columns=VALUE_COLUMNS)})

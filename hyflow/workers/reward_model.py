@@ -45,8 +45,8 @@ from hyflow.config import HyflowConfig
 from hyflow.controller import Dispatch, Worker, register
 from hyflow.models.forward import compute_position_ids, reward_scores
 from hyflow.models.loading import load_reward_model, load_tokenizer
-from hyflow.workers.actor import autocast, resolve_device
 from hyflow.workers.engine import SEQUENCE_KEYS, apply_full_determinism, split_micro_batches
+from hyflow.workers.train_engine import autocast, resolve_device
 
 
 def same_tokenizer(a, b) -> bool:

@@ -32,6 +32,7 @@ import torch
 from hyflow.algos import agg_loss
 from hyflow.batch import Batch
 from hyflow.config.loader import config_to_dict
+from hyflow.config.lora import lora_settings
 from hyflow.config.sft_schema import SFTBatches, SFTConfig
 from hyflow.controller import Collect, Dispatch, Worker, register
 from hyflow.models.loading import load_causal_lm
@@ -42,7 +43,6 @@ from hyflow.workers.train_engine import (
     MicroContext,
     TrainEngine,
     UpdatePlan,
-    lora_from_config,
     resolve_device,
 )
 
@@ -99,7 +99,7 @@ class SFTWorker(EngineCheckpoints, Worker):
             model, name="sft", checkpoint_prefix="", head="lm", device=self.model_device,
             strategy=parallel_strategy(cfg.engine.strategy, self.world_size), fsdp_config=cfg.engine, optim=optim,
             total_optimizer_steps=total_steps, grad_clip=cfg.optim.clip_grad,
-            use_remove_padding=cfg.model.use_remove_padding, lora=lora_from_config(cfg.model, "model"),
+            use_remove_padding=cfg.model.use_remove_padding, lora=lora_settings(cfg.model, config_key="model"),
             world_size=self.world_size, rank=self.rank)
         if self.rank == 0:
             print(self.engine.describe_parameters(), flush=True)

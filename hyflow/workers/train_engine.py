@@ -43,6 +43,7 @@ from hyflow.algos import loss_normalisers
 from hyflow.batch import Batch
 from hyflow.controller import Collect, Dispatch, register
 from hyflow.models.forward import backbone_hidden_states, response_logprobs, unwrap_model, values_from_model
+from hyflow.models.lora import adapter_disabled, apply_lora, merged_named_tensors, parameter_counts
 from hyflow.workers.engine import (
     all_reduce_metrics,
     all_reduce_sum,
@@ -88,16 +89,6 @@ def autocast(device: torch.device, dtype_name: str):
     dtype = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
              "fp16": torch.float16}[dtype_name]
     return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def lora_from_config(model_cfg, config_key: str):
-    """The LoRA settings of the model config section `config_key` (`hyflow.models.lora.lora_settings`), None
-    without LoRA (lora_rank 0 and no lora_adapter_path): peft is imported only when a run uses it."""
-    if not getattr(model_cfg, "lora_rank", 0) and not getattr(model_cfg, "lora_adapter_path", None):
-        return None
-    from hyflow.models.lora import lora_settings
-
-    return lora_settings(model_cfg, config_key=config_key)
 
 
 @dataclass(frozen=True)
@@ -151,8 +142,6 @@ class TrainEngine:
         self.compute_dtype = compute_dtype or getattr(fsdp_config, "dtype", "fp32")
         self.lora = lora
         if lora is not None:
-            from hyflow.models.lora import apply_lora
-
             model = apply_lora(model, lora, task="causal_lm" if head == "lm" else "value")
         trainable = optim is not None
         if not trainable:
@@ -167,31 +156,18 @@ class TrainEngine:
 
     # ------------------------------------------------------------------------------------------ describing
 
-    def parameter_counts(self) -> tuple[int, int]:
-        """(trainable, total) parameters of the unsharded model (sharded DTensors count their full size)."""
-        trainable = total = 0
-        for param in unwrap_model(self.model).parameters():
-            total += param.numel()
-            trainable += param.numel() if param.requires_grad else 0
-        return trainable, total
-
     def describe_parameters(self) -> str:
-        trainable, total = self.parameter_counts()
+        """`<name>: trainable params T of N (x %), LoRA rank r | full fine-tuning` (unsharded counts)."""
+        trainable, total = parameter_counts(self.model)
         share = 100.0 * trainable / max(total, 1)
         kind = f"LoRA rank {self.lora.rank}" if self.lora is not None else "full fine-tuning"
         return f"{self.name}: trainable params {trainable:,} of {total:,} ({share:.2f} %), {kind}"
-
-    @property
-    def has_adapter(self) -> bool:
-        return self.lora is not None
 
     @contextlib.contextmanager
     def adapter_disabled(self) -> Iterator[None]:
         """Forwards inside run the base model (LoRA off): the reference policy without a second copy."""
         if self.lora is None:
             raise RuntimeError(f"{self.name} has no LoRA adapter to disable")
-        from hyflow.models.lora import adapter_disabled
-
         with adapter_disabled(self.model):
             yield
 
@@ -311,9 +287,6 @@ class TrainEngine:
     def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) of the plain Hugging Face model, LoRA merged in; collective under FSDP2."""
         if self.lora is not None:
-            from hyflow.models.lora import merged_named_tensors
-
-            reshard(unwrap_model(self.model))
             yield from merged_named_tensors(self.model)
         else:
             yield from iter_full_tensors(self.model)
@@ -323,9 +296,13 @@ class TrainEngine:
         return tensor_buckets(self.named_full_tensors(), bucket_bytes)
 
     def full_model_state(self) -> dict[str, torch.Tensor]:
-        """The plain model's full state dict (LoRA merged) on rank 0, `{}` elsewhere; collective."""
-        state = {name: tensor.detach().cpu().clone() for name, tensor in self.named_full_tensors()}
-        return state if self.rank == 0 else {}
+        """The plain model's full state dict (LoRA merged) on rank 0, `{}` elsewhere; collective (every rank walks
+        the tensors; only rank 0 keeps copies)."""
+        state = {}
+        for name, tensor in self.named_full_tensors():
+            if self.rank == 0:
+                state[name] = tensor.detach().cpu().clone()
+        return state
 
     # ------------------------------------------------------------------------------------------ checkpoints
 

@@ -42,6 +42,10 @@ READ_WITHOUT_ATTRIBUTE = {
     # SFT: config/verl_compat.py's fold_sft_dict_keys reads getattr(data, f"{kind}_dict_keys") (a support module,
     # so not searched)
     "data.prompt_dict_keys": None, "data.response_dict_keys": None,
+    # config/lora.py's lora_settings reads every LoRA key as _get(section, "<key>") (a dataclass, dict or
+    # DictConfig section); the workers and the SFT trainer call it on these sections
+    **dict.fromkeys(f"{section}.{k}" for section in ("actor_rollout_ref.model", "critic.model", "model")
+                    for k in ("lora_rank", "lora_adapter_path")),
 }
 
 # Keys that a validator decides instead of the table (it reports them in its own words), by schema.
