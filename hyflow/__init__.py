@@ -24,6 +24,7 @@ def _component_catalog():
     from hyflow.config.catalog import ComponentCatalog
     from hyflow.rewards.managers import REWARD_MANAGERS
     from hyflow.rollout import base as engines
+    from hyflow.rollout.tool_parser import ToolParser
     from hyflow.trainer.tracking import logger_packages
 
     missing = {}
@@ -32,7 +33,8 @@ def _component_catalog():
             missing[name] = (on_cuda, on_cpu)
     return ComponentCatalog(loggers=logger_packages(), reward_managers=frozenset(REWARD_MANAGERS),
                             rollout_engines=frozenset(engines.engine_names()), missing_engine_packages=missing,
-                            engines_not_built=dict(engines.ENGINES_NOT_BUILT))
+                            engines_not_built=dict(engines.ENGINES_NOT_BUILT),
+                            tool_formats=frozenset(ToolParser.registry))
 
 
 def _install_catalog() -> None:

@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("data", help="make built-in task data or convert public datasets")
     data_sub = p.add_subparsers(dest="data_command", required=True)
     m = data_sub.add_parser("make", help="write a built-in task's train/test files")
-    m.add_argument("task", help="arithmetic | countdown | sorting")
+    m.add_argument("task", help="arithmetic | calculator | countdown | sorting")
     m.add_argument("--out", required=True)
     m.add_argument("--n-train", type=int, default=2000)
     m.add_argument("--n-test", type=int, default=200)

@@ -64,6 +64,8 @@ class ComponentCatalog:
     missing_engine_packages: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
     # verl engine names hyflow has not built -> why
     engines_not_built: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # registered tool-call formats (actor_rollout_ref.rollout.multi_turn.format); empty = not checked
+    tool_formats: frozenset[str] = frozenset()
 
 
 _component_provider: Callable[[], ComponentCatalog] | None = None

@@ -487,23 +487,66 @@ class ValKwargsConfig:
 class MultiTurnConfig:
     """Multi-turn rollouts with tool calls (the agent loop)."""
 
-    enable: bool = option(False, "Roll out multi-turn conversations with tool calls.")
+    enable: bool = option(
+        False, "Roll out multi-turn conversations: rows whose agent_name (or rollout.agent.default_agent_loop) "
+        "is tool_agent or a custom loop run through the agent loop with the tools and interactions below.")
     max_assistant_turns: int | None = option(
         None, "Most assistant turns per episode (None = until the response budget is spent)."
     )
     max_user_turns: int | None = option(None, "Most user/tool turns per episode (None = no limit).")
     max_parallel_calls: int = option(1, "Most tool calls executed from one assistant turn.")
-    max_tool_response_length: int = option(256, "Longest tool response kept, in characters.")
+    max_tool_response_length: int = option(
+        256, "Longest tool response kept, in characters (cut at tool_response_truncate_side).")
     tool_response_truncate_side: str = option(
         "middle",
         "Where a long tool response is cut: left, right or middle.",
         choices=("left", "right", "middle"),
     )
-    tool_config_path: str | None = option(None, "YAML file declaring the tools.")
-    interaction_config_path: str | None = option(None, "YAML file declaring simulated-user interactions.")
+    tool_config_path: str | None = option(
+        None, "YAML file declaring the tools (verl's format: a `tools:` list of class_name, config, tool_schema). "
+        "Their schemas are also put into every prompt's chat template (`tools=`).")
+    interaction_config_path: str | None = option(
+        None, "YAML file declaring simulated-user interactions (verl's format: an `interaction:` list of name, "
+        "class_name, config); a sample's interaction_kwargs.name picks one.")
     format: str = option(
-        "hermes", "Tool-call format the model emits (hermes = <tool_call>{json}</tool_call>)."
+        "hermes", "Tool-call format the model emits, a registered parser (hermes = "
+        "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>)."
     )
+    tool_timeout: float = option(
+        30.0, "hyflow: seconds one tool call (create + execute) may take before it is answered with a timeout "
+        "error; a tool's own `config.timeout` in the tool YAML overrides it.")
+    function_tool_path: str | None = option(
+        None, "verl: a Python file of @function_tool functions. Not built in hyflow: declare BaseTool classes in "
+        "tool_config_path.")
+    use_inference_chat_template: bool = option(
+        False, "verl: re-render earlier turns with the chat template. hyflow always trains on the token ids the "
+        "rollout produced (token in, token out): only false is accepted.")
+
+
+@dataclass
+class CustomAsyncServerConfig:
+    """verl: a user-supplied async rollout server (not built in hyflow)."""
+
+    name: str | None = option(None, "Class name of a custom async server (verl); not built in hyflow.")
+    path: str | None = option(None, "File of a custom async server (verl); not built in hyflow.")
+
+
+@dataclass
+class AgentConfig:
+    """The agent loop (verl's rollout.agent): which loop runs each sample, and its workers."""
+
+    num_workers: int = option(
+        8, "verl: agent-loop worker processes. hyflow runs every trajectory of a rollout worker as a task of one "
+        "event loop (all of them concurrent already); this is the number of threads for blocking tool work "
+        "(asyncio.to_thread) in each rollout worker.")
+    default_agent_loop: str = option(
+        "single_turn_agent", "Agent loop of rows without an agent_name: single_turn_agent, tool_agent, or a "
+        "registered name.")
+    agent_loop_config_path: str | None = option(
+        None, "YAML list of custom agent loops to register: `- name: my_agent` / `_target_: module.Class` "
+        "(other keys go to its constructor).")
+    custom_async_server: CustomAsyncServerConfig = section(
+        CustomAsyncServerConfig, "A custom async rollout server (verl); not built in hyflow.")
 
 
 @dataclass
@@ -602,6 +645,7 @@ class RolloutConfig:
     )
     val_kwargs: ValKwargsConfig = section(ValKwargsConfig, "Sampling parameters for validation.")
     multi_turn: MultiTurnConfig = section(MultiTurnConfig, "Multi-turn tool-calling rollouts.")
+    agent: AgentConfig = section(AgentConfig, "The agent loop: per-sample loops, tools and interactions.")
     engine_kwargs: dict[str, Any] = option(
         {"vllm": {}, "sglang": {}},
         "Extra engine arguments by engine name, e.g. +actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4.",

@@ -174,7 +174,20 @@ _TABLE: list[KeySupport] = [
     _unsupported(f"{M}.use_liger", "Liger kernels are not wired; " + LEAVE),
     _unsupported(f"{M}.enable_activation_offload", "activation offload is not built yet; " + LEAVE),
     _unsupported("critic.model.enable_activation_offload", "activation offload is not built yet; " + LEAVE),
-    _unsupported(f"{R}.multi_turn.enable", "the multi-turn agent loop is not built yet; " + LEAVE),
+    _unsupported(f"{R}.multi_turn.function_tool_path", "@function_tool files are not built; declare BaseTool "
+                 "classes in multi_turn.tool_config_path; " + LEAVE),
+    _unsupported(f"{R}.multi_turn.use_inference_chat_template", "hyflow trains on the token ids the rollout "
+                 "produced (token in, token out), never on a re-rendered conversation; use false",
+                 lambda cfg: lookup(cfg, f"{R}.multi_turn.use_inference_chat_template") is not False),
+    _unsupported(f"{R}.agent.custom_async_server.name", "custom async servers are not built: the agent loop runs "
+                 "on the rollout engine (rollout.name); " + LEAVE),
+    _unsupported(f"{R}.agent.custom_async_server.path", "custom async servers are not built: the agent loop runs "
+                 "on the rollout engine (rollout.name); " + LEAVE),
+    _unsupported(f"{R}.multi_turn.enable", "multi-turn rollouts on a tensor-parallel vllm engine spanning several "
+                 "ranks are not built (its ranks would have to decode every turn in lockstep); use "
+                 "tensor_model_parallel_size=1 (one engine per device) or the hf engine",
+                 lambda cfg: cfg.actor_rollout_ref.rollout.multi_turn.enable
+                 and _vllm_engine(cfg) and cfg.actor_rollout_ref.rollout.tensor_model_parallel_size > 1),
     _unsupported(f"{A}.checkpoint.async_save", "checkpoints are written synchronously; " + LEAVE),
     _unsupported("critic.checkpoint.async_save", "checkpoints are written synchronously; " + LEAVE),
     _unsupported("trainer.default_hdfs_dir", "HDFS copies are not built yet; " + LEAVE),
@@ -186,8 +199,8 @@ _TABLE: list[KeySupport] = [
     _unsupported(f"{M}.hf_config_path", "the model's config.json is read from actor_rollout_ref.model.path; "
                  + LEAVE),
     _unsupported(f"{R}.ignore_eos", "generation always stops at end-of-sequence; " + LEAVE),
-    _unsupported("data.tool_config_path", "tool schemas in the chat template come with the multi-turn agent loop, "
-                 "which is not built yet; " + LEAVE),
+    _unsupported("data.tool_config_path", "hyflow puts the schemas of actor_rollout_ref.rollout.multi_turn."
+                 "tool_config_path into the prompts' chat template; set that key instead"),
     _unsupported("data.tokenizer", "hyflow tokenizes prompts with the policy's tokenizer; set "
                  "actor_rollout_ref.model.tokenizer_path instead"),
     _unsupported(f"{ARR}.hybrid_engine", "actor, rollout and reference always share devices in hyflow; use true",
@@ -274,9 +287,11 @@ _TABLE: list[KeySupport] = [
       for k in ("return_raw_input_ids", "return_raw_chat", "return_full_prompt")),
     _performance("data.image_patch_size", ONLY_MULTIMODAL),
     _performance("data.return_multi_modal_inputs", ONLY_MULTIMODAL),
-    *(_performance(f"{R}.multi_turn.{k}", "only used with multi_turn.enable, which is not supported yet")
+    *(_performance(f"{R}.multi_turn.{k}", "only read by the tool agent loop, which runs with multi_turn.enable=true",
+                   lambda cfg, k=k: not cfg.actor_rollout_ref.rollout.multi_turn.enable
+                   and _non_default(cfg, f"{R}.multi_turn.{k}"))
       for k in ("max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_length",
-                "tool_response_truncate_side", "tool_config_path", "interaction_config_path", "format")),
+                "tool_response_truncate_side", "interaction_config_path", "format", "tool_timeout")),
     *(_performance(f"reward_model.sandbox_fusion.{k}", "only used with sandbox_fusion.url, which is not "
                    "supported yet") for k in ("max_concurrent", "memory_limit_mb")),
 ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import warnings
+from pathlib import Path
 from typing import Any
 
 from hyflow.config.arithmetic import (
@@ -57,6 +58,7 @@ def validate_config(cfg: HyflowConfig, n_devices: int | None = None) -> None:
     problems += _check_algorithm(cfg)
     problems += _check_not_built(cfg)
     problems += _check_lora(cfg)
+    problems += _check_multi_turn(cfg)
     problems += _check_checkpoint_contents(cfg)
     problems += _check_pools(cfg)
     problems += _check_exclusive("reward_model.micro_batch_size", cfg.reward_model.micro_batch_size,
@@ -85,6 +87,37 @@ def _check_lora(cfg: HyflowConfig) -> list[str]:
             lora_settings(section, config_key=key)
         except ValueError as err:
             problems.append(str(err))
+    return problems
+
+
+# ---------------------------------------------------------------------------------------- multi-turn
+
+
+def _check_multi_turn(cfg: HyflowConfig) -> list[str]:
+    """The agent loop's files exist and its numbers make sense before any model loads (the files' contents are
+    checked when the tools, interactions and loops load, with the file and entry named)."""
+    rollout = cfg.actor_rollout_ref.rollout
+    mt, agent = rollout.multi_turn, rollout.agent
+    problems = []
+    for key, path in ((f"{R}.multi_turn.tool_config_path", mt.tool_config_path),
+                      (f"{R}.multi_turn.interaction_config_path", mt.interaction_config_path),
+                      (f"{R}.agent.agent_loop_config_path", agent.agent_loop_config_path)):
+        if path and not Path(path).is_file():
+            problems.append(f"{key}={path}: no such file; give the path of the YAML file")
+    for key, value, low in ((f"{R}.multi_turn.max_parallel_calls", mt.max_parallel_calls, 1),
+                            (f"{R}.multi_turn.max_tool_response_length", mt.max_tool_response_length, 1),
+                            (f"{R}.agent.num_workers", agent.num_workers, 1)):
+        if value < low:
+            problems.append(f"{key}={value} must be >= {low}")
+    for key, value in ((f"{R}.multi_turn.max_assistant_turns", mt.max_assistant_turns),
+                       (f"{R}.multi_turn.max_user_turns", mt.max_user_turns)):
+        if value is not None and value < 1:
+            problems.append(f"{key}={value} must be >= 1 (or null: no limit)")
+    if not mt.tool_timeout > 0:
+        problems.append(f"{R}.multi_turn.tool_timeout={mt.tool_timeout} must be > 0 seconds")
+    catalog = component_catalog()
+    if catalog is not None and catalog.tool_formats and mt.format not in catalog.tool_formats:
+        problems.append(_not_one_of(f"{R}.multi_turn.format", mt.format, sorted(catalog.tool_formats)))
     return problems
 
 

@@ -3,7 +3,8 @@
 Rows (parquet or JSONL, several files concatenated): `prompt` (chat messages, or a plain string taken as one
 user message), `data_source` (selects the scorer; another column with `reward_fn_key`, verl's
 `data.reward_fn_key`: its value becomes the batch's `data_source`), `reward_model.ground_truth`, optional `extra_info`,
-`ability`, `agent_name`, `tools_kwargs`. Each prompt is rendered with the tokenizer's chat template
+`ability`, `agent_name` (the agent loop that rolls the row out), `tools_kwargs` and `interaction_kwargs` (top-level
+or in `extra_info`, as verl reads them). Each prompt is rendered with the tokenizer's chat template
 (`add_generation_prompt=True`) and tokenised without extra special tokens.
 
 Prompts longer than `max_prompt_length` are dropped at load time when `filter_overlong_prompts`, otherwise
@@ -194,6 +195,7 @@ class RLDataset(torch.utils.data.Dataset):
             "ability": row.get("ability"),
             "agent_name": row.get("agent_name"),
             "tools_kwargs": row.get("tools_kwargs") or row["extra_info"].get("tools_kwargs"),
+            "interaction_kwargs": row.get("interaction_kwargs") or row["extra_info"].get("interaction_kwargs"),
         }
 
     def collate(self, items: Sequence[dict]) -> Batch:

@@ -1,7 +1,14 @@
 """The SFT dataset: single-turn (`prompt`/`response` columns) or multi-turn (`messages`, optional `tools`).
 
 Column names are configurable and may be dotted to read nested fields: the built-in tasks keep their worked
-answer in `extra_info.answer` (verl's convention), so `response_key="extra_info.answer"` trains on them.
+answer in `extra_info.answer` (verl's convention), so `response_key="extra_info.answer"` trains on them, and the
+calculator task its tool-calling conversation in `extra_info.messages` (`messages_key="extra_info.messages"`,
+`tools_key="tools"`).
+
+Tool calling: an assistant message may carry OpenAI-format `tool_calls` with an empty or None `content` (or no
+`content` key at all); the chat template renders the calls (the tiny model's template as hermes
+`<tool_call>{...}</tool_call>`), and the call turn is trained on like any other assistant turn. `tool` messages
+(the tool's answers), like user and system messages, are not trained on.
 
 Each conversation is rendered with the chat template once; the loss mask covers the tokens of every assistant
 turn INCLUDING its end-of-turn token (`<|im_end|>` for ChatML). verl's SFT dataset leaves the end-of-turn token
@@ -37,9 +44,21 @@ def _lookup(row: dict, key: str):
     return value
 
 
+def _with_content(messages):
+    """An assistant tool-call message may leave out `content` (OpenAI allows it): give it content None."""
+    if isinstance(messages, np.ndarray):
+        messages = messages.tolist()
+    if not isinstance(messages, (list, tuple)):
+        return messages
+    return [
+        {**m, "content": None} if isinstance(m, dict) and "content" not in m and m.get("tool_calls") else m
+        for m in messages
+    ]
+
+
 def _conversation(row: dict, where: str, prompt_key: str, response_key: str, messages_key: str) -> list[dict]:
     if _lookup(row, messages_key) is not None:
-        messages = _as_messages(_lookup(row, messages_key), where, messages_key)
+        messages = _as_messages(_with_content(_lookup(row, messages_key)), where, messages_key)
     elif _lookup(row, prompt_key) is not None and _lookup(row, response_key) is not None:
         messages = _as_messages(_lookup(row, prompt_key), where, prompt_key)
         response = _lookup(row, response_key)
@@ -87,7 +106,7 @@ class SFTDataset:
                                 "from data.train_files / data.val_files)")
             for i, row in enumerate(rows):
                 where = f"{path} row {i}"
-                tools = row.get(tools_key)
+                tools = _lookup(row, tools_key)
                 self.examples.append((_conversation(row, where, prompt_key, response_key, messages_key), tools, where))
         if max_samples is not None and 0 < max_samples < len(self.examples):
             keep = np.random.default_rng(seed).permutation(len(self.examples))[:max_samples]

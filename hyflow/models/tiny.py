@@ -55,10 +55,63 @@ QWEN2_PRETOKENIZE_REGEX = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# Qwen2.5-style ChatML without the default system prompt.
+# Qwen2.5-style ChatML without the default system prompt, plus hermes-style tool calling:
+#
+# - `tools` given (OpenAI schemas): a system block first,
+#   `<|im_start|>system\n{system}\n\nTools: {list}<|im_end|>\n` when messages[0] is a system message (which is
+#   then not rendered again), else
+#   `<|im_start|>system\nTools: {list}<|im_end|>\n`. `{list}` is compact for a tiny model: `name(arg, ...)` per
+#   tool (argument names in the order of `parameters.properties`), joined by ", ".
+# - an assistant message with `tool_calls` (`{"type": "function", "function": {"name", "arguments"}}` or
+#   `{"name", "arguments"}`) renders its content, then each call as
+#   `<tool_call>{"name": NAME, "arguments": ARGS}</tool_call>` (calls separated by "\n", and a "\n" between
+#   non-empty content and the first call). The JSON is exactly `json.dumps({"name": n, "arguments": a})`:
+#   transformers' `tojson` keeps key order and json's default separators, and `ensure_ascii=true` escapes
+#   non-ASCII as `json.dumps` does. ARGS given as a string (already JSON) is used as is.
+# - a None content renders as empty; a `tool` message renders like any other role.
+#
+# A conversation without `tools` and without `tool_calls` renders byte for byte as the plain ChatML template
+# (`<|im_start|>{role}\n{content}<|im_end|>\n` per message, `<|im_start|>assistant\n` as generation prompt),
+# and the rendering of a prefix of a conversation is a prefix of the rendering of the whole (the SFT loss mask
+# and the agent loop rely on both).
 CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- set ns = namespace(first=0) %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{%- if messages[0]['content'] is not none %}{{- messages[0]['content'] }}{%- endif %}"
+    "{{- '\\n\\n' }}"
+    "{%- set ns.first = 1 %}"
+    "{%- endif %}"
+    "{{- 'Tools: ' }}"
+    "{%- for tool in tools %}"
+    "{%- set fn = tool['function'] if tool['function'] is mapping else tool %}"
+    "{%- set params = fn['parameters'] if fn['parameters'] is mapping else {} %}"
+    "{%- set props = params['properties'] if params['properties'] is mapping else {} %}"
+    "{{- fn['name'] + '(' }}"
+    "{%- for arg, spec in props.items() if spec is not none %}"
+    "{{- arg }}{%- if not loop.last %}{{- ', ' }}{%- endif %}"
+    "{%- endfor %}"
+    "{{- ')' }}{%- if not loop.last %}{{- ', ' }}{%- endif %}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages[ns.first:] %}"
+    "{%- set content = message['content'] if (message['content'] is defined and message['content'] is not none)"
+    " else '' %}"
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant\\n' + content }}"
+    "{%- for tool_call in message['tool_calls'] %}"
+    "{%- set call = tool_call['function'] if tool_call['function'] is mapping else tool_call %}"
+    "{%- set args = call['arguments'] %}"
+    "{%- if not loop.first or content %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>{\"name\": ' + (call['name'] | tojson(ensure_ascii=true)) + ', \"arguments\": ' }}"
+    "{{- (args if args is string else (args | tojson(ensure_ascii=true))) + '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )

@@ -32,19 +32,19 @@ from pathlib import Path
 from types import ModuleType
 
 
-def _module_name(path: Path) -> str:
-    """A module name unique to the resolved file path: ``hyflow_custom_reward_<stem>_<hash of path>``."""
+def import_module_file(path: Path, prefix: str = "hyflow_custom_reward", what: str = "custom reward file",
+                       key: str = "custom_reward_function.path") -> ModuleType:
+    """Execute the .py file `path` as a fresh module registered under a name unique to its resolved path,
+    ``<prefix>_<stem>_<hash of path>`` (imported once per process). ImportError naming `what` and the config `key`
+    when the file is not Python or raises while being imported."""
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
     stem = "".join(char if char.isalnum() else "_" for char in path.stem)
-    return f"hyflow_custom_reward_{stem}_{digest}"
-
-
-def _import_file(path: Path) -> ModuleType:
-    """Execute the file as a fresh module registered under its unique name."""
-    module_name = _module_name(path)
+    module_name = f"{prefix}_{stem}_{digest}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {path} as Python (custom_reward_function.path); give a .py file")
+        raise ImportError(f"cannot import {path} as Python ({key}); give a .py file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
     try:
@@ -52,8 +52,7 @@ def _import_file(path: Path) -> ModuleType:
     except Exception as error:
         sys.modules.pop(module_name, None)
         raise ImportError(
-            f"custom reward file {path} (custom_reward_function.path) raised {type(error).__name__} while "
-            f"being imported: {error}"
+            f"{what} {path} ({key}) raised {type(error).__name__} while being imported: {error}"
         ) from error
     return module
 
@@ -101,7 +100,7 @@ def load_custom_reward_function(
             f"custom reward file {str(path)!r} not found (custom_reward_function.path; resolved to {resolved}); "
             f"give the path of an existing .py file, absolute or relative to {Path.cwd()}"
         )
-    module = _import_file(resolved)
+    module = import_module_file(resolved)
     if not hasattr(module, name):
         defined = _defined_callables(module)
         close = difflib.get_close_matches(name, defined, n=1)

@@ -115,7 +115,10 @@ class _BaseManager:
             self.max_response_length = int(max_resp_len)
 
     def decode_responses(self, batch: Batch) -> tuple[list[str], torch.Tensor]:
-        lengths = batch["response_mask"].sum(-1).long()
+        """The responses as text and their lengths in tokens. A multi-turn response is decoded whole (model turns
+        and the tool / user turns between them: the attention mask's response part); single-turn it is the
+        response_mask's length, the same thing."""
+        lengths = response_lengths(batch)
         texts = [self.tokenizer.decode(ids[: int(n)].tolist(), skip_special_tokens=True)
                  for ids, n in zip(batch["responses"], lengths)]
         return texts, lengths
@@ -177,7 +180,7 @@ class _BaseManager:
         extra = {k: [e.get(k) for e in extras] for k in keys}
         token_level = torch.zeros(batch["responses"].shape, dtype=torch.float32)
         rows = torch.arange(len(batch))
-        last = (lengths - 1).clamp(min=0)
+        last = last_model_token(batch, lengths)  # the score sits on the model's last token (verl's placement)
         token_level[rows, last] = torch.tensor(scores, dtype=torch.float32) * (lengths > 0).float()
         for k, values in extra.items():
             numeric = [float(v) for v in values if isinstance(v, (int, float, bool, np.number)) and v is not None]
@@ -203,6 +206,23 @@ class _BaseManager:
             penalties.append(penalty)
         metrics["reward/overlong_penalty/mean"] = float(np.mean(penalties))
         return new_scores, extras
+
+
+def response_lengths(batch: Batch) -> torch.Tensor:
+    """Tokens per response [B]: the response part of `attention_mask` when the batch has one (it covers tool
+    turns too), else the number of `response_mask` tokens."""
+    width = batch["responses"].shape[1]
+    if "attention_mask" in batch:
+        return batch["attention_mask"][:, -width:].sum(-1).long()
+    return batch["response_mask"].sum(-1).long()
+
+
+def last_model_token(batch: Batch, lengths: torch.Tensor) -> torch.Tensor:
+    """Index of each response's last model-generated token (response_mask = 1), or length - 1 when it has none."""
+    mask = batch["response_mask"].long()
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last = torch.where(mask.bool(), positions, torch.full_like(positions, -1)).max(-1).values
+    return torch.where(last >= 0, last, (lengths - 1).clamp(min=0))
 
 
 @register_reward_manager("naive")

@@ -5,8 +5,9 @@ Works on CPU and GPU with any Hugging Face decoder. Per call:
    KV cache is repeated n times (no n-fold prefill);
 2. decode token by token with `SamplingParams` (temperature, top-k, top-p or greedy), recording the log-prob of
    every drawn token under softmax(logits / T);
-3. a row stops at its first EOS (or extra stop id) or at `max_new_tokens`; finished rows are dropped from the
-   KV cache as they accumulate, so long-tail samples do not pay for short ones;
+3. a row stops at its first EOS (or extra stop id) or at `max_new_tokens` (or at its prompt's own budget, an
+   optional `max_new_tokens` column of the prompt batch: the agent loop's turns have different budgets left);
+   finished rows are dropped from the KV cache as they accumulate, so long-tail samples do not pay for short ones;
 4. the output Batch carries verl's keys: `prompts` [N, P] (left-padded), `responses` [N, R] (right-padded with
    the pad id, R = max_new_tokens), `response_mask` (1 up to and including the first EOS), `input_ids`,
    `attention_mask`, `position_ids` [N, P + R], `rollout_log_probs` [N, R] (0 where masked), and every other
@@ -42,7 +43,7 @@ except ImportError:  # pragma: no cover - older transformers: plain DynamicCache
 from hyflow.batch import Batch
 from hyflow.models.loading import as_torch_dtype
 from hyflow.rollout.base import EngineSpec, SamplingParams, register_engine
-from hyflow.rollout.output import assemble_rollout, position_ids_from_mask
+from hyflow.rollout.output import assemble_rollout, position_ids_from_mask, prompt_budgets
 from hyflow.rollout.sampling import sample_next_token
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
@@ -113,6 +114,7 @@ class HFRolloutEngine:
         if (prompt_mask[:, -1] == 0).any():
             raise ValueError("prompts must be LEFT-padded (the last position of every row must be a real token)")
 
+        budgets = prompt_budgets(prompts, params).to(self._device)
         stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), device=self._device)
         generator = torch.Generator(device=self._device)
         if params.seed is None:
@@ -126,7 +128,7 @@ class HFRolloutEngine:
             prompts_per_chunk = max(1, self.max_batch_size // params.n)
             parts = [
                 self._generate_chunk(input_ids[i : i + prompts_per_chunk], prompt_mask[i : i + prompts_per_chunk],
-                                     params, stop_ids, generator)
+                                     params, stop_ids, generator, budgets[i : i + prompts_per_chunk])
                 for i in range(0, len(input_ids), prompts_per_chunk)
             ]
         finally:
@@ -180,13 +182,15 @@ class HFRolloutEngine:
         self._asleep = False
 
     # ------------------------------------------------------------------ internals
-    def _generate_chunk(self, input_ids, prompt_mask, params: SamplingParams, stop_ids, generator):
+    def _generate_chunk(self, input_ids, prompt_mask, params: SamplingParams, stop_ids, generator, budgets):
         n, max_new = params.n, params.max_new_tokens
         num_rows = len(input_ids) * n
         prompt_width = input_ids.shape[1]
         responses = torch.full((num_rows, max_new), self.pad_token_id, dtype=torch.long, device=self._device)
         logprobs = torch.zeros((num_rows, max_new), dtype=torch.float32, device=self._device)
-        lengths = torch.full((num_rows,), max_new, dtype=torch.long, device=self._device)
+        lengths = budgets.repeat_interleave(n)  # a row that never stops ends at its budget
+        # rows whose budget is below max_new_tokens (agent-loop turns) stop there; None when every row has it all
+        row_budgets = None if bool((lengths == max_new).all()) else lengths.clone()
 
         # the decode steps feed one token each: the prompt and at most max_new - 1 of them are ever cached
         cache = _preallocated_cache(getattr(self.model, "config", None), capacity=prompt_width + max_new - 1)
@@ -217,6 +221,8 @@ class HFRolloutEngine:
             new_tokens = tokens.masked_fill(done, self.pad_token_id) if n_done else tokens
             new_logprobs = token_logprobs.masked_fill(done, 0.0) if n_done else token_logprobs
             stopped = torch.isin(tokens, stop_ids)
+            if row_budgets is not None:
+                stopped |= row_budgets == t + 1  # lengths already hold the budget
             if n_done:
                 stopped &= ~done
             if active is None:
@@ -236,6 +242,8 @@ class HFRolloutEngine:
                 cache.batch_select_indices(keep)
                 active = keep if active is None else active[keep]
                 tokens, mask, next_pos, done = tokens[keep], mask[keep], next_pos[keep], done[keep]
+                if row_budgets is not None:
+                    row_budgets = row_budgets[keep]
                 n_done = 0
                 unpadded = bool(mask[:, :prompt_width].all())
             step_mask = mask[:, : prompt_width + t + 1]

@@ -20,6 +20,18 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def prompt_budgets(prompts: Batch, params: SamplingParams) -> torch.Tensor:
+    """New tokens allowed per prompt [B]: the prompt batch's `max_new_tokens` column when it has one (each at
+    most `params.max_new_tokens`, at least 1), else `params.max_new_tokens` for every prompt."""
+    if "max_new_tokens" not in prompts:
+        return torch.full((len(prompts),), params.max_new_tokens, dtype=torch.long)
+    budgets = torch.as_tensor(prompts["max_new_tokens"], dtype=torch.long).cpu()
+    if bool((budgets < 1).any()) or bool((budgets > params.max_new_tokens).any()):
+        raise ValueError(f"every prompt's max_new_tokens must be in [1, {params.max_new_tokens}] "
+                         f"(SamplingParams.max_new_tokens), got {budgets.tolist()}")
+    return budgets
+
+
 def assemble_rollout(prompts: Batch, input_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
                      logprobs: torch.Tensor, lengths: torch.Tensor, params: SamplingParams) -> Batch:
     """The rollout Batch from left-padded prompts [B, P], responses [B*n, R], their log-probs and lengths [B*n]."""
@@ -29,7 +41,7 @@ def assemble_rollout(prompts: Batch, input_ids: torch.Tensor, prompt_mask: torch
     prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
     attention_mask = torch.cat([prompt_mask.long(), response_mask], dim=-1)
     out = prompts.repeat(n, interleave=True)
-    for key in ("input_ids", "attention_mask", "position_ids", "raw_prompt_ids"):
+    for key in ("input_ids", "attention_mask", "position_ids", "raw_prompt_ids", "max_new_tokens"):
         if key in out:
             out.pop(key)
     out = out.to("cpu")

@@ -42,7 +42,7 @@ import torch
 from hyflow.batch import Batch
 from hyflow.models.loading import as_torch_dtype
 from hyflow.rollout.base import EngineSpec, RolloutEngineError, SamplingParams, register_engine
-from hyflow.rollout.output import assemble_rollout
+from hyflow.rollout.output import assemble_rollout, prompt_budgets
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
@@ -303,13 +303,14 @@ class VLLMRolloutEngine:
         from vllm.inputs import TokensPrompt
 
         token_lists = [row[mask.bool()].tolist() for row, mask in zip(input_ids, prompt_mask)]
-        longest = max((len(t) for t in token_lists), default=0)
-        if longest + params.max_new_tokens > self.max_model_len:
-            raise ValueError(f"a prompt of {longest} tokens + {params.max_new_tokens} new tokens exceeds the vllm "
+        budgets = prompt_budgets(prompts, params).tolist()  # new tokens per prompt (agent-loop turns differ)
+        longest, budget = max(((len(t), b) for t, b in zip(token_lists, budgets)), key=sum, default=(0, 0))
+        if longest + budget > self.max_model_len:
+            raise ValueError(f"a prompt of {longest} tokens + {budget} new tokens exceeds the vllm "
                              f"engine's max_model_len={self.max_model_len}; raise actor_rollout_ref.rollout."
                              "max_model_len (or leave it null: prompt_length + response_length)")
         stop_ids = sorted(set(self.eos_token_ids) | {int(i) for i in params.stop_token_ids})
-        base = dict(n=params.n, max_tokens=params.max_new_tokens, stop_token_ids=stop_ids, ignore_eos=False,
+        base = dict(n=params.n, stop_token_ids=stop_ids, ignore_eos=False,
                     logprobs=0 if params.calculate_log_probs else None, detokenize=False,
                     temperature=0.0 if params.greedy else params.temperature,
                     top_p=1.0 if params.greedy else params.top_p,
@@ -317,8 +318,9 @@ class VLLMRolloutEngine:
         # One seed per prompt; vLLM gives its n samples seed + 0 .. n - 1, so every row has its own stream.
         seeds = [None if params.seed is None else (params.seed + i * params.n) % (2**63 - 1)
                  for i in range(len(token_lists))]
-        all_tokens, all_seeds, first = self._gather_prompts(token_lists, seeds, params)
-        sampling = [VLLMSamplingParams(**base, seed=seed) for seed in all_seeds]
+        all_tokens, all_seeds, all_budgets, first = self._gather_prompts(token_lists, seeds, budgets, params)
+        sampling = [VLLMSamplingParams(**base, max_tokens=budget, seed=seed)
+                    for seed, budget in zip(all_seeds, all_budgets)]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=t) for t in all_tokens], sampling,
                                     use_tqdm=False)[first : first + len(token_lists)]
         rows = len(token_lists) * params.n
@@ -390,20 +392,21 @@ class VLLMRolloutEngine:
         self._asleep = False
 
     # ------------------------------------------------------------------ internals
-    def _gather_prompts(self, token_lists, seeds, params: SamplingParams):
+    def _gather_prompts(self, token_lists, seeds, budgets, params: SamplingParams):
         """With one engine over all ranks (tensor parallel), every rank must run the same requests: gather the
         ranks' prompts and seeds (all_gather_object over the process group), generate them all, keep this rank's
         slice (returned as the offset of its first prompt). One engine per rank: its own prompts, offset 0."""
         if self.tp == 1:
-            return token_lists, seeds, 0
+            return token_lists, seeds, budgets, 0
         import torch.distributed as dist
 
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (token_lists, seeds, params.n, params.max_new_tokens))
+        dist.all_gather_object(gathered, (token_lists, seeds, params.n, params.max_new_tokens, budgets))
         if len({(g[2], g[3]) for g in gathered}) != 1:
             raise VLLMEngineError("tensor-parallel generate: the ranks asked for different n / max_new_tokens")
         first = sum(len(g[0]) for g in gathered[: dist.get_rank()])
-        return [t for g in gathered for t in g[0]], [x for g in gathered for x in g[1]], first
+        return ([t for g in gathered for t in g[0]], [x for g in gathered for x in g[1]],
+                [b for g in gathered for b in g[4]], first)
 
     def _model_runner(self):
         executor = self.llm.llm_engine.model_executor

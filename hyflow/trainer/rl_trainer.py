@@ -153,7 +153,18 @@ class RLTrainer:
                          max_prompt_length=d.max_prompt_length,
                          filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
                          max_samples=max_samples, seed=d.seed or 0,
-                         apply_chat_template_kwargs=dict(d.apply_chat_template_kwargs or {}))
+                         apply_chat_template_kwargs=self._chat_template_kwargs())
+
+    def _chat_template_kwargs(self) -> dict:
+        """data.apply_chat_template_kwargs plus `tools=` the schemas of multi_turn.tool_config_path (verl's agent
+        loop renders every prompt with them), unless the kwargs name their own tools."""
+        kwargs = dict(self.config.data.apply_chat_template_kwargs or {})
+        path = self.config.actor_rollout_ref.rollout.multi_turn.tool_config_path
+        if path and "tools" not in kwargs:
+            from hyflow.tools import load_tools, tool_schemas
+
+            kwargs["tools"] = tool_schemas(load_tools(path))
+        return kwargs
 
     def _reward_manager(self, num_examine: int):
         rm = self.config.reward_model
@@ -420,6 +431,7 @@ class RLTrainer:
             prompts["uid"] = [f"step{self.global_step}-round{rounds}-{i}" for i in range(len(prompts))]
             seed = (cfg.trainer.seed * 1_000_003 + self.global_step) * 101 + rounds
             batch = self.generate(prompts, self.sampling_params(seed=seed))
+            metrics.update(reduce_metrics(batch.meta.pop("metrics", {})))  # the agent loop's and the engine's
             metrics.update(self.score(batch, self.reward_manager))
             if "reward_baselines" in self.estimator.requires:
                 greedy_params = SamplingParams(n=1, max_new_tokens=cfg.actor_rollout_ref.rollout.response_length,
@@ -519,7 +531,7 @@ class RLTrainer:
         ds = self.val_dataset
         size = cfg.data.val_batch_size or len(ds)
         params = self.sampling_params(validate=True, seed=cfg.trainer.seed)
-        sources, uids, preds, rows = [], [], [], []
+        sources, uids, preds, rows, agent_metrics = [], [], [], [], []
         scores: dict[str, list] = {"reward": []}
         order = validation_order(len(ds), cfg.data.validation_shuffle, cfg.data.seed or cfg.trainer.seed)
         for start in range(0, len(ds), size):
@@ -527,6 +539,7 @@ class RLTrainer:
             prompts = ds.collate([ds[i] for i in indices])
             prompts["uid"] = [f"val-{i}" for i in indices]
             batch = self.generate(prompts, params)
+            agent_metrics.append(batch.meta.pop("metrics", {}))
             self.score(batch, self.val_reward_manager)
             seq_scores = batch["token_level_scores"].sum(-1).tolist()
             scores["reward"] += seq_scores
@@ -543,7 +556,11 @@ class RLTrainer:
         if cfg.trainer.validation_data_dir:
             dump_generations(rows, cfg.trainer.validation_data_dir, self.global_step)
         has_preds = any(p is not None for p in preds)
-        return compute_validation_metrics(sources, uids, scores, preds if has_preds else None, seed=cfg.trainer.seed)
+        metrics = compute_validation_metrics(sources, uids, scores, preds if has_preds else None, seed=cfg.trainer.seed)
+        # multi-turn: the agent loop's tool and turn metrics of the validation rollouts
+        metrics.update({f"val-aux/{key}": value for key, value in reduce_metrics(agent_metrics).items()
+                        if key.startswith(("tool/", "num_turns/"))})
+        return metrics
 
     def sample_rows(self, batch: Batch, manager) -> list[dict]:
         """One dict per sample: input, output (decoded), score (summed token-level scores), data_source,

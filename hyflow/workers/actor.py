@@ -44,6 +44,7 @@ from hyflow.config.lora import lora_settings
 from hyflow.controller import Collect, Dispatch, Worker, register
 from hyflow.models.forward import unwrap_model
 from hyflow.models.loading import load_causal_lm, load_tokenizer
+from hyflow.rollout.agent_loop import AgentLoopManager
 from hyflow.rollout.base import EngineSpec, RolloutEngineError, SamplingParams, make_engine
 from hyflow.workers.engine import apply_full_determinism
 from hyflow.workers.fsdp import (
@@ -111,6 +112,7 @@ class ActorRolloutRefWorker(EngineCheckpoints, Worker):
                 ref_model = copy.deepcopy(model)
         self.weight_bucket_bytes = self.arr.rollout.checkpoint_engine.update_weights_bucket_megabytes << 20
         self.rollout = self._build_rollout(model)
+        self.agent_loops = self._build_agent_loops(model)
         self.engine = TrainEngine(
             model, name="actor", head="lm", device=self.model_device, strategy=self.strategy,
             fsdp_config=actor.fsdp_config, optim=actor.optim, grad_clip=actor.grad_clip,
@@ -157,6 +159,24 @@ class ActorRolloutRefWorker(EngineCheckpoints, Worker):
                           world_size=self.world_size)
         return make_engine(rollout_cfg.name, spec)
 
+    def _build_agent_loops(self, model) -> AgentLoopManager:
+        """The agent loop over this rank's engine, with the tools and interactions of rollout.multi_turn (each
+        rank loads its own instances, as each of verl's agent-loop workers does)."""
+        mt = self.arr.rollout.multi_turn
+        tools = interactions = None
+        if mt.tool_config_path:
+            from hyflow.tools import load_tools
+
+            tools = load_tools(mt.tool_config_path)
+        if mt.interaction_config_path:
+            from hyflow.interactions import load_interactions
+
+            interactions = load_interactions(mt.interaction_config_path)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        return AgentLoopManager(self.rollout, self.tokenizer, self.arr.rollout, eos_token_ids=self._eos_ids(model),
+                                pad_token_id=pad, tools=tools, interactions=interactions,
+                                chat_template_kwargs=dict(self.config.data.apply_chat_template_kwargs or {}))
+
     # ------------------------------------------------------------------ rollout
     @register(Dispatch.DP_SPLIT, pad=False)
     def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
@@ -166,7 +186,7 @@ class ActorRolloutRefWorker(EngineCheckpoints, Worker):
         start = time.perf_counter()
         self.rollout.wake()
         try:
-            out = self.rollout.generate(prompts, params)
+            out = self.agent_loops.generate(prompts, params)  # single-turn rows: one engine call, as before
         finally:
             if self.arr.rollout.free_cache_engine:
                 self.rollout.sleep()  # free the engine's memory while the actor trains

@@ -1,6 +1,8 @@
+import json
+
 import pytest
 
-from hyflow.data.io import write_rows
+from hyflow.data.io import read_rows, write_rows
 from hyflow.data.rl_dataset import DataError
 from hyflow.data.sft_dataset import SFTDataset
 
@@ -63,3 +65,75 @@ def test_dotted_keys_read_builtin_task_rows(tmp_path, tiny_tokenizer):
     item = ds[0]
     text = trained_text(tiny_tokenizer, item)
     assert "####" in text and text.endswith("<|im_end|>")
+
+
+# --- tool calling: the calculator task ---------------------------------------------------------------------
+
+
+def _masked_and_unmasked(tokenizer, item):
+    """The decoded text of the trained tokens and of the others, each run of consecutive tokens as one string."""
+    runs = {0: [], 1: []}
+    ids, mask = item["input_ids"].tolist(), item["loss_mask"].tolist()
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or mask[i] != mask[start]:
+            runs[mask[start]].append(tokenizer.decode(ids[start:i]))
+            start = i
+    return runs[1], runs[0]
+
+
+def test_calculator_rows_from_parquet_train_the_call_and_the_answer(tmp_path, tiny_tokenizer):
+    from hyflow.data.tasks import make_task
+
+    paths = make_task("calculator", tmp_path, n_train=20, n_test=0, seed=0, system_prompt="Be brief.")
+    ds = SFTDataset(paths["train"], tiny_tokenizer, messages_key="extra_info.messages", tools_key="tools")
+    rows = read_rows(paths["train"])
+    seen = set()
+    for i, row in enumerate(rows):
+        expression, value = row["extra_info"]["expression"], row["reward_model"]["ground_truth"]
+        question = row["prompt"][-1]["content"]
+        uses_tool = any(m["tool_calls"] for m in row["extra_info"]["messages"])
+        seen.add(uses_tool)
+        trained, untrained = _masked_and_unmasked(tiny_tokenizer, ds[i])
+        head = (f"<|im_start|>system\nBe brief.\n\nTools: calculator(expression)<|im_end|>\n"
+                f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+        if uses_tool:
+            call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+            assert trained == [f"<tool_call>{call}</tool_call><|im_end|>", f"#### {value}<|im_end|>"]
+            assert untrained == [head, f"\n<|im_start|>tool\n{value}<|im_end|>\n<|im_start|>assistant\n", "\n"]
+        else:
+            assert trained == [f"#### {value}<|im_end|>"]
+            assert untrained == [head, "\n"]
+    assert seen == {True, False}  # both kinds of demonstration were checked
+
+
+def test_tool_call_messages_without_content_and_a_dotted_tools_key(tmp_path, tiny_tokenizer):
+    from hyflow.data.tasks.calculator import CALCULATOR_SCHEMA
+
+    messages = [
+        {"role": "user", "content": "What is 1234 + 4321?"},
+        {"role": "assistant", "tool_calls": [{"name": "calculator", "arguments": '{"expression": "1234 + 4321"}'}]},
+        {"role": "tool", "content": "5555"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "5555 * 1"}}},
+        ]},
+        {"role": "tool", "content": "5555"},
+        {"role": "assistant", "content": "#### 5555"},
+    ]
+    path = write_rows([{"conversation": {"messages": messages, "tools": CALCULATOR_SCHEMA}}], tmp_path / "t.jsonl")
+    ds = SFTDataset(path, tiny_tokenizer, messages_key="conversation.messages", tools_key="conversation.tools")
+    trained, untrained = _masked_and_unmasked(tiny_tokenizer, ds[0])
+    assert trained == [
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "1234 + 4321"}}</tool_call><|im_end|>',
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "5555 * 1"}}</tool_call><|im_end|>',
+        "#### 5555<|im_end|>",
+    ]
+    assert untrained[0].startswith("<|im_start|>system\nTools: calculator(expression)<|im_end|>\n")
+    assert all("<|im_start|>tool\n5555<|im_end|>" in text for text in untrained[1:3])
+
+
+def test_sft_config_points_at_the_calculator_task():
+    from hyflow.config.sft_schema import load_sft_config
+
+    cfg = load_sft_config(["data.messages_key=extra_info.messages", "data.tools_key=tools"])
+    assert (cfg.data.messages_key, cfg.data.tools_key) == ("extra_info.messages", "tools")

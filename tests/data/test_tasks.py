@@ -60,7 +60,8 @@ def test_every_row_has_the_verl_schema(name):
     for split, split_rows in rows.items():
         check_rows(split_rows, f"{name}/{split}")
         for index, row in enumerate(split_rows):
-            assert set(row) == {"data_source", "prompt", "ability", "reward_model", "extra_info"}
+            extra_columns = {"agent_name", "tools"} if name == "calculator" else set()  # the tool-use task's
+            assert set(row) == {"data_source", "prompt", "ability", "reward_model", "extra_info"} | extra_columns
             assert row["data_source"] == task.DATA_SOURCE == f"hyflow/{name}"
             assert row["prompt"][0] == {"role": "system", "content": "Be brief."}
             assert row["prompt"][1]["role"] == "user" and len(row["prompt"]) == 2
@@ -182,7 +183,7 @@ def test_unreachable_countdown_targets_are_named():
 
 def test_make_task_errors_name_the_fix():
     with pytest.raises(ValueError, match=r"unknown task 'sortin'. Did you mean 'sorting'\? Available tasks: "
-                                         r"arithmetic, countdown, sorting"):
+                                         r"arithmetic, calculator, countdown, sorting"):
         make_task("sortin", "unused")
     with pytest.raises(ValueError, match=r"task 'arithmetic' has no option 'digit'. Did you mean 'digits'\?"):
         make_task("arithmetic", "unused", digit=3)

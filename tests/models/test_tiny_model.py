@@ -155,3 +155,143 @@ def test_vocab_too_small():
 def test_padded_vocab_smaller_than_tokenizer():
     with pytest.raises(ValueError, match=r"pads the vocab to 151936 but the tokenizer has 200000 tokens"):
         preset_config("qwen2.5-0.5b-shape", 200_000, bos_token_id=0, eos_token_id=2, pad_token_id=0)
+
+
+# --- the chat template with tools ----------------------------------------------------------------------------
+
+# The template before tool calling, kept verbatim: conversations without tools and tool_calls must render the same.
+OLD_CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+PLAIN_CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+3?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"},
+     {"role": "assistant", "content": "2 + 3 = 5\n#### 5"}],
+    [{"role": "user", "content": ""}, {"role": "assistant", "content": "  spaces \n\n and {{ braces }} 'quotes' \"x\""},
+     {"role": "user", "content": "ünïcödé 🙂"}, {"role": "assistant", "content": "ok"}],
+    [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "tool", "content": "42"},
+     {"role": "assistant", "content": "#### 42", "tool_calls": None}],
+    [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "tool_calls": []}],
+]
+
+CALC_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression exactly",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
+SEARCH_TOOL = {
+    "type": "function",
+    "function": {"name": "search", "parameters": {"properties": {"query": {}, "top_k": {}, "lang": {}}}},
+}
+
+
+def _render(tokenizer, messages, **kwargs):
+    return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+
+
+@pytest.mark.parametrize("messages", PLAIN_CONVERSATIONS)
+@pytest.mark.parametrize("generation_prompt", [False, True])
+def test_plain_conversations_render_byte_identical_to_the_old_template(tokenizer, messages, generation_prompt):
+    new = _render(tokenizer, messages, add_generation_prompt=generation_prompt)
+    old_messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    old = _render(tokenizer, old_messages, add_generation_prompt=generation_prompt, chat_template=OLD_CHATML_TEMPLATE)
+    assert new == old
+
+
+def test_tools_open_with_a_compact_system_block(tokenizer):
+    user = [{"role": "user", "content": "What is 4817 + 2958?"}]
+    assert _render(tokenizer, user, tools=[CALC_TOOL]) == (
+        f"{IM_START}system\nTools: calculator(expression){IM_END}\n{IM_START}user\nWhat is 4817 + 2958?{IM_END}\n"
+    )
+    with_system = [{"role": "system", "content": "Be brief."}, *user]
+    assert _render(tokenizer, with_system, tools=[CALC_TOOL, SEARCH_TOOL], add_generation_prompt=True) == (
+        f"{IM_START}system\nBe brief.\n\nTools: calculator(expression), search(query, top_k, lang){IM_END}\n"
+        f"{IM_START}user\nWhat is 4817 + 2958?{IM_END}\n{IM_START}assistant\n"
+    )
+    # an empty tool list is no tools
+    assert _render(tokenizer, with_system, tools=[]) == _render(tokenizer, with_system)
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        {"expression": "4817 + 2958"},
+        {"b": 2, "a": [1, "x"], "nested": {"z": None, "y": True, "f": 1.5}},  # key order kept, not sorted
+        {"text": "café \"quoted\" <b>&'\\ \n"},  # non-ASCII, quotes, HTML characters, backslash, newline
+        {},
+    ],
+)
+def test_tool_calls_render_exactly_as_json_dumps(tokenizer, arguments):
+    expected = "<tool_call>" + json.dumps({"name": "calculator", "arguments": arguments}) + "</tool_call>"
+    for call in (
+        {"type": "function", "function": {"name": "calculator", "arguments": arguments}},
+        {"name": "calculator", "arguments": arguments},  # without the `function` wrapper
+        {"type": "function", "function": {"name": "calculator", "arguments": json.dumps(arguments)}},  # a string
+    ):
+        for content in ("", None):
+            message = {"role": "assistant", "content": content, "tool_calls": [call]}
+            assert _render(tokenizer, [message]) == f"{IM_START}assistant\n{expected}{IM_END}\n"
+        rendered = _render(tokenizer, [{"role": "assistant", "tool_calls": [call]}])  # no content key at all
+        assert rendered == f"{IM_START}assistant\n{expected}{IM_END}\n"
+        assert json.loads(expected[len("<tool_call>"):-len("</tool_call>")]) == {
+            "name": "calculator", "arguments": arguments,
+        }
+
+
+def test_content_then_several_calls_are_separated_by_newlines(tokenizer):
+    calls = [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1 + 2"}}},
+        {"type": "function", "function": {"name": "search", "arguments": {"query": "x"}}},
+    ]
+    message = {"role": "assistant", "content": "Let me compute.", "tool_calls": calls}
+    assert _render(tokenizer, [message]) == (
+        f"{IM_START}assistant\nLet me compute.\n"
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>\n'
+        f'<tool_call>{{"name": "search", "arguments": {{"query": "x"}}}}</tool_call>{IM_END}\n'
+    )
+
+
+def test_none_content_and_tool_messages(tokenizer):
+    messages = [{"role": "user", "content": None}, {"role": "tool", "content": "7775"}]
+    assert _render(tokenizer, messages) == f"{IM_START}user\n{IM_END}\n{IM_START}tool\n7775{IM_END}\n"
+
+
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 4817 + 2958?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "4817 + 2958"}}},
+    ]},
+    {"role": "tool", "content": "7775"},
+    {"role": "assistant", "content": "#### 7775", "tool_calls": None},
+]
+
+
+def test_tool_conversation_renders_in_full(tokenizer):
+    assert _render(tokenizer, TOOL_CONVERSATION, tools=[CALC_TOOL]) == (
+        f"{IM_START}system\nBe brief.\n\nTools: calculator(expression){IM_END}\n"
+        f"{IM_START}user\nWhat is 4817 + 2958?{IM_END}\n"
+        f'{IM_START}assistant\n<tool_call>{{"name": "calculator", "arguments": {{"expression": "4817 + 2958"}}}}'
+        f"</tool_call>{IM_END}\n"
+        f"{IM_START}tool\n7775{IM_END}\n"
+        f"{IM_START}assistant\n#### 7775{IM_END}\n"
+    )
+
+
+@pytest.mark.parametrize("tools", [None, [CALC_TOOL]])
+@pytest.mark.parametrize("start", [0, 1])  # with and without the system message
+def test_a_prefix_renders_as_a_prefix_of_the_whole(tokenizer, tools, start):
+    conversation = TOOL_CONVERSATION[start:]
+    whole = _render(tokenizer, conversation, tools=tools)
+    for i in range(1, len(conversation) + 1):
+        prefix = _render(tokenizer, conversation[:i], tools=tools)
+        assert whole.startswith(prefix), i
+        if i < len(conversation) and conversation[i]["role"] == "assistant":
+            assert whole.startswith(_render(tokenizer, conversation[:i], tools=tools, add_generation_prompt=True))

@@ -18,6 +18,7 @@ def test_scorers_are_registered_by_data_source():
     assert get_scorer("hyflow/countdown") is countdown.compute_score
     assert get_scorer("countdown") is countdown.compute_score
     assert get_scorer("hyflow/sorting") is sorting.compute_score
+    assert get_scorer("hyflow/calculator") is arithmetic.compute_score
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
@@ -72,6 +73,20 @@ def test_arithmetic_flexible_falls_back_to_the_last_integer():
     assert arithmetic.compute_score("hyflow/arithmetic", "no digits", "33", method="flexible")["pred"] is None
     with pytest.raises(ValueError, match=r"unknown arithmetic extraction method 'loose'; use one of"):
         arithmetic.compute_score("hyflow/arithmetic", "#### 1", "1", method="loose")
+
+
+def test_calculator_reads_the_models_answer_in_a_multi_turn_response():
+    # a decoded multi-turn rollout: the call turn, the tool's answer (rendered turn), the final answer
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "4817 + 2958"}}</tool_call>'
+    response = f"{call}<|im_end|>\n<|im_start|>tool\n7775<|im_end|>\n<|im_start|>assistant\n#### 7775<|im_end|>"
+    assert default_compute_score("hyflow/calculator", response, "7775") == {"score": 1.0, "acc": True, "pred": "7775"}
+    wrong = response.replace("#### 7775", "#### 7765")
+    assert default_compute_score("hyflow/calculator", wrong, "7775") == {"score": 0.0, "acc": False, "pred": "7765"}
+    # the tool's number alone is not an answer: only the model writes ####
+    unanswered = response.replace("#### 7775", "")
+    assert default_compute_score("hyflow/calculator", unanswered, "7775") == {"score": 0.0, "acc": False, "pred": None}
+    # a direct answer "in its head"
+    assert default_compute_score("hyflow/calculator", "#### 7775", "7775")["acc"] is True
 
 
 @settings(max_examples=200, deadline=None)

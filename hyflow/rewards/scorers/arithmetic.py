@@ -1,5 +1,9 @@
 """Scorer of the built-in arithmetic task (`hyflow.data.tasks.arithmetic`): the integer after the last `####`.
 
+It also scores the calculator task (`hyflow/calculator`, `hyflow.data.tasks.calculator`): there the decoded
+response of a multi-turn rollout holds the tool calls and the tool's answers too, but only the model writes
+`####`, so the number after the last one is the model's final answer.
+
 Extraction (`method`):
 
 - ``"strict"`` (default): the number right after the LAST ``####`` of the response (spaces, a minus sign and
@@ -51,7 +55,7 @@ def extract_answer(solution_str: str, method: str = "strict") -> Decimal | None:
     return None
 
 
-@register_scorer("hyflow/arithmetic")
+@register_scorer("hyflow/arithmetic", "hyflow/calculator")
 def compute_score(
     data_source,
     solution_str: str,
