@@ -500,7 +500,8 @@ class ToolAgentLoop(AgentLoopBase):
             tool = self.tools[name]
             release_kwargs = dict((data.tools_kwargs.get(name) or {}).get("release_kwargs") or {})
             try:
-                scores[name] = float(await asyncio.wait_for(tool.calc_reward(instance_id), self.tool_timeout))
+                if hasattr(tool, "calc_reward"):
+                    scores[name] = float(await asyncio.wait_for(tool.calc_reward(instance_id), self.tool_timeout))
             except Exception as err:
                 data.metrics["tool_errors"] += 1
                 data.extra_fields.setdefault("tool_reward_errors", {})[name] = f"{type(err).__name__}: {err}"
@@ -606,7 +607,15 @@ class AgentLoopManager:
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         names = self.agent_names(prompts)
-        return asyncio.run(self._generate(prompts, params, names))
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the usual case: no event loop in this thread
+            return asyncio.run(self._generate(prompts, params, names))
+        # called from inside a running event loop (a Jupyter cell, an async driver): run ours in a thread of its own
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hyflow-agent-loop") as pool:
+            return pool.submit(asyncio.run, self._generate(prompts, params, names)).result()
 
     async def _generate(self, prompts: Batch, params: SamplingParams, names: list[str]) -> Batch:
         from concurrent.futures import ThreadPoolExecutor
@@ -659,6 +668,12 @@ class AgentLoopManager:
         response_attn = torch.zeros((N, R), dtype=torch.long)
         logprobs = torch.zeros((N, R), dtype=torch.float32)
         for i, out in enumerate(outputs):
+            expected = prompts["input_ids"][i // n][prompts["attention_mask"][i // n].bool()].tolist()
+            if list(out.prompt_ids) != expected:
+                raise ValueError(f"agent loop {names[i // n]!r} returned prompt_ids that are not the prompt's token "
+                                 "ids; an agent loop keeps the prompt as it came (token in, token out) and puts "
+                                 "everything it adds into response_ids (with response_mask 0 where the model did "
+                                 "not generate it)")
             if len(out.response_ids) != len(out.response_mask):
                 raise ValueError(f"agent loop {names[i // n]!r} returned {len(out.response_ids)} response ids but "
                                  f"{len(out.response_mask)} mask entries")

@@ -527,3 +527,31 @@ def test_multi_turn_config_errors_name_the_key_and_the_fix(tmp_path):
     assert "tensor-parallel vllm engine" in problems(
         f"{RT}.multi_turn.enable=true", f"{RT}.name=vllm", f"{RT}.tensor_model_parallel_size=2",
         "trainer.n_gpus_per_node=2")
+
+
+def test_generate_works_inside_a_running_event_loop(tmp_path, tiny_tokenizer):
+    """A trainer driven from a Jupyter cell or an async program: the agent loop runs in a thread of its own."""
+    tok = tiny_tokenizer
+    loops = manager(ScriptedEngine(tok, calculator_script), tok, rollout_config(tmp_path))
+
+    async def driver():
+        return loops.generate(make_prompts(tok, ["q"]), params())
+
+    out = asyncio.run(driver())
+    assert [m for m, _ in segments(tok, out, 0)] == [1, 0, 1]
+
+
+def test_a_loop_that_changes_the_prompt_is_refused(tmp_path, tiny_tokenizer, monkeypatch):
+    from hyflow.rollout.agent_loop import AgentLoopBase, AgentLoopOutput
+
+    class Rewrites(AgentLoopBase):
+        async def run(self, sampling_params, **kwargs):
+            out = await self.server_manager.generate(prompt_ids=[1, 2, 3], sampling_params={})
+            return AgentLoopOutput(prompt_ids=[1, 2, 3], response_ids=out.token_ids,
+                                   response_mask=[1] * len(out.token_ids))
+
+    monkeypatch.setitem(AGENT_LOOPS, "rewrites", Rewrites)
+    tok = tiny_tokenizer
+    loops = manager(ScriptedEngine(tok, lambda t: "x"), tok, rollout_config(tmp_path, tools=False))
+    with pytest.raises(ValueError, match="returned prompt_ids that are not the prompt's token ids"):
+        loops.generate(make_prompts(tok, ["q"], agent="rewrites"), params())
