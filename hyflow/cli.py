@@ -7,7 +7,7 @@
     hyflow data make TASK --out D            write a built-in task's train/test files
     hyflow data gsm8k|math --input F --out D convert public GSM8K / MATH files to hyflow's (verl's) schema
     hyflow export --ckpt RUN/global_step_N --out D   Hugging Face model directory from a checkpoint
-    hyflow plot RUN_DIR                      PNG curves (reward, validation, length, KL, entropy, timing)
+    hyflow plot RUN_DIR                      PNG training curves of an RL or SFT run (smoothed, titled)
 
 Overrides use Hydra's syntax (`key=value`, `+key=value`), with verl's key names (0.10's and the legacy ones).
 `--config-path DIR --config-name NAME` (Hydra's flags, as verl's scripts use them) or `--config FILE` load a YAML
@@ -146,7 +146,10 @@ def _add_traceback_flag(p: argparse.ArgumentParser, *, top: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from hyflow import __version__
+
     parser = argparse.ArgumentParser(prog="hyflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"hyflow {__version__}")
     _add_traceback_flag(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -172,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=_cmd_init_model)
 
-    p = sub.add_parser("plot", help="write PNG training curves from a run directory's metrics.jsonl")
+    p = sub.add_parser("plot", help="write PNG training curves (RL or SFT) from RUN_DIR/metrics.jsonl")
     p.add_argument("run_dir", help="the run directory (trainer.default_local_dir)")
     p.add_argument("--out", default=None, help="output folder (default: RUN_DIR/plots)")
     p.set_defaults(fn=_cmd_plot)

@@ -15,6 +15,14 @@ def run(*args, cwd=None):
     return subprocess.run([HYFLOW, *args], capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
+def test_version_prints_the_installed_version():
+    import hyflow
+
+    out = run("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"hyflow {hyflow.__version__}\n"
+
+
 def test_misspelled_key_suggests_the_closest_valid_key():
     out = run("config", "actor_rollout_ref.actor.ppo_mini_batchsize=4")
     assert out.returncode == 2

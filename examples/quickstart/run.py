@@ -2,15 +2,18 @@
 
     make demo        (or: .venv/bin/python examples/quickstart/run.py [--out DIR])
 
-1. A random 0.5M-parameter Qwen2-shaped model and a byte-level BPE tokenizer are made locally (no download).
-2. The built-in arithmetic task writes 3,000 training and 200 held-out prompts like "What is 7 - 3 + 5?".
-   Its SFT demonstrations are imperfect on purpose: half of them stop after the worked calculation and never
-   write the `#### answer` line that the checker reads (`answer_line_rate=0.5`) — the kind of format drift a
-   real SFT set collected from several sources has.
-3. SFT (sft.yaml) teaches the arithmetic; the model ends about half its answers without the answer line.
-4. GRPO (grpo.yaml) trains on the same prompts with the checker's 0/1 score as the only signal.
+1. A random 0.5M-parameter Qwen2-shaped model (OUT/init_model) and a byte-level BPE tokenizer are made locally
+   (no download). The built-in arithmetic task writes 3,000 training and 200 held-out prompts like
+   "What is 7 - 3 + 5?". Its SFT demonstrations are imperfect on purpose: half of them stop after the worked
+   calculation and never write the `#### answer` line that the checker reads (`answer_line_rate=0.5`) — the kind
+   of format drift a real SFT set collected from several sources has.
+2. SFT (sft.yaml) teaches the arithmetic; the model ends about half its answers without the answer line.
+3. GRPO (grpo.yaml) trains on the same prompts with the checker's 0/1 score as the only signal, and saves a
+   checkpoint at its last step.
+4. That checkpoint is exported as a Hugging Face model directory, OUT/model (`hyflow export` does the same).
 5. The summary reports greedy accuracy on the 200 held-out prompts after SFT and after RL, how often the
-   answer line is written, and the wall time; plots go to OUT/plots.
+   answer line is written, and the wall time; plots go to OUT/plots. It ends with the transformers lines that
+   load OUT/model and generate.
 
 What RL fixes here is mostly the format the checker demands (plus some arithmetic): the answer-line rate is
 printed next to the accuracy so the gain can be read for what it is.
@@ -25,6 +28,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+QUESTION = "What is 7 - 3 + 5? Put the final answer after '####'."
+TRY_IT = "  try the RL-trained model with transformers:"
 
 
 def answer_line_rate(generations: Path) -> float:
@@ -36,12 +41,33 @@ def accuracy(row: dict) -> float:
     return next(v for k, v in row.items() if k.startswith("val-core/") and k.endswith("/acc/mean@1"))
 
 
+def minutes(seconds: float) -> str:
+    m, s = divmod(round(seconds), 60)
+    return f"{m} min {s:02d} s"
+
+
+def transformers_lines(model: Path, question: str) -> list[str]:
+    """Python lines that load the exported model, apply its chat template to `question` and decode greedily."""
+    path = json.dumps(str(model))
+    return [
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f"tok = AutoTokenizer.from_pretrained({path}); model = AutoModelForCausalLM.from_pretrained({path})",
+        f"inputs = tok.apply_chat_template([{{\"role\": \"user\", \"content\": {json.dumps(question)}}}], "
+        "add_generation_prompt=True, return_dict=True, return_tensors=\"pt\")",
+        "print(tok.decode(model.generate(**inputs, max_new_tokens=32, do_sample=False)"
+        "[0, inputs[\"input_ids\"].shape[1]:], skip_special_tokens=True))",
+    ]
+
+
 def main() -> None:
+    start = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/quickstart", help="output folder (replaced)")
     parser.add_argument("--sft-steps", type=int, default=None, help="override sft.yaml's total_training_steps")
     parser.add_argument("--rl-steps", type=int, default=None, help="override grpo.yaml's total_training_steps")
     args = parser.parse_args()
+
+    from transformers.utils import logging as transformers_logging
 
     from hyflow import RLTrainer, SFTTrainer, load_config
     from hyflow.config.sft_schema import load_sft_config
@@ -50,33 +76,43 @@ def main() -> None:
     from hyflow.trainer.export import export_checkpoint
     from hyflow.trainer.plot import plot_run
 
+    # transformers' "Loading weights" / "Writing model shards" bars would interleave with the story; hyflow's own
+    # step bar (on a terminal) and step lines stay.
+    transformers_logging.disable_progress_bar()
+
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
-    start = time.perf_counter()
 
-    print("== 1/4 tiny model and task data")
-    model_dir = make_tiny_model(out / "model", preset="tiny", seed=0)
+    print("== 1/5 a random tiny model and the arithmetic task's data")
+    init_model = make_tiny_model(out / "init_model", preset="tiny", seed=0)
     make_task("arithmetic", out / "data", n_train=3000, n_test=200, seed=0, digits=1, n_operands=3, operators="+-",
               answer_line_rate=0.5)
 
-    print("== 2/4 SFT warm start (sft.yaml)")
-    sft_overrides = [f"model.partial_pretrain={model_dir}", f"data.train_files={out}/data/train.parquet",
+    print("\n== 2/5 SFT warm start on imperfect demonstrations (sft.yaml)")
+    sft_overrides = [f"model.partial_pretrain={init_model}", f"data.train_files={out}/data/train.parquet",
                      f"data.val_files={out}/data/test.parquet", f"trainer.default_local_dir={out}/sft"]
     if args.sft_steps:
         sft_overrides.append(f"trainer.total_training_steps={args.sft_steps}")
     sft_history = SFTTrainer(load_sft_config(sft_overrides, HERE / "sft.yaml")).fit()
     sft_model = export_checkpoint(out / "sft" / f"global_step_{sft_history[-1]['step']}", out / "sft_model")
 
-    print("== 3/4 GRPO with the checker as reward (grpo.yaml)")
+    print("\n== 3/5 GRPO with the checker's 0/1 score as the only reward (grpo.yaml)")
     rl_overrides = [f"actor_rollout_ref.model.path={sft_model}", f"data.train_files={out}/data/train.parquet",
                     f"data.val_files={out}/data/test.parquet", f"trainer.default_local_dir={out}/grpo"]
     if args.rl_steps:
         rl_overrides.append(f"trainer.total_training_steps={args.rl_steps}")
+    # a checkpoint at the last step (and only there: save_freq = the run's length), exported in stage 4
+    rl_steps = load_config(rl_overrides, config_file=HERE / "grpo.yaml").trainer.total_training_steps
+    rl_overrides.append(f"trainer.save_freq={rl_steps}")
     history = RLTrainer(load_config(rl_overrides, config_file=HERE / "grpo.yaml")).fit()
-
-    print("== 4/4 plots")
-    plots = plot_run(out / "grpo", out_dir=out / "plots")
     before, after = history[0], history[-1]
+
+    print(f"\n== 4/5 export the RL-trained model (checkpoint of step {after['step']}) as a Hugging Face directory")
+    model = export_checkpoint(out / "grpo" / f"global_step_{after['step']}", out / "model")
+    print(f"  -> {model}")
+
+    print("\n== 5/5 plots and summary")
+    plots = plot_run(out / "grpo", out_dir=out / "plots")
     gens = out / "grpo" / "generations"
     summary = {
         "accuracy_after_sft": accuracy(before),
@@ -85,6 +121,7 @@ def main() -> None:
         "answer_line_rate_after_rl": answer_line_rate(gens / f"val_step_{after['step']}.jsonl"),
         "sft_steps": sft_history[-1]["step"],
         "rl_steps": after["step"],
+        "model": str(model),
         "wall_time_s": round(time.perf_counter() - start, 1),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -95,8 +132,14 @@ def main() -> None:
           f"answer line written: {100 * summary['answer_line_rate_after_sft']:5.1f}%")
     print(f"  accuracy after GRPO ({summary['rl_steps']} steps): {100 * summary['accuracy_after_rl']:5.1f}%   "
           f"answer line written: {100 * summary['answer_line_rate_after_rl']:5.1f}%")
-    print(f"  gain from RL: {gain:+.1f} points; wall time {summary['wall_time_s'] / 60:.1f} min")
+    print(f"  gain from RL: {gain:+.1f} points")
+    print(f"  wall time: {minutes(summary['wall_time_s'])} (this machine, at its current load)")
     print(f"  plot: {plots[0]}   run directories: {out}/sft, {out}/grpo   summary: {out}/summary.json")
+    print(f"  RL-trained model (Hugging Face format): {model}")
+    print()
+    print(TRY_IT)
+    for line in transformers_lines(model, QUESTION):
+        print(f"    {line}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What the config needs to know about the registered algorithms, without importing them.
 
-The config layer is core: it imports nothing of hyflow above it (DESIGN.md's layers). Two of its checks still
+The config layer is core: it imports nothing of hyflow above it (docs/architecture.md's layers). Two of its checks still
 depend on the algorithm registry: whether `algorithm.adv_estimator` / `policy_loss.loss_mode` name registered
 functions, and whether the estimator needs a critic (it declares `requires=("values",)`). They read an
 `AlgorithmCatalog`, which the layer that owns both (the `hyflow` package root) provides through

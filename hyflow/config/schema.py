@@ -1077,7 +1077,9 @@ class TrainerConfig:
     )
     logger: list[str] = option(
         ["console", "file"],
-        "Metric sinks: console, file (metrics.jsonl in the run directory), tensorboard, wandb, mlflow, swanlab (verl: [console, wandb]).",
+        "Metric sinks: console, file (metrics.jsonl in the run directory, always written even when not listed), "
+        "tensorboard, wandb, mlflow, swanlab (verl: [console, wandb]). wandb/swanlab run offline when no API key "
+        "is configured; mlflow tracks to sqlite:///<run dir>/mlflow.db unless MLFLOW_TRACKING_URI is set.",
     )
     log_val_generations: int = option(
         0, "Validation samples shown as a table on tensorboard/wandb/mlflow/swanlab per validation (0 = none); all "

@@ -75,12 +75,38 @@ def truncate_ids(ids: list[int], max_length: int, mode: str) -> list[int]:
     raise ValueError(f"unknown truncation mode {mode!r}; choose one of {', '.join(TRUNCATION_MODES)}")
 
 
+def is_row_collection(data: Any) -> bool:
+    """In-memory rows rather than file paths: a list/tuple of dicts, or a Hugging Face `datasets.Dataset` (anything
+    with `column_names` and `to_list()`)."""
+    if hasattr(data, "column_names") and hasattr(data, "to_list"):
+        return True
+    return isinstance(data, (list, tuple)) and bool(data) and all(isinstance(row, dict) for row in data)
+
+
+def row_sources(data: Any) -> list[tuple[str, list[dict]]]:
+    """(label, rows) per source: each data file read (parquet / jsonl / json), or one in-memory collection (a list of
+    row dicts, or a `datasets.Dataset`). The label names the source in error messages."""
+    if is_row_collection(data):
+        if hasattr(data, "to_list"):
+            return [(f"the given datasets.Dataset ({len(data)} rows)", list(data.to_list()))]
+        return [(f"the given list of {len(data)} rows", [dict(row) for row in data])]
+    files = [data] if isinstance(data, (str, Path)) else list(data or [])
+    if not files:
+        raise ValueError("no data given; set data.train_files (and data.val_files), or pass the rows (a list of dicts "
+                         "or a datasets.Dataset)")
+    for item in files:
+        if not isinstance(item, (str, Path)):
+            raise TypeError(f"data must be file paths, a list of row dicts or a datasets.Dataset; got an item of type "
+                            f"{type(item).__name__}")
+    return [(str(path), read_rows(path)) for path in files]
+
+
 class RLDataset(torch.utils.data.Dataset):
     """Prompts for RL, tokenised with the chat template. `dataset[i]` is a dict row; `collate` makes a Batch."""
 
     def __init__(
         self,
-        files: str | Path | Sequence[str | Path],
+        files: str | Path | Sequence[str | Path] | Sequence[dict] | Any,
         tokenizer,
         *,
         prompt_key: str = "prompt",
@@ -95,9 +121,7 @@ class RLDataset(torch.utils.data.Dataset):
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={truncation!r} is not valid; choose one of {', '.join(TRUNCATION_MODES)}")
-        files = [files] if isinstance(files, (str, Path)) else list(files)
-        if not files:
-            raise ValueError("no data files given; set data.train_files (and data.val_files)")
+        sources = row_sources(files)
         self.tokenizer = tokenizer
         self.prompt_key = prompt_key
         self.reward_fn_key = reward_fn_key
@@ -107,13 +131,12 @@ class RLDataset(torch.utils.data.Dataset):
         self.template_kwargs = dict(apply_chat_template_kwargs or {})
 
         self.rows: list[dict] = []
-        for path in files:
-            rows = read_rows(path)
+        for label, rows in sources:
             if not rows:
-                raise DataError(f"{path} holds no rows; give a file with at least one prompt (or drop it from "
+                raise DataError(f"{label} holds no rows; give at least one prompt (or drop it from "
                                 "data.train_files / data.val_files)")
             for i, row in enumerate(rows):
-                self.rows.append(self._check_row(row, f"{path} row {i}"))
+                self.rows.append(self._check_row(row, f"{label} row {i}"))
         if max_samples is not None and 0 < max_samples < len(self.rows):
             keep = np.random.default_rng(seed).permutation(len(self.rows))[:max_samples]
             self.rows = [self.rows[i] for i in sorted(keep)]
@@ -125,7 +148,7 @@ class RLDataset(torch.utils.data.Dataset):
             self.rows = [self.rows[i] for i in kept]
             self._ids = [self._ids[i] for i in kept]
             if not self.rows:
-                raise ValueError(f"filter_overlong_prompts removed every prompt of {files}: none fits in "
+                raise ValueError(f"filter_overlong_prompts removed every prompt of {[lab for lab, _ in sources]}: none fits in "
                                  f"data.max_prompt_length={max_prompt_length} tokens; raise it")
 
     def _check_row(self, row: dict, where: str) -> dict:

@@ -30,8 +30,7 @@ import numpy as np
 import torch
 
 from hyflow.batch import Batch
-from hyflow.data.io import read_rows
-from hyflow.data.rl_dataset import DataError, _as_messages
+from hyflow.data.rl_dataset import DataError, _as_messages, row_sources
 
 
 def _lookup(row: dict, key: str):
@@ -94,18 +93,15 @@ class SFTDataset:
             raise ValueError(f"SFT truncation={truncation!r} is not valid; choose error, left or right")
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("the SFT dataset needs a fast tokenizer (offset mapping) to place the loss mask")
-        files = [files] if isinstance(files, (str, Path)) else list(files)
-        if not files:
-            raise ValueError("no SFT data files given; set data.train_files")
+        sources = row_sources(files)  # data files, or in-memory rows (a list of dicts, a datasets.Dataset)
         self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
         self.examples: list[tuple[list[dict], list | None, str]] = []
-        for path in files:
-            rows = read_rows(path)
+        for label, rows in sources:
             if not rows:
-                raise DataError(f"{path} holds no rows; give a file with at least one conversation (or drop it "
-                                "from data.train_files / data.val_files)")
+                raise DataError(f"{label} holds no rows; give at least one conversation (or drop it from "
+                                "data.train_files / data.val_files)")
             for i, row in enumerate(rows):
-                where = f"{path} row {i}"
+                where = f"{label} row {i}"
                 tools = _lookup(row, tools_key)
                 self.examples.append((_conversation(row, where, prompt_key, response_key, messages_key), tools, where))
         if max_samples is not None and 0 < max_samples < len(self.examples):

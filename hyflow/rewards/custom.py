@@ -153,3 +153,41 @@ def normalize_score(result) -> tuple[float, dict]:
         extras = {key: value for key, value in result.items() if key != "score"}
         return _as_score(result["score"], result), extras
     return _as_score(result, result), {}
+
+
+class WeightedRewards:
+    """Several reward functions as one (TRL's `reward_funcs` + `reward_weights`): the score is the weighted sum of
+    the functions' scores; each function's own score is an extra (`<name>`, so `reward/<name>/mean` is logged),
+    and the extra keys of a function that returns a dict are kept as `<name>/<key>`. Every function has verl's
+    signature and gets the same arguments. Picklable when the functions are (reward_model.num_workers > 0)."""
+
+    def __init__(self, functions: list[Callable], weights: list[float] | None = None) -> None:
+        if not functions:
+            raise ValueError("reward_fn=[] holds no reward function; give at least one")
+        for fn in functions:
+            if not callable(fn):
+                raise TypeError(f"reward_fn entries must be callables, got {type(fn).__name__} {fn!r:.80}")
+        weights = [1.0] * len(functions) if weights is None else [float(w) for w in weights]
+        if len(weights) != len(functions):
+            raise ValueError(f"reward_weights has {len(weights)} weights for {len(functions)} reward functions; give "
+                             "one weight per function")
+        if any(not math.isfinite(w) for w in weights):
+            raise ValueError(f"reward_weights must be finite numbers, got {weights}")
+        self.functions, self.weights = list(functions), weights
+        names = [getattr(getattr(fn, "func", fn), "__name__", type(fn).__name__) for fn in functions]
+        self.names = [name if names.count(name) == 1 else f"{name}_{i}" for i, name in enumerate(names)]
+        self.__name__ = "+".join(f"{w:g}*{n}" for w, n in zip(self.weights, self.names))
+
+    def __call__(self, *args, **kwargs) -> dict:
+        total, extras = 0.0, {}
+        for fn, weight, name in zip(self.functions, self.weights, self.names):
+            score, extra = normalize_score(fn(*args, **kwargs))
+            total += weight * score
+            extras[name] = score
+            extras.update({f"{name}/{key}": value for key, value in extra.items()})
+        return {"score": total, **extras}
+
+
+def combine_reward_functions(functions, weights=None) -> WeightedRewards:
+    """`WeightedRewards(list(functions), weights)`: one reward function from several (see there)."""
+    return WeightedRewards(list(functions), None if weights is None else list(weights))

@@ -1,6 +1,6 @@
 """The RL trainer: the dataflow of one step, run by one driver over worker groups.
 
-Every step does, in this order (DESIGN.md's spine; each stage a named call in `step`):
+Every step does, in this order (docs/architecture.md's dataflow; each stage a named call in `step`):
 
 1. rollout: sample `rollout.n` responses per prompt, score them (rule functions, a custom function, or a
    reward model); with `algorithm.filter_groups` keep generating until the batch holds `train_batch_size`
@@ -61,9 +61,9 @@ from hyflow.config.arithmetic import (
 from hyflow.config.support import performance_only_warning
 from hyflow.controller import make_colocated_class, make_worker_group
 from hyflow.data.custom import load_custom_dataset
-from hyflow.data.rl_dataset import PromptLoader, RLDataset
+from hyflow.data.rl_dataset import PromptLoader, RLDataset, is_row_collection
 from hyflow.models.loading import load_tokenizer
-from hyflow.rewards.custom import load_custom_reward_function
+from hyflow.rewards.custom import combine_reward_functions, load_custom_reward_function
 from hyflow.rewards.managers import make_reward_manager
 from hyflow.rewards.registry import check_scorers_exist
 from hyflow.rollout.base import SamplingParams
@@ -71,7 +71,14 @@ from hyflow.trainer.balance import balanced_order
 from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from hyflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, timer
 from hyflow.trainer.run_dir import claim_run_directory
-from hyflow.trainer.tracking import ProgressBar, Tracker, dump_generations, truncate_metrics
+from hyflow.trainer.tracking import (
+    ProgressBar,
+    Tracker,
+    dump_generations,
+    format_already_complete,
+    format_run_summary,
+    truncate_metrics,
+)
 from hyflow.workers.actor import ActorRolloutRefWorker
 from hyflow.workers.critic import CriticWorker
 from hyflow.workers.fsdp import sharded_checkpoint_problem
@@ -85,11 +92,16 @@ class RLTrainer:
 
     `reward_fn`: a Python callable with verl's signature (`compute_score(data_source, solution_str,
     ground_truth, extra_info=None, **kw)`) used instead of the built-in scorers; `train_dataset` /
-    `val_dataset`: RLDataset objects, or file paths, instead of `data.train_files` / `data.val_files`.
+    `val_dataset`: RLDataset objects, file paths, in-memory rows in verl's schema (a list of dicts or a Hugging Face
+    `datasets.Dataset`) instead of `data.train_files` / `data.val_files`. `reward_fn`: one function with verl's
+    signature, or a list of them (their scores are summed, weighted by `reward_weights`, TRL's convention; each
+    function's own score is also reported as `reward/<name>/mean`).
     """
 
-    def __init__(self, config: HyflowConfig | Sequence[str] | None = None, *, reward_fn: Callable | None = None,
-                 train_dataset=None, val_dataset=None, tokenizer=None) -> None:
+    def __init__(self, config: HyflowConfig | Sequence[str] | None = None, *,
+                 reward_fn: Callable | Sequence[Callable] | None = None,
+                 train_dataset=None, val_dataset=None, tokenizer=None,
+                 reward_weights: Sequence[float] | None = None) -> None:
         self.config = config if isinstance(config, HyflowConfig) else load_config(list(config or []))
         validate_config(self.config)
         cfg = self.config
@@ -112,7 +124,10 @@ class RLTrainer:
         self.train_dataset = self._dataset(train_dataset, cfg.data.train_files, cfg.data.train_max_samples, "train")
         self.val_dataset = self._dataset(val_dataset, cfg.data.val_files, cfg.data.val_max_samples, "val")
         self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
-        self.reward_fn = reward_fn
+        if reward_weights is not None and not isinstance(reward_fn, (list, tuple)):
+            raise ValueError("reward_weights weighs a list of reward functions: pass reward_fn=[f1, f2, ...] with it")
+        self.reward_fn = (combine_reward_functions(reward_fn, reward_weights) if isinstance(reward_fn, (list, tuple))
+                          else reward_fn)
         if reward_fn is None and cfg.custom_reward_function.path:
             self.reward_fn = load_custom_reward_function(cfg.custom_reward_function.path,
                                                          cfg.custom_reward_function.name,
@@ -136,9 +151,9 @@ class RLTrainer:
         return seen
 
     def _dataset(self, given, files, max_samples: int, split: str):
-        if given is not None and not isinstance(given, (str, Path, list, tuple)):
-            return given
-        files = given or files
+        if given is not None and not isinstance(given, (str, Path, list, tuple)) and not is_row_collection(given):
+            return given  # a dataset object of its own (RLDataset, a custom class)
+        files = given if given is not None and (is_row_collection(given) or len(given)) else files
         if not files:
             if split == "train":
                 raise ValueError("no training data: set data.train_files (make some with: hyflow data make "
@@ -288,16 +303,29 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict]:
-        """Train for `total_training_steps` (or `total_epochs`); returns the logged metrics of every step."""
+        """Train for `total_training_steps` (or `total_epochs`); returns the logged metrics of every step.
+
+        At the end it prints a summary (elapsed time, steps, final and best validation metric, run directory,
+        last checkpoint and its export command); a resumed run with no step left says so and trains nothing."""
         cfg = self.config.trainer
         self.tracker = None
+        started = time.perf_counter()
+        finished = False
+        start_step = 0
+        last_checkpoint = None
         try:
             self.setup()
+            start_step = self.global_step
+            if 0 < self.total_steps <= self.global_step:
+                print(format_already_complete(self.run_dir, self.global_step, self.total_steps,
+                                              self._latest_checkpoint()), flush=True)
+                return self.history
             if self.val_dataset is not None and cfg.val_before_train and self.global_step == 0:
                 self.log(self.validate(), step=0)
                 if cfg.val_only:
                     return self.history
             with ProgressBar(self.total_steps, initial=self.global_step) as bar:
+                self.progress = bar
                 while self.global_step < self.total_steps:
                     self.global_step += 1
                     start = time.perf_counter()
@@ -305,69 +333,93 @@ class RLTrainer:
                     last = self.global_step == self.total_steps
                     if self.val_dataset is not None and (last or (cfg.test_freq > 0 and
                                                                    self.global_step % cfg.test_freq == 0)):
-                        with timer("testing", timing := {}):
+                        with self._timed("testing", timing := {}):
                             metrics.update(self.validate())
                         metrics["timing_s/testing"] = timing["testing"]
                     if cfg.save_freq > 0 and (last or self.global_step % cfg.save_freq == 0):
-                        with timer("save_checkpoint", timing := {}):
-                            self.save_checkpoint()
+                        with self._timed("save_checkpoint", timing := {}):
+                            last_checkpoint = self.save_checkpoint()
                         metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
                     metrics["timing_s/step_total"] = time.perf_counter() - start
                     self.log(metrics, step=self.global_step)
                     bar.update(metrics)
+            finished = True
         finally:
+            self.progress = None
             if self.tracker is not None:
                 self.tracker.close()
             self.shutdown()
+        if finished:  # last, after the services' own closing output
+            print(format_run_summary(self.run_dir, elapsed_s=time.perf_counter() - started, step=self.global_step,
+                                     total_steps=self.total_steps, start_step=start_step,
+                                     checkpoint=last_checkpoint or self._latest_checkpoint(), history=self.history),
+                  flush=True)
         return self.history
+
+    def _latest_checkpoint(self) -> Path | None:
+        """The run directory's newest complete checkpoint, or None."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a stale tracker file was reported when the run was claimed
+            step = self.checkpoints.latest_step()
+        return None if step is None else self.checkpoints.step_dir(step)
+
+    def _timed(self, name: str, timing: dict[str, float]):
+        """`timer(name, timing)`, with the progress bar showing the stage while it runs."""
+        bar = getattr(self, "progress", None)
+        if bar is not None:
+            bar.stage(name)
+        return timer(name, timing)
 
     def step(self, prompts: Batch) -> dict[str, float]:
         """One RL step on a batch of prompts; returns its metrics."""
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
-        with timer("step", timing):
-            with timer("gen", timing):
+        with timer("step", timing):  # the stages below show on the bar
+            with self._timed("gen", timing):
                 batch = self.rollout_and_score(prompts, metrics)
+            if getattr(self, "progress", None) is not None:
+                self.progress.generated(len(batch), batch["response_mask"], timing["gen"])
             batch.meta["global_step"] = self.global_step
             if self.config.trainer.balance_batch and self.actor.world_size > 1:
                 batch = batch.reorder(balanced_order(batch["attention_mask"].sum(-1), self.actor.world_size))
             if self.config.algorithm.rollout_correction.bypass_mode:
                 batch["old_log_probs"] = batch["rollout_log_probs"]  # the rollout's log-probs are pi_old
             elif self.needs_old_log_probs:
-                with timer("old_log_prob", timing):
+                with self._timed("old_log_prob", timing):
                     batch.union(self.actor.compute_log_prob(
                         batch, with_sum_pi_squared="sum_pi_squared" in self.estimator.requires))
             if self.use_reference:
-                with timer("ref", timing):
+                with self._timed("ref", timing):
                     batch.union(self.actor.compute_ref_log_prob(batch))
             if self.critic is not None:
-                with timer("values", timing):
+                with self._timed("values", timing):
                     batch.union(self.critic.compute_values(batch))
-            with timer("adv", timing):
+            with self._timed("adv", timing):
                 self.apply_token_level_rewards(batch, metrics)
                 self.apply_rollout_correction(batch, metrics)
                 self.compute_advantages(batch)
                 batch = self.filter_policy(batch, metrics)
             if self.config.trainer.rollout_data_dir:
-                with timer("dump_rollout_generations", timing):
+                with self._timed("dump_rollout_generations", timing):
                     dump_generations(self.sample_rows(batch, self.reward_manager),
                                      self.config.trainer.rollout_data_dir, self.global_step)
             if self.critic is not None:
-                with timer("update_critic", timing):
+                with self._timed("update_critic", timing):
                     critic_batch = self.mini_batch_major(batch, self.config.critic.ppo_mini_batch_size,
                                                          self.critic.world_size)
                     metrics.update(reduce_metrics(self.critic.update_critic(critic_batch).meta["metrics"]))
             if self.global_step > self.config.trainer.critic_warmup:
-                with timer("update_actor", timing):
+                with self._timed("update_actor", timing):
                     actor_batch = self.mini_batch_major(batch, self.config.actor_rollout_ref.actor.ppo_mini_batch_size)
                     metrics.update(reduce_metrics(self.actor.update_actor(actor_batch).meta["metrics"]))
-                with timer("update_weights", timing):
+                with self._timed("update_weights", timing):
                     self.actor.sync_rollout_weights()  # timed per rank too: the slowest bounds the step
         cfg = self.config
         metrics.update(compute_data_metrics(batch, max_response_length=cfg.actor_rollout_ref.rollout.response_length,
                                             max_prompt_length=cfg.data.max_prompt_length))
         metrics.update({f"timing_s/{name}": seconds for name, seconds in timing.items()})
         metrics.update(compute_throughput_metrics(batch, timing["step"], n_devices=self.total_devices))
+        metrics.update(memory_metrics())
         metrics["training/global_step"] = self.global_step
         metrics["training/epoch"] = self.loader.epoch
         return metrics
@@ -682,6 +734,41 @@ def validation_order(size: int, shuffle: bool, seed: int) -> list[int]:
     if not shuffle:
         return list(range(size))
     return torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def memory_metrics() -> dict[str, float]:
+    """verl's memory metrics (verl/workers/engine_workers.py, after each actor update), in GiB:
+
+    - `perf/max_memory_allocated_gb`, `perf/max_memory_reserved_gb`: torch's peak CUDA memory of this process
+      (`torch.cuda.max_memory_allocated()` / `max_memory_reserved()` / 2**30), only when this process has
+      initialised CUDA: the local executor on a GPU. With `trainer.executor=ray` the models live in the worker
+      processes and the driver reports no GPU memory rather than its own zero.
+    - `perf/cpu_memory_used_gb`: as verl, the machine's used memory, `psutil.virtual_memory().used` (= total -
+      available), not this process's RSS; without psutil the same from /proc/meminfo (MemTotal - MemAvailable);
+      absent where neither exists.
+    Cheap: no device synchronisation (the CUDA caching allocator's counters are host-side)."""
+    metrics: dict[str, float] = {}
+    if torch.cuda.is_initialized():
+        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
+    used = _cpu_memory_used_bytes()
+    if used is not None:
+        metrics["perf/cpu_memory_used_gb"] = used / 2**30
+    return metrics
+
+
+def _cpu_memory_used_bytes() -> int | None:
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        return int(psutil.virtual_memory().used)
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return (int(fields["MemTotal"].split()[0]) - int(fields["MemAvailable"].split()[0])) * 1024  # kB
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def run_rl(overrides: Sequence[str], config_file: str | None = None) -> list[dict]:

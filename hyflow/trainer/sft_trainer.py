@@ -43,6 +43,7 @@ also holds hf_config/ and tokenizer/, so `hyflow export --component model` works
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -56,13 +57,19 @@ from hyflow.config.sft_schema import SFTBatches, SFTConfig, load_sft_config, val
 from hyflow.config.support import not_supported_problems, performance_only_warning
 from hyflow.config.validate import check_loggers
 from hyflow.controller import make_worker_group
-from hyflow.data.rl_dataset import PromptLoader
+from hyflow.data.rl_dataset import PromptLoader, is_row_collection
 from hyflow.data.sft_dataset import SFTDataset
 from hyflow.models.forward import backbone_hidden_states, lm_head_logprobs, unwrap_model
 from hyflow.models.loading import load_tokenizer
 from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from hyflow.trainer.run_dir import claim_run_directory
-from hyflow.trainer.tracking import ProgressBar, Tracker, truncate_metrics
+from hyflow.trainer.tracking import (
+    ProgressBar,
+    Tracker,
+    format_already_complete,
+    format_run_summary,
+    truncate_metrics,
+)
 from hyflow.workers.sft import SFTWorker
 
 MODEL_COMPONENTS = ("model", "optimizer", "scheduler")  # the workers' checkpoint components
@@ -164,10 +171,18 @@ class SFTTrainer:
                               "or hub id> (the model to fine-tune), or pass model=")
         self.given_model = model
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
-        self.train_dataset = train_dataset if train_dataset is not None else self._dataset(
-            cfg.data.train_files, cfg.data.train_max_samples, "data.train_files")
-        self.val_dataset = val_dataset if val_dataset is not None or not cfg.data.val_files else self._dataset(
-            cfg.data.val_files, cfg.data.val_max_samples, "data.val_files")
+        # a dataset object is used as given; in-memory rows (a list of dicts, a datasets.Dataset) become an SFTDataset
+        if train_dataset is None:
+            self.train_dataset = self._dataset(cfg.data.train_files, cfg.data.train_max_samples, "data.train_files")
+        else:
+            self.train_dataset = (self._dataset(train_dataset, cfg.data.train_max_samples, "train_dataset")
+                                  if is_row_collection(train_dataset) else train_dataset)
+        if val_dataset is not None:
+            self.val_dataset = (self._dataset(val_dataset, cfg.data.val_max_samples, "val_dataset")
+                                if is_row_collection(val_dataset) else val_dataset)
+        else:
+            self.val_dataset = self._dataset(cfg.data.val_files, cfg.data.val_max_samples,
+                                             "data.val_files") if cfg.data.val_files else None
         seed = cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed
         self.loader = PromptLoader(self.train_dataset, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                    seed=seed)
@@ -269,21 +284,38 @@ class SFTTrainer:
         return {"val/loss": nll / max(tokens, 1.0)}
 
     def fit(self) -> list[dict]:
-        """Train to `total_steps` (resuming per trainer.resume_mode); returns this call's metric rows."""
+        """Train to `total_steps` (resuming per trainer.resume_mode); returns this call's metric rows.
+
+        At the end it prints a summary (elapsed time, steps, final and best val/loss, run directory, last
+        checkpoint and its export command); a resumed run with no step left says so and trains nothing."""
         t = self.config.trainer
+        started = time.perf_counter()
+        self._finished, self._start_step, self._last_checkpoint = False, self.step, None
         claim = claim_run_directory(self.run_dir, t.resume_mode, t.resume_from_path, self.checkpoints)
         try:
             self.setup()
-            return self._fit(claim.resume_path)
+            history = self._fit(claim.resume_path)
         finally:
             self.shutdown()
             claim.release()
+        if self._finished:
+            print(format_run_summary(self.run_dir, elapsed_s=time.perf_counter() - started, step=self.step,
+                                     total_steps=self.total_steps, start_step=self._start_step,
+                                     checkpoint=self._last_checkpoint, history=history, val_pattern="val/loss",
+                                     higher_is_better=False), flush=True)
+        return history
 
     def _fit(self, resume_path: Path | None) -> list[dict]:
         t = self.config.trainer
         (self.run_dir / "config.yaml").write_text(config_to_yaml(self.config))
         if resume_path is not None:
             self.resume(resume_path)
+        self._start_step = self.step
+        if 0 < self.total_steps <= self.step:
+            latest = self.checkpoints.latest_step()
+            print(format_already_complete(self.run_dir, self.step, self.total_steps,
+                                          None if latest is None else self.checkpoints.step_dir(latest)), flush=True)
+            return []
         truncate_metrics(self.run_dir, self.step)
         print(self.describe(), flush=True)
         history: list[dict] = []
@@ -294,15 +326,18 @@ class SFTTrainer:
                 batch = self.loader.next_batch()
                 self.step += 1
                 last = self.step == self.total_steps
+                progress.stage("train")
                 metrics = self.train_step(batch)
                 if self.val_dataset is not None and (last or (t.test_freq > 0 and self.step % t.test_freq == 0)):
+                    progress.stage("testing")
                     metrics.update(self.validate())
                 tracker.log(metrics, self.step)
                 history.append({"step": self.step, **metrics})
-                progress.update(metrics)
-                progress.bar.set_postfix_str(f"loss={metrics['train/loss']:.4g}")
                 if last or (t.save_freq > 0 and self.step % t.save_freq == 0):
-                    self.save_checkpoint()
+                    progress.stage("save_checkpoint")
+                    self._last_checkpoint = self.save_checkpoint()
+                progress.update(metrics)  # after the save: the plain progress line of the last step is the last
+        self._finished = True
         return history
 
     # ------------------------------------------------------------------------------------ checkpoints

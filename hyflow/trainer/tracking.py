@@ -4,17 +4,38 @@
 backends named in `trainer.logger` (verl's names):
 
 - `console`: one line per step, `step:N - key:value - ...`, verl's LocalLogger format, limited to the metrics
-  that tell whether a run is learning (`CONSOLE_KEYS`), each to 4 significant digits.
+  that tell whether a run is learning (`CONSOLE_KEYS`), each to 4 significant digits (every metric is in
+  metrics.jsonl).
 - `file`: appends `{"step": N, <metric>: value, ...}` to `run_dir/metrics.jsonl`, one JSON object per line,
   flushed on every call. NaN and ±inf become `null` (JSON has no such numbers); tensors and numpy scalars
   become plain numbers. `read_metrics` reads it back, `truncate_metrics` cuts it back to a resumed step.
+  Always on: the Tracker adds it when `trainer.logger` does not name it (`hyflow plot`, the end-of-run summary
+  and resuming read this file).
 - `tensorboard` (`run_dir/tensorboard`), `wandb`, `mlflow`, `swanlab`: the services' own calls. Each needs
-  its package; a missing one is an ImportError at construction, before any backend has started.
+  its package; a missing one is an ImportError at construction, before any backend has started. They work
+  without an account or server:
+  - mlflow tracks to `MLFLOW_TRACKING_URI` when set, else to `sqlite:///<run_dir>/mlflow.db` with artifacts in
+    `run_dir/mlartifacts` (MLflow 3 no longer accepts a plain local directory as its store);
+  - wandb runs offline (`run_dir/wandb`, upload later with `wandb sync`) when no API key is configured
+    (`WANDB_API_KEY`, `wandb login`'s ~/.netrc entry, or an api_key in wandb's settings) and neither
+    `WANDB_MODE` nor `wandb offline/online` chose a mode;
+  - swanlab likewise runs offline (`mode="offline"`; `"local"` before swanlab 0.7) when there is no
+    `SWANLAB_API_KEY`, no `swanlab login` credentials and no `SWANLAB_MODE`.
+  A note on stdout says so; a service that still fails to start (a bad key, no network) is a RuntimeError
+  naming its offline mode.
 
 `log_generations(rows, step, split)` writes `run_dir/generations/<split>_step_<N>.jsonl` (one sample per line:
 input, output, score, then any extra columns; verl's validation dumps) and forwards the table to the
-backends that show tables. `ProgressBar` is a tqdm bar on stderr showing the step, reward, validation
-accuracy and the ETA.
+backends that show tables.
+
+`ProgressBar` is a tqdm bar on stderr showing the step, reward, validation accuracy, the ETA and the stage of
+the step that is running (`stage("gen")` -> `generating...`, with the last generation's samples and response
+tokens/s). When stderr is not a terminal the bar is off and a plain line goes to stdout every 5 % of the run
+(and at the last step): `step 40/400 (10 %) - elapsed 3m12s - ETA 28m50s - reward 0.41 - val 0.62`.
+
+`format_run_summary` is the block both trainers print at the end of `fit()` (elapsed time, steps, final and
+best validation metric, run directory, last checkpoint and the `hyflow export` command);
+`format_already_complete` is what they print when a resumed run has no step left to train.
 """
 
 from __future__ import annotations
@@ -24,13 +45,17 @@ import fnmatch
 import importlib
 import json
 import math
+import netrc
 import os
+import shlex
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
+from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
@@ -172,12 +197,9 @@ def console_keys(keys: Sequence[str]) -> list[str]:
 
 
 def format_console_line(metrics: Mapping[str, int | float], step: int) -> str:
-    """`step:N - k1:v1 - k2:v2 ... - +M more`: the console keys present, then how many others were logged."""
+    """`step:N - k1:v1 - k2:v2 ...`: the console keys present (every metric is in metrics.jsonl)."""
     shown = console_keys(list(metrics))
-    parts = [f"step:{step}", *(f"{k}:{_fmt(metrics[k])}" for k in shown)]
-    if len(metrics) > len(shown):
-        parts.append(f"+{len(metrics) - len(shown)} more")
-    return " - ".join(parts)
+    return " - ".join([f"step:{step}", *(f"{k}:{_fmt(metrics[k])}" for k in shown)])
 
 
 class FileLogger:
@@ -254,14 +276,79 @@ def _columns(rows: list[dict]) -> list[str]:
     return columns
 
 
+def _note(text: str) -> None:
+    """A one-off note on stdout (above the progress bar when one is running)."""
+    tqdm.write(f"hyflow: {text}", file=sys.stdout)
+
+
+def _netrc_hosts(path: Path) -> set[str]:
+    """The machine names with credentials in a netrc file (none when it is missing or unreadable)."""
+    try:
+        return set(netrc.netrc(str(path)).hosts)
+    except (OSError, netrc.NetrcParseError):
+        return set()
+
+
+def _wandb_settings() -> dict[str, str]:
+    """The [default] section of wandb's settings files (what `wandb login/offline/online` write): the global one
+    (`$WANDB_CONFIG_DIR` or ~/.config/wandb) then the workspace one (`$WANDB_DIR` or ./wandb), later wins."""
+    import configparser
+
+    files = [Path(os.environ.get("WANDB_CONFIG_DIR") or Path.home() / ".config" / "wandb") / "settings",
+             Path(os.environ.get("WANDB_DIR") or ".") / "wandb" / "settings"]
+    merged: dict[str, str] = {}
+    for path in files:
+        parser = configparser.ConfigParser()
+        try:
+            parser.read(path)
+        except (OSError, configparser.Error):
+            continue
+        if parser.has_section("default"):
+            merged.update(parser["default"])
+    return merged
+
+
+def wandb_offline_reason() -> str | None:
+    """Why wandb should run offline (no mode chosen and no API key anywhere wandb looks), or None to let wandb
+    decide: `WANDB_MODE` / `WANDB_DISABLED` set, a mode in its settings, `WANDB_API_KEY`,
+    `WANDB_IDENTITY_TOKEN_FILE`, an api_key in its settings, or a netrc entry for its host (`$NETRC`, ~/.netrc,
+    ~/_netrc; the host of `WANDB_BASE_URL` or the settings' base_url, default api.wandb.ai)."""
+    settings = _wandb_settings()
+    if os.environ.get("WANDB_MODE") or os.environ.get("WANDB_DISABLED") or settings.get("mode"):
+        return None
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE") or settings.get("api_key"):
+        return None
+    base_url = os.environ.get("WANDB_BASE_URL") or settings.get("base_url") or "https://api.wandb.ai"
+    host = urlsplit(base_url).netloc or base_url
+    candidates = ([Path(os.environ["NETRC"]).expanduser()] if os.environ.get("NETRC")
+                  else [Path.home() / ".netrc", Path.home() / "_netrc"])
+    if any(host in _netrc_hosts(path) for path in candidates):
+        return None
+    return "no wandb API key is configured (WANDB_API_KEY or `wandb login`)"
+
+
 class WandbLogger:
-    """Weights & Biases: `wandb.init(project, name, config, dir=run_dir)`, `run.log(metrics, step=step)`."""
+    """Weights & Biases: `wandb.init(project, name, config, dir=run_dir)`, `run.log(metrics, step=step)`.
+
+    Offline (`mode="offline"`, into run_dir/wandb) when `wandb_offline_reason()` finds no key and no chosen mode."""
 
     def __init__(self, run_dir: Path, project_name: str, experiment_name: str, config: dict):
         self.wandb = _import_backend("wandb", "wandb")
-        self.run = self.wandb.init(
-            project=project_name, name=experiment_name, config=config, dir=str(run_dir)
-        )
+        kwargs: dict[str, Any] = {"project": project_name, "name": experiment_name, "config": config,
+                                  "dir": str(run_dir)}
+        reason = wandb_offline_reason()
+        if reason is not None:
+            kwargs["mode"] = "offline"
+            _note(f"wandb: {reason}, so it runs offline into {run_dir / 'wandb'}; upload later with "
+                  f"`wandb sync {run_dir / 'wandb'}/offline-run-*`, or log in and set WANDB_MODE=online")
+        try:
+            self.run = self.wandb.init(**kwargs)
+        except Exception as exc:  # wandb's own errors (login, network, bad key) are plain Exceptions
+            raise RuntimeError(
+                f"wandb.init failed: {exc}. If this is a login or network problem: log in (`wandb login`, or "
+                "set WANDB_API_KEY), or run without the service: WANDB_MODE=offline (upload later with "
+                "`wandb sync`), or remove wandb from trainer.logger"
+            ) from exc
 
     def log(self, metrics: dict[str, int | float], step: int) -> None:
         self.run.log(metrics, step=step)
@@ -292,7 +379,9 @@ def _flatten(config: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str,
 class MlflowLogger:
     """MLflow: one run named after the experiment; params = the flattened config; `log_metrics(step=)`.
 
-    Tracks to `MLFLOW_TRACKING_URI` when set, else to `run_dir/mlruns`.
+    Tracks to `MLFLOW_TRACKING_URI` when set, else to `sqlite:///<run_dir>/mlflow.db` (MLflow 3 refuses a plain
+    local directory store), with the experiment's artifacts in `run_dir/mlartifacts`; view it with
+    `mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db`.
     """
 
     MAX_PARAMS_PER_CALL = 100
@@ -301,7 +390,15 @@ class MlflowLogger:
     def __init__(self, run_dir: Path, project_name: str, experiment_name: str, config: dict):
         self.mlflow = _import_backend("mlflow", "mlflow")
         if not os.environ.get("MLFLOW_TRACKING_URI"):
-            self.mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
+            uri = f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+            self.mlflow.set_tracking_uri(uri)
+            # sqlite stores put new experiments' artifacts under ./mlruns of the working directory: keep them here
+            if self.mlflow.get_experiment_by_name(project_name) is None:
+                self.mlflow.create_experiment(
+                    project_name, artifact_location=(run_dir / "mlartifacts").resolve().as_uri()
+                )
+            _note(f"mlflow: MLFLOW_TRACKING_URI is not set, so it tracks to {uri} "
+                  f"(view: mlflow ui --backend-store-uri {uri})")
         self.mlflow.set_experiment(project_name)
         self.mlflow.start_run(run_name=experiment_name)
         params = [(mlflow_key(k), str(v)[: self.MAX_PARAM_CHARS]) for k, v in _flatten(config)]
@@ -318,17 +415,48 @@ class MlflowLogger:
         self.mlflow.end_run()
 
 
+def swanlab_offline_reason() -> str | None:
+    """Why swanlab should run offline (no `SWANLAB_MODE`, no `SWANLAB_API_KEY`, no `swanlab login` credentials:
+    .swanlab/.netrc in the working directory or in `$SWANLAB_ROOT` / `$SWANLAB_SAVE_DIR` / ~/.swanlab), or None."""
+    if os.environ.get("SWANLAB_MODE") or os.environ.get("SWANLAB_API_KEY"):
+        return None
+    root = Path(os.environ.get("SWANLAB_ROOT") or os.environ.get("SWANLAB_SAVE_DIR") or Path.home() / ".swanlab")
+    if any(_netrc_hosts(folder / ".netrc") for folder in (Path.cwd() / ".swanlab", root)):
+        return None
+    return "no swanlab API key is configured (SWANLAB_API_KEY or `swanlab login`)"
+
+
+def _swanlab_offline_mode(swanlab: Any) -> str:
+    """`offline` (swanlab >= 0.7: saved for a later `swanlab sync`), else `local` (its only mode without login)."""
+    try:
+        major, minor = (int(part) for part in str(swanlab.__version__).split(".")[:2])
+    except (AttributeError, ValueError):
+        return "offline"
+    return "offline" if (major, minor) >= (0, 7) else "local"
+
+
 class SwanlabLogger:
-    """SwanLab: `swanlab.init(project, experiment_name, config, logdir=run_dir/swanlab)`, `swanlab.log`."""
+    """SwanLab: `swanlab.init(project, experiment_name, config, logdir=run_dir/swanlab)`, `swanlab.log`.
+
+    Offline when `swanlab_offline_reason()` finds no key and no chosen mode."""
 
     def __init__(self, run_dir: Path, project_name: str, experiment_name: str, config: dict):
         self.swanlab = _import_backend("swanlab", "swanlab")
-        self.swanlab.init(
-            project=project_name,
-            experiment_name=experiment_name,
-            config=config,
-            logdir=str(run_dir / "swanlab"),
-        )
+        kwargs: dict[str, Any] = {"project": project_name, "experiment_name": experiment_name, "config": config,
+                                  "logdir": str(run_dir / "swanlab")}
+        reason = swanlab_offline_reason()
+        if reason is not None:
+            kwargs["mode"] = _swanlab_offline_mode(self.swanlab)
+            _note(f"swanlab: {reason}, so it runs in mode={kwargs['mode']!r} into {run_dir / 'swanlab'}; "
+                  "log in and set SWANLAB_MODE=online to use the service")
+        try:
+            self.swanlab.init(**kwargs)
+        except Exception as exc:  # login, network and key errors
+            raise RuntimeError(
+                f"swanlab.init failed: {exc}. If this is a login or network problem: log in (`swanlab login`, or "
+                "set SWANLAB_API_KEY), or run without the service: SWANLAB_MODE=offline (swanlab >= 0.7) or "
+                "SWANLAB_MODE=local, or remove swanlab from trainer.logger"
+            ) from exc
 
     def log(self, metrics: dict[str, int | float], step: int) -> None:
         self.swanlab.log(metrics, step=step)
@@ -386,6 +514,8 @@ class Tracker:
     ):
         self.run_dir = Path(run_dir)
         self.loggers = check_logger_names(loggers)
+        if "file" not in self.loggers:  # metrics.jsonl is always written: plot, summary and resume read it
+            self.loggers += ("file",)
         for name in self.loggers:  # every missing package is an error before any backend starts a run
             if name in _INSTALL_HINTS:
                 _import_backend(name, name)
@@ -573,10 +703,49 @@ def truncate_metrics(run_dir: str | os.PathLike, last_step: int) -> int:
 
 # -------------------------------------------------------------------------------- progress bar
 
+# What the bar says while a stage of a step runs (the trainers' `timer` names, verl's timing_s/* keys).
+STAGE_LABELS = {
+    "gen": "generating",
+    "old_log_prob": "computing old log-probs",
+    "ref": "computing reference log-probs",
+    "values": "computing values",
+    "adv": "computing advantages",
+    "dump_rollout_generations": "writing rollout samples",
+    "update_critic": "updating critic",
+    "update_actor": "updating actor",
+    "update_weights": "syncing rollout weights",
+    "testing": "validating",
+    "save_checkpoint": "saving checkpoint",
+    "train": "training",
+}
+PLAIN_LINES_PER_RUN = 20  # without a terminal: one progress line every 5 % of the run (and at the last step)
+
+
+def format_duration(seconds: float) -> str:
+    """`7.5s`, `45s`, `3m12s`, `2h05m09s`."""
+    seconds = max(float(seconds), 0.0)
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    total = round(seconds)
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m{secs:02d}s"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def _rate(value: float) -> str:
+    return f"{value / 1000:.1f}k" if value >= 10_000 else f"{value:.0f}"
+
 
 class ProgressBar:
     """A tqdm bar on stderr: step n/total, reward (critic/score/mean), val (mean of the val-core mean@ keys,
-    the latest validation), ETA. Off when stderr is not a terminal unless `disable=False`; total may be None."""
+    the latest validation), loss / val_loss (SFT), ETA, and the stage running (`stage`). Off when stderr is
+    not a terminal unless `disable=False`; total may be None.
+
+    When the bar is off, `lines` (default: whenever the bar is off) prints a plain line to `lines_file`
+    (stdout) every max(1, total // 20) steps and at the last one:
+    `step 40/400 (10 %) - elapsed 3m12s - ETA 28m50s - reward 0.41 - val 0.62`."""
 
     def __init__(
         self,
@@ -585,6 +754,8 @@ class ProgressBar:
         *,
         disable: bool | None = None,
         file: TextIO | None = None,
+        lines: bool | None = None,
+        lines_file: TextIO | None = None,
     ):
         self.bar = tqdm(
             total=total_steps,
@@ -596,23 +767,72 @@ class ProgressBar:
             dynamic_ncols=True,
             leave=True,
         )
-        self.reward: float | None = None
-        self.val: float | None = None
+        self.total = total_steps
+        self.initial = self.n = initial
+        self.started = time.monotonic()
+        self.lines = bool(self.bar.disable) if lines is None else lines
+        self.lines_file = lines_file
+        self.every = max(1, (total_steps or 0) // PLAIN_LINES_PER_RUN)
+        self.shown: dict[str, int | float | None] = {"reward": None, "val": None, "loss": None,
+                                                    "val_loss": None, "reward_errors": None}
+        self.running: str | None = None  # the stage now running
+        self.generation: str | None = None  # the last generation's size and speed
 
     def update(self, step_metrics: Mapping[str, Any], n: int = 1) -> None:
-        """Advance by `n` steps and show this step's reward and the latest validation accuracy."""
+        """Advance by `n` steps and show this step's reward (or loss) and the latest validation metric."""
         if REWARD_KEY in step_metrics:
-            self.reward = to_number(REWARD_KEY, step_metrics[REWARD_KEY])
+            self.shown["reward"] = to_number(REWARD_KEY, step_metrics[REWARD_KEY])
         vals = [to_number(k, v) for k, v in step_metrics.items() if fnmatch.fnmatchcase(k, VAL_PATTERN)]
         if vals:
-            self.val = sum(vals) / len(vals)
+            self.shown["val"] = sum(vals) / len(vals)
+        for key, name in (("train/loss", "loss"), ("val/loss", "val_loss")):
+            if key in step_metrics:
+                self.shown[name] = to_number(key, step_metrics[key])
         errors = step_metrics.get("reward/errors")
-        shown = {"reward": self.reward, "val": self.val,
-                 "reward_errors": to_number("reward/errors", errors) if errors else None}
-        self.bar.set_postfix_str(
-            " ".join(f"{k}={_fmt(v)}" for k, v in shown.items() if v is not None), refresh=False
-        )
-        self.bar.update(n)
+        self.shown["reward_errors"] = to_number("reward/errors", errors) if errors else None
+        self.running = None
+        self.n += n
+        if not self.bar.disable:
+            self.bar.set_postfix_str(self._postfix(), refresh=False)
+            self.bar.update(n)
+        if self.lines and (self.n % self.every == 0 or self.n == self.total):
+            print(self.plain_line(), file=self.lines_file or sys.stdout, flush=True)
+
+    def stage(self, name: str) -> None:
+        """Show that stage `name` of the step is running (`gen` -> `generating...`); free when the bar is off."""
+        if self.bar.disable:
+            return
+        self.running = STAGE_LABELS.get(name, name.replace("_", " "))
+        self.bar.set_postfix_str(self._postfix(), refresh=True)
+
+    def generated(self, samples: int, response_mask: Any, seconds: float) -> None:
+        """After generation: show its samples and response tokens/s (`response_mask`: the batch's [B, T] mask,
+        or a token count; summed only when the bar is on)."""
+        if self.bar.disable:
+            return
+        tokens = int(response_mask.sum()) if callable(getattr(response_mask, "sum", None)) else int(response_mask)
+        self.generation = f"gen {samples} samples {_rate(tokens / max(seconds, 1e-9))} tok/s"
+        self.bar.set_postfix_str(self._postfix(), refresh=True)
+
+    def _postfix(self) -> str:
+        parts = [" ".join(f"{k}={_fmt(v)}" for k, v in self.shown.items() if v is not None)]
+        parts += [self.generation or "", f"{self.running}..." if self.running else ""]
+        return " | ".join(p for p in parts if p)
+
+    def plain_line(self) -> str:
+        """`step 40/400 (10 %) - elapsed 3m12s - ETA 28m50s - reward 0.41 - val 0.62` (ETA from this session's
+        speed; no total -> no percentage or ETA)."""
+        elapsed = time.monotonic() - self.started
+        if self.total:
+            parts = [f"step {self.n}/{self.total} ({100 * self.n // self.total} %)",
+                     f"elapsed {format_duration(elapsed)}"]
+            done = self.n - self.initial
+            if done > 0 and self.n < self.total:
+                parts.append(f"ETA {format_duration(elapsed / done * (self.total - self.n))}")
+        else:
+            parts = [f"step {self.n}", f"elapsed {format_duration(elapsed)}"]
+        parts += [f"{k} {_fmt(v)}" for k, v in self.shown.items() if v is not None]
+        return " - ".join(parts)
 
     def close(self) -> None:
         self.bar.close()
@@ -622,3 +842,99 @@ class ProgressBar:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+# ------------------------------------------------------------------------------- end of a run
+
+
+def export_command(checkpoint: str | os.PathLike, run_dir: str | os.PathLike) -> str:
+    """`hyflow export --ckpt <checkpoint> --out <run_dir>/hf_<checkpoint name>` (shell-quoted)."""
+    ckpt = Path(checkpoint)
+    out = Path(run_dir) / f"hf_{ckpt.name}"
+    return f"hyflow export --ckpt {shlex.quote(str(ckpt))} --out {shlex.quote(str(out))}"
+
+
+def _run_rows(run_dir: Path, history: Sequence[Mapping[str, Any]] | None) -> list[Mapping[str, Any]]:
+    """The whole run's metric rows: metrics.jsonl (all sessions of a resumed run), else `history`."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a truncated last line was already reported when it was read
+            return read_metrics(run_dir)
+    except (OSError, ValueError):
+        return list(history or [])
+
+
+def validation_results(
+    rows: Sequence[Mapping[str, Any]], pattern: str = VAL_PATTERN, *, higher_is_better: bool = True
+) -> dict[str, dict[str, tuple[int, float]]]:
+    """Per validation key matching `pattern`: {"final": (step, value), "best": (step, value)} over `rows`
+    (NaN/None values skipped; ties go to the earlier step)."""
+    results: dict[str, dict[str, tuple[int, float]]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if not fnmatch.fnmatchcase(key, pattern) or not isinstance(value, (int, float)):
+                continue
+            if isinstance(value, bool) or not math.isfinite(value):
+                continue
+            entry = results.setdefault(key, {"final": (row["step"], value), "best": (row["step"], value)})
+            entry["final"] = (row["step"], value)
+            best = entry["best"][1]
+            if (value > best) if higher_is_better else (value < best):
+                entry["best"] = (row["step"], value)
+    return results
+
+
+SUMMARY_MAX_VAL_KEYS = 8
+
+
+def format_run_summary(
+    run_dir: str | os.PathLike,
+    *,
+    elapsed_s: float,
+    step: int,
+    total_steps: int | None,
+    start_step: int = 0,
+    checkpoint: str | os.PathLike | None = None,
+    history: Sequence[Mapping[str, Any]] | None = None,
+    val_pattern: str = VAL_PATTERN,
+    higher_is_better: bool = True,
+    title: str = "run complete",
+) -> str:
+    """The block a trainer prints at the end of `fit()`: elapsed time, steps, the final and best value of each
+    validation metric matching `val_pattern` (over the whole run: metrics.jsonl, else `history`), the run
+    directory, the last checkpoint and the command that exports it."""
+    run_dir = Path(run_dir)
+    of_total = f" of {total_steps}" if total_steps else ""
+    resumed = f" (resumed at step {start_step}, {step - start_step} trained now)" if start_step else ""
+    lines = [f"elapsed          {format_duration(elapsed_s)}", f"steps            {step}{of_total}{resumed}"]
+    results = validation_results(_run_rows(run_dir, history), val_pattern, higher_is_better=higher_is_better)
+    if not results:
+        lines.append("validation       none logged")
+    for i, (key, entry) in enumerate(sorted(results.items())):
+        if i == SUMMARY_MAX_VAL_KEYS:
+            lines.append(f"                 +{len(results) - i} more validation metrics in {run_dir / METRICS_FILE}")
+            break
+        (final_step, final), (best_step, best) = entry["final"], entry["best"]
+        label = "validation       " if i == 0 else " " * 17
+        lines.append(f"{label}{key}: final {_fmt(final)} (step {final_step}), best {_fmt(best)} (step {best_step})")
+    lines.append(f"run directory    {run_dir}")
+    if checkpoint is not None:
+        lines.append(f"last checkpoint  {checkpoint}")
+        lines.append(f"export           {export_command(checkpoint, run_dir)}")
+    else:
+        lines.append("last checkpoint  none saved (trainer.save_freq > 0 saves them, and the last step)")
+    rule = "=" * 24
+    return "\n".join([f"{rule} hyflow: {title} {rule}", *lines, "=" * (len(title) + 2 * len(rule) + 10)])
+
+
+def format_already_complete(
+    run_dir: str | os.PathLike, step: int, total_steps: int, checkpoint: str | os.PathLike | None = None
+) -> str:
+    """What a trainer prints when the run it resumes has no step left: the step, the run directory, the
+    checkpoint's export command and how to train on."""
+    text = (f"hyflow: the run in {run_dir} is already complete at step {step} (total steps: {total_steps}); "
+            "nothing to train.")
+    if checkpoint is not None:
+        text += f"\n  last checkpoint: {checkpoint}\n  export it:       {export_command(checkpoint, run_dir)}"
+    return text + ("\n  to train on, raise trainer.total_training_steps (or trainer.total_epochs); to start a new "
+                   "run, choose another trainer.default_local_dir")

@@ -35,7 +35,10 @@ NOT_USES = {"config/schema.py", "config/sft_schema.py", "config/support.py", "co
             "config/validate.py",
             # the tool and interaction YAML loaders read their own files' `class_name`/`config` entries, never the
             # run config (they are given a path)
-            "tools/registry.py", "interactions/registry.py"}
+            "tools/registry.py", "interactions/registry.py",
+            # the trackers' own settings (wandb/swanlab `mode`) and the plot's series objects (`.steps`); plot.py
+            # reads a finished run's config.yaml only for the figure's title
+            "trainer/tracking.py", "trainer/plot.py"}
 
 # Reads the search cannot see, each with where it happens. Keep this list short and honest.
 READ_WITHOUT_ATTRIBUTE = {

@@ -247,6 +247,7 @@ ROWS = [{"input": "1+1=", "output": "2", "score": 1.0}]
 
 
 def test_wandb_backend_makes_the_real_calls(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")  # a mode chosen by the user: passed through untouched
     wandb = fake_module(monkeypatch, "wandb")
     with make(tmp_path, ["wandb"], config={"trainer": {"n": 2}}) as tracker:
         tracker.log({"a": torch.tensor(0.5)}, step=3)
@@ -269,7 +270,7 @@ def test_mlflow_backend_sanitises_keys_and_logs_params(tmp_path, monkeypatch):
     with make(tmp_path, ["mlflow"], config={"trainer": {"n": 2}, "lr": 1e-6}) as tracker:
         tracker.log({"val-core/gsm8k/acc/mean@4": 0.5}, step=1)
     calls = {c[0]: c for c in mlflow.calls}
-    assert calls["set_tracking_uri"][1][0].startswith("file://")
+    assert calls["set_tracking_uri"][1][0] == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
     assert calls["start_run"][2] == {"run_name": "e"}
     assert calls["log_params"][1][0] == {"trainer.n": "2", "lr": "1e-06"}
     assert calls["log_metrics"][1:] == (({"val-core/gsm8k/acc/mean_at_4": 0.5},), {"step": 1})
@@ -278,6 +279,7 @@ def test_mlflow_backend_sanitises_keys_and_logs_params(tmp_path, monkeypatch):
 
 
 def test_swanlab_backend_makes_the_real_calls(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWANLAB_MODE", "offline")
     swanlab = fake_module(monkeypatch, "swanlab")
     with make(tmp_path, ["swanlab"]) as tracker:
         tracker.log({"a": 1.5}, step=2)
@@ -323,16 +325,17 @@ def test_console_line_shows_key_metrics_first_and_limits_the_rest(tmp_path):
     line = stream.getvalue()
     assert line == (
         "step:12 - critic/score/mean:0.5312 - val-core/gsm8k/acc/mean@1:0.4 - actor/pg_loss:-0.01235 - "
-        "actor/entropy:0.9123 - response_length/mean:187.2 - timing_s/step:12.35 - +20 more\n"
+        "actor/entropy:0.9123 - response_length/mean:187.2 - timing_s/step:12.35\n"
     )
-    assert "perf/x" not in line
+    assert "perf/x" not in line and "more" not in line  # the line ends with the last curated key
 
 
 def test_console_line_caps_validation_keys_and_prints_nan():
     metrics = {f"val-core/ds{i}/acc/mean@4": 0.5 for i in range(5)} | {"critic/score/mean": math.nan}
     line = format_console_line(metrics, 0)
     assert line.count("val-core/") == CONSOLE_MAX_VAL_KEYS
-    assert "critic/score/mean:nan" in line and line.endswith(f"+{5 - CONSOLE_MAX_VAL_KEYS} more")
+    assert "critic/score/mean:nan" in line and line.endswith("critic/score/mean:nan - " + " - ".join(
+        f"val-core/ds{i}/acc/mean@4:0.5" for i in range(CONSOLE_MAX_VAL_KEYS)))
 
 
 # ------------------------------------------------------------------------------- generations
@@ -443,3 +446,203 @@ def test_dump_generations_writes_step_jsonl(tmp_path):
     path = dump_generations([{"input": "a", "output": "b", "score": 0.5, "ground_truth": "c"}], tmp_path / "d", 3)
     assert path == tmp_path / "d" / "3.jsonl"
     assert json.loads(path.read_text()) == {"input": "a", "output": "b", "score": 0.5, "ground_truth": "c", "step": 3}
+
+
+# ------------------------------------------------------------- metrics.jsonl always, services without a login
+
+
+def test_metrics_file_is_written_whatever_trainer_logger_says(tmp_path):
+    stream = io.StringIO()
+    with make(tmp_path, ["console"], console_stream=stream) as tracker:
+        assert tracker.loggers == ("console", "file")
+        tracker.log({"critic/score/mean": 0.5}, step=1)
+    assert read_metrics(tmp_path) == [{"step": 1, "critic/score/mean": 0.5}]
+    assert stream.getvalue() == "step:1 - critic/score/mean:0.5\n"
+
+
+@pytest.fixture
+def no_credentials(tmp_path, monkeypatch):
+    """No service key or mode anywhere the services look: env cleared, HOME and the working directory empty."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(home)
+    for var in ("WANDB_MODE", "WANDB_DISABLED", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL",
+                "WANDB_CONFIG_DIR", "WANDB_DIR", "NETRC", "SWANLAB_MODE", "SWANLAB_API_KEY", "SWANLAB_ROOT",
+                "SWANLAB_SAVE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    return home
+
+
+def test_wandb_without_an_api_key_runs_offline_and_says_so(tmp_path, no_credentials, monkeypatch, capsys):
+    wandb = fake_module(monkeypatch, "wandb")
+    with make(tmp_path / "run", ["wandb"]):
+        pass
+    assert wandb.calls[0][0] == "init" and wandb.calls[0][2]["mode"] == "offline"
+    out = capsys.readouterr().out
+    assert "wandb: no wandb API key is configured (WANDB_API_KEY or `wandb login`), so it runs offline" in out
+    assert f"wandb sync {tmp_path / 'run' / 'wandb'}/offline-run-*" in out
+
+
+@pytest.mark.parametrize("how", ["env", "netrc", "settings_mode", "settings_key"])
+def test_wandb_with_a_key_or_a_chosen_mode_is_left_to_wandb(tmp_path, no_credentials, monkeypatch, capsys, how):
+    if how == "env":
+        monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    elif how == "netrc":
+        (no_credentials / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "x" * 40 + "\n")
+        (no_credentials / ".netrc").chmod(0o600)
+    else:
+        (no_credentials / ".config" / "wandb").mkdir(parents=True)
+        line = "mode = offline" if how == "settings_mode" else "api_key = " + "x" * 40
+        (no_credentials / ".config" / "wandb" / "settings").write_text(f"[default]\n{line}\n")
+    wandb = fake_module(monkeypatch, "wandb")
+    with make(tmp_path / "run", ["wandb"]):
+        pass
+    assert "mode" not in wandb.calls[0][2]
+    assert "wandb" not in capsys.readouterr().out
+
+
+def test_a_service_that_fails_to_start_names_its_offline_mode(tmp_path, no_credentials, monkeypatch):
+    def refuse(**kwargs):
+        raise ValueError("api_key not configured (no-tty)")
+
+    for name in ("wandb", "swanlab"):
+        module = types.ModuleType(name)
+        module.init = refuse
+        monkeypatch.setitem(sys.modules, name, module)
+    with pytest.raises(RuntimeError, match=r"wandb.init failed: api_key not configured \(no-tty\)\..*"
+                                           r"WANDB_MODE=offline"):
+        make(tmp_path / "a", ["wandb"])
+    with pytest.raises(RuntimeError, match=r"swanlab.init failed: .*SWANLAB_MODE=offline .*SWANLAB_MODE=local"):
+        make(tmp_path / "b", ["swanlab"])
+
+
+@pytest.mark.parametrize(("version", "mode"), [("0.7.3", "offline"), ("0.6.8", "local")])
+def test_swanlab_without_an_api_key_runs_offline(tmp_path, no_credentials, monkeypatch, capsys, version, mode):
+    swanlab = fake_module(monkeypatch, "swanlab")
+    sys.modules["swanlab"].__version__ = version
+    with make(tmp_path / "run", ["swanlab"]):
+        pass
+    assert swanlab.calls[0][2]["mode"] == mode
+    assert f"swanlab: no swanlab API key is configured (SWANLAB_API_KEY or `swanlab login`), so it runs in " \
+           f"mode={mode!r}" in capsys.readouterr().out
+
+
+def test_swanlab_login_credentials_are_left_to_swanlab(tmp_path, no_credentials, monkeypatch):
+    (no_credentials / ".swanlab").mkdir()
+    (no_credentials / ".swanlab" / ".netrc").write_text("machine https://api.swanlab.cn\n  login u\n  password k\n")
+    (no_credentials / ".swanlab" / ".netrc").chmod(0o600)
+    swanlab = fake_module(monkeypatch, "swanlab")
+    with make(tmp_path / "run", ["swanlab"]):
+        pass
+    assert "mode" not in swanlab.calls[0][2]
+
+
+def test_mlflow_without_a_tracking_uri_makes_its_experiment_in_the_run_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    calls = []
+    module = types.ModuleType("mlflow")
+
+    def record(name, result=None):
+        def call(*args, **kwargs):
+            calls.append((name, args, kwargs))
+            return result
+        return call
+
+    for name in ("set_tracking_uri", "create_experiment", "set_experiment", "start_run", "log_params",
+                 "log_metrics", "end_run"):
+        setattr(module, name, record(name))
+    module.get_experiment_by_name = record("get_experiment_by_name", None)  # not there yet
+    monkeypatch.setitem(sys.modules, "mlflow", module)
+    with make(tmp_path, ["mlflow"]):
+        pass
+    created = next(c for c in calls if c[0] == "create_experiment")
+    assert created[1] == ("p",) and created[2] == {"artifact_location": (tmp_path / "mlartifacts").resolve().as_uri()}
+    assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path.resolve()}/mlflow.db" in capsys.readouterr().out
+
+
+def test_real_mlflow_tracks_into_the_run_directory(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    with make(run, ["mlflow"], config={"lr": 1e-6}) as tracker:
+        tracker.log({"val-core/gsm8k/acc/mean@4": 0.5}, step=1)
+        tracker.log_generations(ROWS, step=1)
+    assert (run / "mlflow.db").is_file() and not (tmp_path / "mlruns").exists()
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{run.resolve()}/mlflow.db")
+    experiment = client.get_experiment_by_name("p")
+    (found,) = client.search_runs([experiment.experiment_id])
+    assert found.data.metrics == {"val-core/gsm8k/acc/mean_at_4": 0.5}
+    assert list((run / "mlartifacts").rglob("val_step_1.json"))
+
+
+def test_real_wandb_runs_offline_without_a_key(tmp_path, no_credentials, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with make(tmp_path / "run", ["wandb"]) as tracker:
+        tracker.log({"a": 1.0}, step=1)
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+
+
+# ------------------------------------------------------------------------- progress: stages, plain lines
+
+
+def test_progress_bar_shows_the_running_stage_and_the_generation_speed():
+    out = io.StringIO()
+    with ProgressBar(4, disable=False, file=out) as bar:
+        bar.update({"critic/score/mean": 0.25})
+        bar.stage("gen")
+        assert bar.bar.postfix == "reward=0.25 | generating..."
+        bar.generated(64, torch.ones(64, 10), seconds=2.0)  # 640 response tokens in 2 s
+        bar.stage("update_actor")
+        assert bar.bar.postfix == "reward=0.25 | gen 64 samples 320 tok/s | updating actor..."
+        bar.update({"critic/score/mean": 0.5})
+        assert bar.bar.postfix == "reward=0.5 | gen 64 samples 320 tok/s"  # the stage ends with the step
+    assert "updating actor..." in out.getvalue()
+
+
+def test_disabled_bar_costs_nothing_per_stage():
+    class Mask:
+        def sum(self):
+            raise AssertionError("summed with the bar off")
+
+    with ProgressBar(4, disable=True, lines=False) as bar:
+        bar.stage("gen")
+        bar.generated(8, Mask(), 1.0)
+        assert bar.running is None and bar.generation is None
+
+
+def test_without_a_terminal_a_plain_line_every_5_percent_and_at_the_end(monkeypatch):
+    clock = iter(range(0, 10_000, 3))  # 3 s per call of time.monotonic
+    monkeypatch.setattr("hyflow.trainer.tracking.time.monotonic", lambda: next(clock))
+    lines, bar_file = io.StringIO(), io.StringIO()  # a StringIO is not a terminal: the bar is off
+    with ProgressBar(50, initial=0, file=bar_file, lines_file=lines) as bar:
+        for step in range(1, 51):
+            bar.update({"critic/score/mean": 0.41} | ({"val-core/a/acc/mean@1": 0.62} if step % 10 == 0 else {}))
+    assert bar_file.getvalue() == ""
+    printed = lines.getvalue().splitlines()
+    assert len(printed) == 25  # every max(1, 50 // 20) = 2 steps; the last (50) is one of them
+    assert printed[0] == "step 2/50 (4 %) - elapsed 3.0s - ETA 1m12s - reward 0.41"
+    assert printed[9] == "step 20/50 (40 %) - elapsed 30s - ETA 45s - reward 0.41 - val 0.62"
+    assert printed[-1] == "step 50/50 (100 %) - elapsed 1m15s - reward 0.41 - val 0.62"
+
+
+def test_plain_lines_of_a_resumed_run_and_of_an_odd_total(monkeypatch):
+    monkeypatch.setattr("hyflow.trainer.tracking.time.monotonic", lambda: 0.0)
+    lines = io.StringIO()
+    with ProgressBar(45, initial=40, disable=True, lines_file=lines) as bar:
+        for _ in range(5):
+            bar.update({"train/loss": 1.25, "val/loss": 1.5})
+    assert lines.getvalue().splitlines() == [  # every 45 // 20 = 2 steps, and the last
+        "step 42/45 (93 %) - elapsed 0.0s - ETA 0.0s - loss 1.25 - val_loss 1.5",
+        "step 44/45 (97 %) - elapsed 0.0s - ETA 0.0s - loss 1.25 - val_loss 1.5",
+        "step 45/45 (100 %) - elapsed 0.0s - loss 1.25 - val_loss 1.5",
+    ]
+
+
+def test_real_swanlab_runs_offline_without_a_key(tmp_path, no_credentials):
+    pytest.importorskip("swanlab")
+    with make(tmp_path / "run", ["swanlab"]) as tracker:
+        tracker.log({"a": 1.0}, step=1)
+    assert any((tmp_path / "run" / "swanlab").iterdir())

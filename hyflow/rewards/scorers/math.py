@@ -11,8 +11,8 @@
 3. Equivalence (`is_equiv`): equal normalised strings, or both sides are plain rational numbers (integer,
    decimal, ``\\frac{a}{b}``, ``a/b``) with exactly equal values — this generalises Hendrycks' single
    ``0.5 -> \\frac{1}{2}`` rule (``0.25 == \\frac14``), with exact `fractions.Fraction` arithmetic.
-4. Second opinion: when the optional `math_verify` package (Hugging Face Math-Verify, ``pip install
-   math-verify``, extra ``hyflow[math]``) is importable, its symbolic ``verify(parse(gold), parse(pred))`` is
+4. Second opinion: the `math_verify` package (Hugging Face Math-Verify, a core dependency of hyflow since
+   0.1.0; an install without it falls back to the checks above), its symbolic ``verify(parse(gold), parse(pred))`` is
    also asked, and the answer counts as correct if EITHER check says so (it catches ``\\sqrt{8} == 2\\sqrt{2}``
    and set/interval equalities that strings miss). Math-Verify's timeouts use SIGALRM, which only works in the
    main thread, so off the main thread it runs without a timeout. ``use_math_verify=False`` turns it off,

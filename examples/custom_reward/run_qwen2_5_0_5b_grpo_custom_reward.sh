@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# GRPO with a custom reward function | Qwen2.5-0.5B-Instruct | GSM8K | 1 GPU (sized for 40-80 GB), hf rollout
+#
+#   bash examples/data_preprocess/gsm8k.sh                                                     # once
+#   bash examples/custom_reward/run_qwen2_5_0_5b_grpo_custom_reward.sh [key=value ...]         # GPU
+#   bash examples/custom_reward/run_qwen2_5_0_5b_grpo_custom_reward.sh --cpu [key=value ...]
+#        # CPU: tiny local model, built-in arithmetic task, STEPS steps (default 2) into OUT
+#        # (runs/examples/custom_reward)
+#
+# The GRPO example with its reward from a Python file instead of the built-in scorer of each data_source:
+# custom_reward_function.path (a .py file), .name (the function in it, verl's signature) and .reward_kwargs
+# (keyword arguments bound to every call). examples/custom_reward/reward.py gives 1 for the right `####` answer
+# and FORMAT_SCORE for an answer line with a wrong number; its extra keys (acc, has_answer_line) become the
+# metrics reward/acc/mean and reward/has_answer_line/mean. REWARD_FILE / REWARD_FN point at your own.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+# The algorithm: the same on GPU and CPU.
+REWARD_FILE=${REWARD_FILE:-$here/reward.py}
+REWARD_FN=${REWARD_FN:-compute_score}
+FORMAT_SCORE=${FORMAT_SCORE:-0.1}
+ALGO=(
+    algorithm.adv_estimator=grpo
+    algorithm.use_kl_in_reward=False
+    actor_rollout_ref.actor.use_kl_loss=True
+    actor_rollout_ref.actor.kl_loss_coef=0.001
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl
+    actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.actor.loss_agg_mode=token-mean
+    # the reward
+    custom_reward_function.path="$REWARD_FILE"
+    custom_reward_function.name="$REWARD_FN"
+    +custom_reward_function.reward_kwargs.format_score="$FORMAT_SCORE"
+)
+
+if [ "${1:-}" = --cpu ]; then
+    shift
+    source "$here/../_cpu_setup.sh"
+    cpu_setup custom_reward arithmetic warm
+    RUN=("${CPU_RL[@]}" actor_rollout_ref.rollout.n=4)
+else
+    # ---- user-adjustable ----
+    MODEL_PATH=${MODEL_PATH:-Qwen/Qwen2.5-0.5B-Instruct}   # hub id or local directory
+    GSM8K_TRAIN_FILE=${GSM8K_TRAIN_FILE:-$HOME/data/gsm8k/train.parquet}
+    GSM8K_TEST_FILE=${GSM8K_TEST_FILE:-$HOME/data/gsm8k/test.parquet}
+    NNODES=${NNODES:-1}
+    NGPUS_PER_NODE=${NGPUS_PER_NODE:-1}
+    ROLLOUT_NAME=${ROLLOUT_NAME:-hf}                        # hf | vllm (pip install vllm)
+    TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-256}               # prompts per step
+    PPO_MINI_BATCH_SIZE=${PPO_MINI_BATCH_SIZE:-64}          # prompts per optimizer step
+    ROLLOUT_N=${ROLLOUT_N:-5}                               # samples per prompt (the group)
+    MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-512}
+    MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-1024}
+    PPO_MAX_TOKEN_LEN_PER_GPU=${PPO_MAX_TOKEN_LEN_PER_GPU:-16384}
+    ACTOR_LR=${ACTOR_LR:-1e-6}
+    TOTAL_EPOCHS=${TOTAL_EPOCHS:-15}
+    SAVE_FREQ=${SAVE_FREQ:-20}
+    TEST_FREQ=${TEST_FREQ:-5}
+    PROJECT_NAME=${PROJECT_NAME:-hyflow_grpo_gsm8k}
+    EXPERIMENT_NAME=${EXPERIMENT_NAME:-qwen2_5_0_5b_grpo_custom_reward}
+    # ---- end user-adjustable ----
+    for f in "$GSM8K_TRAIN_FILE" "$GSM8K_TEST_FILE"; do
+        [ -f "$f" ] || { echo "$0: no $f; run examples/data_preprocess/gsm8k.sh first (or set GSM8K_TRAIN_FILE / GSM8K_TEST_FILE)" >&2; exit 1; }
+    done
+    RUN=(
+        data.train_files="$GSM8K_TRAIN_FILE"
+        data.val_files="$GSM8K_TEST_FILE"
+        data.train_batch_size="$TRAIN_BATCH_SIZE"
+        data.max_prompt_length="$MAX_PROMPT_LENGTH"
+        data.max_response_length="$MAX_RESPONSE_LENGTH"
+        data.filter_overlong_prompts=True
+        data.truncation=error
+        actor_rollout_ref.model.path="$MODEL_PATH"
+        actor_rollout_ref.model.use_remove_padding=True
+        actor_rollout_ref.model.enable_gradient_checkpointing=True
+        actor_rollout_ref.actor.optim.lr="$ACTOR_LR"
+        actor_rollout_ref.actor.ppo_mini_batch_size="$PPO_MINI_BATCH_SIZE"
+        actor_rollout_ref.actor.use_dynamic_bsz=True
+        actor_rollout_ref.actor.ppo_max_token_len_per_gpu="$PPO_MAX_TOKEN_LEN_PER_GPU"
+        actor_rollout_ref.rollout.name="$ROLLOUT_NAME"
+        actor_rollout_ref.rollout.n="$ROLLOUT_N"
+        actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True
+        actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu="$PPO_MAX_TOKEN_LEN_PER_GPU"
+        actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True
+        actor_rollout_ref.ref.log_prob_max_token_len_per_gpu="$PPO_MAX_TOKEN_LEN_PER_GPU"
+        trainer.logger='["console","file"]'
+        trainer.project_name="$PROJECT_NAME"
+        trainer.experiment_name="$EXPERIMENT_NAME"
+        trainer.nnodes="$NNODES"
+        trainer.n_gpus_per_node="$NGPUS_PER_NODE"
+        trainer.save_freq="$SAVE_FREQ"
+        trainer.test_freq="$TEST_FREQ"
+        trainer.total_epochs="$TOTAL_EPOCHS"
+    )
+    if [ "$ROLLOUT_NAME" = vllm ]; then
+        RUN+=(actor_rollout_ref.rollout.gpu_memory_utilization=0.5)   # vLLM's share of GPU memory
+    fi
+    [ -n "${HYFLOW+x}" ] || HYFLOW=(hyflow)
+fi
+
+cmd=("${HYFLOW[@]}" train "${ALGO[@]}" "${RUN[@]}" "$@")
+printf '+'; printf ' %q' "${cmd[@]}"; printf '\n'
+exec "${cmd[@]}"

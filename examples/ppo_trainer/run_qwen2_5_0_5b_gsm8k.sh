@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# PPO (actor + critic, GAE) | Qwen2.5-0.5B-Instruct | GSM8K | 1 GPU (sized for 40-80 GB), hf rollout
+#
+#   bash examples/data_preprocess/gsm8k.sh                                 # once: ~/data/gsm8k/{train,test}.parquet
+#   bash examples/ppo_trainer/run_qwen2_5_0_5b_gsm8k.sh [key=value ...]    # GPU
+#   bash examples/ppo_trainer/run_qwen2_5_0_5b_gsm8k.sh --cpu [key=value ...]
+#        # CPU: tiny local model, built-in arithmetic task, STEPS steps (default 2) into OUT (runs/examples/ppo)
+#
+# PPO (Schulman et al. 2017, arXiv 1707.06347) as in InstructGPT: a critic (value model, here a copy of the
+# policy with a value head) is trained beside the actor, and advantages come from GAE (arXiv 1506.02438) over
+# its values; one sample per prompt. The KL to the reference is left off, as in verl's PPO examples (turn it
+# on with algorithm.use_kl_in_reward=True, a per-token reward penalty of algorithm.kl_ctrl.kl_coef).
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+ALGO=(
+    algorithm.adv_estimator=gae
+    algorithm.gamma=1.0
+    algorithm.lam=1.0
+    algorithm.use_kl_in_reward=False
+    algorithm.kl_ctrl.kl_coef=0.001
+    actor_rollout_ref.actor.use_kl_loss=False
+    actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.rollout.n=1
+    critic.cliprange_value=0.5
+    trainer.critic_warmup=0
+)
+
+if [ "${1:-}" = --cpu ]; then
+    shift
+    source "$here/../_cpu_setup.sh"
+    cpu_setup ppo arithmetic warm
+    RUN=(
+        "${CPU_RL[@]}"
+        critic.model.path="$CPU_MODEL"
+        critic.model.enable_gradient_checkpointing=false
+        critic.optim.lr=1e-3
+    )
+else
+    # ---- user-adjustable ----
+    MODEL_PATH=${MODEL_PATH:-Qwen/Qwen2.5-0.5B-Instruct}
+    CRITIC_MODEL_PATH=${CRITIC_MODEL_PATH:-$MODEL_PATH}
+    GSM8K_TRAIN_FILE=${GSM8K_TRAIN_FILE:-$HOME/data/gsm8k/train.parquet}
+    GSM8K_TEST_FILE=${GSM8K_TEST_FILE:-$HOME/data/gsm8k/test.parquet}
+    NNODES=${NNODES:-1}
+    NGPUS_PER_NODE=${NGPUS_PER_NODE:-1}
+    ROLLOUT_NAME=${ROLLOUT_NAME:-hf}
+    TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-256}
+    PPO_MINI_BATCH_SIZE=${PPO_MINI_BATCH_SIZE:-64}
+    MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-512}
+    MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-512}
+    PPO_MAX_TOKEN_LEN_PER_GPU=${PPO_MAX_TOKEN_LEN_PER_GPU:-16384}
+    ACTOR_LR=${ACTOR_LR:-1e-6}
+    CRITIC_LR=${CRITIC_LR:-1e-5}
+    TOTAL_EPOCHS=${TOTAL_EPOCHS:-15}
+    SAVE_FREQ=${SAVE_FREQ:-20}
+    TEST_FREQ=${TEST_FREQ:-5}
+    PROJECT_NAME=${PROJECT_NAME:-hyflow_ppo_gsm8k}
+    EXPERIMENT_NAME=${EXPERIMENT_NAME:-qwen2_5_0_5b_ppo}
+    # ---- end user-adjustable ----
+    for f in "$GSM8K_TRAIN_FILE" "$GSM8K_TEST_FILE"; do
+        [ -f "$f" ] || { echo "$0: no $f; run examples/data_preprocess/gsm8k.sh first (or set GSM8K_TRAIN_FILE / GSM8K_TEST_FILE)" >&2; exit 1; }
+    done
+    RUN=(
+        data.train_files="$GSM8K_TRAIN_FILE"
+        data.val_files="$GSM8K_TEST_FILE"
+        data.train_batch_size="$TRAIN_BATCH_SIZE"
+        data.max_prompt_length="$MAX_PROMPT_LENGTH"
+        data.max_response_length="$MAX_RESPONSE_LENGTH"
+        data.filter_overlong_prompts=True
+        data.truncation=error
+        actor_rollout_ref.model.path="$MODEL_PATH"
+        actor_rollout_ref.model.use_remove_padding=True
+        actor_rollout_ref.model.enable_gradient_checkpointing=True
+        actor_rollout_ref.actor.optim.lr="$ACTOR_LR"
+        actor_rollout_ref.actor.ppo_mini_batch_size="$PPO_MINI_BATCH_SIZE"
+        actor_rollout_ref.actor.use_dynamic_bsz=True
+        actor_rollout_ref.actor.ppo_max_token_len_per_gpu="$PPO_MAX_TOKEN_LEN_PER_GPU"
+        actor_rollout_ref.rollout.name="$ROLLOUT_NAME"
+        actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True
+        actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu="$PPO_MAX_TOKEN_LEN_PER_GPU"
+        critic.model.path="$CRITIC_MODEL_PATH"
+        critic.model.use_remove_padding=True
+        critic.model.enable_gradient_checkpointing=True
+        critic.optim.lr="$CRITIC_LR"
+        critic.use_dynamic_bsz=True
+        critic.ppo_max_token_len_per_gpu="$PPO_MAX_TOKEN_LEN_PER_GPU"
+        trainer.logger='["console","file"]'
+        trainer.project_name="$PROJECT_NAME"
+        trainer.experiment_name="$EXPERIMENT_NAME"
+        trainer.nnodes="$NNODES"
+        trainer.n_gpus_per_node="$NGPUS_PER_NODE"
+        trainer.save_freq="$SAVE_FREQ"
+        trainer.test_freq="$TEST_FREQ"
+        trainer.total_epochs="$TOTAL_EPOCHS"
+    )
+    if [ "$ROLLOUT_NAME" = vllm ]; then
+        RUN+=(actor_rollout_ref.rollout.gpu_memory_utilization=0.4)   # vLLM's share of GPU memory
+    fi
+    [ -n "${HYFLOW+x}" ] || HYFLOW=(hyflow)
+fi
+
+cmd=("${HYFLOW[@]}" train "${ALGO[@]}" "${RUN[@]}" "$@")
+printf '+'; printf ' %q' "${cmd[@]}"; printf '\n'
+exec "${cmd[@]}"
