@@ -206,6 +206,57 @@ def test_sleep_wake_and_prompt_errors(engine, tiny_tokenizer):
         engine.generate(prompts, SamplingParams(max_new_tokens=4000))
 
 
+# The agent-loop tests use the module's shared engine, so they stand before the tests that build engines of their
+# own: tearing one of those down destroys vLLM's process-wide parallel state, which the shared engine needs.
+
+def test_per_prompt_budgets_cap_each_prompts_response(engine, tiny_tokenizer):
+    batch = prompt_batch(tiny_tokenizer)
+    batch["max_new_tokens"] = torch.tensor([3, 24, 1, 10])
+    out = engine.generate(batch, SamplingParams(n=2, max_new_tokens=24, seed=1))
+    lengths = out["response_mask"].sum(-1).view(4, 2)
+    assert (lengths <= torch.tensor([3, 24, 1, 10])[:, None]).all() and (lengths[2] == 1).all()
+    assert "max_new_tokens" not in out
+
+
+class _AskTwice:
+    name = "again"
+
+    async def start_interaction(self, instance_id=None, **kwargs):
+        return instance_id
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        return sum(m["role"] == "user" for m in messages) >= 2, "Say it again, shorter.", 0.0, {}
+
+    async def finalize_interaction(self, instance_id=None, **kwargs):
+        return None
+
+
+def test_multi_turn_agent_loop_log_probs_equal_the_trainers(engine, model, tiny_model_dir, tiny_tokenizer):
+    """The agent loop on the vllm engine: model turns with a user turn between them; the engine's log-probs on the
+    model's tokens equal the trainer's recompute (the user turn is context only)."""
+    from hyflow.data.rl_dataset import collate_prompts
+    from hyflow.rollout.agent_loop import AgentLoopManager
+
+    tok = tiny_tokenizer
+    rollout = rollout_config(tiny_model_dir, "actor_rollout_ref.rollout.multi_turn.enable=true")
+    items = []
+    for i, text in enumerate(TEXTS):
+        messages = [{"role": "user", "content": text}]
+        ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                  add_special_tokens=False)["input_ids"]
+        items.append({"raw_prompt_ids": ids, "raw_prompt": messages, "uid": f"u{i}", "agent_name": "tool_agent",
+                      "interaction_kwargs": {"name": "again"}})
+    loops = AgentLoopManager(engine, tok, rollout, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
+                             interactions={"again": _AskTwice()})
+    params = SamplingParams(n=2, max_new_tokens=24, seed=7, temperature=0.9, calculate_log_probs=True,
+                            stop_token_ids=tuple(range(3, 300, 5)))
+    out = loops.generate(collate_prompts(items, tok.pad_token_id), params)
+    mask = out["response_mask"].bool()
+    assert (out["attention_mask"][:, -24:].bool() & ~mask).any(), "some sample must hold a user turn"
+    assert out.meta["metrics"]["agent_loop/engine_batch/max"] == 8  # every trajectory's first turn in one call
+    diff = (recompute(model, out, 0.9) - out["rollout_log_probs"])[mask].abs().max().item()
+    assert diff < 1e-5, diff
+
 def test_building_an_engine_leaves_the_process_rng_and_threads_alone(tiny_model_dir, tiny_tokenizer, model):
     torch.manual_seed(123)
     np.random.seed(5)
@@ -267,51 +318,3 @@ def test_a_batch_of_prompts_larger_than_the_token_budget_is_generated_whole(tiny
     mask = out["response_mask"].bool()
     torch.testing.assert_close(out["rollout_log_probs"][mask], recompute(model, out, 1.0)[mask], atol=1e-5, rtol=0)
 
-
-def test_per_prompt_budgets_cap_each_prompts_response(engine, tiny_tokenizer):
-    batch = prompt_batch(tiny_tokenizer)
-    batch["max_new_tokens"] = torch.tensor([3, 24, 1, 10])
-    out = engine.generate(batch, SamplingParams(n=2, max_new_tokens=24, seed=1))
-    lengths = out["response_mask"].sum(-1).view(4, 2)
-    assert (lengths <= torch.tensor([3, 24, 1, 10])[:, None]).all() and (lengths[2] == 1).all()
-    assert "max_new_tokens" not in out
-
-
-class _AskTwice:
-    name = "again"
-
-    async def start_interaction(self, instance_id=None, **kwargs):
-        return instance_id
-
-    async def generate_response(self, instance_id, messages, **kwargs):
-        return sum(m["role"] == "user" for m in messages) >= 2, "Say it again, shorter.", 0.0, {}
-
-    async def finalize_interaction(self, instance_id=None, **kwargs):
-        return None
-
-
-def test_multi_turn_agent_loop_log_probs_equal_the_trainers(engine, model, tiny_model_dir, tiny_tokenizer):
-    """The agent loop on the vllm engine: model turns with a user turn between them; the engine's log-probs on the
-    model's tokens equal the trainer's recompute (the user turn is context only)."""
-    from hyflow.data.rl_dataset import collate_prompts
-    from hyflow.rollout.agent_loop import AgentLoopManager
-
-    tok = tiny_tokenizer
-    rollout = rollout_config(tiny_model_dir, "actor_rollout_ref.rollout.multi_turn.enable=true")
-    items = []
-    for i, text in enumerate(TEXTS):
-        messages = [{"role": "user", "content": text}]
-        ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                  add_special_tokens=False)["input_ids"]
-        items.append({"raw_prompt_ids": ids, "raw_prompt": messages, "uid": f"u{i}", "agent_name": "tool_agent",
-                      "interaction_kwargs": {"name": "again"}})
-    loops = AgentLoopManager(engine, tok, rollout, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
-                             interactions={"again": _AskTwice()})
-    params = SamplingParams(n=2, max_new_tokens=24, seed=7, temperature=0.9, calculate_log_probs=True,
-                            stop_token_ids=tuple(range(3, 300, 5)))
-    out = loops.generate(collate_prompts(items, tok.pad_token_id), params)
-    mask = out["response_mask"].bool()
-    assert (out["attention_mask"][:, -24:].bool() & ~mask).any(), "some sample must hold a user turn"
-    assert out.meta["metrics"]["agent_loop/engine_batch/max"] == 8  # every trajectory's first turn in one call
-    diff = (recompute(model, out, 0.9) - out["rollout_log_probs"])[mask].abs().max().item()
-    assert diff < 1e-5, diff
