@@ -49,7 +49,7 @@ import torch
 
 from hyflow.batch import Batch
 from hyflow.rollout.base import SamplingParams
-from hyflow.rollout.output import position_ids_from_mask
+from hyflow.rollout.output import assemble_rollout
 from hyflow.rollout.tool_parser import FunctionCall, MalformedCall, ToolParser, check_arguments
 from hyflow.tools.registry import import_class
 
@@ -664,8 +664,8 @@ class AgentLoopManager:
         n, R = params.n, params.max_new_tokens
         N = len(outputs)
         responses = torch.full((N, R), self.pad_token_id, dtype=torch.long)
-        response_mask = torch.zeros((N, R), dtype=torch.long)
-        response_attn = torch.zeros((N, R), dtype=torch.long)
+        model_mask = torch.zeros((N, R), dtype=torch.long)
+        lengths = torch.zeros(N, dtype=torch.long)
         logprobs = torch.zeros((N, R), dtype=torch.float32)
         for i, out in enumerate(outputs):
             expected = prompts["input_ids"][i // n][prompts["attention_mask"][i // n].bool()].tolist()
@@ -678,28 +678,13 @@ class AgentLoopManager:
                 raise ValueError(f"agent loop {names[i // n]!r} returned {len(out.response_ids)} response ids but "
                                  f"{len(out.response_mask)} mask entries")
             ids = out.response_ids[:R]
-            k = len(ids)
+            k = lengths[i] = len(ids)
             responses[i, :k] = torch.tensor(ids, dtype=torch.long)
-            response_mask[i, :k] = torch.tensor(out.response_mask[:k], dtype=torch.long)
-            response_attn[i, :k] = 1
+            model_mask[i, :k] = torch.tensor(out.response_mask[:k], dtype=torch.long)
             if out.response_logprobs:
                 logprobs[i, :k] = torch.tensor(out.response_logprobs[:k], dtype=torch.float32)
-        prompt_ids = prompts["input_ids"].repeat_interleave(n, dim=0).cpu()
-        prompt_mask = prompts["attention_mask"].repeat_interleave(n, dim=0).cpu().long()
-        out_batch = prompts.repeat(n, interleave=True)
-        for key in ("input_ids", "attention_mask", "position_ids", "raw_prompt_ids", "max_new_tokens"):
-            if key in out_batch:
-                out_batch.pop(key)
-        out_batch = out_batch.to("cpu")
-        attention_mask = torch.cat([prompt_mask, response_attn], dim=-1)
-        columns = {"prompts": prompt_ids, "responses": responses, "response_mask": response_mask * response_attn,
-                   "input_ids": torch.cat([prompt_ids, responses], dim=-1), "attention_mask": attention_mask,
-                   "position_ids": position_ids_from_mask(attention_mask)}
-        if params.calculate_log_probs:
-            columns["rollout_log_probs"] = logprobs * columns["response_mask"]
-        for key, value in columns.items():
-            out_batch[key] = value
-        out_batch.meta["temperature"] = 1.0 if params.greedy else params.temperature
+        out_batch = assemble_rollout(prompts, prompts["input_ids"].cpu(), prompts["attention_mask"].cpu(), responses,
+                                     logprobs, lengths, params, model_mask=model_mask)
         if self.multi_turn:
             out_batch["__num_turns__"] = np.array([o.num_turns for o in outputs], dtype=np.int64)
             infos = list(out_batch["extra_info"]) if "extra_info" in out_batch else [{} for _ in outputs]

@@ -33,13 +33,19 @@ def prompt_budgets(prompts: Batch, params: SamplingParams) -> torch.Tensor:
 
 
 def assemble_rollout(prompts: Batch, input_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
-                     logprobs: torch.Tensor, lengths: torch.Tensor, params: SamplingParams) -> Batch:
-    """The rollout Batch from left-padded prompts [B, P], responses [B*n, R], their log-probs and lengths [B*n]."""
+                     logprobs: torch.Tensor, lengths: torch.Tensor, params: SamplingParams,
+                     model_mask: torch.Tensor | None = None) -> Batch:
+    """The rollout Batch from left-padded prompts [B, P], responses [B*n, R], their log-probs and lengths [B*n].
+
+    `model_mask` [B*n, R] marks the tokens the model generated when a response also holds others (the agent
+    loop's tool and user turns): `response_mask` is then that mask within the lengths, while `attention_mask`
+    covers every response token. Without it every token within the length is the model's."""
     n = params.n
-    response_mask = (torch.arange(responses.shape[1], device=responses.device)[None] < lengths[:, None]).long()
+    within = (torch.arange(responses.shape[1], device=responses.device)[None] < lengths[:, None]).long()
+    response_mask = within if model_mask is None else within * model_mask.long()
     prompt_ids = input_ids.repeat_interleave(n, dim=0)
     prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
-    attention_mask = torch.cat([prompt_mask.long(), response_mask], dim=-1)
+    attention_mask = torch.cat([prompt_mask.long(), within], dim=-1)
     out = prompts.repeat(n, interleave=True)
     for key in ("input_ids", "attention_mask", "position_ids", "raw_prompt_ids", "max_new_tokens"):
         if key in out:

@@ -137,6 +137,7 @@ class RLTrainer:
         self.run_dir = Path(cfg.trainer.default_local_dir)
         self.global_step = 0
         self.history: list[dict] = []
+        self.progress: ProgressBar | None = None  # set while fit() runs: the stages show on it
         self.started_ray = False
         self.groups: list = []
         self._pools: list = []
@@ -365,9 +366,8 @@ class RLTrainer:
 
     def _timed(self, name: str, timing: dict[str, float]):
         """`timer(name, timing)`, with the progress bar showing the stage while it runs."""
-        bar = getattr(self, "progress", None)
-        if bar is not None:
-            bar.stage(name)
+        if self.progress is not None:
+            self.progress.stage(name)
         return timer(name, timing)
 
     def step(self, prompts: Batch) -> dict[str, float]:
@@ -377,7 +377,7 @@ class RLTrainer:
         with timer("step", timing):  # the stages below show on the bar
             with self._timed("gen", timing):
                 batch = self.rollout_and_score(prompts, metrics)
-            if getattr(self, "progress", None) is not None:
+            if self.progress is not None:
                 self.progress.generated(len(batch), batch["response_mask"], timing["gen"])
             batch.meta["global_step"] = self.global_step
             if self.config.trainer.balance_batch and self.actor.world_size > 1:
