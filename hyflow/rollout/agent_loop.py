@@ -54,7 +54,6 @@ from hyflow.rollout.tool_parser import FunctionCall, MalformedCall, ToolParser, 
 from hyflow.tools.registry import import_class
 
 SEED_STRIDE = 1_000_033  # engine call k of one rollout samples with seed + k * SEED_STRIDE
-DEFAULT_TOOL_TIMEOUT_S = 30.0
 
 
 # ---------------------------------------------------------------------------------------------- data types
@@ -343,7 +342,7 @@ class ToolAgentLoop(AgentLoopBase):
         self.max_parallel_calls = max(1, int(mt.max_parallel_calls))
         self.max_tool_response_length = int(mt.max_tool_response_length)
         self.truncate_side = mt.tool_response_truncate_side
-        self.tool_timeout = float(getattr(mt, "tool_timeout", DEFAULT_TOOL_TIMEOUT_S) or DEFAULT_TOOL_TIMEOUT_S)
+        self.tool_timeout = float(mt.tool_timeout)  # validated > 0 with the config
         self.tool_schemas = [t.tool_schema.model_dump(exclude_unset=True, exclude_none=True)
                              for t in self.tools.values()]
         if self.tool_parser is None:
