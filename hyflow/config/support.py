@@ -270,6 +270,8 @@ _TABLE: list[KeySupport] = [
     _performance("data.dataloader_num_workers", "hyflow batches prompts in the main process (each prompt is "
                  "tokenized once and cached); the batches are the same"),
     _performance("data.filter_overlong_prompts_workers", "filtering runs in one process; same prompts kept"),
+    _performance("async_training.use_trainer_do_validate", "hyflow validates on the trainer's workers with its "
+                 "current weights in every mode; the key only says where verl validates"),
     _performance("reward_model.launch_reward_fn_async", "scoring in the background overlaps time only; the "
                  "rewards are the same (reward_model.num_workers parallelises scoring)"),
     _performance(f"{A}.optim.total_training_steps", "filled in by the trainer from the run length (verl "

@@ -61,6 +61,7 @@ def validate_config(cfg: HyflowConfig, n_devices: int | None = None) -> None:
     problems += _check_multi_turn(cfg)
     problems += _check_checkpoint_contents(cfg)
     problems += _check_pools(cfg)
+    problems += _check_async(cfg)
     problems += _check_exclusive("reward_model.micro_batch_size", cfg.reward_model.micro_batch_size,
                                  cfg.reward_model.micro_batch_size_per_gpu)
     _warn_advisories(cfg)
@@ -148,6 +149,80 @@ def _check_pools(cfg: HyflowConfig) -> list[str]:
             problems.append(f"{role}.enable_resource_pool=true, but this run has no {role} (critic: "
                             "algorithm.adv_estimator=gae or critic.enable=true; reward_model.enable=true); "
                             f"drop {role}.enable_resource_pool")
+    return problems
+
+
+def _check_async(cfg: HyflowConfig) -> list[str]:
+    """async_training: keys that only mean something in an asynchronous mode are not set in the synchronous one
+    (never accepted and ignored), and an asynchronous run has what its scheduler needs."""
+    at, pool = cfg.async_training, cfg.rollout
+    defaults = type(at)()
+    problems = []
+    if pool.nnodes < 1 or pool.n_gpus_per_node < 0:
+        problems.append(f"rollout.nnodes={pool.nnodes} must be >= 1 and rollout.n_gpus_per_node="
+                        f"{pool.n_gpus_per_node} >= 0 (0 = no rollout pool of its own)")
+    if at.mode == "sync":
+        set_keys = [f"async_training.{f.name}" for f in dataclasses.fields(at)
+                    if f.name not in ("mode", "use_trainer_do_validate")
+                    and getattr(at, f.name) != getattr(defaults, f.name)]
+        if pool.n_gpus_per_node > 0:
+            set_keys.append("rollout.n_gpus_per_node")
+        if set_keys:
+            problems.append(f"{', '.join(set_keys)} only apply(ies) to asynchronous training, but "
+                            "async_training.mode=sync; set async_training.mode=one_step_off or fully_async, or "
+                            "drop them")
+        return problems
+    where = f"async_training.mode={at.mode}"
+    if at.require_batches != 1:
+        problems.append(f"async_training.require_batches={at.require_batches}: a hyflow asynchronous step trains "
+                        "on data.train_batch_size prompts, as a synchronous one does; size the step with "
+                        "data.train_batch_size (and ppo_mini_batch_size) and leave require_batches at 1")
+    if not cfg.actor_rollout_ref.rollout.calculate_log_probs:
+        problems.append(f"{where} needs the rollout's per-token log-probs (each token's behaviour policy): set "
+                        f"{R}.calculate_log_probs=true")
+    if at.max_staleness < 1:
+        problems.append(f"async_training.max_staleness={at.max_staleness}: an asynchronous sample is at least one "
+                        "version old; use >= 1 (or async_training.mode=sync for on-policy training)")
+    if at.trigger_parameter_sync_step < 1:
+        problems.append(f"async_training.trigger_parameter_sync_step={at.trigger_parameter_sync_step} must be >= 1")
+    elif at.trigger_parameter_sync_step > at.max_staleness:
+        problems.append(f"async_training.trigger_parameter_sync_step={at.trigger_parameter_sync_step} pushes weights "
+                        f"less often than max_staleness={at.max_staleness} allows: samples would always be too "
+                        "stale; raise max_staleness to at least trigger_parameter_sync_step")
+    if at.staleness_threshold < 0:
+        problems.append(f"async_training.staleness_threshold={at.staleness_threshold} must be >= 0")
+    if at.partial_rollout_chunk is not None and at.partial_rollout_chunk < 1:
+        problems.append(f"async_training.partial_rollout_chunk={at.partial_rollout_chunk} must be >= 1 token (or "
+                        "null: a quarter of the response length)")
+    if at.mode == "one_step_off":
+        changed = [f"async_training.{name}" for name in ("staleness_threshold", "partial_rollout",
+                                                         "partial_rollout_chunk", "trigger_parameter_sync_step")
+                   if getattr(at, name) != getattr(defaults, name)]
+        if changed:
+            problems.append(f"{', '.join(changed)} tune(s) async_training.mode=fully_async; one_step_off always "
+                            "generates the next batch whole while this one trains (drop them, or use fully_async)")
+    if cfg.algorithm.filter_groups.enable:
+        problems.append(f"algorithm.filter_groups (DAPO dynamic sampling) is not built for {where} yet; use "
+                        "async_training.mode=sync with it")
+    catalog = algorithm_catalog()
+    if catalog is not None and "reward_baselines" in catalog.estimator_requires(cfg.algorithm.adv_estimator):
+        problems.append(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs a greedy rollout of the same "
+                        f"prompts with the same weights, which {where} does not make; use async_training.mode=sync")
+    separate = pool.n_gpus_per_node > 0
+    if separate and cfg.trainer.executor == "local":
+        problems.append(f"rollout.n_gpus_per_node={pool.n_gpus_per_node} runs the rollout in processes of its own, "
+                        "which trainer.executor=local cannot do; set trainer.executor=ray (or auto), or "
+                        "rollout.n_gpus_per_node=0 to roll out in the trainer's process")
+    if not separate:
+        if cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node > 1:
+            problems.append(f"{where} with the rollout on the trainer's workers (rollout.n_gpus_per_node=0) runs on "
+                            "one device; with several training devices give the rollout a pool of its own: "
+                            "rollout.n_gpus_per_node=N (trainer.executor=ray)")
+        if cfg.actor_rollout_ref.rollout.name != "hf":
+            problems.append(f"{where} with the rollout in the trainer's process builds a second engine beside the "
+                            f"trainer's: only the hf engine does that; for {R}.name="
+                            f"{cfg.actor_rollout_ref.rollout.name} give the rollout a pool of its own "
+                            "(rollout.n_gpus_per_node=N, trainer.executor=ray)")
     return problems
 
 

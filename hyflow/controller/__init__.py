@@ -11,7 +11,7 @@ from hyflow.controller.dispatch import (
     split_args,
 )
 from hyflow.controller.factory import EXECUTORS, make_worker_group
-from hyflow.controller.group import LocalWorkerGroup, RoleView, WorkerError, WorkerGroup
+from hyflow.controller.group import LocalWorkerGroup, PendingCall, RoleView, WorkerError, WorkerGroup
 from hyflow.controller.ray_group import RayWorkerGroup, WorkerDiedError, WorkerTimeoutError
 from hyflow.controller.resources import RayResourcePool, ensure_ray, shutdown_ray
 from hyflow.controller.worker import (
@@ -29,6 +29,7 @@ __all__ = [
     "Dispatch",
     "DispatchMode",
     "LocalWorkerGroup",
+    "PendingCall",
     "Placement",
     "RayResourcePool",
     "RayWorkerGroup",

@@ -15,6 +15,11 @@ receives a copy, so such edits would silently differ between executors).
 
 `group.role("actor")` is a view whose method `m` calls the group's `actor_m` (colocated workers, see
 `worker.make_colocated_class`).
+
+`group.submit(name, *args, **kwargs)` starts a call without waiting and returns a `PendingCall`; its `result()`
+waits and collects as the blocking call would. The `ray` executor runs the ranks meanwhile (the driver can call
+another group: that is how asynchronous training overlaps rollout and training); the `local` executor runs the
+call at `submit`, so the order of a one-process run is the order of the driver's submits, deterministic.
 """
 
 from __future__ import annotations
@@ -101,6 +106,28 @@ class WorkerGroup(abc.ABC):
         A failing rank raises `WorkerError(rank, class name, method, "Type: message")` from the original.
         """
 
+    def _launch(self, method: str, per_rank_args: list[tuple], per_rank_kwargs: list[dict]):
+        """Start `method` on the ranks and return a zero-argument function that waits for the results (in rank
+        order). The default runs the call now (`_execute`); an executor with real concurrency overrides it."""
+        results = self._execute(method, per_rank_args, per_rank_kwargs)
+        return lambda: results
+
+    def submit(self, name: str, *args, **kwargs) -> PendingCall:
+        """Start registered method `name` without waiting for it; `.result()` returns what `group.name(...)`
+        would have returned (see the module docstring)."""
+        if name not in self._methods:
+            raise AttributeError(f"{self._worker_cls.__name__} has no registered method {name!r}; registered "
+                                 f"methods: {sorted(self._methods)}")
+        mode = self._methods[name]
+        label = f"{self._worker_cls.__name__}.{name}"
+        per_rank_args, per_rank_kwargs, pad_count = split_args(mode, self._world_size, args, kwargs, method=label)
+        wait = self._launch(name, per_rank_args, per_rank_kwargs)
+        padded_size = None
+        if pad_count:
+            padded_size = sum(_batch_rows(a, k) for a, k in zip(per_rank_args, per_rank_kwargs))
+        return PendingCall(label, lambda: collect_results(mode, wait(), pad_count, padded_size=padded_size,
+                                                          method=label))
+
     def _make_method(self, name: str, mode: DispatchMode):
         def call(*args, **kwargs):
             return self._call(name, mode, args, kwargs)
@@ -140,6 +167,34 @@ class WorkerGroup(abc.ABC):
                 f"methods={sorted(self._methods)})")
 
 
+class PendingCall:
+    """A group call started by `WorkerGroup.submit`: `result()` waits for it (once; later calls return the same
+    result or raise the same error); `label` names the worker method."""
+
+    def __init__(self, label: str, wait) -> None:
+        self.label = label
+        self._wait = wait
+        self._done = False
+        self._value = None
+        self._error: BaseException | None = None
+
+    def result(self):
+        if not self._done:
+            try:
+                self._value = self._wait()
+            except BaseException as err:
+                self._error = err
+                raise
+            finally:
+                self._done = True
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"PendingCall({self.label}, {'done' if self._done else 'running'})"
+
+
 class RoleView:
     """The methods `<role>_<m>` of a group, callable as `view.m(...)`."""
 
@@ -153,6 +208,13 @@ class RoleView:
                              f"with {prefix!r}; roles: {list(group.roles)}, methods: {sorted(group.methods)}")
         for short, full in self._methods.items():
             setattr(self, short, getattr(group, full))
+
+    def submit(self, name: str, *args, **kwargs) -> PendingCall:
+        """`group.submit("<role>_<name>", ...)`: start the role's method without waiting."""
+        if name not in self._methods:
+            raise AttributeError(f"role {self._role!r} has no registered method {name!r}; its methods: "
+                                 f"{sorted(self._methods)}")
+        return self._group.submit(self._methods[name], *args, **kwargs)
 
     @property
     def world_size(self) -> int:

@@ -200,13 +200,17 @@ class RayWorkerGroup(WorkerGroup):
 
     def _execute(self, method: str, per_rank_args: list[tuple], per_rank_kwargs: list[dict]) -> list:
         """Call `method` on ranks 0..len(per_rank_args)-1 at once; results in rank order."""
+        return self._launch(method, per_rank_args, per_rank_kwargs)()
+
+    def _launch(self, method: str, per_rank_args: list[tuple], per_rank_kwargs: list[dict]):
+        """Launch `method` on the ranks now; the returned function waits for the results (rank order)."""
         if self._broken:
             raise RuntimeError(f"{self!r} cannot run {method}: {self._broken}")
         shared: dict[int, object] = {}
         refs = [self._actors[rank].run.remote(method, *self._put_batches(args, shared),
                                               **self._put_batches(kwargs, shared))
                 for rank, (args, kwargs) in enumerate(zip(per_rank_args, per_rank_kwargs))]
-        return self._wait(refs, method)
+        return lambda: self._wait(refs, method)
 
     def _put_batches(self, values: Sequence | dict, shared: dict[int, object]):
         """Each distinct Batch put in the object store once, passed by reference (Ray resolves it)."""

@@ -284,6 +284,25 @@ class PromptLoader:
         self.position += 1
         return self.dataset.collate([self.dataset[i] for i in indices])
 
+    def next_ids(self) -> list[tuple[int, int]]:
+        """The next batch as prompt ids (epoch, place in that epoch's order), advancing like `next_batch`; the
+        prompts themselves come from `collate_ids` (ids are plain ints: an asynchronous run checkpoints the
+        prompts it admitted but has not trained yet this way)."""
+        if self.position >= len(self):
+            self.epoch, self.position = self.epoch + 1, 0
+        start = self.position * self.batch_size
+        stop = min(start + self.batch_size, len(self.dataset))
+        self.position += 1
+        return [(self.epoch, k) for k in range(start, stop)]
+
+    def collate_ids(self, ids: list[tuple[int, int]]) -> Batch:
+        """The prompts of `next_ids`' ids, collated in that order."""
+        orders: dict[int, list[int]] = {}
+        for epoch, _ in ids:
+            if epoch not in orders:
+                orders[epoch] = self._order(epoch)
+        return self.dataset.collate([self.dataset[orders[epoch][k]] for epoch, k in ids])
+
     def __iter__(self) -> Iterator[Batch]:
         """One epoch from the current position."""
         while self.position < len(self):

@@ -626,21 +626,15 @@ class AgentLoopManager:
         server = BatchingServer(self.engine, dataclasses.replace(params, n=1), self.pad_token_id,
                                 self.eos_token_ids, prompts)
         self.last_server = server
-        rows = _rows(prompts)
-        sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-                    "logprobs": params.calculate_log_probs}
+        rows = prompt_rows(prompts)
+        sampling = sampling_dict(params)
         server.live = len(rows) * n
 
         async def trajectory(index: int) -> AgentLoopOutput:
-            row = rows[index // n]
-            name = names[index // n]
             try:
-                factory = AGENT_LOOPS[name]
-                handle = ServerHandle(server, index, index // n, int(self.config.response_length))
-                agent = factory(server_manager=handle, tokenizer=self.tokenizer, rollout_config=self.config,
-                                tools=self.tools, tool_parser=self.tool_parser, interactions=self.interactions,
-                                chat_template_kwargs=self.chat_template_kwargs, **AGENT_LOOP_KWARGS.get(name, {}))
-                return await agent.run(sampling, **row)
+                agent = self.make_agent(names[index // n], ServerHandle(server, index, index // n,
+                                                                        int(self.config.response_length)))
+                return await agent.run(sampling, **rows[index // n])
             finally:
                 server.finished_one()
 
@@ -656,10 +650,18 @@ class AgentLoopManager:
             raise
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
-        return self._assemble(prompts, params, outputs, names, server)
+        return self.assemble(prompts, params, outputs, names, server)
 
-    def _assemble(self, prompts: Batch, params: SamplingParams, outputs: list[AgentLoopOutput], names: list[str],
-                  server: BatchingServer) -> Batch:
+    def make_agent(self, name: str, handle: ServerHandle) -> AgentLoopBase:
+        """A new instance of the agent loop registered as `name`, over `handle`."""
+        return AGENT_LOOPS[name](server_manager=handle, tokenizer=self.tokenizer, rollout_config=self.config,
+                                 tools=self.tools, tool_parser=self.tool_parser, interactions=self.interactions,
+                                 chat_template_kwargs=self.chat_template_kwargs, **AGENT_LOOP_KWARGS.get(name, {}))
+
+    def assemble(self, prompts: Batch, params: SamplingParams, outputs: list[AgentLoopOutput], names: list[str],
+                 server: BatchingServer) -> Batch:
+        """verl's rollout Batch from the trajectories' outputs (row i is sample i % n of prompt i // n); the
+        metrics read `server`'s counters (calls, batch_sizes, seconds)."""
         n, R = params.n, params.max_new_tokens
         N = len(outputs)
         responses = torch.full((N, R), self.pad_token_id, dtype=torch.long)
@@ -726,12 +728,18 @@ class AgentLoopManager:
         return metrics
 
 
+def sampling_dict(params: SamplingParams) -> dict[str, Any]:
+    """The `sampling_params` dict an agent loop receives (verl's names)."""
+    return {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+            "logprobs": params.calculate_log_probs}
+
+
 def _is_empty(value) -> bool:
     """None, "", or a float NaN (a missing value read from parquet)."""
     return value is None or value == "" or (isinstance(value, float) and value != value)
 
 
-def _rows(prompts: Batch) -> list[dict[str, Any]]:
+def prompt_rows(prompts: Batch) -> list[dict[str, Any]]:
     """Per-prompt dicts of the batch's non-tensor columns (plus `raw_prompt_ids` from the tensors when absent)."""
     keys = [k for k in prompts.keys() if k not in ("input_ids", "attention_mask", "position_ids")]  # noqa: SIM118
     rows = []

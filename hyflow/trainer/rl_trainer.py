@@ -108,7 +108,10 @@ class RLTrainer:
         if (accepted := performance_only_warning(cfg)) is not None:
             print(accepted)  # once, at start: keys that only change speed or memory (hyflow.config.support)
         self.n_devices = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node  # the actor's (and colocated roles')
-        self.total_devices = self.n_devices + sum(role_devices(cfg, role) for role in own_pool_roles(cfg))
+        self.async_mode = cfg.async_training.mode != "sync"
+        self.rollout_pool = self.async_mode and cfg.rollout.n_gpus_per_node > 0  # the rollout on devices of its own
+        self.total_devices = (self.n_devices + sum(role_devices(cfg, role) for role in own_pool_roles(cfg))
+                              + (cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node if self.rollout_pool else 0))
         self.executor = cfg.trainer.executor if cfg.trainer.executor != "auto" else (
             "local" if self.total_devices == 1 else "ray")
         if self.executor == "local" and self.n_devices > 1:
@@ -134,6 +137,7 @@ class RLTrainer:
                                                          dict(cfg.custom_reward_function.reward_kwargs or {}))
         if self.reward_fn is None and not cfg.reward_model.enable:  # the built-in scorers must cover the data
             check_scorers_exist(self._data_sources())
+        self._default_off_policy_correction()
         self.run_dir = Path(cfg.trainer.default_local_dir)
         self.global_step = 0
         self.history: list[dict] = []
@@ -143,6 +147,21 @@ class RLTrainer:
         self._pools: list = []
 
     # ------------------------------------------------------------------ set-up
+    def _default_off_policy_correction(self) -> None:
+        """Asynchronous modes with async_training.off_policy_correction and no correction configured: token-level
+        truncated importance weights against the rollout's log-probs (written into the config, so config.yaml
+        says what runs)."""
+        cfg = self.config
+        rc = cfg.algorithm.rollout_correction
+        if not self.async_mode or not cfg.async_training.off_policy_correction:
+            return
+        if rc.rollout_is or rc.rollout_rs or rc.bypass_mode:
+            return
+        rc.rollout_is = "token"
+        print(f"hyflow: async_training.mode={cfg.async_training.mode}: off-policy correction on "
+              f"(algorithm.rollout_correction.rollout_is=token, threshold {rc.rollout_is_threshold:g}; "
+              "async_training.off_policy_correction=false turns it off)")
+
     def _data_sources(self) -> dict[str, str]:
         """data_source -> the row where it first appears, over the training and validation rows."""
         key, seen = self.config.data.reward_fn_key, {}
@@ -244,6 +263,7 @@ class RLTrainer:
             self.critic.init_model(self.total_steps, self.batches)
         if self.reward_model is not None:
             self.reward_model.init_model()
+        self.scheduler = self._async_scheduler() if self.async_mode else None
         self.use_reference = uses_reference(cfg)
         self.needs_old_log_probs = self._needs_old_log_probs()
         kl = cfg.algorithm.kl_ctrl
@@ -253,11 +273,31 @@ class RLTrainer:
         resume = self.run_claim.resume_path
         if resume is not None:
             self.load_checkpoint(resume)
+        if self.scheduler is not None:
+            self.scheduler.start()  # the rollout gets the (resumed) weights
         truncate_metrics(self.run_dir, self.global_step)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
         self.tracker = Tracker(self.run_dir, cfg.trainer.logger, project_name=cfg.trainer.project_name,
                                experiment_name=cfg.trainer.experiment_name, config=config_to_dict(cfg))
+
+    def _async_scheduler(self):
+        """The rollout side of an asynchronous run (its own worker group on `rollout.*` devices, or the actor's
+        workers) and the scheduler over it."""
+        from hyflow.trainer.async_scheduler import AsyncScheduler
+
+        cfg = self.config
+        rollout = self.actor
+        if self.rollout_pool:
+            from hyflow.workers.rollout import RolloutWorker
+
+            group = self.worker_group(make_colocated_class({"rollout": RolloutWorker}, name="RolloutHost"),
+                                      cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node,
+                                      rollout={"config": cfg, "tokenizer": self.tokenizer})
+            self.groups.append(group)
+            rollout = group.role("rollout")
+            rollout.init_model()
+        return AsyncScheduler(self, rollout, separate=self.rollout_pool)
 
     def worker_group(self, worker_cls, nnodes: int = 1, devices_per_node: int = 1, **kwargs):
         """One worker per device: in this process (`local`), or as Ray actors on a pool of `nnodes` x
@@ -277,6 +317,9 @@ class RLTrainer:
         """Stop the worker processes (and the local Ray cluster this trainer started); release the run directory."""
         if getattr(self, "run_claim", None) is not None:
             self.run_claim.release()
+        if getattr(self, "scheduler", None) is not None:
+            self.scheduler.shutdown()
+            self.scheduler = None
         for group in getattr(self, "groups", []):
             group.shutdown()
         self.groups, self.workers = [], None
@@ -330,7 +373,7 @@ class RLTrainer:
                 while self.global_step < self.total_steps:
                     self.global_step += 1
                     start = time.perf_counter()
-                    metrics = self.step(self.loader.next_batch())
+                    metrics = self.async_step() if self.scheduler is not None else self.step(self.loader.next_batch())
                     last = self.global_step == self.total_steps
                     if self.val_dataset is not None and (last or (cfg.test_freq > 0 and
                                                                    self.global_step % cfg.test_freq == 0)):
@@ -379,41 +422,78 @@ class RLTrainer:
                 batch = self.rollout_and_score(prompts, metrics)
             if self.progress is not None:
                 self.progress.generated(len(batch), batch["response_mask"], timing["gen"])
-            batch.meta["global_step"] = self.global_step
-            if self.config.trainer.balance_batch and self.actor.world_size > 1:
-                batch = batch.reorder(balanced_order(batch["attention_mask"].sum(-1), self.actor.world_size))
-            if self.config.algorithm.rollout_correction.bypass_mode:
-                batch["old_log_probs"] = batch["rollout_log_probs"]  # the rollout's log-probs are pi_old
-            elif self.needs_old_log_probs:
-                with self._timed("old_log_prob", timing):
-                    batch.union(self.actor.compute_log_prob(
-                        batch, with_sum_pi_squared="sum_pi_squared" in self.estimator.requires))
-            if self.use_reference:
-                with self._timed("ref", timing):
-                    batch.union(self.actor.compute_ref_log_prob(batch))
-            if self.critic is not None:
-                with self._timed("values", timing):
-                    batch.union(self.critic.compute_values(batch))
-            with self._timed("adv", timing):
-                self.apply_token_level_rewards(batch, metrics)
-                self.apply_rollout_correction(batch, metrics)
-                self.compute_advantages(batch)
-                batch = self.filter_policy(batch, metrics)
-            if self.config.trainer.rollout_data_dir:
-                with self._timed("dump_rollout_generations", timing):
-                    dump_generations(self.sample_rows(batch, self.reward_manager),
-                                     self.config.trainer.rollout_data_dir, self.global_step)
-            if self.critic is not None:
-                with self._timed("update_critic", timing):
-                    critic_batch = self.mini_batch_major(batch, self.config.critic.ppo_mini_batch_size,
-                                                         self.critic.world_size)
-                    metrics.update(reduce_metrics(self.critic.update_critic(critic_batch).meta["metrics"]))
-            if self.global_step > self.config.trainer.critic_warmup:
-                with self._timed("update_actor", timing):
-                    actor_batch = self.mini_batch_major(batch, self.config.actor_rollout_ref.actor.ppo_mini_batch_size)
-                    metrics.update(reduce_metrics(self.actor.update_actor(actor_batch).meta["metrics"]))
-                with self._timed("update_weights", timing):
-                    self.actor.sync_rollout_weights()  # timed per rank too: the slowest bounds the step
+            batch = self.train_on(batch, metrics, timing)
+        return self.step_metrics(batch, metrics, timing)
+
+    def async_step(self) -> dict[str, float]:
+        """One asynchronous RL step (async_training.mode; hyflow.trainer.async_scheduler): take a batch the rollout
+        has finished, start the rollout's next work, train on the batch meanwhile, collect, push weights."""
+        timing: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        scheduler = self.scheduler
+        with timer("step", timing):
+            with self._timed("gen", timing):  # the trainer waits for a batch (the rollout runs alone)
+                batch = scheduler.next_batch(metrics)
+                metrics.update(scheduler.batch_metrics(batch))
+                metrics.update(self.score(batch, self.reward_manager))
+            pending = scheduler.launch()  # the rollout works on the next prompts ...
+            start = time.perf_counter()
+            batch = self.train_on(batch, metrics, timing)  # ... while this trains
+            train_s = time.perf_counter() - start
+            with self._timed("async_collect", timing):
+                scheduler.land(pending, metrics)
+            scheduler.updated(self.global_step > self.config.trainer.critic_warmup, metrics)
+        # With a rollout pool of its own the rollout's advance ran while the trainer trained; in one process it ran
+        # first (same samples, no overlap).
+        busy = metrics.get("async/rollout_busy_s", 0.0)
+        overlapped = min(busy, train_s) if pending is not None and scheduler.separate else 0.0
+        metrics["async/overlap_share"] = overlapped / timing["step"]
+        metrics["async/rollout_wait_s"] = max(0.0, timing["step"] - busy)
+        metrics["trainer/idle_ratio"] = metrics["async/trainer_wait_s"] / timing["step"]
+        metrics["rollouter/idle_ratio"] = metrics["async/rollout_wait_s"] / timing["step"]
+        return self.step_metrics(batch, metrics, timing)
+
+    def train_on(self, batch: Batch, metrics: dict, timing: dict) -> Batch:
+        """Stages 2-6 of a step on a scored rollout batch: log-probs, values, advantages, updates, weight sync."""
+        batch.meta["global_step"] = self.global_step
+        if self.config.trainer.balance_batch and self.actor.world_size > 1:
+            batch = batch.reorder(balanced_order(batch["attention_mask"].sum(-1), self.actor.world_size))
+        if self.config.algorithm.rollout_correction.bypass_mode:
+            batch["old_log_probs"] = batch["rollout_log_probs"]  # the rollout's log-probs are pi_old
+        elif self.needs_old_log_probs:
+            with self._timed("old_log_prob", timing):
+                batch.union(self.actor.compute_log_prob(
+                    batch, with_sum_pi_squared="sum_pi_squared" in self.estimator.requires))
+        if self.use_reference:
+            with self._timed("ref", timing):
+                batch.union(self.actor.compute_ref_log_prob(batch))
+        if self.critic is not None:
+            with self._timed("values", timing):
+                batch.union(self.critic.compute_values(batch))
+        with self._timed("adv", timing):
+            self.apply_token_level_rewards(batch, metrics)
+            self.apply_rollout_correction(batch, metrics)
+            self.compute_advantages(batch)
+            batch = self.filter_policy(batch, metrics)
+        if self.config.trainer.rollout_data_dir:
+            with self._timed("dump_rollout_generations", timing):
+                dump_generations(self.sample_rows(batch, self.reward_manager),
+                                 self.config.trainer.rollout_data_dir, self.global_step)
+        if self.critic is not None:
+            with self._timed("update_critic", timing):
+                critic_batch = self.mini_batch_major(batch, self.config.critic.ppo_mini_batch_size,
+                                                     self.critic.world_size)
+                metrics.update(reduce_metrics(self.critic.update_critic(critic_batch).meta["metrics"]))
+        if self.global_step > self.config.trainer.critic_warmup:
+            with self._timed("update_actor", timing):
+                actor_batch = self.mini_batch_major(batch, self.config.actor_rollout_ref.actor.ppo_mini_batch_size)
+                metrics.update(reduce_metrics(self.actor.update_actor(actor_batch).meta["metrics"]))
+            with self._timed("update_weights", timing):
+                self.actor.sync_rollout_weights()  # timed per rank too: the slowest bounds the step
+        return batch
+
+    def step_metrics(self, batch: Batch, metrics: dict, timing: dict) -> dict[str, float]:
+        """The step's metrics: the stages' own, plus data, timing, throughput and memory metrics."""
         cfg = self.config
         metrics.update(compute_data_metrics(batch, max_response_length=cfg.actor_rollout_ref.rollout.response_length,
                                             max_prompt_length=cfg.data.max_prompt_length))
@@ -656,6 +736,8 @@ class RLTrainer:
             else:
                 components.update(group.state_dict(contents))
         state = {"global_step": self.global_step, "loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
+        if self.scheduler is not None:
+            state["async"] = self.scheduler.state_dict()
         if "extra" in self.config.actor_rollout_ref.actor.checkpoint.save_contents:
             state["rng"] = capture_rng_state()
         components["trainer_state"] = state
@@ -722,6 +804,11 @@ class RLTrainer:
         self.global_step = int(state["global_step"])
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if self.scheduler is not None:
+            if "async" not in state:
+                raise ValueError(f"checkpoint {path} was saved by a synchronous run; resume it with "
+                                 "async_training.mode=sync, or start the asynchronous run in a new directory")
+            self.scheduler.load_state_dict(state["async"])
         if "rng" in state and "extra" in self.config.actor_rollout_ref.actor.checkpoint.load_contents:
             restore_rng_state(state["rng"])
         print(f"resumed from {path} at step {self.global_step}")

@@ -44,7 +44,6 @@ from hyflow.config.lora import lora_settings
 from hyflow.controller import Collect, Dispatch, Worker, register
 from hyflow.models.forward import unwrap_model
 from hyflow.models.loading import load_causal_lm, load_tokenizer
-from hyflow.rollout.agent_loop import AgentLoopManager
 from hyflow.rollout.base import EngineSpec, RolloutEngineError, SamplingParams, make_engine
 from hyflow.workers.engine import apply_full_determinism
 from hyflow.workers.fsdp import (
@@ -54,6 +53,7 @@ from hyflow.workers.fsdp import (
     maybe_init_distributed,
     parallel_strategy,
 )
+from hyflow.workers.rollout import RolloutStreamHost, build_agent_loops, eos_token_ids, pad_token_id
 from hyflow.workers.train_engine import (
     EngineCheckpoints,
     TrainEngine,
@@ -65,7 +65,7 @@ RESPONSE_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_prob",
                  "rollout_log_probs")
 
 
-class ActorRolloutRefWorker(EngineCheckpoints, Worker):
+class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
     """Policy training, generation and reference log-probs on one device (one rank of a data-parallel group)."""
 
     def __init__(self, config: HyflowConfig, tokenizer=None, **kwargs) -> None:
@@ -112,7 +112,10 @@ class ActorRolloutRefWorker(EngineCheckpoints, Worker):
                 ref_model = copy.deepcopy(model)
         self.weight_bucket_bytes = self.arr.rollout.checkpoint_engine.update_weights_bucket_megabytes << 20
         self.rollout = self._build_rollout(model)
-        self.agent_loops = self._build_agent_loops(model)
+        self.agent_loops = build_agent_loops(self.config, self.tokenizer, self.rollout,
+                                             eos_token_ids(self.tokenizer, model))
+        if self.config.async_training.mode != "sync" and self.config.rollout.n_gpus_per_node == 0:
+            self._build_stream(model)
         self.engine = TrainEngine(
             model, name="actor", head="lm", device=self.model_device, strategy=self.strategy,
             fsdp_config=actor.fsdp_config, optim=actor.optim, grad_clip=actor.grad_clip,
@@ -133,15 +136,6 @@ class ActorRolloutRefWorker(EngineCheckpoints, Worker):
         elif uses_reference(self.config):
             self.ref = self.engine  # LoRA: the reference is the actor with its adapter disabled
 
-    def _eos_ids(self, model) -> list[int]:
-        ids = set()
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        if gen_eos is not None:
-            ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos)
-        return sorted(ids)
-
     def _build_rollout(self, model):
         """The rollout engine of this rank, built by name (`hyflow.rollout.base.make_engine`).
 
@@ -150,32 +144,26 @@ class ActorRolloutRefWorker(EngineCheckpoints, Worker):
         actor's weights (a separate engine receives them at once: vllm may start from `load_format=dummy`).
         """
         rollout_cfg = self.arr.rollout
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        pad = pad_token_id(self.tokenizer)
         self._model_class, self._model_config = type(model), model.config
         spec = EngineSpec(model_path=self.arr.model.path, device=self.model_device, rollout=rollout_cfg,
-                          eos_token_ids=self._eos_ids(model), pad_token_id=pad, module=model,
+                          eos_token_ids=eos_token_ids(self.tokenizer, model), pad_token_id=pad, module=model,
                           share_module=self.model_device.type == "cpu" and self.strategy != "fsdp2",
                           trust_remote_code=self.arr.model.trust_remote_code, rank=self.rank,
                           world_size=self.world_size)
         return make_engine(rollout_cfg.name, spec)
 
-    def _build_agent_loops(self, model) -> AgentLoopManager:
-        """The agent loop over this rank's engine, with the tools and interactions of rollout.multi_turn (each
-        rank loads its own instances, as each of verl's agent-loop workers does)."""
-        mt = self.arr.rollout.multi_turn
-        tools = interactions = None
-        if mt.tool_config_path:
-            from hyflow.tools import load_tools
-
-            tools = load_tools(mt.tool_config_path)
-        if mt.interaction_config_path:
-            from hyflow.interactions import load_interactions
-
-            interactions = load_interactions(mt.interaction_config_path)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        return AgentLoopManager(self.rollout, self.tokenizer, self.arr.rollout, eos_token_ids=self._eos_ids(model),
-                                pad_token_id=pad, tools=tools, interactions=interactions,
-                                chat_template_kwargs=dict(self.config.data.apply_chat_template_kwargs or {}))
+    def _build_stream(self, model) -> None:
+        """Asynchronous training with the rollout in this process: a second hf engine with its own copy of the
+        weights, which change only when the scheduler pushes them (`stream_sync_weights`)."""
+        rollout_cfg = self.arr.rollout
+        eos = eos_token_ids(self.tokenizer, model)
+        spec = EngineSpec(model_path=self.arr.model.path, device=self.model_device, rollout=rollout_cfg,
+                          eos_token_ids=eos, pad_token_id=pad_token_id(self.tokenizer), module=model,
+                          share_module=False, trust_remote_code=self.arr.model.trust_remote_code, rank=self.rank,
+                          world_size=self.world_size)
+        self.stream_engine = make_engine("hf", spec)
+        self.stream_manager = build_agent_loops(self.config, self.tokenizer, self.stream_engine, eos)
 
     # ------------------------------------------------------------------ rollout
     @register(Dispatch.DP_SPLIT, pad=False)
@@ -213,6 +201,24 @@ class ActorRolloutRefWorker(EngineCheckpoints, Worker):
                                    f"process group's timeout, {DIST_TIMEOUT_S:.0f} s by default): every rank must "
                                    f"call sync_rollout_weights together (Dispatch.REPLICATE); {err}") from err
         return time.perf_counter() - start
+
+    @register(Dispatch.REPLICATE)
+    def stream_sync_weights(self, version: int) -> float:
+        """Asynchronous training in this process: copy the actor's weights into the stream's engine and tag what
+        it decodes from now on with `version`; returns seconds spent."""
+        start = time.perf_counter()
+        self.stream_engine.update_weights(self.engine.weight_buckets(self.weight_bucket_bytes))
+        if self.stream is not None:
+            self.stream.set_version(version)
+        return time.perf_counter() - start
+
+    @register(Dispatch.REPLICATE, collect=Collect.FIRST)
+    def export_weights(self) -> list | None:
+        """The actor's full weights (LoRA merged) as buckets of at most `weight_bucket_bytes` of CPU tensors on rank
+        0, None on the others; collective under FSDP2 (every rank gathers). For a rollout pool of its own."""
+        buckets = [[(name, tensor.detach().to("cpu", copy=True)) for name, tensor in bucket]
+                   for bucket in self.engine.weight_buckets(self.weight_bucket_bytes)]
+        return buckets if self.rank == 0 else None
 
     # ------------------------------------------------------------------ forward passes
 

@@ -1,0 +1,309 @@
+"""Trajectories that outlive one call: the rollout side of asynchronous training (`async_training.mode`).
+
+`RolloutStream` keeps the agent loop's trajectories alive between calls. The trainer's scheduler `submit`s
+prompts (each with a group tag, the prompt's admission number) and calls `advance(need)`, which decodes until
+`need` more prompts have all their `rollout.n` samples finished, or nothing is in flight, and returns those
+groups as verl's rollout Batch. Between two calls the trainer may push new weights (`set_version` after the
+engine's `update_weights`): trajectories in flight then continue under the new weights (a partial rollout).
+
+Segments. A generation request of a trajectory is decoded `chunk_tokens` at a time: each engine call gives every
+waiting request at most that many new tokens; a request that neither stopped nor used its budget goes back to
+the queue with its tokens so far appended to its prompt, transparently to the agent loop (verl's server resumes
+an interrupted request the same way). So weights can change inside one assistant turn, and every token keeps
+the policy version and the log-prob it was sampled with: the batch's `rollout_versions` [N, R] holds the
+version of each model token (-1 elsewhere), `rollout_log_probs` the sampling log-probs, which the trainer's
+off-policy correction compares with its own.
+
+Deterministic. Like `BatchingServer`, the stream decodes only when every live trajectory waits for the engine,
+requests in trajectory order, engine call k seeded with seed + k * SEED_STRIDE; so the samples depend on the
+seed, the submitted prompts and when the weights changed, never on timing. It runs on an event loop of its own,
+driven only inside `advance` (a breakpoint in an agent loop or tool stops the whole process, as usual).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from hyflow.batch import Batch
+from hyflow.rollout.agent_loop import (
+    AgentLoopManager,
+    AgentLoopOutput,
+    BatchingServer,
+    ServerHandle,
+    TokenOutput,
+    _Request,
+    prompt_rows,
+    sampling_dict,
+)
+from hyflow.rollout.base import SamplingParams
+from hyflow.rollout.output import position_ids_from_mask
+
+
+@dataclass
+class _Segmented:
+    """A trajectory's generation request, decoded in segments."""
+
+    index: int
+    group: tuple
+    prompt_ids: list[int]
+    budget: int  # new tokens this request may still generate
+    future: asyncio.Future
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+class StreamServer(BatchingServer):
+    """A BatchingServer that decodes at most `chunk` tokens per request per engine call and is flushed by its
+    owner (`flush`), not by itself; it records the policy version of every token it returns."""
+
+    def __init__(self, engine, params: SamplingParams, pad_token_id: int, eos_token_ids: Sequence[int],
+                 chunk: int) -> None:
+        super().__init__(engine, params, pad_token_id, eos_token_ids, prompts=None)
+        self.chunk = max(1, int(chunk))
+        self.version = 0
+        self.token_versions: dict[int, list[int]] = {}  # trajectory index -> versions of its model tokens
+        self.continued = 0  # segments that went back to the queue unfinished
+        self.tokens = 0
+
+    async def generate(self, index: int, prompt_ids: list[int], budget: int, group: tuple | None = None
+                       ) -> TokenOutput:
+        budget = max(1, min(int(budget), self.params.max_new_tokens))
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append(_Segmented(index, group if group is not None else ("own", index), list(prompt_ids),
+                                       budget, future))
+        self._check()
+        return await future
+
+    def quiescent(self) -> bool:
+        """True when no trajectory can move without the engine: every live one waits for it, or none is live."""
+        return self.live <= 0 or len(self.waiting) >= self.live
+
+    def flush(self) -> None:
+        """One engine call over every waiting request (at most `chunk` new tokens each)."""
+        segments: list[_Segmented] = sorted(self.waiting, key=lambda r: r.index)
+        self.waiting = []
+        views = [_Request(seg.index, seg.group if not seg.tokens else ("own", seg.index), seg.prompt_ids + seg.tokens,
+                          min(seg.budget, self.chunk), seg.future) for seg in segments]
+        try:
+            outputs = self._decode(views)
+        except BaseException as err:
+            for seg in segments:
+                if not seg.future.done():
+                    seg.future.set_exception(err)
+            raise
+        for seg, out in zip(segments, outputs):
+            if seg.future.done():  # cancelled meanwhile
+                continue
+            count = len(out.token_ids)
+            self.tokens += count
+            seg.tokens += out.token_ids
+            seg.log_probs += out.log_probs if out.log_probs is not None else [0.0] * count
+            seg.versions += [self.version] * count
+            seg.budget -= count
+            if out.stop_reason == "stop" or seg.budget <= 0:
+                self.token_versions.setdefault(seg.index, []).extend(seg.versions)
+                seg.future.set_result(TokenOutput(seg.tokens, seg.log_probs if self.params.calculate_log_probs
+                                                  else None, "stop" if out.stop_reason == "stop" else "length"))
+            else:
+                self.continued += 1
+                self.waiting.append(seg)
+
+
+@dataclass
+class _Group:
+    """One admitted prompt and its n trajectories."""
+
+    tag: int
+    prompt: Batch  # the prompt's row, left-padded to the stream's prompt width
+    name: str
+    first_index: int
+    admitted_version: int
+    outputs: list[AgentLoopOutput | None]
+
+
+class RolloutStream:
+    """The agent loop's trajectories, kept alive across calls (see the module docstring)."""
+
+    def __init__(self, manager: AgentLoopManager, params: SamplingParams, *, chunk_tokens: int,
+                 prompt_width: int) -> None:
+        self.manager, self.params = manager, params
+        self.prompt_width = int(prompt_width)
+        self.response_length = int(params.max_new_tokens)
+        self.loop = asyncio.new_event_loop()
+        self._executor = ThreadPoolExecutor(max_workers=manager.num_workers, thread_name_prefix="hyflow-tool")
+        self.loop.set_default_executor(self._executor)  # asyncio.to_thread in tools: at most num_workers at once
+        self.server = StreamServer(manager.engine, dataclasses.replace(params, n=1), manager.pad_token_id,
+                                   manager.eos_token_ids, chunk_tokens)
+        self.server._ready = asyncio.Event()
+        self.groups: dict[int, _Group] = {}
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.next_index = 0
+        self.busy_s = 0.0
+
+    # ------------------------------------------------------------------ the trainer's calls
+    @property
+    def version(self) -> int:
+        return self.server.version
+
+    def set_version(self, version: int) -> None:
+        """The engine now holds the weights of policy version `version` (after its update_weights)."""
+        self.server.version = int(version)
+
+    def in_flight(self) -> list[int]:
+        """Tags of the admitted prompts that are not finished yet, in admission order."""
+        return sorted(self.groups)
+
+    def submit(self, prompts: Batch, tags: Sequence[int]) -> None:
+        """Admit `prompts` (one tag each): their n trajectories start at the next `advance`."""
+        if len(tags) != len(prompts):
+            raise ValueError(f"submit got {len(prompts)} prompts but {len(tags)} tags")
+        names = self.manager.agent_names(prompts)  # an unknown loop name fails here, before anything runs
+        rows = prompt_rows(prompts)
+        padded = left_pad_prompts(prompts, self.prompt_width, self.manager.pad_token_id)
+        n = self.params.n
+        sampling = sampling_dict(self.params)
+        for i, tag in enumerate(tags):
+            tag = int(tag)
+            if tag in self.groups:
+                raise ValueError(f"prompt tag {tag} is already in flight")
+            group = _Group(tag, padded[i : i + 1], names[i], self.next_index, self.version, [None] * n)
+            self.groups[tag] = group
+            for sample in range(n):
+                index = self.next_index
+                self.next_index += 1
+                self.server.live += 1
+                self.tasks[index] = self.loop.create_task(self._trajectory(group, sample, index, rows[i], sampling))
+
+    def advance(self, need: int) -> Batch | None:
+        """Decode until `need` more prompts are finished (all n samples) or nothing is in flight; return the
+        finished groups as one rollout Batch (admission order), or None when none finished. Columns beyond an
+        engine's: `rollout_versions` [N, R], `async_tag` [N] (the prompt's tag), `async_admitted_version` [N]."""
+        start = time.perf_counter()
+        try:
+            return self._run(self._advance(max(1, int(need))))
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+    def reset(self) -> list[int]:
+        """Cancel every trajectory in flight; returns the tags dropped (their prompts must be submitted again)."""
+        dropped = self.in_flight()
+        for task in self.tasks.values():
+            task.cancel()
+        if self.tasks:
+            self._run(asyncio.gather(*self.tasks.values(), return_exceptions=True))
+        self.tasks.clear()
+        self.groups.clear()
+        self.server.waiting = []
+        self.server.live = 0
+        return dropped
+
+    def close(self) -> None:
+        self.reset()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.loop.close()
+
+    # ------------------------------------------------------------------ inside the loop
+    def _run(self, coroutine):
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return self.loop.run_until_complete(coroutine)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hyflow-stream") as pool:  # inside Jupyter
+            return pool.submit(self.loop.run_until_complete, coroutine).result()
+
+    async def _trajectory(self, group: _Group, sample: int, index: int, row: dict, sampling: dict) -> None:
+        try:
+            handle = ServerHandle(self.server, index, ("stream", group.tag), self.response_length)
+            agent = self.manager.make_agent(group.name, handle)
+            group.outputs[sample] = await agent.run(sampling, **row)
+        finally:
+            self.server.finished_one()
+
+    async def _settle(self) -> None:
+        """Let every runnable trajectory run until each waits for the engine or has finished."""
+        ready = self.server._ready
+        while not self.server.quiescent():
+            ready.clear()
+            self.server._check()
+            await ready.wait()
+
+    def _failed(self) -> None:
+        for task in self.tasks.values():
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+
+    async def _advance(self, need: int) -> Batch | None:
+        calls, sizes, seconds = self.server.calls, len(self.server.batch_sizes), self.server.seconds
+        tokens, continued = self.server.tokens, self.server.continued
+        done: list[_Group] = []
+        while True:
+            await self._settle()
+            self._failed()
+            for tag in sorted(self.groups):
+                group = self.groups[tag]
+                if all(out is not None for out in group.outputs):
+                    done.append(self.groups.pop(tag))
+                    for index in range(group.first_index, group.first_index + len(group.outputs)):
+                        self.tasks.pop(index, None)
+            if len(done) >= need or self.server.live <= 0:
+                break
+            self.server.flush()
+        if not done:
+            return None
+        stats = SimpleNamespace(calls=self.server.calls - calls, batch_sizes=self.server.batch_sizes[sizes:],
+                                seconds=self.server.seconds - seconds)
+        batch = self._assemble(done, stats)
+        batch.meta["metrics"].update({"async/rollout_tokens": float(self.server.tokens - tokens),
+                                      "async/continued_segments": float(self.server.continued - continued)})
+        return batch
+
+    def _assemble(self, groups: list[_Group], stats) -> Batch:
+        n = self.params.n
+        prompts = Batch.concat([g.prompt for g in groups])
+        outputs = [out for g in groups for out in g.outputs]
+        names = [g.name for g in groups]
+        # the manager's assembly reads names per prompt row
+        batch = self.manager.assemble(prompts, self.params, outputs, names, stats)
+        versions = torch.full(batch["responses"].shape, -1, dtype=torch.long)
+        mask = batch["response_mask"].bool()
+        for row, (group, sample) in enumerate((g, s) for g in groups for s in range(n)):
+            positions = mask[row].nonzero().flatten()
+            recorded = self.server.token_versions.pop(group.first_index + sample, [])
+            count = min(len(recorded), len(positions))
+            if count:
+                versions[row, positions[:count]] = torch.tensor(recorded[:count], dtype=torch.long)
+            if count < len(positions):  # tokens the recorder did not see (a custom loop's): the newest version
+                versions[row, positions[count:]] = recorded[-1] if recorded else self.version
+        batch["rollout_versions"] = versions
+        batch["async_tag"] = torch.tensor([g.tag for g in groups for _ in range(n)], dtype=torch.long)
+        batch["async_admitted_version"] = torch.tensor([g.admitted_version for g in groups for _ in range(n)],
+                                                       dtype=torch.long)
+        return batch
+
+
+def left_pad_prompts(prompts: Batch, width: int, pad_token_id: int) -> Batch:
+    """`prompts` with `input_ids` / `attention_mask` / `position_ids` left-padded to `width` columns (so prompts
+    admitted at different times concatenate); an error when a prompt is wider."""
+    current = prompts["input_ids"].shape[1]
+    if current > width:
+        raise ValueError(f"a prompt batch is {current} tokens wide, more than the rollout's prompt width {width} "
+                         "(actor_rollout_ref.rollout.prompt_length = data.max_prompt_length); raise it")
+    out = prompts.clone()
+    if current == width:
+        return out
+    extra = width - current
+    ids = torch.full((len(prompts), extra), pad_token_id, dtype=prompts["input_ids"].dtype)
+    zeros = torch.zeros((len(prompts), extra), dtype=prompts["attention_mask"].dtype)
+    out["input_ids"] = torch.cat([ids, prompts["input_ids"]], dim=-1)
+    out["attention_mask"] = torch.cat([zeros, prompts["attention_mask"]], dim=-1)
+    out["position_ids"] = position_ids_from_mask(out["attention_mask"])
+    return out

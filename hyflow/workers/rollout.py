@@ -1,0 +1,141 @@
+"""The rollout side of asynchronous training (`async_training.mode`): a `RolloutStream` on a worker.
+
+- `RolloutStreamHost`: the worker methods the trainer's scheduler calls — `stream_start`, `stream_submit`,
+  `stream_advance`, `stream_reset` — over this rank's stream engine. With several rollout ranks each keeps the
+  prompts whose tag is its rank modulo the world size, and advances until its share of the wanted prompts is
+  finished (so the split never depends on timing).
+- `RolloutWorker`: a rollout-only worker (tokenizer, one engine, the agent loop; no optimizer, no reference) for
+  the rollout pool of its own (`rollout.n_gpus_per_node` > 0). It receives the trainer's weights through
+  `stream_load_weights(buckets, version)`: all of them or none (the engine's `update_weights`).
+- `build_agent_loops`: the agent loop over an engine with the tools and interactions of `rollout.multi_turn`,
+  shared with the colocated actor worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+from hyflow.batch import Batch
+from hyflow.config import HyflowConfig
+from hyflow.controller import Dispatch, Worker, register
+from hyflow.models.loading import load_causal_lm, load_tokenizer
+from hyflow.rollout.agent_loop import AgentLoopManager
+from hyflow.rollout.base import EngineSpec, SamplingParams, make_engine
+from hyflow.rollout.stream import RolloutStream
+from hyflow.workers.train_engine import resolve_device
+
+
+def eos_token_ids(tokenizer, model=None) -> list[int]:
+    """The tokenizer's EOS id plus the model's generation-config EOS id(s)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if gen_eos is not None:
+        ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos)
+    return sorted(ids)
+
+
+def pad_token_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def build_agent_loops(config: HyflowConfig, tokenizer, engine, eos_ids: list[int]) -> AgentLoopManager:
+    """The agent loop over `engine`, with the tools and interactions of rollout.multi_turn (each worker loads its
+    own instances, as each of verl's agent-loop workers does)."""
+    rollout = config.actor_rollout_ref.rollout
+    mt = rollout.multi_turn
+    tools = interactions = None
+    if mt.tool_config_path:
+        from hyflow.tools import load_tools
+
+        tools = load_tools(mt.tool_config_path)
+    if mt.interaction_config_path:
+        from hyflow.interactions import load_interactions
+
+        interactions = load_interactions(mt.interaction_config_path)
+    return AgentLoopManager(engine, tokenizer, rollout, eos_token_ids=eos_ids, pad_token_id=pad_token_id(tokenizer),
+                            tools=tools, interactions=interactions,
+                            chat_template_kwargs=dict(config.data.apply_chat_template_kwargs or {}))
+
+
+class RolloutStreamHost:
+    """Stream methods for a worker that has `self.stream_manager` (an AgentLoopManager over the stream's engine),
+    `self.rank` and `self.world_size`."""
+
+    stream: RolloutStream | None = None
+
+    @register(Dispatch.REPLICATE)
+    def stream_start(self, params: SamplingParams, chunk_tokens: int, prompt_width: int) -> None:
+        """Start an empty stream (rank r samples with seed + 1_000_003 * r, as `generate_sequences` does)."""
+        if params.seed is not None:
+            params = dataclasses.replace(params, seed=params.seed + 1_000_003 * self.rank)
+        if self.stream is not None:
+            self.stream.close()
+        self.stream = RolloutStream(self.stream_manager, params, chunk_tokens=chunk_tokens, prompt_width=prompt_width)
+
+    @register(Dispatch.REPLICATE)
+    def stream_submit(self, prompts: Batch, tags: list[int]) -> None:
+        """Admit this rank's prompts of `prompts` (those whose tag is the rank modulo the world size)."""
+        mine = [i for i, tag in enumerate(tags) if int(tag) % self.world_size == self.rank]
+        if mine:
+            self.stream.submit(prompts[mine], [int(tags[i]) for i in mine])
+
+    @register(Dispatch.REPLICATE)
+    def stream_advance(self, need: int) -> tuple[Batch | None, dict]:
+        """Decode until this rank's share of `need` prompts (ceil(need / world size)) is finished or nothing is in
+        flight here; returns (the finished samples or None, {busy_s, in_flight: tags, version})."""
+        start = time.perf_counter()
+        batch = self.stream.advance(math.ceil(need / self.world_size))
+        return batch, {"busy_s": time.perf_counter() - start, "in_flight": self.stream.in_flight(),
+                       "version": self.stream.version}
+
+    @register(Dispatch.REPLICATE)
+    def stream_reset(self) -> list[int]:
+        """Cancel what is in flight; returns the dropped tags."""
+        return [] if self.stream is None else self.stream.reset()
+
+
+class RolloutWorker(RolloutStreamHost, Worker):
+    """A rollout-only worker on a device of the rollout pool (see the module docstring)."""
+
+    def __init__(self, config: HyflowConfig, tokenizer=None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_device = resolve_device(config.trainer.device, self.local_rank)
+
+    @register(Dispatch.REPLICATE)
+    def init_model(self) -> None:
+        """Load the tokenizer and the engine (hf: the model on this device; vllm: loads the path itself)."""
+        model_cfg = self.config.actor_rollout_ref.model
+        rollout = self.config.actor_rollout_ref.rollout
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path,
+                                            trust_remote_code=model_cfg.trust_remote_code,
+                                            chat_template=model_cfg.custom_chat_template)
+        model = None
+        if rollout.name == "hf":
+            model = load_causal_lm(model_cfg.path, dtype="float32", trust_remote_code=model_cfg.trust_remote_code,
+                                   override_config=dict(model_cfg.override_config or {}), device=self.model_device)
+            model.requires_grad_(False)
+        eos = eos_token_ids(self.tokenizer, model)
+        spec = EngineSpec(model_path=model_cfg.path, device=self.model_device, rollout=rollout, eos_token_ids=eos,
+                          pad_token_id=pad_token_id(self.tokenizer), module=model, share_module=True,
+                          trust_remote_code=model_cfg.trust_remote_code, rank=self.rank, world_size=self.world_size)
+        self.engine = make_engine(rollout.name, spec)
+        self.engine.shares_weights = False  # its own module: the trainer's weights arrive via update_weights
+        self.stream_manager = build_agent_loops(self.config, self.tokenizer, self.engine, eos)
+
+    @register(Dispatch.REPLICATE)
+    def stream_load_weights(self, buckets: list, version: int) -> float:
+        """Load the trainer's weights (all buckets or none) and tag what is decoded from now on with `version`;
+        returns seconds spent."""
+        start = time.perf_counter()
+        self.engine.wake()
+        self.engine.update_weights(buckets)
+        if self.stream is not None:
+            self.stream.set_version(version)
+        return time.perf_counter() - start
