@@ -270,6 +270,9 @@ _TABLE: list[KeySupport] = [
     _performance("data.dataloader_num_workers", "hyflow batches prompts in the main process (each prompt is "
                  "tokenized once and cached); the batches are the same"),
     _performance("data.filter_overlong_prompts_workers", "filtering runs in one process; same prompts kept"),
+    _unsupported("async_training.require_batches", "a hyflow asynchronous step trains on data.train_batch_size "
+                 "prompts, as a synchronous one does; size the step with data.train_batch_size (and "
+                 "ppo_mini_batch_size) and " + LEAVE),
     _performance("async_training.use_trainer_do_validate", "hyflow validates on the trainer's workers with its "
                  "current weights in every mode; the key only says where verl validates"),
     _performance("reward_model.launch_reward_fn_async", "scoring in the background overlaps time only; the "

@@ -163,7 +163,7 @@ def _check_async(cfg: HyflowConfig) -> list[str]:
                         f"{pool.n_gpus_per_node} >= 0 (0 = no rollout pool of its own)")
     if at.mode == "sync":
         set_keys = [f"async_training.{f.name}" for f in dataclasses.fields(at)
-                    if f.name not in ("mode", "use_trainer_do_validate")
+                    if f.name not in ("mode", "use_trainer_do_validate", "require_batches")
                     and getattr(at, f.name) != getattr(defaults, f.name)]
         if pool.n_gpus_per_node > 0:
             set_keys.append("rollout.n_gpus_per_node")
@@ -173,10 +173,6 @@ def _check_async(cfg: HyflowConfig) -> list[str]:
                             "drop them")
         return problems
     where = f"async_training.mode={at.mode}"
-    if at.require_batches != 1:
-        problems.append(f"async_training.require_batches={at.require_batches}: a hyflow asynchronous step trains "
-                        "on data.train_batch_size prompts, as a synchronous one does; size the step with "
-                        "data.train_batch_size (and ppo_mini_batch_size) and leave require_batches at 1")
     if not cfg.actor_rollout_ref.rollout.calculate_log_probs:
         problems.append(f"{where} needs the rollout's per-token log-probs (each token's behaviour policy): set "
                         f"{R}.calculate_log_probs=true")

@@ -183,13 +183,14 @@ class RolloutStream:
                 self.server.live += 1
                 self.tasks[index] = self.loop.create_task(self._trajectory(group, sample, index, rows[i], sampling))
 
-    def advance(self, need: int) -> Batch | None:
-        """Decode until `need` more prompts are finished (all n samples) or nothing is in flight; return the
-        finished groups as one rollout Batch (admission order), or None when none finished. Columns beyond an
-        engine's: `rollout_versions` [N, R], `async_tag` [N] (the prompt's tag), `async_admitted_version` [N]."""
+    def advance(self, need: int, max_calls: int | None = None) -> Batch | None:
+        """Decode until `need` more prompts are finished (all n samples), nothing is in flight, or `max_calls`
+        engine calls were made; return the finished groups as one rollout Batch (admission order), or None when
+        none finished. Columns beyond an engine's: `rollout_versions` [N, R], `async_tag` [N] (the prompt's tag),
+        `async_admitted_version` [N]."""
         start = time.perf_counter()
         try:
-            return self._run(self._advance(max(1, int(need))))
+            return self._run(self._advance(max(1, int(need)), max_calls))
         finally:
             self.busy_s += time.perf_counter() - start
 
@@ -241,7 +242,7 @@ class RolloutStream:
             if task.done() and not task.cancelled() and task.exception() is not None:
                 raise task.exception()
 
-    async def _advance(self, need: int) -> Batch | None:
+    async def _advance(self, need: int, max_calls: int | None) -> Batch | None:
         calls, sizes, seconds = self.server.calls, len(self.server.batch_sizes), self.server.seconds
         tokens, continued = self.server.tokens, self.server.continued
         done: list[_Group] = []
@@ -254,7 +255,8 @@ class RolloutStream:
                     done.append(self.groups.pop(tag))
                     for index in range(group.first_index, group.first_index + len(group.outputs)):
                         self.tasks.pop(index, None)
-            if len(done) >= need or self.server.live <= 0:
+            if len(done) >= need or self.server.live <= 0 or (max_calls is not None
+                                                                and self.server.calls - calls >= max_calls):
                 break
             self.server.flush()
         if not done:

@@ -45,6 +45,12 @@ import numpy as np
 import torch
 
 from hyflow.batch import Batch
+from hyflow.controller import WorkerError
+
+
+class AsyncRolloutError(RuntimeError):
+    """The rollout side of an asynchronous run failed (a worker raised or died); the message says which and
+    what to do."""
 
 
 @dataclass
@@ -88,7 +94,8 @@ class AsyncScheduler:
     def start(self) -> None:
         """Start the rollout's stream and give it the trainer's current weights (after a resume: the resumed ones)."""
         params = self.trainer.sampling_params(seed=self.trainer.config.trainer.seed * 1_000_003 + self.version)
-        self.rollout.stream_start(params, self.chunk, self.trainer.config.actor_rollout_ref.rollout.prompt_length)
+        self._rollout_call("starting", self.rollout.stream_start, params, self.chunk,
+                           self.trainer.config.actor_rollout_ref.rollout.prompt_length)
         self._push_weights({})
 
     def state_dict(self) -> dict:
@@ -136,14 +143,14 @@ class AsyncScheduler:
         need = max(1, self.batch_prompts - self._buffered())
         if self._push_due() and not self.partial:
             need = len(in_flight)  # drain: the push waits for every trajectory in flight
-        return self.rollout.submit("stream_advance", need), time.perf_counter()
+        return self._rollout_call("generating", self.rollout.submit, "stream_advance", need), time.perf_counter()
 
     def land(self, pending, metrics: dict) -> None:
         """Wait for the rollout's advance and put its finished prompts in the buffer."""
         if pending is None:
             return
         call, started = pending
-        results = call.result()
+        results = self._rollout_call("generating", call.result)
         self._rollout_metrics(results, time.perf_counter() - started, metrics)
         for batch, _info in results:
             if batch is None:
@@ -171,6 +178,16 @@ class AsyncScheduler:
             self.rollout.stream_reset()
 
     # ------------------------------------------------------------------ internals
+    def _rollout_call(self, doing: str, fn, *args):
+        """`fn(*args)` on the rollout side; a failed or dead rollout worker stops the run with a named error."""
+        try:
+            return fn(*args)
+        except WorkerError as err:
+            where = "the rollout pool's worker" if self.separate else "the rollout in the trainer's worker"
+            raise AsyncRolloutError(f"asynchronous training stopped: {where} failed while {doing} ({err}). "
+                                    "Resume from the last checkpoint (trainer.resume_mode=auto; trainer.save_freq > 0 "
+                                    "writes them)") from err
+
     def _buffered(self) -> int:
         return sum(live.samples is not None for live in self.live.values())
 
@@ -199,7 +216,7 @@ class AsyncScheduler:
         prompts = self.trainer.loader.collate_ids(ids)
         for tag, prompt_id in zip(tags, ids):
             self.live[tag] = _Live(tag, prompt_id, self.rollout_version)
-        self.rollout.stream_submit(prompts, tags)
+        self._rollout_call("admitting prompts", self.rollout.stream_submit, prompts, tags)
 
     def _staleness(self, live: _Live) -> int:
         versions = live.samples["rollout_versions"]
@@ -272,9 +289,9 @@ class AsyncScheduler:
             buckets = self.trainer.actor.export_weights()
             if not buckets:
                 raise RuntimeError("the actor exported no weights for the rollout pool")
-            self.rollout.stream_load_weights(buckets, self.version)
+            self._rollout_call("loading weights", self.rollout.stream_load_weights, buckets, self.version)
         else:
-            self.rollout.stream_sync_weights(self.version)
+            self._rollout_call("loading weights", self.rollout.stream_sync_weights, self.version)
         self.rollout_version = self.version
         metrics["async/weight_sync_s"] = metrics.get("async/weight_sync_s", 0.0) + time.perf_counter() - start
 

@@ -804,6 +804,10 @@ class RLTrainer:
         self.global_step = int(state["global_step"])
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if self.scheduler is None and "async" in state:
+            raise ValueError(f"checkpoint {path} was saved by an asynchronous run (async_training.mode) with prompts "
+                             "admitted but not trained yet, which a synchronous run would skip; resume it with the "
+                             "async_training settings it was saved with")
         if self.scheduler is not None:
             if "async" not in state:
                 raise ValueError(f"checkpoint {path} was saved by a synchronous run; resume it with "

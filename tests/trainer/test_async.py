@@ -1,0 +1,218 @@
+"""Asynchronous training (async_training.mode): config errors, the schedules' staleness in one process, resume
+without losing or repeating prompts, 2 Ray workers (one rollout, one trainer) that learn like the synchronous
+run, and a killed rollout worker that stops the run with a named error."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from hyflow.config import load_config
+from hyflow.config.keys import ConfigError
+from hyflow.config.validate import validate_config
+from hyflow.trainer.rl_trainer import RLTrainer
+from hyflow.trainer.tracking import read_metrics
+
+ASYNC = ("actor_rollout_ref.rollout.calculate_log_probs=true",)
+
+
+def args(model_dir, task_dir, run_dir, *extra):
+    return [f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={task_dir}/train.parquet",
+            f"trainer.default_local_dir={run_dir}", "actor_rollout_ref.rollout.n=4", "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.max_prompt_length=48",
+            "data.max_response_length=12", "actor_rollout_ref.actor.optim.lr=1e-3", "reward_model.num_workers=0",
+            "trainer.logger=[file]", "trainer.device=cpu", "trainer.val_before_train=false", "data.seed=3",
+            "algorithm.adv_estimator=grpo", *extra]
+
+
+def problems(*overrides) -> str:
+    with pytest.raises(ConfigError) as err:
+        validate_config(load_config(["actor_rollout_ref.model.path=x", *overrides]))
+    return str(err.value)
+
+
+def test_config_errors_name_the_key_and_the_fix():
+    assert "only apply(ies) to asynchronous training" in problems("async_training.partial_rollout=false")
+    assert "rollout.n_gpus_per_node" in problems("rollout.n_gpus_per_node=1")
+    assert "calculate_log_probs=true" in problems("async_training.mode=fully_async")
+    assert "async_training.require_batches is not supported" in problems("async_training.mode=fully_async", *ASYNC,
+                                                    "async_training.require_batches=2")
+    assert "raise max_staleness" in problems("async_training.mode=fully_async", *ASYNC,
+                                             "async_training.trigger_parameter_sync_step=2")
+    assert "at least one version old" in problems("async_training.mode=fully_async", *ASYNC,
+                                                  "async_training.max_staleness=0")
+    assert "tune(s) async_training.mode=fully_async" in problems("async_training.mode=one_step_off", *ASYNC,
+                                                                "async_training.partial_rollout=false")
+    assert "filter_groups" in problems("async_training.mode=one_step_off", *ASYNC, "algorithm.filter_groups.enable=true",
+                                       "algorithm.filter_groups.metric=acc")
+    assert "greedy rollout" in problems("async_training.mode=one_step_off", *ASYNC, "algorithm.adv_estimator=remax")
+    assert "trainer.executor=local cannot" in problems("async_training.mode=one_step_off", *ASYNC,
+                                                       "rollout.n_gpus_per_node=1", "trainer.executor=local")
+    assert "pool of its own" in problems("async_training.mode=one_step_off", *ASYNC, "trainer.n_gpus_per_node=2")
+    assert "only the hf engine" in problems("async_training.mode=one_step_off", *ASYNC,
+                                            "actor_rollout_ref.rollout.name=vllm")
+    # a valid asynchronous config
+    validate_config(load_config(["actor_rollout_ref.model.path=x", "async_training.mode=fully_async", *ASYNC,
+                                 "async_training.max_staleness=2", "async_training.trigger_parameter_sync_step=2"]))
+
+
+@pytest.mark.slow
+def test_one_step_off_trains_every_sample_one_version_old(tiny_model_dir, task_dir, tmp_path):
+    history = RLTrainer(args(tiny_model_dir, task_dir, tmp_path / "run", "trainer.total_training_steps=4",
+                             "async_training.mode=one_step_off", *ASYNC)).fit()
+    assert [row["async/staleness/max"] for row in history] == [0.0, 1.0, 1.0, 1.0]
+    assert [row["async/staleness/mean"] for row in history] == [0.0, 1.0, 1.0, 1.0]
+    assert [row["async/version"] for row in history] == [1.0, 2.0, 3.0, 4.0]
+    assert all(row["async/rollout_version"] == row["async/version"] for row in history)
+    # the default off-policy correction ran against the per-token rollout log-probs
+    assert all("rollout_corr/is_mean" in row for row in history)
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert "rollout_is: token" in saved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy, staleness", [("wait", 1), ("wait", 2), ("drop", 1)])
+def test_fully_async_never_trains_past_the_staleness_bound(tiny_model_dir, task_dir, tmp_path, policy, staleness):
+    history = RLTrainer(args(tiny_model_dir, task_dir, tmp_path / "run", "trainer.total_training_steps=6",
+                             "async_training.mode=fully_async", *ASYNC, "async_training.staleness_threshold=1",
+                             f"async_training.max_staleness={staleness}", f"async_training.stale_policy={policy}",
+                             "async_training.partial_rollout_chunk=4")).fit()
+    assert max(row["async/staleness/max"] for row in history) <= staleness
+    assert max(row["async/staleness/max"] for row in history) >= 1  # it did run ahead
+    if policy == "wait":
+        assert sum(row["async/dropped_stale"] for row in history) == 0
+    assert all(row["async/continued_segments"] > 0 for row in history)  # 12 tokens in segments of 4
+
+
+def trained_prompts(directory) -> dict[int, collections.Counter]:
+    """step -> Counter of the prompts trained at that step (from trainer.rollout_data_dir's dumps)."""
+    out = {}
+    for path in sorted(directory.glob("*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        out[int(path.stem)] = collections.Counter(row["input"] for row in rows)
+    return out
+
+
+@pytest.mark.slow
+def test_resume_in_fully_async_loses_and_repeats_no_prompt(tiny_model_dir, task_dir, tmp_path):
+    """A checkpoint holds the prompts admitted but not trained yet; the resumed run admits them again first: the
+    prompts trained over steps 1-4 are those of an uninterrupted run (their samples are generated again)."""
+    common = ("async_training.mode=fully_async", *ASYNC, "async_training.staleness_threshold=1",
+              "async_training.partial_rollout_chunk=4")
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    RLTrainer(args(tiny_model_dir, task_dir, whole / "run", "trainer.total_training_steps=4", *common,
+                   f"trainer.rollout_data_dir={whole}/dump")).fit()
+    RLTrainer(args(tiny_model_dir, task_dir, split / "run", "trainer.total_training_steps=2", "trainer.save_freq=2",
+                   *common, f"trainer.rollout_data_dir={split}/dump")).fit()
+    state = torch.load(split / "run" / "global_step_2" / "trainer_state.pt", weights_only=True)["async"]
+    # prompts 8-11 were admitted at step 2 (AReaL's bound: (version 1 + S 1 + 1) x 4 = 12 admitted at most) and
+    # not trained yet; their ids are (epoch 0, place 8-11 of its order)
+    assert state["version"] == 2 and state["pending"] == [[0, 8], [0, 9], [0, 10], [0, 11]]
+    resumed = RLTrainer(args(tiny_model_dir, task_dir, split / "run", "trainer.total_training_steps=4", *common,
+                             f"trainer.rollout_data_dir={split}/dump"))
+    resumed.fit()
+    assert [row["step"] for row in read_metrics(split / "run")] == [1, 2, 3, 4]
+    a, b = trained_prompts(whole / "dump"), trained_prompts(split / "dump")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert sum(a.values(), collections.Counter()) == sum(b.values(), collections.Counter())
+    for counter in b.values():
+        assert set(counter.values()) == {4}  # every prompt with its n samples
+    assert sum(len(counter) for counter in b.values()) == 16
+
+
+@pytest.mark.slow
+def test_async_checkpoint_refuses_a_synchronous_resume_and_vice_versa(tiny_model_dir, task_dir, tmp_path):
+    sync_run, async_run = tmp_path / "sync", tmp_path / "async"
+    RLTrainer(args(tiny_model_dir, task_dir, sync_run, "trainer.total_training_steps=1", "trainer.save_freq=1")).fit()
+    with pytest.raises(ValueError, match="saved by a synchronous run"):
+        RLTrainer(args(tiny_model_dir, task_dir, sync_run, "trainer.total_training_steps=2",
+                       "async_training.mode=one_step_off", *ASYNC)).fit()
+    RLTrainer(args(tiny_model_dir, task_dir, async_run, "trainer.total_training_steps=1", "trainer.save_freq=1",
+                   "async_training.mode=one_step_off", *ASYNC)).fit()
+    with pytest.raises(ValueError, match="saved by an asynchronous run"):
+        RLTrainer(args(tiny_model_dir, task_dir, async_run, "trainer.total_training_steps=2")).fit()
+
+
+# ---------------------------------------------------------------------------------------------- on Ray
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+POOLS = ("trainer.executor=ray", "trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=1")
+
+
+@pytest.fixture
+def loopback_ray(monkeypatch):
+    for key, value in LOOPBACK_ENV.items():
+        monkeypatch.setenv(key, value)
+
+
+def learn(warm, run_dir, *extra):
+    model, data = warm
+    return RLTrainer([
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={data}/train.parquet",
+        f"data.val_files={data}/test.parquet", f"trainer.default_local_dir={run_dir}", "data.train_batch_size=16",
+        "data.max_prompt_length=64", "data.max_response_length=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.optim.lr=1e-4", "reward_model.num_workers=0",
+        "trainer.logger=[file]", "trainer.total_training_steps=16", "trainer.val_before_train=true",
+        "trainer.device=cpu", "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+        "algorithm.adv_estimator=grpo", *ASYNC, *extra,
+    ]).fit()
+
+
+@pytest.mark.slow
+def test_one_step_off_and_fully_async_learn_like_the_synchronous_run(warm, tmp_path, loopback_ray):
+    """From the quickstart's SFT warm start, 16 GRPO steps: the synchronous run in one process, one-step
+    off-policy and fully async on 2 Ray workers (one rollout, one trainer) reach the same validation accuracy."""
+    runs = {"sync": learn(warm, tmp_path / "sync"),
+            "one_step_off": learn(warm, tmp_path / "one", "async_training.mode=one_step_off", *POOLS),
+            "fully_async": learn(warm, tmp_path / "full", "async_training.mode=fully_async", *POOLS,
+                                 "async_training.partial_rollout_chunk=8")}
+    key = "val-core/hyflow/arithmetic/acc/mean@1"
+    before = runs["sync"][0][key]
+    after = {mode: history[-1][key] for mode, history in runs.items()}
+    print(f"validation accuracy before {before:.3f}, after 16 steps: {after}")
+    assert after["sync"] > before + 0.05
+    for mode in ("one_step_off", "fully_async"):
+        assert runs[mode][0][key] == pytest.approx(before)  # the same start, validated with the trainer's weights
+        assert after[mode] >= after["sync"] - 0.08, mode
+        rows = runs[mode][1:]
+        assert max(row["async/staleness/max"] for row in rows) <= 1
+        assert all(row["async/weight_sync_s"] > 0 for row in rows)
+        assert max(row["async/overlap_share"] for row in rows) > 0  # the rollout ran while the trainer trained
+
+
+@pytest.mark.slow
+def test_killed_rollout_worker_stops_the_run_with_a_named_error(tiny_model_dir, task_dir, tmp_path, loopback_ray):
+    run = tmp_path / "run"
+    trainer = RLTrainer(args(tiny_model_dir, task_dir, run, "trainer.total_training_steps=400",
+                             "async_training.mode=fully_async", *ASYNC, *POOLS))
+    failure: list[BaseException] = []
+
+    def train():
+        try:
+            trainer.fit()
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 240
+    while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
+        assert time.monotonic() < deadline and thread.is_alive(), "no step was logged"
+        time.sleep(0.2)
+    rollout_group = trainer.groups[-1]
+    assert rollout_group.worker_cls.__name__ == "RolloutHost"
+    killed_at = time.monotonic()
+    os.kill(rollout_group.worker_pids()[0], signal.SIGKILL)
+    thread.join(timeout=90)
+    assert not thread.is_alive()
+    assert time.monotonic() - killed_at < 60
+    assert failure, "the run went on without its rollout worker"
+    message = str(failure[0])
+    assert "asynchronous training stopped: the rollout pool's worker failed" in message, message
+    assert "resume" in message
