@@ -98,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cuda: 2 GPUs, one per worker (never run: no GPU was available)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model, the data, SFT and RL")
     p.add_argument("--workdir", default=None, help="keep the model, data, run directories and logs here")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra config override for the asynchronous modes (repeatable), e.g. "
+                   "algorithm.rollout_correction.bypass_mode=true")
     p.add_argument("--json", default=None, help="also write the results (every step's metrics too) here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one mode from a spec file
     args = p.parse_args(argv)
@@ -168,6 +171,7 @@ def overrides(args: argparse.Namespace, mode: str, model: Path, task: Path, run_
         "trainer.save_freq=-1", "trainer.resume_mode=disable", f"trainer.total_training_steps={args.steps}",
         *MODE_OVERRIDES[mode],
         *([f"async_training.partial_rollout_chunk={args.chunk}"] if args.chunk and mode == "fully_async" else []),
+        *(args.set if mode != "sync" else []),
     ]
 
 

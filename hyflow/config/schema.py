@@ -1209,10 +1209,15 @@ class AsyncTrainingConfig:
         "batch is ready; samples past the bound are dropped and counted in async/dropped_stale). hyflow.",
         choices=("wait", "drop"),
     )
-    off_policy_correction: bool = option(
-        True, "In the asynchronous modes, when algorithm.rollout_correction names no correction: token-level "
-        "truncated importance weights pi_old / pi_rollout (rollout_is=token at rollout_is_threshold) against the "
-        "per-token rollout log-probs, with pi_old recomputed by the trainer (decoupled PPO, as AReaL). hyflow.")
+    off_policy_correction: str = option(
+        "bypass",
+        "In the asynchronous modes, when algorithm.rollout_correction names no correction of its own: bypass (verl's "
+        "fully-async default: pi_old is the rollout's per-token log-probs, so the PPO ratio pi / pi_rollout is "
+        "clipped against the policy that sampled each token; no recompute), decoupled (pi_old recomputed by the "
+        "trainer, with token-level truncated importance weights pi_old / pi_rollout at rollout_is_threshold: "
+        "decoupled PPO, as AReaL; one more forward pass per step) or off. hyflow.",
+        choices=("bypass", "decoupled", "off"),
+    )
     use_trainer_do_validate: bool = option(
         False, "verl: validate on the trainer's devices. hyflow always validates with the trainer's current "
         "weights on the trainer's workers, whatever this holds.")

@@ -159,23 +159,23 @@ class AsyncScheduler:
             for tag in dict.fromkeys(tags):
                 rows = [i for i, t in enumerate(tags) if t == tag]
                 self.live[tag].samples = batch[rows]
+        if self._push_due() and not self.partial and not self._in_flight():
+            self._push_weights(metrics)  # a drained rollout takes the waiting weights at once
 
     def updated(self, actor_updated: bool, metrics: dict) -> None:
         """After the step's update: count the version, push the weights when due (and allowed)."""
         if actor_updated:
             self.version += 1
         metrics["async/version"] = float(self.version)
-        if self._push_due():
-            in_flight = any(live.samples is None for live in self.live.values())
-            if self.partial or not in_flight:
-                self._push_weights(metrics)
+        if self._push_due() and (self.partial or not self._in_flight()):
+            self._push_weights(metrics)
         metrics["async/rollout_version"] = float(self.rollout_version)
         metrics["async/buffer_fill"] = self._buffered() / self.capacity
         metrics["async/in_flight"] = float(sum(live.samples is None for live in self.live.values()))
 
     def shutdown(self) -> None:
-        with contextlib.suppress(Exception):  # a dead rollout worker has nothing left to reset
-            self.rollout.stream_reset()
+        with contextlib.suppress(Exception):  # a dead rollout worker has nothing left to close
+            self.rollout.stream_close()
 
     # ------------------------------------------------------------------ internals
     def _rollout_call(self, doing: str, fn, *args):
@@ -187,6 +187,9 @@ class AsyncScheduler:
             raise AsyncRolloutError(f"asynchronous training stopped: {where} failed while {doing} ({err}). "
                                     "Resume from the last checkpoint (trainer.resume_mode=auto; trainer.save_freq > 0 "
                                     "writes them)") from err
+
+    def _in_flight(self) -> bool:
+        return any(live.samples is None for live in self.live.values())
 
     def _buffered(self) -> int:
         return sum(live.samples is not None for live in self.live.values())

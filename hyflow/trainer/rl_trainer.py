@@ -148,19 +148,24 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ set-up
     def _default_off_policy_correction(self) -> None:
-        """Asynchronous modes with async_training.off_policy_correction and no correction configured: token-level
-        truncated importance weights against the rollout's log-probs (written into the config, so config.yaml
-        says what runs)."""
+        """Asynchronous modes whose algorithm.rollout_correction names no correction: the one
+        async_training.off_policy_correction picks (bypass: pi_old = the rollout's log-probs; decoupled: token-level
+        truncated importance weights against them), written into the config so that config.yaml says what runs."""
         cfg = self.config
         rc = cfg.algorithm.rollout_correction
-        if not self.async_mode or not cfg.async_training.off_policy_correction:
+        choice = cfg.async_training.off_policy_correction
+        if not self.async_mode or choice == "off" or rc.rollout_is or rc.rollout_rs or rc.bypass_mode:
             return
-        if rc.rollout_is or rc.rollout_rs or rc.bypass_mode:
-            return
-        rc.rollout_is = "token"
-        print(f"hyflow: async_training.mode={cfg.async_training.mode}: off-policy correction on "
-              f"(algorithm.rollout_correction.rollout_is=token, threshold {rc.rollout_is_threshold:g}; "
-              "async_training.off_policy_correction=false turns it off)")
+        if choice == "bypass":
+            rc.bypass_mode = True
+            what = "algorithm.rollout_correction.bypass_mode=true: pi_old = the rollout's per-token log-probs"
+        else:
+            rc.rollout_is = "token"
+            what = (f"algorithm.rollout_correction.rollout_is=token at threshold {rc.rollout_is_threshold:g}, pi_old "
+                    "recomputed")
+        validate_config(cfg)
+        print(f"hyflow: async_training.mode={cfg.async_training.mode}: off-policy correction {what} "
+              f"(async_training.off_policy_correction={choice}; bypass, decoupled or off)")
 
     def _data_sources(self) -> dict[str, str]:
         """data_source -> the row where it first appears, over the training and validation rows."""

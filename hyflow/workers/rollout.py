@@ -97,6 +97,13 @@ class RolloutStreamHost:
         """Cancel what is in flight; returns the dropped tags."""
         return [] if self.stream is None else self.stream.reset()
 
+    @register(Dispatch.REPLICATE)
+    def stream_close(self) -> None:
+        """Cancel what is in flight and stop the stream's event loop and tool threads."""
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
 
 class RolloutWorker(RolloutStreamHost, Worker):
     """A rollout-only worker on a device of the rollout pool (see the module docstring)."""

@@ -71,10 +71,21 @@ def test_one_step_off_trains_every_sample_one_version_old(tiny_model_dir, task_d
     assert [row["async/staleness/mean"] for row in history] == [0.0, 1.0, 1.0, 1.0]
     assert [row["async/version"] for row in history] == [1.0, 2.0, 3.0, 4.0]
     assert all(row["async/rollout_version"] == row["async/version"] for row in history)
-    # the default off-policy correction ran against the per-token rollout log-probs
-    assert all("rollout_corr/is_mean" in row for row in history)
+    # the default off-policy correction: pi_old is the rollout's per-token log-probs (no recompute)
+    assert all("timing_s/old_log_prob" not in row for row in history)
     saved = (tmp_path / "run" / "config.yaml").read_text()
-    assert "rollout_is: token" in saved
+    assert "bypass_mode: true" in saved
+
+
+@pytest.mark.slow
+def test_decoupled_correction_weights_every_token_against_its_rollout_log_prob(tiny_model_dir, task_dir, tmp_path):
+    history = RLTrainer(args(tiny_model_dir, task_dir, tmp_path / "run", "trainer.total_training_steps=3",
+                             "async_training.mode=one_step_off", *ASYNC,
+                             "async_training.off_policy_correction=decoupled")).fit()
+    assert all("rollout_corr/is_mean" in row and "timing_s/old_log_prob" in row for row in history)
+    # step 1 trains version-0 samples at version 0: pi_old (recomputed) = pi_rollout on every token
+    assert abs(history[0]["rollout_corr/is_max"] - 1) < 1e-4 and abs(history[0]["rollout_corr/is_min"] - 1) < 1e-4
+    assert "rollout_is: token" in (tmp_path / "run" / "config.yaml").read_text()
 
 
 @pytest.mark.slow
@@ -89,6 +100,16 @@ def test_fully_async_never_trains_past_the_staleness_bound(tiny_model_dir, task_
     if policy == "wait":
         assert sum(row["async/dropped_stale"] for row in history) == 0
     assert all(row["async/continued_segments"] > 0 for row in history)  # 12 tokens in segments of 4
+
+
+@pytest.mark.slow
+def test_without_partial_rollouts_no_sample_spans_two_versions(tiny_model_dir, task_dir, tmp_path):
+    history = RLTrainer(args(tiny_model_dir, task_dir, tmp_path / "run", "trainer.total_training_steps=5",
+                             "async_training.mode=fully_async", *ASYNC, "async_training.staleness_threshold=1",
+                             "async_training.partial_rollout=false", "async_training.partial_rollout_chunk=4")).fit()
+    assert [row["step"] for row in history] == [1, 2, 3, 4, 5]
+    assert all(row["fully_async/partial/max_partial_span"] == 0 for row in history)
+    assert max(row["async/staleness/max"] for row in history) <= 1
 
 
 def trained_prompts(directory) -> dict[int, collections.Counter]:

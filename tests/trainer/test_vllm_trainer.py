@@ -166,16 +166,20 @@ def test_lora_actor_with_vllm_generates_with_the_merged_weights(tiny_model_dir, 
 def test_fully_async_with_a_vllm_rollout_pool(tiny_model_dir, task_dir, tmp_path, monkeypatch):
     """Asynchronous training with a vllm engine in a rollout worker of its own (1 trainer + 1 rollout Ray worker):
     weights pushed into vLLM after every update, partial rollouts in segments of 4 tokens, the staleness bound
-    held, and the off-policy correction applied against vLLM's per-token log-probs."""
+    held, and vLLM's per-token log-probs equal to the trainer's at the version that sampled them."""
     for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
                        "RAY_AUTH_MODE": "disabled"}.items():
         monkeypatch.setenv(key, value)
     history = RLTrainer(overrides(tiny_model_dir, task_dir, tmp_path / "run", "trainer.total_training_steps=3",
                                   "trainer.val_before_train=false", "actor_rollout_ref.rollout.calculate_log_probs=true",
                                   "async_training.mode=fully_async", "async_training.partial_rollout_chunk=4",
-                                  "trainer.executor=ray", "trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=1"),
+                                  "async_training.off_policy_correction=decoupled", "trainer.executor=ray", "trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=1"),
                         reward_fn=digit_reward).fit()
     assert [row["step"] for row in history] == [1, 2, 3]
     assert max(row["async/staleness/max"] for row in history) <= 1
     assert all(row["async/continued_segments"] > 0 and row["async/weight_sync_s"] > 0 for row in history)
     assert all("rollout_corr/is_mean" in row for row in history)  # the off-policy correction ran
+    # step 1 trains on version-0 samples at version 0: every token's importance weight pi_old / pi_rollout is 1,
+    # so vLLM's per-token log-probs, segment after segment, are the trainer's (rollout_corr/kl is not checked:
+    # the actor reports it after its first optimizer step, against the moving policy)
+    assert abs(history[0]["rollout_corr/is_max"] - 1) < 1e-3 and abs(history[0]["rollout_corr/is_min"] - 1) < 1e-3
