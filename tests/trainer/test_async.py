@@ -64,6 +64,29 @@ def test_config_errors_name_the_key_and_the_fix():
 
 
 @pytest.mark.slow
+def test_synchronous_mode_builds_and_runs_nothing_asynchronous(tiny_model_dir, task_dir, tmp_path):
+    """The default mode is the synchronous trainer as it was: no scheduler, no stream engine, the rollout shares
+    the actor's module in one CPU process, no async metric; and two runs with one seed log identical metrics.
+    (At a5edc03 a 5-step GRPO run gave the same 53 non-timing metrics as 8956ea0, the commit before async
+    training; the synchronous suite -- exact resume, micro-batch and DP invariance, learning -- is unchanged.)"""
+    runs = []
+    for name in ("a", "b"):
+        trainer = RLTrainer(args(tiny_model_dir, task_dir, tmp_path / name, "trainer.total_training_steps=2"))
+        history = trainer.fit()
+        runs.append([{k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/"))} for row in history])
+        assert trainer.scheduler is None
+    assert runs[0] == runs[1]
+    assert not any(key.startswith(("async/", "fully_async/")) for row in runs[0] for key in row)
+    trainer = RLTrainer(args(tiny_model_dir, task_dir, tmp_path / "c", "trainer.total_training_steps=1"))
+    trainer.setup()
+    try:
+        worker = trainer.workers.workers[0].roles["actor"]
+        assert worker.rollout.shares_weights and not hasattr(worker, "stream_engine") and worker.stream is None
+    finally:
+        trainer.shutdown()
+
+
+@pytest.mark.slow
 def test_one_step_off_trains_every_sample_one_version_old(tiny_model_dir, task_dir, tmp_path):
     history = RLTrainer(args(tiny_model_dir, task_dir, tmp_path / "run", "trainer.total_training_steps=4",
                              "async_training.mode=one_step_off", *ASYNC)).fit()
