@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from torch import nn
 from hyflow.algos import loss_normalisers
 from hyflow.batch import Batch
 from hyflow.controller import Collect, Dispatch, register
+from hyflow.models.flops import device_peak_flops, training_flops
 from hyflow.models.forward import backbone_hidden_states, response_logprobs, unwrap_model, values_from_model
 from hyflow.models.lora import adapter_disabled, apply_lora, merged_named_tensors, parameter_counts
 from hyflow.workers.engine import (
@@ -264,6 +266,12 @@ class TrainEngine:
         """Clip the global gradient norm, step (skipped when the norm is not finite), advance the LR schedule."""
         return clip_and_step(self.model, self.optimizer, self.scheduler, self.grad_clip)
 
+    def peak_flops(self) -> float | None:
+        """This device's dense bf16 peak FLOP/s (hyflow.models.flops), or None: on CPU and unknown GPUs no MFU."""
+        if self.device.type != "cuda":
+            return None
+        return device_peak_flops(torch.cuda.get_device_name(self.device))
+
     def update(self, batch: Batch, plan: UpdatePlan, loss_fn: LossFn, *, columns: Sequence[str],
                temperature: float = 1.0, with_entropy: bool = False) -> dict[str, list[float]]:
         """`plan.epochs` passes over this rank's `batch` in mini-batches, one optimizer step each; returns every
@@ -271,6 +279,8 @@ class TrainEngine:
         `<prefix>/lr` and `<prefix>/grad_norm_skipped`."""
         self.model.train()
         metrics: dict[str, list[float]] = {}
+        peak = self.peak_flops()
+        start = time.perf_counter()
         for _, mini in mini_batches(batch, plan.mini_batch_size, epochs=plan.epochs, shuffle=plan.shuffle,
                                     seed=plan.seed):
             norms = all_reduce_sum(loss_normalisers(mini["response_mask"], plan.loss_agg_mode))
@@ -280,6 +290,11 @@ class TrainEngine:
             stepped = self.step()
             for key, value in {**sums, **{f"{plan.metric_prefix}/{k}": v for k, v in stepped.items()}}.items():
                 metrics.setdefault(key, []).append(value)
+        if peak is not None:  # verl's perf/mfu/<role>: this rank's FLOPs over its time and its device's peak
+            torch.cuda.synchronize(self.device)
+            flops = training_flops(unwrap_model(self.model).config, batch["attention_mask"].sum(-1).tolist(),
+                                   head=self.head, frozen_weights=self.lora is not None) * plan.epochs
+            metrics[f"perf/mfu/{self.name}"] = [flops / ((time.perf_counter() - start) * peak)]
         return metrics
 
     # ------------------------------------------------------------------------------------------ weights out
