@@ -260,3 +260,18 @@ def test_killed_rollout_worker_stops_the_run_with_a_named_error(tiny_model_dir, 
     message = str(failure[0])
     assert "asynchronous training stopped: the rollout pool's worker failed" in message, message
     assert "resume" in message
+
+
+@pytest.mark.slow
+def test_two_rollout_workers_split_the_prompts(tiny_model_dir, task_dir, tmp_path, loopback_ray):
+    """A rollout pool of 2 workers beside 1 trainer worker: each keeps the prompts whose admission number is its
+    rank modulo 2, and every step trains whole groups from both."""
+    run = tmp_path / "run"
+    history = RLTrainer(args(tiny_model_dir, task_dir, run, "trainer.total_training_steps=3",
+                             "async_training.mode=fully_async", *ASYNC, "async_training.partial_rollout_chunk=4",
+                             "trainer.executor=ray", "trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=2",
+                             "ray_kwargs.ray_init.num_cpus=3", f"trainer.rollout_data_dir={tmp_path}/dump")).fit()
+    assert [row["step"] for row in history] == [1, 2, 3]
+    assert max(row["async/staleness/max"] for row in history) <= 1
+    for counter in trained_prompts(tmp_path / "dump").values():
+        assert sum(counter.values()) == 16 and set(counter.values()) <= {4, 8}  # whole groups of n=4
