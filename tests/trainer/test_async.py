@@ -185,14 +185,8 @@ def test_async_checkpoint_refuses_a_synchronous_resume_and_vice_versa(tiny_model
 
 
 # ---------------------------------------------------------------------------------------------- on Ray
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+# Ray runs on loopback with usage stats off (tests/conftest.py sets the environment for the whole session).
 POOLS = ("trainer.executor=ray", "trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=1")
-
-
-@pytest.fixture
-def loopback_ray(monkeypatch):
-    for key, value in LOOPBACK_ENV.items():
-        monkeypatch.setenv(key, value)
 
 
 def learn(warm, run_dir, *extra):
@@ -209,7 +203,7 @@ def learn(warm, run_dir, *extra):
 
 
 @pytest.mark.slow
-def test_one_step_off_and_fully_async_learn_like_the_synchronous_run(warm, tmp_path, loopback_ray):
+def test_one_step_off_and_fully_async_learn_like_the_synchronous_run(warm, tmp_path):
     """From the quickstart's SFT warm start, 16 GRPO steps: the synchronous run in one process, one-step
     off-policy and fully async on 2 Ray workers (one rollout, one trainer) reach the same validation accuracy."""
     runs = {"sync": learn(warm, tmp_path / "sync"),
@@ -231,7 +225,7 @@ def test_one_step_off_and_fully_async_learn_like_the_synchronous_run(warm, tmp_p
 
 
 @pytest.mark.slow
-def test_killed_rollout_worker_stops_the_run_with_a_named_error(tiny_model_dir, task_dir, tmp_path, loopback_ray):
+def test_killed_rollout_worker_stops_the_run_with_a_named_error(tiny_model_dir, task_dir, tmp_path):
     run = tmp_path / "run"
     trainer = RLTrainer(args(tiny_model_dir, task_dir, run, "trainer.total_training_steps=400",
                              "async_training.mode=fully_async", *ASYNC, *POOLS))
@@ -263,7 +257,7 @@ def test_killed_rollout_worker_stops_the_run_with_a_named_error(tiny_model_dir, 
 
 
 @pytest.mark.slow
-def test_two_rollout_workers_split_the_prompts(tiny_model_dir, task_dir, tmp_path, loopback_ray):
+def test_two_rollout_workers_split_the_prompts(tiny_model_dir, task_dir, tmp_path):
     """A rollout pool of 2 workers beside 1 trainer worker: each keeps the prompts whose admission number is its
     rank modulo 2, and every step trains whole groups from both."""
     run = tmp_path / "run"

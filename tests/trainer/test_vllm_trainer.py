@@ -163,13 +163,10 @@ def test_lora_actor_with_vllm_generates_with_the_merged_weights(tiny_model_dir, 
     assert history[-1]["actor/pg_loss"] != history[0]["actor/pg_loss"]
 
 
-def test_fully_async_with_a_vllm_rollout_pool(tiny_model_dir, task_dir, tmp_path, monkeypatch):
+def test_fully_async_with_a_vllm_rollout_pool(tiny_model_dir, task_dir, tmp_path):
     """Asynchronous training with a vllm engine in a rollout worker of its own (1 trainer + 1 rollout Ray worker):
     weights pushed into vLLM after every update, partial rollouts in segments of 4 tokens, the staleness bound
     held, and vLLM's per-token log-probs equal to the trainer's at the version that sampled them."""
-    for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
-                       "RAY_AUTH_MODE": "disabled"}.items():
-        monkeypatch.setenv(key, value)
     history = RLTrainer(overrides(tiny_model_dir, task_dir, tmp_path / "run", "trainer.total_training_steps=3",
                                   "trainer.val_before_train=false", "actor_rollout_ref.rollout.calculate_log_probs=true",
                                   "async_training.mode=fully_async", "async_training.partial_rollout_chunk=4",
