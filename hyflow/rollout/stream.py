@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -147,7 +146,6 @@ class RolloutStream:
         self.groups: dict[int, _Group] = {}
         self.tasks: dict[int, asyncio.Task] = {}
         self.next_index = 0
-        self.busy_s = 0.0
 
     # ------------------------------------------------------------------ the trainer's calls
     @property
@@ -188,11 +186,7 @@ class RolloutStream:
         engine calls were made; return the finished groups as one rollout Batch (admission order), or None when
         none finished. Columns beyond an engine's: `rollout_versions` [N, R], `async_tag` [N] (the prompt's tag),
         `async_admitted_version` [N]."""
-        start = time.perf_counter()
-        try:
-            return self._run(self._advance(max(1, int(need)), max_calls))
-        finally:
-            self.busy_s += time.perf_counter() - start
+        return self._run(self._advance(max(1, int(need)), max_calls))
 
     def reset(self) -> list[int]:
         """Cancel every trajectory in flight; returns the tags dropped (their prompts must be submitted again)."""

@@ -70,7 +70,6 @@ class AsyncScheduler:
         cfg = trainer.config
         at = cfg.async_training
         self.trainer, self.rollout, self.separate = trainer, rollout, separate
-        self.mode = at.mode
         self.batch_prompts = cfg.data.train_batch_size
         self.n = cfg.actor_rollout_ref.rollout.n
         response_length = cfg.actor_rollout_ref.rollout.response_length
@@ -88,7 +87,6 @@ class AsyncScheduler:
         self.queue: deque[tuple[int, int]] = deque()  # prompt ids drawn from the loader, not admitted yet
         self.live: dict[int, _Live] = {}  # admitted, not trained (in flight or finished)
         self.stale_trained = 0  # samples trained with staleness > 0 (verl's count)
-        self.rollout_busy_s = 0.0
 
     # ------------------------------------------------------------------ start, state
     def start(self) -> None:
@@ -152,7 +150,7 @@ class AsyncScheduler:
         call, started = pending
         results = self._rollout_call("generating", call.result)
         self._rollout_metrics(results, time.perf_counter() - started, metrics)
-        for batch, _info in results:
+        for batch, _busy_s in results:
             if batch is None:
                 continue
             tags = batch["async_tag"].tolist()
@@ -275,8 +273,7 @@ class AsyncScheduler:
                 "fully_async/count/stale_samples_processed": float(self.stale_trained)}
 
     def _rollout_metrics(self, results: list, seconds: float, metrics: dict) -> None:
-        busy = max(info["busy_s"] for _, info in results)
-        self.rollout_busy_s += busy
+        busy = max(busy_s for _, busy_s in results)
         parts = [batch.meta.get("metrics", {}) for batch, _ in results if batch is not None]
         for key in ("async/rollout_tokens", "async/continued_segments"):
             values = [p[key] for p in parts if key in p]

@@ -1,7 +1,7 @@
 """The rollout side of asynchronous training (`async_training.mode`): a `RolloutStream` on a worker.
 
 - `RolloutStreamHost`: the worker methods the trainer's scheduler calls — `stream_start`, `stream_submit`,
-  `stream_advance`, `stream_reset` — over this rank's stream engine. With several rollout ranks each keeps the
+  `stream_advance`, `stream_close` — over this rank's stream engine. With several rollout ranks each keeps the
   prompts whose tag is its rank modulo the world size, and advances until its share of the wanted prompts is
   finished (so the split never depends on timing).
 - `RolloutWorker`: a rollout-only worker (tokenizer, one engine, the agent loop; no optimizer, no reference) for
@@ -84,18 +84,12 @@ class RolloutStreamHost:
             self.stream.submit(prompts[mine], [int(tags[i]) for i in mine])
 
     @register(Dispatch.REPLICATE)
-    def stream_advance(self, need: int) -> tuple[Batch | None, dict]:
+    def stream_advance(self, need: int) -> tuple[Batch | None, float]:
         """Decode until this rank's share of `need` prompts (ceil(need / world size)) is finished or nothing is in
-        flight here; returns (the finished samples or None, {busy_s, in_flight: tags, version})."""
+        flight here; returns (the finished samples or None, seconds spent)."""
         start = time.perf_counter()
         batch = self.stream.advance(math.ceil(need / self.world_size))
-        return batch, {"busy_s": time.perf_counter() - start, "in_flight": self.stream.in_flight(),
-                       "version": self.stream.version}
-
-    @register(Dispatch.REPLICATE)
-    def stream_reset(self) -> list[int]:
-        """Cancel what is in flight; returns the dropped tags."""
-        return [] if self.stream is None else self.stream.reset()
+        return batch, time.perf_counter() - start
 
     @register(Dispatch.REPLICATE)
     def stream_close(self) -> None:
