@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "shared 2-core machine 2 threads slow every step ~25x whenever another process holds a core")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu: fp32 everywhere; cuda: each library's bf16 mixed precision (TRL bf16=True)")
+    p.add_argument("--prefix-grouper", default="on", choices=("on", "off"),
+                   help="hyflow's actor_rollout_ref.actor.use_prefix_grouper (each prompt's tokens run once for its G "
+                        "samples in the update; same numbers). TRL has no such option: it runs every copy")
     p.add_argument("--skip-trl", action="store_true", help="run hyflow only (no ratio)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model weights, the data and both trainers")
     p.add_argument("--workdir", default=None, help="keep the model, data and logs here (default: a temp dir)")
@@ -156,6 +159,7 @@ def hyflow_overrides(args: argparse.Namespace, model_dir: Path, task_dir: Path, 
         f"actor_rollout_ref.actor.optim.lr={args.lr}", "actor_rollout_ref.actor.optim.weight_decay=0.01",
         "actor_rollout_ref.actor.optim.lr_scheduler_type=constant",
         "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+        f"actor_rollout_ref.actor.use_prefix_grouper={args.prefix_grouper == 'on'}",
         f"actor_rollout_ref.rollout.n={args.group}", "actor_rollout_ref.rollout.temperature=1.0",
         "actor_rollout_ref.rollout.top_p=1.0", "actor_rollout_ref.rollout.top_k=-1",
         "data.max_prompt_length=128", f"data.max_response_length={args.max_new_tokens}", "data.shuffle=False",
@@ -328,7 +332,8 @@ def format_report(summaries: dict[str, dict], args: argparse.Namespace, info: di
               f"{'gen tok/s':>10} " + " ".join(f"{n:>13}" for n in stage_names) + f" {'other s':>8}")
     lines = [
         f"GRPO benchmark: preset={args.preset} P={args.prompts} G={args.group} T={args.max_new_tokens} "
-        f"steps={args.steps} (+{args.warmup} warm-up) rounds={args.rounds} device={args.device} seed={args.seed}",
+        f"steps={args.steps} (+{args.warmup} warm-up) rounds={args.rounds} device={args.device} seed={args.seed} "
+        f"hyflow prefix grouper {args.prefix_grouper}",
         f"machine: {info['cpu']}, {info['cores']} cores, torch threads {info['torch_threads']}; "
         f"python {info['python']}, torch {info['torch']}, transformers {info['transformers']}, trl {info['trl']}"
         + (f", gpu {info['gpu']}" if "gpu" in info else ""),

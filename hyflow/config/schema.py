@@ -459,7 +459,13 @@ class ActorConfig:
     calculate_sum_pi_squared: bool = option(
         False, "Also compute sum_v pi_v^2 per token (needed by optimal_token_baseline)."
     )
-    use_prefix_grouper: bool = option(False, "Share the prompt's forward pass across its n samples.")
+    use_prefix_grouper: bool = option(
+        False,
+        "Run each prompt's tokens once per micro-batch for all its samples (PrefixGrouper, arXiv 2506.05433): the "
+        "responses attend to one copy of the prompt. Same log-probs and gradients, less compute in the actor's and "
+        "reference's forwards and the update (the share is prompt/(prompt+response) x (n-1)/n of the tokens). "
+        "Needs actor_rollout_ref.model.use_remove_padding=true (verl's needs false: hyflow builds it into packing).",
+    )
     freeze_vision_tower: bool = option(False, "Keep the vision encoder frozen (multimodal models).")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "What the actor's checkpoints contain.")
     optim: OptimConfig = section(OptimConfig, "Actor optimizer and learning-rate schedule.")

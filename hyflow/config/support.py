@@ -246,12 +246,10 @@ _TABLE: list[KeySupport] = [
                  lambda cfg: cfg.reward_model.strategy != cfg.actor_rollout_ref.actor.strategy),
     _performance("reward_model.model.fsdp_config.reshard_after_forward", "the reward model is not sharded (see "
                  "reward_model.strategy)"),
-    _performance(f"{M}.use_fused_kernels", "hyflow always computes log-probs and entropy from the lm_head in "
-                 "checkpointed row chunks (hyflow.models.forward.lm_head_logprobs), never holding the full logits, "
-                 "which is what the fused kernel does: same values"),
+    _performance(f"{M}.use_fused_kernels", "hyflow computes log-probs and entropy from the lm_head in "
+                 "checkpointed row chunks (hyflow.models.forward.lm_head_logprobs) whenever the full logits would "
+                 "exceed 2^24 elements, which is what the fused kernel is for: same values"),
     _performance(f"{M}.fused_kernel_options.impl_backend", "only for use_fused_kernels (see there)"),
-    _performance(f"{A}.use_prefix_grouper", "sharing the prompt's forward pass saves compute; the log-probs are "
-                 "the same"),
     _performance(f"{A}.entropy_from_logits_with_chunking", "hyflow always computes entropy in row chunks; same "
                  "values"),
     _performance(f"{A}.entropy_checkpointing", "hyflow always recomputes each chunk's logits in the backward pass "

@@ -58,6 +58,7 @@ def validate_config(cfg: HyflowConfig, n_devices: int | None = None) -> None:
     problems += _check_algorithm(cfg)
     problems += _check_not_built(cfg)
     problems += _check_lora(cfg)
+    problems += _check_prefix_grouper(cfg)
     problems += _check_multi_turn(cfg)
     problems += _check_checkpoint_contents(cfg)
     problems += _check_pools(cfg)
@@ -89,6 +90,16 @@ def _check_lora(cfg: HyflowConfig) -> list[str]:
         except ValueError as err:
             problems.append(str(err))
     return problems
+
+
+def _check_prefix_grouper(cfg: HyflowConfig) -> list[str]:
+    """Prompt sharing lives in the packed path (hyflow.models.packing); the padded path would silently skip it."""
+    arr = cfg.actor_rollout_ref
+    if arr.actor.use_prefix_grouper and not arr.model.use_remove_padding:
+        return [f"{A}.use_prefix_grouper=true needs actor_rollout_ref.model.use_remove_padding=true: hyflow shares "
+                f"each prompt inside packed micro-batches (verl's implementation needs it false; hyflow's needs it "
+                f"true); set use_remove_padding=true, or use_prefix_grouper=false"]
+    return []
 
 
 # ---------------------------------------------------------------------------------------- multi-turn

@@ -24,6 +24,20 @@ computes causal attention per sequence:
         (older signatures with `is_causal=` are adapted to). THIS BRANCH HAS NEVER RUN ON A GPU: it was written
         against the torch 2.13 CPU build's source and is untested; the per-sequence SDPA path is what runs here.
 
+Shared prompts (verl's `actor.use_prefix_grouper`; PrefixGrouper, arXiv 2506.05433): with
+`share_prefix_width = P` (or `share_prompts=True` in the forwards below), rows of a micro-batch whose prompt
+columns are identical (the n samples of a GRPO prompt) pack the prompt once. The packed row is then
+
+    prompt_g ++ response_g1 ++ response_g2 (prompt dropped) ++ ... ++ prompt_h ++ response_h1 ++ ...
+
+and the attention layout (`SharedPrefixes`, passed to the attention function under the keyword
+`hyflow_shared_prefix`) says that each response attends to all of its prompt's one copy and causally to itself.
+The response positions continue after the prompt as in the padded row, so the outputs (and the gradients: the
+prompt's keys and values get the sum over the responses that read them) equal the padded ones up to floating-point
+reassociation, for (n-1)/n fewer prompt tokens through every layer. The attention is computed by gathering each
+segment's queries and keys into a masked SDPA call (prompts in one call, responses in another) on any device;
+the CUDA varlen kernel above is not used for shared layouts (and this path has not run on a GPU either).
+
 Refused loudly (an error naming the model and `use_remove_padding=false` as the fix): sliding-window layers,
 logit soft-capping, attention sinks, bidirectional attention, and a `hyflow_packed` call without boundaries.
 
@@ -91,6 +105,8 @@ class PackedSequences:
     flat_index: Tensor
     batch_size: int
     seq_len: int
+    token_index: Tensor | None = None
+    shared: SharedPrefixes | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -105,20 +121,53 @@ class PackedSequences:
             if n:
                 cu.append(cu[-1] + n)
         cu_t = torch.tensor(cu, dtype=torch.int32, device=self.input_ids.device)
-        return {"cu_seq_lens_q": cu_t, "cu_seq_lens_k": cu_t,
-                "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen}
+        kwargs = {"cu_seq_lens_q": cu_t, "cu_seq_lens_k": cu_t,
+                  "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen}
+        if self.shared is not None:
+            kwargs[SHARED_PREFIX_KWARG] = self.shared
+        return kwargs
 
 
-def pack_sequences(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None) -> PackedSequences:
+SHARED_PREFIX_KWARG = "hyflow_shared_prefix"
+
+
+@dataclass(frozen=True)
+class SharedPrefixes:
+    """The attention layout of a packed row in which samples of one prompt share its tokens (verl's
+    `actor.use_prefix_grouper`).
+
+    `segments[i] = (q_start, q_end, p_start, p_end)`: packed tokens q_start..q_end-1 are queries that attend to
+    the packed prefix p_start..p_end-1 (all of it) and causally to themselves (key q_start + j is visible to query
+    q_start + i when j <= i). A prompt is one segment without prefix (p_start = p_end); the response of every sample
+    with that prompt is a segment whose prefix is the prompt's tokens, which are packed once, in the row of the
+    group's first sample. The segments partition 0..T-1 in order.
+    """
+
+    segments: tuple[tuple[int, int, int, int], ...]
+    shared_tokens: int  # prompt tokens not packed because an earlier row of the micro-batch has the same prompt
+
+
+def pack_sequences(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None, *,
+                   share_prefix_width: int | None = None) -> PackedSequences:
     """Concatenate the real tokens (attention_mask = 1) of every row, in row order, into one row [1, T].
 
     Position ids restart at 0 for every sequence (n-th real token of a row -> n - 1, which is
     `compute_position_ids` of the padded row), unless `position_ids [B, L]` is given: then its values at the real
     tokens are kept. Rows without real tokens contribute nothing (a zero-length sequence in `cu_seqlens`).
+
+    `share_prefix_width = P` (the prompt columns of an RL batch: left-padded prompts in columns 0..P-1, then the
+    responses): rows whose prompt columns are identical (ids and mask; the n samples of a prompt) pack the prompt
+    once, in the first such row; the others pack their response tokens only, which attend to that copy
+    (`SharedPrefixes`). Their position ids continue after the prompt as in the padded row. Each row's real tokens
+    must then be contiguous (they are in an RL batch).
     """
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(f"pack_sequences needs input_ids and attention_mask of one shape [B, L]; got "
                          f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
+    if share_prefix_width:
+        shared = _pack_shared_prefixes(input_ids, attention_mask, position_ids, int(share_prefix_width))
+        if shared is not None:
+            return shared
     batch, width = input_ids.shape
     mask = attention_mask.bool()
     lengths = mask.sum(-1)
@@ -143,6 +192,73 @@ def pack_sequences(input_ids: Tensor, attention_mask: Tensor, position_ids: Tens
     )
 
 
+def _pack_shared_prefixes(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None,
+                          width: int) -> PackedSequences | None:
+    """`pack_sequences` with prompts shared (see there); None when no two rows share a prompt."""
+    batch, seq_len = input_ids.shape
+    if not 0 < width <= seq_len or batch < 2:
+        return None
+    device = input_ids.device
+    mask = attention_mask.bool()
+    prompt_mask = mask[:, :width]
+    prompt_len = prompt_mask.sum(-1)
+    key = input_ids[:, :width].masked_fill(~prompt_mask, -1)
+    _, group = torch.unique(key, dim=0, return_inverse=True)
+    rows = torch.arange(batch, device=device)
+    first = torch.full((int(group.max()) + 1,), batch, device=device).scatter_reduce(0, group, rows, "amin")
+    leader = first[group]
+    follower = (leader != rows) & (prompt_len > 0)
+    if not bool(follower.any()):
+        return None
+    lengths = mask.sum(-1)
+    real_cols = torch.arange(seq_len, device=device)
+    first_col = torch.where(mask, real_cols, seq_len).amin(-1)
+    last_col = torch.where(mask, real_cols, -1).amax(-1)
+    if bool(((lengths > 0) & (last_col - first_col + 1 != lengths)).any()):
+        raise ValueError("sharing prompts (use_prefix_grouper) needs each row's real tokens contiguous (left-padded "
+                         "prompt, then the right-padded response); this batch has a row with a gap")
+    pack_mask = mask.clone()
+    pack_mask[:, :width] &= ~follower[:, None]
+    flat_index = pack_mask.reshape(-1).nonzero().squeeze(-1)
+    total = flat_index.numel()
+    token_index = torch.full((batch, seq_len), -1, dtype=torch.long, device=device)
+    token_index.view(-1)[flat_index] = torch.arange(total, device=device)
+    token_index[follower, :width] = token_index[leader[follower], :width]
+    own = pack_mask.sum(-1)
+    cu_seqlens = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+    cu_seqlens[1:] = own.cumsum(0)
+    if position_ids is None:
+        position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    positions = position_ids.reshape(-1)[flat_index]
+
+    cu, plen, own_l, lead, is_f = (t.tolist() for t in (cu_seqlens, prompt_len, own, leader, follower))
+    segments = []
+    for b in range(batch):
+        start, end = cu[b], cu[b + 1]
+        if start == end:
+            continue
+        if is_f[b]:  # the response only; the prompt is the leader's first plen packed tokens
+            segments.append((start, end, cu[lead[b]], cu[lead[b]] + plen[b]))
+        elif 0 < plen[b] < own_l[b]:  # the prompt, then the response attending to it
+            segments.append((start, start + plen[b], start, start))
+            segments.append((start + plen[b], end, start, start + plen[b]))
+        else:
+            segments.append((start, end, start, start))
+    seq_lengths = tuple(own_l)
+    return PackedSequences(
+        input_ids=input_ids.reshape(-1)[flat_index].unsqueeze(0),
+        position_ids=positions.unsqueeze(0),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max(seq_lengths, default=0),
+        seq_lengths=seq_lengths,
+        flat_index=flat_index,
+        batch_size=batch,
+        seq_len=seq_len,
+        token_index=token_index,
+        shared=SharedPrefixes(tuple(segments), int(prompt_len[follower].sum())),
+    )
+
+
 def unpack(values: Tensor, packed: PackedSequences) -> Tensor:
     """Scatter per-token packed values ([T, ...] or [1, T, ...]) back to [B, L, ...], zeros at the pads.
 
@@ -152,6 +268,12 @@ def unpack(values: Tensor, packed: PackedSequences) -> Tensor:
     if values.shape[0] != packed.num_tokens:
         raise ValueError(f"unpack got {values.shape[0]} packed values for {packed.num_tokens} packed tokens")
     rest = tuple(values.shape[1:])
+    if packed.token_index is not None:  # a shared prompt's values appear in every row that has that prompt
+        index = packed.token_index.reshape(-1)
+        real = index >= 0
+        out = values.new_zeros((packed.batch_size * packed.seq_len, *rest))
+        out = out.index_put((real.nonzero().squeeze(-1),), values[index[real]])
+        return out.view(packed.batch_size, packed.seq_len, *rest)
     out = values.new_zeros((packed.batch_size * packed.seq_len, *rest))
     out = out.index_put((packed.flat_index,), values)
     return out.view(packed.batch_size, packed.seq_len, *rest)
@@ -167,6 +289,12 @@ def _predictor_index(packed: PackedSequences, attention_mask: Tensor, targets: T
     mask = attention_mask.long()
     real_before = (mask.cumsum(-1) - mask)[:, columns]
     valid = targets.bool() & attention_mask[:, columns].bool() & (real_before > 0)
+    if packed.token_index is not None:  # shared prompts: the predictor is the packed token of the column before
+        start = columns.start or 0
+        previous = packed.token_index[:, start - 1 : packed.seq_len - 1] if start > 0 else None
+        if previous is None or previous.shape != valid.shape:
+            raise ValueError("shared-prefix packing scores columns start >= 1 through the last column only")
+        return valid, previous[valid]
     packed_pos = packed.cu_seqlens[:-1, None].long() + real_before
     return valid, packed_pos[valid] - 1
 
@@ -266,6 +394,16 @@ def packed_attention_forward(
         raise RuntimeError(f"{PACKED_ATTENTION!r} expects one packed row with as many keys as queries and "
                            f"h_kv dividing h; got query {tuple(query.shape)}, key {tuple(key.shape)}")
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    shared = kwargs.get(SHARED_PREFIX_KWARG)
+    if shared is not None:
+        if shared.segments and shared.segments[-1][1] != query.shape[2]:
+            raise RuntimeError(f"the shared-prefix layout ends at token {shared.segments[-1][1]} but the packed "
+                               f"row has {query.shape[2]}")
+        groups = query.shape[1] // key.shape[1]
+        out_Thd = _shared_prefix_attention(query[0].transpose(0, 1), _repeat_kv(key, groups)[0].transpose(0, 1),
+                                           _repeat_kv(value, groups)[0].transpose(0, 1), shared.segments,
+                                           dropout, scale)
+        return out_Thd.unsqueeze(0), None
     if (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0
             and (out := _varlen_cuda(query, key, value, cu_seqlens, kwargs.get("max_length_q", 0), scale))
             is not None):
@@ -328,6 +466,65 @@ def _batched_attention(query: Tensor, key: Tensor, value: Tensor, lengths: list[
     out = F.scaled_dot_product_attention(scatter(query), scatter(key), scatter(value), attn_mask=mask[:, None],
                                          dropout_p=dropout, scale=scale)
     return out.transpose(1, 2)[row, col].unsqueeze(0).contiguous()
+
+
+def _segment_attention(q_Thd: Tensor, k_Thd: Tensor, v_Thd: Tensor, segments, dropout: float,
+                       scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of `segments` (`SharedPrefixes.segments`) in one SDPA call: each segment is a row of queries
+    [N, h, Lq, d] against its prefix keys ++ its own keys [N, h, Lk, d] (gathered from the packed row; the
+    gradient of a prefix read by several segments is summed by the gather's backward). Returns (the packed
+    indices of the queries, their outputs [n, h, d])."""
+    device = q_Thd.device
+    seg = torch.tensor(segments, device=device, dtype=torch.long)
+    q_start, q_len = seg[:, 0], seg[:, 1] - seg[:, 0]
+    p_start, p_len = seg[:, 2], seg[:, 3] - seg[:, 2]
+    width_q, width_k = int(q_len.max()), int((q_len + p_len).max())
+    i = torch.arange(width_q, device=device)
+    j = torch.arange(width_k, device=device)
+    last = q_Thd.shape[0] - 1
+    q_index = (q_start[:, None] + i).clamp(max=last)
+    q_valid = i < q_len[:, None]
+    own_j = j - p_len[:, None]  # key j of a segment: prefix token j, or its own token j - p_len
+    k_index = torch.where(own_j < 0, p_start[:, None] + j, q_start[:, None] + own_j).clamp(0, last)
+    visible = (own_j[:, None, :] < 0) | ((own_j[:, None, :] <= i[None, :, None])
+                                         & (own_j[:, None, :] < q_len[:, None, None]))
+    out = F.scaled_dot_product_attention(q_Thd[q_index].transpose(1, 2), k_Thd[k_index].transpose(1, 2),
+                                         v_Thd[k_index].transpose(1, 2), attn_mask=visible[:, None],
+                                         dropout_p=dropout, scale=scale)
+    return q_index[q_valid], out.transpose(1, 2)[q_valid]
+
+
+def _shared_prefix_attention(q_Thd: Tensor, k_Thd: Tensor, v_Thd: Tensor, segments, dropout: float,
+                             scale: float) -> Tensor:
+    """Causal attention of a packed row laid out by `SharedPrefixes`: [T, h, d] -> [T, h, d].
+
+    Prompts and responses form two classes of similar shapes. Each class takes one masked call when that wastes
+    at most `BATCHED_ATTENTION_MAX_WASTE` of its attention work, else one call per segment."""
+    out = q_Thd.new_zeros(q_Thd.shape)
+    classes = ([s for s in segments if s[3] == s[2]], [s for s in segments if s[3] > s[2]])
+    for cls in classes:
+        if not cls:
+            continue
+        work = [(q1 - q0) * (q1 - q0 + p1 - p0) for q0, q1, p0, p1 in cls]
+        widest = max(q1 - q0 for q0, q1, _, _ in cls) * max(q1 - q0 + p1 - p0 for q0, q1, p0, p1 in cls)
+        if len(cls) > 1 and len(cls) * widest <= BATCHED_ATTENTION_MAX_WASTE * sum(work):
+            index, values = _segment_attention(q_Thd, k_Thd, v_Thd, cls, dropout, scale)
+            out = out.index_put((index,), values)
+            continue
+        for q0, q1, p0, p1 in cls:
+            q = q_Thd[q0:q1].transpose(0, 1).unsqueeze(0)
+            if p1 == p0:
+                o = F.scaled_dot_product_attention(q, k_Thd[q0:q1].transpose(0, 1).unsqueeze(0),
+                                                   v_Thd[q0:q1].transpose(0, 1).unsqueeze(0), dropout_p=dropout,
+                                                   is_causal=True, scale=scale)
+            else:
+                k = torch.cat([k_Thd[p0:p1], k_Thd[q0:q1]]).transpose(0, 1).unsqueeze(0)
+                v = torch.cat([v_Thd[p0:p1], v_Thd[q0:q1]]).transpose(0, 1).unsqueeze(0)
+                n_q, n_p = q1 - q0, p1 - p0
+                visible = torch.ones(n_q, n_p + n_q, dtype=torch.bool, device=q.device).tril(diagonal=n_p)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout, scale=scale)
+            out = out.index_put((torch.arange(q0, q1, device=q.device),), o[0].transpose(0, 1))
+    return out
 
 
 def _no_mask(*args, **kwargs) -> None:
@@ -439,6 +636,7 @@ def packed_response_logprobs(
     temperature: float = 1.0,
     calculate_entropy: bool = False,
     chunk_size: int = 1024,
+    share_prompts: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """`forward.response_logprobs` of the padded batch, computed packed: log-probs [B, R] (float32), entropy.
 
@@ -446,9 +644,12 @@ def packed_response_logprobs(
     h_prev the packed hidden state of the real token before it; 0 where attention_mask[b, L-R+i] = 0. The backbone
     runs once on the packed row; the lm_head (chunked as in `forward.lm_head_logprobs`) only on the real response
     tokens. Position ids restart per sequence (`compute_position_ids` of the padded rows). Differentiable.
+    `share_prompts`: rows with the same prompt (the first L - R columns) run it once (`pack_sequences`'
+    `share_prefix_width`; verl's `use_prefix_grouper`): the same values, less compute.
     """
     _check_response_length(input_ids, response_length)
-    packed = pack_sequences(input_ids, attention_mask)
+    packed = pack_sequences(input_ids, attention_mask,
+                            share_prefix_width=input_ids.shape[1] - response_length if share_prompts else None)
     hidden_1TH = packed_hidden_states(model, packed)
     columns = slice(input_ids.shape[1] - response_length, None)
     valid_BR, predictor_N = _predictor_index(packed, attention_mask, attention_mask[:, columns], columns)
@@ -469,14 +670,16 @@ def packed_response_logprobs(
     return logp_BR, entropy_BR
 
 
-def packed_values(value_model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_length: int) -> Tensor:
+def packed_values(value_model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_length: int, *,
+                  share_prompts: bool = False) -> Tensor:
     """`forward.values_from_model` of the padded batch, computed packed: V [B, R] (float32), 0 at padding.
 
     values[b, i] = V(s) at the real token before response token (b, L-R+i): the critic's value of the state
     before that token is emitted. The value model is a token classifier with one label (`load_value_model`).
     """
     _check_response_length(input_ids, response_length)
-    packed = pack_sequences(input_ids, attention_mask)
+    packed = pack_sequences(input_ids, attention_mask,
+                            share_prefix_width=input_ids.shape[1] - response_length if share_prompts else None)
     run = _dummy_if_empty(packed)
     with _packed_forward_context(value_model):
         values_T = token_values(value_model, run.input_ids, None, run.position_ids, **run.attention_kwargs())[0]

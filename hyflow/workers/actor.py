@@ -120,7 +120,8 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
             model, name="actor", head="lm", device=self.model_device, strategy=self.strategy,
             fsdp_config=actor.fsdp_config, optim=actor.optim, grad_clip=actor.grad_clip,
             total_optimizer_steps=total_training_steps * int(batches.actor.optimizer_steps),
-            use_remove_padding=model_cfg.use_remove_padding, lora=lora, world_size=self.world_size, rank=self.rank)
+            use_remove_padding=model_cfg.use_remove_padding, share_prompts=actor.use_prefix_grouper, lora=lora,
+            world_size=self.world_size, rank=self.rank)
         self.model = self.engine.model
         if self.rank == 0:
             print(self.engine.describe_parameters(), flush=True)
@@ -131,7 +132,8 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
             self.ref = TrainEngine(ref_model, name="ref", head="lm", device=self.model_device,
                                    strategy=parallel_strategy(self.arr.ref.strategy, self.world_size),
                                    fsdp_config=self.arr.ref.fsdp_config, compute_dtype=actor.fsdp_config.dtype,
-                                   use_remove_padding=model_cfg.use_remove_padding, world_size=self.world_size,
+                                   use_remove_padding=model_cfg.use_remove_padding,
+                                   share_prompts=actor.use_prefix_grouper, world_size=self.world_size,
                                    rank=self.rank)
         elif uses_reference(self.config):
             self.ref = self.engine  # LoRA: the reference is the actor with its adapter disabled

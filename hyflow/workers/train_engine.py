@@ -18,6 +18,8 @@ Per-token outputs of a micro-batch (`forward_micro`), for a response span of the
 Padded path: the micro-batch is trimmed to the columns that hold a real token (`trim_padding`), so r <= R.
 Packed path (`use_remove_padding=True`): the real tokens of all rows run as one row without pads
 (`hyflow.models.packing`), position ids restarting per sequence, attention never crossing a sequence; r = R.
+With `share_prompts` (verl's `actor.use_prefix_grouper`) the rows of a micro-batch that have the same prompt
+pack it once and their responses attend to that copy: the same outputs and gradients, fewer tokens.
 
 The loss function of `update` / `forward_backward` is called once per micro-batch as
 `loss_fn(out, cols, ctx) -> (loss, parts)`: `out` the per-token outputs above, `cols` the micro-batch's columns
@@ -131,8 +133,8 @@ class TrainEngine:
 
     def __init__(self, model: nn.Module, *, name: str, head: str, device: torch.device, strategy: str,
                  fsdp_config, optim=None, total_optimizer_steps: int = 1, grad_clip: float | None = None,
-                 use_remove_padding: bool = False, lora=None, world_size: int = 1, rank: int = 0,
-                 compute_dtype: str | None = None, checkpoint_prefix: str | None = None):
+                 use_remove_padding: bool = False, share_prompts: bool = False, lora=None, world_size: int = 1,
+                 rank: int = 0, compute_dtype: str | None = None, checkpoint_prefix: str | None = None):
         if head not in HEADS:
             raise ValueError(f"head={head!r}; use one of {HEADS}")
         self.name, self.head, self.device = name, head, device
@@ -141,6 +143,8 @@ class TrainEngine:
         self.strategy, self.world_size, self.rank = strategy, world_size, rank
         self.grad_clip = grad_clip
         self.use_remove_padding = bool(use_remove_padding)
+        # verl's use_prefix_grouper: in a packed micro-batch the samples of one prompt run its tokens once
+        self.share_prompts = bool(share_prompts) and self.use_remove_padding
         self.compute_dtype = compute_dtype or getattr(fsdp_config, "dtype", "fp32")
         self.lora = lora
         if lora is not None:
@@ -195,9 +199,10 @@ class TrainEngine:
             mask = micro["attention_mask"].to(self.device)
             with autocast(self.device, self.compute_dtype):
                 if self.head == "value":
-                    return {"values": packed_values(self.model, ids, mask, R)}, R
+                    return {"values": packed_values(self.model, ids, mask, R, share_prompts=self.share_prompts)}, R
                 logp, entropy = packed_response_logprobs(self.model, ids, mask, R, temperature=temperature,
-                                                         calculate_entropy=with_entropy)
+                                                         calculate_entropy=with_entropy,
+                                                         share_prompts=self.share_prompts)
             return {"log_probs": logp, "entropy": entropy}, R
         seq, r = trim_padding(micro, R)
         seq = {k: v.to(self.device) for k, v in seq.items()}

@@ -332,7 +332,6 @@ def test_performance_only_keys_are_named_in_one_line_only_when_set():
                        "reward_model.model.fsdp_config.param_offload=true",
                        "actor_rollout_ref.actor.use_torch_compile=false",
                        "actor_rollout_ref.model.use_fused_kernels=true",
-                       "actor_rollout_ref.actor.use_prefix_grouper=true",
                        "reward_model.launch_reward_fn_async=true",
                        "data.dataloader_num_workers=0",
                        "actor_rollout_ref.rollout.mode=sync",
@@ -345,7 +344,7 @@ def test_performance_only_keys_are_named_in_one_line_only_when_set():
                 "critic.model.fsdp_config.optimizer_offload=true",
                 "reward_model.model.fsdp_config.param_offload=true",
                 "actor_rollout_ref.actor.use_torch_compile=false",
-                "actor_rollout_ref.model.use_fused_kernels=true", "actor_rollout_ref.actor.use_prefix_grouper=true",
+                "actor_rollout_ref.model.use_fused_kernels=true",
                 "reward_model.launch_reward_fn_async=true", "data.dataloader_num_workers=0",
                 "actor_rollout_ref.rollout.mode=sync", "actor_rollout_ref.rollout.gpu_memory_utilization=0.8",
                 "actor_rollout_ref.rollout.engine_kwargs="):

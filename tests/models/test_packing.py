@@ -3,6 +3,7 @@ attention never crosses a packed sequence's boundary."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -245,12 +246,14 @@ def test_peft_wrapped_model_matches_padded(tiny_model_dir):
     base = load_causal_lm(tiny_model_dir, attn_implementation="sdpa")
     lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                            init_lora_weights=False)).eval()
-    ids, mask = rl_batch()
-    with torch.no_grad():
-        want, _ = padded_logprobs(lora, ids, mask)
-        got, _ = packed_response_logprobs(lora, ids, mask, RESPONSE_LEN)
-    response_mask = mask[:, -RESPONSE_LEN:].bool()
-    torch.testing.assert_close(got[response_mask], want[response_mask], atol=1e-5, rtol=0)
+    for ids, mask in (rl_batch(), grouped_batch()):
+        with torch.no_grad():
+            want, _ = padded_logprobs(lora, ids, mask)
+            got, _ = packed_response_logprobs(lora, ids, mask, RESPONSE_LEN)
+            shared, _ = packed_response_logprobs(lora, ids, mask, RESPONSE_LEN, share_prompts=True)
+        response_mask = mask[:, -RESPONSE_LEN:].bool()
+        torch.testing.assert_close(got[response_mask], want[response_mask], atol=1e-5, rtol=0)
+        torch.testing.assert_close(shared[response_mask], want[response_mask], atol=1e-5, rtol=0)
     assert base.config._attn_implementation == "sdpa"
 
 
@@ -285,3 +288,81 @@ def test_padded_forward_inside_the_context_is_an_error(model):
     ids, mask = rl_batch()
     with pytest.raises(RuntimeError, match="runs only on packed input"), packed_attention(model), torch.no_grad():
         padded_logprobs(model, ids, mask)
+
+
+# ------------------------------------------------------------------------- shared prompts (use_prefix_grouper)
+def grouped_batch(seed: int = 3, vocab: int = 400):
+    """GRPO-shaped rows: three prompts (lengths 7, 20, 1) with 3, 2 and 1 samples of very different response
+    lengths (an empty one included), the groups interleaved so that a prompt's first row is not its only one."""
+    gen = torch.Generator().manual_seed(seed)
+    width = PROMPT_WIDTH + RESPONSE_LEN
+    prompts = {0: 7, 1: 20, 2: 1}
+    rows = [(0, 40), (1, 3), (0, 1), (2, 17), (0, 0), (1, 31), (0, 22)]
+    prompt_ids = {g: torch.randint(3, vocab, (PROMPT_WIDTH,), generator=gen) for g in prompts}
+    ids = torch.randint(3, vocab, (len(rows), width), generator=gen)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, (g, r) in enumerate(rows):
+        ids[b, :PROMPT_WIDTH] = prompt_ids[g]
+        mask[b, PROMPT_WIDTH - prompts[g] : PROMPT_WIDTH + r] = 1
+    return ids * mask, mask
+
+
+def test_shared_prompts_pack_each_prompt_once():
+    ids, mask = grouped_batch()
+    packed = pack_sequences(ids, mask, share_prefix_width=PROMPT_WIDTH)
+    responses = int(mask[:, PROMPT_WIDTH:].sum())
+    assert packed.num_tokens == 7 + 20 + 1 + responses
+    assert packed.shared.shared_tokens == 7 * 3 + 20 * 1
+    # every padded real token reads back its own id and position (a follower's prompt from the leader's copy)
+    torch.testing.assert_close(unpack(packed.input_ids, packed), ids, rtol=0, atol=0)
+    torch.testing.assert_close(unpack(packed.position_ids[0], packed), compute_position_ids(mask) * mask,
+                               rtol=0, atol=0)
+    seg = packed.shared.segments
+    assert [s[0] for s in seg] == sorted(s[0] for s in seg) and seg[-1][1] == packed.num_tokens
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(seg))
+    # rows without a shared prompt pack as before
+    ids[:, :PROMPT_WIDTH] = torch.arange(len(ids))[:, None] + 5
+    assert pack_sequences(ids, mask, share_prefix_width=PROMPT_WIDTH).shared is None
+
+
+def test_shared_prompts_match_padded_logprobs_and_gradients(model):
+    ids, mask = grouped_batch()
+    response_mask = mask[:, -RESPONSE_LEN:].bool()
+    with torch.no_grad():
+        want, want_entropy = padded_logprobs(model, ids, mask, calculate_entropy=True)
+        got, got_entropy = packed_response_logprobs(model, ids, mask, RESPONSE_LEN, calculate_entropy=True,
+                                                    share_prompts=True)
+    torch.testing.assert_close(got[response_mask], want[response_mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got_entropy[response_mask], want_entropy[response_mask], atol=1e-5, rtol=0)
+    assert not got[~response_mask].any()
+    model.train()
+    try:
+        want_g = _grads(model, lambda: _rl_loss(padded_logprobs(model, ids, mask, calculate_entropy=True), mask))
+        got_g = _grads(model, lambda: _rl_loss(packed_response_logprobs(
+            model, ids, mask, RESPONSE_LEN, calculate_entropy=True, share_prompts=True), mask))
+    finally:
+        model.eval()
+    _assert_grads_close(got_g, want_g)
+
+
+def test_shared_prompts_match_padded_values(critic):
+    ids, mask = grouped_batch()
+    response_mask = mask[:, -RESPONSE_LEN:].bool()
+    with torch.no_grad():
+        want = values_from_model(critic, ids, mask, compute_position_ids(mask), RESPONSE_LEN)
+        got = packed_values(critic, ids, mask, RESPONSE_LEN, share_prompts=True)
+    torch.testing.assert_close(got[response_mask], want[response_mask], atol=1e-5, rtol=0)
+
+
+def test_shared_prompt_responses_do_not_see_each_other(model):
+    """Changing one sample's response changes no other sample of its prompt (they share only the prompt)."""
+    ids, mask = grouped_batch()
+    changed = ids.clone()
+    changed[2, PROMPT_WIDTH:] = torch.where(mask[2, PROMPT_WIDTH:].bool(), (ids[2, PROMPT_WIDTH:] + 7) % 397 + 3, 0)
+    changed[0, PROMPT_WIDTH + 5:] = torch.where(mask[0, PROMPT_WIDTH + 5:].bool(),
+                                                (ids[0, PROMPT_WIDTH + 5:] + 7) % 397 + 3, 0)
+    with torch.no_grad():
+        a, _ = packed_response_logprobs(model, ids, mask, RESPONSE_LEN, share_prompts=True)
+        b, _ = packed_response_logprobs(model, changed, mask, RESPONSE_LEN, share_prompts=True)
+    assert torch.equal(a[[1, 3, 4, 5, 6]], b[[1, 3, 4, 5, 6]])
+    assert torch.equal(a[0, :5], b[0, :5]) and not torch.equal(a[0], b[0]) and not torch.equal(a[2], b[2])
