@@ -192,6 +192,14 @@ def pack_sequences(input_ids: Tensor, attention_mask: Tensor, position_ids: Tens
     )
 
 
+def prompt_group_ids(input_ids: Tensor, attention_mask: Tensor, width: int) -> Tensor:
+    """[B] ids, equal for the rows whose first `width` columns (the left-padded prompt: ids and mask) are equal:
+    the rows that `pack_sequences(share_prefix_width=width)` packs one prompt for."""
+    prompt_mask = attention_mask[:, :width].bool()
+    key = input_ids[:, :width].masked_fill(~prompt_mask, -1)
+    return torch.unique(key, dim=0, return_inverse=True)[1]
+
+
 def _pack_shared_prefixes(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None,
                           width: int) -> PackedSequences | None:
     """`pack_sequences` with prompts shared (see there); None when no two rows share a prompt."""
@@ -202,8 +210,7 @@ def _pack_shared_prefixes(input_ids: Tensor, attention_mask: Tensor, position_id
     mask = attention_mask.bool()
     prompt_mask = mask[:, :width]
     prompt_len = prompt_mask.sum(-1)
-    key = input_ids[:, :width].masked_fill(~prompt_mask, -1)
-    _, group = torch.unique(key, dim=0, return_inverse=True)
+    group = prompt_group_ids(input_ids, attention_mask, width)
     rows = torch.arange(batch, device=device)
     first = torch.full((int(group.max()) + 1,), batch, device=device).scatter_reduce(0, group, rows, "amin")
     leader = first[group]

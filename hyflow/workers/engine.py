@@ -93,8 +93,37 @@ def sequence_lengths(batch: Batch) -> torch.Tensor:
     return batch["attention_mask"].sum(-1)
 
 
+def _token_budget_items(batch: Batch, lengths: list[int], max_token_len: int,
+                        share_prompts: bool) -> list[tuple[list[int], int]]:
+    """What the token-budget bin packing places: (rows, tokens) items. One row each; with `share_prompts` (packed
+    micro-batches that run a prompt once for its samples) the rows of one prompt as one item, costing the prompt
+    once, cut into several items where the group exceeds the budget."""
+    if not (share_prompts and "responses" in batch.keys()):
+        return [([i], n_tok) for i, n_tok in enumerate(lengths)]
+    from hyflow.models.packing import prompt_group_ids
+
+    width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+    group = prompt_group_ids(batch["input_ids"], batch["attention_mask"], width).tolist()
+    prompt_len = batch["attention_mask"][:, :width].sum(-1).tolist()
+    members: dict[int, list[int]] = {}
+    for row, g in enumerate(group):
+        members.setdefault(g, []).append(row)
+    items = []
+    for rows in members.values():
+        chunk, cost = [], 0
+        for i in rows:
+            extra = lengths[i] - (prompt_len[i] if chunk else 0)
+            if chunk and cost + extra > max_token_len:
+                items.append((chunk, cost))
+                chunk, cost, extra = [], 0, lengths[i]
+            chunk.append(i)
+            cost += extra
+        items.append((chunk, cost))
+    return items
+
+
 def split_micro_batches(batch: Batch, *, micro_batch_size: int | None, use_dynamic_bsz: bool = False,
-                        max_token_len: int | None = None, min_micro_batches: int = 1
+                        max_token_len: int | None = None, min_micro_batches: int = 1, share_prompts: bool = False
                         ) -> list[tuple[Batch, torch.Tensor]]:
     """Cut `batch` into micro-batches; returns (micro-batch, row indices into `batch`) pairs.
 
@@ -119,15 +148,15 @@ def split_micro_batches(batch: Batch, *, micro_batch_size: int | None, use_dynam
                          "max_response_length)")
     bins: list[list[int]] = []
     loads: list[int] = []
-    for i in sorted(range(n), key=lambda j: -lengths[j]):
+    for rows, cost in sorted(_token_budget_items(batch, lengths, max_token_len, share_prompts), key=lambda x: -x[1]):
         for b, load in enumerate(loads):
-            if load + lengths[i] <= max_token_len:
-                bins[b].append(i)
-                loads[b] += lengths[i]
+            if load + cost <= max_token_len:
+                bins[b].extend(rows)
+                loads[b] += cost
                 break
         else:
-            bins.append([i])
-            loads.append(lengths[i])
+            bins.append(list(rows))
+            loads.append(cost)
     if min_micro_batches > n:
         raise ValueError(f"cannot cut {n} samples into {min_micro_batches} micro-batches; every data-parallel rank "
                          "needs as many samples as the largest micro-batch count")
@@ -139,30 +168,33 @@ def split_micro_batches(batch: Batch, *, micro_batch_size: int | None, use_dynam
 
 
 def sync_micro_batch_count(batch: Batch, *, micro_batch_size: int | None, use_dynamic_bsz: bool = False,
-                           max_token_len: int | None = None) -> list[tuple[Batch, torch.Tensor]]:
+                           max_token_len: int | None = None, share_prompts: bool = False
+                           ) -> list[tuple[Batch, torch.Tensor]]:
     """`split_micro_batches` with the same number of micro-batches on every data-parallel rank.
 
     FSDP all-gathers parameters in every forward, so ranks must run equally many; fixed-size micro-batches of
     equal shares already do, dynamic ones are split further up to the largest count over the ranks.
     """
     micros = split_micro_batches(batch, micro_batch_size=micro_batch_size, use_dynamic_bsz=use_dynamic_bsz,
-                                 max_token_len=max_token_len)
+                                 max_token_len=max_token_len, share_prompts=share_prompts)
     if not use_dynamic_bsz:
         return micros
     target = all_reduce_max(len(micros))
     if target == len(micros):
         return micros
     return split_micro_batches(batch, micro_batch_size=micro_batch_size, use_dynamic_bsz=True,
-                               max_token_len=max_token_len, min_micro_batches=target)
+                               max_token_len=max_token_len, min_micro_batches=target, share_prompts=share_prompts)
 
 
-def micro_batches_as_derived(batch: Batch, sizes) -> list[tuple[Batch, torch.Tensor]]:
+def micro_batches_as_derived(batch: Batch, sizes, *, share_prompts: bool = False) -> list[tuple[Batch, torch.Tensor]]:
     """`sync_micro_batch_count` with the sizes `hyflow.config.arithmetic.batch_arithmetic` derived for a pass
     (`RoleBatches` or `ForwardBatches`): the numbers `hyflow config` prints are the numbers that run, deprecated
-    global knobs and each pass's own fallbacks included."""
+    global knobs and each pass's own fallbacks included. `share_prompts`: token budgets count a prompt once for
+    its samples, which stay together (`split_micro_batches`)."""
     micro = sizes.micro_batch_size_per_device
     return sync_micro_batch_count(batch, micro_batch_size=None if micro is None else max(1, int(micro)),
-                                  use_dynamic_bsz=sizes.use_dynamic_bsz, max_token_len=sizes.max_token_len_per_device)
+                                  use_dynamic_bsz=sizes.use_dynamic_bsz, max_token_len=sizes.max_token_len_per_device,
+                                  share_prompts=share_prompts)
 
 
 def trim_padding(micro: Batch, response_length: int) -> tuple[dict[str, torch.Tensor], int]:

@@ -14,8 +14,8 @@ def test_each_pass_uses_its_derived_micro_batch_size(tiny_model_dir, task_dir, t
     seen: list[tuple[int, int]] = []  # (rows in the pass, rows per micro-batch)
 
     def spy(real):
-        def wrapped(batch, sizes):
-            micros = real(batch, sizes)
+        def wrapped(batch, sizes, **kwargs):
+            micros = real(batch, sizes, **kwargs)
             seen.append((len(batch), max(len(m) for m, _ in micros)))
             return micros
         return wrapped

@@ -345,6 +345,38 @@ def test_dynamic_micro_batches_split_up_to_a_count():
     assert [rows.tolist() for _, rows in same] == [rows.tolist() for _, rows in packed]  # one process: as packed
 
 
+def test_token_budget_keeps_a_prompts_samples_together_when_they_share_it():
+    """With prompt sharing the budget counts a prompt once for its samples, and they stay in one micro-batch
+    unless together they exceed the budget; without it, rows are placed one by one, longest first."""
+    from hyflow.models.packing import pack_sequences
+    from hyflow.workers.engine import split_micro_batches
+
+    P_W, R_W = 6, 4
+    prompt_len = [6, 6, 6, 6, 2, 2, 2, 2]            # prompt a (rows 0-3), prompt b (rows 4-7)
+    resp_len = [4, 1, 3, 2, 4, 4, 1, 1]
+    ids = torch.zeros(8, P_W + R_W, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, (p, r) in enumerate(zip(prompt_len, resp_len, strict=True)):
+        ids[row, :P_W] = 5 if row < 4 else 6
+        mask[row, P_W - p : P_W + r] = 1
+    ids = ids * mask
+    batch = Batch({"input_ids": ids, "attention_mask": mask, "responses": ids[:, P_W:]})
+    shared = split_micro_batches(batch, micro_batch_size=None, use_dynamic_bsz=True, max_token_len=16,
+                                 share_prompts=True)
+    groups = [sorted(rows.tolist()) for _, rows in shared]
+    assert sorted(groups) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # 6 + 10 and 2 + 10 packed tokens
+    for micro, _ in shared:
+        packed = pack_sequences(micro["input_ids"], micro["attention_mask"], share_prefix_width=P_W)
+        assert packed.num_tokens <= 16
+    # a group over the budget is cut into items that fit (here: 6+4+1+3 = 14, then 6+2)
+    cut = split_micro_batches(batch, micro_batch_size=None, use_dynamic_bsz=True, max_token_len=14,
+                              share_prompts=True)
+    assert all(pack_sequences(m["input_ids"], m["attention_mask"], share_prefix_width=P_W).num_tokens <= 14
+               for m, _ in cut)
+    plain = split_micro_batches(batch, micro_batch_size=None, use_dynamic_bsz=True, max_token_len=16)
+    assert all(int(m["attention_mask"].sum()) <= 16 for m, _ in plain) and len(plain) > len(shared)
+
+
 def test_clip_grad_norm_matches_torch():
     from hyflow.workers.engine import all_reduce_metrics, clip_grad_norm
 
