@@ -85,6 +85,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefix-grouper", default="on", choices=("on", "off"),
                    help="hyflow's actor_rollout_ref.actor.use_prefix_grouper (each prompt's tokens run once for its G "
                         "samples in the update; same numbers). TRL has no such option: it runs every copy")
+    p.add_argument("--torch-compile", default="off", choices=("on", "off"),
+                   help="hyflow's actor_rollout_ref.actor.use_torch_compile (MLPs and norms compiled for the update "
+                        "and log-prob passes; the compile falls in the warm-up steps, whose time is printed)")
     p.add_argument("--skip-trl", action="store_true", help="run hyflow only (no ratio)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model weights, the data and both trainers")
     p.add_argument("--workdir", default=None, help="keep the model, data and logs here (default: a temp dir)")
@@ -160,6 +163,7 @@ def hyflow_overrides(args: argparse.Namespace, model_dir: Path, task_dir: Path, 
         "actor_rollout_ref.actor.optim.lr_scheduler_type=constant",
         "actor_rollout_ref.model.enable_gradient_checkpointing=False",
         f"actor_rollout_ref.actor.use_prefix_grouper={args.prefix_grouper == 'on'}",
+        f"actor_rollout_ref.actor.use_torch_compile={args.torch_compile == 'on'}",
         f"actor_rollout_ref.rollout.n={args.group}", "actor_rollout_ref.rollout.temperature=1.0",
         "actor_rollout_ref.rollout.top_p=1.0", "actor_rollout_ref.rollout.top_k=-1",
         "data.max_prompt_length=128", f"data.max_response_length={args.max_new_tokens}", "data.shuffle=False",
@@ -281,6 +285,7 @@ def summarize(results: list[RunResult], warmup: int) -> dict:
         "gen_tokens_per_step": statistics.fmean(tokens),
         "gen_tokens_per_s": sum(tokens) / sum(steps),
         "outside_steps_s_mean": statistics.fmean(r.outside_steps_s for r in results),
+        "warmup_s_mean": statistics.fmean(sum(r.step_s[:warmup]) for r in results),
     }
     if results[0].peak_gpu_gib is not None:
         summary["peak_gpu_gib"] = max(r.peak_gpu_gib for r in results)
@@ -329,24 +334,26 @@ def _cpu_model() -> str:
 def format_report(summaries: dict[str, dict], args: argparse.Namespace, info: dict, per_round: list[float]) -> str:
     stage_names = ("rollout+score", "old_log_prob", "update")
     header = (f"{'library':<8} {'steps':>5} {'median s':>9} {'mean s':>8} {'min s':>7} {'max s':>7} {'steps/s':>8} "
-              f"{'gen tok/s':>10} " + " ".join(f"{n:>13}" for n in stage_names) + f" {'other s':>8}")
+              f"{'gen tok/s':>10} " + " ".join(f"{n:>13}" for n in stage_names) + f" {'warm-up s':>9} {'other s':>8}")
     lines = [
         f"GRPO benchmark: preset={args.preset} P={args.prompts} G={args.group} T={args.max_new_tokens} "
         f"steps={args.steps} (+{args.warmup} warm-up) rounds={args.rounds} device={args.device} seed={args.seed} "
-        f"hyflow prefix grouper {args.prefix_grouper}",
+        f"hyflow prefix grouper {args.prefix_grouper}, torch compile {args.torch_compile}",
         f"machine: {info['cpu']}, {info['cores']} cores, torch threads {info['torch_threads']}; "
         f"python {info['python']}, torch {info['torch']}, transformers {info['transformers']}, trl {info['trl']}"
         + (f", gpu {info['gpu']}" if "gpu" in info else ""),
         f"load average (1/5/15 min) before {info.get('load_avg_before')}, after {info.get('load_avg_after')}",
-        "stage columns are medians in seconds; gen tok/s = generated tokens / step time; other s = seconds of a "
-        "run outside its steps (loading, data, logging, hyflow's final checkpoint)",
+        "stage columns are medians in seconds; gen tok/s = generated tokens / step time; warm-up s = the run's "
+        "unmeasured first steps (torch.compile falls here); other s = seconds of a run outside its steps "
+        "(loading, data, logging, hyflow's final checkpoint)",
         header, "-" * len(header),
     ]
     for name, s in summaries.items():
         stages = " ".join(f"{s.get(f'stage_s_median/{n}', float('nan')):>13.3f}" for n in stage_names)
         lines.append(f"{name:<8} {s['measured_steps']:>5} {s['step_s_median']:>9.3f} {s['step_s_mean']:>8.3f} "
                      f"{s['step_s_min']:>7.3f} {s['step_s_max']:>7.3f} {s['steps_per_s']:>8.3f} "
-                     f"{s['gen_tokens_per_s']:>10.0f} {stages} {s['outside_steps_s_mean']:>8.1f}"
+                     f"{s['gen_tokens_per_s']:>10.0f} {stages} {s['warmup_s_mean']:>9.1f} "
+                     f"{s['outside_steps_s_mean']:>8.1f}"
                      + (f"  peak GPU memory {s['peak_gpu_gib']:.2f} GiB" if "peak_gpu_gib" in s else ""))
     if "trl" in summaries:
         hy, trl = summaries["hyflow"], summaries["trl"]

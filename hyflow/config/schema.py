@@ -455,7 +455,12 @@ class ActorConfig:
     entropy_checkpointing: bool = option(
         False, "Recompute entropy in the backward pass instead of storing it."
     )
-    use_torch_compile: bool = option(True, "torch.compile the log-prob/entropy kernels.")
+    use_torch_compile: bool = option(
+        False,
+        "torch.compile the model's MLPs and RMSNorms for the actor's training and log-prob passes (hyflow.models."
+        "compile; the rollout decodes eagerly). hyflow's default is false (verl's: true): it costs a one-time "
+        "compile of seconds per model, which only long runs earn back (13 % off a CPU GRPO update, BENCHMARKS.md).",
+    )
     calculate_sum_pi_squared: bool = option(
         False, "Also compute sum_v pi_v^2 per token (needed by optimal_token_baseline)."
     )
@@ -707,7 +712,9 @@ class RefConfig:
         "Sequence-parallel size of the reference.",
     )
     use_torch_compile: bool = option(
-        "${actor_rollout_ref.actor.use_torch_compile}", "torch.compile the reference's log-prob kernel."
+        "${actor_rollout_ref.actor.use_torch_compile}",
+        "torch.compile a separate reference model's MLPs and RMSNorms for its log-prob pass (under LoRA the reference "
+        "is the actor: the actor's setting applies).",
     )
     fsdp_config: FSDPConfig = section(
         FSDPConfig, "FSDP settings of the reference (verl forces parameter offload here)."

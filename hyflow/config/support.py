@@ -235,12 +235,6 @@ _TABLE: list[KeySupport] = [
                  lambda cfg: _hf_engine(cfg) and _non_default(cfg, f"{R}.disable_log_stats")),
     _performance(f"{R}.cudagraph_capture_sizes", "a vllm CUDA-graph knob (speed only); the hf engine has none",
                  lambda cfg: _hf_engine(cfg) and _non_default(cfg, f"{R}.cudagraph_capture_sizes")),
-    _performance(f"{A}.use_torch_compile", "hyflow does not torch.compile the log-prob kernel: eager gives the "
-                 "same numbers; on CPU compiling it saved 0.3-1.2 % of a GRPO step for 5-11 s of compile "
-                 "(BENCHMARKS.md); not measured on a GPU"),
-    _performance(f"{ARR}.ref.use_torch_compile", "hyflow does not torch.compile the log-prob kernel (eager: same "
-                 "numbers, slower)", lambda cfg: cfg.actor_rollout_ref.ref.use_torch_compile
-                 != cfg.actor_rollout_ref.actor.use_torch_compile),  # else named for the actor
     _performance("reward_model.strategy", "hyflow runs a full copy of the reward model on each of its ranks "
                  "(inference only: the same scores as sharded)",
                  lambda cfg: cfg.reward_model.strategy != cfg.actor_rollout_ref.actor.strategy),

@@ -120,8 +120,8 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
             model, name="actor", head="lm", device=self.model_device, strategy=self.strategy,
             fsdp_config=actor.fsdp_config, optim=actor.optim, grad_clip=actor.grad_clip,
             total_optimizer_steps=total_training_steps * int(batches.actor.optimizer_steps),
-            use_remove_padding=model_cfg.use_remove_padding, share_prompts=actor.use_prefix_grouper, lora=lora,
-            world_size=self.world_size, rank=self.rank)
+            use_remove_padding=model_cfg.use_remove_padding, share_prompts=actor.use_prefix_grouper,
+            use_torch_compile=actor.use_torch_compile, lora=lora, world_size=self.world_size, rank=self.rank)
         self.model = self.engine.model
         if self.rank == 0:
             print(self.engine.describe_parameters(), flush=True)
@@ -133,7 +133,8 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
                                    strategy=parallel_strategy(self.arr.ref.strategy, self.world_size),
                                    fsdp_config=self.arr.ref.fsdp_config, compute_dtype=actor.fsdp_config.dtype,
                                    use_remove_padding=model_cfg.use_remove_padding,
-                                   share_prompts=actor.use_prefix_grouper, world_size=self.world_size,
+                                   share_prompts=actor.use_prefix_grouper,
+                                   use_torch_compile=self.arr.ref.use_torch_compile, world_size=self.world_size,
                                    rank=self.rank)
         elif uses_reference(self.config):
             self.ref = self.engine  # LoRA: the reference is the actor with its adapter disabled

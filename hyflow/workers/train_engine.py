@@ -133,8 +133,9 @@ class TrainEngine:
 
     def __init__(self, model: nn.Module, *, name: str, head: str, device: torch.device, strategy: str,
                  fsdp_config, optim=None, total_optimizer_steps: int = 1, grad_clip: float | None = None,
-                 use_remove_padding: bool = False, share_prompts: bool = False, lora=None, world_size: int = 1,
-                 rank: int = 0, compute_dtype: str | None = None, checkpoint_prefix: str | None = None):
+                 use_remove_padding: bool = False, share_prompts: bool = False, use_torch_compile: bool = False,
+                 lora=None, world_size: int = 1, rank: int = 0, compute_dtype: str | None = None,
+                 checkpoint_prefix: str | None = None):
         if head not in HEADS:
             raise ValueError(f"head={head!r}; use one of {HEADS}")
         self.name, self.head, self.device = name, head, device
@@ -154,6 +155,12 @@ class TrainEngine:
             model.requires_grad_(False).eval()
         self.module = model  # before wrapping (FSDP2 shards it in place; DDP holds it as .module)
         self.model = wrap_model(model, strategy, fsdp_config, trainable=trainable)
+        # verl's use_torch_compile: the MLPs and norms compiled for this engine's own passes (hyflow.models.compile)
+        self.compiled = None
+        if use_torch_compile:
+            from hyflow.models.compile import CompiledModules
+
+            self.compiled = CompiledModules(self.model)
         self.optimizer = self.scheduler = None
         if trainable:
             params = [p for p in self.model.parameters() if p.requires_grad]
@@ -179,14 +186,19 @@ class TrainEngine:
 
     # ------------------------------------------------------------------------------------------ forward
 
-    def packing(self, enabled: bool = True):
-        """The context a packed forward (and its backward, which may recompute layers under gradient
-        checkpointing) runs in: the model attends within each packed sequence (`hyflow.models.packing`)."""
-        if not (self.use_remove_padding and enabled):
-            return contextlib.nullcontext()
-        from hyflow.models.packing import packed_attention
+    @contextlib.contextmanager
+    def passes(self, packing: bool = True) -> Iterator[None]:
+        """The context this engine's forwards (and their backward, which may recompute layers under gradient
+        checkpointing) run in: the model attends within each packed sequence (`hyflow.models.packing`) when
+        packing, and its MLPs and norms run compiled under use_torch_compile (`hyflow.models.compile`)."""
+        with contextlib.ExitStack() as stack:
+            if self.use_remove_padding and packing:
+                from hyflow.models.packing import packed_attention
 
-        return packed_attention(self.model)
+                stack.enter_context(packed_attention(self.model))
+            if self.compiled is not None:
+                stack.enter_context(self.compiled.active())
+            yield
 
     def forward_micro(self, micro: Batch, response_length: int, *, temperature: float = 1.0,
                       with_entropy: bool = False, with_sum_pi_squared: bool = False) -> tuple[dict, int]:
@@ -232,7 +244,7 @@ class TrainEngine:
         outputs: dict[str, torch.Tensor] = {}
         self.model.eval()
         off = self.adapter_disabled() if not adapter else contextlib.nullcontext()
-        with torch.no_grad(), off, self.packing(not with_sum_pi_squared):
+        with torch.no_grad(), off, self.passes(packing=not with_sum_pi_squared):
             for micro, rows in micro_batches_as_derived(batch, sizes, share_prompts=self.share_prompts):
                 out, _ = self.forward_micro(micro, R, temperature=temperature, with_entropy=with_entropy,
                                             with_sum_pi_squared=with_sum_pi_squared)
@@ -257,7 +269,7 @@ class TrainEngine:
                            n_micro=len(micros), world_size=self.world_size)
         sums: defaultdict[str, float] = defaultdict(float)
         for micro, _ in micros:
-            with self.packing():  # forward and backward: a checkpointed layer re-runs its attention in backward
+            with self.passes():  # forward and backward: a checkpointed layer re-runs its attention in backward
                 out, r = self.forward_micro(micro, R, temperature=temperature, with_entropy=with_entropy)
                 cols = {key: micro[key][:, :r].to(self.device) for key in columns if key in micro}
                 loss, parts = loss_fn(out, cols, ctx)

@@ -330,7 +330,6 @@ def test_performance_only_keys_are_named_in_one_line_only_when_set():
     cfg = load_config(["actor_rollout_ref.ref.fsdp_config.param_offload=true",
                        "critic.model.fsdp_config.optimizer_offload=true",
                        "reward_model.model.fsdp_config.param_offload=true",
-                       "actor_rollout_ref.actor.use_torch_compile=false",
                        "actor_rollout_ref.model.use_fused_kernels=true",
                        "reward_model.launch_reward_fn_async=true",
                        "data.dataloader_num_workers=0",
@@ -343,13 +342,11 @@ def test_performance_only_keys_are_named_in_one_line_only_when_set():
     for key in ("actor_rollout_ref.ref.fsdp_config.param_offload=true",
                 "critic.model.fsdp_config.optimizer_offload=true",
                 "reward_model.model.fsdp_config.param_offload=true",
-                "actor_rollout_ref.actor.use_torch_compile=false",
                 "actor_rollout_ref.model.use_fused_kernels=true",
                 "reward_model.launch_reward_fn_async=true", "data.dataloader_num_workers=0",
                 "actor_rollout_ref.rollout.mode=sync", "actor_rollout_ref.rollout.gpu_memory_utilization=0.8",
                 "actor_rollout_ref.rollout.engine_kwargs="):
         assert key in line, key
-    assert "ref.use_torch_compile" not in line  # it follows the actor's (an interpolation): named once, there
 
 
 def test_the_rl_trainer_prints_the_line_once_at_start(capsys):
