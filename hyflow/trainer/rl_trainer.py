@@ -63,11 +63,12 @@ from hyflow.controller import make_colocated_class, make_worker_group
 from hyflow.data.custom import load_custom_dataset
 from hyflow.data.rl_dataset import PromptLoader, RLDataset, is_row_collection
 from hyflow.models.loading import load_tokenizer
+from hyflow.models.packing import prompt_group_ids
 from hyflow.rewards.custom import combine_reward_functions, load_custom_reward_function
 from hyflow.rewards.managers import make_reward_manager
 from hyflow.rewards.registry import check_scorers_exist
 from hyflow.rollout.base import SamplingParams
-from hyflow.trainer.balance import balanced_order
+from hyflow.trainer.balance import balanced_group_order, balanced_order
 from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from hyflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, timer
 from hyflow.trainer.run_dir import claim_run_directory
@@ -462,7 +463,7 @@ class RLTrainer:
         """Stages 2-6 of a step on a scored rollout batch: log-probs, values, advantages, updates, weight sync."""
         batch.meta["global_step"] = self.global_step
         if self.config.trainer.balance_batch and self.actor.world_size > 1:
-            batch = batch.reorder(balanced_order(batch["attention_mask"].sum(-1), self.actor.world_size))
+            batch = batch.reorder(self.balanced_order(batch))
         if self.config.algorithm.rollout_correction.bypass_mode:
             batch["old_log_probs"] = batch["rollout_log_probs"]  # the rollout's log-probs are pi_old
         elif self.needs_old_log_probs:
@@ -523,6 +524,18 @@ class RLTrainer:
         """Sample responses; prompts padded to the DP size and the padding's samples removed."""
         padded, pad = prompts.pad_to_multiple(self.actor.world_size)
         return self.actor.generate_sequences(padded, params).unpad(pad * params.n)
+
+    def balanced_order(self, batch: Batch) -> torch.Tensor:
+        """`trainer.balance_batch`'s row order: similar token counts per rank; with prompt sharing
+        (`actor.use_prefix_grouper`) a prompt's samples stay on one rank where the group sizes allow it."""
+        lengths, world = batch["attention_mask"].sum(-1), self.actor.world_size
+        if self.config.actor_rollout_ref.actor.use_prefix_grouper:
+            width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+            order = balanced_group_order(lengths, prompt_group_ids(batch["input_ids"], batch["attention_mask"], width),
+                                         batch["attention_mask"][:, :width].sum(-1), world)
+            if order is not None:
+                return order
+        return balanced_order(lengths, world)
 
     def mini_batch_major(self, batch: Batch, mini_batch_prompts: int, dp: int | None = None) -> Batch:
         """Rows laid out so that each rank's k-th local mini-batch is its share of the k-th global one.
