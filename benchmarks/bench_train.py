@@ -25,7 +25,11 @@ the round), median seconds per step, and the ratio packed / padded of the median
 too). Before timing, both paths' losses on one batch are compared (they must agree to float rounding).
 Torch threads are set to `--threads` (default 1; the machines are shared).
 
+`--compare compile` times the packed path against itself with the MLPs and norms compiled
+(`hyflow.models.compile.CompiledModules`, what `use_torch_compile=true` turns on); the compile falls in the warm-up.
+
 Run:  OMP_NUM_THREADS=1 python benchmarks/bench_train.py                     (small, 16 x U[8, 512], 3 rounds)
+      OMP_NUM_THREADS=1 python benchmarks/bench_train.py --compare compile --warmup 2
       python benchmarks/bench_train.py --preset tiny --batch-size 4 --max-len 64 --rounds 1 --steps 1 --json o.json
 """
 
@@ -49,7 +53,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-PATHS = ("padded", "packed")
+PATHS = ("padded", "packed")  # the paths of --compare padding (the default); --compare compile: COMPILE_PATHS
+COMPILE_PATHS = ("packed", "packed+compile")
 
 
 # ---------------------------------------------------------------------------------------------- options
@@ -71,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optimizer-step", action="store_true", help="also time an AdamW step (lr 1e-6) per step")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--compare", default="padding", choices=("padding", "compile"),
+                   help="padding: padded vs packed; compile: packed vs packed with the MLPs and norms compiled "
+                        "(hyflow.models.compile, what use_torch_compile does; the compile falls in the warm-up)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sequence lengths and token ids")
     p.add_argument("--workdir", default=None, help="keep the model here (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write every number and the machine facts to this file")
@@ -108,14 +116,15 @@ def make_batch(args: argparse.Namespace, seed: int, vocab_size: int, device):
 
 
 def path_step(name: str, model, batch):
-    """One forward of `name` on `batch` -> (loss, computed positions). The caller times it with the backward."""
+    """One forward of `name` on `batch` -> (loss, computed positions). The caller times it with the backward
+    (inside `compiled.active()` for "packed+compile")."""
     from hyflow.batch import Batch
     from hyflow.models.forward import response_logprobs
     from hyflow.models.packing import packed_response_logprobs
     from hyflow.workers.engine import trim_padding
 
     ids, mask, R, position_ids = batch
-    if name == "packed":
+    if name.startswith("packed"):
         logp, _ = packed_response_logprobs(model, ids, mask, R)
         response_mask = mask[:, -R:]
         computed = int(mask.sum())
@@ -128,15 +137,16 @@ def path_step(name: str, model, batch):
     return -(logp * response_mask).sum() / response_mask.sum().clamp(min=1), computed
 
 
-def timed_step(name: str, model, optimizer, batch, device: str) -> dict:
+def timed_step(name: str, model, optimizer, batch, device: str, compiled=None) -> dict:
     import torch
 
     model.zero_grad(set_to_none=True)
     if device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    loss, computed = path_step(name, model, batch)
-    loss.backward()
+    with compiled.active() if name.endswith("+compile") else contextlib.nullcontext():
+        loss, computed = path_step(name, model, batch)
+        loss.backward()
     if optimizer is not None:
         optimizer.step()
     if device == "cuda":
@@ -146,6 +156,7 @@ def timed_step(name: str, model, optimizer, batch, device: str) -> dict:
 
 
 def summarize(rounds: dict[str, list[list[dict]]]) -> dict:
+    """Per path: tokens/s per round and medians; the ratio of the second path over the first (dict order)."""
     summary: dict = {"paths": {}}
     for name, per_round in rounds.items():
         tps = [sum(s["tokens"] for s in steps) / sum(s["s"] for s in steps) for steps in per_round]
@@ -158,20 +169,22 @@ def summarize(rounds: dict[str, list[list[dict]]]) -> dict:
             "computed_positions_per_step": statistics.mean(s["computed_positions"] for s in all_steps),
         }
     by = summary["paths"]
-    summary["ratio_packed_over_padded"] = by["packed"]["median_tokens_per_s"] / by["padded"]["median_tokens_per_s"]
-    summary["per_round_ratios"] = [a / b for a, b in zip(by["packed"]["rounds_tokens_per_s"],
-                                                         by["padded"]["rounds_tokens_per_s"])]
+    base, new = list(rounds)
+    summary[f"ratio_{new}_over_{base}"] = by[new]["median_tokens_per_s"] / by[base]["median_tokens_per_s"]
+    summary["per_round_ratios"] = [a / b for a, b in zip(by[new]["rounds_tokens_per_s"],
+                                                         by[base]["rounds_tokens_per_s"])]
     return summary
 
 
 def format_table(summary: dict) -> str:
-    header = (f"{'path':<8} {'median s/step':>13} {'real tokens/step':>16} {'computed positions/step':>23} "
+    header = (f"{'path':<14} {'median s/step':>13} {'real tokens/step':>16} {'computed positions/step':>23} "
               f"{'tokens/s':>9}")
     lines = [header, "-" * len(header)]
     for name, s in summary["paths"].items():
-        lines.append(f"{name:<8} {s['median_s_per_step']:>13.3f} {s['tokens_per_step']:>16.0f} "
+        lines.append(f"{name:<14} {s['median_s_per_step']:>13.3f} {s['tokens_per_step']:>16.0f} "
                      f"{s['computed_positions_per_step']:>23.0f} {s['median_tokens_per_s']:>9.0f}")
-    lines.append(f"ratio packed/padded (median tokens/s): {summary['ratio_packed_over_padded']:.2f}x; per round: "
+    base, new = summary["paths"]
+    lines.append(f"ratio {new}/{base} (median tokens/s): {summary[f'ratio_{new}_over_{base}']:.2f}x; per round: "
                  + ", ".join(f"{v:.2f}x" for v in summary["per_round_ratios"]))
     return "\n".join(lines)
 
@@ -201,7 +214,8 @@ def _run_benchmark(args: argparse.Namespace) -> dict:
     machine["load_average_before"] = load_average()
     print(f"train benchmark: preset={args.preset} batch={args.batch_size} lengths U[{args.min_len}, {args.max_len}] "
           f"prompt<= {args.prompt_max} rounds={args.rounds} steps={args.steps} warmup={args.warmup} "
-          f"attn(padded)={args.attn} optimizer_step={args.optimizer_step} dtype={args.dtype} device={args.device}",
+          f"attn(padded)={args.attn} optimizer_step={args.optimizer_step} dtype={args.dtype} device={args.device} "
+          f"compare={args.compare}",
           flush=True)
     print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch threads {machine['torch_threads']} "
           f"(OMP_NUM_THREADS={machine['OMP_NUM_THREADS']}), load average {machine['load_average_before']}; "
@@ -221,24 +235,32 @@ def _run_benchmark(args: argparse.Namespace) -> dict:
         ids, mask, R = make_batch(args, seed, vocab, args.device)
         return ids, mask, R, compute_position_ids(mask)
 
+    paths = COMPILE_PATHS if args.compare == "compile" else PATHS
+    compiled = None
+    if args.compare == "compile":
+        from hyflow.models.compile import CompiledModules
+
+        compiled = CompiledModules(model)
     check = batch(args.seed * 100_003 + 99_991)
-    with torch.no_grad():
-        losses = {name: float(path_step(name, model, check)[0]) for name in PATHS}
-    loss_diff = abs(losses["packed"] - losses["padded"])
-    print(f"loss check: padded {losses['padded']:.6f}, packed {losses['packed']:.6f}, |diff| {loss_diff:.2e}",
+    losses = {}
+    for name in paths:
+        with torch.no_grad(), compiled.active() if name.endswith("+compile") else contextlib.nullcontext():
+            losses[name] = float(path_step(name, model, check)[0])
+    loss_diff = abs(losses[paths[1]] - losses[paths[0]])
+    print(f"loss check: {paths[0]} {losses[paths[0]]:.6f}, {paths[1]} {losses[paths[1]]:.6f}, |diff| {loss_diff:.2e}",
           flush=True)
     for i in range(args.warmup):
-        for name in PATHS:
-            timed_step(name, model, optimizer, batch(args.seed * 100_003 + 50_000 + i), args.device)
+        for name in paths:
+            timed_step(name, model, optimizer, batch(args.seed * 100_003 + 50_000 + i), args.device, compiled)
 
-    rounds: dict[str, list[list[dict]]] = {name: [] for name in PATHS}
+    rounds: dict[str, list[list[dict]]] = {name: [] for name in paths}
     for r in range(args.rounds):
         batches = [batch(args.seed * 100_003 + r * args.steps + s) for s in range(args.steps)]
-        steps: dict[str, list[dict]] = {name: [] for name in PATHS}
+        steps: dict[str, list[dict]] = {name: [] for name in paths}
         for s, b in enumerate(batches):  # both paths on each batch back to back; the order alternates
-            for name in PATHS if (r + s) % 2 == 0 else PATHS[::-1]:
-                steps[name].append(timed_step(name, model, optimizer, b, args.device))
-        for name in PATHS:
+            for name in paths if (r + s) % 2 == 0 else paths[::-1]:
+                steps[name].append(timed_step(name, model, optimizer, b, args.device, compiled))
+        for name in paths:
             rounds[name].append(steps[name])
             seconds = sum(step["s"] for step in steps[name])
             print(f"round {r + 1}/{args.rounds} {name}: {seconds:.2f} s, "

@@ -50,3 +50,12 @@ def test_bad_options_exit_before_building_a_model(bench, argv, message, capsys):
         bench.main(argv)
     assert exc.value.code != 0
     assert message in capsys.readouterr().err
+
+
+def test_compare_compile_runs_packed_against_packed_compiled(bench, tmp_path, capsys):
+    report = bench.main([*TINY, "--compare", "compile", "--warmup", "1", "--workdir", str(tmp_path / "work")])
+    printed = capsys.readouterr().out
+    assert set(report["results"]["paths"]) == {"packed", "packed+compile"}
+    assert report["results"]["ratio_packed+compile_over_packed"] > 0
+    assert report["loss_check_abs_diff"] < 1e-4
+    assert "ratio packed+compile/packed" in printed, printed

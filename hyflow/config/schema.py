@@ -459,7 +459,7 @@ class ActorConfig:
         False,
         "torch.compile the model's MLPs and RMSNorms for the actor's training and log-prob passes (hyflow.models."
         "compile; the rollout decodes eagerly). hyflow's default is false (verl's: true): it costs a one-time "
-        "compile of seconds per model, which only long runs earn back (13 % off a CPU GRPO update, BENCHMARKS.md).",
+        "compile of seconds per model, which only long runs earn back (1.09-1.13x training tokens/s on CPU, BENCHMARKS.md).",
     )
     calculate_sum_pi_squared: bool = option(
         False, "Also compute sum_v pi_v^2 per token (needed by optimal_token_baseline)."

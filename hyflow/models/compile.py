@@ -4,7 +4,7 @@ What is compiled: every module whose class name ends in `MLP` or `RMSNorm` (Qwen
 ...): the elementwise work between the matmuls (SiLU, the gate product, the norm's square, mean, rsqrt and
 scale, and their backward) that eager PyTorch runs as one kernel per op over the whole activation. Inductor fuses
 it. The attention is not compiled (hyflow's packed attention has Python control flow over the sequences); the
-linears are matmuls either way. Measured on CPU (BENCHMARKS.md): 13 % off the GRPO update of the tiny preset, for
+linears are matmuls either way. Measured on CPU (BENCHMARKS.md): 1.09-1.13x the training tokens/s, for
 a one-time compile of about 5 s per model and grad mode.
 
 When: only inside `CompiledModules.active()`, which the training engine enters for its own forwards (update,

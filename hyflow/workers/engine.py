@@ -98,7 +98,7 @@ def _token_budget_items(batch: Batch, lengths: list[int], max_token_len: int,
     """What the token-budget bin packing places: (rows, tokens) items. One row each; with `share_prompts` (packed
     micro-batches that run a prompt once for its samples) the rows of one prompt as one item, costing the prompt
     once, cut into several items where the group exceeds the budget."""
-    if not (share_prompts and "responses" in batch.keys()):
+    if not (share_prompts and "responses" in batch):
         return [([i], n_tok) for i, n_tok in enumerate(lengths)]
     from hyflow.models.packing import prompt_group_ids
 
@@ -142,7 +142,7 @@ def split_micro_batches(batch: Batch, *, micro_batch_size: int | None, use_dynam
     lengths = sequence_lengths(batch).tolist()
     too_long = [(i, n_tok) for i, n_tok in enumerate(lengths) if n_tok > max_token_len]
     if too_long:
-        i, n_tok = too_long[0]
+        _, n_tok = too_long[0]
         raise ValueError(f"a sample has {n_tok} tokens, more than the token budget of {max_token_len} per "
                          "micro-batch; raise ppo_max_token_len_per_gpu (it must cover max_prompt_length + "
                          "max_response_length)")
