@@ -59,15 +59,15 @@ def prepared_batch(trainer: RLTrainer) -> Batch:
     return batch
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "gae", "grpo+prefix_grouper", "grpo+torch_compile"])
+@pytest.mark.parametrize("estimator", ["grpo", "gae", "grpo+prefix_grouper+torch_compile"])
 def test_two_ray_workers_match_one_process(tiny_model_dir, task_dir, tmp_path, estimator):
     # SGD, not AdamW: Adam divides each gradient entry by its own magnitude, so an entry of ~1e-9 whose rounding
     # differs between one packed row of 8 sequences and two of 4 moves its weight by a different fraction of lr.
     # The learning rates keep every token of the second mini-batch inside the PPO and value clips (clip fractions
     # 0, ppo_kl ~1e-3): no comparison sits on a clip boundary.
-    # grpo+prefix_grouper: each rank's packed micro-batch runs every prompt once for its samples (8 rows of 2
-    # prompts in one process, 4 rows of 1 prompt per rank); grpo+torch_compile: compiled MLPs and norms inside
-    # FSDP2-sharded layers
+    # +prefix_grouper: each rank's packed micro-batch runs every prompt once for its samples (8 rows of 2 prompts
+    # in one process, 4 rows of 1 prompt per rank); +torch_compile: compiled MLPs and norms inside FSDP2-sharded
+    # layers
     estimator, *option = estimator.split("+")
     args = overrides(tiny_model_dir, task_dir, tmp_path / "x", f"algorithm.adv_estimator={estimator}",
                      "trainer.resume_mode=disable", "trainer.balance_batch=false", *SGD,
