@@ -125,6 +125,10 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
         self.model = self.engine.model
         if self.rank == 0:
             print(self.engine.describe_parameters(), flush=True)
+            if self.engine.compiled is not None:
+                print(f"actor: use_torch_compile: {len(self.engine.compiled.modules)} modules "
+                      f"({', '.join(self.engine.compiled.names)}) compile at their first update / log-prob pass "
+                      f"(seconds, once)", flush=True)
         if not self.rollout.shares_weights:
             self.sync_rollout_weights()  # collective under FSDP2: every rank is here
         self.ref = None

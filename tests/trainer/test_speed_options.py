@@ -58,7 +58,7 @@ def test_prefix_grouper_same_first_update_with_fewer_tokens(tiny_model_dir, task
 
 
 @pytest.mark.slow
-def test_torch_compile_same_first_update(tiny_model_dir, task_dir, tmp_path, monkeypatch):
+def test_torch_compile_same_first_update(tiny_model_dir, task_dir, tmp_path, monkeypatch, capsys):
     import hyflow.models.compile as compile_module
 
     entered = []
@@ -72,5 +72,6 @@ def test_torch_compile_same_first_update(tiny_model_dir, task_dir, tmp_path, mon
     plain = first_update(tiny_model_dir, task_dir, tmp_path / "plain")
     assert entered == []
     compiled = first_update(tiny_model_dir, task_dir, tmp_path / "compiled", "actor_rollout_ref.actor.use_torch_compile=true")
+    assert "actor: use_torch_compile: 7 modules (Qwen2MLP, Qwen2RMSNorm) compile at their first" in capsys.readouterr().out
     assert len(entered) == 6  # old log-probs, reference (a separate model), 2 epochs x 2 update micro-batches
     assert_same_first_update(compiled, plain)
