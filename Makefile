@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=20
 # The vLLM venv: vLLM pins its own transformers/numpy, so it lives beside the main venv, not in it.
 VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
