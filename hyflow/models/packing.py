@@ -180,15 +180,16 @@ def pack_sequences(input_ids: Tensor, attention_mask: Tensor, position_ids: Tens
         positions = torch.arange(flat_index.numel(), device=input_ids.device) - cu_seqlens[row_of_token].long()
     else:
         positions = position_ids.reshape(-1)[flat_index]
+    return _packed(input_ids, flat_index, positions, cu_seqlens, seq_lengths)
+
+
+def _packed(input_ids: Tensor, flat_index: Tensor, positions: Tensor, cu_seqlens: Tensor,
+            seq_lengths: tuple[int, ...], **shared) -> PackedSequences:
+    """The `PackedSequences` of the [B, L] batch `input_ids` whose tokens at `flat_index` are packed."""
     return PackedSequences(
-        input_ids=input_ids.reshape(-1)[flat_index].unsqueeze(0),
-        position_ids=positions.unsqueeze(0),
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max(seq_lengths, default=0),
-        seq_lengths=seq_lengths,
-        flat_index=flat_index,
-        batch_size=batch,
-        seq_len=width,
+        input_ids=input_ids.reshape(-1)[flat_index].unsqueeze(0), position_ids=positions.unsqueeze(0),
+        cu_seqlens=cu_seqlens, max_seqlen=max(seq_lengths, default=0), seq_lengths=seq_lengths,
+        flat_index=flat_index, batch_size=input_ids.shape[0], seq_len=input_ids.shape[1], **shared,
     )
 
 
@@ -251,19 +252,8 @@ def _pack_shared_prefixes(input_ids: Tensor, attention_mask: Tensor, position_id
             segments.append((start + plen[b], end, start, start + plen[b]))
         else:
             segments.append((start, end, start, start))
-    seq_lengths = tuple(own_l)
-    return PackedSequences(
-        input_ids=input_ids.reshape(-1)[flat_index].unsqueeze(0),
-        position_ids=positions.unsqueeze(0),
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max(seq_lengths, default=0),
-        seq_lengths=seq_lengths,
-        flat_index=flat_index,
-        batch_size=batch,
-        seq_len=seq_len,
-        token_index=token_index,
-        shared=SharedPrefixes(tuple(segments), int(prompt_len[follower].sum())),
-    )
+    return _packed(input_ids, flat_index, positions, cu_seqlens, tuple(own_l), token_index=token_index,
+                   shared=SharedPrefixes(tuple(segments), int(prompt_len[follower].sum())))
 
 
 def unpack(values: Tensor, packed: PackedSequences) -> Tensor:
@@ -275,14 +265,12 @@ def unpack(values: Tensor, packed: PackedSequences) -> Tensor:
     if values.shape[0] != packed.num_tokens:
         raise ValueError(f"unpack got {values.shape[0]} packed values for {packed.num_tokens} packed tokens")
     rest = tuple(values.shape[1:])
+    where = packed.flat_index
     if packed.token_index is not None:  # a shared prompt's values appear in every row that has that prompt
         index = packed.token_index.reshape(-1)
-        real = index >= 0
-        out = values.new_zeros((packed.batch_size * packed.seq_len, *rest))
-        out = out.index_put((real.nonzero().squeeze(-1),), values[index[real]])
-        return out.view(packed.batch_size, packed.seq_len, *rest)
-    out = values.new_zeros((packed.batch_size * packed.seq_len, *rest))
-    out = out.index_put((packed.flat_index,), values)
+        where = (index >= 0).nonzero().squeeze(-1)
+        values = values[index[where]]
+    out = values.new_zeros((packed.batch_size * packed.seq_len, *rest)).index_put((where,), values)
     return out.view(packed.batch_size, packed.seq_len, *rest)
 
 
@@ -441,10 +429,16 @@ BATCHED_ATTENTION_MAX_WASTE = 2.0
 
 
 def _batched_is_cheaper(lengths: list[int]) -> bool:
-    lengths = [n for n in lengths if n > 0]
-    if len(lengths) < 2:
+    return _batching_pays([(n, n) for n in lengths if n > 0])
+
+
+def _batching_pays(shapes: list[tuple[int, int]]) -> bool:
+    """Whether one padded call over these (queries, keys) shapes wastes at most `BATCHED_ATTENTION_MAX_WASTE` of
+    their attention work: N x max queries x max keys against the sum of queries x keys."""
+    if len(shapes) < 2:
         return False
-    return len(lengths) * max(lengths) ** 2 <= BATCHED_ATTENTION_MAX_WASTE * sum(n * n for n in lengths)
+    widest = max(q for q, _ in shapes) * max(k for _, k in shapes)
+    return len(shapes) * widest <= BATCHED_ATTENTION_MAX_WASTE * sum(q * k for q, k in shapes)
 
 
 def _batched_attention(query: Tensor, key: Tensor, value: Tensor, lengths: list[int], dropout: float,
@@ -512,9 +506,7 @@ def _shared_prefix_attention(q_Thd: Tensor, k_Thd: Tensor, v_Thd: Tensor, segmen
     for cls in classes:
         if not cls:
             continue
-        work = [(q1 - q0) * (q1 - q0 + p1 - p0) for q0, q1, p0, p1 in cls]
-        widest = max(q1 - q0 for q0, q1, _, _ in cls) * max(q1 - q0 + p1 - p0 for q0, q1, p0, p1 in cls)
-        if len(cls) > 1 and len(cls) * widest <= BATCHED_ATTENTION_MAX_WASTE * sum(work):
+        if _batching_pays([(q1 - q0, q1 - q0 + p1 - p0) for q0, q1, p0, p1 in cls]):
             index, values = _segment_attention(q_Thd, k_Thd, v_Thd, cls, dropout, scale)
             out = out.index_put((index,), values)
             continue
