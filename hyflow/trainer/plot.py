@@ -6,15 +6,17 @@
 
 - The run kind comes from the keys: verl's SFT trainer logs `train/loss`, `val/loss`, `train/lr`,
   `train/grad_norm` (panels loss, grad_norm, lr); anything else is an RL run (panels reward, val, pg_loss,
-  grad_norm, clipfrac, entropy, kl, lr, response_length, timing). A panel whose keys were never logged (or
-  only as 0) is left out.
+  the critic's vf_loss, values and vf_explained_var when a critic ran (PPO/GAE), grad_norm, clipfrac, entropy,
+  kl, lr, response_length, timing). A panel whose keys were never logged (or only as 0) is left out, except
+  reward, validation and explained variance: a reward that stays 0 is what a run must show.
 - The figure title names the algorithm (`algorithm.adv_estimator`, or `sft`), the model (the last part of
   `actor_rollout_ref.model.path`, or SFT's `model.partial_pretrain` / `model.path`) and the run
   (`trainer.experiment_name`, with the directory's name when it differs), read from `run_dir/config.yaml`;
   without that file the title is the directory's name.
 - Every axis is labelled: x the step, y the metric (its key, or the panel's quantity when it draws several)
   with its unit where known (seconds for `timing_s/*`, tokens for lengths).
-- A key whose value is 0 at every step (e.g. `actor/pg_clipfrac` with on-policy updates) is not drawn; a key
+- A key whose value is 0 at every step (e.g. `actor/pg_clipfrac` with on-policy updates) is not drawn (in
+  the panels above that keep zeros it is); every curve of a panel has a colour of its own; a key
   with the same values at the same steps as one drawn before it in the panel is not drawn either, its name is
   added to that one's legend label (`critic/score/mean (= critic/rewards/mean)`).
 - A noisy series of at least `SMOOTH_MIN_POINTS` points (its first differences change sign at least
@@ -68,15 +70,26 @@ class Panel:
     exclude: tuple[str, ...] = ()
     smooth: tuple[str, ...] = ("*",)
     log_y: bool = False
+    keep_zero: bool = False  # draw a series that is 0 at every step (a reward that stays 0 is the news)
+    needs: tuple[str, ...] = ()  # drawn only when one of these keys was logged (returns without values: no panel)
 
 
 RL_PANELS: tuple[Panel, ...] = (
-    Panel("reward", "Reward", "reward", ("critic/score/mean", "critic/rewards/mean")),
+    Panel("reward", "Reward", "reward", ("critic/score/mean", "critic/rewards/mean"), keep_zero=True),
     # val-core/<source>/<var>/{mean@N, best@N/mean, maj@N/mean}; the */std keys are bootstrap spreads
-    Panel("val", "Validation", "validation score", ("val-core/*",), exclude=("*/std",), smooth=()),
+    Panel("val", "Validation", "validation score", ("val-core/*",), exclude=("*/std",), smooth=(),
+          keep_zero=True),
     Panel("pg_loss", "Policy loss", "pg_loss", ("actor/pg_loss",)),
-    Panel("grad_norm", "Gradient norm", "grad norm", ("actor/grad_norm",), log_y=True),
-    Panel("clipfrac", "Clip fraction", "clip fraction", ("actor/pg_clipfrac", "actor/pg_clipfrac_lower")),
+    # PPO's critic (GAE and the other value-based estimators): its loss, its values against the returns, and the
+    # share of the returns' variance the values explain
+    Panel("vf_loss", "Critic loss", "value loss", ("critic/vf_loss",), log_y=True),
+    Panel("values", "Critic values", "value", ("critic/values/mean", "critic/returns/mean", "critic/vpred_mean"),
+          needs=("critic/values/mean", "critic/vpred_mean")),
+    Panel("vf_explained_var", "Critic explained variance", "explained variance", ("critic/vf_explained_var",),
+          keep_zero=True),
+    Panel("grad_norm", "Gradient norm", "grad norm", ("actor/grad_norm", "critic/grad_norm"), log_y=True),
+    Panel("clipfrac", "Clip fraction", "clip fraction",
+          ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "critic/vf_clipfrac")),
     Panel("entropy", "Entropy", "entropy", ("actor/entropy",)),
     Panel("kl", "KL", "KL", ("actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty")),
     Panel("lr", "Learning rate", "learning rate", ("actor/lr",), smooth=()),
@@ -161,13 +174,13 @@ def same_series(a: tuple[list[int], list[float]], b: tuple[list[int], list[float
     )
 
 
-def panel_series(rows: list[dict], keys: list[str]) -> list[Series]:
-    """The curves to draw for `keys`, in order: always-zero keys dropped, a key identical to an earlier one
-    folded into that one's `same_as`."""
+def panel_series(rows: list[dict], keys: list[str], *, keep_zero: bool = False) -> list[Series]:
+    """The curves to draw for `keys`, in order: always-zero keys dropped (unless `keep_zero`), a key identical
+    to an earlier one folded into that one's `same_as`."""
     drawn: list[Series] = []
     for key in keys:
         steps, values = series(rows, key)
-        if not steps or is_zero(values):
+        if not steps or (is_zero(values) and not keep_zero):
             continue
         for s in drawn:
             if same_series((s.steps, s.values), (steps, values)):
@@ -276,12 +289,25 @@ def run_title(run_dir: str | os.PathLike, config: dict, kind: str) -> str:
 # ------------------------------------------------------------------------------ drawing
 
 
+def series_colors(n: int) -> list:
+    """n distinct colours: matplotlib's default cycle (C0..C9) up to 10 curves, tab20 up to 20, evenly spaced
+    hues of `turbo` beyond (a timing panel logs a dozen stages or more: no two may share a colour)."""
+    if n <= 10:
+        return [f"C{i}" for i in range(n)]
+    from matplotlib import colormaps
+
+    if n <= 20:
+        return [colormaps["tab20"](i) for i in range(n)]
+    return [colormaps["turbo"](x) for x in np.linspace(0.0, 1.0, n)]
+
+
 def _draw(ax, panel: Panel, drawn: list[Series]) -> list[int]:
     """Draw `drawn` on `ax`; returns the rolling-mean windows used. Lines carry gid `<key>:raw` (the logged
-    values) and `<key>:smooth` (their rolling mean)."""
+    values) and `<key>:smooth` (their rolling mean); each series has a colour of its own (`series_colors`)."""
     windows = []
+    colors = series_colors(len(drawn))
     for i, s in enumerate(drawn):
-        color = f"C{i % 10}"
+        color = colors[i]
         smooth = any(fnmatch.fnmatchcase(s.key, p) for p in panel.smooth) and is_noisy(s.values)
         if smooth:
             window = smoothing_window(sum(math.isfinite(v) for v in s.values))
@@ -353,7 +379,10 @@ def build_figures(run_dir: str | os.PathLike) -> list[tuple[str, Figure]]:
     panels_by_stem = {p.stem: p for p in PANELS[kind]}
     panels = []
     for stem, _, matched in panel_keys(keys, PANELS[kind]):
-        drawn = panel_series(rows, matched)
+        panel = panels_by_stem[stem]
+        if panel.needs and not keys & set(panel.needs):
+            continue
+        drawn = panel_series(rows, matched, keep_zero=panel.keep_zero)
         if drawn:
             panels.append((panels_by_stem[stem], drawn))
     if not panels:

@@ -6,6 +6,7 @@ import json
 import math
 import random
 
+import matplotlib.colors
 import matplotlib.image
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from hyflow.trainer.plot import (
     rolling_mean,
     run_kind,
     series,
+    series_colors,
     smoothing_window,
 )
 
@@ -396,3 +398,89 @@ def test_plot_run_with_only_zero_metrics_is_an_error(tmp_path):
     with pytest.raises(ValueError, match=r"no metric to plot .*when not 0 at every step"):
         plot_run(tmp_path)
     assert not (tmp_path / "plots").exists()
+
+
+# ---------------------------------------------------------------------------------------------- issue 22
+
+
+def test_a_reward_that_stays_zero_still_gets_its_panels(tmp_path):
+    rows = [{"step": 0, "val-core/arith/acc/mean@1": 0.0}]
+    rows += [{"step": s, "critic/score/mean": 0.0, "actor/pg_clipfrac": 0.0, "actor/pg_loss": 0.1 * s}
+             for s in range(1, 11)]
+    rows[-1]["val-core/arith/acc/mean@1"] = 0.0
+    write_metrics(tmp_path, rows)
+    axes = panels_of(dict(build_figures(tmp_path))["training_curves.png"])
+    assert list(axes) == ["Reward", "Validation", "Policy loss"]  # the zero clip fraction stays out
+    (reward,) = axes["Reward"].get_lines()
+    assert reward.get_gid() == "critic/score/mean:raw" and list(reward.get_ydata()) == [0.0] * 10
+    (val,) = axes["Validation"].get_lines()
+    assert list(val.get_xdata()) == [0, 10] and list(val.get_ydata()) == [0.0, 0.0]
+
+
+def ppo_rows(steps=12):
+    rows = []
+    for s in range(1, steps + 1):
+        rows.append({
+            "step": s,
+            "critic/score/mean": 0.1 * s,
+            "actor/pg_loss": 0.01 * s,
+            "actor/grad_norm": 1.0 + 0.01 * s,
+            "critic/grad_norm": 2.0 + 0.02 * s,
+            "critic/vf_loss": 1.0 / s,
+            "critic/vf_clipfrac": 0.0,
+            "critic/values/mean": 0.05 * s,
+            "critic/returns/mean": 0.1 * s,
+            "critic/advantages/mean": 0.0,
+            "critic/vf_explained_var": -0.5 + 0.1 * s,
+        })
+    return rows
+
+
+def test_a_ppo_run_gets_critic_panels(tmp_path):
+    write_metrics(tmp_path, ppo_rows())
+    write_config(tmp_path, "algorithm:\n  adv_estimator: gae\n")
+    axes = panels_of(dict(build_figures(tmp_path))["training_curves.png"])
+    assert list(axes) == ["Reward", "Policy loss", "Critic loss", "Critic values", "Critic explained variance",
+                          "Gradient norm"]
+    assert gids(axes["Critic loss"]) == ["critic/vf_loss:raw"]
+    assert axes["Critic loss"].get_ylabel() == "critic/vf_loss"
+    assert gids(axes["Critic values"]) == ["critic/values/mean:raw", "critic/returns/mean:raw"]
+    assert legend_texts(axes["Critic values"]) == ["critic/values/mean", "critic/returns/mean"]
+    assert gids(axes["Critic explained variance"]) == ["critic/vf_explained_var:raw"]
+    assert gids(axes["Gradient norm"]) == ["actor/grad_norm:raw", "critic/grad_norm:raw"]
+    assert "Clip fraction" not in axes  # the critic's clip fraction was 0 throughout
+
+
+def test_returns_without_a_critic_draw_no_critic_panel(tmp_path):
+    rows = [{k: v for k, v in row.items() if not k.startswith(("critic/v", "critic/grad"))} for row in ppo_rows()]
+    assert "critic/returns/mean" in rows[0]  # GRPO logs returns (= advantages) but has no critic
+    write_metrics(tmp_path, rows)
+    axes = panels_of(dict(build_figures(tmp_path))["training_curves.png"])
+    assert not any(title.startswith("Critic") for title in axes)
+
+
+def test_every_timing_curve_has_a_colour_of_its_own(tmp_path):
+    stages = ["gen", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "update_weights",
+              "testing", "save_checkpoint", "step", "step_total", "generate_sequences", "reward"]
+    rng = random.Random(0)
+    rows = [{"step": s, **{f"timing_s/{name}": i + rng.uniform(0, 0.5) for i, name in enumerate(stages)}}
+            for s in range(1, 21)]
+    write_metrics(tmp_path, rows)
+    for name, fig in build_figures(tmp_path):
+        if name not in ("training_curves.png", "timing.png"):
+            continue
+        (ax,) = [a for a in fig.axes if a.get_title() == "Time per stage"]
+        lines = [line for line in ax.get_lines() if line.get_label() != "_raw"]  # one per series
+        assert len(lines) == len(stages)
+        colors = {matplotlib.colors.to_hex(line.get_color()) for line in lines}
+        assert len(colors) == len(stages)
+        for raw in (line for line in ax.get_lines() if line.get_label() == "_raw"):  # raw and smooth pair up
+            key = raw.get_gid().rsplit(":", 1)[0]
+            (smooth,) = [line for line in lines if line.get_gid() == f"{key}:smooth"]
+            assert raw.get_color() == smooth.get_color()
+
+
+def test_series_colors_are_distinct():
+    for n in (1, 10, 11, 20, 21, 40):
+        colors = series_colors(n)
+        assert len({matplotlib.colors.to_hex(c) for c in colors}) == n
