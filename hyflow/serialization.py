@@ -52,7 +52,13 @@ def _first_line(exc: BaseException) -> str:
 
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+# Exact names only: that module also imports `os`, `torch`, `dataclass`, ..., and a dotted name such as
+# (module, "os.system") resolves attribute by attribute from pickle protocol 4, so admitting the whole module
+# would admit every function those imports reach.
+_DCP_METADATA_CLASSES = ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                         "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
 _ALLOWED_GLOBALS = {
+    *((_DCP_METADATA_MODULE, name) for name in _DCP_METADATA_CLASSES),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -69,13 +75,15 @@ class _Refused(pickle.UnpicklingError):
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Admits DCP's metadata dataclasses and enums, torch.Size, dtypes and layouts; refuses every other global."""
+    """Admits DCP's metadata dataclasses and enum, torch.Size, dtypes and layouts, each by its exact name;
+    refuses every other global, and every dotted name (which pickle would resolve attribute by attribute)."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == _DCP_METADATA_MODULE or (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+        if "." not in name:
+            if (module, name) in _ALLOWED_GLOBALS:
+                return super().find_class(module, name)
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
         raise _Refused(f"it asks for {module}.{name}")
 
 

@@ -158,3 +158,133 @@ def test_hyflow_export_of_a_crafted_sharded_checkpoint_is_one_line_and_runs_noth
     assert err.startswith("hyflow export: error:") and "holds more than tensors and plain data" in err
     assert "Traceback" not in err
     assert not marker.exists()
+
+
+# ------------------------------------------------------- DCP .metadata: dotted names resolve attribute by attribute
+
+_DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+
+
+def _short_unicode(text: str) -> bytes:
+    raw = text.encode()
+    return pickle.SHORT_BINUNICODE + bytes([len(raw)]) + raw
+
+
+def _shell_call(command: str) -> bytes:
+    """Opcodes that push `os.system(command)`, with os.system named as the dotted global
+    (torch.distributed.checkpoint.metadata, "os.system"): from protocol 4 the unpickler resolves it attribute by
+    attribute, through the `os` that the metadata module imports."""
+    return (_short_unicode(_DCP_METADATA_MODULE) + _short_unicode("os.system") + pickle.STACK_GLOBAL
+            + _short_unicode(command) + pickle.TUPLE1 + pickle.REDUCE)
+
+
+def dotted_global_payload(marker: Path) -> bytes:
+    """The tester's payload: the whole `.metadata` is `os.system("touch MARKER")`."""
+    return pickle.PROTO + bytes([4]) + _shell_call(f"touch '{marker}'") + pickle.STOP
+
+
+def stealthy_payload(real_metadata: bytes, marker: Path) -> bytes:
+    """A `.metadata` that runs `touch MARKER`, drops the result, then unpickles the real `Metadata` as before:
+    nothing looks wrong afterwards."""
+    assert real_metadata[:2] == pickle.PROTO + bytes([4])
+    return real_metadata[:2] + _shell_call(f"touch '{marker}'") + pickle.POP + real_metadata[2:]
+
+
+def fix_manifest(path: Path) -> None:
+    """Rewrite the sha256 manifest entry of `path`, as the attacker who planted it would."""
+    for parent in path.parents:
+        manifest_file = parent / MANIFEST_FILE
+        if manifest_file.is_file():
+            manifest = json.loads(manifest_file.read_text())
+            manifest["files"][path.relative_to(parent).as_posix()] = {
+                "size": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+            manifest_file.write_text(json.dumps(manifest))
+            return
+
+
+def test_the_dotted_name_payloads_do_run_code_under_a_plain_unpickler(tmp_path):
+    """Control: both payloads are live (the plain unpickler runs them) and the stealthy one yields a real Metadata."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from hyflow.workers.fsdp import save_sharded
+
+    save_sharded(torch.nn.Linear(4, 3), None, tmp_path / "dcp")
+    real = (tmp_path / "dcp" / ".metadata").read_bytes()
+    marker = tmp_path / "control_dotted"
+    pickle.loads(dotted_global_payload(marker))
+    assert marker.exists()
+    marker = tmp_path / "control_stealthy"
+    assert isinstance(pickle.loads(stealthy_payload(real, marker)), Metadata)
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("kind", ["dotted", "stealthy"])
+def test_a_dotted_global_in_dcp_metadata_is_refused_and_runs_nothing(tmp_path, kind):
+    from hyflow.workers.fsdp import read_sharded_model_state, save_sharded
+
+    save_sharded(torch.nn.Linear(4, 3), None, tmp_path / "dcp")
+    metadata = tmp_path / "dcp" / ".metadata"
+    marker = tmp_path / "pwned"
+    metadata.write_bytes(dotted_global_payload(marker) if kind == "dotted"
+                         else stealthy_payload(metadata.read_bytes(), marker))
+    with pytest.raises(CheckpointSecurityError, match=r"\.metadata holds more than tensors.*os\.system"):
+        read_dcp_metadata(tmp_path / "dcp")
+    with pytest.raises(ValueError, match="refuses to load it"):
+        read_sharded_model_state(tmp_path / "dcp")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", ["Metadata.__init__", "os.system", "torch.load", "field", "dataclass", "Enum"])
+def test_dcp_metadata_admits_only_the_exact_metadata_classes(name):
+    """Any other name under the metadata module, dotted or not, is refused before it is looked up."""
+    from hyflow.serialization import _MetadataUnpickler
+
+    data = pickle.PROTO + bytes([4]) + _short_unicode(_DCP_METADATA_MODULE) + _short_unicode(name) \
+        + pickle.STACK_GLOBAL + pickle.STOP
+    import io
+
+    with pytest.raises(pickle.UnpicklingError, match=f"asks for {_DCP_METADATA_MODULE}.{name}"):
+        _MetadataUnpickler(io.BytesIO(data)).load()
+
+
+def _sharded_run(tmp_path: Path):
+    """A finished 1-step RL run that saved a sharded (DCP) checkpoint, and the overrides that resume it."""
+    from hyflow.data.tasks import make_task
+    from hyflow.models.tiny import make_tiny_model
+
+    make_task("arithmetic", tmp_path / "data", n_train=8, n_test=2, seed=0, digits=1)
+    model = make_tiny_model(tmp_path / "model", preset="tiny", seed=0)
+    run = tmp_path / "run"
+    base = [f"actor_rollout_ref.model.path={model}", f"data.train_files={tmp_path}/data/train.parquet",
+            "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "data.train_batch_size=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.max_prompt_length=48",
+            "data.max_response_length=4", "trainer.logger=[file]", "reward_model.num_workers=0",
+            "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.checkpoint_format=sharded",
+            "trainer.save_freq=1", f"trainer.default_local_dir={run}"]
+    assert main(["train", *base, "trainer.total_training_steps=1"]) == 0
+    return run / "global_step_1", base
+
+
+@pytest.mark.parametrize("kind", ["dotted", "stealthy"])
+def test_hyflow_export_and_resume_refuse_a_dotted_global_in_dcp_metadata(tmp_path, capsys, kind):
+    ckpt, base = _sharded_run(tmp_path)
+    metadata = ckpt / "actor" / ".metadata"
+    assert metadata.is_file()
+    marker = tmp_path / "pwned"
+    metadata.write_bytes(dotted_global_payload(marker) if kind == "dotted"
+                         else stealthy_payload(metadata.read_bytes(), marker))
+    fix_manifest(metadata)
+    capsys.readouterr()
+
+    assert main(["export", "--ckpt", str(ckpt), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hyflow export: error:") and str(metadata) in err and "refuses to load it" in err, err
+    assert "Traceback" not in err
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+    assert main(["train", *base, "trainer.total_training_steps=2", "trainer.resume_mode=auto"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hyflow ")]
+    assert len(lines) == 1 and lines[0].startswith("hyflow train: error:"), lines
+    assert str(metadata) in lines[0] and "refuses to load it" in lines[0]
+    assert not marker.exists()
+    assert not (ckpt.parent / "global_step_2").exists()
