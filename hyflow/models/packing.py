@@ -18,7 +18,8 @@ computes causal attention per sequence:
 
     CPU (and any dtype/device the CUDA kernel does not take): `F.scaled_dot_product_attention(is_causal=True)`
         on each sequence's slice, so the cost is sum_b n_b^2, not T^2 (a dense block-diagonal mask over the one
-        row would make packing slower than padding). Grouped-query attention repeats the K/V heads once.
+        row would make packing slower than padding). Grouped-query attention: SDPA shares the K/V heads itself
+        (`enable_gqa`, no copies).
     CUDA, fp16/bf16, no attention dropout: PyTorch's own varlen flash kernel,
         `torch.nn.attention.varlen.varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0))`
         (older signatures with `is_causal=` are adapted to). THIS BRANCH HAS NEVER RUN ON A GPU: it was written
@@ -394,10 +395,8 @@ def packed_attention_forward(
         if shared.segments and shared.segments[-1][1] != query.shape[2]:
             raise RuntimeError(f"the shared-prefix layout ends at token {shared.segments[-1][1]} but the packed "
                                f"row has {query.shape[2]}")
-        groups = query.shape[1] // key.shape[1]
-        out_Thd = _shared_prefix_attention(query[0].transpose(0, 1), _repeat_kv(key, groups)[0].transpose(0, 1),
-                                           _repeat_kv(value, groups)[0].transpose(0, 1), shared.segments,
-                                           dropout, scale)
+        out_Thd = _shared_prefix_attention(query[0].transpose(0, 1), key[0].transpose(0, 1),
+                                           value[0].transpose(0, 1), shared.segments, dropout, scale)
         return out_Thd.unsqueeze(0), None
     if (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout == 0.0
             and (out := _varlen_cuda(query, key, value, cu_seqlens, kwargs.get("max_length_q", 0), scale))
@@ -406,14 +405,13 @@ def packed_attention_forward(
     bounds = cu_seqlens.tolist()
     if bounds[-1] != query.shape[2]:
         raise RuntimeError(f"cu_seq_lens_q ends at {bounds[-1]} but the packed row has {query.shape[2]} tokens")
-    groups = query.shape[1] // key.shape[1]
-    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    gqa = {"enable_gqa": True} if query.shape[1] != key.shape[1] else {}  # K/V heads shared in the kernel
     lengths = [e - s for s, e in itertools.pairwise(bounds)]
     if _batched_is_cheaper(lengths):
         return _batched_attention(query, key, value, lengths, dropout, scale), None
     outs = [
         F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout,
-                                       is_causal=True, scale=scale)
+                                       is_causal=True, scale=scale, **gqa)
         for s, e in itertools.pairwise(bounds)
         if e > s
     ]
@@ -465,16 +463,17 @@ def _batched_attention(query: Tensor, key: Tensor, value: Tensor, lengths: list[
     positions = torch.arange(width, device=device)
     mask = (positions[None, :, None] >= positions[None, None, :]) & (positions[None, None, :] < sizes[:, None, None])
     out = F.scaled_dot_product_attention(scatter(query), scatter(key), scatter(value), attn_mask=mask[:, None],
-                                         dropout_p=dropout, scale=scale)
+                                         dropout_p=dropout, scale=scale,
+                                         **({"enable_gqa": True} if query.shape[1] != key.shape[1] else {}))
     return out.transpose(1, 2)[row, col].unsqueeze(0).contiguous()
 
 
 def _segment_attention(q_Thd: Tensor, k_Thd: Tensor, v_Thd: Tensor, segments, dropout: float,
                        scale: float) -> tuple[Tensor, Tensor]:
     """Attention of `segments` (`SharedPrefixes.segments`) in one SDPA call: each segment is a row of queries
-    [N, h, Lq, d] against its prefix keys ++ its own keys [N, h, Lk, d] (gathered from the packed row; the
-    gradient of a prefix read by several segments is summed by the gather's backward). Returns (the packed
-    indices of the queries, their outputs [n, h, d])."""
+    [N, h, Lq, d] against its prefix keys ++ its own keys [N, h_kv, Lk, d] (gathered from the packed row with
+    their h_kv heads, grouped-query attention in the kernel; the gradient of a prefix read by several segments is
+    summed by the gather's backward). Returns (the packed indices of the queries, their outputs [n, h, d])."""
     device = q_Thd.device
     seg = torch.tensor(segments, device=device, dtype=torch.long)
     q_start, q_len = seg[:, 0], seg[:, 1] - seg[:, 0]
@@ -491,13 +490,19 @@ def _segment_attention(q_Thd: Tensor, k_Thd: Tensor, v_Thd: Tensor, segments, dr
                                          & (own_j[:, None, :] < q_len[:, None, None]))
     out = F.scaled_dot_product_attention(q_Thd[q_index].transpose(1, 2), k_Thd[k_index].transpose(1, 2),
                                          v_Thd[k_index].transpose(1, 2), attn_mask=visible[:, None],
-                                         dropout_p=dropout, scale=scale)
+                                         dropout_p=dropout, scale=scale, **_gqa(q_Thd, k_Thd))
     return q_index[q_valid], out.transpose(1, 2)[q_valid]
+
+
+def _gqa(q_Thd: Tensor, k_Thd: Tensor) -> dict:
+    """SDPA's keyword for query heads sharing K/V heads ([T, h, d] queries, [T, h_kv, d] keys)."""
+    return {"enable_gqa": True} if q_Thd.shape[1] != k_Thd.shape[1] else {}
 
 
 def _shared_prefix_attention(q_Thd: Tensor, k_Thd: Tensor, v_Thd: Tensor, segments, dropout: float,
                              scale: float) -> Tensor:
-    """Causal attention of a packed row laid out by `SharedPrefixes`: [T, h, d] -> [T, h, d].
+    """Causal attention of a packed row laid out by `SharedPrefixes`: queries [T, h, d], keys and values
+    [T, h_kv, d] (h_kv divides h) -> [T, h, d].
 
     Prompts and responses form two classes of similar shapes. Each class takes one masked call when that wastes
     at most `BATCHED_ATTENTION_MAX_WASTE` of its attention work, else one call per segment."""
@@ -515,13 +520,14 @@ def _shared_prefix_attention(q_Thd: Tensor, k_Thd: Tensor, v_Thd: Tensor, segmen
             if p1 == p0:
                 o = F.scaled_dot_product_attention(q, k_Thd[q0:q1].transpose(0, 1).unsqueeze(0),
                                                    v_Thd[q0:q1].transpose(0, 1).unsqueeze(0), dropout_p=dropout,
-                                                   is_causal=True, scale=scale)
+                                                   is_causal=True, scale=scale, **_gqa(q_Thd, k_Thd))
             else:
                 k = torch.cat([k_Thd[p0:p1], k_Thd[q0:q1]]).transpose(0, 1).unsqueeze(0)
                 v = torch.cat([v_Thd[p0:p1], v_Thd[q0:q1]]).transpose(0, 1).unsqueeze(0)
                 n_q, n_p = q1 - q0, p1 - p0
                 visible = torch.ones(n_q, n_p + n_q, dtype=torch.bool, device=q.device).tril(diagonal=n_p)
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout, scale=scale)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout, scale=scale,
+                                                   **_gqa(q_Thd, k_Thd))
             out = out.index_put((torch.arange(q0, q1, device=q.device),), o[0].transpose(0, 1))
     return out
 
