@@ -78,8 +78,8 @@ def read_rows(path: str | Path) -> list[dict]:
     if path.stat().st_size == 0:
         return []  # an empty file of any format holds no rows (the datasets say so, naming the file)
     if suffix == ".parquet":
-        return pq.read_table(path).to_pylist()
-    text = path.read_text(encoding="utf-8")
+        return _read_parquet(path)
+    text = _read_utf8(path)
     if suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -90,6 +90,32 @@ def read_rows(path: str | Path) -> list[dict]:
                 raise ValueError(f"{path.name} row {i + 1}: expected a JSON object, got {type(row).__name__}")
         return rows
     return _read_json_lines(path, text)
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    """The rows of a parquet file; a damaged file, or one that is not parquet, is a `ValueError` naming it."""
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as e:  # ArrowInvalid; a footer pyarrow cannot decode is an OSError
+        reason = str(e).replace(f"Could not open Parquet input source '{path}': ", "").strip().splitlines()[0]
+        raise ValueError(
+            f"{path} is not a readable parquet file ({reason}): it is damaged or not parquet; write it again "
+            "(hyflow data make / your preprocessing script) or point the config at the right file"
+        ) from None
+
+
+def _read_utf8(path: Path) -> str:
+    """The text of a JSON / JSON Lines file; bytes that are not UTF-8 are a `ValueError` naming the line."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_no = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(
+            f"{path} line {line_no}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {column} of the line); "
+            "JSON files are UTF-8: save it as UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or fix that line"
+        ) from None
 
 
 def _read_json_lines(path: Path, text: str) -> list[dict]:

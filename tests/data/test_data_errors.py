@@ -75,3 +75,48 @@ def test_a_data_source_without_a_scorer_stops_hyflow_train_before_a_model_loads(
     assert "no scorer for data_source 'my_private_task' (first in" in err and "train.jsonl row 1" in err
     assert "custom_reward_function.path" in err
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------- damaged files: one line naming the file (and line), exit status 2
+
+def _train_argv(model_dir, train_file, run_dir) -> list[str]:
+    return ["train", f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={train_file}",
+            f"trainer.default_local_dir={run_dir}", "data.train_batch_size=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.logger=[file]"]
+
+
+def _one_line(capsys, argv) -> str:
+    from hyflow.cli import main
+
+    status = main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("hyflow ")]
+    assert status == 2 and len(lines) == 1, err
+    assert "maybe a bug" not in lines[0] and "Traceback" not in err
+    return lines[0]
+
+
+def test_invalid_utf8_in_a_jsonl_file_names_the_file_and_line(tiny_model_dir, tmp_path, capsys):
+    from hyflow.data.io import read_rows
+
+    path = write_rows([row(0), row(1), row(2)], tmp_path / "train.jsonl")
+    lines = path.read_bytes().split(b"\n")
+    lines[1] = lines[1].replace(b"What", b"Wh\xff\xfeat")
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(ValueError, match=r"train.jsonl line 2: not valid UTF-8"):
+        read_rows(path)
+    err = _one_line(capsys, _train_argv(tiny_model_dir, path, tmp_path / "run"))
+    assert f"{path} line 2: not valid UTF-8" in err and "save it as UTF-8" in err
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeroed", "not_parquet"])
+def test_a_corrupt_parquet_file_is_one_line_naming_it(tiny_model_dir, tmp_path, capsys, damage):
+    good = pa.Table.from_pylist([row(0), row(1)])
+    pq.write_table(good, tmp_path / "good.parquet")
+    raw = (tmp_path / "good.parquet").read_bytes()
+    path = tmp_path / "train.parquet"
+    path.write_bytes({"truncated": raw[: len(raw) // 2],
+                      "zeroed": raw[:4] + bytes(len(raw) - 12) + raw[-8:],
+                      "not_parquet": b"data_source,prompt\nx,y\n"}[damage])
+    err = _one_line(capsys, _train_argv(tiny_model_dir, path, tmp_path / "run"))
+    assert f"{path} is not a readable parquet file" in err and "write it again" in err
