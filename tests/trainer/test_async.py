@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from learning import SEED, report_margin
 
 from hyflow.config import load_config
 from hyflow.config.keys import ConfigError
@@ -198,26 +199,37 @@ def learn(warm, run_dir, *extra):
         "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.actor.optim.lr=1e-4", "reward_model.num_workers=0",
         "trainer.logger=[file]", "trainer.total_training_steps=16", "trainer.val_before_train=true",
         "trainer.device=cpu", "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-        "algorithm.adv_estimator=grpo", *ASYNC, *extra,
+        "algorithm.adv_estimator=grpo", f"trainer.seed={SEED}", *ASYNC, *extra,
     ]).fit()
 
 
 @pytest.mark.slow
 def test_one_step_off_and_fully_async_learn_like_the_synchronous_run(warm, tmp_path):
     """From the quickstart's SFT warm start, 16 GRPO steps: the synchronous run in one process, one-step
-    off-policy and fully async on 2 Ray workers (one rollout, one trainer) reach the same validation accuracy."""
+    off-policy and fully async on 2 Ray workers (one rollout, one trainer) learn alike. Compared on the training
+    score of the last 6 steps (6 x 16 prompts x 8 samples = 768 samples each), not on a greedy validation of 32
+    prompts, where 0.08 is 2-3 prompts and rounding decides. MARGINS: see tests/learning.py's report."""
     runs = {"sync": learn(warm, tmp_path / "sync"),
             "one_step_off": learn(warm, tmp_path / "one", "async_training.mode=one_step_off", *POOLS),
             "fully_async": learn(warm, tmp_path / "full", "async_training.mode=fully_async", *POOLS,
                                  "async_training.partial_rollout_chunk=8")}
     key = "val-core/hyflow/arithmetic/acc/mean@1"
     before = runs["sync"][0][key]
-    after = {mode: history[-1][key] for mode, history in runs.items()}
-    print(f"validation accuracy before {before:.3f}, after 16 steps: {after}")
-    assert after["sync"] > before + 0.05
+
+    def score(history, rows):
+        scores = [row["critic/score/mean"] for row in history if "critic/score/mean" in row]
+        return sum(scores[rows]) / len(scores[rows])
+
+    first, last = score(runs["sync"], slice(0, 6)), {mode: score(h, slice(-6, None)) for mode, h in runs.items()}
+    print(f"training score, first 6 steps of the synchronous run {first:.3f}; last 6 steps: {last}")
+    report_margin("test_one_step_off_and_fully_async_learn_like_the_synchronous_run",
+                  "sync score rise (last 6 - first 6 steps)", last["sync"] - first, 0.05)
+    assert last["sync"] > first + 0.05
     for mode in ("one_step_off", "fully_async"):
         assert runs[mode][0][key] == pytest.approx(before)  # the same start, validated with the trainer's weights
-        assert after[mode] >= after["sync"] - 0.08, mode
+        report_margin("test_one_step_off_and_fully_async_learn_like_the_synchronous_run",
+                      f"{mode} last-6 score - (sync's - 0.08)", last[mode], last["sync"] - 0.08)
+        assert last[mode] >= last["sync"] - 0.08, mode
         rows = runs[mode][1:]
         assert max(row["async/staleness/max"] for row in rows) <= 1
         assert all(row["async/weight_sync_s"] > 0 for row in rows)

@@ -7,7 +7,8 @@ import json
 
 import pytest
 import torch
-from test_rl_ray import SGD, assert_same_update, digit_reward, prepared_batch
+from learning import SEED, report_margin
+from test_rl_ray import SGD, assert_inside_the_clips, assert_same_update, digit_reward, prepared_batch
 
 from hyflow.trainer.rl_trainer import RLTrainer
 from hyflow.trainer.tracking import read_metrics
@@ -122,6 +123,7 @@ def test_lora_two_ray_workers_match_one_process(tiny_model_dir, task_dir, tmp_pa
     finally:
         dist.shutdown()
     for role in want:
+        assert_inside_the_clips(want[role])
         assert_same_update(got[role], want[role], (f"{role}/grad_norm",), got_weights[role], want_weights[role])
     for name, tensor in merged.items():
         torch.testing.assert_close(got_merged[name], tensor, atol=1e-5, rtol=0, msg=name)
@@ -179,7 +181,7 @@ def test_lora_grpo_learns_the_arithmetic_task(warm, tmp_path):
         "actor_rollout_ref.rollout.n=8", "reward_model.num_workers=0", "trainer.logger=[file]",
         "trainer.total_training_steps=24", "trainer.val_before_train=false", "algorithm.adv_estimator=grpo",
         "actor_rollout_ref.model.enable_gradient_checkpointing=false", "actor_rollout_ref.model.lora_rank=16",
-        "actor_rollout_ref.model.lora_alpha=32", "actor_rollout_ref.actor.optim.lr=2e-3",
+        "actor_rollout_ref.model.lora_alpha=32", "actor_rollout_ref.actor.optim.lr=2e-3", f"trainer.seed={SEED}",
     ]).fit()
 
     def mean_reward(rows):
@@ -187,4 +189,6 @@ def test_lora_grpo_learns_the_arithmetic_task(warm, tmp_path):
 
     first, last = mean_reward(history[:6]), mean_reward(history[-6:])
     print(f"LoRA GRPO: mean reward first 6 steps {first:.3f}, last 6 steps {last:.3f}")
+    report_margin("test_lora_grpo_learns_the_arithmetic_task", "reward rise (last 6 - first 6 steps)", last - first,
+                  0.05)
     assert last > first + 0.05

@@ -94,10 +94,23 @@ def test_two_ray_workers_match_one_process(tiny_model_dir, task_dir, tmp_path, e
             got_critic_weights = dist.critic.state_dict()["critic_model"]
     finally:
         dist.shutdown()
+    assert_inside_the_clips(ref_actor)
     assert_same_update(got_actor, ref_actor, ("actor/pg_loss", "actor/grad_norm"), got_weights, ref_weights)
     if estimator == "gae":
+        assert_inside_the_clips(ref_critic)
         assert_same_update(got_critic, ref_critic, ("critic/vf_loss", "critic/grad_norm"), got_critic_weights,
                            ref_critic_weights)
+
+
+def assert_inside_the_clips(metrics) -> None:
+    """The premise of a 2-ranks-vs-1-process comparison: no token of the update sat on a PPO (or value) clip
+    boundary, where another rounding would flip it in or out of the clip and the comparison would measure that."""
+    from hyflow.algos import reduce_metrics
+
+    reduced = reduce_metrics(metrics)
+    clipped = {key: reduced[key] for key in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "critic/vf_clipfrac")
+               if reduced.get(key, 0) != 0}
+    assert not clipped, f"the update clipped some tokens ({clipped}): lower the learning rate of this comparison"
 
 
 def assert_same_update(got_metrics, want_metrics, keys, got_weights, want_weights, atol=1e-5):
