@@ -5,7 +5,8 @@ backends named in `trainer.logger` (verl's names):
 
 - `console`: one line per step, `step:N - key:value - ...`, verl's LocalLogger format, limited to the metrics
   that tell whether a run is learning (`CONSOLE_KEYS`), each to 4 significant digits (every metric is in
-  metrics.jsonl).
+  metrics.jsonl). Off a terminal the lines thin out: steps 1-10, 20-100 by 10, 200-1000 by 100, ..., every
+  validation step and the last one (`ConsoleLogger`).
 - `file`: appends `{"step": N, <metric>: value, ...}` to `run_dir/metrics.jsonl`, one JSON object per line,
   flushed on every call. NaN and ±inf become `null` (JSON has no such numbers); tensors and numpy scalars
   become plain numbers. `read_metrics` reads it back, `truncate_metrics` cuts it back to a resumed step.
@@ -30,8 +31,10 @@ backends that show tables.
 
 `ProgressBar` is a tqdm bar on stderr showing the step, reward, validation accuracy, the ETA and the stage of
 the step that is running (`stage("gen")` -> `generating...`, with the last generation's samples and response
-tokens/s). When stderr is not a terminal the bar is off and a plain line goes to stdout every 5 % of the run
-(and at the last step): `step 40/400 (10 %) - elapsed 3m12s - ETA 28m50s - reward 0.41 - val 0.62`.
+tokens/s, and inside a long stage its progress: trajectories finished and tokens generated, micro-batches
+updated). When stderr is not a terminal the bar is off and a plain line goes to stdout every 5 % of the run
+(and at the first and last step): `step 40/400 (10 %) - elapsed 3m12s - ETA 28m50s - reward 0.41 - val 0.62`,
+plus a line every 30 s while a stage runs longer than that.
 
 `format_run_summary` is the block both trainers print at the end of `fit()` (elapsed time, steps, final and
 best validation metric, run directory, last checkpoint and the `hyflow export` command);
@@ -50,6 +53,7 @@ import os
 import shlex
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -163,14 +167,43 @@ def _import_backend(module: str, logger: str) -> Any:
 # ---------------------------------------------------------------------------------- backends
 
 
-class ConsoleLogger:
-    """One line per step, `step:N - key:value - ...`, with the `CONSOLE_KEYS` only (4 significant digits)."""
+def console_step_shown(step: int) -> bool:
+    """Off a terminal the console prints steps 1-10, then 20, 30, ..., 100, then 200, ..., 1000, ...: about ten
+    lines per tenfold of steps (24 for 600 steps, 37 for 10,000), whatever the run's length."""
+    if step <= 10:
+        return True
+    scale = 10 ** (len(str(step)) - 1)
+    return step % scale == 0
 
-    def __init__(self, stream: TextIO | None = None):
+
+class ConsoleLogger:
+    """One line per step, `step:N - key:value - ...`, with the `CONSOLE_KEYS` only (4 significant digits).
+
+    Off a terminal (a log file, a pipe; `thin=None` decides by the stream's isatty) it prints the first step it
+    is given, the steps `console_step_shown` picks, every step that carries validation metrics, and at `close`
+    the last step when it was not printed yet: a 600-step run writes 25 lines, not 600."""
+
+    def __init__(self, stream: TextIO | None = None, thin: bool | None = None):
         self.stream = stream
+        self.thin = thin
+        self.first = True
+        self.pending: str | None = None  # the last line left out, printed at close
+
+    def _thinned(self) -> bool:
+        if self.thin is not None:
+            return self.thin
+        isatty = getattr(self.stream or sys.stdout, "isatty", None)
+        return not (callable(isatty) and isatty())
 
     def log(self, metrics: dict[str, int | float], step: int) -> None:
-        tqdm.write(format_console_line(metrics, step), file=self.stream or sys.stdout)
+        line = format_console_line(metrics, step)
+        validation = any(k.startswith(("val-core/", "val-aux/", "val/")) for k in metrics)
+        if self.first or validation or console_step_shown(step) or not self._thinned():
+            tqdm.write(line, file=self.stream or sys.stdout)
+            self.pending = None
+        else:
+            self.pending = line
+        self.first = False
 
     def log_generations(self, rows: list[dict], step: int, split: str, path: Path) -> None:
         scores = [r["score"] for r in rows if isinstance(r.get("score"), (int, float))]
@@ -180,7 +213,9 @@ class ConsoleLogger:
         )
 
     def close(self) -> None:
-        pass
+        if self.pending is not None:  # the run's last step, left out by the thinning
+            tqdm.write(self.pending, file=self.stream or sys.stdout)
+            self.pending = None
 
 
 def _fmt(number: int | float) -> str:
@@ -706,6 +741,7 @@ def truncate_metrics(run_dir: str | os.PathLike, last_step: int) -> int:
 # What the bar says while a stage of a step runs (the trainers' `timer` names, verl's timing_s/* keys).
 STAGE_LABELS = {
     "gen": "generating",
+    "rollout": "generating",  # the agent loop's in-stage progress (`ProgressBar.advance`)
     "old_log_prob": "computing old log-probs",
     "ref": "computing reference log-probs",
     "values": "computing values",
@@ -718,7 +754,9 @@ STAGE_LABELS = {
     "save_checkpoint": "saving checkpoint",
     "train": "training",
 }
-PLAIN_LINES_PER_RUN = 20  # without a terminal: one progress line every 5 % of the run (and at the last step)
+PLAIN_LINES_PER_RUN = 20  # without a terminal: one progress line every 5 % of the run (and the first and last step)
+HEARTBEAT_S = 30.0  # without a terminal: a stage still running prints a line at most this often
+PROGRESS_REFRESH_S = 0.2  # on a terminal: the bar redraws for in-stage progress at most this often
 
 
 def format_duration(seconds: float) -> str:
@@ -740,12 +778,18 @@ def _rate(value: float) -> str:
 
 class ProgressBar:
     """A tqdm bar on stderr: step n/total, reward (critic/score/mean), val (mean of the val-core mean@ keys,
-    the latest validation), loss / val_loss (SFT), ETA, and the stage running (`stage`). Off when stderr is
-    not a terminal unless `disable=False`; total may be None.
+    the latest validation), loss / val_loss (SFT), ETA, and the stage running (`stage`) with its progress inside
+    the step (`advance`: trajectories finished and tokens generated in the rollout, micro-batches in an update).
+    Off when stderr is not a terminal unless `disable=False`; total may be None.
 
     When the bar is off, `lines` (default: whenever the bar is off) prints a plain line to `lines_file`
-    (stdout) every max(1, total // 20) steps and at the last one:
-    `step 40/400 (10 %) - elapsed 3m12s - ETA 28m50s - reward 0.41 - val 0.62`."""
+    (stdout) at the first step, every max(1, total // 20) steps and at the last one:
+    `step 40/400 (10 %) - elapsed 3m12s - ETA 28m50s - reward 0.41 - val 0.62`; and while a stage runs longer
+    than `heartbeat_s` (30 s) a line every `heartbeat_s` says what it is doing, so a log shows life:
+    `step 3/40 - generating: 57/128 trajectories, 12345 tokens - 1m30s in this stage - elapsed 5m12s`.
+
+    `advance(stage, done, total, unit, detail)` is the callback the trainer hands its workers (a plain callable,
+    `hyflow.workers` never imports the trainer); it may be called from another thread."""
 
     def __init__(
         self,
@@ -756,6 +800,7 @@ class ProgressBar:
         file: TextIO | None = None,
         lines: bool | None = None,
         lines_file: TextIO | None = None,
+        heartbeat_s: float = HEARTBEAT_S,
     ):
         self.bar = tqdm(
             total=total_steps,
@@ -776,7 +821,20 @@ class ProgressBar:
         self.shown: dict[str, int | float | None] = {"reward": None, "val": None, "loss": None,
                                                     "val_loss": None, "reward_errors": None}
         self.running: str | None = None  # the stage now running
+        self.inside: str | None = None  # its progress (`advance`)
+        self.stage_started = self.last_beat = self.last_refresh = self.started
         self.generation: str | None = None  # the last generation's size and speed
+        self.heartbeat_s = heartbeat_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        if not self.bar.disable or (self.lines and heartbeat_s > 0):
+            self._heartbeat = threading.Thread(target=self._beat, name="hyflow-progress", daemon=True)
+            self._heartbeat.start()
+
+    def _print(self, line: str) -> None:
+        with self._lock:
+            print(line, file=self.lines_file or sys.stdout, flush=True)
 
     def update(self, step_metrics: Mapping[str, Any], n: int = 1) -> None:
         """Advance by `n` steps and show this step's reward (or loss) and the latest validation metric."""
@@ -790,20 +848,61 @@ class ProgressBar:
                 self.shown[name] = to_number(key, step_metrics[key])
         errors = step_metrics.get("reward/errors")
         self.shown["reward_errors"] = to_number("reward/errors", errors) if errors else None
-        self.running = None
+        self.running = self.inside = None
+        first = self.n == self.initial
         self.n += n
         if not self.bar.disable:
             self.bar.set_postfix_str(self._postfix(), refresh=False)
             self.bar.update(n)
-        if self.lines and (self.n % self.every == 0 or self.n == self.total):
-            print(self.plain_line(), file=self.lines_file or sys.stdout, flush=True)
+        if self.lines and (first or self.n % self.every == 0 or self.n == self.total):
+            self._print(self.plain_line())
 
     def stage(self, name: str) -> None:
-        """Show that stage `name` of the step is running (`gen` -> `generating...`); free when the bar is off."""
-        if self.bar.disable:
+        """Show that stage `name` of the step is running (`gen` -> `generating...`); free when the bar and the
+        plain lines are off."""
+        if self.bar.disable and not self.lines:
             return
         self.running = STAGE_LABELS.get(name, name.replace("_", " "))
-        self.bar.set_postfix_str(self._postfix(), refresh=True)
+        self.inside = None
+        self.stage_started = time.monotonic()
+        if not self.bar.disable:
+            self.bar.set_postfix_str(self._postfix(), refresh=True)
+
+    def advance(self, stage: str, done: int, total: int | None, unit: str, detail: str = "") -> None:
+        """Progress inside a stage: `done` of `total` `unit` (`57/128 trajectories`), plus `detail`
+        (`12345 tokens`). `stage` names it when the trainer has not (`rollout`, `update_actor`). On a terminal the
+        bar's postfix shows it (redrawn at most every PROGRESS_REFRESH_S); off one the heartbeat prints it."""
+        if self.bar.disable and not self.lines:
+            return
+        if self.running is None:  # else the trainer's name for the stage (`validating: 57/200 trajectories`)
+            self.running = STAGE_LABELS.get(stage, stage.replace("_", " "))
+        count = f"{done}/{total}" if total else f"{done}"
+        self.inside = f"{count} {unit}" + (f", {detail}" if detail else "")
+        if not self.bar.disable:
+            now = time.monotonic()
+            redraw = now - self.last_refresh >= PROGRESS_REFRESH_S or bool(total and done >= total)
+            self.last_refresh = now if redraw else self.last_refresh
+            self.bar.set_postfix_str(self._postfix(), refresh=redraw)
+
+    def _beat(self) -> None:
+        """While a stage runs: on a terminal the bar redraws every second (the stage's time moves on); off one a
+        line every `heartbeat_s` seconds (`heartbeat_line`)."""
+        while not self._stop.wait(1.0 if not self.bar.disable else min(self.heartbeat_s, 1.0)):
+            if self.running is None:
+                continue
+            if not self.bar.disable:
+                self.bar.set_postfix_str(self._postfix(), refresh=True)
+            elif self.lines and time.monotonic() - max(self.last_beat, self.stage_started) >= self.heartbeat_s:
+                self.last_beat = time.monotonic()
+                self._print(self.heartbeat_line())
+
+    def heartbeat_line(self) -> str:
+        """`step 3/40 - generating: 57/128 trajectories, 12345 tokens - 1m30s in this stage - elapsed 5m12s`."""
+        now = time.monotonic()
+        step = f"step {self.n + 1}/{self.total}" if self.total else f"step {self.n + 1}"
+        doing = f"{self.running}: {self.inside}" if self.inside else f"{self.running}"
+        return " - ".join([step, doing, f"{format_duration(now - self.stage_started)} in this stage",
+                           f"elapsed {format_duration(now - self.started)}"])
 
     def generated(self, samples: int, response_mask: Any, seconds: float) -> None:
         """After generation: show its samples and response tokens/s (`response_mask`: the batch's [B, T] mask,
@@ -816,7 +915,12 @@ class ProgressBar:
 
     def _postfix(self) -> str:
         parts = [" ".join(f"{k}={_fmt(v)}" for k, v in self.shown.items() if v is not None)]
-        parts += [self.generation or "", f"{self.running}..." if self.running else ""]
+        running = ""
+        if self.running:
+            running = f"{self.running}: {self.inside}" if self.inside else f"{self.running}..."
+            seconds = time.monotonic() - self.stage_started
+            running += f" ({format_duration(seconds)})" if seconds >= 2 else ""
+        parts += [self.generation or "", running]
         return " | ".join(p for p in parts if p)
 
     def plain_line(self) -> str:
@@ -835,6 +939,9 @@ class ProgressBar:
         return " - ".join(parts)
 
     def close(self) -> None:
+        self._stop.set()
+        if self._heartbeat is not None and self._heartbeat is not threading.current_thread():
+            self._heartbeat.join(timeout=5)
         self.bar.close()
 
     def __enter__(self) -> ProgressBar:

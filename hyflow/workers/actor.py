@@ -75,6 +75,14 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
         self.tokenizer = tokenizer
         self.model_device = resolve_device(config.trainer.device, self.local_rank)
 
+    def set_progress(self, progress) -> None:
+        """In-step progress (a plain callable `progress(stage, done, total, unit, detail)`, the trainer's bar; None
+        to stop): the rollout's finished trajectories and tokens, the update's micro-batches. In-process only."""
+        for target in (getattr(self, "agent_loops", None), getattr(self, "stream_manager", None),
+                       getattr(self, "engine", None)):
+            if target is not None:
+                target.progress = progress
+
     # ------------------------------------------------------------------ set-up
     @register(Dispatch.REPLICATE)
     def init_model(self, total_training_steps: int, batches: BatchArithmetic) -> None:

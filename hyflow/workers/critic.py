@@ -42,6 +42,12 @@ class CriticWorker(EngineCheckpoints, Worker):
         self.critic = config.critic
         self.model_device = resolve_device(config.trainer.device, self.local_rank)
 
+    def set_progress(self, progress) -> None:
+        """In-step progress of the critic's update (a plain callable `progress(stage, done, total, unit, detail)`,
+        the trainer's bar; None to stop): its micro-batches. In-process only."""
+        if getattr(self, "engine", None) is not None:
+            self.engine.progress = progress
+
     @register(Dispatch.REPLICATE)
     def init_model(self, total_training_steps: int, batches: BatchArithmetic) -> None:
         """Load the value model (fresh value head when the checkpoint has none) into a TrainEngine; `batches` is

@@ -139,6 +139,9 @@ class TrainEngine:
         if head not in HEADS:
             raise ValueError(f"head={head!r}; use one of {HEADS}")
         self.name, self.head, self.device = name, head, device
+        # progress(stage, done, total, unit, detail): called after each micro-batch of an update (the trainer's bar)
+        self.progress: Callable[..., None] | None = None
+        self._mini: tuple[int, int] | None = None  # (mini-batch, of) while `update` runs
         # checkpoint component names: `<prefix>model`, `<prefix>optimizer`, ... (default prefix `<name>_`)
         self.prefix = f"{name}_" if checkpoint_prefix is None else checkpoint_prefix
         self.strategy, self.world_size, self.rank = strategy, world_size, rank
@@ -268,7 +271,7 @@ class TrainEngine:
         ctx = MicroContext(norms=norms, global_tokens=max(float(norms["global_token_count"]), 1.0),
                            n_micro=len(micros), world_size=self.world_size)
         sums: defaultdict[str, float] = defaultdict(float)
-        for micro, _ in micros:
+        for done, (micro, _) in enumerate(micros, 1):
             with self.passes():  # forward and backward: a checkpointed layer re-runs its attention in backward
                 out, r = self.forward_micro(micro, R, temperature=temperature, with_entropy=with_entropy)
                 cols = {key: micro[key][:, :r].to(self.device) for key in columns if key in micro}
@@ -277,6 +280,9 @@ class TrainEngine:
                     (loss * self.world_size).backward()  # DDP/FSDP average gradients; the losses are global sums
             for key, value in parts.items():
                 sums[key] += float(value)
+            if self.progress is not None:
+                mini = f"mini-batch {self._mini[0]}/{self._mini[1]}" if self._mini and self._mini[1] > 1 else ""
+                self.progress(f"update_{self.name}", done, len(micros), "micro-batches", mini)
         return sums
 
     def step(self) -> dict[str, float]:
@@ -298,8 +304,10 @@ class TrainEngine:
         metrics: dict[str, list[float]] = {}
         peak = self.peak_flops()
         start = time.perf_counter()
-        for _, mini in mini_batches(batch, plan.mini_batch_size, epochs=plan.epochs, shuffle=plan.shuffle,
-                                    seed=plan.seed):
+        n_mini = plan.epochs * -(-len(batch) // max(plan.mini_batch_size, 1))
+        for j, (_, mini) in enumerate(mini_batches(batch, plan.mini_batch_size, epochs=plan.epochs,
+                                                   shuffle=plan.shuffle, seed=plan.seed), 1):
+            self._mini = (j, n_mini)
             norms = all_reduce_sum(loss_normalisers(mini["response_mask"], plan.loss_agg_mode))
             sums = self.forward_backward(mini, plan.sizes, loss_fn, columns=columns, norms=norms,
                                          temperature=temperature, with_entropy=with_entropy)

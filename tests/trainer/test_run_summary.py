@@ -161,3 +161,115 @@ def test_sft_run_prints_summary_with_val_loss_then_says_it_is_complete(tiny_mode
     SFTTrainer(overrides).fit()
     out = capsys.readouterr().out
     assert f"hyflow: the run in {run} is already complete at step 2 (total steps: 2); nothing to train." in out
+
+
+# ------------------------------------------------------------ what a run prints off a terminal (issue 22)
+
+
+def test_console_off_a_terminal_prints_about_ten_lines_per_tenfold_and_the_last_step():
+    import io
+
+    from hyflow.trainer.tracking import ConsoleLogger, console_step_shown
+
+    assert [s for s in range(1, 1001) if console_step_shown(s)] == [
+        *range(1, 11), *range(20, 101, 10), *range(200, 1001, 100)]
+    stream = io.StringIO()  # not a terminal
+    console = ConsoleLogger(stream)
+    console.log({"val-core/a/acc/mean@1": 0.1}, step=0)
+    for step in range(1, 601):
+        console.log({"train/loss": 1.0} | ({"val/loss": 2.0} if step in (300, 555) else {}), step=step)
+    console.close()
+    steps = [int(line.split(" - ")[0].removeprefix("step:")) for line in stream.getvalue().splitlines()]
+    assert steps == [0, *range(1, 11), *range(20, 101, 10), 200, 300, 400, 500, 555, 600]  # 26 lines, not 601
+    assert stream.getvalue().splitlines()[-1] == "step:600 - train/loss:1"
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    console = ConsoleLogger(terminal)
+    for step in range(1, 31):
+        console.log({"train/loss": 1.0}, step=step)
+    console.close()
+    assert len(terminal.getvalue().splitlines()) == 30  # on a terminal: every step, as verl's LocalLogger
+
+    resumed = io.StringIO()
+    console = ConsoleLogger(resumed)
+    for step in range(4501, 4551):
+        console.log({"train/loss": 1.0}, step=step)
+    console.close()
+    assert [line.split(" - ")[0] for line in resumed.getvalue().splitlines()] == ["step:4501", "step:4550"]
+
+
+def test_progress_inside_a_stage_on_the_bar_and_off_a_terminal(monkeypatch):
+    import io
+    import time
+
+    from hyflow.trainer.tracking import ProgressBar
+
+    out = io.StringIO()
+    with ProgressBar(4, disable=False, file=out, heartbeat_s=0) as bar:
+        bar.update({"critic/score/mean": 0.25})
+        bar.stage("gen")
+        bar.advance("rollout", 57, 128, "trajectories", "1234 tokens")
+        assert bar.bar.postfix == "reward=0.25 | generating: 57/128 trajectories, 1234 tokens"
+        bar.stage("update_actor")
+        bar.advance("update_actor", 8, 8, "micro-batches", "mini-batch 2/2")
+        assert bar.bar.postfix == "reward=0.25 | updating actor: 8/8 micro-batches, mini-batch 2/2"
+        bar.stage("testing")  # validation generates too: the trainer's name for the stage stays
+        bar.advance("rollout", 200, 200, "trajectories", "800 tokens")
+        assert bar.bar.postfix.endswith("validating: 200/200 trajectories, 800 tokens")
+        bar.update({"critic/score/mean": 0.5})
+        assert bar.bar.postfix == "reward=0.5"  # the stage ends with the step
+
+    lines = io.StringIO()  # off a terminal: a line per heartbeat while a stage runs, none between stages
+    with ProgressBar(4, disable=True, lines_file=lines, heartbeat_s=0.2) as bar:
+        bar.update({"critic/score/mean": 0.25})
+        bar.stage("gen")
+        bar.advance("rollout", 3, 16, "trajectories", "96 tokens")
+        time.sleep(1.5)
+        bar.update({"critic/score/mean": 0.5})
+        quiet = len(lines.getvalue().splitlines())
+        time.sleep(1.2)
+        assert len(lines.getvalue().splitlines()) == quiet
+    printed = lines.getvalue().splitlines()
+    beats = [line for line in printed if "in this stage" in line]
+    assert 1 <= len(beats) <= 8
+    assert re.fullmatch(r"step 2/4 - generating: 3/16 trajectories, 96 tokens - \S+ in this stage - elapsed \S+",
+                        beats[0])
+
+
+@pytest.mark.slow
+def test_a_run_off_a_terminal_prints_few_lines_and_progress_inside_the_step(tiny_model_dir, task_dir, tmp_path,
+                                                                             capsys, monkeypatch):
+    from hyflow.trainer.tracking import ProgressBar
+
+    reported = []
+    advance = ProgressBar.advance
+
+    def recording(self, stage, done, total, unit, detail=""):
+        reported.append((stage, done, total, unit, detail))
+        return advance(self, stage, done, total, unit, detail)
+
+    monkeypatch.setattr(ProgressBar, "advance", recording)
+    run = tmp_path / "run"
+    RLTrainer(rl_overrides(tiny_model_dir, task_dir, run, "trainer.total_training_steps=40", "trainer.test_freq=20",
+                           "trainer.save_freq=-1", "data.max_response_length=4", "actor_rollout_ref.rollout.n=2",
+                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"),
+              reward_fn=reward).fit()
+    out = capsys.readouterr().out.splitlines()  # stdout is not a terminal under pytest
+    console = [int(line.split(" - ")[0].removeprefix("step:")) for line in out if line.startswith("step:")
+               and "samples" not in line]
+    progress = [line for line in out if re.match(r"step \d+/40 \(", line)]
+    # console: validation before training, steps 1-10, 20, 30, 40 (20 and 40 validate): 14 lines, not 41
+    assert console == [0, *range(1, 11), 20, 30, 40]
+    # progress: the first step and every 40 // 20 = 2 steps (the last among them): 21 lines
+    assert len(progress) == 21 and progress[0].startswith("step 1/40 (2 %)") and progress[-1].startswith(
+        "step 40/40 (100 %)")
+    assert len(out) < 100
+    rollout = [r for r in reported if r[0] == "rollout"]
+    assert ("rollout", 4, 4, "trajectories") in {r[:4] for r in rollout}  # 2 prompts x 2 samples, then done
+    assert all(r[4].endswith(" tokens") for r in rollout)
+    assert ("update_actor", 1, 2, "micro-batches", "") in reported  # 4 samples in micro-batches of 2
+    assert ("update_actor", 2, 2, "micro-batches", "") in reported

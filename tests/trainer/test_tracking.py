@@ -613,7 +613,7 @@ def test_disabled_bar_costs_nothing_per_stage():
         assert bar.running is None and bar.generation is None
 
 
-def test_without_a_terminal_a_plain_line_every_5_percent_and_at_the_end(monkeypatch):
+def test_without_a_terminal_a_plain_line_at_the_first_step_every_5_percent_and_at_the_end(monkeypatch):
     clock = iter(range(0, 10_000, 3))  # 3 s per call of time.monotonic
     monkeypatch.setattr("hyflow.trainer.tracking.time.monotonic", lambda: next(clock))
     lines, bar_file = io.StringIO(), io.StringIO()  # a StringIO is not a terminal: the bar is off
@@ -622,10 +622,11 @@ def test_without_a_terminal_a_plain_line_every_5_percent_and_at_the_end(monkeypa
             bar.update({"critic/score/mean": 0.41} | ({"val-core/a/acc/mean@1": 0.62} if step % 10 == 0 else {}))
     assert bar_file.getvalue() == ""
     printed = lines.getvalue().splitlines()
-    assert len(printed) == 25  # every max(1, 50 // 20) = 2 steps; the last (50) is one of them
-    assert printed[0] == "step 2/50 (4 %) - elapsed 3.0s - ETA 1m12s - reward 0.41"
-    assert printed[9] == "step 20/50 (40 %) - elapsed 30s - ETA 45s - reward 0.41 - val 0.62"
-    assert printed[-1] == "step 50/50 (100 %) - elapsed 1m15s - reward 0.41 - val 0.62"
+    assert len(printed) == 26  # the first step, every max(1, 50 // 20) = 2 steps; the last (50) is one of them
+    assert printed[0] == "step 1/50 (2 %) - elapsed 3.0s - ETA 2m27s - reward 0.41"
+    assert printed[1] == "step 2/50 (4 %) - elapsed 6.0s - ETA 2m24s - reward 0.41"
+    assert printed[10] == "step 20/50 (40 %) - elapsed 33s - ETA 50s - reward 0.41 - val 0.62"
+    assert printed[-1] == "step 50/50 (100 %) - elapsed 1m18s - reward 0.41 - val 0.62"
 
 
 def test_plain_lines_of_a_resumed_run_and_of_an_odd_total(monkeypatch):
@@ -634,7 +635,8 @@ def test_plain_lines_of_a_resumed_run_and_of_an_odd_total(monkeypatch):
     with ProgressBar(45, initial=40, disable=True, lines_file=lines) as bar:
         for _ in range(5):
             bar.update({"train/loss": 1.25, "val/loss": 1.5})
-    assert lines.getvalue().splitlines() == [  # every 45 // 20 = 2 steps, and the last
+    assert lines.getvalue().splitlines() == [  # the session's first step, every 45 // 20 = 2 steps, and the last
+        "step 41/45 (91 %) - elapsed 0.0s - ETA 0.0s - loss 1.25 - val_loss 1.5",
         "step 42/45 (93 %) - elapsed 0.0s - ETA 0.0s - loss 1.25 - val_loss 1.5",
         "step 44/45 (97 %) - elapsed 0.0s - ETA 0.0s - loss 1.25 - val_loss 1.5",
         "step 45/45 (100 %) - elapsed 0.0s - loss 1.25 - val_loss 1.5",
