@@ -115,16 +115,35 @@ _SITE_PACKAGES = [p for p in sys.path if os.path.basename(p) in ("site-packages"
 # system services and the usual subordinate-uid blocks, and unlikely to collide between concurrent calls.
 _SANDBOX_UID_RANGE = (1_500_000_000, 2_000_000_000)
 
-# Mechanisms a test may switch off to exercise the fallbacks: "namespaces", "separate_uid", "seccomp".
+# Mechanisms a test may switch off to exercise the fallbacks: "namespaces", "separate_uid", "seccomp",
+# "mount_setattr" (then `/` is made read-only one mount at a time, as on kernels before 5.12) and "filesystem"
+# (no hiding, no read-only `/`, no private scratch: the host's files, for tests that need a channel out).
 _DISABLED_MECHANISMS: frozenset[str] = frozenset()
+
+DEFAULT_SCRATCH_MB = 64
 
 GUARANTEES = {
     "fork limit": ("fork_limit",),
     "no process outlives the call": ("pid_namespace", "separate_uid"),
     "no sockets": ("seccomp",),
     "trainer environment unreadable": ("private_proc", "separate_uid"),
+    "read-only filesystem": ("readonly_root",),
+    "private size-limited /tmp, /dev/shm and working directory": ("private_scratch",),
+    "home directories and credentials hidden": ("hidden_home",),
 }
 """Each guarantee and the mechanisms (any one suffices) that provide it."""
+
+# Directories hidden behind an empty tmpfs besides the user's own home: every home, the per-user runtime
+# directories (agent sockets) and the secrets that container platforms mount (Kubernetes service-account
+# tokens, Docker secrets).
+_HIDDEN_DIRS = ("/root", "/home", "/run/user", "/run/secrets", "/var/run/secrets")
+
+# Environment variables that name a credential file or directory, possibly outside any home; each existing
+# one is hidden too (a file behind /dev/null, a directory behind an empty tmpfs).
+_CREDENTIAL_ENV = (
+    "NETRC", "HF_TOKEN_PATH", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "GOOGLE_APPLICATION_CREDENTIALS",
+    "KUBECONFIG", "DOCKER_CONFIG", "SSH_AUTH_SOCK", "GNUPGHOME", "XDG_CONFIG_HOME", "XDG_RUNTIME_DIR",
+)
 
 # The supervisor (S0), the init of the PID namespace and the solution process, in one program, compiled once
 # per hyflow process into a .pyc that `python -I -S` runs (compiling it on every call cost ~5 ms). argv[1] is
@@ -138,7 +157,8 @@ _C = eval(sys.argv[1], {"__builtins__": {}})  # a literal written by run_code
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _NEWNS, _NEWIPC, _NEWUSER, _NEWPID, _NEWNET = 0x20000, 0x08000000, 0x10000000, 0x20000000, 0x40000000
 _ALL_NEW_NAMESPACES = 0x7E020080  # CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET|NEWTIME
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 2, 4, 8, 32, 4096, 16384
+_MS_NOATIME, _MS_NODIRATIME, _MS_PRIVATE, _MS_RELATIME, _MS_STRICTATIME = 1024, 2048, 1 << 18, 1 << 21, 1 << 24
 _REPORT = _C["report_fd"]
 _LINUX = sys.platform.startswith("linux")  # elsewhere: rlimits, the wall clock and the Python guards only
 
@@ -298,8 +318,96 @@ def _expose(exposures):
             _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
             os.close(fd)
 
+def _hide_files(paths):
+    """Put /dev/null over each credential file (a bind mount: the file reads as empty, its name stays)."""
+    for path in paths:
+        _mount("/dev/null", path, None, _MS_BIND)
+
+def _readonly_root():
+    """Make every mount of this mount namespace read-only: mount_setattr(2) with AT_RECURSIVE (Linux 5.12+),
+    else a read-only bind remount of each mount point, keeping its nosuid/nodev/noexec/atime flags (a user
+    namespace may not clear those: they are locked)."""
+    if "mount_setattr" not in _C["disabled"]:
+        attr = (ctypes.c_uint64 * 4)(1, 0, 0, 0)  # struct mount_attr: attr_set = MOUNT_ATTR_RDONLY
+        result = _LIBC.syscall(ctypes.c_long(442), ctypes.c_long(-100), b"/", ctypes.c_long(0x8000),
+                               ctypes.byref(attr), ctypes.c_long(32))  # mount_setattr(AT_FDCWD, "/", AT_RECURSIVE)
+        if result == 0:
+            return
+        if ctypes.get_errno() not in (38, 22):  # ENOSYS, EINVAL: an older kernel, remount one by one
+            _call(result, "mount_setattr /")
+    with open("/proc/self/mountinfo", "rb") as file:
+        points = [line.split()[4].decode("unicode_escape") for line in file]  # octal escapes (\040 = space)
+    for point in points:
+        try:
+            flags = os.statvfs(point).f_flag
+        except OSError:  # under a directory hidden by a tmpfs: unreachable from here
+            continue
+        if flags & os.ST_RDONLY:
+            continue
+        kept = flags & (_MS_NOSUID | _MS_NODEV | _MS_NOEXEC | _MS_NOATIME | _MS_NODIRATIME)
+        kept |= _MS_RELATIME if flags & os.ST_RELATIME else 0 if flags & os.ST_NOATIME else _MS_STRICTATIME
+        _mount(None, point, None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | kept)
+
+def _scratch(uid):
+    """A fresh tmpfs on /tmp and /dev/shm (mode 1777) and a private working directory, each capped at
+    `scratch_bytes` bytes and 4096 files, gone when the namespace ends."""
+    options = f"size={_C['scratch_bytes']},nr_inodes=4096"
+    flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+    scratch = [path for path in ("/tmp", "/dev/shm") if os.path.isdir(path)]
+    for path in scratch:
+        _mount("tmpfs", path, "tmpfs", flags, options + ",mode=1777")
+    workdir = _C["workdir"]
+    if any(workdir.startswith(path + "/") for path in scratch):
+        os.makedirs(workdir, mode=0o700)
+    else:  # its mount point exists (the host directory, or one made in a hiding tmpfs before `/` became read-only)
+        _mount("tmpfs", workdir, "tmpfs", flags, options + ",mode=700")
+    if uid is not None:
+        os.chown(workdir, uid, uid)
+
+def _filesystem(uid):
+    """The solution's view of the files: homes and credentials hidden, `/` read-only, private scratch space.
+
+    Each step that held is reported; one that failed is reported with its error, and the call goes on with
+    the weaker guarantee (the warning names it). Returns the uid to switch to (None: stay)."""
+    with open(_C["solution"], "rb") as file:  # the host's work directory is about to be covered
+        source = file.read()
+    try:
+        _expose(_C["masks"])
+        _hide_files(_C["hidden_files"])
+        _report("hidden_home")
+    except OSError as error:
+        _report("no hidden_home: " + str(error))
+        if uid is not None and _C["exposures"]:  # the sandbox uid may not reach the interpreter
+            _report("no separate_uid: " + str(error))
+            uid = _stay_root()
+    workdir = _C["workdir"]
+    if not any(workdir.startswith(path + "/") for path in ("/tmp", "/dev/shm")):
+        try:  # the mount point of the private working directory, while it can still be made
+            os.makedirs(workdir, exist_ok=True)
+        except OSError:
+            pass
+    try:
+        _readonly_root()
+        _report("readonly_root")
+    except OSError as error:
+        _report("no readonly_root: " + str(error))
+    try:
+        _scratch(uid)
+        _report("private_scratch")
+    except OSError as error:
+        _report("no private_scratch: " + str(error))
+    try:
+        with open(_C["solution"], "wb") as file:
+            file.write(source)
+        if uid is not None:
+            os.chown(_C["solution"], uid, uid)
+    except OSError:  # no private working directory: the host's copy is still in place
+        pass
+    return uid
+
 def _init(uid, status_w):
-    """Pid 1 of the new PID namespace: a private /proc, the exposures, then fork the solution and reap.
+    """Pid 1 of the new PID namespace: a private /proc, the solution's file system view, then fork the
+    solution and reap.
 
     Returns (the uid to switch to) in the forked solution process only; the init itself never returns."""
     try:
@@ -309,7 +417,9 @@ def _init(uid, status_w):
             _report("private_proc")
         except OSError as error:  # e.g. a user namespace inside a container that masks parts of /proc
             _report("no private_proc: " + str(error))
-        if uid is not None and _C["exposures"]:
+        if "filesystem" not in _C["disabled"]:
+            uid = _filesystem(uid)
+        elif uid is not None and _C["exposures"]:  # only what the sandbox uid needs to reach the interpreter
             try:
                 _expose(_C["exposures"])
             except OSError as error:
@@ -333,28 +443,39 @@ def _init(uid, status_w):
 
 # ---- the solution process ---------------------------------------------------------------------------------
 
-_SECCOMP_ARCH = {  # machine: (AUDIT_ARCH, denied syscalls, socket, clone, clone3)
+_SECCOMP_ARCH = {  # machine: (AUDIT_ARCH, denied syscalls, socket, socketpair, clone, clone3)
     "x86_64": (0xC000003E, (101, 155, 161, 165, 166, 175, 176, 246, 248, 249, 250, 272, 298, 303, 304, 308, 310,
                             311, 312, 313, 320, 321, 323, 425, 426, 427, 428, 429, 430, 431, 432, 433, 438, 442),
-               41, 56, 435),
+               41, 53, 56, 435),
     "aarch64": (0xC00000B7, (39, 40, 41, 51, 97, 104, 105, 106, 117, 217, 218, 219, 241, 264, 265, 268, 270, 271,
                              273, 280, 282, 294, 425, 426, 427, 428, 429, 430, 431, 432, 433, 438, 442),
-                198, 220, 435),
+                198, 199, 220, 435),
 }
 
 def _seccomp_program():
     """Classic BPF: wrong arch -> kill; x32 -> ENOSYS; socket and the denied calls -> EPERM; clone3 -> ENOSYS;
-    clone with a CLONE_NEW* flag -> EPERM; everything else allowed."""
-    arch, denied, socket_nr, clone_nr, clone3_nr = _SECCOMP_ARCH[os.uname().machine]
+    socketpair other than (AF_UNIX, SOCK_STREAM) -> EPERM; clone with a CLONE_NEW* flag -> EPERM; everything
+    else allowed.
+
+    A connected stream pair cannot reach anything else (connect: EISCONN; sendto with an address: EISCONN);
+    a datagram or seqpacket pair can: sendto(path) or a second connect(path) deliver to any datagram socket
+    the uid may write to, and no namespace stops that (a read-only mount does not guard socket files)."""
+    arch, denied, socket_nr, socketpair_nr, clone_nr, clone3_nr = _SECCOMP_ARCH[os.uname().machine]
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K
+    and_ = 0x54  # BPF_ALU|BPF_AND|BPF_K
     allow, kill, errno = 0x7FFF0000, 0x80000000, 0x00050000
     eperm, enosys = errno | 1, errno | 38
+    af_unix, sock_stream, sock_flags = 1, 1, 0o4000 | 0o2000000  # SOCK_NONBLOCK | SOCK_CLOEXEC
     prog = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, kill), (ld, 0, 0, 0)]
     if arch == 0xC000003E:
         prog += [(jge, 0, 1, 0x40000000), (ret, 0, 0, enosys)]
     for nr in (socket_nr, *denied):
         prog += [(jeq, 0, 1, nr), (ret, 0, 0, eperm)]
     prog += [(jeq, 0, 1, clone3_nr), (ret, 0, 0, enosys),
+             (jeq, 0, 7, socketpair_nr),  # the 7 instructions below decide socketpair
+             (ld, 0, 0, 16), (jeq, 0, 4, af_unix),  # args[0] (low 32 bits): the domain
+             (ld, 0, 0, 24), (and_, 0, 0, ~sock_flags & 0xFFFFFFFF), (jeq, 0, 1, sock_stream),  # args[1]: type
+             (ret, 0, 0, allow), (ret, 0, 0, eperm),
              (jeq, 0, 3, clone_nr), (ld, 0, 0, 16), (jset, 0, 1, _ALL_NEW_NAMESPACES), (ret, 0, 0, eperm),
              (ret, 0, 0, allow)]
     return b"".join(struct.pack("HBBI", *op) for op in prog), len(prog)
@@ -444,6 +565,12 @@ def _run_solution_code():
     _socket.socket = _socket.SocketType = _NoNetworkSocket
     for name in ("getaddrinfo", "gethostbyname", "gethostbyname_ex", "gethostbyaddr"):
         setattr(_socket, name, _blocked("network access"))
+    stream_pair = _socket.socketpair
+    def socketpair(family=_socket.AF_UNIX, type=_socket.SOCK_STREAM, proto=0):  # what seccomp lets through
+        if family != _socket.AF_UNIX or type & ~(_socket.SOCK_NONBLOCK | _socket.SOCK_CLOEXEC) != _socket.SOCK_STREAM:
+            raise PermissionError("socketpair other than (AF_UNIX, SOCK_STREAM) is disabled in the hyflow sandbox")
+        return stream_pair(family, type, proto)
+    _socket.socketpair = socketpair
     for name in ("system", "popen", "fork", "forkpty", "execv", "execve", "execl", "execle", "execlp", "execlpe",
                  "execvp", "execvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnv", "spawnve", "spawnvp",
                  "spawnvpe", "posix_spawn", "posix_spawnp"):
@@ -667,9 +794,12 @@ def _exposures(paths: list[str], workdir: str) -> list[tuple[str, list[str]]] | 
 
 
 def _interpreter_paths() -> list[str]:
-    """The directories the solution process imports from (real paths), existing ones only."""
+    """The directories the solution process imports from (real paths), existing ones only: the standard
+    library, its extension modules (lib-dynload), and the parent's site-packages (nothing else of the parent's
+    sys.path: its script directory or working directory may be a home that the sandbox hides)."""
     paths = []
-    for entry in [*sys.path, os.path.dirname(os.__file__)]:
+    stdlib = [entry for entry in sys.path if os.path.basename(entry) == "lib-dynload" or entry.endswith(".zip")]
+    for entry in [os.path.dirname(os.__file__), *stdlib, *_SITE_PACKAGES]:
         if not entry:
             continue
         real = os.path.realpath(entry)
@@ -678,6 +808,60 @@ def _interpreter_paths() -> list[str]:
         if os.path.isdir(real) and real not in paths:
             paths.append(real)
     return paths
+
+
+def _is_within(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _hidden_paths() -> tuple[list[str], list[str]]:
+    """(directories, files) to hide from the solution: every home (the user's own from $HOME and the password
+    database, /root, /home), runtime and secret directories, and the credentials named by the environment
+    (the Hugging Face token wherever HF_HOME/XDG_CACHE_HOME put it, NETRC, cloud and ssh-agent paths ...).
+    Real paths of existing entries only; a path inside a hidden directory is covered by it."""
+    candidates = [*_HIDDEN_DIRS, os.environ.get("HOME", ""), os.path.expanduser("~")]
+    with contextlib.suppress(KeyError, ImportError):
+        import pwd
+
+        candidates.append(pwd.getpwuid(os.getuid()).pw_dir)
+    candidates += [os.environ.get(name, "") for name in _CREDENTIAL_ENV]
+    if os.environ.get("HF_HOME"):
+        candidates.append(os.path.join(os.environ["HF_HOME"], "token"))
+    if os.environ.get("XDG_CACHE_HOME"):
+        candidates.append(os.path.join(os.environ["XDG_CACHE_HOME"], "huggingface", "token"))
+    directories: list[str] = []
+    files: list[str] = []
+    for candidate in candidates:
+        if not candidate or not os.path.isabs(candidate) or not os.path.lexists(candidate):
+            continue
+        real = os.path.realpath(candidate)
+        if real == "/" or not os.path.exists(real):
+            continue
+        (directories if os.path.isdir(real) else files).append(real)
+    outer = []
+    for directory in sorted(set(directories), key=len):
+        if not any(_is_within(directory, kept) for kept in outer):
+            outer.append(directory)
+    return outer, sorted({f for f in files if not any(_is_within(f, d) for d in outer)})
+
+
+def _mask_plan(masks: list[str], needed: list[str]) -> list[tuple[str, list[str]]]:
+    """[(directory to cover with an empty tmpfs, [needed paths below it, bound back])]: outermost masks only;
+    a mask that is itself needed, or lies inside a needed path, is left open (the interpreter must run)."""
+    outer: list[str] = []
+    for mask in sorted(set(masks), key=len):
+        if any(_is_within(mask, path) for path in needed):
+            continue
+        if not any(_is_within(mask, kept) for kept in outer):
+            outer.append(mask)
+    plan = []
+    for mask in outer:
+        below: list[str] = []
+        for path in sorted({p for p in needed if _is_within(p, mask)}, key=len):
+            if not any(_is_within(path, kept) for kept in below):  # inside one already bound back: comes with it
+                below.append(path)
+        plan.append((mask, below))
+    return plan
 
 
 _warned_missing: set[str] = set()
@@ -719,6 +903,7 @@ def run_code(
     cpu_time_s: float | None = None,
     max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
     max_processes: int = DEFAULT_MAX_PROCESSES,
+    scratch_mb: int = DEFAULT_SCRATCH_MB,
 ) -> SandboxResult:
     """Run Python `code` with `stdin` in a separate, confined process; never raises for anything the code does.
 
@@ -728,10 +913,10 @@ def run_code(
     `output_truncated=True`. Nothing the code starts is alive when this returns (see the module docstring for
     the conditions).
     """
-    if timeout_s <= 0 or memory_mb <= 0 or max_output_bytes <= 0 or max_processes <= 0:
+    if timeout_s <= 0 or memory_mb <= 0 or max_output_bytes <= 0 or max_processes <= 0 or scratch_mb <= 0:
         raise ValueError(
             f"run_code needs positive limits, got timeout_s={timeout_s}, memory_mb={memory_mb}, "
-            f"max_output_bytes={max_output_bytes}, max_processes={max_processes}"
+            f"max_output_bytes={max_output_bytes}, max_processes={max_processes}, scratch_mb={scratch_mb}"
         )
     cpu_limit_s = max(1, math.ceil(cpu_time_s if cpu_time_s is not None else timeout_s + 1))
     workdir = tempfile.mkdtemp(prefix="hyflow_sandbox_")
@@ -751,9 +936,14 @@ def run_code(
                 uid = _SANDBOX_UID_RANGE[0] + secrets.randbelow(_SANDBOX_UID_RANGE[1] - _SANDBOX_UID_RANGE[0])
                 os.chown(workdir, uid, uid)
                 os.chown(solution_path, uid, uid)
+        hidden_dirs, hidden_files = _hidden_paths()
+        masks = [mask for mask, _ in exposures or []] if uid is not None else []
         settings = {
             "solution": solution_path,
             "workdir": workdir,
+            "masks": _mask_plan(masks + hidden_dirs, _interpreter_paths()),
+            "hidden_files": hidden_files,
+            "scratch_bytes": scratch_mb * 1024 * 1024,
             "memory_bytes": memory_mb * 1024 * 1024,
             "cpu_s": cpu_limit_s,
             "fsize": max_output_bytes,

@@ -147,10 +147,14 @@ def test_environment_is_minimal(monkeypatch):
 
 
 def test_runs_in_a_fresh_directory_that_is_removed():
-    first = run_code("import os\nprint(os.getcwd())\nprint(sorted(os.listdir('.')))").stdout.splitlines()
+    result = run_code("import os\nprint(os.getcwd())\nprint(sorted(os.listdir('.')))")
+    first = result.stdout.splitlines()
     second = run_code("import os\nprint(os.getcwd())").stdout.splitlines()
     assert first[0] != second[0]
-    assert first[1] == "['solution.py', 'stderr', 'stdin', 'stdout']"
+    if "private_scratch" in result.protections:  # a tmpfs of its own that holds only the program
+        assert first[1] == "['solution.py']"
+    else:  # the host's temporary directory, with the files its standard streams are
+        assert first[1] == "['solution.py', 'stderr', 'stdin', 'stdout']"
     assert not os.path.exists(first[0]) and not os.path.exists(second[0])
 
 
@@ -187,6 +191,12 @@ def test_invalid_limits_are_errors():
 
 
 # ---- escapes: each runs the real exploit through run_code and checks that the kernel stopped it ----------
+
+
+# The escapes below need a channel out of the sandbox (a marker file a surviving process writes on the
+# host) to show whether they worked, so they switch off the file-system view ("filesystem": no read-only `/`,
+# no private /tmp) that would otherwise stop the marker itself; test_sandbox_isolation.py tests that view.
+NO_FILESYSTEM_VIEW = frozenset({"filesystem"})
 
 
 @pytest.fixture
@@ -264,7 +274,7 @@ def _survivor_check(open_dir: str) -> tuple[dict, callable]:
 
 @pytest.mark.parametrize("disabled", [frozenset(), frozenset({"namespaces"})], ids=["strongest", "no-namespaces"])
 def test_setsid_grandchild_does_not_outlive_the_call(open_dir, monkeypatch, disabled):
-    monkeypatch.setattr(sandbox, "_DISABLED_MECHANISMS", disabled)
+    monkeypatch.setattr(sandbox, "_DISABLED_MECHANISMS", disabled | NO_FILESYSTEM_VIEW)
     if not disabled:
         _require("no process outlives the call")
     keys, survived = _survivor_check(open_dir)
@@ -274,8 +284,9 @@ def test_setsid_grandchild_does_not_outlive_the_call(open_dir, monkeypatch, disa
     assert not survived(), "a process started by the solution was still running after the call"
 
 
-def test_wall_clock_kill_takes_the_descendants_too(open_dir):
+def test_wall_clock_kill_takes_the_descendants_too(open_dir, monkeypatch):
     _require("no process outlives the call")
+    monkeypatch.setattr(sandbox, "_DISABLED_MECHANISMS", NO_FILESYSTEM_VIEW)
     keys, survived = _survivor_check(open_dir)
     code = SETSID_ESCAPE.format(**keys).replace('print("parent done")', "time.sleep(30)")
     result = run_code(code, timeout_s=0.3)
@@ -421,7 +432,10 @@ def test_nothing_survives_when_the_trainer_dies(open_dir, tmp_path):
         f"for _ in range(200):\n    if os.path.exists({go!r}):\n        open({late!r}, 'w').close()\n        break\n"
         "    time.sleep(0.05)\n"
     )
-    trainer = f"from hyflow.rewards.sandbox import run_code\nrun_code({solution!r}, timeout_s=1)\n"
+    trainer = (
+        f"from hyflow.rewards import sandbox\nsandbox._DISABLED_MECHANISMS = {NO_FILESYSTEM_VIEW!r}\n"
+        f"sandbox.run_code({solution!r}, timeout_s=1)\n"
+    )
     env = dict(os.environ, TMPDIR=str(tmp_path))  # a temporary directory under a 0700 parent, too
     process = subprocess.Popen([sys.executable, "-c", trainer], env=env)
     try:
@@ -452,7 +466,7 @@ def test_a_missing_guarantee_is_warned_about_once(monkeypatch, caplog):
 def test_protections_on_a_capable_machine_are_all_reported():
     protections = run_code("pass").protections
     if os.geteuid() == 0 and "pid_namespace" in protections:
-        assert {"net_namespace", "private_proc", "seccomp"} <= protections
+        assert {"net_namespace", "private_proc", "seccomp", "readonly_root", "private_scratch", "hidden_home"} <= protections
         if "separate_uid" in protections:
             assert "fork_limit" in protections
     assert sandbox_guarantees().keys() == sandbox.GUARANTEES.keys()
