@@ -25,10 +25,17 @@ call it replaced (same samples for the same seed). A tool that takes long holds 
 call has a timeout: `rollout.multi_turn.tool_timeout`).
 
 Never crash on the policy's output: a malformed call, an unknown tool, arguments that do not fit the tool's
-schema, a tool that raises, returns garbage or times out all become an `error: ...` text in the tool turn and a
-counted metric (`tool/malformed_calls`, `tool/unknown_tools`, `tool/bad_arguments`, `tool/errors`,
-`tool/timeouts`). Errors in the configuration (an unknown agent name, a missing interaction) stop the run
-before anything is generated, with the fix.
+schema, a tool that raises (SystemExit included), returns garbage or times out all become an `error: ...` text in
+the tool turn and a counted metric (`tool/malformed_calls`, `tool/unknown_tools`, `tool/bad_arguments`,
+`tool/errors`, `tool/timeouts`). Errors in the configuration (an unknown agent name, a missing interaction) stop
+the run before anything is generated, with the fix.
+
+Tools cannot stall or hang the rollout. Every tool method call (create + execute, calc_reward, release) runs on a
+worker thread of the manager's `ToolRunner`, in an event loop of its own, so a tool that blocks (``time.sleep``
+in ``async execute``, a synchronous client, a wait that never returns) holds only its own thread: the other
+trajectories go on, the call is answered with the timeout error at `multi_turn.tool_timeout` (counted from the
+call's start), and `generate()` returns without waiting for it. A thread still blocked after its call was
+abandoned is counted in `tool/stuck_threads` (per rollout worker) and warned about; Python cannot kill it.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from hyflow.rollout.base import SamplingParams
 from hyflow.rollout.output import assemble_rollout
 from hyflow.rollout.tool_parser import FunctionCall, MalformedCall, ToolParser, check_arguments
 from hyflow.tools.registry import import_class
+from hyflow.tools.runner import DaemonExecutor, ToolRunner, ToolThreadsExhausted, ToolTimeout
 
 SEED_STRIDE = 1_000_033  # engine call k of one rollout samples with seed + k * SEED_STRIDE
 
@@ -154,6 +162,7 @@ class BatchingServer:
         self.calls = 0
         self.batch_sizes: list[int] = []
         self.seconds = 0.0
+        self.tokens = 0  # generated so far (the progress callback reports it)
         self._ready: asyncio.Event | None = None
 
     def _check(self) -> None:
@@ -215,6 +224,7 @@ class BatchingServer:
         self.calls += 1
         self.batch_sizes.append(len(requests))
         lengths = out["response_mask"].sum(-1).tolist()
+        self.tokens += int(sum(lengths))
         logprobs = out["rollout_log_probs"] if "rollout_log_probs" in out else None  # noqa: SIM401 (Batch)
         outputs = []
         for row, length in enumerate(lengths):
@@ -269,13 +279,15 @@ class AgentLoopBase:
 
     Attributes: `server_manager` (ServerHandle), `tokenizer`, `rollout_config` (the rollout config section),
     `tools` (name -> BaseTool), `tool_parser`, `interactions` (name -> BaseInteraction), `response_length`,
-    `chat_template_kwargs`. Implement `async run(sampling_params, **row) -> AgentLoopOutput`; `row` holds the
+    `chat_template_kwargs`, `tool_runner` (runs tool calls with a real timeout: `await
+    tool_runner.run(lambda: tool.execute(...), timeout, label)`). Implement `async run(sampling_params, **row) -> AgentLoopOutput`; `row` holds the
     sample's columns (`raw_prompt` messages, `raw_prompt_ids`, `tools_kwargs`, `interaction_kwargs`,
     `extra_info`, ...)."""
 
     def __init__(self, *, server_manager: ServerHandle, tokenizer, rollout_config, tools: dict | None = None,
                  tool_parser: ToolParser | None = None, interactions: dict | None = None,
-                 chat_template_kwargs: dict | None = None, **kwargs: Any) -> None:
+                 chat_template_kwargs: dict | None = None, tool_runner: ToolRunner | None = None,
+                 **kwargs: Any) -> None:
         self.server_manager = server_manager
         self.tokenizer = tokenizer
         self.rollout_config = rollout_config
@@ -284,10 +296,21 @@ class AgentLoopBase:
         self.interactions = interactions or {}
         self.response_length = int(rollout_config.response_length)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.tool_runner = tool_runner if tool_runner is not None else _shared_tool_runner()
         self.loop_kwargs = kwargs
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         raise NotImplementedError
+
+
+_SHARED_RUNNER: list[ToolRunner] = []
+
+
+def _shared_tool_runner() -> ToolRunner:
+    """The process's ToolRunner for agent loops built without one (outside `AgentLoopManager`)."""
+    if not _SHARED_RUNNER:
+        _SHARED_RUNNER.append(ToolRunner())
+    return _SHARED_RUNNER[0]
 
 
 @register("single_turn_agent")
@@ -465,13 +488,19 @@ class ToolAgentLoop(AgentLoopBase):
             return f"error: {call.name}: {problem}"
         timeout = float((getattr(tool, "config", None) or {}).get("timeout") or self.tool_timeout)
         start = time.perf_counter()
+
+        async def create_and_execute():  # runs on a tool thread (see the module docstring)
+            instance_id = await self._instance(tool, data)
+            return await tool.execute(instance_id, arguments, agent_data=data)
+
         try:
-            instance_id = await asyncio.wait_for(self._instance(tool, data), timeout)
-            result = await asyncio.wait_for(tool.execute(instance_id, arguments, agent_data=data), timeout)
-        except (asyncio.TimeoutError, TimeoutError):
+            result = await self.tool_runner.run(create_and_execute, timeout, f"tool {call.name!r} (execute)")
+        except ToolTimeout:
             data.metrics["tool_timeouts"] += 1
             return f"error: tool {call.name!r} timed out after {timeout:g} s"
-        except Exception as err:  # the tool's own failure: the model reads it, the step goes on
+        except ToolThreadsExhausted:
+            raise
+        except (Exception, SystemExit) as err:  # the tool's own failure: the model reads it, the step goes on
             data.metrics["tool_errors"] += 1
             return f"error: tool {call.name!r} raised {type(err).__name__}: {err}"
         finally:
@@ -498,15 +527,22 @@ class ToolAgentLoop(AgentLoopBase):
         for name, instance_id in data.tool_instances.items():
             tool = self.tools[name]
             release_kwargs = dict((data.tools_kwargs.get(name) or {}).get("release_kwargs") or {})
+            run = self.tool_runner.run
             try:
                 if hasattr(tool, "calc_reward"):
-                    scores[name] = float(await asyncio.wait_for(tool.calc_reward(instance_id), self.tool_timeout))
-            except Exception as err:
+                    scores[name] = float(await run(lambda tool=tool, i=instance_id: tool.calc_reward(i),
+                                                   self.tool_timeout, f"tool {name!r} (calc_reward)"))
+            except ToolThreadsExhausted:
+                raise
+            except (Exception, SystemExit) as err:
                 data.metrics["tool_errors"] += 1
                 data.extra_fields.setdefault("tool_reward_errors", {})[name] = f"{type(err).__name__}: {err}"
             try:
-                await asyncio.wait_for(tool.release(instance_id, **release_kwargs), self.tool_timeout)
-            except Exception:
+                await run(lambda tool=tool, i=instance_id, kw=release_kwargs: tool.release(i, **kw),
+                          self.tool_timeout, f"tool {name!r} (release)")
+            except ToolThreadsExhausted:
+                raise
+            except (Exception, SystemExit):
                 data.metrics["tool_errors"] += 1
         if scores:
             data.extra_fields["rollout_reward_scores"] = scores
@@ -585,7 +621,12 @@ class AgentLoopManager:
         self.num_workers = max(1, int(agent.num_workers))
         self.multi_turn = bool(rollout_config.multi_turn.enable)
         self.tool_parser = ToolParser.get_tool_parser(rollout_config.multi_turn.format, tokenizer)
+        # tool calls run on these threads (at most max(64, num_workers) at once), so a timeout can end them
+        self.tool_runner = ToolRunner(max_threads=max(64, self.num_workers))
+        self._stuck_reported = 0
         self.last_server: BatchingServer | None = None
+        # progress(stage, done, total, unit, detail): called as trajectories finish (the trainer's progress bar)
+        self.progress: Callable[..., None] | None = None
 
     def agent_names(self, prompts: Batch) -> list[str]:
         names = list(prompts["agent_name"]) if "agent_name" in prompts else [None] * len(prompts)
@@ -617,26 +658,28 @@ class AgentLoopManager:
             return pool.submit(asyncio.run, self._generate(prompts, params, names)).result()
 
     async def _generate(self, prompts: Batch, params: SamplingParams, names: list[str]) -> Batch:
-        from concurrent.futures import ThreadPoolExecutor
-
-        loop = asyncio.get_running_loop()
-        executor = ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="hyflow-tool")
-        loop.set_default_executor(executor)  # asyncio.to_thread in tools: at most num_workers at once
+        # asyncio.to_thread in an agent loop: daemon threads that asyncio.run does not wait for at its end
+        asyncio.get_running_loop().set_default_executor(DaemonExecutor("hyflow-agent-thread"))
         n = params.n
         server = BatchingServer(self.engine, dataclasses.replace(params, n=1), self.pad_token_id,
                                 self.eos_token_ids, prompts)
         self.last_server = server
         rows = prompt_rows(prompts)
         sampling = sampling_dict(params)
-        server.live = len(rows) * n
+        server.live = total = len(rows) * n
+        finished = 0
 
         async def trajectory(index: int) -> AgentLoopOutput:
+            nonlocal finished
             try:
                 agent = self.make_agent(names[index // n], ServerHandle(server, index, index // n,
                                                                         int(self.config.response_length)))
                 return await agent.run(sampling, **rows[index // n])
             finally:
                 server.finished_one()
+                finished += 1
+                if self.progress is not None:
+                    self.progress("rollout", finished, total, "trajectories", f"{server.tokens} tokens")
 
         tasks = [asyncio.ensure_future(trajectory(i)) for i in range(len(rows) * n)]
         serving = asyncio.ensure_future(server.serve())
@@ -648,15 +691,29 @@ class AgentLoopManager:
                 task.cancel()
             await asyncio.gather(*tasks, serving, return_exceptions=True)
             raise
-        finally:
-            executor.shutdown(wait=False, cancel_futures=True)
+        self._warn_stuck_threads()
         return self.assemble(prompts, params, outputs, names, server)
+
+    def _warn_stuck_threads(self) -> None:
+        """One warning when more tool threads are stuck than at the last report (see the module docstring)."""
+        stuck = self.tool_runner.stuck_threads()
+        if len(stuck) > self._stuck_reported:
+            import collections
+            import warnings
+
+            where = ", ".join(f"{label} x{count}" for label, count in collections.Counter(stuck).most_common())
+            warnings.warn(f"hyflow: {len(stuck)} tool thread(s) are still blocked in calls abandoned at their timeout "
+                          f"({where}); they keep running (Python cannot kill a thread) but no longer hold the "
+                          "rollout. Give the blocking work in the tool a timeout of its own, or make it await "
+                          "(tool/stuck_threads counts them)", RuntimeWarning, stacklevel=2)
+        self._stuck_reported = len(stuck)
 
     def make_agent(self, name: str, handle: ServerHandle) -> AgentLoopBase:
         """A new instance of the agent loop registered as `name`, over `handle`."""
         return AGENT_LOOPS[name](server_manager=handle, tokenizer=self.tokenizer, rollout_config=self.config,
                                  tools=self.tools, tool_parser=self.tool_parser, interactions=self.interactions,
-                                 chat_template_kwargs=self.chat_template_kwargs, **AGENT_LOOP_KWARGS.get(name, {}))
+                                 chat_template_kwargs=self.chat_template_kwargs, tool_runner=self.tool_runner,
+                                 **AGENT_LOOP_KWARGS.get(name, {}))
 
     def assemble(self, prompts: Batch, params: SamplingParams, outputs: list[AgentLoopOutput], names: list[str],
                  server: BatchingServer) -> Batch:
@@ -703,7 +760,8 @@ class AgentLoopManager:
             return metrics
         turns = np.array([o.num_turns for o in outputs], dtype=float)
         metrics.update({"num_turns/min": float(turns.min()), "num_turns/max": float(turns.max()),
-                        "num_turns/mean": float(turns.mean())})
+                        "num_turns/mean": float(turns.mean()),
+                        "tool/stuck_threads": float(len(self.tool_runner.stuck_threads()))})
         counts = {key: np.array([o.metrics.get(key, 0) for o in outputs], dtype=float) for key in _COUNTERS}
         calls = counts["tool_calls"] + counts["malformed_calls"]
         # per-sample means (workers' values are averaged, so every count is a rate per sample)

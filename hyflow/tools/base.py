@@ -11,10 +11,13 @@ lives under an *instance id*:
    the decoded JSON arguments. It returns ``(ToolResponse, step_reward, metrics)``.
 3. ``calc_reward(instance_id)`` and then ``release(instance_id)`` when the trajectory ends.
 
-The loop runs many trajectories concurrently on one asyncio event loop and times each call out with
-``asyncio.wait_for``, which cannot interrupt blocking code: blocking work inside ``execute`` (subprocesses,
-HTTP with a synchronous client, heavy computation) must go through ``await asyncio.to_thread(...)``, or it
-stalls every other trajectory and escapes the timeout.
+Each call runs on a worker thread of the agent loop's `hyflow.tools.runner.ToolRunner`, in an event loop of its
+own, and is abandoned at its timeout (``multi_turn.tool_timeout`` or the tool's ``config.timeout``): blocking
+code inside ``execute`` (``time.sleep``, a synchronous HTTP client, heavy computation) holds only its own
+thread and gets the timeout error, it does not stall the other trajectories. Python cannot kill a thread, so a
+call that blocks for ever leaves a stuck thread behind (counted as ``tool/stuck_threads``): give blocking work
+a timeout of its own. Because calls run on different threads and event loops, state a tool shares between
+calls must be thread-safe (``threading.Lock``, not ``asyncio.Lock``).
 """
 
 from __future__ import annotations
@@ -65,8 +68,9 @@ class BaseTool:
         """Run one call with the model's decoded arguments `parameters`.
 
         Returns ``(response, step_reward, metrics)``: the response shown to the model, a per-step reward and a
-        dict of metrics. Report bad model input as a response text rather than by raising. Blocking work must
-        go through ``await asyncio.to_thread(...)`` (see the module docstring).
+        dict of metrics. Report bad model input as a response text rather than by raising. Blocking work is
+        allowed (the call runs on a thread of its own) but should carry its own timeout (see the module
+        docstring).
         """
         return ToolResponse(text="Updated the tool state."), 0.0, {}
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import textwrap
+import threading
+import time
 
 import pytest
 import torch
@@ -309,6 +311,81 @@ def test_failures_become_tool_turn_errors(case, tmp_path, tiny_tokenizer):
     assert [m for m, _ in runs] == [1, 0, 1], runs  # the trajectory went on after the error
     assert runs[1][1].startswith("\n<|im_start|>tool\n" + message), runs[1][1]
     assert out.meta["metrics"][metric] == 1.0
+
+
+# ---------------------------------------------------------------------------------------------- blocking tools
+NEVER = threading.Event()  # set only at the end of the tests below, to let their abandoned threads go
+
+
+class SleepingTool(BaseTool):
+    """Blocks its thread with time.sleep inside `async execute` (no await): the event loop cannot interrupt it."""
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        time.sleep(5)
+        return "late answer", 0.0, {}
+
+
+class ThreadForeverTool(BaseTool):
+    """Awaits a thread (asyncio.to_thread) that never ends."""
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        await asyncio.to_thread(NEVER.wait)
+        return "late answer", 0.0, {}
+
+
+class BlocksForeverTool(BaseTool):
+    """Blocks its thread forever on an event nobody sets."""
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        NEVER.wait()
+        return "late answer", 0.0, {}
+
+
+def _blocking_rollout(tmp_path, tok, tool, questions):
+    script = lambda text: "#### 1" if "<|im_start|>tool\n" in text else call("1", "blocker")  # noqa: E731
+    loops = manager(ScriptedEngine(tok, script), tok, rollout_config(tmp_path, tools=False),
+                    tools=[_tool(tool, "blocker", {"timeout": 0.5})])
+    started = time.monotonic()
+    out = loops.generate(make_prompts(tok, questions), params())
+    return out, time.monotonic() - started
+
+
+@pytest.mark.parametrize("tool", [SleepingTool, ThreadForeverTool, BlocksForeverTool], ids=lambda c: c.__name__)
+def test_blocking_tools_time_out_and_do_not_hold_the_rollout(tool, tmp_path, tiny_tokenizer):
+    """A tool that blocks (time.sleep in async execute, a to_thread or a wait that never ends) is answered with the
+    timeout error at its deadline; generate() returns without waiting for the tool's thread, two trajectories'
+    calls run at once (about one timeout, not two), and the abandoned threads are counted."""
+    tok = tiny_tokenizer
+    try:
+        with pytest.warns(RuntimeWarning, match=r"2 tool thread\(s\) are still blocked .*tool 'blocker' \(execute\)"):
+            out, elapsed = _blocking_rollout(tmp_path, tok, tool, ["q1", "q2"])
+        assert elapsed < 3.0, elapsed  # the tool sleeps 5 s or forever; serialised calls would take >= 1 s
+        for row in range(2):
+            runs = segments(tok, out, row)
+            assert [m for m, _ in runs] == [1, 0, 1], runs
+            assert runs[1][1].startswith("\n<|im_start|>tool\nerror: tool 'blocker' timed out after 0.5 s"), runs
+            assert "late answer" not in runs[1][1]
+        metrics = out.meta["metrics"]
+        assert metrics["tool/timeouts/mean"] == 1.0
+        assert metrics["tool/stuck_threads"] >= 2  # both calls' threads are still blocked, abandoned
+    finally:
+        NEVER.set()  # free the abandoned threads (a real stuck tool would keep them: they are daemon threads)
+        time.sleep(0.1)
+        NEVER.clear()
+
+
+class ExitingTool(BaseTool):
+    async def execute(self, instance_id, parameters, **kwargs):
+        raise SystemExit(3)
+
+
+def test_a_tool_raising_system_exit_is_a_tool_error_not_the_end_of_the_run(tmp_path, tiny_tokenizer):
+    tok = tiny_tokenizer
+    out, _ = _blocking_rollout(tmp_path, tok, ExitingTool, ["q"])
+    runs = segments(tok, out, 0)
+    assert [m for m, _ in runs] == [1, 0, 1], runs
+    assert runs[1][1].startswith("\n<|im_start|>tool\nerror: tool 'blocker' raised SystemExit: 3"), runs
+    assert out.meta["metrics"]["tool/errors/mean"] == 1.0
 
 
 def test_parallel_calls_are_capped_and_counted(tmp_path, tiny_tokenizer):

@@ -517,3 +517,46 @@ def test_error_duplicate_tool_names(tmp_path):
 def test_error_bad_yaml(tmp_path):
     message = loader_error(tmp_path, "tools:\n  - class_name: [unclosed\n")
     assert "cannot be read as YAML" in message
+
+
+# ---------------------------------------------------------------------------------------------- ToolRunner
+def test_tool_runner_abandons_blocked_calls_and_stops_before_leaking_without_end():
+    """The runner returns results and exceptions (SystemExit too), abandons a blocked call at its deadline
+    (counted as stuck while its thread is blocked), and refuses new calls once `max_stuck` threads are stuck."""
+    import threading
+    import time
+
+    from hyflow.tools.runner import ToolRunner, ToolThreadsExhausted, ToolTimeout
+
+    never = threading.Event()
+    runner = ToolRunner(max_threads=2, max_stuck=2)
+
+    async def value():
+        return 7
+
+    async def exits():
+        raise SystemExit(3)
+
+    def blocks():  # a duck-typed tool may define plain methods: their return value is used as is
+        never.wait()
+
+    async def main():
+        assert await runner.run(value, 1.0, "value") == 7
+        with pytest.raises(SystemExit):
+            await runner.run(exits, 1.0, "exits")
+        started = time.monotonic()
+        results = await asyncio.gather(*(runner.run(blocks, 0.3, f"blocker {i}") for i in range(2)),
+                                       return_exceptions=True)
+        assert time.monotonic() - started < 2.0  # two threads: both time out together
+        assert all(isinstance(r, ToolTimeout) for r in results), results
+        assert sorted(runner.stuck_threads()) == ["blocker 0", "blocker 1"]
+        await runner.run(value, 1.0, "value")  # raises: 2 stuck threads are the limit
+
+    try:
+        with pytest.raises(ToolThreadsExhausted, match="2 tool threads are stuck .*blocker"):
+            asyncio.run(main())
+    finally:
+        never.set()
+    time.sleep(0.2)
+    assert runner.stuck_threads() == []  # released threads are no longer counted
+    assert asyncio.run(runner.run(value, 1.0, "value")) == 7
