@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +31,20 @@ class CheckpointSecurityError(ValueError):
     """A checkpoint file holds something other than tensors and plain data (a pickled object or call)."""
 
 
-def _refusal(path: str | os.PathLike, what: str) -> CheckpointSecurityError:
+_CHECKPOINT_FIX = ("Load checkpoints only from hyflow runs; a checkpoint written by an older hyflow that pickled "
+                   "objects cannot be resumed: start a new run from its exported model instead")
+
+
+def refusal(path: str | os.PathLike, what: str, fix: str = _CHECKPOINT_FIX) -> CheckpointSecurityError:
+    """The error for a file that asks the unpickler for more than plain data: names the file, what it asked for
+    (`what`) and `fix`. torch's own advice (reload with `weights_only=False`) is never repeated: that runs the code."""
     return CheckpointSecurityError(
         f"{path} holds more than tensors and plain data, so hyflow refuses to load it (loading it could run code "
-        f"from the file): {what}. Load checkpoints only from hyflow runs; a checkpoint written by an older hyflow "
-        "that pickled objects cannot be resumed: start a new run from its exported model instead"
+        f"from the file): {what}. {fix}"
     )
+
+
+_refusal = refusal
 
 
 def load_plain_data(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> Any:
@@ -43,12 +52,26 @@ def load_plain_data(path: str | os.PathLike, map_location: str | torch.device = 
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise _refusal(path, _first_line(exc)) from None
+        raise _refusal(path, weights_only_reason(exc)) from None
 
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def weights_only_reason(exc: BaseException) -> str:
+    """What a `torch.load(weights_only=True)` refusal was about ("it asks for posix.system"), without torch's
+    advice around it (to reload with `weights_only=False`, which would run the file's code)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    if (match := re.search(r"GLOBAL (\S+) was not an allowed global", text)) is not None:
+        return f"it asks for {match.group(1)}"
+    if (match := re.search(r"WeightsUnpickler error: ([^\n]*)", text)) is not None:
+        return match.group(1).split(". Please")[0].strip().rstrip(".")
+    first = _first_line(exc)
+    if "weights_only" in first or "can still be loaded" in first:
+        return "it holds a pickled object or call, not only tensors and plain containers"
+    return first
 
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -126,7 +149,8 @@ def _safe_planner_class():
             try:
                 obj = torch.load(value, weights_only=True)
             except pickle.UnpicklingError as exc:
-                raise _refusal(f"item {read_item.dest_index.fqn} of a sharded checkpoint", _first_line(exc)) from None
+                raise _refusal(f"item {read_item.dest_index.fqn} of a sharded checkpoint",
+                               weights_only_reason(exc)) from None
             super().load_bytes(read_item, _as_stream(obj))
 
     return SafeDCPPlanner

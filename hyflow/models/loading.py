@@ -1,9 +1,14 @@
 """Load tokenizers, causal LMs, critics (value models) and reward models from a local directory or hub id.
 
 Paths. A local directory is used as is (`~` expanded). A string that looks like a filesystem path (starts
-with `/`, `.` or `~`, or has more separators than a hub id `org/name`) but does not exist is an error naming
-the config key to fix. Anything else is a hub id handed to `from_pretrained` (which needs the network or a
-filled HF cache).
+with `/`, `.` or `~`, has more separators than a hub id `org/name`, or starts with a folder that exists here,
+as `models/tiyn` does when `models/` is local) but does not exist is an instant error naming the config key to
+fix, not a minute of hub retries. Anything else is a hub id handed to `from_pretrained` (which needs the network
+or a filled HF cache); when the hub cannot provide it, that is a one-line error naming the id.
+
+Damaged model files are errors naming the file and the fix: a directory without tokenizer files, a safetensors
+file whose header does not parse, a `.bin` / `.pt` weight file that holds pickled objects or calls (refused as
+`hyflow.serialization` refuses them in checkpoints, without torch's advice to load it with `weights_only=False`).
 
 Critic format (same as verl): a critic is `AutoModelForTokenClassification` with `num_labels=1`, i.e. the
 causal-LM backbone plus `score = nn.Linear(hidden, 1)` applied to every position, so
@@ -21,8 +26,10 @@ built from token ids directly.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
+import pickle
 import re
 import warnings
 from collections.abc import Mapping
@@ -40,6 +47,8 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
 )
+
+from hyflow.serialization import refusal, weights_only_reason
 
 DTypeLike = str | torch.dtype | None
 
@@ -80,7 +89,43 @@ def resolve_model_path(path: str | os.PathLike, *, config_key: str = "actor_roll
         raise FileNotFoundError(f"{config_key}={raw!r} is a file, not a checkpoint directory; {hint}")
     if _HUB_ID.match(raw) is None:
         raise FileNotFoundError(f"{config_key}={raw!r} does not exist; {hint}")
+    if "/" in raw and Path(raw.split("/", 1)[0]).is_dir():
+        raise FileNotFoundError(f"{config_key}={raw!r} does not exist (the folder {raw.split('/', 1)[0]!r} is local, "
+                                f"so this is a path, not a hub id); {hint}")
     return raw
+
+
+_HUB_FIX = ("check the id (and the path, if a local directory was meant: run from the folder it is relative to or "
+            "give it absolutely), or reach the hub / fill the Hugging Face cache (HF_HUB_OFFLINE=1 uses the cache only)")
+
+
+@contextlib.contextmanager
+def _hub_errors(resolved: str, config_key: str):
+    """A hub id that the hub (or the offline cache) cannot provide: one line naming the key and the id."""
+    try:
+        yield
+    except OSError as e:
+        if Path(resolved).is_dir():
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise FileNotFoundError(f"{config_key}={resolved!r} is not a local directory and could not be loaded from the "
+                                f"Hugging Face hub ({first}); {_HUB_FIX}") from None
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                    "spiece.model", "sentencepiece.bpe.model", "tekken.json")
+
+
+def _check_tokenizer_files(resolved: str, config_key: str) -> None:
+    """A local directory with none of the files a tokenizer is read from is an error naming it and the fix
+    (transformers would otherwise build an empty tokenizer that fails later, far from the cause)."""
+    directory = Path(resolved)
+    if directory.is_dir() and not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(
+            f"{config_key}: {directory} has no tokenizer files (none of {', '.join(_TOKENIZER_FILES)}); save the "
+            "base model's tokenizer into it (AutoTokenizer.from_pretrained(BASE).save_pretrained(DIR)), or point the "
+            "tokenizer_path key at a directory that has one (e.g. actor_rollout_ref.model.tokenizer_path)"
+        )
 
 
 def as_torch_dtype(dtype: DTypeLike) -> torch.dtype | str | None:
@@ -105,7 +150,9 @@ def load_tokenizer(
     The padding side is left as saved; generation code pads prompts on the left itself.
     """
     resolved = resolve_model_path(path, config_key=config_key)
-    tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    _check_tokenizer_files(resolved, config_key)
+    with _hub_errors(resolved, config_key):
+        tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
     if chat_template is not None:
         tokenizer.chat_template = _read_chat_template(chat_template)
     if tokenizer.pad_token is None:
@@ -168,11 +215,18 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _auto_config(resolved: str, trust_remote_code: bool, config_key: str = "actor_rollout_ref.model.path"):
+    """`AutoConfig.from_pretrained`, with a hub id the hub cannot provide as a one-line error."""
+    with _hub_errors(resolved, config_key):
+        return AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+
+
 def _load_config(
     resolved: str,
     overrides: dict[str, Any] | None,
     trust_remote_code: bool,
     role_updates: dict[str, Any] | None = None,
+    config_key: str = "actor_rollout_ref.model.path",
 ) -> tuple[PretrainedConfig, str | None]:
     """AutoConfig + the role's updates (e.g. num_labels=1) + the user's overrides, in that order.
 
@@ -180,7 +234,7 @@ def _load_config(
     """
     overrides = dict(overrides or {})
     attn_from_overrides = overrides.pop("attn_implementation", None)
-    config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    config = _auto_config(resolved, trust_remote_code, config_key)
     for key, value in (role_updates or {}).items():
         setattr(config, key, value)
     return apply_config_overrides(config, overrides), attn_from_overrides
@@ -204,7 +258,8 @@ def _from_pretrained(
     known not to have (a critic's `score` on a causal-LM checkpoint): transformers' load report, which would list
     it as MISSING on every rank, is replaced by a warning only when something else is missing or unexpected."""
     resolved = resolve_model_path(path, config_key=config_key)
-    config, attn_from_overrides = _load_config(resolved, override_config, trust_remote_code, role_updates)
+    config, attn_from_overrides = _load_config(resolved, override_config, trust_remote_code, role_updates,
+                                               config_key)
     kwargs: dict[str, Any] = {"config": config, "trust_remote_code": trust_remote_code}
     torch_dtype = as_torch_dtype(dtype)
     if torch_dtype is not None:
@@ -212,15 +267,64 @@ def _from_pretrained(
     attn = attn_implementation or attn_from_overrides
     if attn is not None:
         kwargs["attn_implementation"] = attn
-    if new_head is None:
-        model = auto_cls.from_pretrained(resolved, **kwargs)
-    else:
-        model = _from_pretrained_with_new_head(auto_cls, resolved, new_head, kwargs)
+    with _weight_file_errors(resolved), _hub_errors(resolved, config_key):
+        if new_head is None:
+            model = auto_cls.from_pretrained(resolved, **kwargs)
+        else:
+            model = _from_pretrained_with_new_head(auto_cls, resolved, new_head, kwargs)
     if enable_gradient_checkpointing:
         _enable_gradient_checkpointing(model)
     if device is not None:
         model.to(device)
     return model
+
+
+_MODEL_FILE_FIX = ("use weights you trust saved as safetensors (save_pretrained(DIR, safe_serialization=True) "
+                   "where the model comes from), or another copy of the model")
+
+
+@contextlib.contextmanager
+def _weight_file_errors(resolved: str):
+    """A weight file of a local model directory that cannot be read safely: an error naming that file.
+
+    A safetensors file whose header does not parse is a `ValueError`; a `.bin` / `.pt` file that asks the
+    `weights_only` unpickler for a class or call is a `CheckpointSecurityError` (nothing in it ran)."""
+    try:
+        yield
+    except pickle.UnpicklingError as e:
+        file = _first_bad_file(resolved, ("*.bin", "*.pt", "*.pth"), _probe_pickle)
+        raise refusal(file or resolved, weights_only_reason(e), _MODEL_FILE_FIX) from None
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError":
+            raise
+        file = _first_bad_file(resolved, ("*.safetensors",), _probe_safetensors)
+        first = (str(e).strip().splitlines() or ["SafetensorError"])[0]
+        raise ValueError(f"{file or resolved} is not a readable safetensors file ({first}): it is damaged (an "
+                         "interrupted copy or download?) or not safetensors; copy or export the model again") from None
+
+
+def _probe_pickle(file: Path) -> None:
+    torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+
+
+def _probe_safetensors(file: Path) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as handle:
+        handle.keys()
+
+
+def _first_bad_file(resolved: str, patterns: tuple[str, ...], probe) -> Path | None:
+    """The first file of the local directory `resolved` matching `patterns` that `probe` fails on, or None."""
+    directory = Path(resolved)
+    if not directory.is_dir():
+        return None
+    for file in sorted(f for pattern in patterns for f in directory.glob(pattern)):
+        try:
+            probe(file)
+        except Exception:
+            return file
+    return None
 
 
 def _from_pretrained_with_new_head(auto_cls, resolved: str, head: str, kwargs: dict) -> PreTrainedModel:
@@ -318,7 +422,7 @@ def load_value_model(
     `hyflow.models.forward.values_from_model` slices the response positions. Classifier dropout is 0.
     """
     resolved = resolve_model_path(path, config_key=config_key)
-    saved_config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    saved_config = _auto_config(resolved, trust_remote_code, config_key)
     has_saved_head = (
         _architecture_endswith(saved_config, "ForTokenClassification") and saved_config.num_labels == 1
     )
@@ -368,7 +472,7 @@ def load_reward_model(
     `hyflow.models.forward.reward_scores` reads the score at the last attended token.
     """
     resolved = resolve_model_path(path, config_key=config_key)
-    saved_config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    saved_config = _auto_config(resolved, trust_remote_code, config_key)
     is_reward_model = _architecture_endswith(saved_config, "ForSequenceClassification")
     if is_reward_model and saved_config.num_labels != 1:
         raise ValueError(

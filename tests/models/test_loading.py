@@ -256,3 +256,99 @@ def test_value_model_from_a_causal_lm_is_quiet_but_other_gaps_warn(tiny_model_di
     save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
     with pytest.warns(UserWarning, match=r"missing \['model.layers.1.mlp.down_proj.weight'\]"):
         load_value_model(broken)
+
+
+# ------------------------------------------- a model directory the user broke: one line naming the file and the fix
+
+def _train_one_line(capsys, model_path, tmp_path) -> str:
+    from hyflow.cli import main
+    from hyflow.data.io import write_rows
+
+    row = {"data_source": "hyflow/arithmetic", "prompt": [{"role": "user", "content": "1 + 2?"}],
+           "reward_model": {"style": "rule", "ground_truth": "3"}, "extra_info": {"index": 0}}
+    train = write_rows([row, row], tmp_path / "train.jsonl")
+    status = main(["train", f"actor_rollout_ref.model.path={model_path}", f"data.train_files={train}",
+                   f"trainer.default_local_dir={tmp_path / 'run'}", "data.train_batch_size=2",
+                   "actor_rollout_ref.actor.ppo_mini_batch_size=2", "trainer.logger=[file]"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("hyflow ")]
+    assert status == 2 and len(lines) == 1, err
+    assert "maybe a bug" not in lines[0] and "Traceback" not in err
+    return lines[0]
+
+
+def _copy_model(tiny_model_dir, out, keep=None):
+    out.mkdir()
+    for file in tiny_model_dir.iterdir():
+        if keep is None or file.name in keep:
+            shutil.copy(file, out / file.name)
+    return out
+
+
+def test_a_model_directory_without_tokenizer_files_is_one_line(tiny_model_dir, tmp_path, capsys):
+    bare = _copy_model(tiny_model_dir, tmp_path / "bare", keep={"config.json", "model.safetensors",
+                                                                "generation_config.json"})
+    with pytest.raises(ValueError, match="has no tokenizer files"):
+        load_tokenizer(bare)
+    err = _train_one_line(capsys, bare, tmp_path)
+    assert f"{bare} has no tokenizer files" in err and "actor_rollout_ref.model.tokenizer_path" in err
+
+
+def test_a_malformed_safetensors_header_names_the_file(tiny_model_dir, tmp_path, capsys):
+    broken = _copy_model(tiny_model_dir, tmp_path / "broken")
+    weights = broken / "model.safetensors"
+    raw = weights.read_bytes()
+    weights.write_bytes(raw[:8] + b"{garbage" + raw[16:])
+    with pytest.raises(ValueError, match=f"{weights} is not a readable safetensors file"):
+        load_causal_lm(broken)
+    err = _train_one_line(capsys, broken, tmp_path)
+    assert f"{weights} is not a readable safetensors file" in err
+
+
+class _Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        from pathlib import Path
+
+        return (Path.touch, (self.marker,))
+
+
+def test_a_pickled_object_in_pytorch_model_bin_is_refused_without_torchs_advice(tiny_model_dir, tmp_path, capsys):
+    from hyflow.serialization import CheckpointSecurityError
+
+    crafted = _copy_model(tiny_model_dir, tmp_path / "crafted")
+    state = load_file(crafted / "model.safetensors")
+    (crafted / "model.safetensors").unlink()
+    torch.save({**state, "payload": _Exploit(tmp_path / "pwned")}, crafted / "pytorch_model.bin")
+    with pytest.raises(CheckpointSecurityError, match="pytorch_model.bin holds more than tensors") as caught:
+        load_causal_lm(crafted)
+    assert "weights_only" not in str(caught.value) and "can still be loaded" not in str(caught.value)
+    err = _train_one_line(capsys, crafted, tmp_path)
+    assert f"{crafted / 'pytorch_model.bin'} holds more than tensors" in err and "weights_only" not in err
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_mistyped_local_path_fails_at_once_naming_it(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """`models/tiyn` looks like a hub id `org/name`, but `models/` is a local folder: a typo, not a hub model."""
+    import time
+
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the hub would be tried (and retried) if it were asked
+    with pytest.raises(FileNotFoundError, match=r"actor_rollout_ref\.model\.path='models/tiyn' does not exist"):
+        resolve_model_path("models/tiyn")
+    start = time.perf_counter()
+    err = _train_one_line(capsys, "models/tiyn", tmp_path)
+    assert time.perf_counter() - start < 5
+    assert "'models/tiyn' does not exist" in err and "actor_rollout_ref.model.path" in err
+    assert resolve_model_path("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"  # no local folder Qwen/: a hub id
+
+
+def test_a_hub_id_that_cannot_be_fetched_is_one_line(tmp_path, capsys, monkeypatch):
+    """With the hub unreachable (offline) and nothing cached, a hub id is a one-line error naming it, not a bug."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    err = _train_one_line(capsys, "hyflow-test-org/no-such-model", tmp_path)
+    assert "'hyflow-test-org/no-such-model'" in err and "actor_rollout_ref.model.path" in err

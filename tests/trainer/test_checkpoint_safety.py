@@ -288,3 +288,19 @@ def test_hyflow_export_and_resume_refuse_a_dotted_global_in_dcp_metadata(tmp_pat
     assert str(metadata) in lines[0] and "refuses to load it" in lines[0]
     assert not marker.exists()
     assert not (ckpt.parent / "global_step_2").exists()
+
+
+def test_a_refused_file_is_not_met_with_torchs_advice_to_load_it_unsafely(tmp_path, capsys):
+    """torch's refusal says the file 'can still be loaded' with `weights_only=False` (which runs the code): hyflow
+    says only what the file asked for, on `hyflow export` too."""
+    manager = CheckpointManager(tmp_path / "run")
+    model = _qwen2()
+    ckpt = manager.save(1, {"actor_model": model.state_dict(), "trainer_state": {"step": 1}}, hf_config=model.config)
+    marker = tmp_path / "pwned"
+    plant(ckpt / "trainer_state.pt", marker)
+    with pytest.raises(CheckpointSecurityError) as caught:
+        manager.load(ckpt, verify=False)
+    message = str(caught.value)
+    assert "it asks for getattr" in message, message  # Path.touch pickles as getattr(Path, "touch")
+    assert "weights_only" not in message and "can still be loaded" not in message, message
+    assert not marker.exists()
