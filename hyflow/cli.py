@@ -66,8 +66,10 @@ def _cmd_config(args: argparse.Namespace) -> int:
     from hyflow.config.support import performance_only_warning
 
     cfg = load_config(args.overrides, config_file=_config_file(args))
-    print(render_config(cfg, with_help=not args.no_help))
+    print(render_config(cfg, with_help=not args.no_help, section=args.section))
     validate_config(cfg)
+    if args.section:  # one section only: the batch arithmetic is the whole config's
+        return 0
     print()
     print(describe_batch_arithmetic(cfg))
     if (accepted := performance_only_warning(cfg)) is not None:
@@ -167,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. data.train_batch_size=32")
     _add_config_flags(p)
     p.add_argument("--no-help", action="store_true", help="omit the help comments")
+    p.add_argument("--section", "-s", metavar="KEY", default=None,
+                   help="print only this section or key, e.g. --section actor_rollout_ref.actor")
     p.set_defaults(fn=_cmd_config)
 
     p = sub.add_parser("init-model", help="write a random-weight model and a locally trained tokenizer")

@@ -93,10 +93,32 @@ def describe_batch_arithmetic(cfg: HyflowConfig, n_devices: int | None = None,
     return "\n".join(lines)
 
 
-def render_config(cfg: HyflowConfig, with_help: bool = True) -> str:
-    """The resolved config as YAML, one key per line, each followed by `# help text` when `with_help`."""
+def render_config(cfg: HyflowConfig, with_help: bool = True, section: str | None = None) -> str:
+    """The resolved config as YAML, one key per line, each followed by `# help text` when `with_help`.
+
+    `section` (a dotted key such as `actor_rollout_ref.actor` or `data.train_batch_size`) renders only that
+    section or leaf, under its full dotted name; a key that names nothing is a ConfigError naming the closest one.
+    """
     lines: list[str] = []
-    _render_section(cfg, 0, with_help, lines)
+    if not section:
+        _render_section(cfg, 0, with_help, lines)
+        return "\n".join(lines) + "\n"
+    from hyflow.config.keys import lookup
+    from hyflow.config.verl_compat import canonical_key
+
+    info = lookup(canonical_key(section, type(cfg)), schema=type(cfg))
+    *parents, name = info.field_path.split(".")
+    parent = cfg
+    for part in parents:
+        parent = getattr(parent, part)
+    field = next(f for f in dataclasses.fields(parent) if f.name == name)
+    value = getattr(parent, name)
+    comment = f"  # {field.metadata['help']}" if with_help and field.metadata.get("help") else ""
+    if info.kind == "section":
+        lines.append(f"{info.field_path}:{comment}")
+        _render_section(value, 1, with_help, lines)
+    else:
+        lines.append(f"{info.field_path}: {format_value(value)}{comment}")
     return "\n".join(lines) + "\n"
 
 

@@ -590,10 +590,10 @@ def _check_sampling(cfg: HyflowConfig) -> list[str]:
             f"at logits / temperature, so it must be > 0. Set {R}.temperature=1.0 (greedy is for validation: "
             f"{R}.val_kwargs.temperature=0)."
         )
-    if val.do_sample and val.temperature <= 0:
+    if val.temperature < 0:
         problems.append(
-            f"{R}.val_kwargs.do_sample=true with {R}.val_kwargs.temperature={val.temperature}: sampling needs a "
-            f"temperature > 0. Set {R}.val_kwargs.temperature (e.g. 0.6) or {R}.val_kwargs.do_sample=false for greedy."
+            f"{R}.val_kwargs.temperature={val.temperature} must be >= 0 (0 = greedy). Set it to 0 for greedy "
+            f"validation or e.g. 0.6 to sample."
         )
     if val.n < 1:
         problems.append(f"{R}.val_kwargs.n={val.n} must be at least 1; set {R}.val_kwargs.n >= 1.")
@@ -714,6 +714,15 @@ def _warn_advisories(cfg: HyflowConfig) -> None:
         warnings.warn(
             f"critic.enable=true but algorithm.adv_estimator={algo.adv_estimator} does not use values; "
             "the critic trains for nothing. Set critic.enable=null.",
+            UserWarning,
+            stacklevel=3,
+        )
+    val = cfg.actor_rollout_ref.rollout.val_kwargs
+    if val.do_sample and val.temperature == 0:
+        warnings.warn(
+            f"{R}.val_kwargs.do_sample=true with {R}.val_kwargs.temperature=0: validation decodes greedily, as verl "
+            "and vLLM do at temperature 0. Set a temperature > 0 (e.g. 0.6) to sample, or do_sample=false to say "
+            "greedy.",
             UserWarning,
             stacklevel=3,
         )

@@ -21,6 +21,9 @@ from typing import Any
 
 ARR = "actor_rollout_ref"
 
+_NESTED_LORA = {"rank": "lora_rank", "alpha": "lora_alpha", "target_modules": "target_modules",
+                "exclude_modules": "exclude_modules", "adapter_path": "lora_adapter_path"}
+
 # verl 0.10 name (a key or a prefix of keys) -> hyflow name, for the RL trainer. The reward entries follow
 # migrate_legacy_reward_impl; `critic.fsdp` is verl 0.10's name of the critic's FSDP engine config.
 RL_ALIASES: dict[str, str] = {
@@ -46,6 +49,19 @@ RL_ALIASES: dict[str, str] = {
        for leaf in ("ulysses_sequence_parallel_size", "entropy_from_logits_with_chunking", "entropy_checkpointing",
                     "use_torch_compile")},
     "critic.fsdp.ulysses_sequence_parallel_size": "critic.ulysses_sequence_parallel_size",
+    # Per-role copies verl fills in from one setting (`${oc.select:...}` in its ppo_trainer.yaml): the actor's
+    # use_remove_padding / use_fused_kernels are the model's; every role's rollout_n is rollout.n (verl's
+    # ActorConfig/CriticConfig scale their mini-batch by it). Given with another value than the setting they copy,
+    # the loader reports both (hyflow.config.loader).
+    f"{ARR}.actor.use_remove_padding": f"{ARR}.model.use_remove_padding",
+    f"{ARR}.actor.use_fused_kernels": f"{ARR}.model.use_fused_kernels",
+    **{f"{role}.rollout_n": f"{ARR}.rollout.n" for role in (f"{ARR}.actor", f"{ARR}.ref", "critic")},
+    # verl's deprecated name of lr_scheduler_type (FSDPOptimizerConfig.__post_init__ copies it over).
+    **{f"{role}.optim.warmup_style": f"{role}.optim.lr_scheduler_type" for role in (f"{ARR}.actor", "critic")},
+    # verl 0.10's nested LoRA names (HFModelConfig.lora, read by its Megatron engine) for the flat ones its FSDP
+    # engine reads. verl's Megatron default alpha is 32; hyflow's (verl FSDP's lora_alpha) is 16.
+    **{f"{section}.lora.{nested}": f"{section}.{flat}" for section in (f"{ARR}.model", "critic.model")
+       for nested, flat in _NESTED_LORA.items()},
 }
 
 # verl's current SFT trainer (sft_trainer_engine.yaml) -> hyflow's SFT schema (verl's legacy sft_trainer names).
@@ -53,6 +69,7 @@ SFT_ALIASES: dict[str, str] = {
     "model.path": "model.partial_pretrain",
     "optim.lr_scheduler_type": "optim.lr_scheduler",
     "optim.warmup_style": "optim.lr_scheduler",  # verl's deprecated name of lr_scheduler_type
+    **{f"model.lora.{nested}": f"model.{flat}" for nested, flat in _NESTED_LORA.items()},
 }
 
 
@@ -155,6 +172,12 @@ PERFORMANCE_ONLY_KEYS: dict[str, str] = {
     "run computes; hyflow's workers use their own limit",
     "reward_model.reward_loop_class_name": "only used with reward_model.reward_loop_source=importlib, which is not "
     "supported yet",
+    f"{ARR}.rollout.scheduling_policy": "the order in which the engine serves waiting requests (vllm's fcfs or "
+    "priority); every request is seeded by itself, so the samples are the same",
+    f"{ARR}.model.lora.merge": "hyflow always hands the rollout engine merged weights W + (alpha / r) B A (verl's "
+    "merge=true); an engine applying the adapter unmerged (false) computes the same model",
+    "reward_model.model.use_remove_padding": "hyflow's reward model scores each sample's last real token in a "
+    "right-padded batch; packing the sequences (verl's remove-padding path) gives the same scores",
     "trainer.use_legacy_worker_impl": "hyflow has one worker implementation; verl's switch picks between two "
     "implementations of the same computation",
     # SFT (verl's sft_trainer_engine.yaml names).
@@ -180,6 +203,17 @@ NOT_SUPPORTED_KEYS: dict[str, str] = {
     "naive backend); nccl/hccl/mooncake transfer backends are not built yet; use naive",
     f"{ARR}.rollout.checkpoint_engine.custom_backend_module": "custom weight-transfer backends are not built "
     "yet; leave it at its default",
+    f"{ARR}.rollout.over_sample_rate": "verl's retired SPMD sglang rollout aborted the slowest requests once "
+    "(1 - rate) of a batch had finished and trained on their padding (verl 0.10 reads the key nowhere); hyflow "
+    "finishes every request; use 0 (or remove it)",
+    f"{ARR}.rollout.multi_turn.num_repeat_rollouts": "only read by verl-recipe's CollabLLM reward (future-"
+    "conversation rollouts per sample), which hyflow does not have; remove it",
+    f"{ARR}.rollout.full_determinism": "batch-invariant rollout kernels are not wired; hyflow's rollout runs in the "
+    "actor's processes, so set actor_rollout_ref.actor.fsdp_config.full_determinism=true for deterministic "
+    "kernels in training and in the hf engine",
+    **{f"{role}.optim.zero_indexed_step": "hyflow's learning-rate schedule counts optimizer steps from 0 (verl's "
+       "default); the 1-indexed count of verl's torchtitan engine is not built; use true"
+       for role in (f"{ARR}.actor", "critic")},
     "engine.model_dtype": "hyflow's SFT trainer keeps fp32 master weights; use fp32",
     "engine.dtype": "hyflow's SFT trainer computes in bf16 autocast on cuda (fp32 on cpu); use bfloat16",
     "engine.seed": "hyflow's SFT trainer seeds model set-up and data order with trainer.seed; set that instead",

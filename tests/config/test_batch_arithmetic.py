@@ -286,10 +286,8 @@ def test_dynamic_token_budget_must_cover_the_longest_sample():
             "actor_rollout_ref.rollout.temperature=0.0: training rollouts must sample",
         ),
         (
-            "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
-            "actor_rollout_ref.rollout.val_kwargs.do_sample=true with actor_rollout_ref.rollout.val_kwargs.temperature=0.0: "
-            "sampling needs a temperature > 0. Set actor_rollout_ref.rollout.val_kwargs.temperature (e.g. 0.6) or "
-            "actor_rollout_ref.rollout.val_kwargs.do_sample=false for greedy.",
+            "actor_rollout_ref.rollout.val_kwargs.temperature=-0.5",
+            "actor_rollout_ref.rollout.val_kwargs.temperature=-0.5 must be >= 0 (0 = greedy).",
         ),
         (
             "critic.enable=false",

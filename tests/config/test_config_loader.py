@@ -451,12 +451,12 @@ def test_verl_010_names_in_a_yaml_file(tmp_path):
 
 def test_every_unknown_key_is_reported_at_once_and_verl_keys_say_so():
     with pytest.raises(ConfigError) as err:
-        load_config(["actor_rollout_ref.actor.profiler.rangs=[0]", "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts=2",
+        load_config(["actor_rollout_ref.actor.profiler.rangs=[0]", "actor_rollout_ref.rollout.quantization=fp8",
                      "trainer.use_v1=false", "critic.fsdp.qat.enable=true", "data.train_batch_size=4"])
     text = str(err.value)
     assert text.startswith("4 unknown config keys:")
     assert "'actor_rollout_ref.actor.profiler.rangs'. Did you mean 'actor_rollout_ref.actor.profiler.ranks'?" in text
-    for key in ("actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts", "trainer.use_v1", "critic.fsdp.qat.enable"):
+    for key in ("actor_rollout_ref.rollout.quantization", "trainer.use_v1", "critic.fsdp.qat.enable"):
         assert f"'{key}' is a verl key that hyflow does not support yet" in text
 
 

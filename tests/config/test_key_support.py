@@ -486,3 +486,89 @@ def test_validation_shuffle_changes_the_generation_order_of_a_run(tiny_model_dir
     shuffled = val_inputs("shuffled", "data.validation_shuffle=true")
     assert sorted(shuffled) == sorted(in_file_order) and shuffled != in_file_order
     assert shuffled == [in_file_order[i] for i in validation_order(6, True, 5)]
+
+
+# ------------------------------------------------------------------- verl keys ported by issue 22
+
+
+@pytest.mark.parametrize("verl_key, value, hyflow_key, expected", [
+    ("actor_rollout_ref.actor.use_remove_padding", "false", "actor_rollout_ref.model.use_remove_padding", False),
+    ("actor_rollout_ref.actor.use_fused_kernels", "true", "actor_rollout_ref.model.use_fused_kernels", True),
+    ("actor_rollout_ref.actor.rollout_n", "4", "actor_rollout_ref.rollout.n", 4),
+    ("actor_rollout_ref.ref.rollout_n", "4", "actor_rollout_ref.rollout.n", 4),
+    ("critic.rollout_n", "4", "actor_rollout_ref.rollout.n", 4),
+    ("actor_rollout_ref.actor.optim.warmup_style", "cosine", "actor_rollout_ref.actor.optim.lr_scheduler_type",
+     "cosine"),
+    ("critic.optim.warmup_style", "cosine", "critic.optim.lr_scheduler_type", "cosine"),
+    ("actor_rollout_ref.model.lora.rank", "8", "actor_rollout_ref.model.lora_rank", 8),
+    ("actor_rollout_ref.model.lora.alpha", "32", "actor_rollout_ref.model.lora_alpha", 32),
+    ("actor_rollout_ref.model.lora.target_modules", "[q_proj,v_proj]", "actor_rollout_ref.model.target_modules",
+     ["q_proj", "v_proj"]),
+    ("actor_rollout_ref.model.lora.exclude_modules", "[lm_head]", "actor_rollout_ref.model.exclude_modules",
+     ["lm_head"]),
+    ("actor_rollout_ref.model.lora.adapter_path", "/a", "actor_rollout_ref.model.lora_adapter_path", "/a"),
+    ("critic.model.lora.rank", "4", "critic.model.lora_rank", 4),
+])
+def test_verl_plain_aliases_set_the_key_they_copy(verl_key, value, hyflow_key, expected):
+    assert support.lookup(load_config([f"{verl_key}={value}"]), hyflow_key) == expected
+
+
+def test_a_copy_given_beside_its_setting_with_another_value_is_an_error():
+    load_config(["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.rollout_n=4"])  # the same: fine
+    with pytest.raises(ConfigError, match="actor_rollout_ref.actor.rollout_n=8 and actor_rollout_ref.rollout.n=4"):
+        load_config(["actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.rollout_n=8"])
+
+
+def test_sft_takes_the_nested_lora_names():
+    cfg = load_config(["model.lora.rank=8", "model.lora.alpha=16"], schema=SFTConfig)
+    assert (cfg.model.lora_rank, cfg.model.lora_alpha) == (8, 16)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("actor_rollout_ref.rollout.over_sample_rate=0.1", "actor_rollout_ref.rollout.over_sample_rate"),
+    ("actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts=3",
+     "actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts"),
+    ("actor_rollout_ref.rollout.full_determinism=true", "actor_rollout_ref.rollout.full_determinism"),
+    ("actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.nnodes"),
+    ("actor_rollout_ref.actor.optim.zero_indexed_step=false", "actor_rollout_ref.actor.optim.zero_indexed_step"),
+    ("critic.optim.zero_indexed_step=false", "critic.optim.zero_indexed_step"),
+])
+def test_ported_verl_keys_hyflow_cannot_honour_are_refused_by_name(override, key):
+    with pytest.raises(ConfigError, match=f"{key} is not supported by this hyflow version yet"):
+        validate_config(load_config([override]))
+
+
+def test_ported_verl_keys_at_verl_defaults_pass_silently():
+    cfg = load_config(["actor_rollout_ref.rollout.over_sample_rate=0", "actor_rollout_ref.rollout.nnodes=0",
+                       "actor_rollout_ref.rollout.n_gpus_per_node=8", "actor_rollout_ref.rollout.full_determinism=false",
+                       "actor_rollout_ref.actor.optim.zero_indexed_step=true",
+                       "actor_rollout_ref.rollout.scheduling_policy=fcfs", "actor_rollout_ref.model.lora.merge=false",
+                       "reward_model.model.use_remove_padding=false"])
+    validate_config(cfg)
+    assert support.performance_only_warning(cfg) is None
+
+
+def test_ported_speed_knobs_are_named_at_start():
+    cfg = load_config(["actor_rollout_ref.rollout.scheduling_policy=priority", "actor_rollout_ref.model.lora.merge=true",
+                       "reward_model.model.use_remove_padding=true",
+                       "global_profiler.global_tool_config.nsys.controller_nsight_options.trace=cuda",
+                       "actor_rollout_ref.actor.profiler.tool_config.torch.schedule.wait=1",
+                       "critic.profiler.tool_config.precision_debugger.strict=true"])
+    validate_config(cfg)
+    line = support.performance_only_warning(cfg)
+    for key in ("actor_rollout_ref.rollout.scheduling_policy=priority", "actor_rollout_ref.model.lora.merge=true",
+                "reward_model.model.use_remove_padding=true", "global_profiler.global_tool_config=",
+                "actor_rollout_ref.actor.profiler.tool_config=", "critic.profiler.tool_config="):
+        assert key in line, key
+
+
+def test_validation_sampling_at_temperature_zero_is_greedy_with_one_note():
+    cfg = load_config(["actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                       "actor_rollout_ref.rollout.val_kwargs.temperature=0"])
+    with pytest.warns(UserWarning, match="validation decodes greedily") as record:
+        validate_config(cfg)
+    assert sum("greedily" in str(w.message) for w in record) == 1
+    from hyflow.rollout.base import SamplingParams
+
+    val = cfg.actor_rollout_ref.rollout.val_kwargs
+    assert SamplingParams(temperature=val.temperature, do_sample=val.do_sample).greedy
