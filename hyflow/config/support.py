@@ -194,8 +194,9 @@ _TABLE: list[KeySupport] = [
     _unsupported("trainer.del_local_ckpt_after_load", "it needs default_hdfs_dir, which is not built yet; " + LEAVE),
     _unsupported("reward_model.sandbox_fusion.url", "Sandbox Fusion is not wired; code runs in hyflow's local "
                  "sandbox; " + LEAVE),
-    _unsupported("data.sampler.class_path", "custom samplers are not built yet; " + LEAVE),
-    _unsupported("data.sampler.class_name", "custom samplers are not built yet; " + LEAVE),
+    *(_unsupported(f"data.sampler.{k}", "custom (curriculum) samplers are not built yet (verl 0.10 removed its "
+                   "own, verl#6302); order the data with data.shuffle/data.seed or a data.custom_cls dataset; " + LEAVE)
+      for k in ("class_path", "class_name")),
     _unsupported(f"{M}.hf_config_path", "the model's config.json is read from actor_rollout_ref.model.path; "
                  + LEAVE),
     _unsupported(f"{R}.nnodes", "a standalone rollout on devices of its own is rollout_pool.nnodes / "
