@@ -13,18 +13,25 @@ most `HANG_CONCURRENCY` at a time). A function that hangs on every sample theref
 `timeout_s` per call, not samples x timeout_s. With `num_workers = 0` the first timeout switches the rest of the
 call to the same forked mode.
 
+A scoring function cannot end the trainer. `SystemExit` (``sys.exit``) is recorded as that sample's error like
+any exception. ``os._exit`` cannot be caught, so while a function runs in this process (`num_workers = 0`)
+`os._exit` is replaced by a function that raises `ProcessExitCalled` (the sample's error names the call) and put
+back when it returns; in a forked worker it only ends that worker, which is recorded as "the scoring process
+died". KeyboardInterrupt is never caught: Ctrl-C still stops the run.
+
 Caveat: forked workers must not use torch threads or CUDA (scorers are plain Python; that is the contract).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
@@ -43,9 +50,51 @@ class Outcome:
         return self.error is None and not self.timed_out
 
 
+class ProcessExitCalled(Exception):
+    """A scoring function running in the trainer's process called ``os._exit`` (see the module docstring)."""
+
+
+_EXIT_GUARD_LOCK = threading.Lock()
+_EXIT_GUARD_USERS = 0
+_REAL_OS_EXIT = os._exit
+
+
+@contextlib.contextmanager
+def guard_process_exit(what: str = "the reward function") -> Iterator[None]:
+    """While the block runs, ``os._exit(code)`` in this process raises `ProcessExitCalled` instead of ending it.
+
+    Reference-counted across threads; a process forked meanwhile (whose pid differs) still exits for real, so
+    multiprocessing children inside the guarded code end normally."""
+    global _EXIT_GUARD_USERS
+    owner = os.getpid()
+
+    def guarded_exit(code: int = 0) -> None:
+        if os.getpid() != owner:
+            _REAL_OS_EXIT(code)
+        raise ProcessExitCalled(f"{what} called os._exit({code}), which would have ended the trainer without a "
+                                "word; hyflow stopped it. Return a score, or raise an exception to report a failure")
+
+    with _EXIT_GUARD_LOCK:
+        if _EXIT_GUARD_USERS == 0:
+            os._exit = guarded_exit
+        _EXIT_GUARD_USERS += 1
+    try:
+        yield
+    finally:
+        with _EXIT_GUARD_LOCK:
+            _EXIT_GUARD_USERS -= 1
+            if _EXIT_GUARD_USERS == 0:
+                os._exit = _REAL_OS_EXIT
+
+
 def _call(fn: Callable, kwargs: dict) -> Outcome:
     try:
         return Outcome(value=fn(**kwargs))
+    except ProcessExitCalled as exc:
+        return Outcome(error=str(exc))
+    except SystemExit as exc:  # sys.exit in the scorer: recorded, it must not end the trainer
+        return Outcome(error=f"SystemExit: {exc.code} (the reward function called sys.exit({exc.code!r}) or raised "
+                             "SystemExit; return a score, or raise an exception to report a failure)")
     except Exception as exc:  # the scorer's own bug: recorded, not raised
         return Outcome(error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
 
@@ -66,6 +115,12 @@ class _Alarm(BaseException):  # not an Exception, so `_call` does not swallow it
 
 
 def _call_with_alarm(fn: Callable, kwargs: dict, timeout_s: float) -> Outcome:
+    """`fn(**kwargs)` in this process, os._exit guarded, bounded by SIGALRM when this is the main thread."""
+    with guard_process_exit():
+        return _call_with_alarm_unguarded(fn, kwargs, timeout_s)
+
+
+def _call_with_alarm_unguarded(fn: Callable, kwargs: dict, timeout_s: float) -> Outcome:
     if threading.current_thread() is not threading.main_thread() or not timeout_s:
         return _call(fn, kwargs)
 

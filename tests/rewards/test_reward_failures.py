@@ -119,3 +119,52 @@ def test_describe_function_sees_through_partial():
     import functools
 
     assert describe_function(functools.partial(raises, x=1)).endswith("test_reward_failures.py:raises")
+
+
+def exits_with_sys_exit(**kw):
+    raise SystemExit(3)
+
+
+def test_sys_exit_in_an_in_process_reward_function_is_a_named_failure(tiny_tokenizer):
+    """num_workers=0 runs the function in the trainer's process: its SystemExit must not end the trainer."""
+    batch = make_batch(tiny_tokenizer, ["0", "1"])
+    manager = make_reward_manager("naive", tiny_tokenizer, compute_score=exits_with_sys_exit, num_workers=0)
+    with pytest.raises(RewardFunctionError) as err:
+        manager(batch)
+    message = str(err.value)
+    assert "test_reward_failures.py:exits_with_sys_exit" in message and "failed on 2 of 2 samples" in message
+    assert "SystemExit: 3" in message and "sys.exit" in message
+
+
+OS_EXIT_IN_PROCESS = """
+import os, sys
+sys.path.insert(0, {tests!r})
+from transformers import AutoTokenizer
+from test_reward_failures import make_batch
+from hyflow.rewards.managers import make_reward_manager
+
+def kills(**kw):
+    os._exit(7)
+
+tok = AutoTokenizer.from_pretrained({model!r})
+try:
+    make_reward_manager("naive", tok, compute_score=kills, num_workers=0)(make_batch(tok, ["0", "1"]))
+except Exception as err:
+    print("RAISED", type(err).__name__, err)
+os._exit(0)  # the guard is off again once the function has returned
+"""
+
+
+def test_os_exit_in_an_in_process_reward_function_is_a_named_failure(tiny_model_dir):
+    """os._exit cannot be caught, so while an in-process reward function runs hyflow replaces it with a function
+    that raises; the trainer's process survives and the failure names the call (run in a subprocess, so that a
+    regression kills that process, not the test session)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = OS_EXIT_IN_PROCESS.format(tests=str(Path(__file__).parent), model=str(tiny_model_dir))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
+    assert "RAISED RewardFunctionError" in proc.stdout and "kills" in proc.stdout, proc.stdout
+    assert "called os._exit(7)" in proc.stdout, proc.stdout
