@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -59,6 +60,32 @@ def transformers_lines(model: Path, question: str) -> list[str]:
     ]
 
 
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def provenance(load_before: list[float] | None) -> dict:
+    """What `tools/gen_figures.py` quotes beside the figures: the command, when, the machine and its load, the
+    commit (benchmarks/machine.py's record)."""
+    import sys
+
+    sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
+    try:
+        from machine import machine_info
+
+        machine = machine_info()
+    except ImportError:  # the example copied out of the repository
+        machine = {}
+    finally:
+        sys.path.pop(0)
+    return {"command": " ".join(["python", *sys.argv]),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "load_average_before": load_before, "load_average_after": load_average(), "machine": machine}
+
+
 def main() -> None:
     start = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,6 +93,7 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=None, help="override sft.yaml's total_training_steps")
     parser.add_argument("--rl-steps", type=int, default=None, help="override grpo.yaml's total_training_steps")
     args = parser.parse_args()
+    load_before = load_average()
 
     from transformers.utils import logging as transformers_logging
 
@@ -123,6 +151,7 @@ def main() -> None:
         "rl_steps": after["step"],
         "model": str(model),
         "wall_time_s": round(time.perf_counter() - start, 1),
+        **provenance(load_before),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     gain = 100 * (summary["accuracy_after_rl"] - summary["accuracy_after_sft"])
