@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from hyflow import __version__ as HYFLOW_VERSION
@@ -215,10 +215,16 @@ def disk_full_error(exc: BaseException, path: str | os.PathLike) -> OSError | No
 def _read_component(directory: Path, entry: Mapping[str, str], map_location: str | torch.device) -> Any:
     path = directory / entry["file"]
     if entry["format"] == "safetensors":
-        with safe_open(path, framework="pt", device=str(torch.device(map_location))) as f:
-            metadata = f.metadata() or {}
-            keys = json.loads(metadata[_KEY_ORDER_METADATA]) if _KEY_ORDER_METADATA in metadata else f.keys()
-            return {key: f.get_tensor(key) for key in keys}
+        try:
+            with safe_open(path, framework="pt", device=str(torch.device(map_location))) as f:
+                metadata = f.metadata() or {}
+                keys = json.loads(metadata[_KEY_ORDER_METADATA]) if _KEY_ORDER_METADATA in metadata else f.keys()
+                return {key: f.get_tensor(key) for key in keys}
+        except SafetensorError as e:
+            first = (str(e).strip().splitlines() or ["SafetensorError"])[0]
+            raise CorruptCheckpointError(
+                f"{path} is not a readable safetensors file ({first}): the checkpoint was damaged or replaced after "
+                "the save; resume or export from another checkpoint") from None
     return load_plain_data(path, map_location=map_location)
 
 

@@ -17,7 +17,13 @@ import torch
 
 from hyflow.cli import main
 from hyflow.serialization import CheckpointSecurityError, load_plain_data, read_dcp_metadata
-from hyflow.trainer.checkpoint import MANIFEST_FILE, CheckpointManager, capture_rng_state, restore_rng_state
+from hyflow.trainer.checkpoint import (
+    MANIFEST_FILE,
+    CheckpointManager,
+    CorruptCheckpointError,
+    capture_rng_state,
+    restore_rng_state,
+)
 from hyflow.trainer.export import export_checkpoint
 
 
@@ -304,3 +310,22 @@ def test_a_refused_file_is_not_met_with_torchs_advice_to_load_it_unsafely(tmp_pa
     assert "it asks for getattr" in message, message  # Path.touch pickles as getattr(Path, "touch")
     assert "weights_only" not in message and "can still be loaded" not in message, message
     assert not marker.exists()
+
+
+def test_a_malformed_safetensors_component_names_the_file_on_export_and_load(tmp_path, capsys):
+    """A component whose safetensors header does not parse (the manifest agreeing, as when the whole directory was
+    replaced) is one line naming the file, not 'maybe a bug in hyflow'."""
+    manager = CheckpointManager(tmp_path / "run")
+    model = _qwen2()
+    ckpt = manager.save(1, {"actor_model": model.state_dict(), "trainer_state": {"step": 1}}, hf_config=model.config)
+    weights = ckpt / "actor_model.safetensors"
+    raw = weights.read_bytes()
+    weights.write_bytes(raw[:8] + b"{garbage" + raw[16:])
+    fix_manifest(weights)
+    with pytest.raises(CorruptCheckpointError, match=f"{weights} is not a readable safetensors file"):
+        manager.load(ckpt)
+    capsys.readouterr()
+    assert main(["export", "--ckpt", str(ckpt), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hyflow export: error:") and f"{weights} is not a readable safetensors file" in err, err
+    assert "maybe a bug" not in err
