@@ -20,6 +20,18 @@ the solution itself:
   (pid 1 of the new PID namespace). The init mounts a fresh ``/proc`` that shows only the sandbox's processes,
   forks the solution process and reaps. When the init exits or is killed, the kernel SIGKILLs every process
   of the namespace: nothing the solution starts (``setsid()``, double forks) outlives the call.
+- The init then builds the solution's view of the files, in the mount namespace only: every home (``$HOME``,
+  the user's home, ``/root``, ``/home``), ``/run/user``, ``/run/secrets``, ``/var/run/secrets`` and the
+  credential directories named by the environment are covered by an empty tmpfs (the interpreter's standard
+  library and site-packages bound back into it when they live there), credential files named by the
+  environment (``NETRC``, ``HF_TOKEN_PATH``, the Hugging Face token under ``HF_HOME``/``XDG_CACHE_HOME``, cloud
+  and agent paths) by ``/dev/null``; then every mount is made read-only (``mount_setattr`` with
+  ``AT_RECURSIVE``; before Linux 5.12 a read-only bind remount of each mount point); then ``/tmp``, ``/dev/shm``
+  and the working directory get a fresh tmpfs each (``scratch_mb`` MiB, 4096 files, nosuid/nodev/noexec; the
+  working directory is a directory of the ``/tmp`` one when it lies under ``/tmp``), which the solution file
+  is copied into. All of it disappears with the namespace. So the solution can write nowhere but its scratch
+  space, whether it runs as a fresh uid (root) or as the user itself (user namespace), and cannot read the
+  user's ``~/.netrc``, ``~/.ssh`` or Hugging Face token.
 - S0 keeps the wall clock: past `timeout_s` it SIGKILLs the init (or, without namespaces, everything below
   it). S0 is a child subreaper (``PR_SET_CHILD_SUBREAPER``), so without a PID namespace orphans come back to
   it, and after the solution ends it kills its remaining descendants (and, when root, every process of the
@@ -32,7 +44,9 @@ the solution itself:
   needed directories are bind-mounted back (the rest of the directory stays hidden). In a user namespace it
   drops all capabilities instead. Then it sets the rlimits and ``PR_SET_NO_NEW_PRIVS`` and installs a
   seccomp filter (classic BPF, built here for x86_64 and aarch64) that makes ``socket(2)`` fail with EPERM
-  for every address family (``socketpair(2)``, which asyncio's event loop needs, stays allowed), and denies
+  for every address family and ``socketpair(2)`` for everything but (AF_UNIX, SOCK_STREAM), which asyncio's
+  event loop needs and which, connected, cannot be pointed anywhere else (a datagram pair could ``sendto`` or
+  re-``connect`` to any unix datagram socket its uid may write, and no namespace stops that), and denies
   ``ptrace``, ``process_vm_readv/writev``, ``pidfd_getfd``, the mount and namespace calls
   (``mount``, ``umount2``, ``pivot_root``, ``unshare``, ``setns``, ``clone`` with a ``CLONE_NEW*`` flag;
   ``clone3`` returns ENOSYS so libc falls back to ``clone``), ``io_uring_*`` (which could open sockets behind
@@ -66,9 +80,11 @@ interpreter's directories are not readable by others (then it stays root, withou
 limit, and it can signal hyflow's root processes).
 
 What remains: this is not a VM. The solution shares the kernel (a kernel bug is an escape), can read every
-file that is world-readable (the uid switch only hides what "others" cannot read), can write to
-world-writable directories (``/tmp``, ``/dev/shm``; each file capped by RLIMIT_FSIZE, not their number), and
-can use the CPU of its cores and `memory_mb` per process for the duration of the call. For hostile code at
+file its uid may read outside the hidden directories (root: what is world-readable; a user: the user's own
+files too, e.g. a run directory outside the home), can write to device nodes and FIFOs its uid may open (a
+read-only mount does not cover them), and can use the CPU of its cores, `memory_mb` per process and its
+scratch tmpfs for the duration of the call. Without a mount namespace (the degraded modes) it sees the host's
+files: it can write wherever its uid may (``/tmp``, ``/dev/shm``; as a user, the user's own files). For hostile code at
 scale use a container/VM sandbox (SandboxFusion, gVisor, nsjail, firecracker).
 """
 
@@ -909,7 +925,8 @@ def run_code(
 
     Limits: wall clock `timeout_s`; CPU time `cpu_time_s` (default ceil(timeout_s) + 1); address space
     `memory_mb` MiB; stdout, stderr and written files `max_output_bytes` each; `max_processes` processes and
-    threads. An output that reaches the cap makes the status "error" (the answer cannot be judged) with
+    threads; `scratch_mb` MiB (and 4096 files) for each of its private tmpfs: `/tmp`, `/dev/shm` and the working
+    directory when it is not under `/tmp`. An output that reaches the cap makes the status "error" (the answer cannot be judged) with
     `output_truncated=True`. Nothing the code starts is alive when this returns (see the module docstring for
     the conditions).
     """
