@@ -61,6 +61,7 @@ def validate_config(cfg: HyflowConfig, n_devices: int | None = None) -> None:
     problems += _check_prefix_grouper(cfg)
     problems += _check_multi_turn(cfg)
     problems += _check_checkpoint_contents(cfg)
+    problems += _check_run_length(cfg)
     problems += _check_pools(cfg)
     problems += _check_async(cfg)
     problems += _check_exclusive("reward_model.micro_batch_size", cfg.reward_model.micro_batch_size,
@@ -733,3 +734,15 @@ def _warn_advisories(cfg: HyflowConfig) -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def _check_run_length(cfg: HyflowConfig) -> list[str]:
+    """A run of zero (or fewer) steps or epochs. verl trains one step on total_training_steps=0 (its loop checks
+    the count after a step); hyflow refuses it rather than pick a meaning."""
+    t, problems = cfg.trainer, []
+    if t.total_training_steps is not None and t.total_training_steps < 1:
+        problems.append(f"trainer.total_training_steps={t.total_training_steps} must be >= 1 (or null: run "
+                        "trainer.total_epochs epochs)")
+    if t.total_training_steps is None and t.total_epochs < 1:
+        problems.append(f"trainer.total_epochs={t.total_epochs} must be >= 1 (or set trainer.total_training_steps)")
+    return problems

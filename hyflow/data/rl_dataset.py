@@ -101,6 +101,20 @@ def row_sources(data: Any) -> list[tuple[str, list[dict]]]:
     return [(str(path), read_rows(path)) for path in files]
 
 
+def _report_filtered(labels: list[str], kept: set[int], max_prompt_length: int) -> None:
+    """Print how many prompts `filter_overlong_prompts` dropped, in all and per file that lost any (verl prints the
+    dataset length before and after its filter)."""
+    total: dict[str, int] = {}
+    dropped: dict[str, int] = {}
+    for i, label in enumerate(labels):
+        total[label] = total.get(label, 0) + 1
+        if i not in kept:
+            dropped[label] = dropped.get(label, 0) + 1
+    per_file = "; ".join(f"{label}: {n} of {total[label]}" for label, n in dropped.items())
+    print(f"data: filter_overlong_prompts dropped {len(labels) - len(kept)} of {len(labels)} prompts longer than "
+          f"data.max_prompt_length={max_prompt_length} tokens" + (f" ({per_file})" if per_file else ""))
+
+
 class RLDataset(torch.utils.data.Dataset):
     """Prompts for RL, tokenised with the chat template. `dataset[i]` is a dict row; `collate` makes a Batch."""
 
@@ -131,20 +145,24 @@ class RLDataset(torch.utils.data.Dataset):
         self.template_kwargs = dict(apply_chat_template_kwargs or {})
 
         self.rows: list[dict] = []
+        labels: list[str] = []  # the source of each row, for the filter's report
         for label, rows in sources:
             if not rows:
                 raise DataError(f"{label} holds no rows; give at least one prompt (or drop it from "
                                 "data.train_files / data.val_files)")
             for i, row in enumerate(rows):
                 self.rows.append(self._check_row(row, f"{label} row {i}"))
+                labels.append(label)
         if max_samples is not None and 0 < max_samples < len(self.rows):
             keep = np.random.default_rng(seed).permutation(len(self.rows))[:max_samples]
             self.rows = [self.rows[i] for i in sorted(keep)]
+            labels = [labels[i] for i in sorted(keep)]
         self._ids: list[list[int] | None] = [None] * len(self.rows)
         self.num_filtered = 0
         if filter_overlong_prompts:
             kept = [i for i in range(len(self.rows)) if len(self._prompt_ids(i)) <= max_prompt_length]
             self.num_filtered = len(self.rows) - len(kept)
+            _report_filtered(labels, set(kept), max_prompt_length)
             self.rows = [self.rows[i] for i in kept]
             self._ids = [self._ids[i] for i in kept]
             if not self.rows:

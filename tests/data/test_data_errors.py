@@ -120,3 +120,15 @@ def test_a_corrupt_parquet_file_is_one_line_naming_it(tiny_model_dir, tmp_path, 
                       "not_parquet": b"data_source,prompt\nx,y\n"}[damage])
     err = _one_line(capsys, _train_argv(tiny_model_dir, path, tmp_path / "run"))
     assert f"{path} is not a readable parquet file" in err and "write it again" in err
+
+
+def test_filter_overlong_prompts_says_how_many_rows_it_dropped_and_from_which_file(tmp_path, tiny_tokenizer, capsys):
+    long_row = row(9)
+    long_row["prompt"] = [{"role": "user", "content": "What is 9 + 2? " * 40}]
+    short = write_rows([row(0), long_row, row(1), long_row], tmp_path / "a.jsonl")
+    other = write_rows([row(2)], tmp_path / "b.jsonl")
+    dataset = RLDataset([short, other], tiny_tokenizer, max_prompt_length=64, filter_overlong_prompts=True)
+    assert len(dataset) == 3 and dataset.num_filtered == 2
+    out = capsys.readouterr().out
+    assert "filter_overlong_prompts dropped 2 of 5 prompts longer than data.max_prompt_length=64 tokens" in out, out
+    assert f"{short}: 2 of 4" in out and str(other) not in out
