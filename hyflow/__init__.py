@@ -5,6 +5,10 @@ the models. The same code runs in one plain Python process or on a Ray cluster. 
 the README's Layout section) for the map.
 """
 
+from hyflow.threads import quiet_openmp_waits as _quiet_openmp_waits
+
+_quiet_openmp_waits()  # OMP_WAIT_POLICY=PASSIVE unless set, before anything imports torch (see hyflow/threads.py)
+
 # The version in pyproject.toml, used only when hyflow runs from a source tree that is not installed (a test in
 # tests/test_packaging.py keeps the two equal).
 _SOURCE_VERSION = "0.1.0"

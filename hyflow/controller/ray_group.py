@@ -42,6 +42,7 @@ from hyflow.batch import Batch
 from hyflow.controller.group import WorkerError, WorkerGroup
 from hyflow.controller.resources import LOOPBACK, RayResourcePool, Slot, import_ray, require_ray
 from hyflow.controller.worker import Placement, Worker, free_port
+from hyflow.threads import configure_worker_threads, worker_thread_env
 
 DEFAULT_CPUS_PER_WORKER = 1.0
 _RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -80,8 +81,10 @@ class _WorkerHost:
         return os.getpid(), node_ip, free_port(LOOPBACK if loopback else node_ip)
 
     def construct(self, worker_cls: type[Worker], args: tuple, kwargs: dict, env: dict[str, str]) -> None:
-        """Export `env` (rendezvous address), then build `worker_cls(*args, **kwargs)` in this process."""
+        """Export `env` (rendezvous address), size torch's threads (hyflow.threads), then build `worker_cls(*args,
+        **kwargs)` in this process."""
         os.environ.update(env)
+        configure_worker_threads()
         worker = _traced(worker_cls, *args, **kwargs)
         if not isinstance(getattr(worker, "placement", None), Placement):
             raise TypeError(f"{worker_cls.__name__}.__init__ did not run Worker.__init__; call "
@@ -189,7 +192,8 @@ class RayWorkerGroup(WorkerGroup):
     def _spawn(self, slot: Slot):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        env = {**self._env, "RANK": str(slot.rank), "WORLD_SIZE": str(self.world_size),
+        env = {**worker_thread_env(self._pool.devices_per_node), **self._env,
+               "RANK": str(slot.rank), "WORLD_SIZE": str(self.world_size),
                "LOCAL_RANK": str(slot.local_rank), "LOCAL_WORLD_SIZE": str(self._pool.devices_per_node)}
         strategy = PlacementGroupSchedulingStrategy(slot.placement_group,
                                                     placement_group_bundle_index=slot.bundle_index)

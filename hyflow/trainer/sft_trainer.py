@@ -61,6 +61,7 @@ from hyflow.data.rl_dataset import PromptLoader, is_row_collection
 from hyflow.data.sft_dataset import SFTDataset
 from hyflow.models.forward import backbone_hidden_states, lm_head_logprobs, unwrap_model
 from hyflow.models.loading import load_tokenizer
+from hyflow.threads import configure_threads
 from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from hyflow.trainer.run_dir import claim_run_directory
 from hyflow.trainer.tracking import (
@@ -218,6 +219,8 @@ class SFTTrainer:
     def setup(self) -> None:
         """Start the workers (in this process, or one Ray actor per device) and load the model into them."""
         cfg = self.config
+        # torch threads of this process: all usable cores in-process, a share of them beside Ray workers
+        configure_threads(1 if self.executor == "local" else max(1, self.n_devices // max(1, cfg.trainer.nnodes)))
         if self.executor == "local":
             self.workers = make_worker_group("local", SFTWorker, world_size=1, config=cfg, model=self.given_model)
         else:
