@@ -270,6 +270,7 @@ def test_a_run_off_a_terminal_prints_few_lines_and_progress_inside_the_step(tiny
     assert len(out) < 100
     rollout = [r for r in reported if r[0] == "rollout"]
     assert ("rollout", 4, 4, "trajectories") in {r[:4] for r in rollout}  # 2 prompts x 2 samples, then done
+    assert rollout[0][:4] == ("rollout", 1, 8, "trajectories")  # the validation before training: 8 prompts
     assert all(r[4].endswith(" tokens") for r in rollout)
     assert ("update_actor", 1, 2, "micro-batches", "") in reported  # 4 samples in micro-batches of 2
     assert ("update_actor", 2, 2, "micro-batches", "") in reported
