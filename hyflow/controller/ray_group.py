@@ -24,6 +24,10 @@ reports the first failure as soon as it happens:
 - no answer within `timeout_s` -> `WorkerTimeoutError` naming the ranks still running; the group refuses
   further calls (the ranks may be stuck in a collective).
 
+- the Ray node of this driver died (its raylet was killed or ran out of memory) -> `RayNodeDiedError`
+  naming the raylet's pid and its log, before the call touches the object store (a driver whose raylet is
+  gone is terminated by Ray, without a word, at its next object-store access) and while waiting on a call.
+
 Ranks that did not fail keep running their part of a failed call; a rank waiting in a collective for
 the failed one waits until torch.distributed's own timeout. `shutdown()` kills the actors and removes
 the placement groups the group created (a pool passed in belongs to the caller: `pool.remove()`).
@@ -65,6 +69,58 @@ class WorkerTimeoutError(WorkerError, TimeoutError):
     def __str__(self) -> str:
         """`worker rank R (Cls.method) did not finish ...`."""
         return f"worker rank {self.rank} ({self.worker_class}.{self.method}) {self.detail}"
+
+
+class RayNodeDiedError(RuntimeError):
+    """The Ray node this driver runs on died (its raylet is gone): no worker can be reached any more."""
+
+
+class _Raylet:
+    """The raylet of this driver's Ray node, when it runs on this machine and can be found: is it alive?"""
+
+    def __init__(self, pid: int, alive, logs: str | None) -> None:
+        self.pid, self._alive, self.logs = pid, alive, logs
+
+    def alive(self) -> bool:
+        try:
+            return bool(self._alive())
+        except Exception:  # cannot tell: assume alive, the call itself will report what it can
+            return True
+
+    @classmethod
+    def find(cls) -> _Raylet | None:
+        """The local raylet: the one this process started (a local cluster), else the process on this machine
+        that serves the driver's raylet socket (a cluster started with `ray start`); None when not found."""
+        try:
+            import ray
+
+            node = ray._private.worker._global_node
+        except Exception:
+            return None
+        if node is None:
+            return None
+        logs = None
+        with contextlib.suppress(Exception):
+            logs = node.get_logs_dir_path()
+        started = (getattr(node, "all_processes", None) or {}).get("raylet") or []
+        process = getattr(started[0], "process", None) if started else None
+        if process is not None:
+            return cls(process.pid, lambda: process.poll() is None, logs)
+        socket = getattr(node, "raylet_socket_name", None)
+        if not socket:
+            return None
+        try:
+            import psutil
+
+            for proc in psutil.process_iter(["name", "cmdline"]):
+                if proc.info["name"] == "raylet" and any(socket in arg for arg in proc.info["cmdline"] or []):
+                    found = psutil.Process(proc.pid)
+                    return cls(proc.pid, lambda found=found: found.is_running()
+                               and found.status() != psutil.STATUS_ZOMBIE,
+                               logs)
+        except Exception:
+            return None
+        return None
 
 
 class _WorkerHost:
@@ -155,6 +211,7 @@ class RayWorkerGroup(WorkerGroup):
         self._actors: list = []
         self._pids: list[int] = []
         self._broken: str | None = None
+        self._raylet = _Raylet.find()
         self.master_addr: str | None = None
         self.master_port: int | None = None
         self._owns_pool = pool is None
@@ -210,6 +267,7 @@ class RayWorkerGroup(WorkerGroup):
         """Launch `method` on the ranks now; the returned function waits for the results (rank order)."""
         if self._broken:
             raise RuntimeError(f"{self!r} cannot run {method}: {self._broken}")
+        self._check_node(method)  # before ray.put: Ray terminates a driver that writes to a dead node's store
         shared: dict[int, object] = {}
         refs = [self._actors[rank].run.remote(method, *self._put_batches(args, shared),
                                               **self._put_batches(kwargs, shared))
@@ -237,6 +295,8 @@ class RayWorkerGroup(WorkerGroup):
         while pending:
             wait_s = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
             ready, _ = self._ray.wait(list(pending), num_returns=1, timeout=wait_s)
+            if not ready:
+                self._check_node(method)
             for ref in ready:
                 rank = pending.pop(ref)
                 results[rank] = self._get(ref, rank, method)
@@ -262,11 +322,13 @@ class RayWorkerGroup(WorkerGroup):
             detail = f"{type(cause).__name__}: {cause}\n\nremote {self._where(rank)}:\n{remote.rstrip()}"
             raise WorkerError(rank, cls_name, method, detail) from cause
         except ActorUnavailableError as err:
+            self._check_node(method)
             self._broken = f"rank {rank}'s worker process became unreachable; shut the group down"
             raise WorkerError(rank, cls_name, method,
                               f"{type(err).__name__}: {err} ({self._where(rank)}); whether the call ran is "
                               "unknown: shut this group down and create a new one") from err
         except RayActorError as err:
+            self._check_node(method)
             self._broken = f"rank {rank}'s worker process died; shut the group down and create a new one"
             raise WorkerDiedError(rank, cls_name, method,
                                   f"the worker process ({self._where(rank)}) died during the call ("
@@ -275,6 +337,19 @@ class RayWorkerGroup(WorkerGroup):
                                   "create a new one") from err
         except RayError as err:
             raise WorkerError(rank, cls_name, method, f"{type(err).__name__}: {err}") from err
+
+    def _check_node(self, method: str) -> None:
+        """Raise `RayNodeDiedError` when the raylet of this driver's node is gone."""
+        raylet = self._raylet
+        if raylet is None or raylet.alive():
+            return
+        self._broken = f"the Ray node died (raylet pid {raylet.pid} is gone); start the run again"
+        logs = f" and {raylet.logs}/raylet.out" if raylet.logs else ""
+        raise RayNodeDiedError(
+            f"the Ray node of this driver died during {self.worker_cls.__name__}.{method}: its raylet (pid "
+            f"{raylet.pid}) is gone (killed, or out of memory: check dmesg{logs}), and every worker on the node "
+            "with it. Start the run again: it resumes from its last checkpoint (a cluster started with `ray "
+            "start` needs `ray stop; ray start --head` first)")
 
     def _where(self, rank: int) -> str:
         pid = f"pid {self._pids[rank]}, " if rank < len(self._pids) else ""
