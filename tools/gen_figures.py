@@ -29,12 +29,14 @@ import json
 import re
 import shutil
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path("benchmarks/results")
 DOCS = ("README.md", "docs/quickstart.md", "docs/multi-turn.md", "docs/async.md")
+WIDTH = 115  # the docs' line width
 BLOCK = re.compile(r"(<!-- figures:(?P<name>[a-z0-9_-]+) -->)(?P<body>.*?)(<!-- /figures -->)", re.S)
 
 # artefact -> (where a run leaves it under the repository, the command that makes it)
@@ -168,7 +170,8 @@ def packing(results: Path) -> str:
     return (
         f"**Packing pays in proportion to the padding it removes.** Training tokens/s, packed over padded "
         f"(`benchmarks/bench_train.py`: forward + backward on the same batches, the paths alternating; "
-        f"{machine_words(m)}, {commit_words(m)}, {load_words(wide['machine'].get('load_average_before'), None)}; "
+        f"{machine_words(m)}, {commit_words(m)}, "
+        f"{load_words(m.get('load_average_before'), m.get('load_average_after'))}; "
         f"artefacts `benchmarks/results/packing_*.json`): **{w_ratio:.2f}x** with {w_words} "
         f"({100 * w_waste:.0f} % of the padded batch's positions are pads; per round {_rounds(w_rounds)}) and "
         f"**{s_ratio:.2f}x** with {s_words} ({100 * s_waste:.0f} % pads; per round {_rounds(s_rounds)}). What "
@@ -232,7 +235,9 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
 def render_block(name: str, body: str, results: Path) -> str:
     """The block's new text: inline blocks stay inline, others get their own lines."""
     text = RENDERERS[name](results)
-    return text if "\n" not in body else f"\n{text}\n"
+    if "\n" not in body:
+        return text
+    return "\n" + textwrap.fill(text, WIDTH, break_long_words=False, break_on_hyphens=False) + "\n"
 
 
 def rewrite(text: str, results: Path, missing: list[str], unknown: list[str]) -> str:
@@ -285,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             stale.append(doc)
             if not args.check:
                 path.write_text(new)
-    for line in missing:
+    for line in dict.fromkeys(missing):  # a block in several pages: named once
         print(f"not written (artefact missing): {line}", file=sys.stderr)
     for name in unknown:
         print(f"unknown figure block {name!r}; known: {', '.join(RENDERERS)}", file=sys.stderr)
