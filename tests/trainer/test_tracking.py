@@ -6,6 +6,7 @@ import io
 import json
 import math
 import sys
+import time
 import types
 
 import numpy as np
@@ -561,28 +562,117 @@ def test_mlflow_without_a_tracking_uri_makes_its_experiment_in_the_run_directory
     assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path.resolve()}/mlflow.db" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_real_mlflow_tracks_into_the_run_directory(tmp_path, monkeypatch):
-    mlflow = pytest.importorskip("mlflow")
+    import mlflow
+
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"
-    with make(run, ["mlflow"], config={"lr": 1e-6}) as tracker:
+    with make(run, ["mlflow"], config={"lr": 1e-6, "trainer": {"n": 2}}) as tracker:
         tracker.log({"val-core/gsm8k/acc/mean@4": 0.5}, step=1)
+        tracker.log({"val-core/gsm8k/acc/mean@4": 0.75}, step=2)
         tracker.log_generations(ROWS, step=1)
     assert (run / "mlflow.db").is_file() and not (tmp_path / "mlruns").exists()
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{run.resolve()}/mlflow.db")
     experiment = client.get_experiment_by_name("p")
     (found,) = client.search_runs([experiment.experiment_id])
-    assert found.data.metrics == {"val-core/gsm8k/acc/mean_at_4": 0.5}
-    assert list((run / "mlartifacts").rglob("val_step_1.json"))
+    assert found.info.run_name == "e" and found.info.status == "FINISHED"
+    assert found.data.params == {"lr": "1e-06", "trainer.n": "2"}
+    history = client.get_metric_history(found.info.run_id, "val-core/gsm8k/acc/mean_at_4")
+    assert [(m.step, m.value) for m in history] == [(1, 0.5), (2, 0.75)]
+    (artifact,) = (run / "mlartifacts").rglob("val_step_1.json")
+    assert json.loads(artifact.read_text()) == ROWS
 
 
-def test_real_wandb_runs_offline_without_a_key(tmp_path, no_credentials, monkeypatch):
-    pytest.importorskip("wandb")
+def journal_records(path):
+    """The records of a LevelDB-log journal, the format of wandb's offline `run-*.wandb` and swanlab's
+    `run-*.swanlab` files: a 7-byte file header, then 32 KiB blocks of chunks `crc32 (4) | length (2) | type (1:
+    full, 2: first, 3: middle, 4: last) | data`, a block's tail shorter than a chunk header zero-padded."""
+    import struct
+    import zlib
+
+    data, pos, parts = path.read_bytes(), 7, []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:
+            pos += 32768 - pos % 32768
+            continue
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:
+            break
+        chunk = data[pos + 7 : pos + 7 + length]
+        assert zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF == crc, f"{path}: bad checksum at {pos}"
+        parts.append(chunk)
+        pos += 7 + length
+        if kind in (1, 4):
+            yield b"".join(parts)
+            parts = []
+
+
+@pytest.mark.slow
+def test_real_wandb_runs_offline_without_a_key_and_records_the_history(tmp_path, no_credentials, monkeypatch):
+    from wandb.proto import wandb_internal_pb2
+
     monkeypatch.setenv("WANDB_SILENT", "true")
-    with make(tmp_path / "run", ["wandb"]) as tracker:
-        tracker.log({"a": 1.0}, step=1)
-    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    with make(tmp_path / "run", ["wandb"], config={"lr": 1e-6}) as tracker:
+        tracker.log({"a": 1.0, "val-core/x/acc/mean@4": 0.5}, step=1)
+        tracker.log({"a": 2.5}, step=2)
+        tracker.log_generations(ROWS, step=2)
+    (run_dir,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
+    deadline = time.monotonic() + 60
+    while True:  # wandb's service process may still be writing the journal when finish() returns
+        records = []
+        for raw in journal_records(next(run_dir.glob("run-*.wandb"))):
+            records.append(wandb_internal_pb2.Record())
+            records[-1].ParseFromString(raw)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    history = [{"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    assert [(h["_step"], h["a"]) for h in history] == [(1, 1), (2, 2.5)]
+    assert history[0]["val-core/x/acc/mean@4"] == 0.5
+    assert history[1]["val/generations/_type"] == "table-file"
+    (table,) = run_dir.glob("files/media/table/val/generations_*.table.json")
+    assert json.loads(table.read_text())["data"] == [["1+1=", "2", 1.0]]
+
+
+def test_real_swanlab_runs_offline_without_a_key_and_records_the_scalars(tmp_path, no_credentials):
+    from google.protobuf.json_format import MessageToDict
+    from swanlab.proto.swanlab.record.v1 import record_pb2
+
+    with make(tmp_path / "run", ["swanlab"], config={"lr": 1e-6}) as tracker:
+        tracker.log({"a": 1.0, "val-core/x/acc/mean@4": 0.5}, step=1)
+        tracker.log({"a": 2.5}, step=2)
+        tracker.log_generations(ROWS, step=2)
+    (run_dir,) = (tmp_path / "run" / "swanlab").glob("run-*")
+    records = []
+    for raw in journal_records(next(run_dir.glob("run-*.swanlab"))):
+        record = record_pb2.Record()
+        record.ParseFromString(raw)
+        records.append(MessageToDict(record))
+    scalars = [(r["scalar"]["key"], int(r["scalar"]["step"]), r["scalar"]["value"]["number"])
+               for r in records if "scalar" in r]
+    assert scalars == [("a", 1, 1.0), ("val-core/x/acc/mean@4", 1, 0.5), ("a", 2, 2.5)]
+    assert [r["start"]["project"] for r in records if "start" in r] == ["p"]
+    assert [r["finish"]["state"] for r in records if "finish" in r] == ["RUN_STATE_FINISHED"]
+    (text,) = run_dir.glob("media/text/*.txt")
+    assert json.loads(text.read_text()) == ROWS[0]
+
+
+def test_real_tensorboard_writes_event_files_tensorboard_reads(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with make(tmp_path, ["tensorboard"]) as tracker:
+        tracker.log({"critic/score/mean": 0.25, "perf/tokens": 300}, step=1)
+        tracker.log({"critic/score/mean": 0.5}, step=2)
+        tracker.log_generations(ROWS, step=2)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("critic/score/mean")] == [(1, 0.25), (2, 0.5)]
+    assert [(e.step, e.value) for e in events.Scalars("perf/tokens")] == [(1, 300.0)]
+    (text,) = events.Tensors("val/generations/text_summary")
+    assert text.step == 2 and "| 1+1= | 2 | 1.0 |" in text.tensor_proto.string_val[0].decode()
 
 
 # ------------------------------------------------------------------------- progress: stages, plain lines
@@ -641,10 +731,3 @@ def test_plain_lines_of_a_resumed_run_and_of_an_odd_total(monkeypatch):
         "step 44/45 (97 %) - elapsed 0.0s - ETA 0.0s - loss 1.25 - val_loss 1.5",
         "step 45/45 (100 %) - elapsed 0.0s - loss 1.25 - val_loss 1.5",
     ]
-
-
-def test_real_swanlab_runs_offline_without_a_key(tmp_path, no_credentials):
-    pytest.importorskip("swanlab")
-    with make(tmp_path / "run", ["swanlab"]) as tracker:
-        tracker.log({"a": 1.0}, step=1)
-    assert any((tmp_path / "run" / "swanlab").iterdir())
