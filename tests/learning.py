@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from hyflow.trainer.tracking import read_metrics
+
 SEED = int(os.environ.get("HYFLOW_TEST_SEED", "0"))
 
 
@@ -38,3 +40,17 @@ def report_margin(test: str, what: str, value: float, threshold: float) -> float
             f.write(json.dumps({"test": test, "what": what, "value": value, "threshold": threshold,
                                 "margin": margin, "seed": SEED, "capability": capability()}) + "\n")
     return margin
+
+
+def assert_sft_premise(run_dir, below: float, last: int = 50) -> float:
+    """The premise of a learning test that starts from an SFT warm start: the mean training loss of its last `last`
+    steps is below `below` (past the learning transition), so that the test's outcome is decided by the RL run,
+    not by which side of the transition the rounding of this CPU put the warm start on."""
+    losses = [row["train/loss"] for row in read_metrics(run_dir) if "train/loss" in row][-last:]
+    loss = sum(losses) / len(losses)
+    print(f"[premise] SFT warm start {run_dir}: mean train loss of the last {len(losses)} steps {loss:.4f} "
+          f"(must be < {below})")
+    assert loss < below, (f"the SFT warm start did not pass its learning transition (mean loss {loss:.4f} over the "
+                          f"last {len(losses)} steps, premise < {below}): the RL test after it would measure the "
+                          "rounding of this CPU, not the algorithm")
+    return loss

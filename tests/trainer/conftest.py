@@ -1,12 +1,11 @@
 """Fixtures of the trainer tests: a small arithmetic task and the quickstart's SFT warm start."""
 
 import pytest
-from learning import SEED
+from learning import SEED, assert_sft_premise
 
-# The SFT warm start is past its learning transition when its training loss over the last 50 steps is below this
-# (measured: the loss falls from ~2 to ~0.5 in the first 100 steps, then to a floor set by the digits it cannot
-# predict; see the fixture's docstring for the figures).
-WARM_LOSS_PREMISE = 0.45
+# The SFT warm start is past its learning transition when its training loss over the last 50 steps is below this.
+# Measured (seed 0, AMD EPYC, avx512): 0.97 at step 60, 0.26 at 210, 0.15 at 330, 0.07 at 600 (the end).
+WARM_LOSS_PREMISE = 0.15
 
 
 @pytest.fixture(scope="module")
@@ -44,18 +43,3 @@ def warm(tiny_model_dir, tmp_path_factory):
     assert_sft_premise(root / "sft", WARM_LOSS_PREMISE)
     return export_checkpoint(root / "sft" / "global_step_600", root / "sft_model"), root / "data"
 
-
-def assert_sft_premise(run_dir, below: float, last: int = 50) -> float:
-    """The premise of a learning test that starts from an SFT warm start: the mean training loss of its last `last`
-    steps is below `below` (past the learning transition), so that the test's outcome is decided by the RL run,
-    not by which side of the transition the rounding of this CPU put the warm start on."""
-    from hyflow.trainer.tracking import read_metrics
-
-    losses = [row["train/loss"] for row in read_metrics(run_dir) if "train/loss" in row][-last:]
-    loss = sum(losses) / len(losses)
-    print(f"[premise] SFT warm start {run_dir}: mean train loss of the last {len(losses)} steps {loss:.4f} "
-          f"(must be < {below})")
-    assert loss < below, (f"the SFT warm start did not pass its learning transition (mean loss {loss:.4f} over the "
-                          f"last {len(losses)} steps, premise < {below}): the RL test after it would measure the "
-                          "rounding of this CPU, not the algorithm")
-    return loss

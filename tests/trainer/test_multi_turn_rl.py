@@ -3,9 +3,11 @@ GRPO through the agent loop with the calculator tool (what `make demo-tools` run
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+from learning import SEED, assert_sft_premise, report_margin
 
 from hyflow.trainer.rl_trainer import RLTrainer
 from hyflow.trainer.tracking import read_metrics
@@ -16,24 +18,45 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tools"
 TOOLS_YAML = EXAMPLE / "tools.yaml"
 
 
+SFT_STEPS = 2500
+# Past the transition: the SFT loss over its last 50 steps (the loss falls to ~0.5 within 200 steps, stays there
+# while the model learns the call format and answers in its head, and drops again when it learns to copy the
+# question's numbers into the call and the tool's result into the answer).
+SFT_LOSS_PREMISE = 0.2
+
+
 @pytest.fixture(scope="module")
 def tool_warm(tiny_model_dir, tmp_path_factory):
-    """(SFT model dir, data dir): the calculator task and the demo's SFT warm start (examples/tools/sft.yaml, 1,500
-    steps, about 3 minutes on 2 cores) on its conversations, half of which call the tool. Shorter is not enough:
-    at 1,000 steps the model copies the question's numbers into the call 5 % of the time, at 1,500 always
-    (measured), and GRPO needs calls that work to learn from."""
+    """(SFT model dir, data dir): the calculator task and the demo's SFT warm start (examples/tools/sft.yaml, run
+    for SFT_STEPS instead of its 1,500) on its conversations, half of which call the tool, from the tiny model of
+    seed HYFLOW_TEST_SEED. GRPO learns only from calls that work; the copying that makes them work is learnt in a
+    sudden transition whose step depends on the rounding of the CPU (train loss 0.48 at step 750 and 0.13 at 1,500
+    on one machine, 0.11 at 1,500 on another, 0.22 at 1,500 on the second with another attention kernel), so the
+    warm start runs well past it and the test asserts it did (`assert_sft_premise`, then the greedy calls)."""
     from hyflow.config.sft_schema import load_sft_config
     from hyflow.data.tasks import make_task
+    from hyflow.models.tiny import make_tiny_model
     from hyflow.trainer.export import export_checkpoint
     from hyflow.trainer.sft_trainer import SFTTrainer
 
     root = tmp_path_factory.mktemp("tool_warm")
+    if SEED != 0:  # seed 0 is the session's tiny model
+        tiny_model_dir = make_tiny_model(root / "tiny", preset="tiny", seed=SEED)
     make_task("calculator", root / "data", n_train=3000, n_test=32, seed=0, digits=4, tool_use_rate=0.5)
     SFTTrainer(load_sft_config([
         f"model.partial_pretrain={tiny_model_dir}", f"data.train_files={root}/data/train.parquet",
-        "trainer.test_freq=-1", "trainer.logger=[file]",
-        f"trainer.default_local_dir={root}/sft"], EXAMPLE / "sft.yaml")).fit()
-    return export_checkpoint(root / "sft" / "global_step_1500", root / "sft_model"), root / "data"
+        "trainer.test_freq=-1", "trainer.logger=[file]", f"trainer.total_training_steps={SFT_STEPS}",
+        f"trainer.seed={SEED}", f"trainer.default_local_dir={root}/sft"], EXAMPLE / "sft.yaml")).fit()
+    assert_sft_premise(root / "sft", SFT_LOSS_PREMISE)
+    return export_checkpoint(root / "sft" / f"global_step_{SFT_STEPS}", root / "sft_model"), root / "data"
+
+
+def greedy_calls_that_work(val_dump: Path) -> tuple[int, float]:
+    """From a validation dump (greedy, every test prompt is a tool task): (the number of answers that call the
+    tool, the share of those that score 1: the call copied the numbers and the answer copied the tool's result)."""
+    rows = [json.loads(line) for line in val_dump.read_text().splitlines()]
+    calls = [row for row in rows if "<tool_call>" in row["output"]]
+    return len(calls), (sum(row["score"] == 1 for row in calls) / len(calls) if calls else 0.0)
 
 
 def grpo(warm, run_dir, steps, *extra):
@@ -46,12 +69,20 @@ def grpo(warm, run_dir, steps, *extra):
         f"data.val_files={data}/test.parquet", f"trainer.default_local_dir={run_dir}",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={TOOLS_YAML}", "trainer.logger=[file]",
         f"trainer.total_training_steps={steps}", "trainer.test_freq=-1",
-        "actor_rollout_ref.rollout.calculate_log_probs=true", *extra,
+        "actor_rollout_ref.rollout.calculate_log_probs=true", f"trainer.seed={SEED + 1}", *extra,
     ], config_file=EXAMPLE / "grpo.yaml")).fit()
 
 
 def test_grpo_with_the_calculator_learns_to_call_it(tool_warm, tmp_path):
-    history = grpo(tool_warm, tmp_path / "grpo", 30)
+    """30 GRPO steps through the agent loop raise the share of sampled answers that call the calculator and the
+    score with it (first 6 steps against the last 6). Premise first: the warm start's greedy calls work.
+    MARGINS: see the note of the session that measured them (tools/learning_margins.py prints the table)."""
+    history = grpo(tool_warm, tmp_path / "grpo", 30, f"trainer.validation_data_dir={tmp_path / 'val'}")
+    calls, working = greedy_calls_that_work(tmp_path / "val" / "0.jsonl")
+    print(f"[premise] the SFT model calls the tool in {calls} of 32 greedy answers; {working:.0%} of them score 1")
+    assert calls >= 4 and working >= 0.9, (
+        f"premise: the SFT warm start's greedy tool calls must work (>= 90 % of at least 4 score 1; got {calls} "
+        f"calls, {working:.0%} scoring): GRPO learns to call the tool only from calls that work")
     first = history[1]  # history[0] is the validation before training
     # the run went through the agent loop: tool turns, their metrics, rollout/trainer agreement
     assert first["num_turns/max"] >= 4 and "tool/latency_s/mean" in first
@@ -60,12 +91,18 @@ def test_grpo_with_the_calculator_learns_to_call_it(tool_warm, tmp_path):
     assert all(row["tool/errors/mean"] == 0 and row["tool/timeouts/mean"] == 0 for row in history[1:])
     # the policy learns to call the tool: the sampled share of answers with a call rises, and the reward with it
     # (SFT leaves it at about one half: half of the demonstrations answer directly)
-    share = [row["tool/samples_with_call"] for row in history[1:]]
-    score = [row["critic/score/mean"] for row in history[1:]]
+    rows = [row for row in history[1:] if "tool/samples_with_call" in row]
+    share = [row["tool/samples_with_call"] for row in rows]
+    score = [row["critic/score/mean"] for row in rows]
     print("share of samples calling the tool per step:", [round(s, 2) for s in share])
     print("mean score per step:", [round(s, 2) for s in score])
-    assert sum(share[-6:]) / 6 > sum(share[:6]) / 6 + 0.08
-    assert sum(score[-6:]) / 6 > sum(score[:6]) / 6 + 0.04
+    test = "test_grpo_with_the_calculator_learns_to_call_it"
+    share_rise = sum(share[-6:]) / 6 - sum(share[:6]) / 6
+    score_rise = sum(score[-6:]) / 6 - sum(score[:6]) / 6
+    report_margin(test, "tool-call share rise (last 6 - first 6 steps)", share_rise, 0.08)
+    report_margin(test, "score rise (last 6 - first 6 steps)", score_rise, 0.04)
+    assert share_rise > 0.08
+    assert score_rise > 0.04
     assert read_metrics(tmp_path / "grpo")[-1]["step"] == 30
 
 
