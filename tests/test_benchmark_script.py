@@ -43,12 +43,15 @@ def test_hyflow_only_run_prints_the_table_and_writes_json(tmp_path):
 
 @pytest.mark.slow
 def test_side_by_side_run_with_trl_reports_a_ratio(tmp_path):
-    pytest.importorskip("trl")
+    """The real TRL GRPOTrainer (hyflow[bench], installed by `make venv` at the lock's version), smallest run."""
+    import trl
+
     stdout, report = run_script(tmp_path, "--rounds", "2")
     assert "ratio hyflow/TRL steps per second" in stdout
     assert report["summaries"]["trl"]["measured_steps"] == 2  # one measured step per round
     assert len(report["per_round_ratio"]) == 2 and report["ratio_steps_per_s"] > 0
     assert report["summaries"]["trl"]["gen_tokens_per_step"] > 0
+    assert report["machine"]["trl"] == trl.__version__
 
 
 def test_trl_reward_wraps_the_arithmetic_scorer():
