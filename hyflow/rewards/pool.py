@@ -100,6 +100,9 @@ def _call(fn: Callable, kwargs: dict) -> Outcome:
 
 
 def _worker(fn: Callable, calls: Sequence[dict], indices: list[int], conn) -> None:
+    # Ctrl-C reaches every process of the job: the trainer handles it (and ends this worker); a worker that
+    # raised KeyboardInterrupt too would print a traceback of its own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     for idx in indices:
         conn.send(("start", idx))
         outcome = _call(fn, calls[idx])
@@ -192,46 +195,53 @@ def _run_forked(fn: Callable, calls: Sequence[dict], todo_indices: list[int], nu
         for i in waiting[: max(0, HANG_CONCURRENCY - len(workers))]:
             start(("single", i), [i])
 
-    for w in pending:
-        if hanging:
-            spread()
-            break
-        launch(w)
-    while workers:
-        now = time.monotonic()
-        deadlines = [start + timeout_s for _, _, idx, start in workers.values() if idx is not None]
-        wait_s = max(0.0, min(deadlines) - now) if deadlines else timeout_s
-        ready = wait(list(workers), timeout=min(wait_s, 1.0) if timeout_s else None)
-        for conn in ready:
-            proc, w, current, _ = workers[conn]
-            try:
-                message = conn.recv()
-            except EOFError:  # finished its list, or died
-                del workers[conn]
-                proc.join(timeout=1)
-                if current is not None:  # it died mid-sample (os._exit, segfault, OOM kill)
-                    results[current] = Outcome(error=f"the scoring process died (exit code {proc.exitcode})")
-                _release(running, pending, w, results)
-                launch(w)  # no-op when its list is done
-                continue
-            if message[0] == "start":
-                workers[conn][2:] = [message[1], time.monotonic()]
-            else:
-                results[message[1]] = message[2]
-                workers[conn][2] = None
-        now = time.monotonic()
-        for conn, (proc, w, idx, started) in list(workers.items()):
-            if idx is not None and timeout_s and now - started > timeout_s:
+    try:
+        for w in pending:
+            if hanging:
+                spread()
+                break
+            launch(w)
+        while workers:
+            now = time.monotonic()
+            deadlines = [start + timeout_s for _, _, idx, start in workers.values() if idx is not None]
+            wait_s = max(0.0, min(deadlines) - now) if deadlines else timeout_s
+            ready = wait(list(workers), timeout=min(wait_s, 1.0) if timeout_s else None)
+            for conn in ready:
+                proc, w, current, _ = workers[conn]
+                try:
+                    message = conn.recv()
+                except EOFError:  # finished its list, or died
+                    del workers[conn]
+                    proc.join(timeout=1)
+                    if current is not None:  # it died mid-sample (os._exit, segfault, OOM kill)
+                        results[current] = Outcome(error=f"the scoring process died (exit code {proc.exitcode})")
+                    _release(running, pending, w, results)
+                    launch(w)  # no-op when its list is done
+                    continue
+                if message[0] == "start":
+                    workers[conn][2:] = [message[1], time.monotonic()]
+                else:
+                    results[message[1]] = message[2]
+                    workers[conn][2] = None
+            now = time.monotonic()
+            for conn, (proc, w, idx, started) in list(workers.items()):
+                if idx is not None and timeout_s and now - started > timeout_s:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.join(timeout=5)
+                    conn.close()
+                    del workers[conn]
+                    results[idx] = Outcome(timed_out=True)
+                    hanging = True
+                    _release(running, pending, w, results)
+                    launch(w)
+            if hanging and not workers:
+                spread()
+    except BaseException:  # Ctrl-C (the workers ignore SIGINT) or a failure here: end the workers now
+        for proc, *_ in workers.values():
+            with contextlib.suppress(OSError):
                 os.kill(proc.pid, signal.SIGKILL)
-                proc.join(timeout=5)
-                conn.close()
-                del workers[conn]
-                results[idx] = Outcome(timed_out=True)
-                hanging = True
-                _release(running, pending, w, results)
-                launch(w)
-        if hanging and not workers:
-            spread()
+            proc.join(timeout=1)
+        raise
     for i in todo_indices:
         if results[i] is None:
             results[i] = Outcome(error="no result was produced")

@@ -168,3 +168,42 @@ def test_os_exit_in_an_in_process_reward_function_is_a_named_failure(tiny_model_
     assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     assert "RAISED RewardFunctionError" in proc.stdout and "kills" in proc.stdout, proc.stdout
     assert "called os._exit(7)" in proc.stdout, proc.stdout
+
+
+CTRL_C_DURING_SCORING = """
+import time
+from hyflow.rewards.pool import run_calls
+
+def slow(i):
+    time.sleep(20)
+    return i
+
+print("scoring", flush=True)
+started = time.monotonic()
+try:
+    run_calls(slow, [{"i": i} for i in range(4)], num_workers=2, timeout_s=60)
+except KeyboardInterrupt:
+    print(f"interrupted after {time.monotonic() - started:.1f} s", flush=True)
+"""
+
+
+def test_ctrl_c_during_forked_scoring_interrupts_the_trainer_only():
+    """Ctrl-C reaches every process of the job: the forked scoring workers must not print a traceback each; the
+    trainer's process gets the KeyboardInterrupt at once and ends its workers."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", CTRL_C_DURING_SCORING], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "scoring"
+        time.sleep(2.0)  # the workers are in the function
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole process group
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "Traceback" not in err, err[-2000:]
+    assert out.startswith("interrupted after"), (out, err[-2000:])
+    assert float(out.split()[2]) < 10, out  # not after the workers' 20 s
