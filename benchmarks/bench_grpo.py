@@ -22,18 +22,30 @@ over TRL steps/s (median step times; also the ratio of the fastest steps, the le
 on a shared machine); with `--rounds` > 1 the two libraries alternate order each round and the statistics
 pool all measured steps.
 
+Contention (`--contended N`): N busy processes (`while True: pass`), each pinned to one of the last N cores this
+process may use, run during the whole benchmark (started by the script, killed by their PIDs at its end): the case
+of a shared machine, or of several workers on one node, with someone else holding a core. With it, `--threads`
+(1, N, 0 = torch's default, auto = hyflow.threads' rule) and `--omp-wait-policy` (hyflow: idle OpenMP threads
+sleep, OMP_WAIT_POLICY=PASSIVE, what importing hyflow sets; torch: libgomp's default, threads spin before they
+sleep) say how each library's threads behave. Both libraries run in one process and so share both settings; to
+give each its own defaults run them in two processes (`--skip-trl` and `--skip-hyflow`).
+
 Run:  python benchmarks/bench_grpo.py     (defaults: tiny, P=8, G=8, T=64, 1 thread; 4 rounds x (2 + 8) steps)
       python benchmarks/bench_grpo.py --preset small --skip-trl --steps 3
+      python benchmarks/bench_grpo.py --contended 1 --threads auto            (hyflow's thread rule, a core taken)
+      python benchmarks/bench_grpo.py --contended 1 --threads 0 --omp-wait-policy torch --skip-hyflow  (TRL's way)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -77,9 +89,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps per run, not measured")
     p.add_argument("--rounds", type=int, default=4, help="runs per library; the order alternates each round")
     p.add_argument("--lr", type=float, default=1e-5, help="learning rate of both optimizers")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch.set_num_threads for both libraries (0 = torch's choice); 1 by default because on a "
-                        "shared 2-core machine 2 threads slow every step ~25x whenever another process holds a core")
+    p.add_argument("--threads", default="1",
+                   help="torch.set_num_threads for both libraries: a number, 0 = torch's choice (one per core), or "
+                        "auto = hyflow.threads' rule (usable cores, one process); 1 by default, the figures of "
+                        "BENCHMARKS.md before the contention section")
+    p.add_argument("--omp-wait-policy", default="hyflow", choices=("hyflow", "torch"),
+                   help="hyflow: import hyflow before torch, so idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE "
+                        "unless set); torch: import torch first with libgomp's default (spin, then sleep)")
+    p.add_argument("--contended", type=int, default=0, metavar="N",
+                   help="keep N other processes busy, each pinned to one core, during the whole run")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cpu: fp32 everywhere; cuda: each library's bf16 mixed precision (TRL bf16=True)")
     p.add_argument("--prefix-grouper", default="on", choices=("on", "off"),
@@ -89,6 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="hyflow's actor_rollout_ref.actor.use_torch_compile (MLPs and norms compiled for the update "
                         "and log-prob passes; the compile falls in the warm-up steps, whose time is printed)")
     p.add_argument("--skip-trl", action="store_true", help="run hyflow only (no ratio)")
+    p.add_argument("--skip-hyflow", action="store_true", help="run TRL only (no ratio)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model weights, the data and both trainers")
     p.add_argument("--workdir", default=None, help="keep the model, data and logs here (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the summary as JSON to this file")
@@ -100,9 +119,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
-    if args.threads < 0:
+    if args.threads != "auto" and not (args.threads.isdigit() or args.threads.startswith("-")):
+        p.error(f"--threads must be a number or auto, got {args.threads!r}")
+    if args.threads != "auto" and int(args.threads) < 0:
         p.error("--threads must be >= 0 (0 = torch's choice)")
+    if args.contended < 0:
+        p.error("--contended must be >= 0")
+    if args.skip_trl and args.skip_hyflow:
+        p.error("--skip-trl and --skip-hyflow leave nothing to run")
     return args
+
+
+def start_busy_processes(n: int) -> list[tuple[int, int | None]]:
+    """Start `n` processes that spin (`while True: pass`), each pinned to one of the last `n` cores this process
+    may use; returns their (pid, core). The caller kills them (`stop_busy_processes`)."""
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = []
+    busy = []
+    for i in range(n):
+        core = cores[-1 - i % len(cores)] if cores else None
+        proc = subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL,
+                                preexec_fn=(lambda c=core: os.sched_setaffinity(0, {c})) if core is not None else None)
+        busy.append((proc, core))
+    return busy
+
+
+def stop_busy_processes(busy: list) -> None:
+    """Kill the processes of `start_busy_processes` by their PIDs and reap them."""
+    for proc, _ in busy:
+        proc.kill()
+    for proc, _ in busy:
+        proc.wait()
 
 
 def build_assets(workdir: Path, preset: str, n_prompts: int, seed: int, device: str) -> tuple[Path, Path]:
@@ -339,6 +388,7 @@ def format_report(summaries: dict[str, dict], args: argparse.Namespace, info: di
         f"GRPO benchmark: preset={args.preset} P={args.prompts} G={args.group} T={args.max_new_tokens} "
         f"steps={args.steps} (+{args.warmup} warm-up) rounds={args.rounds} device={args.device} seed={args.seed} "
         f"hyflow prefix grouper {args.prefix_grouper}, torch compile {args.torch_compile}",
+        f"threads: {info['threads_line']}; contended: {info['contended']}",
         f"machine: {info['cpu']}, {info['cores']} cores, torch threads {info['torch_threads']}; "
         f"python {info['python']}, torch {info['torch']}, transformers {info['transformers']}, trl {info['trl']}"
         + (f", gpu {info['gpu']}" if "gpu" in info else ""),
@@ -355,7 +405,7 @@ def format_report(summaries: dict[str, dict], args: argparse.Namespace, info: di
                      f"{s['gen_tokens_per_s']:>10.0f} {stages} {s['warmup_s_mean']:>9.1f} "
                      f"{s['outside_steps_s_mean']:>8.1f}"
                      + (f"  peak GPU memory {s['peak_gpu_gib']:.2f} GiB" if "peak_gpu_gib" in s else ""))
-    if "trl" in summaries:
+    if len(summaries) == 2:
         hy, trl = summaries["hyflow"], summaries["trl"]
         lines.append(f"ratio hyflow/TRL steps per second (median step times): "
                      f"{hy['steps_per_s'] / trl['steps_per_s']:.2f}x; fastest steps: "
@@ -366,15 +416,36 @@ def format_report(summaries: dict[str, dict], args: argparse.Namespace, info: di
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+def set_threads(args: argparse.Namespace) -> str:
+    """Import torch as `--omp-wait-policy` says (hyflow first: idle threads sleep), size its threads by `--threads`;
+    returns what applies, as a line."""
+    if args.omp_wait_policy == "torch":
+        import torch  # first: libgomp loads with OMP_WAIT_POLICY as it is
+    # importing hyflow sets OMP_WAIT_POLICY=PASSIVE unless it is set, if torch is not imported yet
+    threads = importlib.import_module("hyflow.threads")
     import torch
 
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    wait = threads.openmp_wait_note()
+    if args.threads == "auto":  # hyflow's trainer applies the same rule again at its start
+        choice = threads.choose_threads(1)
+        threads.apply_threads(choice.threads)
+        return choice.line(wait)
+    if int(args.threads) > 0:
+        torch.set_num_threads(int(args.threads))
+    # hyflow's trainer keeps this count (its rule honours HYFLOW_NUM_THREADS)
+    os.environ[threads.THREADS_ENV] = str(torch.get_num_threads())
+    how = f"--threads {args.threads}" if int(args.threads) > 0 else "torch's default"
+    return f"torch threads: {torch.get_num_threads()} ({how}; {wait})"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    threads_line = set_threads(args)
+    import torch
+
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but no CUDA device is visible; run with --device cpu")
-    libraries = ["hyflow"] if args.skip_trl else list(LIBRARIES)
+    libraries = ["hyflow"] if args.skip_trl else ["trl"] if args.skip_hyflow else list(LIBRARIES)
     if not args.skip_trl:
         try:
             import trl  # noqa: F401
@@ -383,6 +454,10 @@ def main(argv: list[str] | None = None) -> dict:
     runners = {"hyflow": run_hyflow, "trl": run_trl}
     load_before = load_average()
     with contextlib.ExitStack() as stack:
+        busy = start_busy_processes(args.contended)
+        stack.callback(stop_busy_processes, busy)
+        contended = (f"{len(busy)} busy process(es), pid/core " + ", ".join(f"{p.pid}/{c}" for p, c in busy)
+                     if busy else "no")
         workdir = Path(args.workdir) if args.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         workdir.mkdir(parents=True, exist_ok=True)
         model_dir, task_dir = build_assets(workdir, args.preset, args.prompts * (args.warmup + args.steps),
@@ -400,15 +475,15 @@ def main(argv: list[str] | None = None) -> dict:
                 if args.device == "cuda":
                     run.peak_gpu_gib = torch.cuda.max_memory_allocated() / 2**30
                 results[name].append(run)
-            if "trl" in results:
+            if len(results) == 2:
                 per_round.append(statistics.median(results["trl"][-1].step_s[args.warmup:])
                                  / statistics.median(results["hyflow"][-1].step_s[args.warmup:]))
         summaries = {name: summarize(runs, args.warmup) for name, runs in results.items()}
-        info = machine_info(load_before)
+        info = {**machine_info(load_before), "threads_line": threads_line, "contended": contended}
         print(format_report(summaries, args, info, per_round))
         report = {"args": vars(args), "machine": info, "summaries": summaries, "per_round_ratio": per_round,
                   "raw": {name: [vars(r) for r in runs] for name, runs in results.items()}}
-        if "trl" in summaries:
+        if len(summaries) == 2:
             report["ratio_steps_per_s"] = summaries["hyflow"]["steps_per_s"] / summaries["trl"]["steps_per_s"]
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
