@@ -318,10 +318,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return args.fn(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         if args.traceback:
             raise
-        print(f"hyflow {args.command}: interrupted", file=sys.stderr)
+        where = f" {interrupt}" if str(interrupt) else ""  # the trainer says where the run stands
+        print(f"hyflow {args.command}: interrupted{where}", file=sys.stderr, flush=True)
         return 130
     except Exception as exc:
         if args.traceback:

@@ -141,6 +141,27 @@ def _call_with_alarm_unguarded(fn: Callable, kwargs: dict, timeout_s: float) -> 
         signal.signal(signal.SIGALRM, previous)
 
 
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Ctrl-C that arrives while the block runs is raised when it ends. Forking runs Python's at-fork callbacks,
+    and a KeyboardInterrupt raised inside one of them is printed ("Exception ignored in ...") and dropped, so the
+    run would go on. Only in the main thread, where Python runs signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        if callable(previous):
+            previous(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt
+        elif previous == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
 HANG_CONCURRENCY = 64  # most forked processes at once for the samples of a function that hangs
 
 
@@ -175,9 +196,10 @@ def _run_forked(fn: Callable, calls: Sequence[dict], todo_indices: list[int], nu
     def start(w, todo: list[int]) -> None:
         parent, child = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=_worker, args=(fn, calls, todo, child), daemon=True)
-        proc.start()
-        child.close()
-        workers[parent] = [proc, w, None, time.monotonic()]
+        with _sigint_deferred():
+            proc.start()
+            child.close()
+            workers[parent] = [proc, w, None, time.monotonic()]
         running.update(todo)
 
     def launch(w) -> None:

@@ -394,6 +394,8 @@ class RLTrainer:
                     self.log(metrics, step=self.global_step)
                     bar.update(metrics)
             finished = True
+        except KeyboardInterrupt:  # Ctrl-C: the CLI prints one line saying where the run stands
+            raise KeyboardInterrupt(self._where_interrupted(last_checkpoint)) from None
         finally:
             self.progress = None
             if self.tracker is not None:
@@ -405,6 +407,18 @@ class RLTrainer:
                                      checkpoint=last_checkpoint or self._latest_checkpoint(), history=self.history),
                   flush=True)
         return self.history
+
+    def _where_interrupted(self, last_checkpoint: Path | None) -> str:
+        """Where an interrupted run stands: its step, its last checkpoint and how to resume from it."""
+        step = f"during step {self.global_step} of {self.total_steps}" if getattr(self, "total_steps", 0) else "at start"
+        try:
+            checkpoint = last_checkpoint or self._latest_checkpoint()
+        except Exception:  # interrupted before the run directory was set up
+            checkpoint = None
+        if checkpoint is None:
+            return f"{step}; no checkpoint saved yet (trainer.save_freq), so running the command again starts over"
+        return (f"{step}; last checkpoint: {checkpoint}; to resume from it, run the same command again "
+                "(trainer.resume_mode=auto, the default)")
 
     def _latest_checkpoint(self) -> Path | None:
         """The run directory's newest complete checkpoint, or None."""

@@ -207,3 +207,34 @@ def test_ctrl_c_during_forked_scoring_interrupts_the_trainer_only():
     assert "Traceback" not in err, err[-2000:]
     assert out.startswith("interrupted after"), (out, err[-2000:])
     assert float(out.split()[2]) < 10, out  # not after the workers' 20 s
+
+
+CTRL_C_WHILE_FORKING = """
+import os, signal
+from hyflow.rewards.pool import run_calls
+
+armed = [True]
+
+def ctrl_c_now():  # Ctrl-C landing inside the fork (its at-fork callbacks run in the parent)
+    if armed:
+        armed.clear()
+        os.kill(os.getpid(), signal.SIGINT)
+
+os.register_at_fork(after_in_parent=ctrl_c_now)
+try:
+    run_calls(lambda i: i, [{"i": i} for i in range(2)], num_workers=1, timeout_s=30)
+    print("completed: the interrupt was lost")
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+def test_ctrl_c_while_forking_a_scoring_worker_is_not_lost():
+    """Python drops (and prints) a KeyboardInterrupt raised in an at-fork callback: the pool defers Ctrl-C over the
+    fork and raises it after, so the run stops."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_FORKING], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "interrupted", (proc.stdout, proc.stderr[-2000:])
+    assert "Exception ignored" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
