@@ -12,8 +12,9 @@ the machine by default, and libgomp lets a thread that waits at the end of a reg
 - another process holds a core: every parallel region waits for the thread whose core is taken, while the
   waiting threads spin and take the CPU time that thread needs.
 
-Measured on a 2-core VM with another process busy on one core (BENCHMARKS.md, "GRPO step under contention"):
-torch's default of 2 spinning threads made a GRPO step of the tiny model ~18x slower than one thread.
+Measured on a 2-core VM with another process busy on one core (BENCHMARKS.md, "The GRPO step under contention"):
+torch's default of 2 spinning threads made a GRPO step of the tiny model 14x slower than one thread and
+29-55x slower than 2 threads that sleep when idle.
 
 The rule (`choose_threads`), per process:
 
