@@ -131,13 +131,14 @@ def _positive_int(name: str, value: str) -> int:
 
 def _set_by_program() -> int | None:
     """torch's thread count if the program set it itself (torch.set_num_threads, not hyflow): a count other than
-    torch's default (one per CPU of the affinity mask) and other than what hyflow applied last."""
+    torch's default (OMP_NUM_THREADS as the process started, else one per CPU of the affinity mask) and other than
+    what hyflow applied last."""
     torch = sys.modules.get("torch")
     if torch is None:
         return None
     try:
-        default = len(os.sched_getaffinity(0))
-    except AttributeError:
+        default = int(os.environ.get("OMP_NUM_THREADS", "").split(",")[0] or len(os.sched_getaffinity(0)))
+    except (AttributeError, ValueError):
         return None
     current = torch.get_num_threads()
     return current if current not in (default, _applied) else None
