@@ -158,6 +158,16 @@ class FusedKernelOptions:
 
 
 @dataclass
+class NestedLoraConfig:
+    """verl 0.10's `model.lora` section: its rank/alpha/target_modules/exclude_modules/adapter_path are aliases of
+    the flat keys (lora_rank, ...); only `merge` has no flat name."""
+
+    merge: bool = option(
+        False, "verl: merge the adapter into the base weights before they reach the rollout engine (false = "
+        "the engine applies the adapter). hyflow always hands the rollout merged weights: performance-only.")
+
+
+@dataclass
 class ModelConfig:
     """The policy model (Hugging Face causal LM) shared by actor, rollout and reference."""
 
@@ -202,6 +212,9 @@ class ModelConfig:
     exclude_modules: Any = option(None, "Modules excluded from LoRA (a name, regex or list).")
     lora_adapter_path: str | None = option(None, "Start from this trained LoRA adapter (a peft directory: "
                                            "adapter_config.json + adapter_model.safetensors).")
+    lora: NestedLoraConfig = section(
+        NestedLoraConfig, "verl 0.10's nested LoRA names: lora.rank, lora.alpha, lora.target_modules, "
+        "lora.exclude_modules and lora.adapter_path are the flat keys above under other names; lora.merge is here.")
     use_shm: bool = option(False, "Copy the model to shared memory (/dev/shm) before loading.")
     trust_remote_code: bool = option(False, "Allow custom modelling code from the model repository.")
     torch_dtype: str | None = option(
@@ -244,6 +257,9 @@ class OptimConfig:
         "Learning-rate schedule after warm-up: constant or cosine.",
         choices=("constant", "cosine"),
     )
+    zero_indexed_step: bool = option(
+        True, "verl: the cosine schedule counts optimizer steps from 0 (true, verl's default) or from 1 (false, "
+        "torchtitan's). hyflow's schedule counts from 0: only true.")
 
 
 @dataclass
@@ -301,7 +317,18 @@ class CheckpointConfig:
 # verl's profiler tool_config sub-dicts (defaults as in verl, so `...tool_config.torch.contents=[cpu]` sets them).
 _PROFILER_TOOL_CONFIG = {"nsys": {"discrete": False}, "npu": {"contents": [], "level": "level0", "analysis": True,
                          "discrete": False}, "torch": {"contents": [], "discrete": False},
-                         "torch_memory": {"trace_alloc_max_entries": 100000, "stack_depth": 32}}
+                         "torch_memory": {"trace_alloc_max_entries": 100000, "stack_depth": 32},
+                         "precision_debugger": {"config_path": None, "steps": None, "stages": None, "strict": False}}
+_PROFILER_TOOL_CONFIG["torch"]["schedule"] = {"skip_first": 0, "wait": 0, "warmup": 0, "active": 0, "repeat": 0}
+# verl's global_profiler.global_tool_config (its defaults, so its sub-keys are set without `+`).
+_NSIGHT_OPTIONS = {"trace": "cuda,nvtx,cublas,ucx", "cuda-memory-usage": "true", "cuda-graph-trace": "graph"}
+_GLOBAL_TOOL_CONFIG = {
+    "nsys": {"discrete": False, "controller_nsight_options": dict(_NSIGHT_OPTIONS),
+             "worker_nsight_options": {**_NSIGHT_OPTIONS, "capture-range": "cudaProfilerApi",
+                                       "capture-range-end": None, "kill": "none"}},
+    "torch_memory": {"trace_alloc_max_entries": 100000, "stack_depth": 32, "context": "all", "stacks": "all",
+                     "kw_args": {}},
+    "precision_debugger": {"config_path": None, "steps": None, "stages": None, "strict": False}}
 
 
 @dataclass
@@ -332,7 +359,7 @@ class GlobalProfilerConfig:
     finish_hook_cmd: str | None = option(None, "Shell command run when profiling ends.")
     finish_hook_all_ranks: bool = option(False, "Run finish_hook_cmd on every rank.")
     finish_hook_ranks: list[int] = option([], "Ranks that run finish_hook_cmd.")
-    global_tool_config: dict[str, Any] = option({}, "Per-tool settings (nsys, torch_memory, ...).")
+    global_tool_config: dict[str, Any] = option(_GLOBAL_TOOL_CONFIG, "Per-tool settings (nsys, torch_memory, ...).")
 
 
 @dataclass
@@ -465,11 +492,13 @@ class ActorConfig:
         False, "Also compute sum_v pi_v^2 per token (needed by optimal_token_baseline)."
     )
     use_prefix_grouper: bool = option(
-        False,
+        "${actor_rollout_ref.model.use_remove_padding}",
         "Run each prompt's tokens once per micro-batch for all its samples (PrefixGrouper, arXiv 2506.05433): the "
         "responses attend to one copy of the prompt. Same log-probs and gradients, less compute in the actor's and "
-        "reference's forwards and the update (the share is prompt/(prompt+response) x (n-1)/n of the tokens). "
-        "Needs actor_rollout_ref.model.use_remove_padding=true (verl's needs false: hyflow builds it into packing).",
+        "reference's forwards and the update (the share is prompt/(prompt+response) x (n-1)/n of the tokens; "
+        "1.47x TRL's GRPO steps/s instead of 1.35x on CPU, BENCHMARKS.md). Needs actor_rollout_ref.model."
+        "use_remove_padding=true (verl's needs false: hyflow builds it into packing). hyflow's default follows "
+        "use_remove_padding, so on by default (verl's: false).",
     )
     freeze_vision_tower: bool = option(False, "Keep the vision encoder frozen (multimodal models).")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "What the actor's checkpoints contain.")
@@ -532,6 +561,9 @@ class MultiTurnConfig:
     use_inference_chat_template: bool = option(
         False, "verl: re-render earlier turns with the chat template. hyflow always trains on the token ids the "
         "rollout produced (token in, token out): only false is accepted.")
+    num_repeat_rollouts: int | None = option(
+        None, "verl: future-conversation rollouts per sample of verl-recipe's CollabLLM multi-turn reward. Not "
+        "built in hyflow: only null.")
 
 
 @dataclass
@@ -584,6 +616,22 @@ class RolloutConfig:
     top_k: int = option(-1, "Training top-k (-1 = off).")
     top_p: float = option(1.0, "Training nucleus top-p (1.0 = off).")
     do_sample: bool = option(True, "Sample training rollouts (False = greedy).")
+    over_sample_rate: float = option(
+        0.0, "verl: abort the slowest requests once (1 - rate) of a batch has finished and train on their padding "
+        "(verl's retired SPMD sglang rollout; verl 0.10 no longer reads it). Not supported: only 0.")
+    scheduling_policy: str | None = option(
+        "fcfs", "verl: the vllm engine's request scheduling (fcfs or priority). Performance-only: the order in "
+        "which an engine serves waiting requests does not change what they sample.")
+    full_determinism: bool = option(
+        False, "verl: batch-invariant, deterministic rollout kernels. Not supported: hyflow's rollout runs in the "
+        "actor's processes, so use actor_rollout_ref.actor.fsdp_config.full_determinism=true (deterministic "
+        "kernels for training and the hf engine).")
+    nnodes: int = option(
+        0, "verl (v1 separate_async): machines of a standalone rollout (0 = colocated with the actor). hyflow's "
+        "separate rollout devices are rollout_pool.nnodes / rollout_pool.n_gpus_per_node: only 0 here.")
+    n_gpus_per_node: int | None = option(
+        None, "verl (v1 separate_async): devices per machine of a standalone rollout, read only with nnodes > 0 "
+        "(null = trainer.n_gpus_per_node, verl's default). Use rollout_pool.n_gpus_per_node.")
     prompt_length: int = option(
         "${data.max_prompt_length}",
         "Longest prompt the engine accepts, in tokens (default = data.max_prompt_length).",
@@ -758,9 +806,10 @@ class CriticModelConfig:
     enable_gradient_checkpointing: bool = option(True, "Recompute activations in the backward pass.")
     enable_activation_offload: bool = option(False, "Offload activations to CPU memory.")
     use_remove_padding: bool = option(
-        False,
+        "${actor_rollout_ref.model.use_remove_padding}",
         "Sequence packing for the critic's value and update forwards (see actor_rollout_ref.model."
-        "use_remove_padding); false = the padded path.",
+        "use_remove_padding; same values and gradients); false = the padded path. hyflow's default follows "
+        "actor_rollout_ref.model.use_remove_padding, so on by default (verl's: false).",
     )
     lora_rank: int = option(0, "LoRA rank of the critic (0 = full fine-tuning); the value head stays fully trained.")
     lora_alpha: int = option(16, "LoRA alpha of the critic.")
@@ -848,6 +897,9 @@ class RewardModelModelConfig:
     external_lib: str | None = option(None, "A Python module imported before loading the reward model.")
     trust_remote_code: bool = option(False, "Allow custom modelling code from the reward model's repository.")
     override_config: dict[str, Any] = option({}, "Overrides of the reward model's config.json.")
+    use_remove_padding: bool = option(
+        False, "verl: run the reward model on packed sequences. Performance-only: hyflow scores each sample's "
+        "last real token in a padded batch, the same score either way.")
     fsdp_config: FSDPConfig = section(FSDPConfig, "FSDP settings of the reward model.")
 
 

@@ -58,8 +58,8 @@ from hyflow.config.arithmetic import (
     uses_critic,
     uses_reference,
 )
-from hyflow.config.support import performance_only_warning
-from hyflow.controller import make_colocated_class, make_worker_group
+from hyflow.config.support import lookup, performance_only_warning
+from hyflow.controller import LocalWorkerGroup, make_colocated_class, make_worker_group
 from hyflow.data.custom import load_custom_dataset
 from hyflow.data.rl_dataset import PromptLoader, RLDataset, is_row_collection
 from hyflow.models.loading import load_tokenizer
@@ -68,6 +68,7 @@ from hyflow.rewards.custom import combine_reward_functions, load_custom_reward_f
 from hyflow.rewards.managers import make_reward_manager
 from hyflow.rewards.registry import check_scorers_exist
 from hyflow.rollout.base import SamplingParams
+from hyflow.threads import configure_threads
 from hyflow.trainer.balance import balanced_group_order, balanced_order
 from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from hyflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, timer
@@ -228,6 +229,9 @@ class RLTrainer:
         # One source of batch arithmetic: this object is what is printed and what every role receives.
         self.batches = batch_arithmetic(cfg, n_devices=self.n_devices)
         print(describe_batch_arithmetic(cfg, n_devices=self.n_devices, batches=self.batches))
+        print(speed_defaults_line(cfg))
+        # torch threads of this process: all usable cores in-process, a share of them beside Ray workers
+        configure_threads(1 if self.executor == "local" else max(1, self.total_devices // max(1, cfg.trainer.nnodes)))
         # The run directory first, before any model loads: locked for this process, and what to resume decided
         # (a previous run that cannot be resumed is an error, never a silent start over it).
         keep = [k for k in (cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep) if k is not None]
@@ -370,12 +374,14 @@ class RLTrainer:
                 print(format_already_complete(self.run_dir, self.global_step, self.total_steps,
                                               self._latest_checkpoint()), flush=True)
                 return self.history
-            if self.val_dataset is not None and cfg.val_before_train and self.global_step == 0:
-                self.log(self.validate(), step=0)
-                if cfg.val_only:
-                    return self.history
             with ProgressBar(self.total_steps, initial=self.global_step) as bar:
                 self.progress = bar
+                self._report_progress(bar.advance)  # rollout trajectories and update micro-batches on the bar
+                if self.val_dataset is not None and cfg.val_before_train and self.global_step == 0:
+                    with self._timed("testing", {}):  # a long validation shows its progress too
+                        self.log(self.validate(), step=0)
+                    if cfg.val_only:
+                        return self.history
                 while self.global_step < self.total_steps:
                     self.global_step += 1
                     start = time.perf_counter()
@@ -397,6 +403,8 @@ class RLTrainer:
         except KeyboardInterrupt:  # Ctrl-C: the CLI prints one line saying where the run stands
             raise KeyboardInterrupt(self._where_interrupted(last_checkpoint)) from None
         finally:
+            if self.progress is not None:
+                self._report_progress(None)
             self.progress = None
             if self.tracker is not None:
                 self.tracker.close()
@@ -407,6 +415,15 @@ class RLTrainer:
                                      checkpoint=last_checkpoint or self._latest_checkpoint(), history=self.history),
                   flush=True)
         return self.history
+
+    def _report_progress(self, callback) -> None:
+        """Hand `callback` (ProgressBar.advance, or None) to rank 0 of each in-process worker group, whose rollout
+        and updates then report progress inside the step; Ray workers run elsewhere and report none."""
+        for group in self.groups:
+            if isinstance(group, LocalWorkerGroup) and group.workers:
+                for role in getattr(group.workers[0], "roles", {}).values():
+                    if hasattr(role, "set_progress"):
+                        role.set_progress(callback)
 
     def _where_interrupted(self, last_checkpoint: Path | None) -> str:
         """Where an interrupted run stands: its step, its last checkpoint and how to resume from it."""
@@ -848,6 +865,26 @@ class RLTrainer:
         if "rng" in state and "extra" in self.config.actor_rollout_ref.actor.checkpoint.load_contents:
             restore_rng_state(state["rng"])
         print(f"resumed from {path} at step {self.global_step}")
+
+
+# Speed options whose hyflow default differs from verl's: (key, verl's default, what hyflow's value buys).
+SPEED_DEFAULTS_VS_VERL = (
+    ("actor_rollout_ref.actor.use_prefix_grouper", False, "same values and gradients, less compute"),
+    ("critic.model.use_remove_padding", False, "same values and gradients, less compute"),
+    ("actor_rollout_ref.actor.use_torch_compile", True, "no compile of seconds at start"),
+)
+
+
+def speed_defaults_line(cfg: HyflowConfig) -> str:
+    """The start line naming the speed options that differ from verl's defaults here (docs/coming-from-verl.md)."""
+    parts = []
+    for key, verl_default, why in SPEED_DEFAULTS_VS_VERL:
+        if key.startswith("critic.") and not uses_critic(cfg):
+            continue
+        value = lookup(cfg, key)
+        if value != verl_default:
+            parts.append(f"{key}={str(value).lower()} (verl: {str(verl_default).lower()}; {why})")
+    return "speed options unlike verl's defaults: " + ("; ".join(parts) if parts else "none")
 
 
 def validation_order(size: int, shuffle: bool, seed: int) -> list[int]:
