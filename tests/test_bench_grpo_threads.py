@@ -62,7 +62,8 @@ def test_bad_options_are_named(argv, message, capsys):
 @pytest.mark.slow
 def test_contended_run_prints_the_thread_choice_and_leaves_no_busy_process(tmp_path):
     out = tmp_path / "result.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "HYFLOW_NUM_THREADS")}
+    # as from a shell: not the OMP_WAIT_POLICY this test process got from importing hyflow
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "HYFLOW_NUM_THREADS", "OMP_WAIT_POLICY")}
     proc = subprocess.run([sys.executable, str(SCRIPT), *SMALLEST, "--skip-trl", "--contended", "1", "--threads",
                            "auto", "--workdir", str(tmp_path / "work"), "--json", str(out)],
                           capture_output=True, text=True, timeout=300, env=env)
