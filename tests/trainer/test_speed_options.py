@@ -9,7 +9,28 @@ import pytest
 
 import hyflow.models.packing as packing
 from hyflow.config import ConfigError, load_config, validate_config
-from hyflow.trainer.rl_trainer import RLTrainer
+from hyflow.trainer.rl_trainer import RLTrainer, speed_defaults_line
+
+
+def test_on_by_default_where_packing_is_and_follows_it():
+    """hyflow's default (verl's is false): on with packing, off without it, so use_remove_padding=false alone is valid."""
+    assert load_config([]).actor_rollout_ref.actor.use_prefix_grouper is True
+    assert load_config([]).critic.model.use_remove_padding is True
+    unpacked = load_config(["actor_rollout_ref.model.use_remove_padding=false"])
+    assert unpacked.actor_rollout_ref.actor.use_prefix_grouper is False
+    assert unpacked.critic.model.use_remove_padding is False
+    validate_config(unpacked, n_devices=1)
+
+
+def test_start_line_names_the_defaults_unlike_verls():
+    line = speed_defaults_line(load_config([]))
+    assert ("actor_rollout_ref.actor.use_prefix_grouper=true (verl: false; same values and gradients" in line
+            and "critic.model.use_remove_padding=true (verl: false" in line
+            and "actor_rollout_ref.actor.use_torch_compile=false (verl: true" in line)
+    assert "critic." not in speed_defaults_line(load_config(["algorithm.adv_estimator=grpo"]))
+    verl_like = load_config(["actor_rollout_ref.actor.use_prefix_grouper=false", "critic.model.use_remove_padding=false",
+                             "actor_rollout_ref.actor.use_torch_compile=true"])
+    assert speed_defaults_line(verl_like).endswith(": none")
 
 
 def test_needs_packing_and_says_so():
@@ -48,7 +69,7 @@ def test_prefix_grouper_same_first_update_with_fewer_tokens(tiny_model_dir, task
         return packed
 
     monkeypatch.setattr(packing, "_pack_shared_prefixes", spy)
-    plain = first_update(tiny_model_dir, task_dir, tmp_path / "plain")
+    plain = first_update(tiny_model_dir, task_dir, tmp_path / "plain", "actor_rollout_ref.actor.use_prefix_grouper=false")
     assert shared_tokens == []
     grouped = first_update(tiny_model_dir, task_dir, tmp_path / "grouped", "actor_rollout_ref.actor.use_prefix_grouper=true")
     # 2 micro-batches of 8 rows each for the old log-probs, the reference and each of the 2 update epochs: each
