@@ -12,7 +12,9 @@ from learning import SEED, assert_sft_premise, report_margin
 from hyflow.trainer.rl_trainer import RLTrainer
 from hyflow.trainer.tracking import read_metrics
 
-pytestmark = pytest.mark.slow
+# the first test also runs the SFT warm start (2,500-4,500 steps, 5-10 minutes on 2 free cores): past the suite's
+# 900 s per-test limit on a slow or loaded machine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tools"
 TOOLS_YAML = EXAMPLE / "tools.yaml"
