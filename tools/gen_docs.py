@@ -187,6 +187,17 @@ Every key of verl's config is one of five kinds in hyflow:
 | [verl key hyflow lacks](#verl-keys-hyflow-does-not-have) | an error: `'KEY' is a verl key that hyflow does not support yet: remove it` (not a closest-spelling guess) |
 
 A key that is in neither verl's config nor hyflow's is an error naming the closest valid key.
+
+## Defaults that differ from verl's
+
+Three speed options, none of which changes results: `actor_rollout_ref.actor.use_prefix_grouper` and
+`critic.model.use_remove_padding` follow `actor_rollout_ref.model.use_remove_padding` (so both are true by
+default; verl: false), since both give the same log-probs, values and gradients as the padded path and are
+faster; `actor_rollout_ref.actor.use_torch_compile` is false (verl: true), which saves the compile at start. The
+trainer names them in one start line. Each hyflow process also sizes torch's CPU threads (`HYFLOW_NUM_THREADS` or
+`OMP_NUM_THREADS` if set, else the usable cores divided by the hyflow workers on the node) and sets
+`OMP_WAIT_POLICY=PASSIVE` before torch loads, where verl leaves torch's defaults: idle OpenMP threads that spin
+made a GRPO step ~20x slower on a 2-core machine with one core busy (BENCHMARKS.md).
 """]
 
     parts.append("\n## Performance-only keys\n\nAccepted and reported at start; the results do not depend on "
