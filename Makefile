@@ -89,7 +89,8 @@ test-vllm: venv-vllm
 # The learning and equivalence tests under each CPU kernel set torch can dispatch to: each rounds like another
 # CPU (a test green here and red on the next machine was three waves' failure). Run it whenever such a test or the
 # numerics under it change; CI runs `make test` natively. Each capability is checked to have taken effect. The
-# per-test limit is 2700 s: a learning test includes its SFT warm start, slow on a loaded machine.
+# per-test limit is 2700 s: a learning test includes its SFT warm start, slow on a loaded machine. Each capability
+# has its own inductor cache: torch 2.13 reuses a precompiled header built for another ISA (at::vec undeclared).
 ROUNDING_CAPABILITIES ?= default avx2 avx512
 ROUNDING_TESTS := tests/algos tests/models tests/workers tests/rollout/test_hf_engine.py \
 	tests/rollout/test_agent_loop.py tests/trainer/test_rl_learns.py tests/trainer/test_lora_rl.py \
@@ -103,6 +104,7 @@ test-rounding: venv venv-vllm
 		want=$$(echo $$cap | tr a-z A-Z); \
 		if [ "$$got" != "$$want" ]; then echo "ATEN_CPU_CAPABILITY=$$cap gave $$got: this CPU cannot emulate it"; exit 1; fi; \
 		echo "== ATEN_CPU_CAPABILITY=$$cap"; \
+		export TORCHINDUCTOR_CACHE_DIR=$${TMPDIR:-/tmp}/hyflow-inductor-$$cap; \
 		ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -m "not vllm" -p no:cacheprovider --timeout=2700 $(ROUNDING_TESTS) || exit 1; \
 		ATEN_CPU_CAPABILITY=$$cap HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm -p no:cacheprovider --timeout=2700 $(ROUNDING_VLLM_TESTS) || exit 1; \
 	done; echo "test-rounding: $(ROUNDING_CAPABILITIES) passed in $$(( $$(date +%s) - start )) s"

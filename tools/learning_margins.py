@@ -34,6 +34,8 @@ def run(python: str, tests: list[str], seed: int, capability: str, out: Path, ma
     env = {**os.environ, "HYFLOW_TEST_SEED": str(seed), "HYFLOW_MARGINS_FILE": str(out)}
     if capability != "native":
         env["ATEN_CPU_CAPABILITY"] = capability
+        # torch 2.13's inductor reuses a precompiled header built for another ISA: one cache per capability
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"hyflow-inductor-{capability}")
     cmd = [python, "-m", "pytest", "-q", "-m", marker, "-p", "no:cacheprovider", *tests]
     print(f"== seed {seed}, capability {capability}: {' '.join(cmd[3:])}", flush=True)
     start = time.perf_counter()
