@@ -580,8 +580,9 @@ class AgentConfig:
 
     num_workers: int = option(
         8, "verl: agent-loop worker processes. hyflow runs every trajectory of a rollout worker as a task of one "
-        "event loop (all of them concurrent already); this is the number of threads for blocking tool work "
-        "(asyncio.to_thread) in each rollout worker.")
+        "event loop (all of them concurrent already); this sizes the threads for blocking tool work "
+        "(asyncio.to_thread) in each rollout worker, and the tool-call thread pool (at least 64 calls at once; "
+        "each call runs on its own thread so that its timeout can abandon it, hyflow/tools/runner.py).")
     default_agent_loop: str = option(
         "single_turn_agent", "Agent loop of rows without an agent_name: single_turn_agent, tool_agent, or a "
         "registered name.")
