@@ -57,3 +57,14 @@ def machine_info() -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+def run_provenance(load_before: list[float] | None) -> dict:
+    """What a demo's summary records beside its figures (tools/gen_figures.py quotes it): the command, when, the
+    load average before and after the run, and the machine (`machine_info`)."""
+    import sys
+    import time
+
+    return {"command": " ".join(["python", *sys.argv]),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "load_average_before": load_before, "load_average_after": load_average(), "machine": machine_info()}

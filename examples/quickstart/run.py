@@ -61,29 +61,22 @@ def transformers_lines(model: Path, question: str) -> list[str]:
 
 
 def load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
 
 
 def provenance(load_before: list[float] | None) -> dict:
-    """What `tools/gen_figures.py` quotes beside the figures: the command, when, the machine and its load, the
-    commit (benchmarks/machine.py's record)."""
+    """The run's command, date, load and machine (benchmarks/machine.py's `run_provenance`), for
+    `tools/gen_figures.py`; only the load when the example was copied out of the repository."""
     import sys
 
     sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
     try:
-        from machine import machine_info
-
-        machine = machine_info()
-    except ImportError:  # the example copied out of the repository
-        machine = {}
+        from machine import run_provenance
+    except ImportError:
+        return {"load_average_before": load_before, "load_average_after": load_average()}
     finally:
         sys.path.pop(0)
-    return {"command": " ".join(["python", *sys.argv]),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "load_average_before": load_before, "load_average_after": load_average(), "machine": machine}
+    return run_provenance(load_before)
 
 
 def main() -> None:
