@@ -371,7 +371,15 @@ def _scratch(uid):
     flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
     scratch = [path for path in ("/tmp", "/dev/shm") if os.path.isdir(path)]
     for path in scratch:
+        # the interpreter may live there (a venv in a checkout under /tmp): keep its directories, read-only
+        below = [p for p in _C["interpreter"] if p.startswith(path + "/")]
+        kept = [(p, os.open(p, os.O_PATH | os.O_DIRECTORY)) for p in below
+                if not any(p.startswith(q + "/") for q in below if q != p)]
         _mount("tmpfs", path, "tmpfs", flags, options + ",mode=1777")
+        for inner, fd in kept:
+            os.makedirs(inner, mode=0o755, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", inner, None, _MS_BIND | _MS_REC)  # a bind keeps the read-only flag
+            os.close(fd)
     workdir = _C["workdir"]
     if any(workdir.startswith(path + "/") for path in scratch):
         os.makedirs(workdir, mode=0o700)
@@ -966,6 +974,7 @@ def run_code(
             "fsize": max_output_bytes,
             "max_processes": max_processes,
             "site_packages": _SITE_PACKAGES,
+            "interpreter": _interpreter_paths(),
             "timeout_s": timeout_s,
             "alarm_s": math.ceil(timeout_s) + 2,
             "uid": uid,

@@ -470,3 +470,27 @@ def test_protections_on_a_capable_machine_are_all_reported():
         if "separate_uid" in protections:
             assert "fork_limit" in protections
     assert sandbox_guarantees().keys() == sandbox.GUARANTEES.keys()
+
+
+def test_an_interpreter_under_tmp_stays_importable_and_read_only(monkeypatch):
+    """A venv in a checkout under /tmp (as CI's clone may be): the sandbox's private /tmp must not hide the
+    site-packages the solution imports from; they are bound back into it, read-only. Failed before: every
+    solution importing from such a venv ended 'error' (ModuleNotFoundError behind the fresh tmpfs)."""
+    from pathlib import Path
+
+    from hyflow.rewards import sandbox
+
+    top = Path(tempfile.mkdtemp(prefix="hyflow_site_", dir="/tmp"))
+    try:
+        os.chmod(top, 0o755)  # the sandbox may run as a fresh uid
+        site = top / "site-packages"
+        site.mkdir(mode=0o755)
+        (site / "hyflow_probe_module.py").write_text("VALUE = 42\n")
+        os.chmod(site / "hyflow_probe_module.py", 0o644)
+        monkeypatch.setattr(sandbox, "_SITE_PACKAGES", [*sandbox._SITE_PACKAGES, str(site)])
+        result = run_code("import hyflow_probe_module\nprint(hyflow_probe_module.VALUE)")
+        assert result.status == "ok" and result.stdout == "42\n", result
+        result = run_code(f"open({str(site / 'planted.py')!r}, 'w').write('x')\nprint('wrote')")
+        assert "wrote" not in result.stdout and not (site / "planted.py").exists()
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
