@@ -208,7 +208,9 @@ def test_one_step_off_and_fully_async_learn_like_the_synchronous_run(warm, tmp_p
     """From the quickstart's SFT warm start, 16 GRPO steps: the synchronous run in one process, one-step
     off-policy and fully async on 2 Ray workers (one rollout, one trainer) learn alike. Compared on the training
     score of the last 6 steps (6 x 16 prompts x 8 samples = 768 samples each), not on a greedy validation of 32
-    prompts, where 0.08 is 2-3 prompts and rounding decides. MARGINS: see tests/learning.py's report."""
+    prompts, where 0.08 is 2-3 prompts and rounding decides. Margins measured, seed 0 under
+    ATEN_CPU_CAPABILITY=default (AMD EPYC): sync rise +0.063 over its 0.05; one_step_off +0.077 and fully_async
+    +0.081 over sync's last-6 score minus 0.08."""
     runs = {"sync": learn(warm, tmp_path / "sync"),
             "one_step_off": learn(warm, tmp_path / "one", "async_training.mode=one_step_off", *POOLS),
             "fully_async": learn(warm, tmp_path / "full", "async_training.mode=fully_async", *POOLS,

@@ -101,7 +101,9 @@ def grpo(warm, run_dir, steps, *extra):
 def test_grpo_with_the_calculator_learns_to_call_it(tool_warm, tmp_path):
     """30 GRPO steps through the agent loop raise the share of sampled answers that call the calculator and the
     score with it (first 6 steps against the last 6). The premise (the warm start's calls work) is the fixture's.
-    MARGINS: see the note of the session that measured them (tools/learning_margins.py prints the table)."""
+    Margins measured, seed 0 on this AMD EPYC (avx512, 1 thread, the 2,500-step warm start): tool-call share
+    0.50 -> 0.84 (+0.25 over its 0.08), score 0.33 -> 0.61 (+0.24 over its 0.04); the warm start's greedy calls
+    worked in 4 of 6."""
     history = grpo(tool_warm, tmp_path / "grpo", 30)
     first = history[1]  # history[0] is the validation before training
     # the run went through the agent loop: tool turns, their metrics, rollout/trainer agreement
