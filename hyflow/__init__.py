@@ -9,19 +9,8 @@ from hyflow.threads import quiet_openmp_waits as _quiet_openmp_waits
 
 _quiet_openmp_waits()  # OMP_WAIT_POLICY=PASSIVE unless set, before anything imports torch (see hyflow/threads.py)
 
-# The version in pyproject.toml, used only when hyflow runs from a source tree that is not installed (a test in
-# tests/test_packaging.py keeps the two equal).
-_SOURCE_VERSION = "0.1.0"
-
-
-def _distribution_version() -> str:
-    """The installed distribution's version (what pip reports), else the source tree's."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("hyflow")
-    except PackageNotFoundError:
-        return _SOURCE_VERSION
+from hyflow.version import SOURCE_VERSION as _SOURCE_VERSION  # noqa: E402, F401 (tests/test_packaging.py)
+from hyflow.version import distribution_version as _distribution_version  # noqa: E402
 
 
 def _algorithm_catalog():

@@ -67,8 +67,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from hyflow import __version__ as HYFLOW_VERSION
 from hyflow.serialization import CheckpointSecurityError, load_plain_data  # noqa: F401 (re-exported)
+from hyflow.version import distribution_version
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST_FILE = "manifest.json"
@@ -572,7 +572,7 @@ class CheckpointManager:
             "format": MANIFEST_FORMAT,
             "format_version": MANIFEST_VERSION,
             "step": step,
-            "hyflow_version": HYFLOW_VERSION,
+            "hyflow_version": distribution_version(),
             "torch_version": torch.__version__,
             "saved_at": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
             "saved_at_unix": now,
