@@ -265,7 +265,7 @@ def config_reference() -> str:
     from hyflow.config.support import NOT_SUPPORTED
 
     kinds = {(e.schema, e.key): e.kind for e in support.table()}
-    parts = [header("the help texts of hyflow/config/schema.py and hyflow/config/sft_schema.py"), """\
+    parts = [header("the help texts of hyflow/config/schema/ and hyflow/config/sft_schema.py"), """\
 # Config reference
 
 Every key of the two trainers, one table per section, with the help text `hyflow config` prints next to each

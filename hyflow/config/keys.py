@@ -196,3 +196,23 @@ def format_value(value: Any) -> str:
 
     text = yaml.safe_dump(value, default_flow_style=True, width=10**9).strip()
     return text.removesuffix("\n...").removesuffix("...").strip()
+
+
+def check_choices(node: Any, prefix: str = "") -> list[str]:
+    """One problem per leaf of dataclass `node` (recursively) whose value is not in its field's `choices`."""
+    problems = []
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            problems += check_choices(value, key + ".")
+        elif "choices" in f.metadata and value not in f.metadata["choices"]:
+            problems.append(not_one_of(key, value, f.metadata["choices"]))
+    return problems
+
+
+def not_one_of(key: str, value: Any, choices: Any) -> str:
+    """`key=value is not one of: a, b. Did you mean 'a'? Set key to one of them.` (closest: difflib ratio >= 0.5)."""
+    names = [str(c) if c is not None else "null" for c in choices]
+    close = difflib.get_close_matches(str(value), names, n=1, cutoff=0.5)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return f"{key}={value!r} is not one of: {', '.join(names)}.{hint} Set {key} to one of them."

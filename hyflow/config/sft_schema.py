@@ -26,17 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hyflow.config.keys import ConfigError
+from hyflow.config.keys import ConfigError, check_choices
 from hyflow.config.loader import load_config
 from hyflow.config.lora import lora_settings
 from hyflow.config.schema import (
     RayKwargsConfig,
-    _holds_interpolation,
-    _resolve_interpolations,
+    holds_interpolation,
     option,
+    resolve_interpolations,
     section,
 )
-from hyflow.config.validate import _check_choices
 
 
 @dataclass
@@ -234,8 +233,8 @@ class SFTConfig:
     ray_kwargs: RayKwargsConfig = section(RayKwargsConfig, "Ray cluster options (trainer.executor=ray; hyflow).")
 
     def __post_init__(self) -> None:
-        if _holds_interpolation(self):
-            _resolve_interpolations(self)
+        if holds_interpolation(self):
+            resolve_interpolations(self)
 
 
 def load_sft_config(overrides: Sequence[str] = (), config_file: str | Path | None = None) -> SFTConfig:
@@ -284,7 +283,7 @@ def validate_sft_config(cfg: SFTConfig) -> None:
     rules with W = trainer.nnodes x trainer.n_gpus_per_node devices: `train_batch_size % W == 0` (every device
     gets an equal share) and, without use_dynamic_bsz, `train_batch_size % (micro_batch_size_per_gpu x W) == 0`
     (whole micro-batches on every device)."""
-    problems = _check_choices(cfg, cfg, "")
+    problems = check_choices(cfg)
     data, t = cfg.data, cfg.trainer
     for key, value in (("data.train_batch_size", data.train_batch_size),
                        ("data.micro_batch_size_per_gpu", data.micro_batch_size_per_gpu),

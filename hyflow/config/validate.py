@@ -29,7 +29,7 @@ from hyflow.config.arithmetic import (
     uses_reference,
 )
 from hyflow.config.catalog import algorithm_catalog, component_catalog
-from hyflow.config.keys import ConfigError
+from hyflow.config.keys import ConfigError, check_choices, not_one_of
 from hyflow.config.lora import lora_settings
 from hyflow.config.schema import HyflowConfig
 from hyflow.config.support import not_supported_problems
@@ -41,7 +41,7 @@ R = "actor_rollout_ref.rollout"
 def validate_config(cfg: HyflowConfig, n_devices: int | None = None) -> None:
     """Raise ConfigError listing every problem of `cfg` on `n_devices` devices (default nnodes * n_gpus_per_node)."""
     problems: list[str] = []
-    problems += _check_choices(cfg, cfg, "")
+    problems += check_choices(cfg)
     problems += _check_registered_names(cfg)
     problems += _check_component_names(cfg)
     device_problems = _check_devices(cfg, n_devices)
@@ -130,7 +130,7 @@ def _check_multi_turn(cfg: HyflowConfig) -> list[str]:
         problems.append(f"{R}.multi_turn.tool_timeout={mt.tool_timeout} must be > 0 seconds")
     catalog = component_catalog()
     if catalog is not None and catalog.tool_formats and mt.format not in catalog.tool_formats:
-        problems.append(_not_one_of(f"{R}.multi_turn.format", mt.format, sorted(catalog.tool_formats)))
+        problems.append(not_one_of(f"{R}.multi_turn.format", mt.format, sorted(catalog.tool_formats)))
     return problems
 
 
@@ -256,17 +256,6 @@ def _check_checkpoint_contents(cfg: HyflowConfig) -> list[str]:
 # ---------------------------------------------------------------------------------------- names
 
 
-def _check_choices(cfg: HyflowConfig, node: Any, prefix: str) -> list[str]:
-    problems = []
-    for f in dataclasses.fields(node):
-        value, key = getattr(node, f.name), f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(value):
-            problems += _check_choices(cfg, value, key + ".")
-        elif "choices" in f.metadata and value not in f.metadata["choices"]:
-            problems.append(_not_one_of(key, value, f.metadata["choices"]))
-    return problems
-
-
 def _check_registered_names(cfg: HyflowConfig) -> list[str]:
     catalog = algorithm_catalog()
     if catalog is None:  # config-only use: nothing to check the names against
@@ -274,11 +263,11 @@ def _check_registered_names(cfg: HyflowConfig) -> list[str]:
     problems = []
     if cfg.algorithm.adv_estimator not in catalog.advantage_estimators:
         problems.append(
-            _not_one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, sorted(catalog.advantage_estimators))
+            not_one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, sorted(catalog.advantage_estimators))
         )
     loss_mode = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
     if loss_mode not in catalog.policy_losses:
-        problems.append(_not_one_of(f"{A}.policy_loss.loss_mode", loss_mode, sorted(catalog.policy_losses)))
+        problems.append(not_one_of(f"{A}.policy_loss.loss_mode", loss_mode, sorted(catalog.policy_losses)))
     return problems
 
 
@@ -290,7 +279,7 @@ def _check_component_names(cfg: HyflowConfig) -> list[str]:
     problems = check_loggers(cfg.trainer.logger)
     manager = cfg.reward_model.reward_manager
     if manager not in catalog.reward_managers:
-        problems.append(_not_one_of("reward_model.reward_manager", manager, sorted(catalog.reward_managers)))
+        problems.append(not_one_of("reward_model.reward_manager", manager, sorted(catalog.reward_managers)))
     problems += _check_engine(cfg, catalog)
     return problems
 
@@ -342,13 +331,6 @@ def check_loggers(loggers: Any, key: str = "trainer.logger") -> list[str]:
 def _field_choices(section: Any, name: str) -> tuple[Any, ...]:
     field = next(f for f in dataclasses.fields(section) if f.name == name)
     return tuple(field.metadata.get("choices", ()))
-
-
-def _not_one_of(key: str, value: Any, choices: Any) -> str:
-    names = [str(c) if c is not None else "null" for c in choices]
-    close = difflib.get_close_matches(str(value), names, n=1, cutoff=0.5)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    return f"{key}={value!r} is not one of: {', '.join(names)}.{hint} Set {key} to one of them."
 
 
 # -------------------------------------------------------------------------------------- batches

@@ -31,8 +31,8 @@ from hyflow.config.sft_schema import SFTConfig
 
 HYFLOW = Path(hyflow.__file__).parent
 # Files that name keys without using them: the schemas, the support tables, and the validator's checks.
-NOT_USES = {"config/schema.py", "config/sft_schema.py", "config/support.py", "config/verl_compat.py",
-            "config/validate.py",
+NOT_USES = {*(f"config/schema/{p.name}" for p in (HYFLOW / "config" / "schema").glob("*.py")),
+            "config/sft_schema.py", "config/support.py", "config/verl_compat.py", "config/validate.py",
             # the tool and interaction YAML loaders read their own files' `class_name`/`config` entries, never the
             # run config (they are given a path)
             "tools/registry.py", "interactions/registry.py",
