@@ -77,7 +77,49 @@ def load_config(
             unknown.append(exc)
     _raise_unknown(unknown)
     result = _to_dataclass(cfg, schema)
-    return fold_sft_dict_keys(result) if schema.__name__ == "SFTConfig" else result
+    if schema.__name__ == "SFTConfig":
+        return fold_sft_dict_keys(result)
+    resolve_derived_defaults(result)
+    return result
+
+
+_DERIVED_NOTES = "_derived_default_notes"  # an instance attribute, not a field: config.yaml holds the values only
+
+
+def resolve_derived_defaults(cfg: HyflowConfig) -> None:
+    """Apply, in place and once, the defaults that depend on other keys, so that the config (and the run's
+    config.yaml) says what runs. `load_config` and `validate_config` call it (a HyflowConfig built in code reaches
+    the trainer through validate_config); applying it again changes nothing. Each default applied leaves one line in
+    `derived_default_notes(cfg)`, which the RL trainer prints at start.
+
+    The one derived default: an asynchronous mode (async_training.mode != sync) whose algorithm.rollout_correction
+    names no correction (rollout_is, rollout_rs and bypass_mode unset) gets the one that
+    async_training.off_policy_correction picks: bypass -> rollout_correction.bypass_mode=true (pi_old = the rollout's
+    per-token log-probs); decoupled -> rollout_correction.rollout_is=token (token-level truncated importance weights
+    against them, pi_old recomputed); off -> nothing. Without rollout.calculate_log_probs nothing is applied (the
+    asynchronous mode needs them and validate_config says so).
+    """
+    rc = cfg.algorithm.rollout_correction
+    choice = cfg.async_training.off_policy_correction
+    if cfg.async_training.mode == "sync" or choice == "off" or rc.rollout_is or rc.rollout_rs or rc.bypass_mode:
+        return
+    if not cfg.actor_rollout_ref.rollout.calculate_log_probs:
+        return  # validate_config refuses the asynchronous mode without them, in its own words
+    if choice == "bypass":
+        rc.bypass_mode = True
+        what = "algorithm.rollout_correction.bypass_mode=true: pi_old = the rollout's per-token log-probs"
+    else:
+        rc.rollout_is = "token"
+        what = (f"algorithm.rollout_correction.rollout_is=token at threshold {rc.rollout_is_threshold:g}, pi_old "
+                "recomputed")
+    vars(cfg).setdefault(_DERIVED_NOTES, []).append(
+        f"hyflow: async_training.mode={cfg.async_training.mode}: off-policy correction {what} "
+        f"(async_training.off_policy_correction={choice}; bypass, decoupled or off)")
+
+
+def derived_default_notes(cfg: HyflowConfig) -> list[str]:
+    """The lines `resolve_derived_defaults` left on `cfg` (one per derived default it applied), to print at start."""
+    return list(vars(cfg).get(_DERIVED_NOTES, ()))
 
 
 def config_file_from_hydra_flags(config_path: str | Path | None, config_name: str | None) -> Path | None:

@@ -30,6 +30,7 @@ from hyflow.config.arithmetic import (
 )
 from hyflow.config.catalog import algorithm_catalog, component_catalog
 from hyflow.config.keys import ConfigError, check_choices, not_one_of
+from hyflow.config.loader import resolve_derived_defaults
 from hyflow.config.lora import lora_settings
 from hyflow.config.schema import HyflowConfig
 from hyflow.config.support import not_supported_problems
@@ -39,7 +40,11 @@ R = "actor_rollout_ref.rollout"
 
 
 def validate_config(cfg: HyflowConfig, n_devices: int | None = None) -> None:
-    """Raise ConfigError listing every problem of `cfg` on `n_devices` devices (default nnodes * n_gpus_per_node)."""
+    """Raise ConfigError listing every problem of `cfg` on `n_devices` devices (default nnodes * n_gpus_per_node).
+
+    The derived defaults (`resolve_derived_defaults`) are applied first, so a config built in code is checked as
+    it will run."""
+    resolve_derived_defaults(cfg)
     problems: list[str] = []
     problems += check_choices(cfg)
     problems += _check_registered_names(cfg)

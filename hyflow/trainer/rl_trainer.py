@@ -139,7 +139,10 @@ class RLTrainer:
                                                          dict(cfg.custom_reward_function.reward_kwargs or {}))
         if self.reward_fn is None and not cfg.reward_model.enable:  # the built-in scorers must cover the data
             check_scorers_exist(self._data_sources())
-        self._default_off_policy_correction()
+        from hyflow.config.loader import derived_default_notes
+
+        for note in derived_default_notes(cfg):  # e.g. the off-policy correction an asynchronous mode runs with
+            print(note)
         self.run_dir = Path(cfg.trainer.default_local_dir)
         self.global_step = 0
         self.history: list[dict] = []
@@ -149,26 +152,6 @@ class RLTrainer:
         self._pools: list = []
 
     # ------------------------------------------------------------------ set-up
-    def _default_off_policy_correction(self) -> None:
-        """Asynchronous modes whose algorithm.rollout_correction names no correction: the one
-        async_training.off_policy_correction picks (bypass: pi_old = the rollout's log-probs; decoupled: token-level
-        truncated importance weights against them), written into the config so that config.yaml says what runs."""
-        cfg = self.config
-        rc = cfg.algorithm.rollout_correction
-        choice = cfg.async_training.off_policy_correction
-        if not self.async_mode or choice == "off" or rc.rollout_is or rc.rollout_rs or rc.bypass_mode:
-            return
-        if choice == "bypass":
-            rc.bypass_mode = True
-            what = "algorithm.rollout_correction.bypass_mode=true: pi_old = the rollout's per-token log-probs"
-        else:
-            rc.rollout_is = "token"
-            what = (f"algorithm.rollout_correction.rollout_is=token at threshold {rc.rollout_is_threshold:g}, pi_old "
-                    "recomputed")
-        validate_config(cfg)
-        print(f"hyflow: async_training.mode={cfg.async_training.mode}: off-policy correction {what} "
-              f"(async_training.off_policy_correction={choice}; bypass, decoupled or off)")
-
     def _data_sources(self) -> dict[str, str]:
         """data_source -> the row where it first appears, over the training and validation rows."""
         key, seen = self.config.data.reward_fn_key, {}

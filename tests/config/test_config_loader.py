@@ -608,3 +608,44 @@ def test_sft_config_file_on_verls_sft_base(tmp_path):
     (tmp_path / "sft.yaml").write_text("defaults:\n  - ppo_trainer\n  - _self_\n")
     with pytest.raises(ConfigError, match="verl's base config of this trainer"):
         load_config(config_file=tmp_path / "sft.yaml", schema=SFTConfig)
+
+
+# ------------------------------------------------------------------------------------ derived defaults
+
+ASYNC_MODE = ["async_training.mode=one_step_off", "actor_rollout_ref.rollout.calculate_log_probs=true"]
+BYPASS_NOTE = ("hyflow: async_training.mode=one_step_off: off-policy correction algorithm.rollout_correction."
+               "bypass_mode=true: pi_old = the rollout's per-token log-probs (async_training.off_policy_correction="
+               "bypass; bypass, decoupled or off)")
+
+
+def test_an_asynchronous_mode_gets_its_off_policy_correction_when_the_config_is_built():
+    from hyflow.config.loader import derived_default_notes
+
+    cfg = load_config(ASYNC_MODE)
+    assert cfg.algorithm.rollout_correction.bypass_mode is True
+    assert "bypass_mode: true" in config_to_yaml(cfg)  # config.yaml says what runs
+    assert derived_default_notes(cfg) == [BYPASS_NOTE]
+    decoupled = load_config([*ASYNC_MODE, "async_training.off_policy_correction=decoupled"])
+    rc = decoupled.algorithm.rollout_correction
+    assert (rc.rollout_is, rc.bypass_mode) == ("token", False)
+    assert derived_default_notes(decoupled) == [
+        "hyflow: async_training.mode=one_step_off: off-policy correction algorithm.rollout_correction.rollout_is="
+        f"token at threshold {rc.rollout_is_threshold:g}, pi_old recomputed (async_training.off_policy_correction="
+        "decoupled; bypass, decoupled or off)"]
+    for untouched in ([], [*ASYNC_MODE, "async_training.off_policy_correction=off"],
+                      [*ASYNC_MODE, "algorithm.rollout_correction.rollout_rs=token_k1"]):
+        cfg = load_config(untouched)
+        assert not cfg.algorithm.rollout_correction.bypass_mode and derived_default_notes(cfg) == []
+
+
+def test_validate_config_applies_the_derived_defaults_to_a_config_built_in_code_once():
+    from hyflow.config import validate_config
+    from hyflow.config.loader import derived_default_notes
+
+    cfg = HyflowConfig()
+    cfg.async_training.mode = "one_step_off"
+    cfg.actor_rollout_ref.rollout.calculate_log_probs = True
+    validate_config(cfg)
+    validate_config(cfg)
+    assert cfg.algorithm.rollout_correction.bypass_mode is True
+    assert derived_default_notes(cfg) == [BYPASS_NOTE]
