@@ -11,46 +11,23 @@ collate. Every problem is an error naming the key and the fix.
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from hyflow.batch import Batch
 from hyflow.data.rl_dataset import DataError, collate_prompts
+from hyflow.user_code import accepted_keywords, load_object
 
 REQUIRED_ITEM_KEYS = ("raw_prompt_ids", "data_source", "reward_model", "extra_info")
 
 
 def load_dataset_class(path: str, name: str | None) -> type:
-    """The class `name` defined in the file `path`, checked to be a torch Dataset."""
+    """The class `name` defined in the file `path`, checked to be a torch Dataset (`hyflow.user_code.load_object`,
+    the pair form: FileNotFoundError, ImportError, AttributeError or TypeError naming data.custom_cls)."""
     from torch.utils.data import Dataset
 
-    file = Path(path).expanduser().resolve()
-    if not file.is_file():
-        raise FileNotFoundError(f"data.custom_cls.path={path!r} does not exist (resolved to {file}); give the .py "
-                                "file that defines your Dataset class")
-    if not name:
-        raise ValueError(f"data.custom_cls.path={path!r} is set but data.custom_cls.name is not; set it to the "
-                         "name of the Dataset class in that file")
-    spec = importlib.util.spec_from_file_location(f"hyflow_custom_dataset_{abs(hash(str(file)))}", file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        raise ImportError(f"importing data.custom_cls.path={path!r} failed: {type(exc).__name__}: {exc}") from exc
-    cls = getattr(module, name, None)
-    if cls is None:
-        classes = sorted(n for n, v in vars(module).items() if inspect.isclass(v) and v.__module__ == spec.name)
-        raise AttributeError(f"{file} defines no {name!r} (data.custom_cls.name); classes defined there: "
-                             f"{', '.join(classes) or 'none'}")
-    if not (inspect.isclass(cls) and issubclass(cls, Dataset)):
-        raise TypeError(f"data.custom_cls.name={name!r} in {file} is {cls!r}, not a torch.utils.data.Dataset "
-                        "subclass; subclass hyflow.data.rl_dataset.RLDataset (or torch's Dataset)")
-    return cls
+    return load_object((path, name), what="Dataset class", config_key="data.custom_cls", require="class",
+                       base=Dataset)
 
 
 class _WithCollate:
@@ -74,8 +51,8 @@ def load_custom_dataset(path: str, name: str | None, *, data_files: Any, tokeniz
     """Build the user's dataset (verl's constructor arguments) and check its first item."""
     cls = load_dataset_class(path, name)
     kwargs = {"data_files": data_files, "tokenizer": tokenizer, "processor": processor, "config": config}
-    parameters = inspect.signature(cls.__init__).parameters
-    if "max_samples" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+    accepted = accepted_keywords(cls.__init__)
+    if accepted is None or "max_samples" in accepted:
         kwargs["max_samples"] = max_samples
     dataset = cls(**kwargs)
     if len(dataset) == 0:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 from hyflow.interactions.base import BaseInteraction
-from hyflow.tools.registry import _check_entry, _entry_config, _read_section, import_class
+from hyflow.tools.registry import _check_entry, _entry_config, _read_section, load_entry_class
 
 _EXAMPLE = """interaction:
   - name: my_interaction            # optional
@@ -60,9 +60,7 @@ def initialize_interactions_from_config(
                 f"{where}: interaction[{seen[name]}] and interaction[{index}] are both named '{name}'; "
                 "fix: give each entry a unique `name:`"
             )
-        cls = import_class(
-            entry["class_name"], where, base_dir=file.parent, base=BaseInteraction, methods=_METHODS
-        )
+        cls = load_entry_class(entry, where, file, BaseInteraction, _METHODS)
         config["name"] = name
         try:
             interaction = cls(config=config)

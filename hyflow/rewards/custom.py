@@ -1,15 +1,16 @@
 """User reward functions from a Python file (verl's ``custom_reward_function.{path,name,reward_kwargs}``).
 
-`load_custom_reward_function(path, name, reward_kwargs)` imports the file as a module and returns its function
-`name`, with `reward_kwargs` bound by `functools.partial`. The function has verl's signature
+`load_custom_reward_function(path, name, reward_kwargs)` imports the file as a module (hyflow's one loader of
+user code, `hyflow.user_code.load_object`) and returns its function `name`, with `reward_kwargs` bound by
+`functools.partial`. The function has verl's signature
 
     fn(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float | {"score": float, ...}
 
 (async functions are returned as they are; the caller awaits them). Each file gets a module name derived
-from its resolved path, so two files both called ``reward.py`` do not replace each other in `sys.modules`.
-Mistakes fail at load time, not at the first scored sample: a missing file, a missing or non-callable
-function, a file that raises on import, and `reward_kwargs` keys the function cannot accept each raise an
-error that names the config key to fix.
+from its resolved path, so two files both called ``reward.py`` do not replace each other in `sys.modules`; a
+relative path is taken from the current directory. Mistakes fail at load time, not at the first scored sample:
+a missing file, a missing or non-callable function, a file that raises on import, and `reward_kwargs` keys the
+function cannot accept each raise an error that names the config key to fix.
 
 `normalize_score(result)` turns what a reward function returned into ``(score, extras)``: a number (bool,
 int, float, numpy scalar) gives ``(float(result), {})``; a dict gives ``(float(result["score"]), the other
@@ -19,64 +20,20 @@ naming the returned value.
 
 from __future__ import annotations
 
-import difflib
 import functools
-import hashlib
-import importlib.util
-import inspect
 import math
 import numbers
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
+
+from hyflow.user_code import accepted_keywords, load_object
 
 
-def import_module_file(path: Path, prefix: str = "hyflow_custom_reward", what: str = "custom reward file",
-                       key: str = "custom_reward_function.path") -> ModuleType:
-    """Execute the .py file `path` as a fresh module registered under a name unique to its resolved path,
-    ``<prefix>_<stem>_<hash of path>`` (imported once per process). ImportError naming `what` and the config `key`
-    when the file is not Python or raises while being imported."""
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    stem = "".join(char if char.isalnum() else "_" for char in path.stem)
-    module_name = f"{prefix}_{stem}_{digest}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {path} as Python ({key}); give a .py file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
-    try:
-        spec.loader.exec_module(module)
-    except Exception as error:
-        sys.modules.pop(module_name, None)
-        raise ImportError(
-            f"{what} {path} ({key}) raised {type(error).__name__} while being imported: {error}"
-        ) from error
-    return module
-
-
-def _defined_callables(module: ModuleType) -> list[str]:
-    """Names of the functions and classes the module itself defines (not those it imports)."""
-    return sorted(
-        name
-        for name, value in vars(module).items()
-        if callable(value)
-        and not name.startswith("_")
-        and getattr(value, "__module__", None) == module.__name__
-    )
-
-
-def _check_kwargs(fn: Callable, reward_kwargs: dict, name: str, path: Path) -> None:
+def _check_kwargs(fn: Callable, reward_kwargs: dict, name: str, path: str) -> None:
     """Fail now if `fn` cannot accept a key of `reward_kwargs` (it would fail on every sample otherwise)."""
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # builtins and some C callables have no signature: nothing to check
+    accepted = accepted_keywords(fn)
+    if accepted is None:
         return
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return
-    accepted = {p.name for p in parameters if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
     unknown = sorted(set(reward_kwargs) - accepted)
     if unknown:
         raise TypeError(
@@ -90,35 +47,16 @@ def load_custom_reward_function(
 ) -> Callable:
     """Import `path` and return ``functools.partial(module.<name>, **reward_kwargs)`` (or the bare function).
 
-    Raises FileNotFoundError (no such file), ImportError (the file raised while importing; the original
-    exception is chained), AttributeError (no `name` in the file; lists the callables it defines),
-    TypeError (`name` is not callable, or `reward_kwargs` has keys the function does not accept).
+    Loaded by `hyflow.user_code.load_object` (the pair form); its errors are FileNotFoundError (no such file),
+    ImportError (the file raised while importing; the original exception is chained), AttributeError (no
+    `name` in the file; lists the callables it defines), TypeError (`name` is not callable); a TypeError here
+    when `reward_kwargs` has keys the function does not accept.
     """
-    resolved = Path(path).expanduser().resolve()
-    if not resolved.is_file():
-        raise FileNotFoundError(
-            f"custom reward file {str(path)!r} not found (custom_reward_function.path; resolved to {resolved}); "
-            f"give the path of an existing .py file, absolute or relative to {Path.cwd()}"
-        )
-    module = import_module_file(resolved)
-    if not hasattr(module, name):
-        defined = _defined_callables(module)
-        close = difflib.get_close_matches(name, defined, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise AttributeError(
-            f"{resolved} has no function {name!r} (custom_reward_function.name={name!r}).{hint} "
-            f"Callables defined there: {', '.join(defined) or 'none'}. Set custom_reward_function.name to one of them."
-        )
-    fn = getattr(module, name)
-    if not callable(fn):
-        raise TypeError(
-            f"{name!r} in {resolved} is a {type(fn).__name__}, not a function; "
-            "custom_reward_function.name must name a callable"
-        )
+    fn = load_object((path, name), what="reward function", config_key="custom_reward_function")
     if not reward_kwargs:
         return fn
     reward_kwargs = dict(reward_kwargs)
-    _check_kwargs(fn, reward_kwargs, name, resolved)
+    _check_kwargs(fn, reward_kwargs, name, str(Path(path).expanduser().resolve()))
     return functools.partial(fn, **reward_kwargs)
 
 

@@ -27,23 +27,19 @@ import numpy as np
 import torch
 
 from hyflow.batch import Batch
+from hyflow.registry import Registry
 from hyflow.rewards.custom import normalize_score
 from hyflow.rewards.pool import Outcome, run_calls
 from hyflow.rewards.registry import default_compute_score
 
 logger = logging.getLogger(__name__)
 
-REWARD_MANAGERS: dict[str, type] = {}
+REWARD_MANAGERS = Registry("reward manager")
 
 
 def register_reward_manager(name: str):
-    def decorator(cls):
-        if name in REWARD_MANAGERS:
-            raise ValueError(f"reward manager {name!r} is already registered")
-        REWARD_MANAGERS[name] = cls
-        return cls
-
-    return decorator
+    """Register a reward-manager class under `name` (reward_model.reward_manager; verl's decorator)."""
+    return REWARD_MANAGERS.register(name)
 
 
 @dataclass
@@ -271,7 +267,6 @@ class BatchRewardManager(_BaseManager):
 
 
 def make_reward_manager(name: str, tokenizer, **kwargs):
-    """The reward manager registered as `name` (reward_model.reward_manager)."""
-    if name not in REWARD_MANAGERS:
-        raise ValueError(f"unknown reward manager {name!r}; choose one of {', '.join(sorted(REWARD_MANAGERS))}")
-    return REWARD_MANAGERS[name](tokenizer, **kwargs)
+    """The reward manager registered as `name` (reward_model.reward_manager; an unknown name is a ValueError
+    naming the closest)."""
+    return REWARD_MANAGERS.get(name)(tokenizer, **kwargs)

@@ -2,41 +2,52 @@
 
 A scorer has verl's signature `compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)`
 and returns a float or a dict with a `score` key (extra keys become metrics and validation columns).
-Built-in scorers register themselves for one or more data-source names; `default_compute_score` dispatches.
+`SCORERS` (a `hyflow.registry.Registry`) maps each data-source name to its scorer: the built-in ones are lazy
+entries listed here, in one place (each scorer module is imported when a row of its source is first scored, and
+imports nothing of this module); `register_scorer` adds more. `default_compute_score` dispatches.
 """
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 
-SCORERS: dict[str, Callable] = {}
+from hyflow.registry import Registry
+from hyflow.rewards.scorers import require_ground_truth
+
+__all__ = ["SCORERS", "check_scorers_exist", "default_compute_score", "get_scorer", "register_scorer",
+           "require_ground_truth"]
+
+_BUILTIN = {
+    "hyflow.rewards.scorers.arithmetic": ("hyflow/arithmetic", "hyflow/calculator"),
+    "hyflow.rewards.scorers.code": ("codecontests", "apps", "codeforces", "taco", "code"),
+    "hyflow.rewards.scorers.countdown": ("hyflow/countdown", "countdown"),
+    "hyflow.rewards.scorers.gsm8k": ("openai/gsm8k", "gsm8k"),
+    "hyflow.rewards.scorers.math": ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500",
+                                    "math"),
+    "hyflow.rewards.scorers.sorting": ("hyflow/sorting",),
+}
+
+SCORERS = Registry(
+    "reward scorer for data_source",
+    hint="Pass your own with custom_reward_function.path=FILE custom_reward_function.name=FUNC.",
+    lazy={source: f"{module}:compute_score" for module, sources in _BUILTIN.items() for source in sources},
+)
 
 
 def register_scorer(*data_sources: str) -> Callable[[Callable], Callable]:
-    """Register a scorer for each name in `data_sources` (a duplicate name is an error)."""
+    """Register a scorer for each name in `data_sources` (a name taken by another scorer is an error)."""
 
     def decorator(fn: Callable) -> Callable:
         for name in data_sources:
-            if name in SCORERS:
-                raise ValueError(f"a scorer for data_source {name!r} is already registered ({SCORERS[name].__qualname__})")
-            SCORERS[name] = fn
+            SCORERS.register(name, fn)
         return fn
 
     return decorator
 
 
 def get_scorer(data_source: str) -> Callable:
-    """The scorer registered for `data_source`; a clear error naming the closest known source otherwise."""
-    _load_builtin_scorers()
-    if data_source in SCORERS:
-        return SCORERS[data_source]
-    close = difflib.get_close_matches(str(data_source), list(SCORERS), n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise KeyError(
-        f"no built-in scorer for data_source {data_source!r}.{hint} Known: {', '.join(sorted(SCORERS))}. "
-        "Pass your own with custom_reward_function.path=FILE custom_reward_function.name=FUNC."
-    )
+    """The scorer registered for `data_source`; a KeyError naming the closest known source otherwise."""
+    return SCORERS.get(data_source)
 
 
 def check_scorers_exist(first_seen: dict[str, str]) -> None:
@@ -44,30 +55,16 @@ def check_scorers_exist(first_seen: dict[str, str]) -> None:
 
     Called at start, before any model loads, when the run has no custom reward function and no reward model:
     otherwise every sample of such a source would fail in the reward function at step 1."""
-    _load_builtin_scorers()
     missing = {source: where for source, where in first_seen.items() if source not in SCORERS}
     if not missing:
         return
     listed = "; ".join(f"{source!r} (first in {where})" for source, where in missing.items())
     raise KeyError(
-        f"no scorer for data_source {listed}: hyflow's built-in scorers handle {', '.join(sorted(SCORERS))}. Set "
+        f"no scorer for data_source {listed}: hyflow's built-in scorers handle {', '.join(SCORERS.names())}. Set "
         "custom_reward_function.path=FILE (and .name=FUNC) to score these rows, enable a reward model "
         "(reward_model.enable=true), or fix the rows' data_source (data.reward_fn_key names the column)")
-
-
-def require_ground_truth(ground_truth, data_source) -> None:
-    """ValueError for a missing reference answer (None, NaN, empty): a scorer must not compare against 'None'."""
-    missing = ground_truth is None or (isinstance(ground_truth, float) and ground_truth != ground_truth) or (
-        isinstance(ground_truth, str) and not ground_truth.strip())
-    if missing:
-        raise ValueError(f"no ground truth for data_source {data_source!r} (got {ground_truth!r}); the row needs "
-                         "reward_model.ground_truth")
 
 
 def default_compute_score(data_source: str, solution_str: str, ground_truth, extra_info=None, **kwargs):
     """Score one sample with the built-in scorer registered for its `data_source`."""
     return get_scorer(data_source)(data_source, solution_str, ground_truth, extra_info=extra_info, **kwargs)
-
-
-def _load_builtin_scorers() -> None:
-    import hyflow.rewards.scorers  # noqa: F401  (importing registers the built-in scorers)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import difflib
 import json
 import time
 import uuid
@@ -55,11 +54,18 @@ import numpy as np
 import torch
 
 from hyflow.batch import Batch
+from hyflow.registry import Registry
 from hyflow.rollout.base import SamplingParams
 from hyflow.rollout.output import assemble_rollout
-from hyflow.rollout.tool_parser import FunctionCall, MalformedCall, ToolParser, check_arguments
-from hyflow.tools.registry import import_class
+from hyflow.rollout.tool_parser import (
+    FunctionCall,
+    MalformedCall,
+    ToolParser,
+    check_arguments,
+    make_tool_parser,
+)
 from hyflow.tools.runner import DaemonExecutor, ToolRunner, ToolThreadsExhausted, ToolTimeout
+from hyflow.user_code import load_object
 
 SEED_STRIDE = 1_000_033  # engine call k of one rollout samples with seed + k * SEED_STRIDE
 
@@ -90,25 +96,20 @@ class AgentLoopOutput:
 
 
 # ---------------------------------------------------------------------------------------------- registry
-AGENT_LOOPS: dict[str, type[AgentLoopBase] | Callable[..., AgentLoopBase]] = {}
+AGENT_LOOPS = Registry("agent loop", hint="Register one with @hyflow.rollout.agent_loop.register(name) or "
+                                          "rollout.agent.agent_loop_config_path.")
 AGENT_LOOP_KWARGS: dict[str, dict[str, Any]] = {}
 
 
 def register(name: str):
-    """Register an agent loop class under `name` (the `agent_name` column of a row picks it)."""
-
-    def decorator(cls):
-        if name in AGENT_LOOPS and AGENT_LOOPS[name] is not cls:
-            raise ValueError(f"an agent loop named {name!r} is already registered ({AGENT_LOOPS[name]})")
-        AGENT_LOOPS[name] = cls
-        return cls
-
-    return decorator
+    """Register an agent loop class under `name` (the `agent_name` column of a row picks it); verl's decorator."""
+    return AGENT_LOOPS.register(name)
 
 
 def load_agent_loop_config(path: str | None) -> None:
     """Register the loops of a verl `agent_loop_config_path` YAML: a list of `{name, _target_: module.Class,
-    **kwargs}`; the extra keys are passed to the loop's constructor."""
+    **kwargs}` (`_target_` may also be `path/to/file.py:Class`, looked up from the current directory, then the
+    YAML's); the extra keys are passed to the loop's constructor. A name already registered is replaced."""
     if not path:
         return
     from omegaconf import OmegaConf
@@ -125,14 +126,15 @@ def load_agent_loop_config(path: str | None) -> None:
             raise ValueError(f"{where}: entry {i} needs `name` and `_target_` (module.Class), got {entry!r}")
         entry = dict(entry)
         name, target = entry.pop("name"), entry.pop("_target_")
-        cls = import_class(target, f"{where} entry {i}", base_dir=Path(path).parent, base=AgentLoopBase,
-                           methods=("run",))
-        AGENT_LOOPS[name] = cls
+        AGENT_LOOPS[name] = load_object(target, what="agent loop class", config_key=f"{where} entry {i}: _target_",
+                                        require="class", base=AgentLoopBase, methods=("run",),
+                                        search=(Path.cwd(), Path(path).parent))
         AGENT_LOOP_KWARGS[name] = entry
 
 
 def agent_loop_names() -> list[str]:
-    return sorted(AGENT_LOOPS)
+    """Every registered agent loop name, sorted."""
+    return AGENT_LOOPS.names()
 
 
 # ---------------------------------------------------------------------------------------------- the server
@@ -369,7 +371,7 @@ class ToolAgentLoop(AgentLoopBase):
         self.tool_schemas = [t.tool_schema.model_dump(exclude_unset=True, exclude_none=True)
                              for t in self.tools.values()]
         if self.tool_parser is None:
-            self.tool_parser = ToolParser.get_tool_parser(mt.format, self.tokenizer)
+            self.tool_parser = make_tool_parser(mt.format, self.tokenizer)
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         data = AgentData(messages=[dict(m) for m in kwargs["raw_prompt"]], request_id=uuid.uuid4().hex,
@@ -620,7 +622,7 @@ class AgentLoopManager:
         self.default_agent = agent.default_agent_loop
         self.num_workers = max(1, int(agent.num_workers))
         self.multi_turn = bool(rollout_config.multi_turn.enable)
-        self.tool_parser = ToolParser.get_tool_parser(rollout_config.multi_turn.format, tokenizer)
+        self.tool_parser = make_tool_parser(rollout_config.multi_turn.format, tokenizer)
         # tool calls run on these threads (at most max(64, num_workers) at once), so a timeout can end them
         self.tool_runner = ToolRunner(max_threads=max(64, self.num_workers))
         self._stuck_reported = 0
@@ -633,11 +635,7 @@ class AgentLoopManager:
         names = [self.default_agent if _is_empty(name) else str(name) for name in names]
         unknown = sorted({name for name in names if name not in AGENT_LOOPS})
         if unknown:
-            close = difflib.get_close_matches(unknown[0], list(AGENT_LOOPS), n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"agent loop {unknown[0]!r} (the rows' agent_name, or rollout.agent.default_agent_loop) "
-                             f"is not registered.{hint} Known: {', '.join(agent_loop_names())}; register one with "
-                             "@hyflow.rollout.agent_loop.register(name) or rollout.agent.agent_loop_config_path")
+            raise AGENT_LOOPS.unknown(unknown[0], " (the rows' agent_name, or rollout.agent.default_agent_loop)")
         if not self.multi_turn and any(name != "single_turn_agent" for name in names):
             other = next(name for name in names if name != "single_turn_agent")
             raise ValueError(f"rows ask for the agent loop {other!r} but actor_rollout_ref.rollout.multi_turn.enable "

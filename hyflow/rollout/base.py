@@ -4,14 +4,13 @@ An engine turns prompt token ids into response token ids (never text): `generate
 with verl's keys (`hyflow.rollout.output`), `update_weights(buckets)` to receive the trainer's weights after an
 update (all or nothing), `sleep()` / `wake()` to give memory back while the trainer runs. `make_engine(name,
 EngineSpec(...))` builds the engine registered as `actor_rollout_ref.rollout.name` for one rank from the model
-path, device, rollout config and, for `hf`, the trainer's own module. Engine modules are imported on first use
-(`ENGINE_MODULES`), so importing this module loads no engine and no vLLM.
+path, device, rollout config and, for `hf`, the trainer's own module. `ENGINES` is a `hyflow.registry.Registry`
+whose built-in entries are lazy (`hf`, `vllm`: imported on first use), so importing this module loads no engine
+and no vLLM.
 """
 
 from __future__ import annotations
 
-import difflib
-import importlib
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from hyflow.batch import Batch
+from hyflow.registry import Registry
 
 
 @dataclass
@@ -99,9 +99,10 @@ class EngineSpec:
     world_size: int = 1
 
 
-# name -> the module whose import registers it. Loaded on first use, so `hyflow.rollout.base` imports no engine
-# (and no vLLM) and an engine module may import anything below the rollout layer without a cycle.
-ENGINE_MODULES: dict[str, str] = {"hf": "hyflow.rollout.hf", "vllm": "hyflow.rollout.vllm"}
+# name -> where the engine lives, imported on first use, so `hyflow.rollout.base` imports no engine (and no vLLM)
+# and an engine module may import anything below the rollout layer without a cycle.
+ENGINES = Registry("rollout engine", lazy={"hf": "hyflow.rollout.hf:HFRolloutEngine",
+                                           "vllm": "hyflow.rollout.vllm:VLLMRolloutEngine"})
 # name -> (the import it needs, what to install on CUDA, what to install on CPU); checked at config time.
 ENGINE_REQUIREMENTS: dict[str, tuple[str, str, str]] = {
     "vllm": ("vllm", "pip install vllm (a CUDA build)",
@@ -114,24 +115,16 @@ ENGINES_NOT_BUILT: dict[str, str] = {
               "build for AMX Xeons); use vllm or hf",
     "trtllm": "the TensorRT-LLM engine is not built yet; use vllm or hf",
 }
-ENGINES: dict[str, Callable[[EngineSpec], RolloutEngine]] = {}
 
 
 def register_engine(name: str) -> Callable:
     """Register a builder `EngineSpec -> engine` under `name` (a duplicate name is an error)."""
-
-    def decorator(factory: Callable[[EngineSpec], RolloutEngine]) -> Callable[[EngineSpec], RolloutEngine]:
-        if name in ENGINES:
-            raise ValueError(f"rollout engine {name!r} is already registered")
-        ENGINES[name] = factory
-        return factory
-
-    return decorator
+    return ENGINES.register(name)
 
 
 def engine_names() -> list[str]:
-    """Every engine name this install can build or load (registered, or known by module)."""
-    return sorted(set(ENGINES) | set(ENGINE_MODULES))
+    """Every engine name this install can build or load (registered, or known lazily by module)."""
+    return ENGINES.names()
 
 
 def missing_requirement(name: str, device: str = "cpu") -> str | None:
@@ -157,18 +150,12 @@ def make_engine(name: str, spec: EngineSpec | None = None, **kwargs) -> RolloutE
     """
     if name in ENGINES_NOT_BUILT:
         raise ValueError(f"actor_rollout_ref.rollout.name={name}: {ENGINES_NOT_BUILT[name]}")
-    if name not in ENGINES and name in ENGINE_MODULES:
-        device = torch.device(spec.device).type if spec is not None else "cpu"
-        needs = missing_requirement(name, device)
-        if needs is not None:
-            raise ValueError(f"actor_rollout_ref.rollout.name={name} needs a package that is not installed in "
-                             f"this Python ({sys.executable}): {needs}")
-        importlib.import_module(ENGINE_MODULES[name])
-    if name not in ENGINES:
-        close = difflib.get_close_matches(name, engine_names(), n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown rollout engine {name!r}.{hint} Known: {', '.join(engine_names())}.")
-    factory = ENGINES[name]
+    device = torch.device(spec.device).type if spec is not None else "cpu"
+    needs = missing_requirement(name, device)  # before importing the engine's module (found without importing)
+    if needs is not None:
+        raise ValueError(f"actor_rollout_ref.rollout.name={name} needs a package that is not installed in "
+                         f"this Python ({sys.executable}): {needs}")
+    factory = ENGINES.get(name)
     if spec is None:
         return factory(**kwargs)
     if kwargs:

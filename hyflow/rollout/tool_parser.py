@@ -1,20 +1,22 @@
 """Tool-call parsers: the text of one assistant turn -> its content and the tool calls it makes.
 
 Parsers are registered by name (`rollout.multi_turn.format`, verl's key): `hermes` (Qwen2.5 / Hermes,
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) is built in; `@ToolParser.register("mine")` adds
-one. A parser never raises on the policy's output: every call it cannot read (bad JSON, no name, arguments that
-are not an object, a `<tool_call>` never closed) comes back as a `MalformedCall` with the reason, which the
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) is built in; `@register_tool_parser("mine")` (verl's
+spelling `@ToolParser.register("mine")` also works) adds one to `TOOL_PARSERS`. A parser never raises on the
+policy's output: every call it cannot read (bad JSON, no name, arguments that are not an object, a
+`<tool_call>` never closed) comes back as a `MalformedCall` with the reason, which the
 agent loop turns into an error message in the tool turn and counts (`tool/malformed_calls`).
 """
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from hyflow.registry import Registry
 
 
 @dataclass
@@ -48,7 +50,7 @@ class ToolParser(ABC):
     """Base class: `parse(text) -> ParsedTurn`; `stop_token_ids` are extra ids at which a turn must stop so the
     parser can run (empty for formats whose models end the turn with EOS after a call, as hermes does)."""
 
-    registry: ClassVar[dict[str, type[ToolParser]]] = {}
+    registry: ClassVar[Registry]  # = TOOL_PARSERS, set below
 
     def __init__(self, tokenizer=None) -> None:
         self.tokenizer = tokenizer
@@ -67,26 +69,33 @@ class ToolParser(ABC):
 
     @classmethod
     def register(cls, name: str):
-        def decorator(subclass: type[ToolParser]) -> type[ToolParser]:
-            if name in cls.registry and cls.registry[name] is not subclass:
-                raise ValueError(f"a tool parser named {name!r} is already registered ({cls.registry[name]})")
-            cls.registry[name] = subclass
-            return subclass
-
-        return decorator
+        """verl's spelling of `register_tool_parser(name)`: a decorator registering a parser class."""
+        return TOOL_PARSERS.register(name)
 
     @classmethod
     def get_tool_parser(cls, name: str, tokenizer=None) -> ToolParser:
-        if name not in cls.registry:
-            close = difflib.get_close_matches(name, list(cls.registry), n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"unknown tool-call format {name!r} (actor_rollout_ref.rollout.multi_turn.format).{hint} "
-                             f"Known: {', '.join(sorted(cls.registry))}; register your own with "
-                             "@hyflow.rollout.tool_parser.ToolParser.register(name)")
-        return cls.registry[name](tokenizer)
+        """verl's spelling of `make_tool_parser(name, tokenizer)`."""
+        return make_tool_parser(name, tokenizer)
 
 
-@ToolParser.register("hermes")
+TOOL_PARSERS = Registry("tool-call format", hint="Register your own with "
+                                                 "@hyflow.rollout.tool_parser.register_tool_parser(name).")
+ToolParser.registry = TOOL_PARSERS  # verl's attribute
+
+
+def register_tool_parser(name: str):
+    """Register a `ToolParser` subclass as the format `name` (`rollout.multi_turn.format`)."""
+    return TOOL_PARSERS.register(name)
+
+
+def make_tool_parser(name: str, tokenizer=None) -> ToolParser:
+    """The parser registered as `name`, over `tokenizer`; an unknown name is a ValueError naming the closest."""
+    if name not in TOOL_PARSERS:
+        raise TOOL_PARSERS.unknown(name, " (actor_rollout_ref.rollout.multi_turn.format)")
+    return TOOL_PARSERS.get(name)(tokenizer)
+
+
+@register_tool_parser("hermes")
 class HermesToolParser(ToolParser):
     """`<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>`, any number per turn.
 

@@ -29,19 +29,16 @@ than ``native``, a ``tool_schema`` that does not validate, two tools with the sa
 from __future__ import annotations
 
 import difflib
-import importlib
-import importlib.util
 import os
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from pydantic import ValidationError
 
-from hyflow.rewards.custom import import_module_file
 from hyflow.tools.base import BaseTool
 from hyflow.tools.schemas import OpenAIFunctionToolSchema
+from hyflow.user_code import load_object
 
 _TOOLS_EXAMPLE = """tools:
   - class_name: my_package.my_module.MyTool
@@ -122,105 +119,13 @@ def _entry_config(entry: dict, where: str) -> dict:
     return dict(config)
 
 
-def _import_file(file: Path, where: str) -> ModuleType:
-    """Import a .py file under a module name unique to its resolved path (imported once per process)."""
-    try:
-        return import_module_file(file, prefix="hyflow_user", what="the file", key=where)
-    except ImportError as error:
-        raise ValueError(f"{where}: {error}; fix that file") from error
-
-
-def _import_module(module_name: str, where: str) -> ModuleType:
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        missing = error.name or ""
-        if missing and (module_name == missing or module_name.startswith(missing + ".")):
-            raise ValueError(
-                f"{where}: cannot import module '{module_name}' (ModuleNotFoundError: {error}); fix: check "
-                "the spelling of class_name, install the package or put its directory on PYTHONPATH, or name "
-                "a file as `path/to/file.py:ClassName`"
-            ) from error
-        raise ValueError(
-            f"{where}: importing module '{module_name}' failed: {error} (raised while the module "
-            f"imports its dependencies); fix: install '{missing}'"
-        ) from error
-    except Exception as error:
-        raise ValueError(
-            f"{where}: importing module '{module_name}' raised {type(error).__name__}: {error}; "
-            "fix that module"
-        ) from error
-
-
-def import_class(
-    class_name: str,
-    where: str,
-    *,
-    base_dir: Path,
-    base: type,
-    methods: tuple[str, ...],
-) -> type:
-    """The class named by `class_name` (``package.module.Class`` or ``path/to/file.py:Class``), checked to be
-    a subclass of `base` or to have the callables `methods` (duck typing, as verl allows)."""
-    class_name = class_name.strip()
-    file_part, colon, attr = class_name.rpartition(":")
-    if colon and file_part.endswith(".py"):
-        given = Path(file_part).expanduser()
-        candidates = [given] if given.is_absolute() else [Path.cwd() / given, base_dir / given]
-        found = next((path.resolve() for path in candidates if path.is_file()), None)
-        if found is None:
-            tried = " and ".join(str(path) for path in candidates)
-            raise ValueError(
-                f"{where}: class_name '{class_name}' names the file {file_part}, which does not exist "
-                f"(looked at {tried}); fix the path (relative paths are looked up from the current "
-                "directory, then from the YAML file's directory)"
-            )
-        module = _import_file(found, where)
-        module_label = str(found)
-    else:
-        module_name, dot, attr = class_name.rpartition(".")
-        if not dot or not module_name or not attr:
-            raise ValueError(
-                f"{where}: class_name '{class_name}' must be a dotted import path "
-                "`package.module.ClassName` or a file `path/to/file.py:ClassName`"
-            )
-        module = _import_module(module_name, where)
-        module_label = module_name
-
-    def is_candidate(value: Any) -> bool:
-        return isinstance(value, type) and (
-            issubclass(value, base) or all(callable(getattr(value, name, None)) for name in methods)
-        )
-
-    cls = getattr(module, attr, None)
-    if cls is None:
-        public = [name for name in vars(module) if not name.startswith("_")]
-        close = difflib.get_close_matches(attr, public, n=3)
-        offered = sorted(
-            name
-            for name in public
-            if is_candidate(getattr(module, name)) and getattr(module, name) is not base
-        )
-        message = f"{where}: module '{module_label}' has no class '{attr}'"
-        if close:
-            message += f"; did you mean {', '.join(repr(name) for name in close)}?"
-        if offered:
-            message += f" ({base.__name__} classes in that module: {', '.join(offered)})"
-        else:
-            message += f" (that module defines no {base.__name__} class)"
-        raise ValueError(message + "; fix class_name")
-    if not isinstance(cls, type):
-        raise ValueError(
-            f"{where}: '{class_name}' is a {type(cls).__name__}, not a class; class_name must name "
-            f"a {base.__name__} subclass"
-        )
-    if not is_candidate(cls):
-        lacking = [name for name in methods if not callable(getattr(cls, name, None))]
-        raise ValueError(
-            f"{where}: '{class_name}' is not a {base.__name__} (it lacks {', '.join(lacking)}); fix: "
-            f"subclass {base.__module__.rsplit('.', 1)[0]}.{base.__name__}"
-        )
-    return cls
+def load_entry_class(entry: dict, where: str, file: Path, base: type, methods: tuple[str, ...]) -> type:
+    """The class an entry's `class_name` names (``package.module.Class`` or ``path/to/file.py:Class``, a relative
+    path looked up from the current directory, then from the YAML file's directory), checked to be a subclass
+    of `base` or to have the callables `methods` (duck typing, as verl allows): `hyflow.user_code.load_object`,
+    its errors (ValueErrors) naming the YAML file and the entry."""
+    return load_object(entry["class_name"], what=f"{base.__name__} class", config_key=f"{where}: class_name",
+                       require="class", base=base, methods=methods, search=(Path.cwd(), file.parent))
 
 
 def initialize_tools_from_config(tools_config_file: str | os.PathLike) -> list[BaseTool]:
@@ -238,9 +143,7 @@ def initialize_tools_from_config(tools_config_file: str | os.PathLike) -> list[B
                 f"{where}: config.type '{tool_type}' is not supported; hyflow (like verl) has only "
                 "native tools: set `type: native` or leave it out"
             )
-        cls = import_class(
-            entry["class_name"], where, base_dir=file.parent, base=BaseTool, methods=_TOOL_METHODS
-        )
+        cls = load_entry_class(entry, where, file, BaseTool, _TOOL_METHODS)
         schema = None
         if entry.get("tool_schema") is not None:
             try:

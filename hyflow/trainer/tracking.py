@@ -43,7 +43,6 @@ best validation metric, run directory, last checkpoint and the `hyflow export` c
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import importlib
 import json
@@ -63,9 +62,10 @@ from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
+from hyflow.registry import Registry, UnknownNameError, closest_names
+
 METRICS_FILE = "metrics.jsonl"
 GENERATIONS_DIR = "generations"
-VALID_LOGGERS = ("console", "file", "tensorboard", "wandb", "mlflow", "swanlab")
 GENERATION_COLUMNS = ("input", "output", "score")
 
 # What the console prints, in this order (fnmatch patterns; `*` also matches `/`).
@@ -144,11 +144,6 @@ def json_safe(value: Any) -> Any:
     if callable(getattr(value, "tolist", None)):  # torch tensors, numpy arrays and scalars
         return json_safe(value.tolist())
     return str(value)
-
-
-def _closest(name: str, choices: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.5)
-    return f" Did you mean {close[0]!r}?" if close else ""
 
 
 def _import_backend(module: str, logger: str) -> Any:
@@ -509,6 +504,19 @@ class SwanlabLogger:
 
 # ------------------------------------------------------------------------------------ tracker
 
+# trainer.logger name -> builder(run_dir, project_name, experiment_name, config, console_stream) -> backend.
+TRACKERS = Registry("logger")
+TRACKERS.register("console", lambda run_dir, project, experiment, config, stream: ConsoleLogger(stream))
+TRACKERS.register("file", lambda run_dir, project, experiment, config, stream: FileLogger(run_dir))
+TRACKERS.register("tensorboard", lambda run_dir, project, experiment, config, stream: TensorBoardLogger(run_dir))
+TRACKERS.register("wandb", lambda run_dir, project, experiment, config, stream: WandbLogger(
+    run_dir, project, experiment, config))
+TRACKERS.register("mlflow", lambda run_dir, project, experiment, config, stream: MlflowLogger(
+    run_dir, project, experiment, config))
+TRACKERS.register("swanlab", lambda run_dir, project, experiment, config, stream: SwanlabLogger(
+    run_dir, project, experiment, config))
+VALID_LOGGERS = tuple(TRACKERS)  # in registration order, as the error message lists them
+
 
 def logger_packages() -> dict[str, tuple[str, str] | None]:
     """Every logger name -> (the package it imports, how to install it), or None for the built-in ones.
@@ -523,11 +531,10 @@ def check_logger_names(loggers: Sequence[str]) -> tuple[str, ...]:
     if isinstance(loggers, str):
         loggers = [loggers]
     for name in loggers:
-        if name not in VALID_LOGGERS:
-            raise ValueError(
-                f"trainer.logger: unknown logger {name!r}; valid loggers: {', '.join(VALID_LOGGERS)}."
-                f"{_closest(str(name), VALID_LOGGERS)}"
-            )
+        if name not in TRACKERS:
+            close = closest_names(name, TRACKERS, cutoff=0.5)
+            raise UnknownNameError(f"trainer.logger: unknown logger {name!r}; valid loggers: "
+                                   f"{', '.join(VALID_LOGGERS)}." + (f" Did you mean {close[0]!r}?" if close else ""))
     return tuple(dict.fromkeys(loggers))
 
 
@@ -568,14 +575,7 @@ class Tracker:
         self.closed = False
 
     def _make(self, name: str, project: str, experiment: str, config: dict, stream: TextIO | None) -> Any:
-        if name == "console":
-            return ConsoleLogger(stream)
-        if name == "file":
-            return FileLogger(self.run_dir)
-        if name == "tensorboard":
-            return TensorBoardLogger(self.run_dir)
-        service = {"wandb": WandbLogger, "mlflow": MlflowLogger, "swanlab": SwanlabLogger}[name]
-        return service(self.run_dir, project, experiment, config)
+        return TRACKERS.get(name)(self.run_dir, project, experiment, config, stream)
 
     @property
     def metrics_path(self) -> Path:

@@ -80,11 +80,14 @@ def test_a_dataset_without_collate_gets_the_built_in_one(setup, tiny_tokenizer):
 def test_errors_name_the_key(setup, tiny_tokenizer):
     file, data, config = setup
     kw = {"data_files": [data], "tokenizer": tiny_tokenizer, "config": config}
-    with pytest.raises(FileNotFoundError, match=r"data.custom_cls.path='nowhere.py' does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"data.custom_cls.path='nowhere.py' names the file nowhere.py, which "
+                                                r"does not exist \(looked at .*nowhere.py\); fix the path"):
         load_custom_dataset("nowhere.py", "X", **kw)
-    with pytest.raises(AttributeError, match=r"defines no 'Missing' \(data.custom_cls.name\).*ShoutingDataset"):
+    with pytest.raises(AttributeError, match=r"data.custom_cls.name='Missing': the file .*my_data.py has no class "
+                                             r"'Missing'.*Dataset classes defined there: .*ShoutingDataset"):
         load_custom_dataset(str(file), "Missing", **kw)
-    with pytest.raises(TypeError, match="not a torch.utils.data.Dataset subclass"):
+    with pytest.raises(TypeError, match=r"'NotADataset' in the file .* is not a Dataset; fix: subclass "
+                                        r"torch.utils.data.Dataset"):
         load_custom_dataset(str(file), "NotADataset", **kw)
 
 

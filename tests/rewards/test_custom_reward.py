@@ -79,7 +79,7 @@ def test_missing_file_names_the_path_and_the_config_key(tmp_path):
     missing = tmp_path / "nope.py"
     with pytest.raises(
         FileNotFoundError,
-        match=rf"custom reward file '{re.escape(str(missing))}' not found \(custom_reward_function.path",
+        match=rf"custom_reward_function.path='{re.escape(str(missing))}' names the file .*, which does not exist; fix the path",
     ):
         load_custom_reward_function(missing)
 
@@ -88,9 +88,10 @@ def test_missing_function_lists_what_the_file_defines(reward_file):
     with pytest.raises(AttributeError) as info:
         load_custom_reward_function(reward_file, "compute_scor")
     message = str(info.value)
-    assert "has no function 'compute_scor' (custom_reward_function.name='compute_scor')" in message
+    assert "custom_reward_function.name='compute_scor': the file " in message
+    assert "has no function 'compute_scor'." in message
     assert "Did you mean 'compute_score'?" in message
-    assert "Callables defined there: Verdict, compute_score, length_penalty." in message
+    assert "Callables defined there: Verdict, compute_score, length_penalty; fix the name" in message
     assert "dataclass" not in message  # imported names are not listed
 
 
@@ -99,7 +100,7 @@ def test_file_raising_at_import_names_the_file_and_the_exception(tmp_path):
     path.write_text("import json\nCONFIG = json.loads('{bad')\n")
     with pytest.raises(
         ImportError,
-        match=r"custom reward file .*broken.py \(custom_reward_function.path\) raised JSONDecodeError",
+        match=r"custom_reward_function.path='.*broken.py': importing the file .*broken.py raised JSONDecodeError",
     ) as info:
         load_custom_reward_function(path)
     assert "Expecting property name" in str(info.value)

@@ -421,7 +421,8 @@ def test_error_unknown_entry_key(tmp_path):
 
 def test_error_module_not_importable(tmp_path):
     message = loader_error(tmp_path, "tools:\n  - class_name: hyflow.tools.calcuator.CalculatorTool\n")
-    assert "tools[0]: cannot import module 'hyflow.tools.calcuator'" in message
+    assert "tools[0]: class_name='hyflow.tools.calcuator.CalculatorTool': cannot import module 'hyflow.tools.calcuator'" in (
+        message)
     assert "ModuleNotFoundError" in message and "PYTHONPATH" in message
     assert "must be a dotted import path" in loader_error(
         tmp_path, "tools:\n  - class_name: CalculatorTool\n"
@@ -445,12 +446,13 @@ def test_error_module_with_a_missing_dependency(tmp_path, monkeypatch):
 
 def test_error_class_not_in_module(tmp_path, tool_module):
     message = loader_error(tmp_path, f"tools:\n  - class_name: {tool_module}.CountingTol\n")
-    assert f"tools[0]: module '{tool_module}' has no class 'CountingTol'" in message
+    assert f"tools[0]: class_name='{tool_module}.CountingTol': module '{tool_module}' has no class 'CountingTol'" in (
+        message)
     assert (
-        "did you mean 'CountingTool'" in message
-        and "BaseTool classes in that module: CountingTool" in message
+        "Did you mean 'CountingTool'?" in message
+        and "BaseTool classes defined there: CountingTool" in message
     )
-    assert "fix class_name" in message
+    assert "fix the name" in message
 
 
 def test_error_not_a_tool_class(tmp_path, tool_module):

@@ -20,8 +20,6 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
-from hyflow.rewards.registry import register_scorer
-
 _AFTER_MARK_RE = re.compile(r"\s*(-?\s*[0-9][0-9,]*(?:\.[0-9]+)?)")
 _INTEGER_RE = re.compile(r"(?<![\w.])-?[0-9][0-9,]*(?![0-9])")
 METHODS = ("strict", "flexible")
@@ -55,7 +53,6 @@ def extract_answer(solution_str: str, method: str = "strict") -> Decimal | None:
     return None
 
 
-@register_scorer("hyflow/arithmetic", "hyflow/calculator")
 def compute_score(
     data_source,
     solution_str: str,

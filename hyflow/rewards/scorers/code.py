@@ -32,10 +32,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from hyflow.rewards.registry import register_scorer
 from hyflow.rewards.sandbox import SandboxResult, run_code
 
-CODE_DATA_SOURCES = ("codecontests", "apps", "codeforces", "taco", "code")
 FLOAT_TOLERANCE = 1e-6
 _PYTHON_TAGS = {"python", "py", "python3", "py3"}
 _FENCE_RE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)```", re.DOTALL)
@@ -218,7 +216,6 @@ def run_test(
     return found and values_match(value, tests.outputs[index]), result
 
 
-@register_scorer(*CODE_DATA_SOURCES)
 def compute_score(
     data_source,
     solution_str: str,

@@ -23,8 +23,6 @@ import re
 from collections import Counter
 from fractions import Fraction
 
-from hyflow.rewards.registry import register_scorer
-
 MAX_EXPRESSION_CHARS = 200
 _ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BINARY_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
@@ -90,7 +88,6 @@ def _ground_truth(ground_truth) -> tuple[int, list[int], bool, str | None]:
     return int(truth["target"]), [int(n) for n in truth["numbers"]], bool(truth.get("use_all", True)), operators
 
 
-@register_scorer("hyflow/countdown", "countdown")
 def compute_score(
     data_source,
     solution_str: str,

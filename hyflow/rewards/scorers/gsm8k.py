@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
-from hyflow.rewards.registry import register_scorer, require_ground_truth
+from hyflow.rewards.scorers import require_ground_truth
 
 # `####`, then digits, commas, dots with optional minus and `$` (verl's `#### (-?[0-9.,]+)`, spaces tolerated);
 # it stops at the last digit, so a sentence-ending `.` is not part of the number.
@@ -82,7 +82,6 @@ def reference_answer(ground_truth) -> str:
     return normalized if normalized is not None else text.strip()
 
 
-@register_scorer("openai/gsm8k", "gsm8k")
 def compute_score(
     data_source,
     solution_str: str,

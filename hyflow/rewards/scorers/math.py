@@ -31,7 +31,7 @@ import warnings
 from fractions import Fraction
 from types import ModuleType
 
-from hyflow.rewards.registry import register_scorer, require_ground_truth
+from hyflow.rewards.scorers import require_ground_truth
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _TEXT_WRAPPER_RE = re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm)\{([^{}]*)\}")
@@ -232,7 +232,6 @@ def reference_answer(ground_truth) -> str:
     return boxed if boxed is not None else text
 
 
-@register_scorer("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math")
 def compute_score(
     data_source,
     solution_str: str,

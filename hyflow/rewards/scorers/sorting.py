@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import re
 
-from hyflow.rewards.registry import register_scorer
-
 _INTEGER_RE = re.compile(r"-?[0-9]+")
 _SEPARATORS_RE = re.compile(r"[\s,\[\]]*")
 
@@ -31,7 +29,6 @@ def extract_list(solution_str: str) -> list[int] | None:
     return [int(v) for v in values]
 
 
-@register_scorer("hyflow/sorting")
 def compute_score(
     data_source,
     solution_str: str,
