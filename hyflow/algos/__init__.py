@@ -16,6 +16,7 @@ them up and is blind to which one runs.
 
 from hyflow.algos import advantages as advantages  # (importing registers the advantage estimators)
 from hyflow.algos import policy_losses as policy_losses  # (importing registers the policy losses)
+from hyflow.algos.actor_loss import actor_loss
 from hyflow.algos.agg import LOSS_AGG_MODES, agg_loss, loss_normalisers
 from hyflow.algos.kl import (
     AdaptiveKLController,
@@ -50,6 +51,7 @@ __all__ = [
     "POLICY_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
+    "actor_loss",
     "agg_loss",
     "apply_kl_penalty",
     "compute_offpolicy_metrics",

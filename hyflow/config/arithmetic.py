@@ -12,62 +12,15 @@ Micro-batch sizes left unset fall back in a fixed order (documented in the schem
     old log-probs = rollout.log_prob_micro_batch_size_per_gpu | rollout.log_prob_micro_batch_size / D | actor micro
     ref log-probs = ref.log_prob_micro_batch_size_per_gpu | ref.log_prob_micro_batch_size / D | old log-probs
 Workers read these numbers instead of rewriting config values in place. Quotients that do not divide evenly
-are kept as floats so a description can show them; `validate_config` rejects such configs.
+are kept as floats so a description can show them; `validate_config` rejects such configs. The result types
+(`BatchArithmetic`, `RoleBatches`, `ForwardBatches`) are in `hyflow.specs`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from hyflow.config.catalog import algorithm_catalog
 from hyflow.config.schema import HyflowConfig
-
-
-@dataclass(frozen=True)
-class RoleBatches:
-    """Batch sizes of one trained role (actor or critic) for one training step."""
-
-    mini_batch_prompts: int
-    mini_batch_samples: int
-    mini_batches_per_epoch: float
-    ppo_epochs: int
-    optimizer_steps: float
-    dp_size: int
-    samples_per_device: float
-    use_dynamic_bsz: bool
-    micro_batch_size_per_device: float | None
-    micro_batches: float | None
-    max_token_len_per_device: int | None
-    max_micro_batches: int | None
-
-
-@dataclass(frozen=True)
-class ForwardBatches:
-    """Batch sizes of a forward-only pass over the whole step (log-probs, values)."""
-
-    samples_per_device: float
-    use_dynamic_bsz: bool
-    micro_batch_size_per_device: float | None
-    micro_batches: float | None
-    max_token_len_per_device: int | None
-
-
-@dataclass(frozen=True)
-class BatchArithmetic:
-    """Every derived batch number of one training step."""
-
-    n_devices: int
-    prompts_per_step: int
-    samples_per_prompt: int
-    samples_per_step: int
-    max_prompt_tokens: int
-    max_response_tokens: int
-    max_sequence_tokens: int
-    actor: RoleBatches
-    old_log_prob: ForwardBatches
-    ref_log_prob: ForwardBatches | None
-    critic: RoleBatches | None
-    critic_values: ForwardBatches | None
+from hyflow.specs import BatchArithmetic, ForwardBatches, RoleBatches
 
 
 def uses_critic(cfg: HyflowConfig) -> bool:

@@ -1,5 +1,5 @@
 """The LoRA keys of a model config section (verl's `lora_rank`, `lora_alpha`, `target_modules`,
-`exclude_modules`, `lora_adapter_path`) parsed into `LoraSettings`: pure Python, so the config validator checks
+`exclude_modules`, `lora_adapter_path`) parsed into `LoraSettings` (`hyflow.specs`): pure Python, so the config validator checks
 them before any model loads; `hyflow.models.lora` applies them to a model (see there for the math and defaults).
 """
 
@@ -7,35 +7,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-ALL_LINEAR = "all-linear"
+from hyflow.specs import ALL_LINEAR, LoraSettings
+
+__all__ = ["ALL_LINEAR", "LoraSettings", "lora_settings", "parse_module_names"]  # the settings type lives in specs
+
 _REGEX_CHARS = set("^$*+?()[]{}|\\")
-
-
-@dataclass
-class LoraSettings:
-    """What the config asks for (`hyflow.models.lora`'s docstring gives the meaning of each key).
-
-    rank: r (0 only together with `adapter_path`); alpha: the scale numerator (update = alpha / r * B @ A);
-    target_modules: "all-linear", a regex string or a list of names; exclude_modules: None, a regex or a list;
-    adapter_path: a peft adapter directory to start from; dropout: LoRA dropout (0, verl's);
-    config_key: the config section, for error messages ("actor_rollout_ref.model", "critic.model").
-    """
-
-    rank: int
-    alpha: float = 16
-    target_modules: str | list[str] = ALL_LINEAR
-    exclude_modules: str | list[str] | None = None
-    adapter_path: str | None = None
-    dropout: float = 0.0
-    config_key: str = "actor_rollout_ref.model"
-
-    @property
-    def scaling(self) -> float:
-        """alpha / r: the factor of B @ A in W' = W + (alpha / r) * B @ A."""
-        return self.alpha / self.rank
 
 
 def _get(section: Any, key: str, default: Any = None) -> Any:

@@ -4,3 +4,189 @@
 """
 
 from __future__ import annotations
+
+from hyflow.config.arithmetic import (
+    batch_arithmetic,
+    micro_per_device,
+    role_devices,
+    uses_critic,
+    uses_reference,
+)
+from hyflow.config.keys import ConfigError
+from hyflow.config.lora import lora_settings
+from hyflow.config.schema import HyflowConfig
+from hyflow.specs import (
+    ActorLossSpec,
+    ActorSpec,
+    BatchArithmetic,
+    CriticSpec,
+    FsdpSettings,
+    ModelSpec,
+    OptimizerSpec,
+    RewardModelSpec,
+    RoleSpecs,
+    RolloutSpec,
+    TrainEngineSpec,
+)
+
+# ------------------------------------------------------------------------------------------ RL roles
+
+
+def role_specs(cfg: HyflowConfig, *, n_devices: int | None = None, total_steps: int = 1) -> RoleSpecs:
+    """Every RL role's spec, derived once from a validated config: the batch arithmetic on `n_devices` devices
+    (default trainer.nnodes x trainer.n_gpus_per_node; `batch_arithmetic`, what `hyflow config` prints) and, for
+    the LR schedules, `total_steps` training steps (a role's optimizer steps = total_steps x its optimizer steps
+    per training step)."""
+    batches = batch_arithmetic(cfg, n_devices=n_devices)
+    return RoleSpecs(batches=batches, actor=actor_spec(cfg, batches, total_steps),
+                     critic=critic_spec(cfg, batches, total_steps) if uses_critic(cfg) else None,
+                     rollout=rollout_spec(cfg))
+
+
+def optimizer_spec(optim, *, lr_scheduler_type: str | None = None) -> OptimizerSpec:
+    """An `optim` section (the actor's, the critic's, SFT's) as an OptimizerSpec: the same values, plain.
+    `lr_scheduler_type`: the schedule's name when the section spells the key otherwise (SFT's `lr_scheduler`)."""
+    return OptimizerSpec(optimizer=optim.optimizer, optimizer_impl=optim.optimizer_impl, lr=optim.lr,
+                         betas=tuple(optim.betas), weight_decay=optim.weight_decay,
+                         override_optimizer_config=dict(optim.override_optimizer_config or {}),
+                         lr_warmup_steps=optim.lr_warmup_steps, lr_warmup_steps_ratio=optim.lr_warmup_steps_ratio,
+                         lr_scheduler_type=lr_scheduler_type or optim.lr_scheduler_type,
+                         min_lr_ratio=optim.min_lr_ratio, num_cycles=optim.num_cycles)
+
+
+def fsdp_settings(fsdp_config) -> FsdpSettings:
+    """What the parallel wrapper reads of an `fsdp_config` section."""
+    return FsdpSettings(dtype=fsdp_config.dtype, reshard_after_forward=fsdp_config.reshard_after_forward)
+
+
+def policy_model_spec(cfg: HyflowConfig) -> ModelSpec:
+    """actor_rollout_ref.model: the policy (and its tokenizer) that the actor and the rollout load."""
+    m = cfg.actor_rollout_ref.model
+    return ModelSpec(path=m.path, tokenizer_path=m.tokenizer_path, trust_remote_code=m.trust_remote_code,
+                     override_config=dict(m.override_config or {}),
+                     enable_gradient_checkpointing=m.enable_gradient_checkpointing,
+                     custom_chat_template=m.custom_chat_template)
+
+
+def rollout_spec(cfg: HyflowConfig) -> RolloutSpec:
+    """The rollout's spec: the policy's path, the rollout section whole, the agent loop's chat-template kwargs,
+    the weight-push bucket, and whether an asynchronous run streams in the actor's processes."""
+    rollout = cfg.actor_rollout_ref.rollout
+    return RolloutSpec(model=policy_model_spec(cfg), section=rollout, device=cfg.trainer.device,
+                       chat_template_kwargs=dict(cfg.data.apply_chat_template_kwargs or {}),
+                       weight_bucket_bytes=rollout.checkpoint_engine.update_weights_bucket_megabytes << 20,
+                       stream=cfg.async_training.mode != "sync" and cfg.rollout.n_gpus_per_node == 0)
+
+
+def actor_spec(cfg: HyflowConfig, batches: BatchArithmetic, total_steps: int) -> ActorSpec:
+    """The actor + rollout + reference worker's spec (`batches`: the run's `batch_arithmetic`)."""
+    arr = cfg.actor_rollout_ref
+    actor, ref, model = arr.actor, arr.ref, arr.model
+    engine = TrainEngineSpec(
+        name="actor", head="lm", strategy=actor.strategy, fsdp=fsdp_settings(actor.fsdp_config),
+        compute_dtype=actor.fsdp_config.dtype, device=cfg.trainer.device, optim=optimizer_spec(actor.optim),
+        grad_clip=actor.grad_clip, total_optimizer_steps=total_steps * int(batches.actor.optimizer_steps),
+        use_remove_padding=model.use_remove_padding, share_prompts=actor.use_prefix_grouper,
+        use_torch_compile=actor.use_torch_compile, lora=lora_settings(model, config_key="actor_rollout_ref.model"))
+    ref_engine = None
+    if uses_reference(cfg):  # frozen (no optimizer), computing in the actor's dtype
+        ref_engine = TrainEngineSpec(
+            name="ref", head="lm", strategy=ref.strategy, fsdp=fsdp_settings(ref.fsdp_config),
+            compute_dtype=actor.fsdp_config.dtype, device=cfg.trainer.device,
+            use_remove_padding=model.use_remove_padding, share_prompts=actor.use_prefix_grouper,
+            use_torch_compile=ref.use_torch_compile)
+    loss = ActorLossSpec(
+        loss_mode=actor.policy_loss.loss_mode,
+        policy_loss_kwargs={
+            "clip_ratio": actor.clip_ratio, "clip_ratio_low": actor.clip_ratio_low,
+            "clip_ratio_high": actor.clip_ratio_high, "clip_ratio_c": actor.clip_ratio_c,
+            "tau_pos": actor.tau_pos, "tau_neg": actor.tau_neg, "loss_scale_factor": actor.loss_scale_factor,
+            **{k: v for k, v in vars(actor.policy_loss).items() if k != "loss_mode"},
+        },
+        loss_agg_mode=actor.loss_agg_mode, loss_scale_factor=actor.loss_scale_factor,
+        entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
+        kl_loss_type=actor.kl_loss_type)
+    return ActorSpec(model=policy_model_spec(cfg), engine=engine, ref=ref_engine, ref_model_path=ref.model.path or None,
+                     loss=loss, batches=batches.actor, old_log_prob=batches.old_log_prob,
+                     ref_log_prob=batches.ref_log_prob, rollout=rollout_spec(cfg), seed=cfg.trainer.seed,
+                     full_determinism=actor.fsdp_config.full_determinism or ref.fsdp_config.full_determinism,
+                     shuffle=actor.shuffle, data_loader_seed=actor.data_loader_seed)
+
+
+def critic_spec(cfg: HyflowConfig, batches: BatchArithmetic, total_steps: int) -> CriticSpec:
+    """The critic worker's spec: the value model (critic.model.path, else the policy's), its engine and loss."""
+    critic = cfg.critic
+    m = critic.model
+    engine = TrainEngineSpec(
+        name="critic", head="value", strategy=critic.strategy, fsdp=fsdp_settings(m.fsdp_config),
+        compute_dtype=m.fsdp_config.dtype, device=cfg.trainer.device, optim=optimizer_spec(critic.optim),
+        grad_clip=critic.grad_clip, total_optimizer_steps=total_steps * int(batches.critic.optimizer_steps),
+        use_remove_padding=m.use_remove_padding, lora=lora_settings(m, config_key="critic.model"))
+    model = ModelSpec(path=m.path or cfg.actor_rollout_ref.model.path, trust_remote_code=m.trust_remote_code,
+                      override_config=dict(m.override_config or {}),
+                      enable_gradient_checkpointing=m.enable_gradient_checkpointing, config_key="critic.model.path")
+    return CriticSpec(model=model, engine=engine, batches=batches.critic, values=batches.critic_values,
+                      cliprange_value=critic.cliprange_value, loss_agg_mode=critic.loss_agg_mode,
+                      shuffle=critic.shuffle, seed=cfg.trainer.seed, full_determinism=m.fsdp_config.full_determinism)
+
+
+# ------------------------------------------------------------------------------------------ reward model
+
+
+def reward_model_spec(cfg: HyflowConfig, *, n_devices: int | None = None) -> RewardModelSpec:
+    """The reward model's spec (`hyflow.specs.RewardModelSpec`); `n_devices` = the actor's devices (default
+    trainer.nnodes x trainer.n_gpus_per_node).
+
+    Its data-parallel size D is the number of devices it runs on (`role_devices`: its own pool's with
+    reward_model.enable_resource_pool, else the actor's). The one micro-batch rule, as for the actor and the critic:
+
+        micro per device = reward_model.micro_batch_size_per_gpu
+                         | reward_model.micro_batch_size / D   (verl's deprecated global size; must divide evenly)
+                         | None                                (all of a device's samples in one forward)
+
+    and it must be at least 1. A global size that does not split evenly over D, or a size below 1, is a
+    ConfigError naming the fix (never rounded). With reward_model.use_dynamic_bsz the forward is cut by the token
+    budget reward_model.forward_max_token_len_per_gpu instead. The policy's tokenizer is
+    reward_model.model.input_tokenizer, else actor_rollout_ref.model.tokenizer_path, else .path.
+    """
+    rm, actor_model = cfg.reward_model, cfg.actor_rollout_ref.model
+    dp = role_devices(cfg, "reward_model", n_devices)
+    micro = micro_per_device(rm.micro_batch_size_per_gpu, rm.micro_batch_size, dp)
+    if rm.micro_batch_size_per_gpu is None and rm.micro_batch_size is not None:
+        if micro != int(micro):
+            raise ConfigError(
+                f"reward_model.micro_batch_size={rm.micro_batch_size} (deprecated, global) does not split evenly "
+                f"over the reward model's {dp} devices; set reward_model.micro_batch_size_per_gpu instead (e.g. "
+                f"{max(rm.micro_batch_size // dp, 1)}), or make reward_model.micro_batch_size a multiple of {dp}.")
+        micro_key = f"reward_model.micro_batch_size / {dp} devices"
+    else:
+        micro_key = "reward_model.micro_batch_size_per_gpu"
+    if micro is not None and micro < 1:
+        raise ConfigError(f"{micro_key}={micro} must be at least 1 sample per device; set "
+                          "reward_model.micro_batch_size_per_gpu >= 1.")
+    if rm.model.input_tokenizer:
+        policy_tokenizer = ModelSpec(rm.model.input_tokenizer, config_key="reward_model.model.input_tokenizer")
+    elif actor_model.tokenizer_path or actor_model.path:
+        key = "actor_rollout_ref.model.tokenizer_path" if actor_model.tokenizer_path else "actor_rollout_ref.model.path"
+        policy_tokenizer = ModelSpec(actor_model.tokenizer_path or actor_model.path,
+                                     trust_remote_code=actor_model.trust_remote_code, config_key=key)
+    else:
+        policy_tokenizer = None
+    fsdp = rm.model.fsdp_config
+    # every rank holds the whole frozen model (no wrapper) and scores its share of the samples
+    engine = TrainEngineSpec(name="reward_model", head="score", strategy="single",
+                             fsdp=fsdp_settings(fsdp), compute_dtype=fsdp.dtype, device=cfg.trainer.device)
+    return RewardModelSpec(
+        model=ModelSpec(rm.model.path, trust_remote_code=rm.model.trust_remote_code,
+                        override_config=dict(rm.model.override_config or {}), config_key="reward_model.model.path"),
+        engine=engine,
+        policy_tokenizer=policy_tokenizer,
+        external_lib=rm.model.external_lib,
+        model_dtype=fsdp.model_dtype,
+        max_length=rm.max_length,
+        full_determinism=fsdp.full_determinism,
+        dp_size=dp,
+        micro_batch_size_per_device=None if rm.use_dynamic_bsz or micro is None else int(micro),
+        use_dynamic_bsz=rm.use_dynamic_bsz,
+        max_token_len_per_device=rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None,
+    )

@@ -36,6 +36,7 @@ from hyflow.config.schema import (
     resolve_interpolations,
     section,
 )
+from hyflow.specs import SFTBatches  # noqa: F401  (the type lives in hyflow.specs; importable from here too)
 
 
 @dataclass
@@ -245,37 +246,6 @@ def load_sft_config(overrides: Sequence[str] = (), config_file: str | Path | Non
     cfg = load_config(overrides, config_file, schema=SFTConfig)
     validate_sft_config(cfg)
     return cfg
-
-
-@dataclass(frozen=True)
-class SFTBatches:
-    """The derived batch sizes of one SFT step: what the trainer prints and what every worker runs.
-
-    The micro-batch fields are the ones `hyflow.workers.engine.micro_batches_as_derived` reads (as RL's
-    `RoleBatches`): `micro_batch_size_per_device` samples per pass, or with `use_dynamic_bsz` micro-batches of at
-    most `max_token_len_per_device` real tokens.
-    """
-
-    n_devices: int
-    samples_per_step: int
-    samples_per_device: int
-    use_dynamic_bsz: bool
-    micro_batch_size_per_device: int
-    micro_batches: int | None
-    max_token_len_per_device: int | None
-    max_sequence_tokens: int
-
-    def describe(self) -> str:
-        """The sizes in words, with units."""
-        share = (f"{self.n_devices} device(s) x {self.samples_per_device} samples" if self.n_devices > 1
-                 else f"{self.samples_per_device} samples on one device")
-        if self.use_dynamic_bsz:
-            micro = f"micro-batches of at most {self.max_token_len_per_device} tokens per device"
-        else:
-            micro = (f"{self.micro_batches} micro-batch(es) of {self.micro_batch_size_per_device} samples per "
-                     "device")
-        return (f"{self.samples_per_step} samples per step = {share}, in {micro}, at most "
-                f"{self.max_sequence_tokens} tokens per sample")
 
 
 def validate_sft_config(cfg: SFTConfig) -> None:

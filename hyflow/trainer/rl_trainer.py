@@ -51,15 +51,14 @@ from hyflow.config import (
     validate_config,
 )
 from hyflow.config.arithmetic import (
-    batch_arithmetic,
     own_pool_roles,
     role_devices,
-    role_pool_shape,
     uses_critic,
     uses_reference,
 )
+from hyflow.config.roles import role_specs
 from hyflow.config.support import lookup, performance_only_warning
-from hyflow.controller import LocalWorkerGroup, make_colocated_class, make_worker_group
+from hyflow.controller import LocalWorkerGroup
 from hyflow.data.custom import load_custom_dataset
 from hyflow.data.rl_dataset import PromptLoader, RLDataset, is_row_collection
 from hyflow.models.loading import load_tokenizer
@@ -72,6 +71,7 @@ from hyflow.threads import configure_threads
 from hyflow.trainer.balance import balanced_group_order, balanced_order
 from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from hyflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, timer
+from hyflow.trainer.roles import Roles, build_roles
 from hyflow.trainer.run_dir import claim_run_directory
 from hyflow.trainer.tracking import (
     ProgressBar,
@@ -81,10 +81,7 @@ from hyflow.trainer.tracking import (
     format_run_summary,
     truncate_metrics,
 )
-from hyflow.workers.actor import ActorRolloutRefWorker
-from hyflow.workers.critic import CriticWorker
 from hyflow.workers.fsdp import sharded_checkpoint_problem
-from hyflow.workers.reward_model import RewardModelWorker
 
 ROLLOUT_SEED_DEFAULT = 42  # actor_rollout_ref.rollout.seed's default (verl's)
 
@@ -149,7 +146,7 @@ class RLTrainer:
         self.progress: ProgressBar | None = None  # set while fit() runs: the stages show on it
         self.started_ray = False
         self.groups: list = []
-        self._pools: list = []
+        self.roles: Roles | None = None
 
     # ------------------------------------------------------------------ set-up
     def _data_sources(self) -> dict[str, str]:
@@ -209,8 +206,9 @@ class RLTrainer:
         self.loader = PromptLoader(self.train_dataset, prompts_per_round, shuffle=cfg.data.shuffle,
                                    seed=cfg.data.seed or cfg.trainer.seed)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(self.loader)
-        # One source of batch arithmetic: this object is what is printed and what every role receives.
-        self.batches = batch_arithmetic(cfg, n_devices=self.n_devices)
+        # One source of batch arithmetic: the role specs carry it; it is what is printed and what the roles run.
+        self.specs = role_specs(cfg, n_devices=self.n_devices, total_steps=self.total_steps)
+        self.batches = self.specs.batches
         print(describe_batch_arithmetic(cfg, n_devices=self.n_devices, batches=self.batches))
         print(speed_defaults_line(cfg))
         # torch threads of this process: all usable cores in-process, a share of them beside Ray workers
@@ -227,35 +225,10 @@ class RLTrainer:
 
             ray_init = {k: v for k, v in dict(cfg.ray_kwargs.ray_init or {}).items() if v is not None}
             self.started_ray = ensure_ray(cfg.ray_kwargs.address, ray_init=ray_init)
-        # One process per device hosts every role (HybridFlow's colocation); the trainer talks to role views.
-        # A critic / reward model with `enable_resource_pool` gets worker processes of its own on its own devices.
-        roles = {"actor": ActorRolloutRefWorker}
-        role_kwargs = {"actor": {"config": cfg, "tokenizer": self.tokenizer}}
-        if uses_critic(cfg):
-            roles["critic"], role_kwargs["critic"] = CriticWorker, {"config": cfg}
-        if cfg.reward_model.enable:
-            roles["rm"], role_kwargs["rm"] = RewardModelWorker, {"config": cfg, "tokenizer": self.tokenizer}
-        sections = {"critic": "critic", "rm": "reward_model"}  # worker role -> its config section
-        separate = [role for role in roles if sections.get(role) in own_pool_roles(cfg)]
-        colocated = {role: cls for role, cls in roles.items() if role not in separate}
-        t = cfg.trainer
-        self.workers = self.worker_group(make_colocated_class(colocated, name="HybridWorker"), t.nnodes,
-                                         t.n_gpus_per_node, **{role: role_kwargs[role] for role in colocated})
-        self.groups = [self.workers]
-        views = {role: self.workers.role(role) for role in colocated}
-        for role in separate:
-            group = self.worker_group(make_colocated_class({role: roles[role]}, name=f"{roles[role].__name__}Host"),
-                                      *role_pool_shape(cfg, sections[role]), **{role: role_kwargs[role]})
-            self.groups.append(group)
-            views[role] = group.role(role)
-        self.actor = views["actor"]
-        self.critic = views.get("critic")
-        self.reward_model = views.get("rm")
-        self.actor.init_model(self.total_steps, self.batches)
-        if self.critic is not None:
-            self.critic.init_model(self.total_steps, self.batches)
-        if self.reward_model is not None:
-            self.reward_model.init_model()
+        # The worker groups and pools (hyflow.trainer.roles): the trainer talks to one view per role.
+        self.roles = build_roles(cfg, self.specs, executor=self.executor, tokenizer=self.tokenizer)
+        self.workers, self.groups = self.roles.workers, self.roles.groups
+        self.actor, self.critic, self.reward_model = self.roles.actor, self.roles.critic, self.roles.reward_model
         self.scheduler = self._async_scheduler() if self.async_mode else None
         self.use_reference = uses_reference(cfg)
         self.needs_old_log_probs = self._needs_old_log_probs()
@@ -279,32 +252,8 @@ class RLTrainer:
         workers) and the scheduler over it."""
         from hyflow.trainer.async_scheduler import AsyncScheduler
 
-        cfg = self.config
-        rollout = self.actor
-        if self.rollout_pool:
-            from hyflow.workers.rollout import RolloutWorker
-
-            group = self.worker_group(make_colocated_class({"rollout": RolloutWorker}, name="RolloutHost"),
-                                      cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node,
-                                      rollout={"config": cfg, "tokenizer": self.tokenizer})
-            self.groups.append(group)
-            rollout = group.role("rollout")
-            rollout.init_model()
-        return AsyncScheduler(self, rollout, separate=self.rollout_pool)
-
-    def worker_group(self, worker_cls, nnodes: int = 1, devices_per_node: int = 1, **kwargs):
-        """One worker per device: in this process (`local`), or as Ray actors on a pool of `nnodes` x
-        `devices_per_node` devices reserved for this group (`ray`)."""
-        if self.executor == "local":
-            return make_worker_group("local", worker_cls, world_size=1, **kwargs)
-        from hyflow.controller.resources import RayResourcePool
-
-        t = self.config.trainer
-        use_gpu = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
-        pool = RayResourcePool(nnodes, devices_per_node, use_gpu=use_gpu, cpus_per_worker=1.0,
-                               ready_timeout_s=float(t.ray_wait_register_center_timeout))
-        self._pools.append(pool)
-        return make_worker_group("ray", worker_cls, world_size=nnodes * devices_per_node, pool=pool, **kwargs)
+        rollout = self.roles.rollout or self.actor  # the rollout pool's group (build_roles), or the actor's
+        return AsyncScheduler(self, rollout, separate=self.roles.rollout is not None)
 
     def shutdown(self) -> None:
         """Stop the worker processes (and the local Ray cluster this trainer started); release the run directory."""
@@ -313,12 +262,9 @@ class RLTrainer:
         if getattr(self, "scheduler", None) is not None:
             self.scheduler.shutdown()
             self.scheduler = None
-        for group in getattr(self, "groups", []):
-            group.shutdown()
+        if getattr(self, "roles", None) is not None:
+            self.roles.shutdown()  # the worker groups, then their Ray pools
         self.groups, self.workers = [], None
-        for pool in getattr(self, "_pools", []):
-            pool.remove()
-        self._pools = []
         if self.started_ray:
             from hyflow.controller.resources import shutdown_ray
 

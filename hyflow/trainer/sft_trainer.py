@@ -53,7 +53,9 @@ import torch
 from hyflow.batch import Batch
 from hyflow.config.keys import ConfigError
 from hyflow.config.loader import config_to_dict, config_to_yaml
-from hyflow.config.sft_schema import SFTBatches, SFTConfig, load_sft_config, validate_sft_config
+from hyflow.config.lora import lora_settings
+from hyflow.config.roles import fsdp_settings, optimizer_spec
+from hyflow.config.sft_schema import SFTConfig, load_sft_config, validate_sft_config
 from hyflow.config.support import not_supported_problems, performance_only_warning
 from hyflow.config.validate import check_loggers
 from hyflow.controller import make_worker_group
@@ -61,6 +63,7 @@ from hyflow.data.rl_dataset import PromptLoader, is_row_collection
 from hyflow.data.sft_dataset import SFTDataset
 from hyflow.models.forward import backbone_hidden_states, lm_head_logprobs, unwrap_model
 from hyflow.models.loading import load_tokenizer
+from hyflow.specs import ModelSpec, SFTBatches, SFTSpec, TrainEngineSpec
 from hyflow.threads import configure_threads
 from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from hyflow.trainer.run_dir import claim_run_directory
@@ -90,6 +93,22 @@ def sft_batch_arithmetic(cfg: SFTConfig) -> SFTBatches:
         micro_batches=None if d.use_dynamic_bsz else -(-per_device // micro),
         max_token_len_per_device=d.max_token_len_per_gpu if d.use_dynamic_bsz else None,
         max_sequence_tokens=d.max_length)
+
+
+def sft_spec(cfg: SFTConfig, batches: SFTBatches, total_steps: int) -> SFTSpec:
+    """The SFT worker's spec: `model.*`, the engine (`engine.*`: strategy, FSDP2 settings, compute dtype; `optim.*`
+    with an LR schedule over `total_steps` optimizer steps; LoRA; packing) and the step's `batches`."""
+    m, e, o = cfg.model, cfg.engine, cfg.optim
+    engine = TrainEngineSpec(
+        name="sft", head="lm", strategy=e.strategy, fsdp=fsdp_settings(e), compute_dtype=e.dtype,
+        device=cfg.trainer.device, optim=optimizer_spec(o, lr_scheduler_type=o.lr_scheduler), grad_clip=o.clip_grad,
+        total_optimizer_steps=total_steps, use_remove_padding=m.use_remove_padding,
+        lora=lora_settings(m, config_key="model"), checkpoint_prefix="")
+    model = ModelSpec(path=m.partial_pretrain, tokenizer_path=m.tokenizer_path, trust_remote_code=m.trust_remote_code,
+                      override_config=dict(m.override_config or {}),
+                      enable_gradient_checkpointing=m.enable_gradient_checkpointing,
+                      custom_chat_template=m.custom_chat_template, config_key="model.partial_pretrain")
+    return SFTSpec(model=model, engine=engine, batches=batches, seed=cfg.trainer.seed)
 
 
 def trained_tokens(batch: Batch) -> int:
@@ -190,6 +209,7 @@ class SFTTrainer:
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(self.loader)
         # One source of batch arithmetic: this object is what `describe` prints and what every worker runs.
         self.batches = sft_batch_arithmetic(cfg)
+        self.spec = sft_spec(cfg, self.batches, self.total_steps)  # what every worker is built from
         self.run_dir = Path(cfg.trainer.default_local_dir).expanduser()
         self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer.max_ckpt_to_keep)
         self.step = 0
@@ -222,7 +242,8 @@ class SFTTrainer:
         # torch threads of this process: all usable cores in-process, a share of them beside Ray workers
         configure_threads(1 if self.executor == "local" else max(1, self.n_devices // max(1, cfg.trainer.nnodes)))
         if self.executor == "local":
-            self.workers = make_worker_group("local", SFTWorker, world_size=1, config=cfg, model=self.given_model)
+            self.workers = make_worker_group("local", SFTWorker, world_size=1, spec=self.spec,
+                                             model=self.given_model)
         else:
             from hyflow.controller.resources import RayResourcePool, ensure_ray
 
@@ -233,8 +254,8 @@ class SFTTrainer:
                                          cpus_per_worker=1.0, ready_timeout_s=RAY_READY_TIMEOUT_S,
                                          name="hyflow-sft")
             self.workers = make_worker_group("ray", SFTWorker, world_size=self.n_devices, pool=self._pool,
-                                             config=cfg)
-        self.workers.init_model(self.total_steps, self.batches)
+                                             spec=self.spec)
+        self.workers.init_model()
         self.hf_config, self.generation_config = self.workers.model_configs()
 
     def shutdown(self) -> None:

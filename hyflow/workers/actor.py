@@ -31,20 +31,13 @@ import time
 
 import torch
 
-from hyflow.algos import (
-    agg_loss,
-    compute_offpolicy_metrics,
-    get_policy_loss,
-    kl_penalty,
-)
+from hyflow.algos import actor_loss, compute_offpolicy_metrics, get_policy_loss
 from hyflow.batch import Batch
-from hyflow.config import HyflowConfig
-from hyflow.config.arithmetic import BatchArithmetic, uses_reference
-from hyflow.config.lora import lora_settings
 from hyflow.controller import Collect, Dispatch, Worker, register
 from hyflow.models.forward import unwrap_model
 from hyflow.models.loading import load_causal_lm, load_tokenizer
 from hyflow.rollout.base import EngineSpec, RolloutEngineError, SamplingParams, make_engine
+from hyflow.specs import ActorSpec
 from hyflow.workers.engine import apply_full_determinism
 from hyflow.workers.fsdp import (
     DIST_TIMEOUT_S,
@@ -66,14 +59,16 @@ RESPONSE_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_prob",
 
 
 class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
-    """Policy training, generation and reference log-probs on one device (one rank of a data-parallel group)."""
+    """Policy training, generation and reference log-probs on one device (one rank of a data-parallel group).
 
-    def __init__(self, config: HyflowConfig, tokenizer=None, **kwargs) -> None:
+    `spec`: the role's `ActorSpec` (the config layer's `role_specs` derives it); `tokenizer`: the policy's, when
+    the driver already loaded it (else `init_model` loads it)."""
+
+    def __init__(self, spec: ActorSpec, tokenizer=None, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.config = config
-        self.arr = config.actor_rollout_ref
+        self.spec = spec
         self.tokenizer = tokenizer
-        self.model_device = resolve_device(config.trainer.device, self.local_rank)
+        self.model_device = resolve_device(spec.engine.device, self.local_rank)
 
     def set_progress(self, progress) -> None:
         """In-step progress (a plain callable `progress(stage, done, total, unit, detail)`, the trainer's bar; None
@@ -85,71 +80,67 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
 
     # ------------------------------------------------------------------ set-up
     @register(Dispatch.REPLICATE)
-    def init_model(self, total_training_steps: int, batches: BatchArithmetic) -> None:
-        """Load the policy into a TrainEngine (LoRA, wrapper, optimizer, LR schedule), the reference policy and the
-        rollout engine. `batches` is the run's derived batch arithmetic (what `hyflow config` prints): the
-        micro-batch sizes of every pass and the optimizer steps of the LR schedule come from it.
+    def init_model(self) -> None:
+        """Load the policy into a TrainEngine (LoRA, wrapper, optimizer, LR schedule over the spec's optimizer
+        steps), the reference policy and the rollout engine; the micro-batch sizes of every pass are the spec's
+        (the batch arithmetic printed at start).
 
         With several ranks: join the process group, give the rollout engine its own full copy, then shard the
         actor and the reference (FSDP2) or wrap the actor in DDP. With LoRA and no `ref.model.path` the
         reference is the actor with its adapter disabled (no second copy of the weights).
         """
-        model_cfg = self.arr.model
-        actor = self.arr.actor
-        self.batches = batches
-        self.strategy = parallel_strategy(actor.strategy, self.world_size)
-        apply_full_determinism(actor.fsdp_config.full_determinism or self.arr.ref.fsdp_config.full_determinism)
+        spec = self.spec
+        self.strategy = parallel_strategy(spec.engine.strategy, self.world_size)
+        apply_full_determinism(spec.full_determinism)
         maybe_init_distributed(self)
         if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path,
-                                            trust_remote_code=model_cfg.trust_remote_code,
-                                            chat_template=model_cfg.custom_chat_template)
-        torch.manual_seed(self.config.trainer.seed)
-        model = load_causal_lm(model_cfg.path, dtype="float32", trust_remote_code=model_cfg.trust_remote_code,
-                               override_config=dict(model_cfg.override_config or {}),
-                               enable_gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
+            self.tokenizer = load_tokenizer(spec.model.tokenizer_path or spec.model.path,
+                                            trust_remote_code=spec.model.trust_remote_code,
+                                            chat_template=spec.model.custom_chat_template)
+        torch.manual_seed(spec.seed)
+        model = load_causal_lm(spec.model.path, dtype="float32", trust_remote_code=spec.model.trust_remote_code,
+                               override_config=dict(spec.model.override_config),
+                               enable_gradient_checkpointing=spec.model.enable_gradient_checkpointing,
                                device=self.model_device)
-        lora = lora_settings(model_cfg, config_key="actor_rollout_ref.model")
-        ref_model = None
-        if uses_reference(self.config):
-            ref_path = self.arr.ref.model.path
-            if ref_path:
-                ref_model = load_causal_lm(ref_path, dtype="float32", device=self.model_device,
-                                           trust_remote_code=model_cfg.trust_remote_code)
-            elif lora is None:
-                ref_model = copy.deepcopy(model)
-        self.weight_bucket_bytes = self.arr.rollout.checkpoint_engine.update_weights_bucket_megabytes << 20
+        ref_model = self._load_reference(model)
+        self.weight_bucket_bytes = spec.rollout.weight_bucket_bytes
         self.rollout = self._build_rollout(model)
-        self.agent_loops = build_agent_loops(self.config, self.tokenizer, self.rollout,
+        self.agent_loops = build_agent_loops(spec.rollout, self.tokenizer, self.rollout,
                                              eos_token_ids(self.tokenizer, model))
-        if self.config.async_training.mode != "sync" and self.config.rollout.n_gpus_per_node == 0:
+        if spec.rollout.stream:
             self._build_stream(model)
-        self.engine = TrainEngine(
-            model, name="actor", head="lm", device=self.model_device, strategy=self.strategy,
-            fsdp_config=actor.fsdp_config, optim=actor.optim, grad_clip=actor.grad_clip,
-            total_optimizer_steps=total_training_steps * int(batches.actor.optimizer_steps),
-            use_remove_padding=model_cfg.use_remove_padding, share_prompts=actor.use_prefix_grouper,
-            use_torch_compile=actor.use_torch_compile, lora=lora, world_size=self.world_size, rank=self.rank)
+        self.engine = TrainEngine.from_spec(model, spec.engine, device=self.model_device,
+                                            world_size=self.world_size, rank=self.rank)
         self.model = self.engine.model
         if self.rank == 0:
-            print(self.engine.describe_parameters(), flush=True)
-            if self.engine.compiled is not None:
-                print(f"actor: use_torch_compile: {len(self.engine.compiled.modules)} modules "
-                      f"({', '.join(self.engine.compiled.names)}) compile at their first update / log-prob pass "
-                      f"(seconds, once)", flush=True)
+            self._describe_engine()
         if not self.rollout.shares_weights:
             self.sync_rollout_weights()  # collective under FSDP2: every rank is here
         self.ref = None
         if ref_model is not None:
-            self.ref = TrainEngine(ref_model, name="ref", head="lm", device=self.model_device,
-                                   strategy=parallel_strategy(self.arr.ref.strategy, self.world_size),
-                                   fsdp_config=self.arr.ref.fsdp_config, compute_dtype=actor.fsdp_config.dtype,
-                                   use_remove_padding=model_cfg.use_remove_padding,
-                                   share_prompts=actor.use_prefix_grouper,
-                                   use_torch_compile=self.arr.ref.use_torch_compile, world_size=self.world_size,
-                                   rank=self.rank)
-        elif uses_reference(self.config):
+            self.ref = TrainEngine.from_spec(ref_model, spec.ref, device=self.model_device,
+                                             world_size=self.world_size, rank=self.rank)
+        elif spec.ref is not None:
             self.ref = self.engine  # LoRA: the reference is the actor with its adapter disabled
+
+    def _load_reference(self, model):
+        """The reference policy's own model (before the actor is wrapped): loaded from `ref_model_path`, else a
+        copy of the policy; None when no KL term needs one, or with LoRA (the actor with its adapter off)."""
+        spec = self.spec
+        if spec.ref is None:
+            return None
+        if spec.ref_model_path:
+            return load_causal_lm(spec.ref_model_path, dtype="float32", device=self.model_device,
+                                  trust_remote_code=spec.model.trust_remote_code)
+        return copy.deepcopy(model) if spec.engine.lora is None else None
+
+    def _describe_engine(self) -> None:
+        """Print the trainable parameters and, with use_torch_compile, what compiles (rank 0, at start)."""
+        print(self.engine.describe_parameters(), flush=True)
+        if self.engine.compiled is not None:
+            print(f"actor: use_torch_compile: {len(self.engine.compiled.modules)} modules "
+                  f"({', '.join(self.engine.compiled.names)}) compile at their first update / log-prob pass "
+                  f"(seconds, once)", flush=True)
 
     def _build_rollout(self, model):
         """The rollout engine of this rank, built by name (`hyflow.rollout.base.make_engine`).
@@ -158,27 +149,24 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
         with a copy of it; the vllm engine loads the model path itself. Either way the engine then holds the
         actor's weights (a separate engine receives them at once: vllm may start from `load_format=dummy`).
         """
-        rollout_cfg = self.arr.rollout
-        pad = pad_token_id(self.tokenizer)
         self._model_class, self._model_config = type(model), model.config
-        spec = EngineSpec(model_path=self.arr.model.path, device=self.model_device, rollout=rollout_cfg,
-                          eos_token_ids=eos_token_ids(self.tokenizer, model), pad_token_id=pad, module=model,
-                          share_module=self.model_device.type == "cpu" and self.strategy != "fsdp2",
-                          trust_remote_code=self.arr.model.trust_remote_code, rank=self.rank,
-                          world_size=self.world_size)
-        return make_engine(rollout_cfg.name, spec)
+        share = self.model_device.type == "cpu" and self.strategy != "fsdp2"
+        return make_engine(self.spec.rollout.section.name, self._engine_spec(model, share_module=share))
+
+    def _engine_spec(self, model, *, share_module: bool) -> EngineSpec:
+        """The rollout engine's `EngineSpec` on this rank, over the actor's `model`."""
+        rollout = self.spec.rollout
+        return EngineSpec(model_path=rollout.model.path, device=self.model_device, rollout=rollout.section,
+                          eos_token_ids=eos_token_ids(self.tokenizer, model), pad_token_id=pad_token_id(self.tokenizer),
+                          module=model, share_module=share_module, trust_remote_code=rollout.model.trust_remote_code,
+                          rank=self.rank, world_size=self.world_size)
 
     def _build_stream(self, model) -> None:
         """Asynchronous training with the rollout in this process: a second hf engine with its own copy of the
         weights, which change only when the scheduler pushes them (`stream_sync_weights`)."""
-        rollout_cfg = self.arr.rollout
-        eos = eos_token_ids(self.tokenizer, model)
-        spec = EngineSpec(model_path=self.arr.model.path, device=self.model_device, rollout=rollout_cfg,
-                          eos_token_ids=eos, pad_token_id=pad_token_id(self.tokenizer), module=model,
-                          share_module=False, trust_remote_code=self.arr.model.trust_remote_code, rank=self.rank,
-                          world_size=self.world_size)
-        self.stream_engine = make_engine("hf", spec)
-        self.stream_manager = build_agent_loops(self.config, self.tokenizer, self.stream_engine, eos)
+        self.stream_engine = make_engine("hf", self._engine_spec(model, share_module=False))
+        self.stream_manager = build_agent_loops(self.spec.rollout, self.tokenizer, self.stream_engine,
+                                                eos_token_ids(self.tokenizer, model))
 
     # ------------------------------------------------------------------ rollout
     @register(Dispatch.DP_SPLIT, pad=False)
@@ -191,7 +179,7 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
         try:
             out = self.agent_loops.generate(prompts, params)  # single-turn rows: one engine call, as before
         finally:
-            if self.arr.rollout.free_cache_engine:
+            if self.spec.rollout.section.free_cache_engine:
                 self.rollout.sleep()  # free the engine's memory while the actor trains
         out.meta.setdefault("metrics", {})["timing_s/generate_sequences"] = time.perf_counter() - start
         return out
@@ -240,8 +228,7 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
     @register(Dispatch.DP_SPLIT)
     def compute_log_prob(self, batch: Batch, with_sum_pi_squared: bool = False) -> Batch:
         """`old_log_probs` and `entropys` [N, R] under the current weights (+ `sum_pi_squared` when asked)."""
-        temperature = batch.meta.get("temperature", self.arr.rollout.temperature)
-        out = self.engine.infer(batch, self.batches.old_log_prob, temperature=temperature, with_entropy=True,
+        out = self.engine.infer(batch, self.spec.old_log_prob, temperature=self._temperature(batch), with_entropy=True,
                                 with_sum_pi_squared=with_sum_pi_squared)
         result = Batch({"old_log_probs": out["log_probs"], "entropys": out["entropy"]})
         if with_sum_pi_squared:
@@ -254,23 +241,21 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
         if self.ref is None:
             raise RuntimeError("no reference policy was loaded: set actor_rollout_ref.actor.use_kl_loss=True or "
                                "algorithm.use_kl_in_reward=True")
-        temperature = batch.meta.get("temperature", self.arr.rollout.temperature)
-        sizes = self.batches.ref_log_prob or self.batches.old_log_prob
-        out = self.ref.infer(batch, sizes, temperature=temperature, adapter=self.ref is not self.engine)
+        sizes = self.spec.ref_log_prob or self.spec.old_log_prob
+        out = self.ref.infer(batch, sizes, temperature=self._temperature(batch), adapter=self.ref is not self.engine)
         return Batch({"ref_log_prob": out["log_probs"]})
 
     # ------------------------------------------------------------------ training
+    def _temperature(self, batch: Batch) -> float:
+        """The sampling temperature the batch was generated at (the rollout's unless the driver says)."""
+        return batch.meta.get("temperature", self.spec.rollout.section.temperature)
+
     @register(Dispatch.DP_SPLIT, pad=False)
     def update_actor(self, batch: Batch) -> Batch:
-        """PPO-style policy update over the step's samples; returns a row-less Batch carrying the metrics."""
-        actor = self.arr.actor
-        policy_loss = get_policy_loss(actor.policy_loss.loss_mode)
-        loss_kwargs = {
-            "clip_ratio": actor.clip_ratio, "clip_ratio_low": actor.clip_ratio_low,
-            "clip_ratio_high": actor.clip_ratio_high, "clip_ratio_c": actor.clip_ratio_c,
-            "tau_pos": actor.tau_pos, "tau_neg": actor.tau_neg, "loss_scale_factor": actor.loss_scale_factor,
-            **{k: v for k, v in vars(actor.policy_loss).items() if k != "loss_mode"},
-        }
+        """PPO-style policy update over the step's samples; returns a row-less Batch carrying the metrics.
+        Loss = policy loss (by name) - entropy_coeff * entropy + kl_loss_coef * KL (`hyflow.algos.actor_loss`)."""
+        loss_spec = self.spec.loss
+        policy_loss = get_policy_loss(loss_spec.loss_mode)
         on_policy = "old_log_probs" not in batch  # the driver skipped the recompute: pi_old = pi_theta
 
         def loss_fn(out: dict, cols: dict, ctx) -> tuple[torch.Tensor, dict]:
@@ -283,35 +268,29 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
                 parts["actor/entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1)) * weight
             pg_loss, pg_metrics = policy_loss(old_log_prob=old, log_prob=logp, advantages=cols["advantages"],
                                               response_mask=mask, rollout_is_weights=cols.get("rollout_is_weights"),
-                                              loss_agg_mode=actor.loss_agg_mode, **ctx.norms, **loss_kwargs)
-            loss = pg_loss
-            agg = dict(loss_agg_mode=actor.loss_agg_mode, loss_scale_factor=actor.loss_scale_factor, **ctx.norms)
-            if actor.entropy_coeff != 0:
-                entropy_loss = agg_loss(entropy, mask, **agg)
-                loss = loss - actor.entropy_coeff * entropy_loss
-                parts["actor/entropy_loss"] = float(entropy_loss.detach())
-            if actor.use_kl_loss:
-                kl = agg_loss(kl_penalty(logp, cols["ref_log_prob"], actor.kl_loss_type), mask, **agg)
-                loss = loss + actor.kl_loss_coef * kl
-                parts["actor/kl_loss"] = float(kl.detach())
-            parts["actor/pg_loss"] = float(pg_loss.detach())
-            for name, value in pg_metrics.items():
-                parts[f"actor/{name}"] = float(value) * weight
+                                              loss_agg_mode=loss_spec.loss_agg_mode, **ctx.norms,
+                                              **loss_spec.policy_loss_kwargs)
+            loss, terms = actor_loss(pg_loss, log_prob=logp, entropy=entropy, ref_log_prob=cols.get("ref_log_prob"),
+                                     response_mask=mask, entropy_coeff=loss_spec.entropy_coeff,
+                                     use_kl_loss=loss_spec.use_kl_loss, kl_loss_coef=loss_spec.kl_loss_coef,
+                                     kl_loss_type=loss_spec.kl_loss_type, loss_agg_mode=loss_spec.loss_agg_mode,
+                                     loss_scale_factor=loss_spec.loss_scale_factor, **ctx.norms)
+            parts.update({f"actor/{name}": value for name, value in terms.items()})
+            parts.update({f"actor/{name}": float(value) * weight for name, value in pg_metrics.items()})
             if "rollout_log_probs" in cols:
                 for name, value in compute_offpolicy_metrics(logp.detach(), cols["rollout_log_probs"], mask).items():
                     parts[name] = float(value) / (ctx.n_micro * ctx.world_size)
             return loss, parts
 
-        sizes = self.batches.actor  # the derived arithmetic: samples of a mini-batch on this device, epochs
+        sizes = self.spec.batches  # the derived arithmetic: samples of a mini-batch on this device, epochs
         plan = UpdatePlan(mini_batch_size=max(1, int(sizes.samples_per_device)), epochs=sizes.ppo_epochs,
-                          shuffle=actor.shuffle, sizes=sizes,
-                          seed=actor.data_loader_seed + int(batch.meta.get("global_step", 0)) * 7919,
-                          loss_agg_mode=actor.loss_agg_mode, metric_prefix="actor")
-        metrics = self.engine.update(batch, plan, loss_fn, columns=RESPONSE_KEYS,
-                                     temperature=batch.meta.get("temperature", self.arr.rollout.temperature),
-                                     with_entropy=actor.entropy_coeff != 0 or on_policy)
-        if actor.use_kl_loss:
-            metrics["actor/kl_coef"] = [actor.kl_loss_coef]
+                          shuffle=self.spec.shuffle, sizes=sizes,
+                          seed=self.spec.data_loader_seed + int(batch.meta.get("global_step", 0)) * 7919,
+                          loss_agg_mode=loss_spec.loss_agg_mode, metric_prefix="actor")
+        metrics = self.engine.update(batch, plan, loss_fn, columns=RESPONSE_KEYS, temperature=self._temperature(batch),
+                                     with_entropy=loss_spec.entropy_coeff != 0 or on_policy)
+        if loss_spec.use_kl_loss:
+            metrics["actor/kl_coef"] = [loss_spec.kl_loss_coef]
         return Batch(meta={"metrics": metrics})
 
     # ------------------------------------------------------------------ checkpoints

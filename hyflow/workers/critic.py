@@ -16,13 +16,11 @@ import torch
 
 from hyflow.algos import compute_value_loss, masked_mean
 from hyflow.batch import Batch
-from hyflow.config import HyflowConfig
-from hyflow.config.arithmetic import BatchArithmetic
-from hyflow.config.lora import lora_settings
 from hyflow.controller import Dispatch, Worker, register
 from hyflow.models.loading import load_value_model
+from hyflow.specs import CriticSpec
 from hyflow.workers.engine import apply_full_determinism
-from hyflow.workers.fsdp import maybe_init_distributed, parallel_strategy
+from hyflow.workers.fsdp import maybe_init_distributed
 from hyflow.workers.train_engine import (
     EngineCheckpoints,
     TrainEngine,
@@ -34,13 +32,13 @@ VALUE_COLUMNS = ("returns", "values", "response_mask")
 
 
 class CriticWorker(EngineCheckpoints, Worker):
-    """Value model training and inference on one device (one rank of a data-parallel group)."""
+    """Value model training and inference on one device (one rank of a data-parallel group), built from the
+    role's `CriticSpec` (the config layer's `role_specs` derives it)."""
 
-    def __init__(self, config: HyflowConfig, **kwargs) -> None:
+    def __init__(self, spec: CriticSpec, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.config = config
-        self.critic = config.critic
-        self.model_device = resolve_device(config.trainer.device, self.local_rank)
+        self.spec = spec
+        self.model_device = resolve_device(spec.engine.device, self.local_rank)
 
     def set_progress(self, progress) -> None:
         """In-step progress of the critic's update (a plain callable `progress(stage, done, total, unit, detail)`,
@@ -49,27 +47,20 @@ class CriticWorker(EngineCheckpoints, Worker):
             self.engine.progress = progress
 
     @register(Dispatch.REPLICATE)
-    def init_model(self, total_training_steps: int, batches: BatchArithmetic) -> None:
-        """Load the value model (fresh value head when the checkpoint has none) into a TrainEngine; `batches` is
-        the run's derived batch arithmetic (what `hyflow config` prints). With several ranks: join the process
-        group, then shard (FSDP2) or wrap (DDP) the model."""
-        model_cfg = self.critic.model
-        path = model_cfg.path or self.config.actor_rollout_ref.model.path
-        self.batches = batches
-        strategy = parallel_strategy(self.critic.strategy, self.world_size)
-        apply_full_determinism(model_cfg.fsdp_config.full_determinism)
+    def init_model(self) -> None:
+        """Load the value model (fresh value head when the checkpoint has none) into a TrainEngine; the LR
+        schedule's length and the micro-batch sizes are the spec's (the batch arithmetic printed at start).
+        With several ranks: join the process group, then shard (FSDP2) or wrap (DDP) the model."""
+        spec = self.spec
+        apply_full_determinism(spec.full_determinism)
         maybe_init_distributed(self)
-        torch.manual_seed(self.config.trainer.seed + 1)  # the same fresh value head on every rank
-        model = load_value_model(path, dtype="float32", trust_remote_code=model_cfg.trust_remote_code,
-                                 override_config=dict(model_cfg.override_config or {}),
-                                 enable_gradient_checkpointing=model_cfg.enable_gradient_checkpointing,
-                                 device=self.model_device, config_key="critic.model.path")
-        self.engine = TrainEngine(
-            model, name="critic", head="value", device=self.model_device, strategy=strategy,
-            fsdp_config=model_cfg.fsdp_config, optim=self.critic.optim, grad_clip=self.critic.grad_clip,
-            total_optimizer_steps=total_training_steps * int(batches.critic.optimizer_steps),
-            use_remove_padding=model_cfg.use_remove_padding, lora=lora_settings(model_cfg, config_key="critic.model"),
-            world_size=self.world_size, rank=self.rank)
+        torch.manual_seed(spec.seed + 1)  # the same fresh value head on every rank
+        model = load_value_model(spec.model.path, dtype="float32", trust_remote_code=spec.model.trust_remote_code,
+                                 override_config=dict(spec.model.override_config),
+                                 enable_gradient_checkpointing=spec.model.enable_gradient_checkpointing,
+                                 device=self.model_device, config_key=spec.model.config_key)
+        self.engine = TrainEngine.from_spec(model, spec.engine, device=self.model_device, world_size=self.world_size,
+                                            rank=self.rank)
         self.model = self.engine.model
         if self.rank == 0:
             print(self.engine.describe_parameters(), flush=True)
@@ -77,12 +68,12 @@ class CriticWorker(EngineCheckpoints, Worker):
     @register(Dispatch.DP_SPLIT)
     def compute_values(self, batch: Batch) -> Batch:
         """`values` [N, R] (0 on masked tokens), micro-batched as `critic.forward_*` derive."""
-        return Batch({"values": self.engine.infer(batch, self.batches.critic_values)["values"]})
+        return Batch({"values": self.engine.infer(batch, self.spec.values)["values"]})
 
     @register(Dispatch.DP_SPLIT, pad=False)
     def update_critic(self, batch: Batch) -> Batch:
         """Clipped value regression onto `returns`; a row-less Batch carrying `critic/*` metrics."""
-        c = self.critic
+        c = self.spec
 
         def loss_fn(out: dict, cols: dict, ctx) -> tuple[torch.Tensor, dict]:
             mask = cols["response_mask"].float()
@@ -94,7 +85,7 @@ class CriticWorker(EngineCheckpoints, Worker):
                           "critic/vf_clipfrac": float(parts["vf_clipfrac"]) * weight,
                           "critic/vpred_mean": float(masked_mean(out["values"].detach(), mask)) * weight}
 
-        sizes = self.batches.critic  # the derived arithmetic: samples of a mini-batch on this device, epochs
+        sizes = c.batches  # the derived arithmetic: samples of a mini-batch on this device, epochs
         plan = UpdatePlan(mini_batch_size=max(1, int(sizes.samples_per_device)), epochs=sizes.ppo_epochs,
                           shuffle=c.shuffle, sizes=sizes,
                           seed=int(batch.meta.get("global_step", 0)) * 7919 + 17, loss_agg_mode=c.loss_agg_mode,

@@ -187,8 +187,8 @@ def sync_micro_batch_count(batch: Batch, *, micro_batch_size: int | None, use_dy
 
 
 def micro_batches_as_derived(batch: Batch, sizes, *, share_prompts: bool = False) -> list[tuple[Batch, torch.Tensor]]:
-    """`sync_micro_batch_count` with the sizes `hyflow.config.arithmetic.batch_arithmetic` derived for a pass
-    (`RoleBatches` or `ForwardBatches`): the numbers `hyflow config` prints are the numbers that run, deprecated
+    """`sync_micro_batch_count` with the sizes the role spec carries for a pass (`hyflow.specs`
+    `RoleBatches` or `ForwardBatches`): the numbers printed at start are the numbers that run, deprecated
     global knobs and each pass's own fallbacks included. `share_prompts`: token budgets count a prompt once for
     its samples, which stay together (`split_micro_batches`)."""
     micro = sizes.micro_batch_size_per_device

@@ -4,11 +4,11 @@
   `stream_advance`, `stream_close` — over this rank's stream engine. With several rollout ranks each keeps the
   prompts whose tag is its rank modulo the world size, and advances until its share of the wanted prompts is
   finished (so the split never depends on timing).
-- `RolloutWorker`: a rollout-only worker (tokenizer, one engine, the agent loop; no optimizer, no reference) for
-  the rollout pool of its own (`rollout.n_gpus_per_node` > 0). It receives the trainer's weights through
-  `stream_load_weights(buckets, version)`: all of them or none (the engine's `update_weights`).
-- `build_agent_loops`: the agent loop over an engine with the tools and interactions of `rollout.multi_turn`,
-  shared with the colocated actor worker.
+- `RolloutWorker`: a rollout-only worker (tokenizer, one engine, the agent loop; no optimizer, no reference),
+  built from a `RolloutSpec`, for the rollout pool of its own (`rollout.n_gpus_per_node` > 0). It receives the
+  trainer's weights through `stream_load_weights(buckets, version)`: all of them or none (`update_weights`).
+- `build_agent_loops`: the agent loop over an engine with the tools and interactions of `rollout.multi_turn`
+  (the `RolloutSpec`'s section), shared with the colocated actor worker.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import math
 import time
 
 from hyflow.batch import Batch
-from hyflow.config import HyflowConfig
 from hyflow.controller import Dispatch, Worker, register
 from hyflow.models.loading import load_causal_lm, load_tokenizer
 from hyflow.rollout.agent_loop import AgentLoopManager
 from hyflow.rollout.base import EngineSpec, SamplingParams, make_engine
 from hyflow.rollout.stream import RolloutStream
+from hyflow.specs import RolloutSpec
 from hyflow.workers.train_engine import resolve_device
 
 
@@ -42,10 +42,10 @@ def pad_token_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def build_agent_loops(config: HyflowConfig, tokenizer, engine, eos_ids: list[int]) -> AgentLoopManager:
-    """The agent loop over `engine`, with the tools and interactions of rollout.multi_turn (each worker loads its
-    own instances, as each of verl's agent-loop workers does)."""
-    rollout = config.actor_rollout_ref.rollout
+def build_agent_loops(spec: RolloutSpec, tokenizer, engine, eos_ids: list[int]) -> AgentLoopManager:
+    """The agent loop over `engine`, with the tools and interactions of the rollout section's multi_turn (each
+    worker loads its own instances, as each of verl's agent-loop workers does)."""
+    rollout = spec.section
     mt = rollout.multi_turn
     tools = interactions = None
     if mt.tool_config_path:
@@ -58,7 +58,7 @@ def build_agent_loops(config: HyflowConfig, tokenizer, engine, eos_ids: list[int
         interactions = load_interactions(mt.interaction_config_path)
     return AgentLoopManager(engine, tokenizer, rollout, eos_token_ids=eos_ids, pad_token_id=pad_token_id(tokenizer),
                             tools=tools, interactions=interactions,
-                            chat_template_kwargs=dict(config.data.apply_chat_template_kwargs or {}))
+                            chat_template_kwargs=dict(spec.chat_template_kwargs))
 
 
 class RolloutStreamHost:
@@ -102,33 +102,32 @@ class RolloutStreamHost:
 class RolloutWorker(RolloutStreamHost, Worker):
     """A rollout-only worker on a device of the rollout pool (see the module docstring)."""
 
-    def __init__(self, config: HyflowConfig, tokenizer=None, **kwargs) -> None:
+    def __init__(self, spec: RolloutSpec, tokenizer=None, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.config = config
+        self.spec = spec
         self.tokenizer = tokenizer
-        self.model_device = resolve_device(config.trainer.device, self.local_rank)
+        self.model_device = resolve_device(spec.device, self.local_rank)
 
     @register(Dispatch.REPLICATE)
     def init_model(self) -> None:
         """Load the tokenizer and the engine (hf: the model on this device; vllm: loads the path itself)."""
-        model_cfg = self.config.actor_rollout_ref.model
-        rollout = self.config.actor_rollout_ref.rollout
+        model_spec, rollout = self.spec.model, self.spec.section
         if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(model_cfg.tokenizer_path or model_cfg.path,
-                                            trust_remote_code=model_cfg.trust_remote_code,
-                                            chat_template=model_cfg.custom_chat_template)
+            self.tokenizer = load_tokenizer(model_spec.tokenizer_path or model_spec.path,
+                                            trust_remote_code=model_spec.trust_remote_code,
+                                            chat_template=model_spec.custom_chat_template)
         model = None
         if rollout.name == "hf":
-            model = load_causal_lm(model_cfg.path, dtype="float32", trust_remote_code=model_cfg.trust_remote_code,
-                                   override_config=dict(model_cfg.override_config or {}), device=self.model_device)
+            model = load_causal_lm(model_spec.path, dtype="float32", trust_remote_code=model_spec.trust_remote_code,
+                                   override_config=dict(model_spec.override_config), device=self.model_device)
             model.requires_grad_(False)
         eos = eos_token_ids(self.tokenizer, model)
-        spec = EngineSpec(model_path=model_cfg.path, device=self.model_device, rollout=rollout, eos_token_ids=eos,
+        spec = EngineSpec(model_path=model_spec.path, device=self.model_device, rollout=rollout, eos_token_ids=eos,
                           pad_token_id=pad_token_id(self.tokenizer), module=model, share_module=True,
-                          trust_remote_code=model_cfg.trust_remote_code, rank=self.rank, world_size=self.world_size)
+                          trust_remote_code=model_spec.trust_remote_code, rank=self.rank, world_size=self.world_size)
         self.engine = make_engine(rollout.name, spec)
         self.engine.shares_weights = False  # its own module: the trainer's weights arrive via update_weights
-        self.stream_manager = build_agent_loops(self.config, self.tokenizer, self.engine, eos)
+        self.stream_manager = build_agent_loops(self.spec, self.tokenizer, self.engine, eos)
 
     @register(Dispatch.REPLICATE)
     def stream_load_weights(self, buckets: list, version: int) -> float:

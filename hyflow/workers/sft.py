@@ -25,19 +25,15 @@ group and shards the model; `state_dict` (collective) returns rank 0's full comp
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from hyflow.algos import agg_loss
 from hyflow.batch import Batch
-from hyflow.config.loader import config_to_dict
-from hyflow.config.lora import lora_settings
-from hyflow.config.sft_schema import SFTBatches, SFTConfig
 from hyflow.controller import Collect, Dispatch, Worker, register
 from hyflow.models.loading import load_causal_lm
+from hyflow.specs import SFTSpec
 from hyflow.workers.engine import all_reduce_metrics
-from hyflow.workers.fsdp import maybe_init_distributed, parallel_strategy
+from hyflow.workers.fsdp import maybe_init_distributed
 from hyflow.workers.train_engine import (
     EngineCheckpoints,
     MicroContext,
@@ -65,42 +61,36 @@ def sft_loss(out: dict, cols: dict, ctx: MicroContext) -> tuple[torch.Tensor, di
 class SFTWorker(EngineCheckpoints, Worker):
     """Causal-LM fine-tuning on one device (one rank of a data-parallel group).
 
-    `model`: a model object to train instead of loading `model.partial_pretrain` (one in-process worker only:
-    the `local` executor)."""
+    `spec`: the run's `SFTSpec` (the SFT trainer derives it); `model`: a model object to train instead of loading
+    `model.partial_pretrain` (one in-process worker only: the `local` executor)."""
 
-    def __init__(self, config: SFTConfig, model: torch.nn.Module | None = None, **kwargs) -> None:
+    def __init__(self, spec: SFTSpec, model: torch.nn.Module | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.config = config
+        self.spec = spec
         self.given_model = model
-        self.model_device = resolve_device(config.trainer.device, self.local_rank)
+        self.model_device = resolve_device(spec.engine.device, self.local_rank)
 
     @register(Dispatch.REPLICATE)
-    def init_model(self, total_steps: int, batches: SFTBatches) -> None:
-        """Load the model into a TrainEngine with AdamW and the LR schedule over `total_steps` optimizer steps;
-        `batches` is the run's derived batch arithmetic (what the trainer prints). With several ranks: join the
-        process group, then shard (FSDP2) or wrap (DDP) the model."""
-        cfg = self.config
-        self.batches = batches
+    def init_model(self) -> None:
+        """Load the model into a TrainEngine with the spec's optimizer and the LR schedule over its optimizer
+        steps; the micro-batch sizes are the spec's (the batch arithmetic the trainer prints). With several ranks:
+        join the process group, then shard (FSDP2) or wrap (DDP) the model."""
+        spec = self.spec
         maybe_init_distributed(self)
-        torch.manual_seed(cfg.trainer.seed)
+        torch.manual_seed(spec.seed)
         model, self.given_model = self.given_model, None
         if model is None:
-            m = cfg.model
-            model = load_causal_lm(m.partial_pretrain, dtype="float32", trust_remote_code=m.trust_remote_code,
-                                   override_config=dict(m.override_config or {}), config_key="model.partial_pretrain",
+            m = spec.model
+            model = load_causal_lm(m.path, dtype="float32", trust_remote_code=m.trust_remote_code,
+                                   override_config=dict(m.override_config), config_key=m.config_key,
                                    enable_gradient_checkpointing=m.enable_gradient_checkpointing,
                                    device=self.model_device)
         model = model.to(self.model_device)
         # What a checkpoint needs to rebuild the model (hf_config/), read before the engine wraps it.
         self.hf_config = model.config
         self.generation_config = getattr(model, "generation_config", None)
-        optim = SimpleNamespace(**config_to_dict(cfg)["optim"], lr_scheduler_type=cfg.optim.lr_scheduler)
-        self.engine = TrainEngine(
-            model, name="sft", checkpoint_prefix="", head="lm", device=self.model_device,
-            strategy=parallel_strategy(cfg.engine.strategy, self.world_size), fsdp_config=cfg.engine, optim=optim,
-            total_optimizer_steps=total_steps, grad_clip=cfg.optim.clip_grad,
-            use_remove_padding=cfg.model.use_remove_padding, lora=lora_settings(cfg.model, config_key="model"),
-            world_size=self.world_size, rank=self.rank)
+        self.engine = TrainEngine.from_spec(model, spec.engine, device=self.model_device, world_size=self.world_size,
+                                            rank=self.rank)
         if self.rank == 0:
             print(self.engine.describe_parameters(), flush=True)
 
@@ -113,7 +103,7 @@ class SFTWorker(EngineCheckpoints, Worker):
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on the step's samples (this rank gets its share): train/loss, train/lr,
         train/grad_norm, the same on every rank."""
-        plan = UpdatePlan(mini_batch_size=len(batch), epochs=1, shuffle=False, seed=0, sizes=self.batches,
+        plan = UpdatePlan(mini_batch_size=len(batch), epochs=1, shuffle=False, seed=0, sizes=self.spec.batches,
                           loss_agg_mode="token-mean", metric_prefix="train")
         metrics = self.engine.update(as_engine_batch(batch), plan, sft_loss, columns=SFT_COLUMNS)
         return {key: metrics[key][0] for key in ("train/loss", "train/lr", "train/grad_norm")}
@@ -123,6 +113,6 @@ class SFTWorker(EngineCheckpoints, Worker):
         """{"nll": sum of -log p over the trained tokens of `batch`, "tokens": their number}, summed over the
         ranks (the same on every rank). Rows without trained tokens (padding) add nothing."""
         data = as_engine_batch(batch)
-        log_probs = self.engine.infer(data, self.batches)["log_probs"]
+        log_probs = self.engine.infer(data, self.spec.batches)["log_probs"]
         return all_reduce_metrics({"nll": -float(log_probs.double().sum()),
                                    "tokens": float(data["response_mask"].sum())})

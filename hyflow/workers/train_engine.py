@@ -2,12 +2,13 @@
 
 It owns what every trained role repeats: the model (with LoRA adapters when configured), the parallel wrapper
 (one device, DDP or FSDP2; `hyflow.workers.fsdp`), autocast, the optimizer and LR schedule, micro-batching
-(by sample count or token budget, the sizes `hyflow.config.arithmetic.batch_arithmetic` derived), sequence
+(by sample count or token budget, the sizes of the role's spec: `hyflow.specs.RoleBatches`), sequence
 packing (`use_remove_padding`), the per-token forward of a micro-batch, the PPO mini-batch loop with global loss
 normalisation, clipping and stepping, the weights a rollout engine receives, and the checkpoint state (full and
-sharded). A role (actor, critic, SFT) says which columns its loss reads and what the loss is, nothing else:
+sharded). It is built from the role's spec (`hyflow.specs.TrainEngineSpec`, derived once by the config
+layer's `role_specs`). A role (actor, critic, SFT) says which columns its loss reads and what the loss is:
 
-    engine = TrainEngine(model, name="critic", head="value", ...)
+    engine = TrainEngine.from_spec(model, spec.engine, device=device, world_size=W, rank=r)
     values = engine.infer(batch, sizes)["values"]                          # no-grad pass, [N, R]
     metrics = engine.update(batch, plan, loss_fn, columns=("returns", "values", "response_mask"))
 
@@ -48,6 +49,7 @@ from hyflow.controller import Collect, Dispatch, register
 from hyflow.models.flops import device_peak_flops, training_flops
 from hyflow.models.forward import backbone_hidden_states, response_logprobs, unwrap_model, values_from_model
 from hyflow.models.lora import adapter_disabled, apply_lora, merged_named_tensors, parameter_counts
+from hyflow.specs import TrainEngineSpec
 from hyflow.workers.engine import (
     all_reduce_metrics,
     all_reduce_sum,
@@ -65,6 +67,7 @@ from hyflow.workers.fsdp import (
     iter_full_tensors,
     load_full_optimizer_state_dict,
     load_sharded,
+    parallel_strategy,
     reshard,
     save_sharded,
     tensor_buckets,
@@ -169,6 +172,19 @@ class TrainEngine:
             params = [p for p in self.model.parameters() if p.requires_grad]
             self.optimizer = build_optimizer(params, optim)
             self.scheduler = build_scheduler(self.optimizer, optim, max(1, int(total_optimizer_steps)))
+
+    @classmethod
+    def from_spec(cls, model: nn.Module, spec: TrainEngineSpec, *, device: torch.device, world_size: int = 1,
+                  rank: int = 0) -> TrainEngine:
+        """The engine a role's `TrainEngineSpec` describes, for `model` on `device` (the worker resolved
+        `spec.device` there before loading the model), as rank `rank` of `world_size`: the spec's strategy is
+        resolved against the world size (`parallel_strategy`: one device runs unwrapped)."""
+        return cls(model, name=spec.name, head=spec.head, device=device,
+                   strategy=parallel_strategy(spec.strategy, world_size), fsdp_config=spec.fsdp, optim=spec.optim,
+                   total_optimizer_steps=spec.total_optimizer_steps, grad_clip=spec.grad_clip,
+                   use_remove_padding=spec.use_remove_padding, share_prompts=spec.share_prompts,
+                   use_torch_compile=spec.use_torch_compile, lora=spec.lora, world_size=world_size, rank=rank,
+                   compute_dtype=spec.compute_dtype, checkpoint_prefix=spec.checkpoint_prefix)
 
     # ------------------------------------------------------------------------------------------ describing
 

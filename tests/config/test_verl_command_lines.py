@@ -294,18 +294,12 @@ def test_runtime_env_reaches_every_ray_worker(monkeypatch):
 
 def test_checkpoint_engine_bucket_size_sets_the_weight_sync_bucket(paths):
     """verl's rollout.checkpoint_engine.update_weights_bucket_megabytes is the bucket of hyflow's weight sync."""
+    from hyflow.config.roles import role_specs
     from hyflow.workers.actor import ActorRolloutRefWorker
 
     cfg = load_config([f"actor_rollout_ref.model.path={paths['model']}", "trainer.device=cpu",
                        "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=3"])
-    actor = ActorRolloutRefWorker(cfg)
-    init_for_test(actor)
+    actor = ActorRolloutRefWorker(role_specs(cfg, n_devices=1).actor)
+    actor.init_model()
     assert actor.weight_bucket_bytes == 3 * 2**20
-
-
-def init_for_test(worker) -> None:
-    """init_model with the batch arithmetic the trainer would pass (the worker's world size as the devices)."""
-    from hyflow.config.arithmetic import batch_arithmetic
-
-    worker.init_model(1, batch_arithmetic(worker.config, worker.world_size))

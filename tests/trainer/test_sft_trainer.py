@@ -15,7 +15,7 @@ from hyflow.config.sft_schema import SFTConfig, load_sft_config
 from hyflow.data.sft_dataset import SFTDataset
 from hyflow.data.tasks import make_task
 from hyflow.models.loading import load_causal_lm
-from hyflow.trainer.sft_trainer import SFTTrainer, accumulate_sft_gradients, run_sft, token_nll_sum
+from hyflow.trainer.sft_trainer import SFTTrainer, accumulate_sft_gradients, run_sft, sft_spec, token_nll_sum
 from hyflow.trainer.tracking import read_metrics
 from hyflow.workers.engine import all_reduce_sum
 from hyflow.workers.sft import SFTWorker, as_engine_batch, sft_loss
@@ -82,8 +82,8 @@ def test_gradient_accumulation_equals_full_batch_gradient(tiny_model_dir, tiny_t
 def sft_worker(model_dir, paths, run_dir, *extra) -> SFTWorker:
     """A one-process SFT worker with its engine built, as the trainer's local executor makes it."""
     trainer = SFTTrainer(overrides(model_dir, paths, run_dir, *extra))
-    worker = SFTWorker(trainer.config)
-    worker.init_model(1, trainer.batches)
+    worker = SFTWorker(sft_spec(trainer.config, trainer.batches, total_steps=1))
+    worker.init_model()
     return worker
 
 
@@ -101,7 +101,7 @@ def test_the_workers_engine_path_equals_the_reference_loss_and_gradient(tiny_mod
     worker = sft_worker(tiny_model_dir, task_paths, tmp_path, "data.train_batch_size=5", *sizing)
     data = as_engine_batch(batch)
     norms = all_reduce_sum(loss_normalisers(data["response_mask"], "token-mean"))
-    parts = worker.engine.forward_backward(data, worker.batches, sft_loss, columns=("response_mask",), norms=norms)
+    parts = worker.engine.forward_backward(data, worker.spec.batches, sft_loss, columns=("response_mask",), norms=norms)
     assert parts["train/loss"] == pytest.approx(want_loss, abs=1e-6)
     for name, param in worker.engine.model.named_parameters():
         torch.testing.assert_close(param.grad, want[name], rtol=0, atol=1e-6, msg=name)

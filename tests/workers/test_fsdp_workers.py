@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 from hyflow.batch import Batch
 from hyflow.config import load_config
+from hyflow.config.roles import role_specs
 from hyflow.controller.worker import free_port
 
 P, R, N = 6, 5, 8
@@ -401,8 +402,6 @@ def _rank_main(rank: int, world_size: int, port: int, model_dir: str, out: str) 
     """One rank: FSDP2 actor/critic updates on its share, sync, state dicts, DCP save/load; writes rank<r>.pt."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    from hyflow.workers.actor import ActorRolloutRefWorker
-    from hyflow.workers.critic import CriticWorker
     from hyflow.workers.fsdp import is_fsdp2, iter_full_tensors
 
     out = Path(out)
@@ -411,7 +410,7 @@ def _rank_main(rank: int, world_size: int, port: int, model_dir: str, out: str) 
     cfg = make_config(model_dir)
     result = {}
 
-    actor = ActorRolloutRefWorker(cfg, rank=rank, world_size=world_size)
+    actor = actor_worker(cfg, rank=rank, world_size=world_size)
     actor.init_process_group("gloo", timeout_s=120.0)  # a mismatched collective fails the test, not hangs it
     init_for_test(actor)
     actor.weight_bucket_bytes = SMALL_BUCKET
@@ -431,30 +430,30 @@ def _rank_main(rank: int, world_size: int, port: int, model_dir: str, out: str) 
     result["hf_model"] = None if hf is None else {k: v.clone() for k, v in hf[0].state_dict().items()}
     actor.save_sharded_checkpoint(str(out / "dcp_actor_2"))
 
-    critic = CriticWorker(cfg, rank=rank, world_size=world_size)
+    critic = critic_worker(cfg, rank=rank, world_size=world_size)
     init_for_test(critic)
     result["critic_metrics"] = critic.update_critic(batch).meta["metrics"]
     result["critic_state"] = critic.state_dict()
     critic.save_sharded_checkpoint(str(out / "dcp_critic_2"))
 
-    fresh = ActorRolloutRefWorker(cfg, rank=rank, world_size=world_size)
+    fresh = actor_worker(cfg, rank=rank, world_size=world_size)
     init_for_test(fresh)
     fresh.load_sharded_checkpoint(str(out / "dcp_actor_1"))
     result["dcp_1_to_2_actor"] = fresh.state_dict()
     result["dcp_1_to_2_rollout"] = {k: v.clone() for k, v in fresh.rollout.model.state_dict().items()}
-    fresh_critic = CriticWorker(cfg, rank=rank, world_size=world_size)
+    fresh_critic = critic_worker(cfg, rank=rank, world_size=world_size)
     init_for_test(fresh_critic)
     fresh_critic.load_sharded_checkpoint(str(out / "dcp_critic_1"))
     result["dcp_1_to_2_critic"] = fresh_critic.state_dict()
 
-    ddp = ActorRolloutRefWorker(make_config(model_dir, "actor_rollout_ref.actor.strategy=ddp"), rank=rank,
+    ddp = actor_worker(make_config(model_dir, "actor_rollout_ref.actor.strategy=ddp"), rank=rank,
                                 world_size=world_size)
     init_for_test(ddp)
     result["ddp_metrics"] = ddp.update_actor(batch).meta["metrics"]
     result["ddp_state"] = ddp.state_dict()
 
     # Token-budget micro-batches: the ranks pack their second mini-batch into 1 and 2 micro-batches.
-    dynamic = ActorRolloutRefWorker(make_config(model_dir, "actor_rollout_ref.actor.use_dynamic_bsz=true",
+    dynamic = actor_worker(make_config(model_dir, "actor_rollout_ref.actor.use_dynamic_bsz=true",
                                                 "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16"),
                                     rank=rank, world_size=world_size)
     init_for_test(dynamic)
@@ -498,9 +497,8 @@ def _timeout_main(rank: int, world_size: int, port: int, model_dir: str, out: st
     """Rank 0 syncs the rollout weights; rank 1 never joins: rank 0 must raise within the short timeout."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    from hyflow.workers.actor import ActorRolloutRefWorker
 
-    worker = ActorRolloutRefWorker(make_config(model_dir), rank=rank, world_size=world_size)
+    worker = actor_worker(make_config(model_dir), rank=rank, world_size=world_size)
     worker.init_process_group("gloo", timeout_s=3.0)
     init_for_test(worker)
     if rank == 1:
@@ -521,17 +519,15 @@ def _timeout_main(rank: int, world_size: int, port: int, model_dir: str, out: st
 @pytest.fixture(scope="module")
 def run(tiny_model_dir, tiny_tokenizer, tmp_path_factory):
     """Reference (one process) and 2-rank results."""
-    from hyflow.workers.actor import ActorRolloutRefWorker
-    from hyflow.workers.critic import CriticWorker
 
     out = tmp_path_factory.mktemp("fsdp_run")
     cfg = make_config(str(tiny_model_dir))
     torch.set_num_threads(2)
     columns = make_batch(len(tiny_tokenizer))
-    actor = ActorRolloutRefWorker(cfg)
+    actor = actor_worker(cfg)
     init_for_test(actor)
     old = actor.compute_log_prob(Batch(columns))["old_log_probs"]
-    critic = CriticWorker(cfg)
+    critic = critic_worker(cfg)
     init_for_test(critic)
     columns = add_training_columns(columns, old, critic.compute_values(Batch(columns))["values"])
     torch.save(columns, out / "batch.pt")
@@ -691,9 +687,8 @@ def test_rollout_copy_on_every_rank_holds_the_updated_weights(run):
 
 @pytest.mark.slow
 def test_full_state_dict_from_two_ranks_gives_identical_log_probs_in_one(run):
-    from hyflow.workers.actor import ActorRolloutRefWorker
 
-    worker = ActorRolloutRefWorker(run["cfg"])
+    worker = actor_worker(run["cfg"])
     init_for_test(worker)
     worker.load_state_dict(run["ranks"][0]["actor_state"])
     columns = run["columns"]
@@ -708,10 +703,8 @@ def test_full_state_dict_from_two_ranks_gives_identical_log_probs_in_one(run):
 
 @pytest.mark.slow
 def test_sharded_checkpoint_from_two_ranks_loads_into_one(run):
-    from hyflow.workers.actor import ActorRolloutRefWorker
-    from hyflow.workers.critic import CriticWorker
 
-    actor = ActorRolloutRefWorker(run["cfg"])
+    actor = actor_worker(run["cfg"])
     init_for_test(actor)
     actor.load_sharded_checkpoint(str(run["out"] / "dcp_actor_2"))
     got = actor.state_dict()
@@ -724,7 +717,7 @@ def test_sharded_checkpoint_from_two_ranks_loads_into_one(run):
     assert sharded_shard_files(run["out"] / "dcp_actor_2") == ["__0_0.distcp", "__1_0.distcp"]
     assert sharded_checkpoint_problem(run["out"] / "dcp_actor_2") is None
     assert_state_close(read_sharded_model_state(run["out"] / "dcp_actor_2"), got["actor_model"], atol=0)
-    critic = CriticWorker(run["cfg"])
+    critic = critic_worker(run["cfg"])
     init_for_test(critic)
     critic.load_sharded_checkpoint(str(run["out"] / "dcp_critic_2"))
     assert_state_close(critic.state_dict()["critic_model"], run["ref"]["critic_state"]["critic_model"])
@@ -752,8 +745,22 @@ def test_weight_sync_raises_when_a_rank_never_joins(tiny_model_dir, tmp_path):
     assert result["seconds"] < 7.0
 
 
-def init_for_test(worker) -> None:
-    """init_model with the batch arithmetic the trainer would pass (the worker's world size as the devices)."""
-    from hyflow.config.arithmetic import batch_arithmetic
+def actor_worker(cfg, *, rank: int = 0, world_size: int = 1):
+    """The actor worker with the spec the trainer would give it (the world size as the devices, 1 step)."""
+    from hyflow.workers.actor import ActorRolloutRefWorker
 
-    worker.init_model(1, batch_arithmetic(worker.config, worker.world_size))
+    return ActorRolloutRefWorker(role_specs(cfg, n_devices=world_size, total_steps=1).actor, rank=rank,
+                                 world_size=world_size)
+
+
+def critic_worker(cfg, *, rank: int = 0, world_size: int = 1):
+    """The critic worker with the spec the trainer would give it (the world size as the devices, 1 step)."""
+    from hyflow.workers.critic import CriticWorker
+
+    return CriticWorker(role_specs(cfg, n_devices=world_size, total_steps=1).critic, rank=rank,
+                        world_size=world_size)
+
+
+def init_for_test(worker) -> None:
+    """init_model: load the models the worker's spec describes."""
+    worker.init_model()

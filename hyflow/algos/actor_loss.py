@@ -1,0 +1,58 @@
+"""The actor's loss: the policy-gradient loss plus an entropy bonus and a KL penalty toward the reference.
+
+    L = L_pg - c * H + beta * KL
+
+L_pg is the policy loss's output (any registered loss, `get_policy_loss`); H = agg(entropy_BT) is the
+aggregated per-token entropy of the current policy (counted only when c = entropy_coeff != 0: a bonus, so it is
+subtracted); KL = agg(kl_penalty(log_prob_BT, ref_log_prob_BT, kl_loss_type)) is the aggregated per-token KL
+estimate toward the reference policy (when `use_kl_loss`, weighted by beta = kl_loss_coef; verl's `use_kl_loss`,
+GRPO's KL term). Both terms are aggregated as the policy loss is (`agg_loss` with `loss_agg_mode`, the global
+normalisers of the mini-batch and `loss_scale_factor`), so the sum keeps micro-batch and data-parallel invariance.
+The operations run in this order, term by term: `loss = L_pg; loss = loss - c * H; loss = loss + beta * KL`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyflow.algos.agg import agg_loss
+from hyflow.algos.kl import kl_penalty
+
+
+def actor_loss(
+    pg_loss: torch.Tensor,
+    *,
+    log_prob: torch.Tensor,
+    entropy: torch.Tensor | None,
+    ref_log_prob: torch.Tensor | None,
+    response_mask: torch.Tensor,
+    entropy_coeff: float = 0.0,
+    use_kl_loss: bool = False,
+    kl_loss_coef: float = 0.0,
+    kl_loss_type: str = "low_var_kl",
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: float | None = None,
+    global_token_count: torch.Tensor | float | None = None,
+    global_seq_count: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """L = pg_loss - entropy_coeff * agg(entropy) + kl_loss_coef * agg(KL(log_prob || ref_log_prob)) (module
+    docstring); returns (L, metrics) with metrics `entropy_loss` (when entropy_coeff != 0), `kl_loss` (when
+    use_kl_loss) and `pg_loss`, as floats of this call's (micro-batch's) terms.
+
+    `log_prob`, `entropy`, `ref_log_prob` and `response_mask` are [B, T]; `entropy` is read only when
+    entropy_coeff != 0 and `ref_log_prob` only when use_kl_loss. The global counts are `agg_loss`'s.
+    """
+    agg = dict(loss_agg_mode=loss_agg_mode, loss_scale_factor=loss_scale_factor,
+               global_token_count=global_token_count, global_seq_count=global_seq_count)
+    metrics: dict[str, float] = {}
+    loss = pg_loss
+    if entropy_coeff != 0:
+        entropy_loss = agg_loss(entropy, response_mask, **agg)
+        loss = loss - entropy_coeff * entropy_loss
+        metrics["entropy_loss"] = float(entropy_loss.detach())
+    if use_kl_loss:
+        kl = agg_loss(kl_penalty(log_prob, ref_log_prob, kl_loss_type), response_mask, **agg)
+        loss = loss + kl_loss_coef * kl
+        metrics["kl_loss"] = float(kl.detach())
+    metrics["pg_loss"] = float(pg_loss.detach())
+    return loss, metrics
