@@ -247,8 +247,14 @@ def reward_scores(
     """Sequence scores [B] (float32) of a reward model from `load_reward_model`, read at the last attended token.
 
     score[b] = score_head(h[b, last t with attention_mask[b, t] = 1]); this uses the attention mask rather
-    than the pad token id, so pad == eos tokenizers and left or right padding both work.
+    than the pad token id, so pad == eos tokenizers and left or right padding both work. Columns that are padding
+    in every row are cut first (the forward runs over the real lengths; the scores do not change).
     """
+    used_L = attention_mask.any(dim=0).nonzero().squeeze(-1)
+    if used_L.numel():
+        first, last = int(used_L[0]), int(used_L[-1]) + 1
+        input_ids, attention_mask = input_ids[:, first:last], attention_mask[:, first:last]
+        position_ids = position_ids[..., first:last]
     hidden_BLH = backbone_hidden_states(reward_model, input_ids, attention_mask, position_ids)
     positions_L = torch.arange(input_ids.shape[-1], device=input_ids.device)
     last_B = (positions_L * attention_mask.long()).argmax(dim=-1)

@@ -28,10 +28,15 @@ Two input paths (verl's `reward_model.model.input_tokenizer` switch):
   with the reward model's tokenizer (no extra special tokens: the template carries them), cut on the right to
   `reward_model.max_length` tokens when that is set (verl's default truncation side), right-padded and scored.
 
-Micro-batches: `reward_model.micro_batch_size_per_gpu` samples per forward (None = all of this rank's
-samples at once), or token-budget packing with `reward_model.use_dynamic_bsz` and
-`reward_model.forward_max_token_len_per_gpu`. Inference only: eval mode, no gradients. Columns that are
-padding in every row of a micro-batch are cut before the forward pass.
+The forward runs through the training engine (`TrainEngine` with head "score", no optimizer: eval mode, no
+gradients, autocast in `fsdp_config.dtype` on accelerators), micro-batched as the spec derives
+(`hyflow.config.roles.reward_model_spec`, the one micro-batch rule of every role):
+`reward_model.micro_batch_size_per_gpu` samples per forward, else verl's global
+`reward_model.micro_batch_size` / data-parallel size (which must divide evenly), else all of this rank's
+samples at once; or token-budget packing with `reward_model.use_dynamic_bsz` and
+`reward_model.forward_max_token_len_per_gpu`. Columns that are padding in every row of a micro-batch are cut
+before the forward pass. The worker itself keeps only what is the reward model's own: re-tokenisation and
+placing the score at the last response token.
 """
 
 from __future__ import annotations
@@ -41,12 +46,12 @@ import importlib
 import torch
 
 from hyflow.batch import Batch
-from hyflow.config import HyflowConfig
 from hyflow.controller import Dispatch, Worker, register
-from hyflow.models.forward import compute_position_ids, reward_scores
+from hyflow.models.forward import compute_position_ids
 from hyflow.models.loading import load_reward_model, load_tokenizer
-from hyflow.workers.engine import SEQUENCE_KEYS, apply_full_determinism, split_micro_batches
-from hyflow.workers.train_engine import autocast, resolve_device
+from hyflow.specs import RewardModelSpec
+from hyflow.workers.engine import SEQUENCE_KEYS, apply_full_determinism
+from hyflow.workers.train_engine import TrainEngine, resolve_device
 
 
 def same_tokenizer(a, b) -> bool:
@@ -139,103 +144,80 @@ def tokenize_chats(chats: list[list[dict]], rm_tokenizer, max_length: int | None
             "position_ids": compute_position_ids(attention_mask)}
 
 
-def _cut_unused_columns(seq: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The columns from the first to the last one that holds a real token in some row."""
-    used = seq["attention_mask"].any(dim=0).nonzero().squeeze(-1)
-    if used.numel() == 0:
-        return seq
-    first, last = int(used[0]), int(used[-1])
-    return {key: value[:, first : last + 1] for key, value in seq.items()}
-
-
 class RewardModelWorker(Worker):
     """A frozen sequence-classification reward model on one device; scores this rank's share of the samples."""
 
-    def __init__(self, config: HyflowConfig, tokenizer=None, **kwargs) -> None:
-        """`tokenizer` is the policy's (what produced the batch's token ids); loaded in `init_model` if None."""
+    def __init__(self, spec: RewardModelSpec, tokenizer=None, **kwargs) -> None:
+        """`spec` from `hyflow.config.roles.reward_model_spec`; `tokenizer` is the policy's (what produced the
+        batch's token ids), loaded in `init_model` from `spec.policy_tokenizer` if None."""
         super().__init__(**kwargs)
-        self.config = config
-        self.rm = config.reward_model
+        self.spec = spec
         self.policy_tokenizer = tokenizer
-        self.model_device = resolve_device(config.trainer.device, self.local_rank)
+        self.model_device = resolve_device(spec.engine.device, self.local_rank)
 
     @register(Dispatch.REPLICATE)
     def init_model(self) -> None:
-        """Load the reward model (`reward_model.model.path`) and its tokenizer; decide whether to re-tokenise.
+        """Load the reward model (`reward_model.model.path`) and its tokenizer into a forward-only engine; decide
+        whether to re-tokenise.
 
         The policy's tokenizer is the one given to the constructor, else `reward_model.model.input_tokenizer`,
-        else `actor_rollout_ref.model.tokenizer_path` / `.path`.
+        else `actor_rollout_ref.model.tokenizer_path` / `.path`. Every rank holds the whole model.
         """
-        model_cfg = self.rm.model
-        apply_full_determinism(model_cfg.fsdp_config.full_determinism)
-        if not model_cfg.path:
+        spec, model_spec = self.spec, self.spec.model
+        apply_full_determinism(spec.full_determinism)
+        if not model_spec.path:
             raise ValueError(
                 "reward_model.model.path is not set, but the reward-model worker needs it: set "
                 "reward_model.model.path=DIR (a sequence-classification checkpoint with num_labels=1), or "
                 "reward_model.enable=False to score with rule-based functions only"
             )
-        if model_cfg.external_lib:
-            importlib.import_module(model_cfg.external_lib)
-        self.rm_tokenizer = load_tokenizer(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code,
-                                           config_key="reward_model.model.path")
+        if spec.external_lib:
+            importlib.import_module(spec.external_lib)
+        self.rm_tokenizer = load_tokenizer(model_spec.path, trust_remote_code=model_spec.trust_remote_code,
+                                           config_key=model_spec.config_key)
         if self.policy_tokenizer is None:
             self.policy_tokenizer = self._load_policy_tokenizer()
         self.retokenize = not same_tokenizer(self.policy_tokenizer, self.rm_tokenizer)
-        dtype = "float32" if self.model_device.type == "cpu" else model_cfg.fsdp_config.model_dtype
-        self.model = load_reward_model(model_cfg.path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code,
-                                       override_config=dict(model_cfg.override_config or {}),
-                                       device=self.model_device, config_key="reward_model.model.path")
-        self.model.requires_grad_(False).eval()
+        dtype = "float32" if self.model_device.type == "cpu" else spec.model_dtype
+        model = load_reward_model(model_spec.path, dtype=dtype, trust_remote_code=model_spec.trust_remote_code,
+                                  override_config=dict(model_spec.override_config), device=self.model_device,
+                                  config_key=model_spec.config_key)
+        # one whole copy per rank: the engine is built for this rank alone (world size 1, no wrapper)
+        self.engine = TrainEngine.from_spec(model, spec.engine, device=self.model_device, world_size=1, rank=0)
+        self.model = self.engine.model
 
     def _load_policy_tokenizer(self):
-        actor_model = self.config.actor_rollout_ref.model
-        if self.rm.model.input_tokenizer:
-            return load_tokenizer(self.rm.model.input_tokenizer, config_key="reward_model.model.input_tokenizer")
-        path = actor_model.tokenizer_path or actor_model.path
-        if not path:
+        tokenizer = self.spec.policy_tokenizer
+        if tokenizer is None:
             raise ValueError(
                 "the reward-model worker needs the policy's tokenizer to read the samples: pass tokenizer=... "
                 "to RewardModelWorker, or set reward_model.model.input_tokenizer (or actor_rollout_ref.model.path)"
             )
-        key = "actor_rollout_ref.model.tokenizer_path" if actor_model.tokenizer_path else "actor_rollout_ref.model.path"
-        return load_tokenizer(path, trust_remote_code=actor_model.trust_remote_code, config_key=key)
+        return load_tokenizer(tokenizer.path, trust_remote_code=tokenizer.trust_remote_code,
+                              config_key=tokenizer.config_key)
 
     def _reward_model_inputs(self, batch: Batch) -> Batch:
         """The [N, L] tensors the reward model reads: the policy's own, or the re-rendered chats' tokens."""
         if not self.retokenize:
             return batch.select(*SEQUENCE_KEYS)
         chats = policy_chats(batch, self.policy_tokenizer)
-        return Batch(tokenize_chats(chats, self.rm_tokenizer, self.rm.max_length))
+        return Batch(tokenize_chats(chats, self.rm_tokenizer, self.spec.max_length))
 
-    def _micro_batches(self, inputs: Batch):
-        if self.rm.use_dynamic_bsz:
-            budget = self.rm.forward_max_token_len_per_gpu
-            longest = int(inputs["attention_mask"].sum(-1).max()) if len(inputs) else 0
-            if longest > budget:
-                raise ValueError(
-                    f"a reward-model input has {longest} tokens, more than "
-                    f"reward_model.forward_max_token_len_per_gpu={budget}; raise it, set reward_model.max_length, "
-                    f"or set reward_model.use_dynamic_bsz=False"
-                )
-        micro = self.rm.micro_batch_size_per_gpu
-        if micro is None and self.rm.micro_batch_size is not None:  # verl's deprecated global size
-            micro = max(self.rm.micro_batch_size // self.world_size, 1)
-        return split_micro_batches(inputs, micro_batch_size=micro,
-                                   use_dynamic_bsz=self.rm.use_dynamic_bsz,
-                                   max_token_len=self.rm.forward_max_token_len_per_gpu)
+    def _check_token_budget(self, inputs: Batch) -> None:
+        budget = self.spec.max_token_len_per_device
+        longest = int(inputs["attention_mask"].sum(-1).max()) if len(inputs) else 0
+        if self.spec.use_dynamic_bsz and longest > budget:
+            raise ValueError(
+                f"a reward-model input has {longest} tokens, more than "
+                f"reward_model.forward_max_token_len_per_gpu={budget}; raise it, set reward_model.max_length, "
+                f"or set reward_model.use_dynamic_bsz=False"
+            )
 
     @register(Dispatch.DP_SPLIT)
     def compute_rm_score(self, batch: Batch) -> Batch:
         """`rm_scores` [N, R]: the reward model's score at each sample's last valid response token, 0 elsewhere."""
         inputs = self._reward_model_inputs(batch)
-        scores_N = torch.zeros(len(batch), dtype=torch.float32)
-        self.model.eval()
-        with torch.no_grad(), autocast(self.model_device, self.rm.model.fsdp_config.dtype):
-            for micro, rows in self._micro_batches(inputs):
-                seq = _cut_unused_columns({key: micro[key] for key in SEQUENCE_KEYS})
-                seq = {key: value.to(self.model_device) for key, value in seq.items()}
-                scores_N[rows] = reward_scores(self.model, seq["input_ids"], seq["attention_mask"],
-                                               seq["position_ids"]).float().cpu()
+        self._check_token_budget(inputs)
+        scores_N = self.engine.infer(inputs, self.spec)["scores"]
         R = batch["responses"].shape[1]
         return Batch({"rm_scores": scores_at_last_response_token(scores_N, valid_response_lengths(batch), R)})
-

@@ -15,7 +15,9 @@ layer's `role_specs`). A role (actor, critic, SFT) says which columns its loss r
 Per-token outputs of a micro-batch (`forward_micro`), for a response span of the last R columns:
 - head "lm": `log_probs` [b, r] (and `entropy`, `sum_pi_squared` when asked) of the response tokens at the
   sampling temperature (`hyflow.models.forward.response_logprobs`);
-- head "value": `values` [b, r], V(s_t) read before response token t (`hyflow.models.forward.values_from_model`).
+- head "value": `values` [b, r], V(s_t) read before response token t (`hyflow.models.forward.values_from_model`);
+- head "score": `scores` [b], one per sequence, the classifier head on its last real token (a reward model,
+  `hyflow.models.forward.reward_scores`); no response span (r = 0), so `infer` returns `scores` [N].
 Padded path: the micro-batch is trimmed to the columns that hold a real token (`trim_padding`), so r <= R.
 Packed path (`use_remove_padding=True`): the real tokens of all rows run as one row without pads
 (`hyflow.models.packing`), position ids restarting per sequence, attention never crossing a sequence; r = R.
@@ -47,10 +49,17 @@ from hyflow.algos import loss_normalisers
 from hyflow.batch import Batch
 from hyflow.controller import Collect, Dispatch, register
 from hyflow.models.flops import device_peak_flops, training_flops
-from hyflow.models.forward import backbone_hidden_states, response_logprobs, unwrap_model, values_from_model
+from hyflow.models.forward import (
+    backbone_hidden_states,
+    response_logprobs,
+    reward_scores,
+    unwrap_model,
+    values_from_model,
+)
 from hyflow.models.lora import adapter_disabled, apply_lora, merged_named_tensors, parameter_counts
 from hyflow.specs import TrainEngineSpec
 from hyflow.workers.engine import (
+    SEQUENCE_KEYS,
     all_reduce_metrics,
     all_reduce_sum,
     build_optimizer,
@@ -74,7 +83,7 @@ from hyflow.workers.fsdp import (
     wrap_model,
 )
 
-HEADS = ("lm", "value")
+HEADS = ("lm", "value", "score")
 CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")
 
 
@@ -223,6 +232,11 @@ class TrainEngine:
                       with_entropy: bool = False, with_sum_pi_squared: bool = False) -> tuple[dict, int]:
         """Per-token outputs of one micro-batch over its response span (module docstring); returns (outputs, r)."""
         R = response_length
+        if self.head == "score":
+            seq = {key: micro[key].to(self.device) for key in SEQUENCE_KEYS}
+            with autocast(self.device, self.compute_dtype):
+                return {"scores": reward_scores(self.model, seq["input_ids"], seq["attention_mask"],
+                                                seq["position_ids"])}, 0
         if self.use_remove_padding and not with_sum_pi_squared:
             from hyflow.models.packing import packed_response_logprobs, packed_values
 
@@ -258,7 +272,15 @@ class TrainEngine:
     def infer(self, batch: Batch, sizes, *, temperature: float = 1.0, with_entropy: bool = False,
               with_sum_pi_squared: bool = False, adapter: bool = True) -> dict[str, torch.Tensor]:
         """No-grad per-token outputs [N, R] (CPU, float32, 0 off the response mask) of every sample of `batch`,
-        micro-batched as `sizes` says. `adapter=False` runs the base model of a LoRA model."""
+        micro-batched as `sizes` says. `adapter=False` runs the base model of a LoRA model. Head "score":
+        `scores` [N] (CPU, float32), one per sequence of `batch` (which needs no response columns)."""
+        if self.head == "score":
+            scores = torch.zeros(len(batch))
+            self.model.eval()
+            with torch.no_grad(), self.passes(packing=False):
+                for micro, rows in micro_batches_as_derived(batch, sizes):
+                    scores[rows] = self.forward_micro(micro, 0)[0]["scores"].float().cpu()
+            return {"scores": scores}
         R = batch["responses"].shape[1]
         outputs: dict[str, torch.Tensor] = {}
         self.model.eval()

@@ -1,5 +1,6 @@
 """RewardModelWorker: rm_scores at the last valid response token, re-tokenisation for a foreign tokenizer,
-micro-batch invariance, DP dispatch, and its errors. A tiny Qwen2ForSequenceClassification is built here."""
+micro-batch invariance, DP dispatch, the one micro-batch rule of its spec, the engine's "score" head against a
+direct forward, and its errors. A tiny Qwen2ForSequenceClassification is built here."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 from transformers import AutoModelForSequenceClassification, Qwen2Config, Qwen2ForSequenceClassification
 
 from hyflow.batch import Batch
-from hyflow.config import load_config
+from hyflow.config import ConfigError, load_config
+from hyflow.config.roles import reward_model_spec
 from hyflow.controller import LocalWorkerGroup
 from hyflow.models.loading import load_tokenizer
 from hyflow.models.tiny import train_bpe_tokenizer
@@ -74,10 +76,14 @@ def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_i
     }, non_tensors)
 
 
+def spec_of(*overrides: str, n_devices: int = 1):
+    """The reward model's spec of a config given as overrides."""
+    return reward_model_spec(load_config(["trainer.device=cpu", *overrides]), n_devices=n_devices)
+
+
 def make_worker(rm_dir, tokenizer, *overrides: str) -> RewardModelWorker:
-    config = load_config([f"reward_model.model.path={rm_dir}", "reward_model.enable=True", "trainer.device=cpu",
-                          *overrides])
-    worker = RewardModelWorker(config, tokenizer=tokenizer)
+    worker = RewardModelWorker(spec_of(f"reward_model.model.path={rm_dir}", "reward_model.enable=True", *overrides),
+                               tokenizer=tokenizer)
     worker.init_model()
     return worker
 
@@ -114,8 +120,8 @@ def test_micro_batching_and_dynamic_batching_give_the_same_scores(rm_dir, tiny_t
 
 def test_two_ranks_with_dp_padding_match_one_rank(rm_dir, tiny_tokenizer):
     batch = make_batch([*PROMPTS, [3, 4]], [*RESPONSES, [6, 6]], tiny_tokenizer.pad_token_id)  # 5 rows, 2 ranks
-    config = load_config([f"reward_model.model.path={rm_dir}", "trainer.device=cpu"])
-    group = LocalWorkerGroup(RewardModelWorker, config, tokenizer=tiny_tokenizer, world_size=2)
+    spec = spec_of(f"reward_model.model.path={rm_dir}", n_devices=2)
+    group = LocalWorkerGroup(RewardModelWorker, spec, tokenizer=tiny_tokenizer, world_size=2)
     group.init_model()
     out = group.compute_rm_score(batch)
     one_rank = make_worker(rm_dir, tiny_tokenizer).compute_rm_score(batch)
@@ -184,20 +190,20 @@ def test_scores_at_last_response_token_layout():
 
 
 def test_missing_reward_model_path_names_the_key(tiny_tokenizer):
-    worker = RewardModelWorker(load_config(["trainer.device=cpu"]), tokenizer=tiny_tokenizer)
+    worker = RewardModelWorker(spec_of(), tokenizer=tiny_tokenizer)
     with pytest.raises(ValueError, match=r"reward_model\.model\.path is not set"):
         worker.init_model()
 
 
 def test_missing_policy_tokenizer_names_the_keys(rm_dir):
-    worker = RewardModelWorker(load_config([f"reward_model.model.path={rm_dir}", "trainer.device=cpu"]))
+    worker = RewardModelWorker(spec_of(f"reward_model.model.path={rm_dir}"))
     with pytest.raises(ValueError, match=r"policy's tokenizer.*reward_model\.model\.input_tokenizer"):
         worker.init_model()
 
 
 def test_input_tokenizer_is_the_policy_tokenizer(rm_dir, tiny_model_dir):
-    worker = RewardModelWorker(load_config([f"reward_model.model.path={rm_dir}", "trainer.device=cpu",
-                                            f"reward_model.model.input_tokenizer={tiny_model_dir}"]))
+    worker = RewardModelWorker(spec_of(f"reward_model.model.path={rm_dir}",
+                                       f"reward_model.model.input_tokenizer={tiny_model_dir}"))
     worker.init_model()
     assert not worker.retokenize
 
@@ -218,7 +224,44 @@ def test_dynamic_batching_refuses_inputs_over_the_token_budget(rm_dir, tiny_toke
 
 def test_deprecated_global_micro_batch_size_is_divided_over_ranks(rm_dir, tiny_tokenizer):
     worker = make_worker(rm_dir, tiny_tokenizer, "reward_model.micro_batch_size=3")
+    assert worker.spec.micro_batch_size_per_device == 3
     batch = make_batch(PROMPTS, RESPONSES, tiny_tokenizer.pad_token_id)
-    assert [len(m) for m, _ in worker._micro_batches(batch)] == [3, 1]
     whole = make_worker(rm_dir, tiny_tokenizer).compute_rm_score(batch)["rm_scores"]
     torch.testing.assert_close(worker.compute_rm_score(batch)["rm_scores"], whole, atol=1e-5, rtol=1e-5)
+    assert spec_of("reward_model.micro_batch_size=4", n_devices=2).micro_batch_size_per_device == 2
+    assert spec_of("reward_model.micro_batch_size_per_gpu=3", n_devices=2).micro_batch_size_per_device == 3
+
+
+@pytest.mark.parametrize(("overrides", "n_devices", "message"), [
+    (["reward_model.micro_batch_size=3"], 2,
+     r"reward_model\.micro_batch_size=3 \(deprecated, global\) does not split evenly over the reward model's 2 "
+     r"devices; set reward_model\.micro_batch_size_per_gpu instead \(e\.g\. 1\)"),
+    (["reward_model.micro_batch_size=1"], 4, r"micro_batch_size=1 \(deprecated, global\) does not split evenly"),
+    (["reward_model.micro_batch_size=4", "reward_model.enable_resource_pool=true", "reward_model.n_gpus_per_node=3"],
+     2, r"over the reward model's 3 devices"),
+    (["reward_model.micro_batch_size_per_gpu=0"], 1,
+     r"reward_model\.micro_batch_size_per_gpu=0 must be at least 1 sample per device"),
+])
+def test_micro_batch_size_that_does_not_split_over_the_devices_is_a_config_error(overrides, n_devices, message):
+    """The one micro-batch rule: never a silent floor (the old worker ran max(3 // 2, 1) = 1 sample per forward)."""
+    with pytest.raises(ConfigError, match=message):
+        spec_of(*overrides, n_devices=n_devices)
+
+
+def test_score_head_of_the_engine_equals_a_direct_forward(rm_dir, tiny_tokenizer, reference_rm):
+    """The engine's "score" head, micro-batched (fixed and by token budget), gives the model's own pooled score of
+    each sequence alone, whatever the padding of the batch it runs in."""
+    from hyflow.workers.engine import SEQUENCE_KEYS
+    from hyflow.workers.train_engine import TrainEngine
+
+    sequences = [p + r for p, r in zip(PROMPTS, RESPONSES)]
+    batch = make_batch(PROMPTS, RESPONSES, tiny_tokenizer.pad_token_id).select(*SEQUENCE_KEYS)
+    expected = torch.tensor([direct_score(reference_rm, ids) for ids in sequences])
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir, dtype=torch.float32)
+    engine = TrainEngine.from_spec(model, spec_of().engine, device=torch.device("cpu"))
+    assert not any(p.requires_grad for p in engine.model.parameters())
+    for overrides in ([], ["reward_model.micro_batch_size_per_gpu=3"],
+                      ["reward_model.use_dynamic_bsz=True", "reward_model.forward_max_token_len_per_gpu=9"]):
+        scores = engine.infer(batch, spec_of(*overrides))["scores"]
+        assert scores.shape == (4,) and scores.dtype == torch.float32
+        torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-5)
