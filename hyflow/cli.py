@@ -75,7 +75,19 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if (accepted := performance_only_warning(cfg)) is not None:
         print()
         print(accepted)
+    print()
+    print(_role_specs_text(cfg))
     return 0
+
+
+def _role_specs_text(cfg) -> str:
+    """The role specs of `cfg` in words (`describe_role_specs`): the reward model's too when it is on."""
+    from hyflow.config.describe import describe_role_specs
+    from hyflow.config.roles import reward_model_spec, role_specs
+
+    steps = cfg.trainer.total_training_steps
+    more = {"reward_model": reward_model_spec(cfg)} if cfg.reward_model.enable else {}
+    return describe_role_specs(role_specs(cfg, total_steps=steps or 1), total_steps_known=steps is not None, **more)
 
 
 def _cmd_init_model(args: argparse.Namespace) -> int:

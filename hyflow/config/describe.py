@@ -1,9 +1,11 @@
-"""Human-readable views of a config: the batch arithmetic in words with units, and the config with its help.
+"""Human-readable views of a config: the batch arithmetic in words with units, the role specs, and the config
+with its help.
 
 `describe_batch_arithmetic` is what the trainer prints at start and `hyflow config` shows: prompts, samples and
 tokens per step, per mini-batch, per device and per micro-batch, each number followed by the keys it comes
-from. `render_config` prints the resolved config as YAML with every leaf's help text as a trailing comment
-(valid YAML: loading it gives `config_to_dict(cfg)`).
+from. `describe_role_specs` lists what each role's worker is built from. `render_config` prints the resolved
+config as YAML with every leaf's help text as a trailing comment (valid YAML: loading it gives
+`config_to_dict(cfg)`).
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from typing import Any
 from hyflow.config.arithmetic import BatchArithmetic, ForwardBatches, RoleBatches, batch_arithmetic
 from hyflow.config.keys import format_value
 from hyflow.config.schema import HyflowConfig
+from hyflow.specs import RoleSpecs, SFTBatches
 
 R = "actor_rollout_ref.rollout"
+SKIPPED_SPEC_TYPES = (BatchArithmetic, RoleBatches, ForwardBatches, SFTBatches)  # printed in words instead
 
 LOSS_AGG_WORDS = {
     "token-mean": "token-mean: the summed per-token loss of a mini-batch is divided by its response-token count over "
@@ -120,6 +124,34 @@ def render_config(cfg: HyflowConfig, with_help: bool = True, section: str | None
     else:
         lines.append(f"{info.field_path}: {format_value(value)}{comment}")
     return "\n".join(lines) + "\n"
+
+
+def describe_role_specs(specs: RoleSpecs, *, total_steps_known: bool = True, **more: Any) -> str:
+    """What each role's worker is built from (`hyflow.config.roles.role_specs`), one `role.field: value` line per
+    setting: the actor (with its reference and loss), the critic, the rollout, and the specs passed in `more`
+    (e.g. `reward_model=`). The batch sizes are the arithmetic printed above, and the rollout section is the
+    config's `actor_rollout_ref.rollout`, so neither is repeated. `total_steps_known=False`: the LR schedules'
+    `total_optimizer_steps` count one training step (the run multiplies them by its number of steps)."""
+    lines = ["Role specs (what each worker is built from; the batch sizes are the arithmetic above):"]
+    if not total_steps_known:
+        lines.append("(trainer.total_training_steps is unset: engine.total_optimizer_steps below count one training "
+                     "step; the run multiplies them by its steps)")
+    roles = {"actor": specs.actor, "critic": specs.critic, "rollout": specs.rollout, **more}
+    for role, spec in roles.items():
+        if spec is not None:
+            _spec_lines(spec, role, lines)
+    return "\n".join(lines)
+
+
+def _spec_lines(node: Any, key: str, lines: list[str]) -> None:
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if f.name == "section" or isinstance(value, SKIPPED_SPEC_TYPES) or (f.name == "rollout" and key == "actor"):
+            continue  # printed above (the rollout section, the batch arithmetic) or under its own role
+        if dataclasses.is_dataclass(value):
+            _spec_lines(value, f"{key}.{f.name}", lines)
+        else:
+            lines.append(f"  {key}.{f.name}: {format_value(list(value) if isinstance(value, tuple) else value)}")
 
 
 # ---------------------------------------------------------------------------------------- lines

@@ -66,10 +66,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hyflow.config.lora import ALL_LINEAR, LoraSettings, lora_settings, parse_module_names
+from hyflow.config.lora import lora_settings, parse_module_names
 from hyflow.models.forward import unwrap_model
+from hyflow.specs import ALL_LINEAR, LoraSettings
 
-__all__ = ["LoraSettings", "lora_settings", "parse_module_names"]  # re-exported: the settings live in config
+__all__ = ["LoraSettings", "lora_settings", "parse_module_names"]  # re-exported: the type lives in hyflow.specs,
+# the parsing of a config section in hyflow.config.lora
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"

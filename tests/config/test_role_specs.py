@@ -89,3 +89,19 @@ def test_train_engine_from_spec_builds_what_the_spec_says():
     assert engine.optimizer.param_groups[0]["betas"] == (0.5, 0.6)
     ref = TrainEngine.from_spec(torch.nn.Linear(3, 3), specs.actor.ref, device=torch.device("cpu"))
     assert ref.optimizer is None and ref.prefix == "ref_"
+
+
+def test_hyflow_config_prints_the_specs_after_the_batch_arithmetic(capsys):
+    from hyflow.cli import main
+
+    assert main(["config", "--no-help", *BASE, "algorithm.adv_estimator=gae", "trainer.total_training_steps=3",
+                 "actor_rollout_ref.actor.optim.lr=2e-6"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("Batch arithmetic on") < out.index("Role specs (what each worker is built from")
+    specs = out[out.index("Role specs"):]
+    assert "  actor.engine.optim.lr: 2.0e-06\n" in specs
+    assert "  actor.engine.total_optimizer_steps: 6\n" in specs  # 3 steps x 8/4 mini-batches
+    assert "  critic.engine.head: value\n" in specs and "  rollout.model.path: some/model\n" in specs
+    assert "total_training_steps is unset" not in specs
+    assert main(["config", "--no-help", "--section", "data", *BASE]) == 0
+    assert "Role specs" not in capsys.readouterr().out  # one section only, as the batch arithmetic
