@@ -13,19 +13,31 @@ tensor- or sequence-parallel mesh yet):
   (`pad=True`; pad_count = B' - B rows copied cyclically from the front, `Batch.pad_to_multiple`) and cut
   into D equal parts of B' / D rows; part i goes to rank i. Other arguments are replicated. With `pad=False`
   a B that D does not divide is an error.
+- `DP_MINI_BATCHES`: `DP_SPLIT` for a method that walks its rows in mini-batches of M rows, M given by each
+  `Batch` argument's `meta["mini_batch_rows"]` (`MINI_BATCH_ROWS`; `with_mini_batch_rows(batch, M)` sets it on
+  a view). The rows are laid out mini-batch-major before the cut: the B rows are B / M mini-batches of M
+  rows, each cut into D slices of M / D rows, and rank r gets slice r of every mini-batch, in mini-batch
+  order (row order `arange(B).view(B / M, D, M / D).transpose(0, 1)`). Rank r's k-th local mini-batch of
+  M / D rows is then its share of the k-th global one, and the D ranks together walk the same mini-batches
+  as one process over the B rows. When B is not a whole number of mini-batches, or D does not divide M,
+  the rows keep their order (the plain `DP_SPLIT` cut). A `Batch` without the meta key is an error when
+  D > 1 (D = 1 needs no layout). Registered with `pad=False` only: padding rows would join the last
+  mini-batch.
 - `RANK_ZERO`: only rank 0 runs (not for methods that enter a collective: the other ranks never call it).
 - `DIRECT`: the caller passes every argument as a list of D values; rank i gets element i of each.
 
 Collect (how the per-rank results come back):
 
 - `CONCAT`: results concatenated in rank order (`Batch.concat`, `torch.cat`, or list concatenation), then
-  the last pad_count rows, which are the padding, dropped (`Batch.unpad`). `Batch.concat` merges each
-  rank's `meta["metrics"]` into `{name: [rank 0 value(s), rank 1 value(s), ...]}`. A result without rows
-  (a metrics-only Batch) is returned as is.
+  the padding's outputs dropped (`Batch.unpad`): a result of R rows for B' padded input rows gives each
+  input row k = R / B' rows, in input order (k = 1 for a row-wise method; k = n for one that samples n
+  responses per prompt), so the last pad_count x k rows are the padding's; R must be a multiple of B'.
+  `Batch.concat` merges each rank's `meta["metrics"]` into `{name: [rank 0 value(s), rank 1 value(s), ...]}`.
+  A result without rows (a metrics-only Batch) is returned as is.
 - `FIRST`: rank 0's result.
 - `ALL`: the list of every rank's result, in rank order.
 
-Default collect: CONCAT for DP_SPLIT, FIRST for RANK_ZERO, ALL for REPLICATE and DIRECT.
+Default collect: CONCAT for DP_SPLIT and DP_MINI_BATCHES, FIRST for RANK_ZERO, ALL for REPLICATE and DIRECT.
 
 Padding rows are real rows to the worker: a DP_SPLIT method whose effect depends on every row once (a
 training update) should be registered with `pad=False`, so an indivisible batch fails loudly instead.
@@ -48,6 +60,7 @@ import torch
 from hyflow.batch import Batch
 
 DISPATCH_ATTR = "__hyflow_dispatch__"
+MINI_BATCH_ROWS = "mini_batch_rows"  # Batch.meta key: the rows of one mini-batch, for Dispatch.DP_MINI_BATCHES
 
 
 class Dispatch(str, enum.Enum):
@@ -55,6 +68,7 @@ class Dispatch(str, enum.Enum):
 
     REPLICATE = "replicate"
     DP_SPLIT = "dp_split"
+    DP_MINI_BATCHES = "dp_mini_batches"
     RANK_ZERO = "rank_zero"
     DIRECT = "direct"
 
@@ -70,6 +84,7 @@ class Collect(str, enum.Enum):
 _DEFAULT_COLLECT = {
     Dispatch.REPLICATE: Collect.ALL,
     Dispatch.DP_SPLIT: Collect.CONCAT,
+    Dispatch.DP_MINI_BATCHES: Collect.CONCAT,
     Dispatch.RANK_ZERO: Collect.FIRST,
     Dispatch.DIRECT: Collect.ALL,
 }
@@ -97,6 +112,9 @@ class DispatchMode:
         if dispatch is Dispatch.RANK_ZERO and collect is not Collect.FIRST:
             raise ValueError(f"Dispatch.RANK_ZERO runs one rank, so its only collect is Collect.FIRST, "
                              f"got {collect}; drop the collect argument")
+        if dispatch is Dispatch.DP_MINI_BATCHES and self.pad:
+            raise ValueError("Dispatch.DP_MINI_BATCHES splits whole mini-batches, which padding rows would change; "
+                             "register it with pad=False")
         object.__setattr__(self, "dispatch", dispatch)
         object.__setattr__(self, "collect", collect)
 
@@ -153,7 +171,45 @@ def split_args(mode: DispatchMode | Dispatch | str, world_size: int, args: Seque
         return [args] * world_size, [dict(kwargs) for _ in range(world_size)], 0
     if mode.dispatch is Dispatch.DIRECT:
         return _split_direct(world_size, args, kwargs, method)
-    return _split_batches(mode.pad, world_size, args, kwargs, method)
+    return _split_batches(mode, world_size, args, kwargs, method)
+
+
+def with_mini_batch_rows(batch: Batch, rows: int) -> Batch:
+    """A view of `batch` (same rows, meta copied) whose `meta["mini_batch_rows"]` says it is walked in
+    mini-batches of `rows` rows: the size `Dispatch.DP_MINI_BATCHES` lays the rows out by."""
+    if not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"mini-batch rows must be an int >= 1, got {rows!r}")
+    view = batch[:]
+    view.meta = {**batch.meta, MINI_BATCH_ROWS: rows}
+    return view
+
+
+def mini_batch_major_order(rows: int, mini_batch_rows: int, world_size: int) -> torch.Tensor | None:
+    """The row order that gives rank r (the r-th of `world_size` contiguous chunks) slice r of every mini-batch of
+    `mini_batch_rows` rows: `arange(rows).view(rows / M, D, M / D).transpose(0, 1).reshape(-1)`; None when no
+    reordering applies (D = 1, rows not a whole number of mini-batches, or D not dividing M)."""
+    if world_size == 1 or rows % mini_batch_rows or mini_batch_rows % world_size:
+        return None
+    return (torch.arange(rows).view(rows // mini_batch_rows, world_size, mini_batch_rows // world_size)
+            .transpose(0, 1).reshape(-1))
+
+
+def _mini_batch_major(slots: dict, rows: int, world_size: int, method: str) -> dict:
+    """`Dispatch.DP_MINI_BATCHES`: every Batch argument in mini-batch-major row order (see the module docstring)."""
+    if world_size == 1:
+        return slots
+    sizes = {b.meta.get(MINI_BATCH_ROWS) for b in slots.values()}
+    if None in sizes:
+        raise ValueError(f"{method} is registered with Dispatch.DP_MINI_BATCHES, so its Batch must say its "
+                         f"mini-batch size to be split across {world_size} ranks: set meta[{MINI_BATCH_ROWS!r}] "
+                         "(hyflow.controller.dispatch.with_mini_batch_rows(batch, rows))")
+    if len(sizes) > 1:
+        raise ValueError(f"{method}: Dispatch.DP_MINI_BATCHES got Batch arguments with different "
+                         f"meta[{MINI_BATCH_ROWS!r}] {sorted(sizes)}; give them all the same mini-batch size")
+    order = mini_batch_major_order(rows, sizes.pop(), world_size)
+    if order is None:
+        return slots
+    return {slot: b[order] for slot, b in slots.items()}
 
 
 def _split_direct(world_size: int, args: tuple, kwargs: dict, method: str):
@@ -170,19 +226,19 @@ def _split_direct(world_size: int, args: tuple, kwargs: dict, method: str):
     return per_rank_args, per_rank_kwargs, 0
 
 
-def _split_batches(pad: bool, world_size: int, args: tuple, kwargs: dict, method: str):
+def _split_batches(mode: DispatchMode, world_size: int, args: tuple, kwargs: dict, method: str):
     slots = {i: a for i, a in enumerate(args) if isinstance(a, Batch)}
     slots.update({k: v for k, v in kwargs.items() if isinstance(v, Batch)})
     if not slots:
-        raise TypeError(f"{method} is registered with Dispatch.DP_SPLIT but got no Batch argument; pass a "
-                        "Batch, or register it with Dispatch.REPLICATE")
+        raise TypeError(f"{method} is registered with Dispatch.{mode.dispatch.name} but got no Batch argument; "
+                        "pass a Batch, or register it with Dispatch.REPLICATE")
     lengths = {len(b) for b in slots.values()}
     if len(lengths) > 1:
         raise ValueError(f"{method}: Dispatch.DP_SPLIT got Batch arguments of different lengths "
                          f"{sorted(lengths)}; all Batch arguments must have the same number of rows")
     rows = lengths.pop()
     pad_count = 0
-    if pad:
+    if mode.pad:
         padded = {slot: b.pad_to_multiple(world_size) for slot, b in slots.items()}
         slots = {slot: b for slot, (b, _) in padded.items()}
         pad_count = -rows % world_size
@@ -190,6 +246,8 @@ def _split_batches(pad: bool, world_size: int, args: tuple, kwargs: dict, method
         raise ValueError(f"{method}: a Batch of {rows} rows cannot be split evenly across DP size "
                          f"{world_size} (registered with pad=False); use a batch size that is a multiple "
                          f"of {world_size}")
+    if mode.dispatch is Dispatch.DP_MINI_BATCHES:
+        slots = _mini_batch_major(slots, rows, world_size, method)
     chunks = {slot: b.chunk(world_size) for slot, b in slots.items()}
     per_rank_args = [tuple(chunks[i][rank] if i in chunks else a for i, a in enumerate(args))
                      for rank in range(world_size)]
@@ -202,8 +260,9 @@ def collect_results(mode: DispatchMode | Dispatch | str, results: Sequence, pad_
                     padded_size: int | None = None, method: str = "method"):
     """Merge per-rank results (in rank order) as the mode's collect says, dropping `pad_count` padding rows.
 
-    `padded_size` (B', the padded input rows), when given, is checked against the concatenated result's
-    rows before unpadding: only row-wise results can be unpadded. `method` names the call in errors.
+    `padded_size` (B', the padded input rows), when given, sets how many result rows each input row has
+    (k = result rows / B', which must be whole) and so how many rows the padding's outputs are: pad_count x k.
+    Without it k = 1. `method` names the call in errors.
     """
     mode = _as_mode(mode)
     results = list(results)
@@ -235,13 +294,15 @@ def _concat(results: list, method: str):
 
 def _drop_padding(merged, pad_count: int, padded_size: int | None, method: str):
     rows = len(merged)
-    if padded_size is not None and rows != padded_size:
+    if padded_size is not None and rows % padded_size:
         raise ValueError(f"{method} returned {rows} rows for {padded_size} input rows ({pad_count} of them "
-                         "padding); padding can only be removed from row-wise results: return one row per "
-                         "input row, or register with pad=False and pass a batch divisible by the DP size")
+                         "padding); padding can only be removed from row-wise results: return the same number "
+                         "of rows for every input row, or register with pad=False and pass a batch divisible by "
+                         "the DP size")
+    drop = pad_count * (rows // padded_size if padded_size else 1)
     if isinstance(merged, Batch):
-        return merged.unpad(pad_count)
-    return merged[:rows - pad_count]
+        return merged.unpad(drop)
+    return merged[:rows - drop]
 
 
 def _reducer(name: str) -> Callable[[list[float]], float]:

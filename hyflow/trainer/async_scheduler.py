@@ -27,6 +27,11 @@ collect the rollout's result, push weights when due. With the `ray` executor and
 the rollout in the trainer's process (`local`), `submit` runs it first, then training: the same samples in the
 same order, one process, breakpoints anywhere.
 
+Inputs. The scheduler sees no trainer: it gets the prompt loader (`next_ids`, `collate_ids`), the rollout's group
+view (the stream methods), the `async_training` settings, the few numbers of the run it needs (prompts per step,
+samples per prompt, response and prompt lengths, critic warm-up steps, seed), a callable giving the sampling
+params for a seed, and, for a rollout pool of its own, a callable exporting the actor's weights.
+
 Checkpoints. The trainer's state holds the version and the ids of the prompts admitted but not trained yet;
 on resume they are admitted again first (their partial or finished samples are not saved: they are generated
 again, with the resumed weights). No prompt is lost or trained twice across a resume; the samples of those
@@ -39,6 +44,7 @@ import contextlib
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +52,7 @@ import torch
 
 from hyflow.batch import Batch
 from hyflow.controller import WorkerError
+from hyflow.rollout.base import SamplingParams
 
 
 class AsyncRolloutError(RuntimeError):
@@ -64,22 +71,32 @@ class _Live:
 
 
 class AsyncScheduler:
-    """The driver side of asynchronous training (see the module docstring)."""
+    """The driver side of asynchronous training (see the module docstring).
 
-    def __init__(self, trainer, rollout, *, separate: bool) -> None:
-        cfg = trainer.config
-        at = cfg.async_training
-        self.trainer, self.rollout, self.separate = trainer, rollout, separate
-        self.batch_prompts = cfg.data.train_batch_size
-        self.n = cfg.actor_rollout_ref.rollout.n
-        response_length = cfg.actor_rollout_ref.rollout.response_length
+    `rollout`: the rollout's group view (stream_start, stream_submit, stream_advance, stream_load_weights or
+    stream_sync_weights, stream_close); `loader`: the prompt loader; `settings`: the `async_training` section;
+    `separate`: the rollout runs on a pool of its own (its weights then come from `export_weights()`, the actor's
+    weight buckets); `batch_prompts`, `n`: prompts per training step and samples per prompt; `response_length`,
+    `prompt_length`: the rollout's; `critic_warmup`: steps that train without an actor update; `seed`: the run's
+    seed; `sampling_params(seed=...)`: the rollout's sampling params for a seed.
+    """
+
+    def __init__(self, rollout, loader, settings, *, separate: bool, batch_prompts: int, n: int,
+                 response_length: int, prompt_length: int, critic_warmup: int, seed: int,
+                 sampling_params: Callable[..., SamplingParams], export_weights: Callable[[], list | None]) -> None:
+        at = settings
+        self.rollout, self.loader, self.separate = rollout, loader, separate
+        self.sampling_params, self.export_weights = sampling_params, export_weights
+        self.seed, self.prompt_length = seed, prompt_length
+        self.batch_prompts = batch_prompts
+        self.n = n
         one_step = at.mode == "one_step_off"
         self.capacity = self.batch_prompts if one_step else math.ceil((1 + at.staleness_threshold) * self.batch_prompts)
         self.partial = False if one_step else at.partial_rollout
         self.chunk = response_length if one_step else (at.partial_rollout_chunk or max(1, math.ceil(response_length / 4)))
         self.trigger = 1 if one_step else at.trigger_parameter_sync_step
         self.max_staleness, self.policy = at.max_staleness, at.stale_policy
-        self.warmup_steps = max(0, cfg.trainer.critic_warmup)  # steps that train without changing the version
+        self.warmup_steps = max(0, critic_warmup)  # steps that train without changing the version
         self.version = 0  # actor updates so far
         self.rollout_version = 0  # the weights the rollout holds
         self.next_tag = 0
@@ -91,9 +108,8 @@ class AsyncScheduler:
     # ------------------------------------------------------------------ start, state
     def start(self) -> None:
         """Start the rollout's stream and give it the trainer's current weights (after a resume: the resumed ones)."""
-        params = self.trainer.sampling_params(seed=self.trainer.config.trainer.seed * 1_000_003 + self.version)
-        self._rollout_call("starting", self.rollout.stream_start, params, self.chunk,
-                           self.trainer.config.actor_rollout_ref.rollout.prompt_length)
+        params = self.sampling_params(seed=self.seed * 1_000_003 + self.version)
+        self._rollout_call("starting", self.rollout.stream_start, params, self.chunk, self.prompt_length)
         self._push_weights({})
 
     def state_dict(self) -> dict:
@@ -101,9 +117,10 @@ class AsyncScheduler:
         pending = [list(live.prompt_id) for _, live in sorted(self.live.items())] + [list(i) for i in self.queue]
         return {"version": self.version, "pending": pending, "stale_trained": self.stale_trained}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, step: int) -> None:
+        """Resume at training step `step` from `state_dict()`'s data: the pending prompts are queued first."""
         self.version = self.rollout_version = int(state["version"])
-        self.admitted = self.trainer.global_step * self.batch_prompts  # the pending ones are admitted again
+        self.admitted = step * self.batch_prompts  # the pending ones are admitted again
         self.queue = deque(tuple(i) for i in state["pending"])
         self.stale_trained = int(state.get("stale_trained", 0))
 
@@ -209,12 +226,12 @@ class AsyncScheduler:
         if room <= 0:
             return
         while len(self.queue) < room:
-            self.queue.extend(self.trainer.loader.next_ids())
+            self.queue.extend(self.loader.next_ids())
         ids = [self.queue.popleft() for _ in range(room)]
         tags = list(range(self.next_tag, self.next_tag + room))
         self.next_tag += room
         self.admitted += room
-        prompts = self.trainer.loader.collate_ids(ids)
+        prompts = self.loader.collate_ids(ids)
         for tag, prompt_id in zip(tags, ids):
             self.live[tag] = _Live(tag, prompt_id, self.rollout_version)
         self._rollout_call("admitting prompts", self.rollout.stream_submit, prompts, tags)
@@ -286,7 +303,7 @@ class AsyncScheduler:
         """The trainer's current weights into the rollout's engine(s), tagged with the current version."""
         start = time.perf_counter()
         if self.separate:
-            buckets = self.trainer.actor.export_weights()
+            buckets = self.export_weights()
             if not buckets:
                 raise RuntimeError("the actor exported no weights for the rollout pool")
             self._rollout_call("loading weights", self.rollout.stream_load_weights, buckets, self.version)

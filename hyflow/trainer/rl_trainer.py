@@ -23,7 +23,6 @@ FSDP2; the code below is the same for both. Validation scores the whole validati
 
 from __future__ import annotations
 
-import functools
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -59,6 +58,7 @@ from hyflow.config.arithmetic import (
 from hyflow.config.roles import role_specs
 from hyflow.config.support import lookup, performance_only_warning
 from hyflow.controller import LocalWorkerGroup
+from hyflow.controller.dispatch import with_mini_batch_rows
 from hyflow.data.custom import load_custom_dataset
 from hyflow.data.rl_dataset import PromptLoader, RLDataset, is_row_collection
 from hyflow.models.loading import load_tokenizer
@@ -71,6 +71,7 @@ from hyflow.threads import configure_threads
 from hyflow.trainer.balance import balanced_group_order, balanced_order
 from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from hyflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, timer
+from hyflow.trainer.role_checkpoints import RoleCheckpoints, RoleState
 from hyflow.trainer.roles import Roles, build_roles
 from hyflow.trainer.run_dir import claim_run_directory
 from hyflow.trainer.tracking import (
@@ -81,7 +82,6 @@ from hyflow.trainer.tracking import (
     format_run_summary,
     truncate_metrics,
 )
-from hyflow.workers.fsdp import sharded_checkpoint_problem
 
 ROLLOUT_SEED_DEFAULT = 42  # actor_rollout_ref.rollout.seed's default (verl's)
 
@@ -253,7 +253,13 @@ class RLTrainer:
         from hyflow.trainer.async_scheduler import AsyncScheduler
 
         rollout = self.roles.rollout or self.actor  # the rollout pool's group (build_roles), or the actor's
-        return AsyncScheduler(self, rollout, separate=self.roles.rollout is not None)
+        cfg = self.config
+        r = cfg.actor_rollout_ref.rollout
+        return AsyncScheduler(rollout, self.loader, cfg.async_training, separate=self.roles.rollout is not None,
+                              batch_prompts=cfg.data.train_batch_size, n=r.n, response_length=r.response_length,
+                              prompt_length=r.prompt_length, critic_warmup=cfg.trainer.critic_warmup,
+                              seed=cfg.trainer.seed, sampling_params=self.sampling_params,
+                              export_weights=self.actor.export_weights)
 
     def shutdown(self) -> None:
         """Stop the worker processes (and the local Ray cluster this trainer started); release the run directory."""
@@ -447,13 +453,14 @@ class RLTrainer:
                                  self.config.trainer.rollout_data_dir, self.global_step)
         if self.critic is not None:
             with self._timed("update_critic", timing):
-                critic_batch = self.mini_batch_major(batch, self.config.critic.ppo_mini_batch_size,
-                                                     self.critic.world_size)
-                metrics.update(reduce_metrics(self.critic.update_critic(critic_batch).meta["metrics"]))
+                rows = self.config.critic.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n
+                out = self.critic.update_critic(with_mini_batch_rows(batch, rows))  # mini-batch-major over ranks
+                metrics.update(reduce_metrics(out.meta["metrics"]))
         if self.global_step > self.config.trainer.critic_warmup:
             with self._timed("update_actor", timing):
-                actor_batch = self.mini_batch_major(batch, self.config.actor_rollout_ref.actor.ppo_mini_batch_size)
-                metrics.update(reduce_metrics(self.actor.update_actor(actor_batch).meta["metrics"]))
+                rows = self.config.actor_rollout_ref.actor.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n
+                out = self.actor.update_actor(with_mini_batch_rows(batch, rows))
+                metrics.update(reduce_metrics(out.meta["metrics"]))
             with self._timed("update_weights", timing):
                 self.actor.sync_rollout_weights()  # timed per rank too: the slowest bounds the step
         return batch
@@ -480,11 +487,6 @@ class RLTrainer:
                               top_p=source.top_p, top_k=source.top_k, do_sample=source.do_sample,
                               calculate_log_probs=r.calculate_log_probs, seed=seed)
 
-    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        """Sample responses; prompts padded to the DP size and the padding's samples removed."""
-        padded, pad = prompts.pad_to_multiple(self.actor.world_size)
-        return self.actor.generate_sequences(padded, params).unpad(pad * params.n)
-
     def balanced_order(self, batch: Batch) -> torch.Tensor:
         """`trainer.balance_batch`'s row order: similar token counts per rank; with prompt sharing
         (`actor.use_prefix_grouper`) a prompt's samples stay on one rank where the group sizes allow it."""
@@ -496,20 +498,6 @@ class RLTrainer:
             if order is not None:
                 return order
         return balanced_order(lengths, world)
-
-    def mini_batch_major(self, batch: Batch, mini_batch_prompts: int, dp: int | None = None) -> Batch:
-        """Rows laid out so that each rank's k-th local mini-batch is its share of the k-th global one.
-
-        The executor gives rank r the r-th contiguous chunk and each rank cuts its chunk into mini-batches; with
-        this layout the global mini-batches are the same contiguous blocks one process would use, so an update
-        on D ranks equals the update on one.
-        """
-        dp = self.actor.world_size if dp is None else dp
-        mini = mini_batch_prompts * self.config.actor_rollout_ref.rollout.n
-        if dp == 1 or len(batch) % mini or mini % dp:
-            return batch
-        order = torch.arange(len(batch)).view(len(batch) // mini, dp, mini // dp).transpose(0, 1).reshape(-1)
-        return batch[order]
 
     def score(self, batch: Batch, manager) -> dict[str, float]:
         """Write `token_level_scores` (and the scorer's extra columns) into `batch`; return reward metrics.
@@ -540,13 +528,13 @@ class RLTrainer:
             rounds += 1
             prompts["uid"] = [f"step{self.global_step}-round{rounds}-{i}" for i in range(len(prompts))]
             seed = (cfg.trainer.seed * 1_000_003 + self.global_step) * 101 + rounds
-            batch = self.generate(prompts, self.sampling_params(seed=seed))
+            batch = self.actor.generate_sequences(prompts, self.sampling_params(seed=seed))
             metrics.update(reduce_metrics(batch.meta.pop("metrics", {})))  # the agent loop's and the engine's
             metrics.update(self.score(batch, self.reward_manager))
             if "reward_baselines" in self.estimator.requires:
                 greedy_params = SamplingParams(n=1, max_new_tokens=cfg.actor_rollout_ref.rollout.response_length,
                                                do_sample=False)
-                greedy = self.generate(prompts, greedy_params)
+                greedy = self.actor.generate_sequences(prompts, greedy_params)
                 baseline = self.reward_manager(greedy).token_level_scores.sum(-1)
                 batch["reward_baselines"] = baseline.repeat_interleave(n)
             if not fg.enable:
@@ -648,7 +636,7 @@ class RLTrainer:
             indices = order[start : start + size]
             prompts = ds.collate([ds[i] for i in indices])
             prompts["uid"] = [f"val-{i}" for i in indices]
-            batch = self.generate(prompts, params)
+            batch = self.actor.generate_sequences(prompts, params)
             agent_metrics.append(batch.meta.pop("metrics", {}))
             self.score(batch, self.val_reward_manager)
             seq_scores = batch["token_level_scores"].sum(-1).tolist()
@@ -689,96 +677,35 @@ class RLTrainer:
         self.tracker.log(metrics, step=step)
         self.history.append({"step": step, **metrics})
 
-    def _checkpoint_roles(self) -> dict:
-        """role name -> (worker group view, its checkpoint config section), for the roles that hold training state."""
-        roles = {"actor": (self.actor, self.config.actor_rollout_ref.actor.checkpoint)}
-        if self.critic is not None:
-            roles["critic"] = (self.critic, self.config.critic.checkpoint)
-        return roles
-
-    def checkpoint_format(self, group) -> str:
-        """`trainer.checkpoint_format` for a role's group: auto -> sharded when it has more than one worker."""
-        fmt = self.config.trainer.checkpoint_format
-        return ("sharded" if group.world_size > 1 else "full") if fmt == "auto" else fmt
+    def role_checkpoints(self) -> RoleCheckpoints:
+        """The roles' part of checkpoints (hyflow.trainer.role_checkpoints): the actor, and the critic when there
+        is one, each with its checkpoint section's save and load contents."""
+        if getattr(self, "_role_checkpoints", None) is None:
+            cfg = self.config
+            roles = {"actor": (self.actor, cfg.actor_rollout_ref.actor.checkpoint)}
+            if self.critic is not None:
+                roles["critic"] = (self.critic, cfg.critic.checkpoint)
+            self._role_checkpoints = RoleCheckpoints(
+                self.checkpoints, {name: RoleState(group, tuple(ckpt.save_contents), tuple(ckpt.load_contents))
+                                   for name, (group, ckpt) in roles.items()},
+                checkpoint_format=cfg.trainer.checkpoint_format, model_cfg=cfg.actor_rollout_ref.model,
+                tokenizer=self.tokenizer)
+        return self._role_checkpoints
 
     def save_checkpoint(self) -> Path:
-        """`global_step_N/`: the roles' state (full state dicts, or every rank's shards), the trainer's own
-        state (step, data-loader position, KL controller, RNG), the configs and tokenizer; atomic."""
-        roles = self._checkpoint_roles()
-        components: dict = {}
-        sharded: dict = {}
-        for name, (group, ckpt) in roles.items():
-            contents = list(ckpt.save_contents)
-            if self.checkpoint_format(group) == "sharded":
-                sharded[name] = functools.partial(self._write_shards, name, group, contents)
-            else:
-                components.update(group.state_dict(contents))
-        state = {"global_step": self.global_step, "loader": self.loader.state_dict(), "kl_ctrl": self.kl_ctrl.state_dict()}
+        """`global_step_N/`: the roles' state and the trainer's own (step, data-loader position, KL controller,
+        asynchronous scheduler, RNG), the configs and tokenizer; atomic."""
+        state = {"global_step": self.global_step, "loader": self.loader.state_dict(),
+                 "kl_ctrl": self.kl_ctrl.state_dict()}
         if self.scheduler is not None:
             state["async"] = self.scheduler.state_dict()
         if "extra" in self.config.actor_rollout_ref.actor.checkpoint.save_contents:
             state["rng"] = capture_rng_state()
-        components["trainer_state"] = state
-        model = None
-        if "hf_model" in self.config.actor_rollout_ref.actor.checkpoint.save_contents:
-            model, _ = self.actor.hf_model()  # a collective gather of the full model: only when asked
-        hf_config, generation_config = self._model_configs()
-        return self.checkpoints.save(self.global_step, components, hf_model=model, tokenizer=self.tokenizer,
-                                     hf_config=hf_config, generation_config=generation_config,
-                                     config_yaml=config_to_yaml(self.config), sharded=sharded)
-
-    @staticmethod
-    def _write_shards(name: str, group, contents: list[str], directory: Path) -> dict:
-        """Have every rank of `group` write its shards into `directory`; check that all of them arrived."""
-        group.save_sharded_checkpoint(str(directory), contents)
-        problem = sharded_checkpoint_problem(directory)
-        if problem is not None:
-            raise RuntimeError(
-                f"the {name}'s sharded checkpoint is incomplete: {problem}. Every rank writes its shards into the "
-                "run directory, so it must be one that every node sees: put trainer.default_local_dir on a shared "
-                "filesystem, or set trainer.checkpoint_format=full (rank 0 gathers and writes everything)")
-        return {"format": "torch.distributed.checkpoint", "world_size": group.world_size, "contents": contents,
-                "model_component": f"{name}_model"}
-
-    def _model_configs(self):
-        """The policy's model and generation configs (read from its path once), for exportable checkpoints."""
-        if not hasattr(self, "_configs"):
-            from transformers import AutoConfig, GenerationConfig
-
-            model_cfg = self.config.actor_rollout_ref.model
-            hf_config = AutoConfig.from_pretrained(model_cfg.path, trust_remote_code=model_cfg.trust_remote_code)
-            for key, value in dict(model_cfg.override_config or {}).items():
-                setattr(hf_config, key, value)
-            try:
-                generation_config = GenerationConfig.from_pretrained(model_cfg.path)
-            except OSError:  # a checkpoint without generation_config.json
-                generation_config = GenerationConfig.from_model_config(hf_config)
-            self._configs = (hf_config, generation_config)
-        return self._configs
+        return self.role_checkpoints().save(self.global_step, state, config_yaml=config_to_yaml(self.config))
 
     def load_checkpoint(self, path: Path) -> None:
         """Resume from `global_step_N/` (full or sharded, written by any number of workers)."""
-        components = self.checkpoints.load(path, verify=False)
-        sharded = self.checkpoints.sharded_dirs(path)
-        for name, (group, ckpt) in self._checkpoint_roles().items():
-            contents = list(ckpt.load_contents)
-            if name in sharded:
-                saved = sharded[name].get("contents", [])
-                group.load_sharded_checkpoint(str(sharded[name]["path"]), contents)
-            elif f"{name}_model" in components:
-                saved = ["model"] + [part for part, key in (("optimizer", "optimizer"), ("extra", "scheduler"))
-                                     if f"{name}_{key}" in components]
-                group.load_state_dict({k: v for k, v in components.items() if k.startswith(f"{name}_")}, contents)
-            else:
-                raise ValueError(
-                    f"checkpoint {path} holds no {name} state (it was saved by a run without a {name}), but this "
-                    f"config has one; resume with the config of the run that saved it, or start a new run "
-                    "(trainer.resume_mode=disable or another trainer.default_local_dir)")
-            fresh = [part for part in ("optimizer", "extra") if part in contents and part not in saved]
-            if fresh:
-                warnings.warn(f"checkpoint {path} has no {name} {' or '.join(fresh)} state (saved with "
-                              f"save_contents={saved}): {', '.join(fresh)} start(s) fresh", stacklevel=2)
-        state = components["trainer_state"]
+        state = self.role_checkpoints().load(path)
         self.global_step = int(state["global_step"])
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
@@ -790,7 +717,7 @@ class RLTrainer:
             if "async" not in state:
                 raise ValueError(f"checkpoint {path} was saved by a synchronous run; resume it with "
                                  "async_training.mode=sync, or start the asynchronous run in a new directory")
-            self.scheduler.load_state_dict(state["async"])
+            self.scheduler.load_state_dict(state["async"], step=self.global_step)
         if "rng" in state and "extra" in self.config.actor_rollout_ref.actor.checkpoint.load_contents:
             restore_rng_state(state["rng"])
         print(f"resumed from {path} at step {self.global_step}")

@@ -169,7 +169,7 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
                                                 eos_token_ids(self.tokenizer, model))
 
     # ------------------------------------------------------------------ rollout
-    @register(Dispatch.DP_SPLIT, pad=False)
+    @register(Dispatch.DP_SPLIT)
     def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
         """Sample `params.n` responses for each of this rank's prompts (the driver pads prompts to the DP size)."""
         if params.seed is not None:  # each rank draws its own samples
@@ -250,7 +250,7 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
         """The sampling temperature the batch was generated at (the rollout's unless the driver says)."""
         return batch.meta.get("temperature", self.spec.rollout.section.temperature)
 
-    @register(Dispatch.DP_SPLIT, pad=False)
+    @register(Dispatch.DP_MINI_BATCHES, pad=False)
     def update_actor(self, batch: Batch) -> Batch:
         """PPO-style policy update over the step's samples; returns a row-less Batch carrying the metrics.
         Loss = policy loss (by name) - entropy_coeff * entropy + kl_loss_coef * KL (`hyflow.algos.actor_loss`)."""

@@ -70,7 +70,7 @@ class CriticWorker(EngineCheckpoints, Worker):
         """`values` [N, R] (0 on masked tokens), micro-batched as `critic.forward_*` derive."""
         return Batch({"values": self.engine.infer(batch, self.spec.values)["values"]})
 
-    @register(Dispatch.DP_SPLIT, pad=False)
+    @register(Dispatch.DP_MINI_BATCHES, pad=False)
     def update_critic(self, batch: Batch) -> Batch:
         """Clipped value regression onto `returns`; a row-less Batch carrying `critic/*` metrics."""
         c = self.spec

@@ -3,6 +3,7 @@ metrics merging, errors) and reduce_metrics."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -19,8 +20,10 @@ from hyflow.controller import (
     registered_methods,
     split_args,
 )
+from hyflow.controller.dispatch import MINI_BATCH_ROWS, mini_batch_major_order, with_mini_batch_rows
 
 DP = DispatchMode(Dispatch.DP_SPLIT)
+MB = DispatchMode(Dispatch.DP_MINI_BATCHES, pad=False)
 
 
 def make_batch(n: int) -> Batch:
@@ -182,6 +185,72 @@ def test_world_size_must_be_positive():
         split_args(DP, 0, (make_batch(2),), {})
 
 
+# ---- DP_MINI_BATCHES ---------------------------------------------------------------------------
+
+
+def local_mini_batches(args: list[tuple], per_rank: int) -> list[list[list[int]]]:
+    """[rank][k] -> the x values of rank's k-th local mini-batch of `per_rank` rows."""
+    return [[part["x"].tolist() for part in a[0].split(per_rank)] for a in args]
+
+
+def test_mini_batch_major_gives_each_rank_its_share_of_every_mini_batch():
+    # 12 rows, mini-batches of 4 rows, 2 ranks: rank r gets rows 2r, 2r+1 of each mini-batch
+    batch = with_mini_batch_rows(make_batch(12), 4)
+    args, kwargs, pad_count = split_args(MB, 2, (batch,), {"k": 1}, method="W.update")
+    assert pad_count == 0 and kwargs == [{"k": 1}, {"k": 1}]
+    assert local_mini_batches(args, 2) == [[[0, 1], [4, 5], [8, 9]], [[2, 3], [6, 7], [10, 11]]]
+    assert [list(a[0]["uid"]) for a in args][1] == ["u2", "u3", "u6", "u7", "u10", "u11"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(mini_batches=st.integers(1, 4), per_rank=st.integers(1, 3), world_size=st.integers(1, 4))
+def test_mini_batch_major_ranks_together_walk_the_global_mini_batches(mini_batches, per_rank, world_size):
+    mini = per_rank * world_size
+    batch = with_mini_batch_rows(make_batch(mini_batches * mini), mini)
+    args, _, _ = split_args(MB, world_size, (batch,), {})
+    local = local_mini_batches(args, per_rank)
+    for k in range(mini_batches):  # the k-th global mini-batch = the ranks' k-th local ones, in rank order
+        assert [x for r in range(world_size) for x in local[r][k]] == list(range(k * mini, (k + 1) * mini))
+
+
+def test_mini_batch_major_order_matches_the_formula_and_declines_ragged_layouts():
+    order = mini_batch_major_order(8, 4, 2)
+    assert order.tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert mini_batch_major_order(8, 4, 1) is None  # one rank: nothing to lay out
+    assert mini_batch_major_order(10, 4, 2) is None  # not a whole number of mini-batches
+    assert mini_batch_major_order(12, 6, 4) is None  # the ranks do not divide a mini-batch
+    args, _, _ = split_args(MB, 2, (with_mini_batch_rows(make_batch(10), 4),), {})
+    assert [a[0]["x"].tolist() for a in args] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]  # the plain DP_SPLIT cut
+
+
+def test_mini_batch_major_needs_the_mini_batch_size_on_several_ranks():
+    with pytest.raises(ValueError, match=r"W.update is registered with Dispatch.DP_MINI_BATCHES, so its Batch must "
+                                         r"say its mini-batch size to be split across 2 ranks: set "
+                                         r"meta\['mini_batch_rows'\]"):
+        split_args(MB, 2, (make_batch(4),), {}, method="W.update")
+    args, _, _ = split_args(MB, 1, (make_batch(4),), {})  # one rank walks the rows as given
+    assert args[0][0]["x"].tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match=r"different meta\['mini_batch_rows'\] \[2, 4\]"):
+        split_args(MB, 2, (with_mini_batch_rows(make_batch(4), 2), with_mini_batch_rows(make_batch(4), 4)), {})
+    with pytest.raises(ValueError, match=r"W.update: a Batch of 5 rows cannot be split evenly across DP size 2"):
+        split_args(MB, 2, (with_mini_batch_rows(make_batch(5), 5),), {}, method="W.update")
+
+
+def test_mini_batch_major_is_registered_without_padding():
+    with pytest.raises(ValueError, match=r"DP_MINI_BATCHES splits whole mini-batches.*register it with pad=False"):
+        register(Dispatch.DP_MINI_BATCHES)
+    assert DispatchMode("dp_mini_batches", pad=False).collect is Collect.CONCAT
+
+
+def test_with_mini_batch_rows_is_a_view_with_its_own_meta():
+    batch = make_batch(4)
+    view = with_mini_batch_rows(batch, 2)
+    assert view.meta == {"temperature": 1.0, MINI_BATCH_ROWS: 2} and batch.meta == {"temperature": 1.0}
+    assert torch.equal(view["x"], batch["x"])
+    with pytest.raises(ValueError, match=r"mini-batch rows must be an int >= 1, got 0"):
+        with_mini_batch_rows(batch, 0)
+
+
 # ---- collect_results ---------------------------------------------------------------------------
 
 
@@ -220,6 +289,21 @@ def test_unpad_needs_row_wise_results():
     with pytest.raises(ValueError, match=r"W.f returned 8 rows for 6 input rows \(1 of them padding\); "
                                          r"padding can only be removed from row-wise results"):
         collect_results(DP, results, pad_count=1, padded_size=6, method="W.f")
+
+
+def sampler(batch: Batch, n: int) -> Batch:
+    """A worker body that returns `n` rows per input row, in input order (a rollout of n samples per prompt)."""
+    return Batch({"y": batch["x"].repeat_interleave(n)}, {"uid": list(np.repeat(batch["uid"], n))})
+
+
+@pytest.mark.parametrize(("rows", "world_size", "n"), [(5, 2, 3), (7, 3, 2), (4, 4, 1), (1, 3, 4)])
+def test_padding_outputs_dropped_for_several_rows_per_input_row(rows, world_size, n):
+    batch = make_batch(rows)
+    args, _, pad_count = split_args(DP, world_size, (batch,), {})
+    results = [sampler(a[0], n) for a in args]
+    out = collect_results(DP, results, pad_count, padded_size=rows + pad_count)
+    direct = sampler(batch, n)
+    assert torch.equal(out["y"], direct["y"]) and list(out["uid"]) == list(direct["uid"])
 
 
 def test_collect_needs_results():

@@ -192,6 +192,26 @@ def test_dp_split_metrics_only_update_and_pad_false():
         group.update(make_batch(7))
 
 
+class MiniBatchWalker(Worker):
+    """Walks its rows in local mini-batches of `mini_batch_rows / world_size` rows, as an update does."""
+
+    @register(Dispatch.DP_MINI_BATCHES, pad=False)
+    def update(self, batch: Batch) -> Batch:
+        per_rank = batch.meta.get("mini_batch_rows", len(batch)) // self.world_size
+        return Batch(meta={"metrics": {"mini_batches": [part["x"].tolist() for part in batch.split(per_rank)]}})
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_mini_batch_major_ranks_walk_the_one_process_mini_batches(world_size):
+    from hyflow.controller.dispatch import with_mini_batch_rows
+
+    group = LocalWorkerGroup(MiniBatchWalker, world_size=world_size)
+    out = group.update(with_mini_batch_rows(make_batch(16), 8)).meta["metrics"]["mini_batches"]
+    local = [out[rank * 2:(rank + 1) * 2] for rank in range(world_size)]  # every rank walks 2 mini-batches
+    for k in range(2):
+        assert [x for r in range(world_size) for x in local[r][k]] == list(range(8 * k, 8 * (k + 1)))
+
+
 def test_replicate_rank_zero_and_direct():
     group = LocalWorkerGroup(Scaler, world_size=3)
     assert group.whoami("t") == [("t", 0, 3), ("t", 1, 3), ("t", 2, 3)]

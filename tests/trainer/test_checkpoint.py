@@ -583,7 +583,7 @@ def test_a_sharded_writer_that_fails_or_writes_nothing_leaves_the_previous_check
 
 def test_shards_left_on_another_node_are_an_error_naming_the_fix(tmp_path):
     """A rank on another node writes its shard to that node's own disk: the driver sees it missing."""
-    from hyflow.trainer.rl_trainer import RLTrainer
+    from hyflow.trainer.role_checkpoints import write_shards
     from hyflow.workers.fsdp import save_sharded
 
     class OneNodeVisible:
@@ -596,7 +596,7 @@ def test_shards_left_on_another_node_are_an_error_naming_the_fix(tmp_path):
 
     manager = CheckpointManager(tmp_path / "run")
     manager.save(1, {"trainer_state": {"step": 1}})
-    writer = lambda d: RLTrainer._write_shards("actor", OneNodeVisible(), ["model"], d)  # noqa: E731
+    writer = lambda d: write_shards("actor", OneNodeVisible(), ["model"], d)  # noqa: E731
     with pytest.raises(RuntimeError) as info:
         manager.save(2, {"trainer_state": {"step": 2}}, sharded={"actor": writer})
     text = str(info.value)
@@ -618,3 +618,91 @@ def test_a_run_directory_or_a_foreign_directory_is_not_called_corrupt(tmp_path):
     (tmp_path / "run" / "global_step_5").mkdir()  # a step directory without a manifest is a partial save
     with pytest.raises(CorruptCheckpointError, match="partial checkpoint"):
         verify_checkpoint(tmp_path / "run" / "global_step_5")
+
+
+# ---- the roles' part of a checkpoint (hyflow.trainer.role_checkpoints) ------------------------------------------
+
+
+class FakeRole:
+    """A role's worker group as RoleCheckpoints sees it: full state dicts, or shards written by save_sharded."""
+
+    def __init__(self, name: str, world_size: int = 1):
+        self.name, self.world_size = name, world_size
+        self.model = _training_state()[0]
+        self.loaded = None
+
+    def state_dict(self, contents):
+        sd = {f"{self.name}_model": self.model.state_dict()}
+        if "optimizer" in contents:
+            sd[f"{self.name}_optimizer"] = {"step": torch.tensor(2)}
+        return sd
+
+    def load_state_dict(self, components, contents):
+        self.loaded = ("full", sorted(components), list(contents))
+
+    def save_sharded_checkpoint(self, path, contents):
+        from hyflow.workers.fsdp import save_sharded
+
+        save_sharded(self.model, None, path)
+
+    def load_sharded_checkpoint(self, path, contents):
+        self.loaded = ("sharded", Path(path).name, list(contents))
+
+
+def _role_checkpoints(tmp_path, roles, fmt="auto", save=("model", "optimizer"), load=("model", "optimizer")):
+    from transformers import LlamaConfig
+
+    from hyflow.trainer.role_checkpoints import RoleCheckpoints, RoleState
+
+    model_dir = tmp_path / "model"
+    LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                vocab_size=32).save_pretrained(model_dir)
+    model_cfg = type("Model", (), {"path": str(model_dir), "trust_remote_code": False,
+                                   "override_config": {"rope_theta": 5.0}})
+    return RoleCheckpoints(CheckpointManager(tmp_path / "run"),
+                           {role.name: RoleState(role, tuple(save), tuple(load)) for role in roles},
+                           checkpoint_format=fmt, model_cfg=model_cfg)
+
+
+def test_role_checkpoints_save_full_roles_and_return_the_trainer_state(tmp_path):
+    actor, critic = FakeRole("actor"), FakeRole("critic")
+    roles = _role_checkpoints(tmp_path, [actor, critic])
+    path = roles.save(3, {"global_step": 3}, config_yaml="a: 1\n")
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert {"actor_model", "actor_optimizer", "critic_model", "critic_optimizer", "trainer_state"} <= set(
+        manifest["components"]) and not manifest.get("sharded")
+    assert json.loads((path / "hf_config" / "config.json").read_text())["rope_theta"] == 5.0  # override applied
+    assert (path / "hf_config" / "generation_config.json").is_file()  # derived from the model's config
+    assert (path / "config.yaml").read_text() == "a: 1\n"
+    assert roles.load(path) == {"global_step": 3}
+    assert actor.loaded == ("full", ["actor_model", "actor_optimizer"], ["model", "optimizer"])
+    assert critic.loaded == ("full", ["critic_model", "critic_optimizer"], ["model", "optimizer"])
+
+
+@pytest.mark.parametrize(("fmt", "world_size", "layout"), [("auto", 2, "sharded"), ("auto", 1, "full"),
+                                                            ("sharded", 1, "sharded"), ("full", 2, "full")])
+def test_role_checkpoints_layout_per_role(tmp_path, fmt, world_size, layout):
+    from hyflow.trainer.role_checkpoints import checkpoint_layout
+
+    assert checkpoint_layout(fmt, world_size) == layout
+    actor = FakeRole("actor", world_size)
+    roles = _role_checkpoints(tmp_path, [actor], fmt=fmt)
+    path = roles.save(1, {"global_step": 1})
+    manifest = json.loads((path / "manifest.json").read_text())
+    if layout == "sharded":
+        assert manifest["sharded"]["actor"]["world_size"] == world_size and "actor_model" not in manifest["components"]
+    else:
+        assert "actor_model" in manifest["components"] and not manifest.get("sharded")
+    roles.load(path)
+    assert actor.loaded[:2] == (("sharded", "actor") if layout == "sharded" else ("full", ["actor_model",
+                                                                                           "actor_optimizer"]))
+
+
+def test_role_checkpoints_load_names_a_missing_role_and_fresh_state(tmp_path):
+    path = _role_checkpoints(tmp_path, [FakeRole("actor")], save=("model",)).save(2, {"global_step": 2})
+    with pytest.raises(ValueError, match=r"holds no critic state \(it was saved by a run without a critic\), but "
+                                         r"this config has one; resume with the config"):
+        _role_checkpoints(tmp_path, [FakeRole("actor"), FakeRole("critic")], load=("model",)).load(path)
+    with pytest.warns(UserWarning, match=r"has no actor optimizer state \(saved with save_contents=\['model'\]\): "
+                                         r"optimizer start\(s\) fresh"):
+        assert _role_checkpoints(tmp_path, [FakeRole("actor")]).load(path) == {"global_step": 2}

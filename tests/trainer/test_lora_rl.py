@@ -8,7 +8,14 @@ import json
 import pytest
 import torch
 from learning import SEED, report_margin
-from test_rl_ray import SGD, assert_inside_the_clips, assert_same_update, digit_reward, prepared_batch
+from test_rl_ray import (
+    SGD,
+    assert_inside_the_clips,
+    assert_same_update,
+    digit_reward,
+    in_mini_batches,
+    prepared_batch,
+)
 
 from hyflow.trainer.rl_trainer import RLTrainer
 from hyflow.trainer.tracking import read_metrics
@@ -114,11 +121,11 @@ def test_lora_two_ray_workers_match_one_process(tiny_model_dir, task_dir, tmp_pa
     dist = RLTrainer([*args, "trainer.executor=ray", "trainer.n_gpus_per_node=2"], reward_fn=digit_reward)
     dist.setup()
     try:
-        got = {"actor": dist.actor.update_actor(dist.mini_batch_major(batch.clone(), 2)).meta["metrics"]}
+        got = {"actor": dist.actor.update_actor(in_mini_batches(dist, batch.clone(), 2)).meta["metrics"]}
         got_weights = {"actor": dist.actor.state_dict()["actor_model"]}
         got_merged = dist.actor.hf_model()[0].state_dict()
         if estimator == "gae":
-            got["critic"] = dist.critic.update_critic(dist.mini_batch_major(batch.clone(), 2)).meta["metrics"]
+            got["critic"] = dist.critic.update_critic(in_mini_batches(dist, batch.clone(), 2)).meta["metrics"]
             got_weights["critic"] = dist.critic.state_dict()["critic_model"]
     finally:
         dist.shutdown()

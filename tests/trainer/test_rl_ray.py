@@ -14,6 +14,7 @@ import torch
 
 from hyflow.batch import Batch
 from hyflow.controller import WorkerError, free_port
+from hyflow.controller.dispatch import with_mini_batch_rows
 from hyflow.trainer.rl_trainer import RLTrainer
 from hyflow.trainer.tracking import read_metrics
 
@@ -59,6 +60,11 @@ def prepared_batch(trainer: RLTrainer) -> Batch:
     return batch
 
 
+def in_mini_batches(trainer: RLTrainer, batch: Batch, prompts: int) -> Batch:
+    """`batch` marked as mini-batches of `prompts` prompts' samples: how an update splits it across the ranks."""
+    return with_mini_batch_rows(batch, prompts * trainer.config.actor_rollout_ref.rollout.n)
+
+
 @pytest.mark.parametrize("estimator", ["grpo", "gae", "grpo+prefix_grouper+torch_compile"])
 def test_two_ray_workers_match_one_process(tiny_model_dir, task_dir, tmp_path, estimator):
     # SGD, not AdamW: Adam divides each gradient entry by its own magnitude, so an entry of ~1e-9 whose rounding
@@ -87,10 +93,10 @@ def test_two_ray_workers_match_one_process(tiny_model_dir, task_dir, tmp_path, e
     dist.setup()
     try:
         assert dist.actor.world_size == 2
-        got_actor = dist.actor.update_actor(dist.mini_batch_major(batch.clone(), 2)).meta["metrics"]
+        got_actor = dist.actor.update_actor(in_mini_batches(dist, batch.clone(), 2)).meta["metrics"]
         got_weights = dist.actor.state_dict()["actor_model"]
         if estimator == "gae":
-            got_critic = dist.critic.update_critic(dist.mini_batch_major(batch.clone(), 2)).meta["metrics"]
+            got_critic = dist.critic.update_critic(in_mini_batches(dist, batch.clone(), 2)).meta["metrics"]
             got_critic_weights = dist.critic.state_dict()["critic_model"]
     finally:
         dist.shutdown()
@@ -256,7 +262,7 @@ def test_critic_in_its_own_pool_matches_one_process_and_resumes_colocated(tiny_m
         assert (dist.actor.world_size, dist.critic.world_size, len(dist.groups)) == (1, 2, 2)
         pids = [set(group.worker_pids()) for group in dist.groups]
         assert not pids[0] & pids[1]  # the critic runs in processes of its own
-        got_critic = dist.critic.update_critic(dist.mini_batch_major(batch.clone(), 2, 2)).meta["metrics"]
+        got_critic = dist.critic.update_critic(in_mini_batches(dist, batch.clone(), 2)).meta["metrics"]
         got_weights = dist.critic.state_dict()["critic_model"]
     finally:
         dist.shutdown()

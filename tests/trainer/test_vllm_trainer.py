@@ -91,7 +91,14 @@ def test_grpo_with_vllm_raises_the_reward(warm, tmp_path):
 def test_two_ray_workers_with_vllm_match_one_process(tiny_model_dir, task_dir, tmp_path):
     """The same checks as tests/trainer/test_rl_ray.py's, with a vllm engine in every worker; then each rank's
     engine, synced from FSDP2 shards, generates with log-probs equal to the single process's recompute."""
-    from test_rl_ray import SGD, assert_inside_the_clips, assert_same_update, on_ray, prepared_batch
+    from test_rl_ray import (
+        SGD,
+        assert_inside_the_clips,
+        assert_same_update,
+        in_mini_batches,
+        on_ray,
+        prepared_batch,
+    )
 
     from hyflow.models.forward import response_logprobs
     from hyflow.models.loading import load_causal_lm
@@ -113,11 +120,11 @@ def test_two_ray_workers_with_vllm_match_one_process(tiny_model_dir, task_dir, t
     dist.setup()
     try:
         assert dist.actor.world_size == 2
-        got = dist.actor.update_actor(dist.mini_batch_major(batch.clone(), 2)).meta["metrics"]
+        got = dist.actor.update_actor(in_mini_batches(dist, batch.clone(), 2)).meta["metrics"]
         got_weights = dist.actor.state_dict()["actor_model"]
         dist.actor.sync_rollout_weights()
         prompts = dist.loader.next_batch()
-        out = dist.generate(prompts, dist.sampling_params(seed=5))
+        out = dist.actor.generate_sequences(prompts, dist.sampling_params(seed=5))
     finally:
         dist.shutdown()
     assert_inside_the_clips(want)
