@@ -1,10 +1,11 @@
-"""Per-step metrics with verl's names, computed on the driver from the step's Batch."""
+"""Per-step metrics with verl's names, computed on the driver from the step's Batch (and the process's memory)."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -61,3 +62,38 @@ def compute_throughput_metrics(batch: Batch, step_seconds: float, n_devices: int
     tokens = int(batch["attention_mask"].sum())
     return {"perf/total_num_tokens": float(tokens), "perf/time_per_step": step_seconds,
             "perf/throughput": tokens / max(step_seconds, 1e-9) / max(n_devices, 1)}
+
+
+def memory_metrics() -> dict[str, float]:
+    """verl's memory metrics (verl/workers/engine_workers.py, after each actor update), in GiB:
+
+    - `perf/max_memory_allocated_gb`, `perf/max_memory_reserved_gb`: torch's peak CUDA memory of this process
+      (`torch.cuda.max_memory_allocated()` / `max_memory_reserved()` / 2**30), only when this process has
+      initialised CUDA: the local executor on a GPU. With `trainer.executor=ray` the models live in the worker
+      processes and the driver reports no GPU memory rather than its own zero.
+    - `perf/cpu_memory_used_gb`: as verl, the machine's used memory, `psutil.virtual_memory().used` (= total -
+      available), not this process's RSS; without psutil the same from /proc/meminfo (MemTotal - MemAvailable);
+      absent where neither exists.
+    Cheap: no device synchronisation (the CUDA caching allocator's counters are host-side)."""
+    metrics: dict[str, float] = {}
+    if torch.cuda.is_initialized():
+        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
+    used = _cpu_memory_used_bytes()
+    if used is not None:
+        metrics["perf/cpu_memory_used_gb"] = used / 2**30
+    return metrics
+
+
+def _cpu_memory_used_bytes() -> int | None:
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        return int(psutil.virtual_memory().used)
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return (int(fields["MemTotal"].split()[0]) - int(fields["MemAvailable"].split()[0])) * 1024  # kB
+    except (OSError, KeyError, ValueError):
+        return None

@@ -24,7 +24,6 @@ FSDP2; the code below is the same for both. Validation scores the whole validati
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -52,11 +51,10 @@ from hyflow.config import (
 from hyflow.config.arithmetic import (
     own_pool_roles,
     role_devices,
-    uses_critic,
     uses_reference,
 )
 from hyflow.config.roles import role_specs
-from hyflow.config.support import lookup, performance_only_warning
+from hyflow.config.support import performance_only_warning
 from hyflow.controller import LocalWorkerGroup
 from hyflow.controller.dispatch import with_mini_batch_rows
 from hyflow.data.custom import load_custom_dataset
@@ -70,7 +68,8 @@ from hyflow.rollout.base import SamplingParams
 from hyflow.threads import configure_threads
 from hyflow.trainer.balance import balanced_group_order, balanced_order
 from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
-from hyflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, timer
+from hyflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, memory_metrics, timer
+from hyflow.trainer.report import latest_checkpoint, sample_rows, speed_defaults_line, where_interrupted
 from hyflow.trainer.role_checkpoints import RoleCheckpoints, RoleState
 from hyflow.trainer.roles import Roles, build_roles
 from hyflow.trainer.run_dir import claim_run_directory
@@ -307,7 +306,7 @@ class RLTrainer:
             start_step = self.global_step
             if 0 < self.total_steps <= self.global_step:
                 print(format_already_complete(self.run_dir, self.global_step, self.total_steps,
-                                              self._latest_checkpoint()), flush=True)
+                                              latest_checkpoint(self.checkpoints)), flush=True)
                 return self.history
             with ProgressBar(self.total_steps, initial=self.global_step) as bar:
                 self.progress = bar
@@ -336,7 +335,8 @@ class RLTrainer:
                     bar.update(metrics)
             finished = True
         except KeyboardInterrupt:  # Ctrl-C: the CLI prints one line saying where the run stands
-            raise KeyboardInterrupt(self._where_interrupted(last_checkpoint)) from None
+            raise KeyboardInterrupt(where_interrupted(self.global_step, getattr(self, "total_steps", 0),
+                                                      last_checkpoint, getattr(self, "checkpoints", None))) from None
         finally:
             if self.progress is not None:
                 self._report_progress(None)
@@ -347,7 +347,8 @@ class RLTrainer:
         if finished:  # last, after the services' own closing output
             print(format_run_summary(self.run_dir, elapsed_s=time.perf_counter() - started, step=self.global_step,
                                      total_steps=self.total_steps, start_step=start_step,
-                                     checkpoint=last_checkpoint or self._latest_checkpoint(), history=self.history),
+                                     checkpoint=last_checkpoint or latest_checkpoint(self.checkpoints),
+                                     history=self.history),
                   flush=True)
         return self.history
 
@@ -359,25 +360,6 @@ class RLTrainer:
                 for role in getattr(group.workers[0], "roles", {}).values():
                     if hasattr(role, "set_progress"):
                         role.set_progress(callback)
-
-    def _where_interrupted(self, last_checkpoint: Path | None) -> str:
-        """Where an interrupted run stands: its step, its last checkpoint and how to resume from it."""
-        step = f"during step {self.global_step} of {self.total_steps}" if getattr(self, "total_steps", 0) else "at start"
-        try:
-            checkpoint = last_checkpoint or self._latest_checkpoint()
-        except Exception:  # interrupted before the run directory was set up
-            checkpoint = None
-        if checkpoint is None:
-            return f"{step}; no checkpoint saved yet (trainer.save_freq), so running the command again starts over"
-        return (f"{step}; last checkpoint: {checkpoint}; to resume from it, run the same command again "
-                "(trainer.resume_mode=auto, the default)")
-
-    def _latest_checkpoint(self) -> Path | None:
-        """The run directory's newest complete checkpoint, or None."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a stale tracker file was reported when the run was claimed
-            step = self.checkpoints.latest_step()
-        return None if step is None else self.checkpoints.step_dir(step)
 
     def _timed(self, name: str, timing: dict[str, float]):
         """`timer(name, timing)`, with the progress bar showing the stage while it runs."""
@@ -449,8 +431,8 @@ class RLTrainer:
             batch = self.filter_policy(batch, metrics)
         if self.config.trainer.rollout_data_dir:
             with self._timed("dump_rollout_generations", timing):
-                dump_generations(self.sample_rows(batch, self.reward_manager),
-                                 self.config.trainer.rollout_data_dir, self.global_step)
+                rows = sample_rows(batch, self.reward_manager.decode_responses(batch)[0], self.tokenizer)
+                dump_generations(rows, self.config.trainer.rollout_data_dir, self.global_step)
         if self.critic is not None:
             with self._timed("update_critic", timing):
                 rows = self.config.critic.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n
@@ -647,7 +629,7 @@ class RLTrainer:
             sources += list(batch["data_source"])
             uids += list(batch["uid"])
             preds += list(batch["reward_extra/pred"]) if "reward_extra/pred" in batch else [None] * len(batch)
-            rows += self.sample_rows(batch, self.val_reward_manager)
+            rows += sample_rows(batch, self.val_reward_manager.decode_responses(batch)[0], self.tokenizer)
         scores.pop("pred", None)
         self.tracker.log_generations(rows, step=self.global_step, split="val",
                                      max_table_rows=cfg.trainer.log_val_generations)
@@ -659,18 +641,6 @@ class RLTrainer:
         metrics.update({f"val-aux/{key}": value for key, value in reduce_metrics(agent_metrics).items()
                         if key.startswith(("tool/", "num_turns/"))})
         return metrics
-
-    def sample_rows(self, batch: Batch, manager) -> list[dict]:
-        """One dict per sample: input, output (decoded), score (summed token-level scores), data_source,
-        ground_truth and the scorer's extra columns: the rows of generation logs and data dumps."""
-        texts = manager.decode_responses(batch)[0]
-        seq_scores = batch["token_level_scores"].sum(-1).tolist()
-        extra = [k for k in batch.keys() if k.startswith("reward_extra/")]  # noqa: SIM118 (iter = rows)
-        return [{"input": self.tokenizer.decode(batch["prompts"][i], skip_special_tokens=True), "output": text,
-                 "score": seq_scores[i], "data_source": batch["data_source"][i],
-                 "ground_truth": batch["ground_truth"][i] if "ground_truth" in batch else None,
-                 **{k.removeprefix("reward_extra/"): batch[k][i] for k in extra}}
-                for i, text in enumerate(texts)]
 
     # ------------------------------------------------------------------ checkpoints and logging
     def log(self, metrics: dict, step: int) -> None:
@@ -723,26 +693,6 @@ class RLTrainer:
         print(f"resumed from {path} at step {self.global_step}")
 
 
-# Speed options whose hyflow default differs from verl's: (key, verl's default, what hyflow's value buys).
-SPEED_DEFAULTS_VS_VERL = (
-    ("actor_rollout_ref.actor.use_prefix_grouper", False, "same values and gradients, less compute"),
-    ("critic.model.use_remove_padding", False, "same values and gradients, less compute"),
-    ("actor_rollout_ref.actor.use_torch_compile", True, "no compile of seconds at start"),
-)
-
-
-def speed_defaults_line(cfg: HyflowConfig) -> str:
-    """The start line naming the speed options that differ from verl's defaults here (docs/coming-from-verl.md)."""
-    parts = []
-    for key, verl_default, why in SPEED_DEFAULTS_VS_VERL:
-        if key.startswith("critic.") and not uses_critic(cfg):
-            continue
-        value = lookup(cfg, key)
-        if value != verl_default:
-            parts.append(f"{key}={str(value).lower()} (verl: {str(verl_default).lower()}; {why})")
-    return "speed options unlike verl's defaults: " + ("; ".join(parts) if parts else "none")
-
-
 def validation_order(size: int, shuffle: bool, seed: int) -> list[int]:
     """The order in which validation prompts are generated (data.validation_shuffle): file order, or a
     permutation drawn from a generator seeded with `seed` (data.seed or trainer.seed), the same at every
@@ -750,41 +700,6 @@ def validation_order(size: int, shuffle: bool, seed: int) -> list[int]:
     if not shuffle:
         return list(range(size))
     return torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def memory_metrics() -> dict[str, float]:
-    """verl's memory metrics (verl/workers/engine_workers.py, after each actor update), in GiB:
-
-    - `perf/max_memory_allocated_gb`, `perf/max_memory_reserved_gb`: torch's peak CUDA memory of this process
-      (`torch.cuda.max_memory_allocated()` / `max_memory_reserved()` / 2**30), only when this process has
-      initialised CUDA: the local executor on a GPU. With `trainer.executor=ray` the models live in the worker
-      processes and the driver reports no GPU memory rather than its own zero.
-    - `perf/cpu_memory_used_gb`: as verl, the machine's used memory, `psutil.virtual_memory().used` (= total -
-      available), not this process's RSS; without psutil the same from /proc/meminfo (MemTotal - MemAvailable);
-      absent where neither exists.
-    Cheap: no device synchronisation (the CUDA caching allocator's counters are host-side)."""
-    metrics: dict[str, float] = {}
-    if torch.cuda.is_initialized():
-        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
-    used = _cpu_memory_used_bytes()
-    if used is not None:
-        metrics["perf/cpu_memory_used_gb"] = used / 2**30
-    return metrics
-
-
-def _cpu_memory_used_bytes() -> int | None:
-    try:
-        import psutil
-    except ImportError:
-        psutil = None
-    if psutil is not None:
-        return int(psutil.virtual_memory().used)
-    try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        return (int(fields["MemTotal"].split()[0]) - int(fields["MemAvailable"].split()[0])) * 1024  # kB
-    except (OSError, KeyError, ValueError):
-        return None
 
 
 def run_rl(overrides: Sequence[str], config_file: str | None = None) -> list[dict]:

@@ -286,3 +286,94 @@ def test_two_rollout_workers_split_the_prompts(tiny_model_dir, task_dir, tmp_pat
     assert max(row["async/staleness/max"] for row in history) <= 1
     for counter in trained_prompts(tmp_path / "dump").values():
         assert sum(counter.values()) == 16 and set(counter.values()) <= {4, 8}  # whole groups of n=4
+
+
+class FakeLoader:
+    """A prompt loader: batches of 2 prompt ids (epoch 0, place k), collated as a `prompt` column."""
+
+    def __init__(self):
+        self.drawn = 0
+
+    def next_ids(self):
+        ids = [(0, self.drawn), (0, self.drawn + 1)]
+        self.drawn += 2
+        return ids
+
+    def collate_ids(self, ids):
+        from hyflow.batch import Batch
+
+        return Batch({"prompt": torch.tensor([k for _, k in ids])})
+
+
+class FakeRollout:
+    """The rollout pool's group view as the scheduler calls it: prompts finish at the next advance, 2 samples each,
+    every token tagged with the weights' version."""
+
+    def __init__(self):
+        self.calls: list = []
+        self.in_flight: list[int] = []
+        self.version = 0
+
+    def stream_start(self, params, chunk, width):
+        self.calls.append(("start", params, chunk, width))
+
+    def stream_load_weights(self, buckets, version):
+        self.calls.append(("load", buckets, version))
+        self.version = version
+
+    def stream_submit(self, prompts, tags):
+        self.calls.append(("submit", prompts["prompt"].tolist(), list(tags)))
+        self.in_flight += list(tags)
+
+    def submit(self, name, need):
+        from hyflow.batch import Batch
+
+        assert name == "stream_advance"
+        done, self.in_flight = self.in_flight[:need], self.in_flight[need:]
+        rows = [tag for tag in done for _ in range(2)]
+        batch = Batch({"async_tag": torch.tensor(rows), "rollout_versions": torch.full((len(rows), 3), self.version)})
+        return type("Call", (), {"result": lambda _: [(batch, 0.5)]})()
+
+    def stream_close(self):
+        self.calls.append(("close",))
+
+
+def test_scheduler_needs_no_trainer_only_its_narrow_inputs():
+    """one_step_off over a fake rollout pool and loader: the scheduler starts the stream with the sampling params of
+    the seed, pushes the exported weights, trains on the oldest prompts first and resumes from its state."""
+    from types import SimpleNamespace
+
+    from hyflow.trainer.async_scheduler import AsyncScheduler
+
+    settings = SimpleNamespace(mode="one_step_off", staleness_threshold=0.0, partial_rollout=True,
+                               partial_rollout_chunk=None, trigger_parameter_sync_step=1, max_staleness=1,
+                               stale_policy="wait")
+    rollout, exported = FakeRollout(), []
+
+    def export_weights():
+        exported.append(len(exported))
+        return [f"bucket{len(exported)}"]
+
+    def make(loader):
+        return AsyncScheduler(rollout, loader, settings, separate=True, batch_prompts=2, n=2, response_length=8,
+                              prompt_length=5, critic_warmup=0, seed=3,
+                              sampling_params=lambda *, seed: ("params", seed), export_weights=export_weights)
+
+    scheduler = make(FakeLoader())
+    scheduler.start()
+    assert rollout.calls[:2] == [("start", ("params", 3 * 1_000_003), 8, 5), ("load", ["bucket1"], 0)]
+    metrics: dict = {}
+    batch = scheduler.next_batch(metrics)  # the trainer waits while the rollout finishes the first prompts
+    assert list(batch["uid"]) == ["async-0", "async-0", "async-1", "async-1"] and metrics["async/trainer_wait_s"] > 0
+    pending = scheduler.launch()  # the next step's prompts are admitted and generated meanwhile
+    assert rollout.calls[-1] == ("submit", [2, 3], [2, 3])
+    scheduler.land(pending, metrics)
+    scheduler.updated(True, metrics)  # one update: the new weights reach the rollout
+    assert metrics["async/version"] == 1.0 and rollout.calls[-1] == ("load", ["bucket2"], 1)
+    state = scheduler.state_dict()
+    assert state == {"version": 1, "pending": [[0, 2], [0, 3]], "stale_trained": 0}
+    resumed = make(FakeLoader())
+    resumed.load_state_dict(state, step=1)
+    assert resumed.version == 1 and resumed.admitted == 2 and list(resumed.queue) == [(0, 2), (0, 3)]
+    scheduler.shutdown()
+    assert rollout.calls[-1] == ("close",)
