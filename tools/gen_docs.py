@@ -109,6 +109,7 @@ def verl_keys_hyflow_lacks(schema_name: str) -> tuple[list[str], int]:
     (what `hyflow.config.keys.lookup` rejects after `canonical_key` maps the verl 0.10 aliases), collapsed: a verl
     section none of whose keys hyflow has is one entry `SECTION.*`. Returns (entries, number of verl keys hyflow
     lacks, the collapsed ones counted)."""
+    from hyflow.config import support
     from hyflow.config.keys import ConfigError, lookup
     from hyflow.config.verl_compat import canonical_key, verl_keys
 
@@ -116,10 +117,13 @@ def verl_keys_hyflow_lacks(schema_name: str) -> tuple[list[str], int]:
     keys, _free = verl_keys(schema_name)
 
     def missing(key: str) -> bool:
+        canonical = canonical_key(key, schema)
         try:
-            lookup(canonical_key(key, schema), schema=schema)
+            lookup(canonical, schema=schema)
         except ConfigError:
-            return True
+            # a key the table accepts (or refuses by its reason) without the schema holding it is not missing
+            return (support.outside_entry(canonical, schema_name) is None
+                    and not support.holds_outside_entries(canonical, schema_name))
         return False
 
     lacking = {k for k in keys if missing(k)}

@@ -136,7 +136,8 @@ def all_paths(schema: type = HyflowConfig) -> tuple[str, ...]:
 
 def closest_key(key: str, *, schema: type = HyflowConfig) -> str | None:
     """The valid key of `schema` a misspelt `key` most likely meant (None if nothing is close)."""
-    return _fix_segments(key, schema) or _same_leaf_name(key, schema) or _closest_full_path(key, schema)
+    return (_fix_segments(key, schema) or _same_leaf_name(key, schema) or _close_table_key(key, schema)
+            or _closest_full_path(key, schema))
 
 
 def unknown_key_error(key: str, where: str = "", *, schema: type = HyflowConfig) -> UnknownKeyError:
@@ -156,6 +157,18 @@ def _is_verl_key(key: str, schema: type) -> bool:
     from hyflow.config.verl_compat import is_verl_key
 
     return is_verl_key(key, schema)
+
+
+def _close_table_key(key: str, schema: type) -> str | None:
+    """A key of the same section that the schema does not hold but `hyflow.config.support`'s table accepts
+    (`...profiler.rangs` -> `...profiler.ranks`)."""
+    from hyflow.config import support
+
+    parent = key.rpartition(".")[0]
+    name = support.SFT if schema.__name__ == "SFTConfig" else support.RL
+    siblings = {k.rpartition(".")[2]: k for k in support.outside_keys(name) if k.rpartition(".")[0] == parent}
+    close = difflib.get_close_matches(key.rpartition(".")[2], list(siblings), n=1, cutoff=0.6)
+    return siblings[close[0]] if close else None
 
 
 def _fix_segments(key: str, schema: type) -> str | None:

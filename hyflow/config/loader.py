@@ -35,6 +35,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from hyflow.config import support
 from hyflow.config.keys import (
     ConfigError,
     KeyInfo,
@@ -45,6 +46,7 @@ from hyflow.config.keys import (
     is_optional,
     lookup,
     type_name,
+    unknown_key_error,
 )
 from hyflow.config.schema import HyflowConfig
 from hyflow.config.verl_compat import aliases, canonical_key, fold_sft_dict_keys
@@ -66,17 +68,19 @@ def load_config(
     `schema` is the root dataclass (HyflowConfig for RL runs, `SFTConfig` for the SFT trainer).
     """
     cfg = copy.deepcopy(_schema_node(schema))
+    declared: dict[str, Any] = {}  # keys the schema does not hold, accepted by hyflow.config.support's table
     if config_file is not None:
-        cfg = _merge_yaml_file(cfg, Path(config_file), schema)
+        cfg = _merge_yaml_file(cfg, Path(config_file), schema, declared)
     unknown: list[UnknownKeyError] = []
     seen: dict[str, tuple[str, Any]] = {}
     for override in _parse_overrides(overrides):
         try:
-            _apply_override(cfg, override, schema, seen)
+            _apply_override(cfg, override, schema, seen, declared)
         except UnknownKeyError as exc:
             unknown.append(exc)
     _raise_unknown(unknown)
     result = _to_dataclass(cfg, schema)
+    vars(result)[support.DECLARED] = _resolve_declared(cfg, declared)
     if schema.__name__ == "SFTConfig":
         return fold_sft_dict_keys(result)
     resolve_derived_defaults(result)
@@ -173,14 +177,14 @@ def config_from_yaml_file(path: str | Path, *, schema: type = HyflowConfig) -> A
 # ------------------------------------------------------------------------------------------ YAML file
 
 
-def _merge_yaml_file(cfg: DictConfig, path: Path, schema: type) -> DictConfig:
+def _merge_yaml_file(cfg: DictConfig, path: Path, schema: type, declared: dict[str, Any]) -> DictConfig:
     loaded = _load_yaml_tree(path, schema, ())
     if len(loaded) == 0:
         return cfg
     where = f" in config file {str(path)!r}"
     _rewrite_aliases(loaded, where, schema)
     unknown: list[UnknownKeyError] = []
-    _check_yaml_node(loaded, "", where, schema, unknown)
+    _check_yaml_node(loaded, "", where, schema, unknown, declared)
     _raise_unknown(unknown)
     try:
         return OmegaConf.merge(cfg, loaded)
@@ -366,19 +370,24 @@ def _alias_conflict(new: str, new_value: Any, old: str, old_value: Any, where: s
 
 
 def _check_yaml_node(node: DictConfig, prefix: str, where: str, schema: type,
-                     unknown: list[UnknownKeyError]) -> None:
+                     unknown: list[UnknownKeyError], declared: dict[str, Any]) -> None:
     for name in list(node.keys()):
         key = f"{prefix}{name}"
         try:
             info = lookup(key, where, schema=schema)
         except UnknownKeyError as exc:
-            unknown.append(exc)
+            undeclared = _declare(declared, key, _raw(node, name), schema)
+            if undeclared == [key]:
+                unknown.append(exc)
+            else:
+                unknown += [unknown_key_error(k, where, schema=schema) for k in undeclared]
+                del node[name]  # accepted by the table, kept beside the schema's values
             continue
         child = node._get_node(name)
         interpolated = OmegaConf.is_interpolation(node, name)
         if info.kind == "section":
             if isinstance(child, DictConfig) and not interpolated:
-                _check_yaml_node(child, key + ".", where, schema, unknown)
+                _check_yaml_node(child, key + ".", where, schema, unknown, declared)
             elif child._is_none():
                 del node[name]  # an empty section (`critic:` with nothing under it) changes nothing
             elif not interpolated:
@@ -430,14 +439,20 @@ def _parse_overrides(overrides: Sequence[str]) -> list[Any]:
     return parsed
 
 
-def _apply_override(cfg: DictConfig, override: Any, schema: type, seen: dict[str, tuple[str, Any]]) -> None:
+def _apply_override(cfg: DictConfig, override: Any, schema: type, seen: dict[str, tuple[str, Any]],
+                    declared: dict[str, Any]) -> None:
     spelled = override.key_or_group
     if spelled == "hydra.searchpath":
         return  # where Hydra finds defaults-list files; hyflow looks beside the config file
     if spelled == "hydra" or spelled.startswith("hydra."):
         raise _hydra_error(spelled, " on the command line")
     key = canonical_key(spelled, schema)
-    info = _lookup_as_spelled(key, spelled, schema)
+    try:
+        info = _lookup_as_spelled(key, spelled, schema)
+    except UnknownKeyError:
+        if not _declare_override(declared, key, spelled, override, schema, seen):
+            raise
+        return
     if override.is_delete():
         _delete(cfg, key, info, override)
         return
@@ -448,7 +463,13 @@ def _apply_override(cfg: DictConfig, override: Any, schema: type, seen: dict[str
         for sub_key, sub_value in _flatten(value, key, schema):
             sub_spelled = spelled + sub_key[len(key):]
             _note(seen, sub_key, sub_spelled, sub_value)
-            _set(cfg, sub_key, sub_value, _lookup_as_spelled(sub_key, sub_spelled, schema), schema)
+            try:
+                sub_info = _lookup_as_spelled(sub_key, sub_spelled, schema)
+            except UnknownKeyError:
+                if _declare(declared, sub_key, sub_value, schema):
+                    raise
+                continue
+            _set(cfg, sub_key, sub_value, sub_info, schema)
         return
     _note(seen, key, spelled, value)
     adding = override.is_add() or override.is_force_add()
@@ -468,8 +489,6 @@ def _lookup_as_spelled(key: str, spelled: str, schema: type) -> KeyInfo:
     except UnknownKeyError:
         if key == spelled:
             raise
-        from hyflow.config.keys import unknown_key_error
-
         raise unknown_key_error(spelled, schema=schema) from None
 
 
@@ -517,12 +536,88 @@ def _flatten(value: dict, prefix: str, schema: type) -> list[tuple[str, Any]]:
     items: list[tuple[str, Any]] = []
     for name, sub in value.items():
         key = f"{prefix}.{name}"
-        info = lookup(canonical_key(key, schema), schema=schema)
+        try:
+            info = lookup(canonical_key(key, schema), schema=schema)
+        except UnknownKeyError:
+            items.append((key, sub))  # a key the table may declare (`_declare`), or an error naming it
+            continue
         if isinstance(sub, dict) and info.kind == "section":
             items.extend(_flatten(sub, key, schema))
         else:
             items.append((key, sub))
     return items
+
+
+# ------------------------------------------------------------------------- keys the schema does not hold
+
+
+def _declare(declared: dict[str, Any], key: str, value: Any, schema: type) -> list[str]:
+    """Record `key: value` for a key the schema does not hold when `hyflow.config.support`'s table has an entry
+    for it (or, for a mapping, for each of its keys); returns the keys no entry covers (`[key]`: none at all).
+
+    A key below an entry (`...profiler.tool_config.torch.contents`) is merged into its entry's value, which starts
+    from verl's default, so the entry's value is compared whole (`support.is_asked`)."""
+    name = support.SFT if schema.__name__ == "SFTConfig" else support.RL
+    entry = support.outside_entry(key, name)
+    if entry is None:
+        if isinstance(value, dict) and value and support.holds_outside_entries(key, name):
+            return [k for sub, v in value.items() for k in _declare(declared, f"{key}.{sub}", v, schema)]
+        return [key]
+    if key == entry.key:
+        declared[key] = value
+        return []
+    whole = declared.get(entry.key, support.verl_default(entry.key))
+    whole = copy.deepcopy(whole) if isinstance(whole, dict) else {}
+    node = whole
+    *parents, last = key[len(entry.key) + 1:].split(".")
+    for part in parents:
+        node = node[part] if isinstance(node.get(part), dict) else node.setdefault(part, {})
+        if not isinstance(node, dict):
+            break
+    node[last] = value
+    declared[entry.key] = whole
+    return []
+
+
+def _declare_override(declared: dict[str, Any], key: str, spelled: str, override: Any, schema: type,
+                      seen: dict[str, tuple[str, Any]]) -> bool:
+    """An override of a key the schema does not hold: recorded when the table has it (`~key` forgets it)."""
+    name = support.SFT if schema.__name__ == "SFTConfig" else support.RL
+    entry = support.outside_entry(key, name)
+    if entry is None and not support.holds_outside_entries(key, name):
+        return False
+    if override.is_delete():
+        declared.pop(key, None)
+        return True
+    value = override.value()
+    _note(seen, key, spelled, value)
+    return not _declare(declared, key, value, schema)
+
+
+def _raw(node: DictConfig, name: str) -> Any:
+    """A YAML node's value as plain containers, its `${...}` interpolations unresolved."""
+    child = node._get_node(name)
+    if isinstance(child, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(child, resolve=False)
+    return child._value()
+
+
+def _resolve_declared(cfg: DictConfig, declared: dict[str, Any]) -> dict[str, Any]:
+    """The declared values with their `${...}` interpolations resolved against the whole config (the schema's
+    keys and the declared ones)."""
+    if not declared or "${" not in str(declared):
+        return declared
+    tree = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    for key, value in declared.items():
+        OmegaConf.update(tree, key, value, merge=False, force_add=True)
+    resolved = {}
+    for key in declared:
+        try:
+            resolved[key] = _plain(OmegaConf.select(tree, key, throw_on_resolution_failure=True))
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"cannot resolve {key}={declared[key]!r}: {str(exc).splitlines()[0]}. An "
+                              "interpolation ${section.key} must name an existing key.") from None
+    return resolved
 
 
 # ----------------------------------------------------------------------------------------- helpers

@@ -90,9 +90,6 @@ class SFTDataConfig:
         "step's trained-token count, so this only changes speed and memory, not the gradient.")
     max_token_len_per_gpu: int = option(
         8192, "Most real tokens per device per micro-batch with use_dynamic_bsz; at least data.max_length.")
-    pad_mode: str = option("no_padding", "verl: no_padding (packed) or right; hyflow packs or pads by "
-                           "model.use_remove_padding, and the loss is the same either way.")
-    num_workers: int = option(8, "verl: dataloader worker processes; hyflow tokenizes in the main process.")
 
 
 @dataclass
@@ -103,23 +100,10 @@ class SFTEngineConfig:
 
     strategy: str = option("fsdp", "Data-parallel strategy on several devices: fsdp or fsdp2 (FSDP2, ZeRO-3 "
                            "sharding), or ddp (replicated weights); one device runs the model as is.")
-    param_offload: bool = option(False, "Keep parameters in CPU memory between uses.")
-    optimizer_offload: bool = option(False, "Keep optimizer state in CPU memory between steps.")
-    offload_policy: bool = option(False, "Use FSDP2's CPUOffloadPolicy.")
     reshard_after_forward: bool = option(True, "FSDP2: free each layer's gathered parameters after its forward "
                                          "pass (less memory, one more all-gather in backward).")
-    fsdp_size: int = option(-1, "Devices one FSDP group shards over (-1 = all).")
-    forward_prefetch: bool = option(False, "Prefetch the next layer's all-gather during the forward pass.")
-    use_orig_params: bool = option(False, "FSDP1 option: keep the original parameters.")
-    model_dtype: str = option("fp32", "dtype of the master weights (hyflow: fp32).")
     dtype: str = option("bfloat16", "Mixed-precision compute dtype (bf16 autocast / FSDP2 mixed precision on cuda "
                         "over fp32 master weights; fp32 on cpu).")
-    seed: int = option(42, "Seed used when building the model (hyflow seeds with trainer.seed).")
-    full_determinism: bool = option(False, "Deterministic kernels everywhere.")
-    ulysses_sequence_parallel_size: int = option(1, "Sequence-parallel size (1 = off).")
-    use_torch_compile: bool = option(True, "torch.compile the loss kernels.")
-    entropy_from_logits_with_chunking: bool = option(False, "Compute entropy in row chunks (RL only).")
-    entropy_checkpointing: bool = option(False, "Recompute entropy in the backward pass (RL only).")
 
 
 @dataclass

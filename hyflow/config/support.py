@@ -20,6 +20,7 @@ The verl-0.10-names module (`hyflow.config.verl_compat`, when present) adds its 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import importlib
@@ -320,14 +321,129 @@ def _merged_table() -> tuple[KeySupport, ...]:
 
 
 def _schemas_of(key: str) -> list[str]:
-    """The schemas that have `key` (RL when neither has it: the table test then names the stray entry)."""
-    return [s for s in (RL, SFT) if _resolves(_default(s), key)] or [RL]
+    """The schemas that have `key`; for a key neither schema holds, SFT when only verl's SFT trainer has it, else RL
+    (the table test names an entry that is no key of its schema nor of verl's)."""
+    held = [s for s in (RL, SFT) if _resolves(_default(s), key)]
+    if held:
+        return held
+    from hyflow.config.verl_compat import verl_keys
+
+    return [SFT] if key in verl_keys(SFT)[0] and key not in verl_keys(RL)[0] else [RL]
 
 
 @functools.cache
 def table() -> tuple[KeySupport, ...]:
     """The declared table (hyflow's entries, then verl_compat's)."""
     return _merged_table()
+
+
+# ------------------------------------------------------------------------------ keys the schema does not hold
+#
+# Most entries name keys that the typed schema does not hold at all (hyflow reads nothing there). The loader
+# (`hyflow.config.loader`) accepts such a key by its entry, records its value beside the config
+# (`declared_values(cfg)`: entry key -> value; a key below an entry, `...tool_config.torch.contents`, is merged
+# into its entry's value) and leaves it out of the dataclasses, so the run directory's config.yaml omits it.
+# Its value asks for the entry's effect when it differs from verl's default below. The entries whose decision
+# needs a value the code also reads (LoRA knobs while LoRA is off, vllm knobs under the hf engine, HSDP sizes,
+# ...) name schema leaves and carry a predicate (`asked`).
+
+# verl's profiler tool_config sub-dicts and global_profiler.global_tool_config (verl's defaults).
+_PROFILER_TOOL_CONFIG = {"nsys": {"discrete": False}, "npu": {"contents": [], "level": "level0", "analysis": True,
+                         "discrete": False}, "torch": {"contents": [], "discrete": False},
+                         "torch_memory": {"trace_alloc_max_entries": 100000, "stack_depth": 32},
+                         "precision_debugger": {"config_path": None, "steps": None, "stages": None, "strict": False}}
+_PROFILER_TOOL_CONFIG["torch"]["schedule"] = {"skip_first": 0, "wait": 0, "warmup": 0, "active": 0, "repeat": 0}
+_NSIGHT_OPTIONS = {"trace": "cuda,nvtx,cublas,ucx", "cuda-memory-usage": "true", "cuda-graph-trace": "graph"}
+_GLOBAL_TOOL_CONFIG = {
+    "nsys": {"discrete": False, "controller_nsight_options": dict(_NSIGHT_OPTIONS),
+             "worker_nsight_options": {**_NSIGHT_OPTIONS, "capture-range": "cudaProfilerApi",
+                                       "capture-range-end": None, "kill": "none"}},
+    "torch_memory": {"trace_alloc_max_entries": 100000, "stack_depth": 32, "context": "all", "stacks": "all",
+                     "kw_args": {}},
+    "precision_debugger": {"config_path": None, "steps": None, "stages": None, "strict": False}}
+
+# verl's default of every entry the schema does not hold, by the key's last segment (one dotted key where two
+# entries of one name differ).
+_VERL_DEFAULTS: dict[str, Any] = {
+    **dict.fromkeys((
+        "all_ranks", "async_save", "calculate_entropy", "calculate_sum_pi_squared",
+        "del_local_ckpt_after_load", "enable", "enable_activation_offload", "entropy_checkpointing",
+        "entropy_from_logits_with_chunking", "finish_hook_all_ranks", "forward_prefetch",
+        "freeze_vision_tower", "full_determinism", "ignore_eos", "launch_reward_fn_async", "layered_summon",
+        "log", "merge", "multi_stage_wake_up", "offload_policy", "optimizer_offload", "param_offload",
+        "profile_continuous_steps", "relocate_results", "return_full_prompt", "return_raw_input_ids",
+        "use_fused_kernels", "use_liger", "use_orig_params", "use_remove_padding", "use_shm",
+        "use_trainer_do_validate"), False),
+    **dict.fromkeys((
+        "class_name", "class_path", "custom_backend_module", "default_hdfs_dir", "external_lib",
+        "finish_hook_cmd", "function_tool_path", "hf_config_path", "name", "num_repeat_rollouts", "path",
+        "reward_loop_module_path", "save_path", "steps", "tokenizer", "tokenizer_path", "tool",
+        "tool_config_path", "torch_dtype", "url", "use_reward_loop"), None),
+    **dict.fromkeys((
+        "return_multi_modal_inputs", "return_raw_chat", "skip_tokenizer_init", "strict",
+        "use_torch_compile", "zero_indexed_step"), True),
+    "backend": "naive", "dataloader_num_workers": 8, "num_workers": 8, "engine_kwargs": {},
+    "filter_overlong_prompts_workers": 1, "require_batches": 1, "ulysses_sequence_parallel_size": 1,
+    "finish_hook_ranks": [], "ranks": [], "fsdp_size": -1, "total_training_steps": -1, "image_patch_size": 14,
+    "impl_backend": "torch", "logprobs_mode": "processed_logprobs", "max_concurrent": 64, "memory_limit_mb":
+    1024, "min_num_params": 0, "mode": "async", "model_dtype": "fp32", "nccl_timeout": 600, "over_sample_rate":
+    0.0, "pad_mode": "no_padding", "reward_loop_class_name": "custom_reward_manager", "reward_loop_source":
+    "register", "scheduling_policy": "fcfs", "seed": 42, "use_legacy_worker_impl": "auto",
+    "tool_config": _PROFILER_TOOL_CONFIG, "global_tool_config": _GLOBAL_TOOL_CONFIG,
+}
+_VERL_DEFAULTS_BY_KEY: dict[str, Any] = {"global_profiler.save_path": "outputs/profile"}
+
+DECLARED = "_declared_keys"  # the config's instance attribute (not a field) that holds declared_values(cfg)
+
+
+def verl_default(key: str) -> Any:
+    """verl's default value of the table key `key` that the schema does not hold (a fresh copy)."""
+    if key in _VERL_DEFAULTS_BY_KEY:
+        return copy.deepcopy(_VERL_DEFAULTS_BY_KEY[key])
+    return copy.deepcopy(_VERL_DEFAULTS[key.rsplit(".", 1)[-1]])
+
+
+def in_schema(entry: KeySupport) -> bool:
+    """Whether the typed schema holds `entry`'s key (an entry with a predicate on a value hyflow also reads)."""
+    return _resolves(_default(entry.schema), entry.key)
+
+
+@functools.cache
+def _outside(schema: str) -> dict[str, KeySupport]:
+    return {e.key: e for e in table() if e.schema == schema and not in_schema(e)}
+
+
+def outside_keys(schema: str) -> tuple[str, ...]:
+    """The table keys that the `schema` (RL or SFT) does not hold."""
+    return tuple(_outside(schema))
+
+
+def outside_entry(key: str, schema: str) -> KeySupport | None:
+    """The entry that accepts or refuses `key`, a key the `schema` (RL or SFT) does not hold: the entry of `key`
+    itself or of a key above it (`...profiler.tool_config` for `...profiler.tool_config.torch.contents`)."""
+    entries, parts = _outside(schema), key.split(".")
+    for i in range(len(parts), 0, -1):
+        if (entry := entries.get(".".join(parts[:i]))) is not None:
+            return entry
+    return None
+
+
+def holds_outside_entries(key: str, schema: str) -> bool:
+    """Whether entries the schema does not hold lie below `key` (`global_profiler`, a removed section)."""
+    return any(k.startswith(key + ".") for k in _outside(schema))
+
+
+def declared_values(cfg: Any) -> dict[str, Any]:
+    """The values `cfg` gives keys that the schema does not hold (entry key -> value), as the loader recorded them."""
+    return vars(cfg).get(DECLARED, {})
+
+
+def value_of(cfg: Any, key: str) -> Any:
+    """The value of the table key `key` in `cfg`: the schema's, else the declared one, else verl's default."""
+    if _resolves(cfg, key):
+        return lookup(cfg, key)
+    declared = declared_values(cfg)
+    return declared[key] if key in declared else verl_default(key)
 
 
 # ---------------------------------------------------------------------------------------- lookups
@@ -374,8 +490,11 @@ def _non_default(cfg: Any, key: str) -> bool:
 
 def is_asked(entry: KeySupport, cfg: Any) -> bool:
     """Whether `cfg` asks for `entry`'s key (its predicate, or a non-default value)."""
-    if entry.schema != schema_name(cfg) or not _resolves(cfg, entry.key):
+    if entry.schema != schema_name(cfg):
         return False
+    if not _resolves(cfg, entry.key):  # a key the schema does not hold: a value other than verl's default asks
+        declared = declared_values(cfg)
+        return entry.key in declared and declared[entry.key] != verl_default(entry.key)
     return bool(entry.asked(cfg)) if entry.asked is not None else _non_default(cfg, entry.key)
 
 
@@ -385,7 +504,7 @@ def _entries(cfg: Any, kind: str) -> Iterable[KeySupport]:
 
 def not_supported_problems(cfg: Any) -> list[str]:
     """One message per not-supported key that `cfg` asks for (RL or SFT config)."""
-    return [f"{e.key} is not supported by this hyflow version yet (got {_show(lookup(cfg, e.key))}): {e.reason}"
+    return [f"{e.key} is not supported by this hyflow version yet (got {_show(value_of(cfg, e.key))}): {e.reason}"
             for e in _entries(cfg, NOT_SUPPORTED)]
 
 
@@ -399,7 +518,7 @@ def performance_only_warning(cfg: Any) -> str | None:
     entries = performance_only_keys(cfg)
     if not entries:
         return None
-    return WARNING_PREFIX + " " + "; ".join(f"{e.key}={_show(lookup(cfg, e.key))} ({e.reason})" for e in entries)
+    return WARNING_PREFIX + " " + "; ".join(f"{e.key}={_show(value_of(cfg, e.key))} ({e.reason})" for e in entries)
 
 
 def _show(value: Any) -> str:

@@ -180,8 +180,7 @@ def _check_async(cfg: HyflowConfig) -> list[str]:
                         f"{pool.n_gpus_per_node} >= 0 (0 = no rollout pool of its own)")
     if at.mode == "sync":
         set_keys = [f"async_training.{f.name}" for f in dataclasses.fields(at)
-                    if f.name not in ("mode", "use_trainer_do_validate", "require_batches")
-                    and getattr(at, f.name) != getattr(defaults, f.name)]
+                    if f.name != "mode" and getattr(at, f.name) != getattr(defaults, f.name)]
         if pool.n_gpus_per_node > 0:
             set_keys.append("rollout.n_gpus_per_node")
         if set_keys:

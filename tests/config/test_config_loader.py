@@ -18,6 +18,7 @@ from hyflow.config import (
     config_to_yaml,
     load_config,
 )
+from hyflow.config.support import value_of
 
 
 def test_defaults_load_as_typed_dataclass():
@@ -425,8 +426,12 @@ def test_verl_010_reward_names_mean_the_legacy_keys():
     assert (cfg.custom_reward_function.path, cfg.custom_reward_function.name) == ("/r.py", "score")
     assert cfg.reward_model.reward_kwargs == {"overlong_buffer_cfg": {"len": 4}}
     assert cfg.reward_model.num_workers == 3 and cfg.reward_model.enable is True
-    assert cfg.reward_model.model.path == "/rm" and cfg.reward_model.sandbox_fusion.max_concurrent == 8
-    assert cfg.critic.model.fsdp_config.optimizer_offload is True
+    assert cfg.reward_model.model.path == "/rm"
+    # keys the schema does not hold (hyflow.config.support's table): their values are kept beside the config
+    from hyflow.config.support import declared_values
+
+    assert declared_values(cfg) == {"reward_model.sandbox_fusion.max_concurrent": 8,
+                                    "critic.model.fsdp_config.optimizer_offload": True}
 
 
 def test_both_spellings_agreeing_are_fine_disagreeing_name_both():
@@ -443,7 +448,7 @@ def test_verl_010_names_in_a_yaml_file(tmp_path):
                     "critic:\n  fsdp:\n    param_offload: true\n")
     cfg = load_config(config_file=path)
     assert cfg.reward_model.reward_manager == "prime" and cfg.custom_reward_function.path == "/r.py"
-    assert cfg.critic.model.fsdp_config.param_offload is True
+    assert value_of(cfg, "critic.model.fsdp_config.param_offload") is True
     path.write_text("reward:\n  reward_manager:\n    name: prime\nreward_model:\n  reward_manager: naive\n")
     with pytest.raises(ConfigError, match="reward.reward_manager.name=prime and reward_model.reward_manager=naive"):
         load_config(config_file=path)
@@ -469,9 +474,10 @@ def test_verl_keys_hyflow_now_has_are_accepted():
         "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=64",
         "ray_kwargs.ray_init.runtime_env.py_executable=null",
     ])
-    assert cfg.actor_rollout_ref.actor.profiler.ranks == [0, 1]
+    assert value_of(cfg, "actor_rollout_ref.actor.profiler.ranks") == [0, 1]
     assert cfg.actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes == 64
-    assert cfg.trainer.use_legacy_worker_impl == "disable"
+    assert value_of(cfg, "trainer.use_legacy_worker_impl") == "disable"
+    assert "profiler" not in config_to_yaml(cfg)  # kept beside the schema's keys, not in the resolved config.yaml
 
 
 def test_verl_keys_list_ships_with_the_package():
@@ -524,7 +530,7 @@ def test_sft_accepts_verl_current_names():
                            "data.max_token_len_per_gpu=4096", "trainer.n_gpus_per_node=1",
                            "data.prompt_key=extra_info", "data.prompt_dict_keys=[question]",
                            "data.response_key=extra_info", "data.response_dict_keys=[answer]"])
-    assert cfg.model.partial_pretrain == "/m" and cfg.engine.param_offload is True
+    assert cfg.model.partial_pretrain == "/m" and value_of(cfg, "engine.param_offload") is True
     assert (cfg.data.prompt_key, cfg.data.response_key) == ("extra_info.question", "extra_info.answer")
     assert cfg.data.prompt_dict_keys is None
     with pytest.raises(ConfigError, match="model.path=/a and model.partial_pretrain=/b"):
@@ -540,7 +546,7 @@ def test_sft_verl_scheduler_and_padding_names():
 
     cfg = load_sft_config(["optim.lr_scheduler_type=constant", "model.use_remove_padding=true",
                            "data.pad_mode=right", "data.num_workers=2"])
-    assert cfg.optim.lr_scheduler == "constant" and cfg.data.pad_mode == "right"
+    assert cfg.optim.lr_scheduler == "constant" and value_of(cfg, "data.pad_mode") == "right"
     with pytest.raises(ConfigError) as err:
         load_sft_config(["engine.tensor_model_parallel_size=2", "optim.min_lr=0.1"])
     assert "'engine.tensor_model_parallel_size' is a verl key" in str(err.value)
@@ -552,7 +558,7 @@ def test_verl_010_fsdp_config_role_names():
                        "actor_rollout_ref.ref.fsdp_config.entropy_from_logits_with_chunking=true",
                        "critic.fsdp.ulysses_sequence_parallel_size=2"])
     assert cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size == 2
-    assert cfg.actor_rollout_ref.ref.entropy_from_logits_with_chunking is True
+    assert value_of(cfg, "actor_rollout_ref.ref.entropy_from_logits_with_chunking") is True
     assert cfg.critic.ulysses_sequence_parallel_size == 2
     with pytest.raises(ConfigError, match="is a verl key that hyflow does not support yet"):
         load_config(["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
@@ -592,7 +598,7 @@ def test_a_verl_style_config_file(tmp_path):
     cfg = load_config(["hydra.searchpath=[file://elsewhere]"],
                       config_file=config_file_from_hydra_flags(tmp_path, "my_trainer"))
     assert cfg.actor_rollout_ref.actor.ppo_mini_batch_size == 4 and cfg.data.train_batch_size == 8
-    assert cfg.reward_model.reward_manager == "dapo" and cfg.reward_model.reward_loop_source == "register"
+    assert cfg.reward_model.reward_manager == "dapo" and value_of(cfg, "reward_model.reward_loop_source") == "register"
     with pytest.raises(ConfigError, match="Hydra's own runtime"):
         load_config(["hydra.run.dir=/tmp/x"])
     (tmp_path / "bad.yaml").write_text("actor_rollout_ref:\n  actor:\n    _target_: my.Class\n")
@@ -649,3 +655,44 @@ def test_validate_config_applies_the_derived_defaults_to_a_config_built_in_code_
     validate_config(cfg)
     assert cfg.algorithm.rollout_correction.bypass_mode is True
     assert derived_default_notes(cfg) == [BYPASS_NOTE]
+
+
+# ------------------------------------------------------------------ keys the schema does not hold (the table's)
+
+
+def test_a_verl_yaml_setting_keys_hyflow_does_not_act_on_loads_and_config_yaml_omits_them(tmp_path):
+    from hyflow.config import support, validate_config
+
+    path = tmp_path / "verl.yaml"
+    path.write_text(
+        "global_profiler:\n  tool: null\n  steps: null\n  save_path: outputs/profile\n"
+        "actor_rollout_ref:\n  actor:\n    fsdp_config:\n      param_offload: false\n      dtype: bfloat16\n"
+        "      wrap_policy:\n        min_num_params: 0\n"
+        "    profiler:\n      enable: ${actor_rollout_ref.ref.profiler.enable}\n"
+        "  ref:\n    profiler:\n      enable: true\n"
+        "data:\n  dataloader_num_workers: 8\n  train_batch_size: 512\n")
+    cfg = load_config(config_file=path)
+    assert cfg.data.train_batch_size == 512 and cfg.actor_rollout_ref.actor.fsdp_config.dtype == "bfloat16"
+    declared = support.declared_values(cfg)
+    assert declared["actor_rollout_ref.actor.profiler.enable"] is True  # the interpolation resolved
+    assert declared["global_profiler.save_path"] == "outputs/profile"
+    validate_config(cfg)
+    line = support.performance_only_warning(cfg)  # only the values other than verl's defaults are named
+    assert "actor_rollout_ref.actor.profiler.enable=true" in line and "actor_rollout_ref.ref.profiler.enable=true" in line
+    assert "param_offload" not in line and "global_profiler" not in line and "dataloader_num_workers" not in line
+    saved = config_to_yaml(cfg)
+    assert "profiler" not in saved and "param_offload" not in saved  # config.yaml holds the schema's keys
+    (tmp_path / "config.yaml").write_text(saved)
+    assert config_from_yaml_file(tmp_path / "config.yaml").data.train_batch_size == 512
+    path.write_text("global_profiler:\n  tol: nsys\n")
+    with pytest.raises(ConfigError, match="'global_profiler.tol' in config file .*Did you mean 'global_profiler.tool'"):
+        load_config(config_file=path)
+
+
+def test_a_key_the_schema_does_not_hold_is_refused_by_its_entry_when_asked():
+    from hyflow.config import validate_config
+
+    validate_config(load_config(["trainer.default_hdfs_dir=null", "~trainer.default_hdfs_dir"]))
+    with pytest.raises(ConfigError, match=r"trainer.default_hdfs_dir is not supported by this hyflow version yet "
+                                          r"\(got hdfs://x\): HDFS copies are not built yet"):
+        validate_config(load_config(["trainer.default_hdfs_dir=hdfs://x"]))

@@ -63,13 +63,8 @@ from hyflow.config.schema.common import (
     CheckpointConfig,
     CheckpointEngineConfig,
     FSDPConfig,
-    FusedKernelOptions,
-    GlobalProfilerConfig,
     ModelConfig,
-    NestedLoraConfig,
     OptimConfig,
-    ProfilerConfig,
-    WrapPolicyConfig,
 )
 from hyflow.config.schema.critic import (
     CriticConfig,
@@ -78,18 +73,15 @@ from hyflow.config.schema.critic import (
 from hyflow.config.schema.data import (
     CustomClassConfig,
     DataConfig,
-    SamplerConfig,
 )
 from hyflow.config.schema.reward import (
     CustomRewardFunctionConfig,
     OverlongBufferConfig,
     RewardModelConfig,
     RewardModelModelConfig,
-    SandboxFusionConfig,
 )
 from hyflow.config.schema.rollout import (
     AgentConfig,
-    CustomAsyncServerConfig,
     MultiTurnConfig,
     RolloutConfig,
     ValKwargsConfig,
@@ -119,9 +111,6 @@ class HyflowConfig:
     async_training: AsyncTrainingConfig = section(
         AsyncTrainingConfig, "Asynchronous training: one-step off-policy, fully async with partial rollouts.")
     rollout: RolloutPoolConfig = section(RolloutPoolConfig, "The rollout pool of the asynchronous modes.")
-    global_profiler: GlobalProfilerConfig = section(
-        GlobalProfilerConfig, "verl's global profiler settings (accepted, not run)."
-    )
 
     def __post_init__(self) -> None:
         # Built directly (not by load_config), the `${...}` defaults are still strings: OmegaConf resolves them.
@@ -142,24 +131,19 @@ __all__ = [
     "CheckpointEngineConfig",
     "CriticConfig",
     "CriticModelConfig",
-    "CustomAsyncServerConfig",
     "CustomClassConfig",
     "CustomRewardFunctionConfig",
     "DataConfig",
     "FSDPConfig",
     "FilterGroupsConfig",
-    "FusedKernelOptions",
-    "GlobalProfilerConfig",
     "HyflowConfig",
     "KLControlConfig",
     "ModelConfig",
     "MultiTurnConfig",
-    "NestedLoraConfig",
     "OptimConfig",
     "OverlongBufferConfig",
     "PFPPOConfig",
     "PolicyLossConfig",
-    "ProfilerConfig",
     "RayKwargsConfig",
     "RefConfig",
     "RefModelConfig",
@@ -168,11 +152,8 @@ __all__ = [
     "RolloutConfig",
     "RolloutCorrectionConfig",
     "RolloutPoolConfig",
-    "SamplerConfig",
-    "SandboxFusionConfig",
     "TrainerConfig",
     "ValKwargsConfig",
-    "WrapPolicyConfig",
     "holds_interpolation",
     "option",
     "resolve_interpolations",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hyflow.config.schema.base import KL_PENALTY_NAMES, LOSS_AGG_MODES, option, section
-from hyflow.config.schema.common import CheckpointConfig, FSDPConfig, ModelConfig, OptimConfig, ProfilerConfig
+from hyflow.config.schema.common import CheckpointConfig, FSDPConfig, ModelConfig, OptimConfig
 from hyflow.config.schema.rollout import RolloutConfig
 
 
@@ -95,9 +95,6 @@ class ActorConfig:
         None, "seq-mean-token-sum-norm: constant divisor (None = the padded response length, Dr. GRPO)."
     )
     entropy_coeff: float = option(0.0, "Weight of the entropy bonus: loss -= entropy_coeff x entropy.")
-    calculate_entropy: bool = option(
-        False, "Compute per-token entropy for metrics even when entropy_coeff is 0."
-    )
     use_kl_loss: bool = option(
         False,
         "Add a KL(policy || reference) term to the actor loss (GRPO style, DeepSeekMath arXiv 2402.03300).",
@@ -113,18 +110,11 @@ class ActorConfig:
         1,
         "Devices that split one sequence (DeepSpeed-Ulysses, arXiv 2309.14509); data-parallel size = devices / this.",
     )
-    entropy_from_logits_with_chunking: bool = option(False, "Compute entropy in row chunks to save memory.")
-    entropy_checkpointing: bool = option(
-        False, "Recompute entropy in the backward pass instead of storing it."
-    )
     use_torch_compile: bool = option(
         False,
         "torch.compile the model's MLPs and RMSNorms for the actor's training and log-prob passes (hyflow.models."
         "compile; the rollout decodes eagerly). hyflow's default is false (verl's: true): it costs a one-time "
         "compile of seconds per model, which only long runs earn back (1.09-1.13x training tokens/s on CPU, BENCHMARKS.md).",
-    )
-    calculate_sum_pi_squared: bool = option(
-        False, "Also compute sum_v pi_v^2 per token (needed by optimal_token_baseline)."
     )
     use_prefix_grouper: bool = option(
         "${actor_rollout_ref.model.use_remove_padding}",
@@ -135,12 +125,9 @@ class ActorConfig:
         "use_remove_padding=true (verl's needs false: hyflow builds it into packing). hyflow's default follows "
         "use_remove_padding, so on by default (verl's: false).",
     )
-    freeze_vision_tower: bool = option(False, "Keep the vision encoder frozen (multimodal models).")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "What the actor's checkpoints contain.")
     optim: OptimConfig = section(OptimConfig, "Actor optimizer and learning-rate schedule.")
     fsdp_config: FSDPConfig = section(FSDPConfig, "FSDP settings of the actor.")
-    profiler: ProfilerConfig = section(ProfilerConfig, "verl's profiler for the actor (accepted, not run).")
-
 
 
 @dataclass
@@ -186,9 +173,6 @@ class RefConfig:
     fsdp_config: FSDPConfig = section(
         FSDPConfig, "FSDP settings of the reference (verl forces parameter offload here)."
     )
-    entropy_from_logits_with_chunking: bool = option(False, "Compute entropy in row chunks to save memory.")
-    entropy_checkpointing: bool = option(False, "Recompute entropy in the backward pass to save memory.")
-    profiler: ProfilerConfig = section(ProfilerConfig, "verl's profiler for the reference (accepted, not run).")
 
 
 @dataclass
@@ -196,7 +180,6 @@ class ActorRolloutRefConfig:
     """Actor, rollout engine and reference policy: one model, three roles, sharing devices."""
 
     hybrid_engine: bool = option(True, "Actor, rollout and reference share devices (one process per device).")
-    nccl_timeout: int = option(600, "verl: seconds a collective may wait before the run fails (hyflow uses its own).")
     model: ModelConfig = section(ModelConfig, "The policy model.")
     actor: ActorConfig = section(ActorConfig, "Policy training.")
     rollout: RolloutConfig = section(RolloutConfig, "Generation.")

@@ -30,9 +30,6 @@ class AsyncTrainingConfig:
     trigger_parameter_sync_step: int = option(
         1, "fully_async: push the trainer's weights to the rollout every this many training steps (verl counts "
         "its smaller mini-batch steps, default 4; a hyflow step is a whole train_batch_size).")
-    require_batches: int = option(
-        1, "verl: mini-batches the trainer fetches at once; hyflow's asynchronous step takes data.train_batch_size "
-        "prompts, as the synchronous one does (only 1 is accepted).")
     partial_rollout: bool = option(
         True, "fully_async: a weight push interrupts in-flight trajectories, which continue under the new weights "
         "(each token keeps the version and log-prob it was sampled with); false: a push waits until nothing is "
@@ -59,9 +56,6 @@ class AsyncTrainingConfig:
         "decoupled PPO, as AReaL; one more forward pass per step) or off. hyflow.",
         choices=("bypass", "decoupled", "off"),
     )
-    use_trainer_do_validate: bool = option(
-        False, "verl: validate on the trainer's devices. hyflow always validates with the trainer's current "
-        "weights on the trainer's workers, whatever this holds.")
 
 
 @dataclass

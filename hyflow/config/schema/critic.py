@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyflow.config.schema.base import LOSS_AGG_MODES, option, section
-from hyflow.config.schema.common import CheckpointConfig, FSDPConfig, OptimConfig, ProfilerConfig
+from hyflow.config.schema.common import CheckpointConfig, FSDPConfig, OptimConfig
 
 
 @dataclass
@@ -19,16 +19,11 @@ class CriticModelConfig:
         "${actor_rollout_ref.model.path}",
         "Critic model directory or hub id (default = the actor's model; verl has a separate default).",
     )
-    tokenizer_path: str | None = option(
-        None, "Tokenizer of the critic (None = actor_rollout_ref.model.path's)."
-    )
     override_config: dict[str, Any] = option(
         {}, "Overrides of the critic's config.json (add with +critic.model.override_config.KEY=VALUE)."
     )
-    external_lib: str | None = option(None, "A Python module imported before loading the critic.")
     trust_remote_code: bool = option(False, "Allow custom modelling code from the critic's repository.")
     enable_gradient_checkpointing: bool = option(True, "Recompute activations in the backward pass.")
-    enable_activation_offload: bool = option(False, "Offload activations to CPU memory.")
     use_remove_padding: bool = option(
         "${actor_rollout_ref.model.use_remove_padding}",
         "Sequence packing for the critic's value and update forwards (see actor_rollout_ref.model."
@@ -104,4 +99,3 @@ class CriticConfig:
     grad_clip: float = option(1.0, "Clip the critic's global gradient norm to this value.")
     ulysses_sequence_parallel_size: int = option(1, "Sequence-parallel size of the critic.")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "What the critic's checkpoints contain.")
-    profiler: ProfilerConfig = section(ProfilerConfig, "verl's profiler for the critic (accepted, not run).")

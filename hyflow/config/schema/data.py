@@ -19,22 +19,9 @@ class CustomClassConfig:
 
 
 @dataclass
-class SamplerConfig:
-    """A custom sampler for the training dataloader (curricula)."""
-
-    class_path: str | None = option(
-        None, "Path to a .py file defining the sampler (needs data.dataloader_num_workers=0)."
-    )
-    class_name: str | None = option(None, "Name of the sampler class inside `class_path`.")
-
-
-@dataclass
 class DataConfig:
     """Datasets, prompt/response lengths and the number of prompts per step."""
 
-    tokenizer: str | None = option(
-        None, "Tokenizer path for the dataset (None = the actor model's tokenizer)."
-    )
     train_files: Any = option(
         None,
         "Training data: a parquet/json(l) file, a list of them, or a built-in task name. Required to train (verl: ~/data/rlhf/gsm8k/train.parquet).",
@@ -63,18 +50,8 @@ class DataConfig:
         None,
         "Deprecated in verl: the whole validation set is one batch. Prompts per validation batch if set.",
     )
-    return_raw_input_ids: bool = option(
-        False,
-        "Also return prompt token ids without the chat template (for a reward model with another tokenizer).",
-    )
-    return_raw_chat: bool = option(True, "Also return the prompt as a raw chat (list of messages).")
-    return_full_prompt: bool = option(False, "Also return the prompt text after the chat template.")
     shuffle: bool = option(True, "Shuffle the training prompts every epoch.")
     seed: int | None = option(None, "Seed of the training dataloader's shuffle (None = trainer.seed).")
-    dataloader_num_workers: int = option(
-        8, "Worker processes of the dataloader (verl). hyflow batches in the main process and tokenizes each prompt "
-        "once (cached): performance-only, named at start when set."
-    )
     validation_shuffle: bool = option(
         False, "Generate the validation prompts in a shuffled order (seeded with data.seed or trainer.seed, the same "
         "at every validation); metrics always cover the whole set."
@@ -82,7 +59,6 @@ class DataConfig:
     filter_overlong_prompts: bool = option(
         False, "Drop prompts longer than max_prompt_length tokens before training."
     )
-    filter_overlong_prompts_workers: int = option(1, "Processes used to filter overlong prompts.")
     truncation: str = option(
         "error",
         "What to do with a prompt longer than max_prompt_length: error, left (keep the end), right (keep the start), middle.",
@@ -90,20 +66,11 @@ class DataConfig:
     )
     image_key: str = option("images", "Column holding images (multimodal data).")
     video_key: str = option("videos", "Column holding videos (multimodal data).")
-    image_patch_size: int = option(14, "Vision patch size, in pixels (multimodal data).")
     custom_cls: CustomClassConfig = section(
         CustomClassConfig, "A custom Dataset class replacing the built-in RL dataset."
-    )
-    sampler: SamplerConfig = section(
-        SamplerConfig, "A custom sampler (curriculum) for the training dataloader."
     )
     apply_chat_template_kwargs: dict[str, Any] = option(
         {},
         "Extra keyword arguments for tokenizer.apply_chat_template (add with +data.apply_chat_template_kwargs.KEY=VALUE).",
     )
-    tool_config_path: str | None = option(
-        None, "Tool config (YAML) whose tool schemas are put into the chat template."
-    )
-    return_multi_modal_inputs: bool = option(True, "Return processed multimodal inputs with each row.")
     trust_remote_code: bool = option(False, "Allow custom code from the tokenizer/processor repository.")
-    use_shm: bool = option(False, "Copy the data files to shared memory (/dev/shm) first.")

@@ -23,9 +23,6 @@ class RewardModelModelConfig:
     external_lib: str | None = option(None, "A Python module imported before loading the reward model.")
     trust_remote_code: bool = option(False, "Allow custom modelling code from the reward model's repository.")
     override_config: dict[str, Any] = option({}, "Overrides of the reward model's config.json.")
-    use_remove_padding: bool = option(
-        False, "verl: run the reward model on packed sequences. Performance-only: hyflow scores each sample's "
-        "last real token in a padded batch, the same score either way.")
     fsdp_config: FSDPConfig = section(FSDPConfig, "FSDP settings of the reward model.")
 
 
@@ -41,16 +38,6 @@ class OverlongBufferConfig:
         "Buffer length, in tokens: the penalty grows linearly from 0 at max_response_length - len to -penalty_factor at max_response_length.",
     )
     penalty_factor: float = option(1.0, "Largest penalty, in reward units, at max_response_length.")
-    log: bool = option(False, "Log the overlong penalty per sample as a metric.")
-
-
-@dataclass
-class SandboxFusionConfig:
-    """A Sandbox Fusion server for code execution rewards."""
-
-    url: str | None = option(None, "Sandbox Fusion URL (None = run code locally in a subprocess).")
-    max_concurrent: int = option(64, "Most concurrent sandbox requests.")
-    memory_limit_mb: int = option(1024, "Memory limit per execution, in MiB.")
 
 
 @dataclass
@@ -94,15 +81,6 @@ class RewardModelConfig:
         "Registered reward manager: naive (one scorer call per sample), batch, dapo (with overlong_buffer); checked at "
         "start against hyflow.rewards.managers.REWARD_MANAGERS.",
     )
-    launch_reward_fn_async: bool = option(False, "Score in the background while log-probs are computed.")
-    reward_loop_source: str = option(
-        "register", "Where the reward manager comes from: register (hyflow's registry, by reward_manager name); "
-        "verl's importlib (a class from reward_loop_module_path) is not built yet.")
-    reward_loop_module_path: str | None = option(None, "File of a custom reward-manager class (source importlib).")
-    reward_loop_class_name: str | None = option(
-        "custom_reward_manager", "Class name inside reward_loop_module_path (source importlib).")
-    use_reward_loop: bool | None = option(
-        None, "verl 0.6-0.9's switch between its reward-loop and legacy reward code (hyflow has one path).")
     timeout_s: float = option(
         30.0, "Per-sample scorer time limit, in seconds; a sample that runs over scores 0 (hyflow)."
     )
@@ -117,9 +95,6 @@ class RewardModelConfig:
         {}, "Extra keyword arguments for the reward manager (add with +reward_model.reward_kwargs.KEY=VALUE)."
     )
     overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig, "DAPO overlong penalty.")
-    sandbox_fusion: SandboxFusionConfig = section(
-        SandboxFusionConfig, "Code-execution sandbox for code rewards."
-    )
 
 
 @dataclass

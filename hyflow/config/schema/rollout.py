@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyflow.config.schema.base import option, section
-from hyflow.config.schema.common import CheckpointEngineConfig, ProfilerConfig
+from hyflow.config.schema.common import CheckpointEngineConfig
 
 
 @dataclass
@@ -57,23 +57,9 @@ class MultiTurnConfig:
     tool_timeout: float = option(
         30.0, "hyflow: seconds one tool call (create + execute) may take before it is answered with a timeout "
         "error; a tool's own `config.timeout` in the tool YAML overrides it.")
-    function_tool_path: str | None = option(
-        None, "verl: a Python file of @function_tool functions. Not built in hyflow: declare BaseTool classes in "
-        "tool_config_path.")
     use_inference_chat_template: bool = option(
         False, "verl: re-render earlier turns with the chat template. hyflow always trains on the token ids the "
         "rollout produced (token in, token out): only false is accepted.")
-    num_repeat_rollouts: int | None = option(
-        None, "verl: future-conversation rollouts per sample of verl-recipe's CollabLLM multi-turn reward. Not "
-        "built in hyflow: only null.")
-
-
-@dataclass
-class CustomAsyncServerConfig:
-    """verl: a user-supplied async rollout server (not built in hyflow)."""
-
-    name: str | None = option(None, "Class name of a custom async server (verl); not built in hyflow.")
-    path: str | None = option(None, "File of a custom async server (verl); not built in hyflow.")
 
 
 @dataclass
@@ -91,8 +77,6 @@ class AgentConfig:
     agent_loop_config_path: str | None = option(
         None, "YAML list of custom agent loops to register: `- name: my_agent` / `_target_: module.Class` "
         "(other keys go to its constructor).")
-    custom_async_server: CustomAsyncServerConfig = section(
-        CustomAsyncServerConfig, "A custom async rollout server (verl); not built in hyflow.")
 
 
 @dataclass
@@ -106,12 +90,6 @@ class RolloutConfig:
         "sglang and trtllm are verl names hyflow has not built. verl: required, usually vllm.",
         choices=("hf", "vllm", "sglang", "trtllm"),
     )
-    mode: str = option(
-        "async",
-        "Rollout mode (verl name): async (server-style engine; verl 0.10's only mode) or sync. hyflow's engine "
-        "decodes each batch in one call either way: performance-only, sync is named at start.",
-        choices=("async", "sync"),
-    )
     n: int = option(1, "Samples generated per prompt (GRPO's group size).")
     temperature: float = option(
         1.0, "Training sampling temperature; must be > 0. Log-probs are computed on logits / temperature."
@@ -119,16 +97,6 @@ class RolloutConfig:
     top_k: int = option(-1, "Training top-k (-1 = off).")
     top_p: float = option(1.0, "Training nucleus top-p (1.0 = off).")
     do_sample: bool = option(True, "Sample training rollouts (False = greedy).")
-    over_sample_rate: float = option(
-        0.0, "verl: abort the slowest requests once (1 - rate) of a batch has finished and train on their padding "
-        "(verl's retired SPMD sglang rollout; verl 0.10 no longer reads it). Not supported: only 0.")
-    scheduling_policy: str | None = option(
-        "fcfs", "verl: the vllm engine's request scheduling (fcfs or priority). Performance-only: the order in "
-        "which an engine serves waiting requests does not change what they sample.")
-    full_determinism: bool = option(
-        False, "verl: batch-invariant, deterministic rollout kernels. Not supported: hyflow's rollout runs in the "
-        "actor's processes, so use actor_rollout_ref.actor.fsdp_config.full_determinism=true (deterministic "
-        "kernels for training and the hf engine).")
     nnodes: int = option(
         0, "verl (v1 separate_async): machines of a standalone rollout (0 = colocated with the actor). hyflow's "
         "separate rollout devices are rollout_pool.nnodes / rollout_pool.n_gpus_per_node: only 0 here.")
@@ -150,11 +118,6 @@ class RolloutConfig:
         42, "Seed of the rollout's sampling (verl). Every rollout call's seed is derived from trainer.seed, the "
         "step and this key, so samples repeat and resume exactly; changing it changes the samples. vllm: also the "
         "engine's own seed (+ rank).",
-    )
-    logprobs_mode: str = option(
-        "processed_logprobs", "vllm: which log-probs the engine reports (verl). processed_logprobs = "
-        "log_softmax(logits / T) of the sampled token, the definition the trainer recomputes; the raw modes "
-        "(before temperature) are refused.",
     )
     gpu_memory_utilization: float = option(
         0.5, "vllm: fraction of GPU memory the engine may take (weights + KV cache). On CPU hyflow sizes the KV "
@@ -184,7 +147,6 @@ class RolloutConfig:
     load_format: str = option(
         "dummy", "vllm/sglang: start with random weights ('dummy'); real ones arrive by weight sync."
     )
-    ignore_eos: bool = option(False, "Keep generating past the end-of-sequence token (benchmarks).")
     calculate_log_probs: bool = option(
         False,
         "Keep the engine's per-token log-probs as rollout_log_probs (needed by algorithm.rollout_correction).",
@@ -212,13 +174,8 @@ class RolloutConfig:
         {"vllm": {}, "sglang": {}},
         "Extra engine arguments by engine name, e.g. +actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4.",
     )
-    layered_summon: bool = option(False, "Gather FSDP weights layer by layer for the rollout (memory only).")
     disable_log_stats: bool = option(True, "vllm/sglang: do not log engine statistics.")
     cudagraph_capture_sizes: list[int] | None = option(None, "vllm: batch sizes captured as CUDA graphs.")
-    skip_tokenizer_init: bool = option(
-        True, "vllm/sglang: start the engine without its tokenizer (token ids in and out, as hyflow's engines are).")
-    multi_stage_wake_up: bool = option(False, "Wake the engine's weights and KV cache in stages (memory only).")
     checkpoint_engine: CheckpointEngineConfig = section(
         CheckpointEngineConfig, "How updated weights reach the rollout engine."
     )
-    profiler: ProfilerConfig = section(ProfilerConfig, "verl's profiler for the rollout (accepted, not run).")

@@ -72,10 +72,6 @@ class TrainerConfig:
         "more than one worker, else full. Sharded checkpoints need the run directory on a filesystem every node sees.",
         choices=("auto", "full", "sharded"),
     )
-    default_hdfs_dir: str | None = option(None, "Also copy checkpoints to this HDFS directory (not built yet).")
-    del_local_ckpt_after_load: bool = option(
-        False, "Delete the local checkpoint after resuming from it (not built yet: it needs default_hdfs_dir)."
-    )
     max_actor_ckpt_to_keep: int | None = option(
         None, "Keep at most this many checkpoints (None = all); the oldest are deleted after each save."
     )
@@ -97,10 +93,6 @@ class TrainerConfig:
         choices=("local", "ray", "auto"),
     )
     seed: int = option(1, "Global seed: dataloader, sampling and initialisation (hyflow).")
-    use_legacy_worker_impl: str = option(
-        "auto", "verl's switch between its legacy and engine-based workers: auto, enable, disable (hyflow has one).",
-        choices=("auto", "enable", "disable"),
-    )
 
 
 @dataclass
