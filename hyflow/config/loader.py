@@ -560,7 +560,11 @@ def _declare(declared: dict[str, Any], key: str, value: Any, schema: type) -> li
     name = support.SFT if schema.__name__ == "SFTConfig" else support.RL
     entry = support.outside_entry(key, name)
     if entry is None:
-        if isinstance(value, dict) and value and support.holds_outside_entries(key, name):
+        if not support.holds_outside_entries(key, name):
+            return [key]
+        if value is None or value == {}:
+            return []  # an empty section (`profiler:` with nothing under it) sets nothing
+        if isinstance(value, dict):
             return [k for sub, v in value.items() for k in _declare(declared, f"{key}.{sub}", v, schema)]
         return [key]
     if key == entry.key:

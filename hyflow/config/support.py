@@ -1,9 +1,13 @@
 """Which config keys hyflow accepts without acting on them: the one table of "not supported yet" and
 "performance-only" keys.
 
-Every leaf of the RL schema (`HyflowConfig`) and the SFT schema (`SFTConfig`) is exactly one of:
+The typed schemas (`HyflowConfig`, `SFTConfig`) hold the keys hyflow reads. The keys of verl's config that
+hyflow accepts without acting on them, or refuses, are entries here; most are no schema leaves at all (the
+loader accepts them by their entry and keeps their values beside the config: `declared_values`, compared with
+verl's default kept below), and a few are leaves because their decision needs a value the code reads (an entry
+with an `asked` predicate, or a leaf the code reads elsewhere). Every verl key is exactly one of:
 
-- read by the code that runs (the default: no entry here);
+- read by the code that runs (a schema leaf, no entry here);
 - `NOT_SUPPORTED`: a verl feature hyflow has not built, or a knob that would change results and that hyflow
   cannot honour. Asking for it (a non-default value, or what the entry's `asked` predicate says) is a
   ConfigError `"<key> is not supported by this hyflow version yet (got VALUE): <reason>"`;
@@ -12,7 +16,8 @@ Every leaf of the RL schema (`HyflowConfig`) and the SFT schema (`SFTConfig`) is
   trainer prints one line at start naming every such key that was set (`performance_only_warning`).
 
 `tests/config/test_key_support.py` walks every leaf of both schemas and fails on a key that is in neither this
-table nor read by hyflow's code, and on an entry here that names a key the code reads.
+table nor read by hyflow's code, on an entry here that names a key the code reads, and on an entry without a
+predicate that is also a schema leaf (but for the few it lists, with the code that reads them).
 
 The verl-0.10-names module (`hyflow.config.verl_compat`, when present) adds its own entries through two dicts,
 `PERFORMANCE_ONLY_KEYS` and `NOT_SUPPORTED_KEYS` (key -> reason); they are merged in below.

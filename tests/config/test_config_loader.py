@@ -669,7 +669,7 @@ def test_a_verl_yaml_setting_keys_hyflow_does_not_act_on_loads_and_config_yaml_o
         "actor_rollout_ref:\n  actor:\n    fsdp_config:\n      param_offload: false\n      dtype: bfloat16\n"
         "      wrap_policy:\n        min_num_params: 0\n"
         "    profiler:\n      enable: ${actor_rollout_ref.ref.profiler.enable}\n"
-        "  ref:\n    profiler:\n      enable: true\n"
+        "  ref:\n    profiler:\n      enable: true\n  rollout:\n    profiler:\n"
         "data:\n  dataloader_num_workers: 8\n  train_batch_size: 512\n")
     cfg = load_config(config_file=path)
     assert cfg.data.train_batch_size == 512 and cfg.actor_rollout_ref.actor.fsdp_config.dtype == "bfloat16"
