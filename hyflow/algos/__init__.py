@@ -10,8 +10,9 @@ Conventions (stated once, used everywhere in this package):
 - No I/O, no config objects, no global state: functions take tensors and plain keyword arguments, so custom
   code written against verl's `core_algos` ports by keyword name.
 
-Algorithms are registered by name (`register_advantage_estimator`, `register_policy_loss`); the trainer looks
-them up and is blind to which one runs.
+Algorithms are registered by name (`register_advantage_estimator`, `register_policy_loss`, into
+`hyflow.registry.Registry` objects); the trainer looks them up, passes each estimator the `algorithm` knobs it
+reads (`estimator_knobs`), and is blind to which one runs.
 """
 
 from hyflow.algos import advantages as advantages  # (importing registers the advantage estimators)
@@ -37,6 +38,7 @@ from hyflow.algos.pf_ppo import pf_ppo_resample_indices, pf_ppo_weights
 from hyflow.algos.registry import (
     ADVANTAGE_ESTIMATORS,
     POLICY_LOSSES,
+    estimator_knobs,
     get_advantage_estimator,
     get_policy_loss,
     register_advantage_estimator,
@@ -59,6 +61,7 @@ __all__ = [
     "compute_validation_metrics",
     "compute_value_loss",
     "entropy_from_logits",
+    "estimator_knobs",
     "get_advantage_estimator",
     "get_policy_loss",
     "group_ids",

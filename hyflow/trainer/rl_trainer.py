@@ -573,7 +573,10 @@ class RLTrainer:
         metrics.update(corr)
 
     def compute_advantages(self, batch: Batch) -> None:
-        """advantages, returns = the configured estimator over the inputs it declares it needs."""
+        """advantages, returns = the configured estimator over the inputs it declares it needs, with the
+        `algorithm` knobs it reads (`hyflow.algos.registry.estimator_knobs`)."""
+        from hyflow.algos.registry import estimator_knobs
+
         algo = self.config.algorithm
         available = {"values": "values", "index": "uid", "reward_baselines": "reward_baselines",
                      "old_log_prob": "old_log_probs", "sum_pi_squared": "sum_pi_squared",
@@ -585,10 +588,8 @@ class RLTrainer:
             raise ValueError(f"algorithm.adv_estimator={algo.adv_estimator!r} needs {missing}, which this run does "
                              "not produce (a critic gives `values`: critic.enable=True)")
         advantages, returns = self.estimator(token_level_rewards=batch["token_level_rewards"],
-                                             response_mask=batch["response_mask"], gamma=algo.gamma, lam=algo.lam,
-                                             norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
-                                             gdpo_reward_keys=algo.gdpo_reward_keys,
-                                             gdpo_reward_weights=algo.gdpo_reward_weights, **inputs)
+                                             response_mask=batch["response_mask"],
+                                             **estimator_knobs(vars(algo), self.estimator), **inputs)
         batch["advantages"], batch["returns"] = advantages, returns
 
     def filter_policy(self, batch: Batch, metrics: dict) -> Batch:
