@@ -57,8 +57,7 @@ from hyflow.config.roles import role_specs
 from hyflow.config.support import performance_only_warning
 from hyflow.controller import LocalWorkerGroup
 from hyflow.controller.dispatch import with_mini_batch_rows
-from hyflow.data.custom import load_custom_dataset
-from hyflow.data.rl_dataset import PromptLoader, RLDataset, is_row_collection
+from hyflow.data.rl_dataset import PromptLoader
 from hyflow.models.loading import load_tokenizer
 from hyflow.models.packing import prompt_group_ids
 from hyflow.rewards.custom import combine_reward_functions, load_custom_reward_function
@@ -70,6 +69,7 @@ from hyflow.trainer.balance import balanced_group_order, balanced_order
 from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from hyflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, memory_metrics, timer
 from hyflow.trainer.report import latest_checkpoint, sample_rows, speed_defaults_line, where_interrupted
+from hyflow.trainer.rl_datasets import rl_dataset
 from hyflow.trainer.role_checkpoints import RoleCheckpoints, RoleState
 from hyflow.trainer.roles import Roles, build_roles
 from hyflow.trainer.run_dir import claim_run_directory
@@ -122,8 +122,11 @@ class RLTrainer:
                                                      or cfg.actor_rollout_ref.model.path,
                                                      trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code
                                                      or cfg.data.trust_remote_code)
-        self.train_dataset = self._dataset(train_dataset, cfg.data.train_files, cfg.data.train_max_samples, "train")
-        self.val_dataset = self._dataset(val_dataset, cfg.data.val_files, cfg.data.val_max_samples, "val")
+        inputs = {"data_cfg": cfg.data, "tokenizer": self.tokenizer,
+                  "tool_config_path": cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path}
+        self.train_dataset = rl_dataset(train_dataset, cfg.data.train_files, cfg.data.train_max_samples, "train",
+                                        **inputs)
+        self.val_dataset = rl_dataset(val_dataset, cfg.data.val_files, cfg.data.val_max_samples, "val", **inputs)
         self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
         if reward_weights is not None and not isinstance(reward_fn, (list, tuple)):
             raise ValueError("reward_weights weighs a list of reward functions: pass reward_fn=[f1, f2, ...] with it")
@@ -155,37 +158,6 @@ class RLTrainer:
             for row in getattr(dataset, "rows", None) or []:
                 seen.setdefault(row.get(key), row.get("_where", "the dataset"))
         return seen
-
-    def _dataset(self, given, files, max_samples: int, split: str):
-        if given is not None and not isinstance(given, (str, Path, list, tuple)) and not is_row_collection(given):
-            return given  # a dataset object of its own (RLDataset, a custom class)
-        files = given if given is not None and (is_row_collection(given) or len(given)) else files
-        if not files:
-            if split == "train":
-                raise ValueError("no training data: set data.train_files (make some with: hyflow data make "
-                                 "arithmetic --out DIR)")
-            return None
-        d = self.config.data
-        if d.custom_cls.path:  # verl's data.custom_cls: the user's Dataset class replaces the built-in one
-            return load_custom_dataset(d.custom_cls.path, d.custom_cls.name, data_files=files, tokenizer=self.tokenizer,
-                                       config=d, max_samples=max_samples)
-        return RLDataset(files, self.tokenizer, prompt_key=d.prompt_key, reward_fn_key=d.reward_fn_key,
-                         media_keys=(d.image_key, d.video_key),
-                         max_prompt_length=d.max_prompt_length,
-                         filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
-                         max_samples=max_samples, seed=d.seed or 0,
-                         apply_chat_template_kwargs=self._chat_template_kwargs())
-
-    def _chat_template_kwargs(self) -> dict:
-        """data.apply_chat_template_kwargs plus `tools=` the schemas of multi_turn.tool_config_path (verl's agent
-        loop renders every prompt with them), unless the kwargs name their own tools."""
-        kwargs = dict(self.config.data.apply_chat_template_kwargs or {})
-        path = self.config.actor_rollout_ref.rollout.multi_turn.tool_config_path
-        if path and "tools" not in kwargs:
-            from hyflow.tools import load_tools, tool_schemas
-
-            kwargs["tools"] = tool_schemas(load_tools(path))
-        return kwargs
 
     def _reward_manager(self, num_examine: int):
         rm = self.config.reward_model
@@ -251,10 +223,11 @@ class RLTrainer:
         workers) and the scheduler over it."""
         from hyflow.trainer.async_scheduler import AsyncScheduler
 
-        rollout = self.roles.rollout or self.actor  # the rollout pool's group (build_roles), or the actor's
         cfg = self.config
+        separate = self.roles.rollout is not None  # the rollout pool of its own (build_roles), or the actor's
+        rollout = self.roles.rollout if separate else self.actor
         r = cfg.actor_rollout_ref.rollout
-        return AsyncScheduler(rollout, self.loader, cfg.async_training, separate=self.roles.rollout is not None,
+        return AsyncScheduler(rollout, self.loader, cfg.async_training, separate=separate,
                               batch_prompts=cfg.data.train_batch_size, n=r.n, response_length=r.response_length,
                               prompt_length=r.prompt_length, critic_warmup=cfg.trainer.critic_warmup,
                               seed=cfg.trainer.seed, sampling_params=self.sampling_params,
