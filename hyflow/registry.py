@@ -95,6 +95,11 @@ class Registry(MutableMapping[str, Any]):
         held = self._entries.get(name, _MISSING)
         if held is not _MISSING and held is not obj:
             raise ValueError(f"{self.kind} {name!r} is already registered (by {_describe(held)}); pick another name.")
+        lazy = self._lazy.get(name)
+        own = f"{getattr(obj, '__module__', None)}:{getattr(obj, '__qualname__', None)}"
+        if held is _MISSING and lazy is not None and lazy != own:
+            raise ValueError(f"{self.kind} {name!r} is already registered (by {lazy.replace(':', '.')}); pick "
+                             "another name.")
         self._entries[name] = obj
 
     # ------------------------------------------------------------------ looking up

@@ -54,15 +54,15 @@ def test_lazy_entry_is_imported_on_first_get_only(tmp_path, monkeypatch):
         registry.register_lazy("bad", "no_colon_here")
 
 
-def test_a_module_that_registers_itself_wins_over_the_lazy_attribute(tmp_path, monkeypatch):
-    registry = Registry("widget", lazy={"self": "self_registering_widget:Other"})
+def test_a_lazy_module_may_register_its_own_entry(tmp_path, monkeypatch):
+    registry = Registry("widget", lazy={"self": "self_registering_widget:Registered"})
     monkeypatch.setitem(sys.modules, "widget_registry_under_test", type(sys)("widget_registry_under_test"))
     sys.modules["widget_registry_under_test"].REGISTRY = registry
     (tmp_path / "self_registering_widget.py").write_text(
         "from widget_registry_under_test import REGISTRY\n"
-        "@REGISTRY.register('self')\nclass Registered: ...\nclass Other: ...\n")
+        "@REGISTRY.register('self')\nclass Registered: ...\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert registry.get("self").__name__ == "Registered"
+    assert registry.get("self") is sys.modules["self_registering_widget"].Registered
 
 
 def test_mapping_protocol_replaces_and_deletes():
@@ -75,3 +75,13 @@ def test_mapping_protocol_replaces_and_deletes():
     assert registry.pop("x") == 2 and registry.pop("x", None) is None
     with pytest.raises(KeyError, match="unknown widget 'x'"):
         del registry["x"]
+
+
+def test_a_name_held_by_a_lazy_entry_is_taken():
+    registry = Registry("widget", lazy={"dumps": "json:dumps"})
+    with pytest.raises(ValueError, match=r"widget 'dumps' is already registered \(by json.dumps\); pick another"):
+        registry.register("dumps", print)
+    import json
+
+    registry.register("dumps", json.dumps)  # the lazy entry's own object (a module registering itself) is fine
+    assert registry.get("dumps") is json.dumps
