@@ -37,7 +37,7 @@ from hyflow.controller import Collect, Dispatch, Worker, register
 from hyflow.models.forward import unwrap_model
 from hyflow.models.loading import load_causal_lm, load_tokenizer
 from hyflow.rollout.base import EngineSpec, RolloutEngineError, SamplingParams, make_engine
-from hyflow.specs import ActorSpec
+from hyflow.specs import ActorLossSpec, ActorSpec
 from hyflow.workers.engine import apply_full_determinism
 from hyflow.workers.fsdp import (
     DIST_TIMEOUT_S,
@@ -49,6 +49,8 @@ from hyflow.workers.fsdp import (
 from hyflow.workers.rollout import RolloutStreamHost, build_agent_loops, eos_token_ids, pad_token_id
 from hyflow.workers.train_engine import (
     EngineCheckpoints,
+    LossFn,
+    MicroContext,
     TrainEngine,
     UpdatePlan,
     resolve_device,
@@ -253,44 +255,19 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
     @register(Dispatch.DP_MINI_BATCHES, pad=False)
     def update_actor(self, batch: Batch) -> Batch:
         """PPO-style policy update over the step's samples; returns a row-less Batch carrying the metrics.
-        Loss = policy loss (by name) - entropy_coeff * entropy + kl_loss_coef * KL (`hyflow.algos.actor_loss`)."""
-        loss_spec = self.spec.loss
-        policy_loss = get_policy_loss(loss_spec.loss_mode)
+        Loss = policy loss (by name) - entropy_coeff * entropy + kl_loss_coef * KL (`actor_loss_fn`)."""
+        loss = self.spec.loss
         on_policy = "old_log_probs" not in batch  # the driver skipped the recompute: pi_old = pi_theta
-
-        def loss_fn(out: dict, cols: dict, ctx) -> tuple[torch.Tensor, dict]:
-            logp, entropy = out["log_probs"], out["entropy"]
-            mask = cols["response_mask"].float()
-            weight = ctx.token_weight(mask)
-            parts: dict[str, float] = {}
-            old = logp.detach() if on_policy else cols["old_log_probs"]
-            if on_policy:
-                parts["actor/entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1)) * weight
-            pg_loss, pg_metrics = policy_loss(old_log_prob=old, log_prob=logp, advantages=cols["advantages"],
-                                              response_mask=mask, rollout_is_weights=cols.get("rollout_is_weights"),
-                                              loss_agg_mode=loss_spec.loss_agg_mode, **ctx.norms,
-                                              **loss_spec.policy_loss_kwargs)
-            loss, terms = actor_loss(pg_loss, log_prob=logp, entropy=entropy, ref_log_prob=cols.get("ref_log_prob"),
-                                     response_mask=mask, entropy_coeff=loss_spec.entropy_coeff,
-                                     use_kl_loss=loss_spec.use_kl_loss, kl_loss_coef=loss_spec.kl_loss_coef,
-                                     kl_loss_type=loss_spec.kl_loss_type, loss_agg_mode=loss_spec.loss_agg_mode,
-                                     loss_scale_factor=loss_spec.loss_scale_factor, **ctx.norms)
-            parts.update({f"actor/{name}": value for name, value in terms.items()})
-            parts.update({f"actor/{name}": float(value) * weight for name, value in pg_metrics.items()})
-            if "rollout_log_probs" in cols:
-                for name, value in compute_offpolicy_metrics(logp.detach(), cols["rollout_log_probs"], mask).items():
-                    parts[name] = float(value) / (ctx.n_micro * ctx.world_size)
-            return loss, parts
-
         sizes = self.spec.batches  # the derived arithmetic: samples of a mini-batch on this device, epochs
         plan = UpdatePlan(mini_batch_size=max(1, int(sizes.samples_per_device)), epochs=sizes.ppo_epochs,
                           shuffle=self.spec.shuffle, sizes=sizes,
                           seed=self.spec.data_loader_seed + int(batch.meta.get("global_step", 0)) * 7919,
-                          loss_agg_mode=loss_spec.loss_agg_mode, metric_prefix="actor")
-        metrics = self.engine.update(batch, plan, loss_fn, columns=RESPONSE_KEYS, temperature=self._temperature(batch),
-                                     with_entropy=loss_spec.entropy_coeff != 0 or on_policy)
-        if loss_spec.use_kl_loss:
-            metrics["actor/kl_coef"] = [loss_spec.kl_loss_coef]
+                          loss_agg_mode=loss.loss_agg_mode, metric_prefix="actor")
+        metrics = self.engine.update(batch, plan, actor_loss_fn(loss, on_policy), columns=RESPONSE_KEYS,
+                                     temperature=self._temperature(batch),
+                                     with_entropy=loss.entropy_coeff != 0 or on_policy)
+        if loss.use_kl_loss:
+            metrics["actor/kl_coef"] = [loss.kl_loss_coef]
         return Batch(meta={"metrics": metrics})
 
     # ------------------------------------------------------------------ checkpoints
@@ -316,3 +293,38 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
                                f"{sorted(expected - set(state))[:4]}, unexpected {sorted(set(state) - expected)[:4]}")
         model.load_state_dict(state, strict=False)  # only the tied aliases (lm_head.weight) are not in `state`
         return model, self.tokenizer
+
+
+def actor_loss_fn(loss: ActorLossSpec, on_policy: bool) -> LossFn:
+    """The engine's loss function of one actor micro-batch (`TrainEngine.update`): the policy loss named by
+    `loss.loss_mode` on pi_old (`old_log_probs`, or with `on_policy` the forward itself, detached), composed with
+    the entropy and KL terms by `hyflow.algos.actor_loss`. Metric parts: `actor/pg_loss`, `actor/entropy_loss`,
+    `actor/kl_loss` (this micro-batch's share of the globally normalised mini-batch loss), the policy loss's own
+    metrics and, on-policy, `actor/entropy` weighted by the micro-batch's share of tokens; the off-policy metrics
+    against `rollout_log_probs` averaged over micro-batches and ranks."""
+    policy_loss = get_policy_loss(loss.loss_mode)
+
+    def loss_fn(out: dict, cols: dict, ctx: MicroContext) -> tuple[torch.Tensor, dict]:
+        logp, entropy = out["log_probs"], out["entropy"]
+        mask = cols["response_mask"].float()
+        weight = ctx.token_weight(mask)
+        parts: dict[str, float] = {}
+        old = logp.detach() if on_policy else cols["old_log_probs"]
+        if on_policy:
+            parts["actor/entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1)) * weight
+        pg_loss, pg_metrics = policy_loss(old_log_prob=old, log_prob=logp, advantages=cols["advantages"],
+                                          response_mask=mask, rollout_is_weights=cols.get("rollout_is_weights"),
+                                          loss_agg_mode=loss.loss_agg_mode, **ctx.norms, **loss.policy_loss_kwargs)
+        total, terms = actor_loss(pg_loss, log_prob=logp, entropy=entropy, ref_log_prob=cols.get("ref_log_prob"),
+                                  response_mask=mask, entropy_coeff=loss.entropy_coeff, use_kl_loss=loss.use_kl_loss,
+                                  kl_loss_coef=loss.kl_loss_coef, kl_loss_type=loss.kl_loss_type,
+                                  loss_agg_mode=loss.loss_agg_mode, loss_scale_factor=loss.loss_scale_factor,
+                                  **ctx.norms)
+        parts.update({f"actor/{name}": value for name, value in terms.items()})
+        parts.update({f"actor/{name}": float(value) * weight for name, value in pg_metrics.items()})
+        if "rollout_log_probs" in cols:
+            for name, value in compute_offpolicy_metrics(logp.detach(), cols["rollout_log_probs"], mask).items():
+                parts[name] = float(value) / (ctx.n_micro * ctx.world_size)
+        return total, parts
+
+    return loss_fn
