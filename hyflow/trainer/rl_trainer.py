@@ -24,7 +24,6 @@ FSDP2; the code below is the same for both. Validation scores the whole validati
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -52,15 +51,13 @@ from hyflow.config import (
 from hyflow.config.arithmetic import (
     own_pool_roles,
     role_devices,
-    uses_critic,
     uses_reference,
 )
 from hyflow.config.roles import role_specs
-from hyflow.config.support import lookup, performance_only_warning
+from hyflow.config.support import performance_only_warning
 from hyflow.controller import LocalWorkerGroup
 from hyflow.controller.dispatch import with_mini_batch_rows
-from hyflow.data.custom import load_custom_dataset
-from hyflow.data.rl_dataset import PromptLoader, RLDataset, is_row_collection
+from hyflow.data.rl_dataset import PromptLoader
 from hyflow.models.loading import load_tokenizer
 from hyflow.models.packing import prompt_group_ids
 from hyflow.rewards.custom import combine_reward_functions, load_custom_reward_function
@@ -70,7 +67,9 @@ from hyflow.rollout.base import SamplingParams
 from hyflow.threads import configure_threads
 from hyflow.trainer.balance import balanced_group_order, balanced_order
 from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
-from hyflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, timer
+from hyflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, memory_metrics, timer
+from hyflow.trainer.report import latest_checkpoint, sample_rows, speed_defaults_line, where_interrupted
+from hyflow.trainer.rl_datasets import rl_dataset
 from hyflow.trainer.role_checkpoints import RoleCheckpoints, RoleState
 from hyflow.trainer.roles import Roles, build_roles
 from hyflow.trainer.run_dir import claim_run_directory
@@ -123,8 +122,11 @@ class RLTrainer:
                                                      or cfg.actor_rollout_ref.model.path,
                                                      trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code
                                                      or cfg.data.trust_remote_code)
-        self.train_dataset = self._dataset(train_dataset, cfg.data.train_files, cfg.data.train_max_samples, "train")
-        self.val_dataset = self._dataset(val_dataset, cfg.data.val_files, cfg.data.val_max_samples, "val")
+        inputs = {"data_cfg": cfg.data, "tokenizer": self.tokenizer,
+                  "tool_config_path": cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path}
+        self.train_dataset = rl_dataset(train_dataset, cfg.data.train_files, cfg.data.train_max_samples, "train",
+                                        **inputs)
+        self.val_dataset = rl_dataset(val_dataset, cfg.data.val_files, cfg.data.val_max_samples, "val", **inputs)
         self.estimator = get_advantage_estimator(cfg.algorithm.adv_estimator)
         if reward_weights is not None and not isinstance(reward_fn, (list, tuple)):
             raise ValueError("reward_weights weighs a list of reward functions: pass reward_fn=[f1, f2, ...] with it")
@@ -156,37 +158,6 @@ class RLTrainer:
             for row in getattr(dataset, "rows", None) or []:
                 seen.setdefault(row.get(key), row.get("_where", "the dataset"))
         return seen
-
-    def _dataset(self, given, files, max_samples: int, split: str):
-        if given is not None and not isinstance(given, (str, Path, list, tuple)) and not is_row_collection(given):
-            return given  # a dataset object of its own (RLDataset, a custom class)
-        files = given if given is not None and (is_row_collection(given) or len(given)) else files
-        if not files:
-            if split == "train":
-                raise ValueError("no training data: set data.train_files (make some with: hyflow data make "
-                                 "arithmetic --out DIR)")
-            return None
-        d = self.config.data
-        if d.custom_cls.path:  # verl's data.custom_cls: the user's Dataset class replaces the built-in one
-            return load_custom_dataset(d.custom_cls.path, d.custom_cls.name, data_files=files, tokenizer=self.tokenizer,
-                                       config=d, max_samples=max_samples)
-        return RLDataset(files, self.tokenizer, prompt_key=d.prompt_key, reward_fn_key=d.reward_fn_key,
-                         media_keys=(d.image_key, d.video_key),
-                         max_prompt_length=d.max_prompt_length,
-                         filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
-                         max_samples=max_samples, seed=d.seed or 0,
-                         apply_chat_template_kwargs=self._chat_template_kwargs())
-
-    def _chat_template_kwargs(self) -> dict:
-        """data.apply_chat_template_kwargs plus `tools=` the schemas of multi_turn.tool_config_path (verl's agent
-        loop renders every prompt with them), unless the kwargs name their own tools."""
-        kwargs = dict(self.config.data.apply_chat_template_kwargs or {})
-        path = self.config.actor_rollout_ref.rollout.multi_turn.tool_config_path
-        if path and "tools" not in kwargs:
-            from hyflow.tools import load_tools, tool_schemas
-
-            kwargs["tools"] = tool_schemas(load_tools(path))
-        return kwargs
 
     def _reward_manager(self, num_examine: int):
         rm = self.config.reward_model
@@ -252,9 +223,9 @@ class RLTrainer:
         workers) and the scheduler over it."""
         from hyflow.trainer.async_scheduler import AsyncScheduler
 
+        cfg = self.config
         separate = self.roles.rollout is not None  # the rollout pool of its own (build_roles), or the actor's
         rollout = self.roles.rollout if separate else self.actor
-        cfg = self.config
         r = cfg.actor_rollout_ref.rollout
         return AsyncScheduler(rollout, self.loader, cfg.async_training, separate=separate,
                               batch_prompts=cfg.data.train_batch_size, n=r.n, response_length=r.response_length,
@@ -308,7 +279,7 @@ class RLTrainer:
             start_step = self.global_step
             if 0 < self.total_steps <= self.global_step:
                 print(format_already_complete(self.run_dir, self.global_step, self.total_steps,
-                                              self._latest_checkpoint()), flush=True)
+                                              latest_checkpoint(self.checkpoints)), flush=True)
                 return self.history
             with ProgressBar(self.total_steps, initial=self.global_step) as bar:
                 self.progress = bar
@@ -337,7 +308,8 @@ class RLTrainer:
                     bar.update(metrics)
             finished = True
         except KeyboardInterrupt:  # Ctrl-C: the CLI prints one line saying where the run stands
-            raise KeyboardInterrupt(self._where_interrupted(last_checkpoint)) from None
+            raise KeyboardInterrupt(where_interrupted(self.global_step, getattr(self, "total_steps", 0),
+                                                      last_checkpoint, getattr(self, "checkpoints", None))) from None
         finally:
             if self.progress is not None:
                 self._report_progress(None)
@@ -348,7 +320,8 @@ class RLTrainer:
         if finished:  # last, after the services' own closing output
             print(format_run_summary(self.run_dir, elapsed_s=time.perf_counter() - started, step=self.global_step,
                                      total_steps=self.total_steps, start_step=start_step,
-                                     checkpoint=last_checkpoint or self._latest_checkpoint(), history=self.history),
+                                     checkpoint=last_checkpoint or latest_checkpoint(self.checkpoints),
+                                     history=self.history),
                   flush=True)
         return self.history
 
@@ -360,25 +333,6 @@ class RLTrainer:
                 for role in getattr(group.workers[0], "roles", {}).values():
                     if hasattr(role, "set_progress"):
                         role.set_progress(callback)
-
-    def _where_interrupted(self, last_checkpoint: Path | None) -> str:
-        """Where an interrupted run stands: its step, its last checkpoint and how to resume from it."""
-        step = f"during step {self.global_step} of {self.total_steps}" if getattr(self, "total_steps", 0) else "at start"
-        try:
-            checkpoint = last_checkpoint or self._latest_checkpoint()
-        except Exception:  # interrupted before the run directory was set up
-            checkpoint = None
-        if checkpoint is None:
-            return f"{step}; no checkpoint saved yet (trainer.save_freq), so running the command again starts over"
-        return (f"{step}; last checkpoint: {checkpoint}; to resume from it, run the same command again "
-                "(trainer.resume_mode=auto, the default)")
-
-    def _latest_checkpoint(self) -> Path | None:
-        """The run directory's newest complete checkpoint, or None."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a stale tracker file was reported when the run was claimed
-            step = self.checkpoints.latest_step()
-        return None if step is None else self.checkpoints.step_dir(step)
 
     def _timed(self, name: str, timing: dict[str, float]):
         """`timer(name, timing)`, with the progress bar showing the stage while it runs."""
@@ -450,8 +404,8 @@ class RLTrainer:
             batch = self.filter_policy(batch, metrics)
         if self.config.trainer.rollout_data_dir:
             with self._timed("dump_rollout_generations", timing):
-                dump_generations(self.sample_rows(batch, self.reward_manager),
-                                 self.config.trainer.rollout_data_dir, self.global_step)
+                rows = sample_rows(batch, self.reward_manager.decode_responses(batch)[0], self.tokenizer)
+                dump_generations(rows, self.config.trainer.rollout_data_dir, self.global_step)
         if self.critic is not None:
             with self._timed("update_critic", timing):
                 rows = self.config.critic.ppo_mini_batch_size * self.config.actor_rollout_ref.rollout.n
@@ -592,7 +546,10 @@ class RLTrainer:
         metrics.update(corr)
 
     def compute_advantages(self, batch: Batch) -> None:
-        """advantages, returns = the configured estimator over the inputs it declares it needs."""
+        """advantages, returns = the configured estimator over the inputs it declares it needs, with the
+        `algorithm` knobs it reads (`hyflow.algos.registry.estimator_knobs`)."""
+        from hyflow.algos.registry import estimator_knobs
+
         algo = self.config.algorithm
         available = {"values": "values", "index": "uid", "reward_baselines": "reward_baselines",
                      "old_log_prob": "old_log_probs", "sum_pi_squared": "sum_pi_squared",
@@ -604,10 +561,8 @@ class RLTrainer:
             raise ValueError(f"algorithm.adv_estimator={algo.adv_estimator!r} needs {missing}, which this run does "
                              "not produce (a critic gives `values`: critic.enable=True)")
         advantages, returns = self.estimator(token_level_rewards=batch["token_level_rewards"],
-                                             response_mask=batch["response_mask"], gamma=algo.gamma, lam=algo.lam,
-                                             norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
-                                             gdpo_reward_keys=algo.gdpo_reward_keys,
-                                             gdpo_reward_weights=algo.gdpo_reward_weights, **inputs)
+                                             response_mask=batch["response_mask"],
+                                             **estimator_knobs(vars(algo), self.estimator), **inputs)
         batch["advantages"], batch["returns"] = advantages, returns
 
     def filter_policy(self, batch: Batch, metrics: dict) -> Batch:
@@ -648,7 +603,7 @@ class RLTrainer:
             sources += list(batch["data_source"])
             uids += list(batch["uid"])
             preds += list(batch["reward_extra/pred"]) if "reward_extra/pred" in batch else [None] * len(batch)
-            rows += self.sample_rows(batch, self.val_reward_manager)
+            rows += sample_rows(batch, self.val_reward_manager.decode_responses(batch)[0], self.tokenizer)
         scores.pop("pred", None)
         self.tracker.log_generations(rows, step=self.global_step, split="val",
                                      max_table_rows=cfg.trainer.log_val_generations)
@@ -660,18 +615,6 @@ class RLTrainer:
         metrics.update({f"val-aux/{key}": value for key, value in reduce_metrics(agent_metrics).items()
                         if key.startswith(("tool/", "num_turns/"))})
         return metrics
-
-    def sample_rows(self, batch: Batch, manager) -> list[dict]:
-        """One dict per sample: input, output (decoded), score (summed token-level scores), data_source,
-        ground_truth and the scorer's extra columns: the rows of generation logs and data dumps."""
-        texts = manager.decode_responses(batch)[0]
-        seq_scores = batch["token_level_scores"].sum(-1).tolist()
-        extra = [k for k in batch.keys() if k.startswith("reward_extra/")]  # noqa: SIM118 (iter = rows)
-        return [{"input": self.tokenizer.decode(batch["prompts"][i], skip_special_tokens=True), "output": text,
-                 "score": seq_scores[i], "data_source": batch["data_source"][i],
-                 "ground_truth": batch["ground_truth"][i] if "ground_truth" in batch else None,
-                 **{k.removeprefix("reward_extra/"): batch[k][i] for k in extra}}
-                for i, text in enumerate(texts)]
 
     # ------------------------------------------------------------------ checkpoints and logging
     def log(self, metrics: dict, step: int) -> None:
@@ -724,26 +667,6 @@ class RLTrainer:
         print(f"resumed from {path} at step {self.global_step}")
 
 
-# Speed options whose hyflow default differs from verl's: (key, verl's default, what hyflow's value buys).
-SPEED_DEFAULTS_VS_VERL = (
-    ("actor_rollout_ref.actor.use_prefix_grouper", False, "same values and gradients, less compute"),
-    ("critic.model.use_remove_padding", False, "same values and gradients, less compute"),
-    ("actor_rollout_ref.actor.use_torch_compile", True, "no compile of seconds at start"),
-)
-
-
-def speed_defaults_line(cfg: HyflowConfig) -> str:
-    """The start line naming the speed options that differ from verl's defaults here (docs/coming-from-verl.md)."""
-    parts = []
-    for key, verl_default, why in SPEED_DEFAULTS_VS_VERL:
-        if key.startswith("critic.") and not uses_critic(cfg):
-            continue
-        value = lookup(cfg, key)
-        if value != verl_default:
-            parts.append(f"{key}={str(value).lower()} (verl: {str(verl_default).lower()}; {why})")
-    return "speed options unlike verl's defaults: " + ("; ".join(parts) if parts else "none")
-
-
 def validation_order(size: int, shuffle: bool, seed: int) -> list[int]:
     """The order in which validation prompts are generated (data.validation_shuffle): file order, or a
     permutation drawn from a generator seeded with `seed` (data.seed or trainer.seed), the same at every
@@ -751,41 +674,6 @@ def validation_order(size: int, shuffle: bool, seed: int) -> list[int]:
     if not shuffle:
         return list(range(size))
     return torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def memory_metrics() -> dict[str, float]:
-    """verl's memory metrics (verl/workers/engine_workers.py, after each actor update), in GiB:
-
-    - `perf/max_memory_allocated_gb`, `perf/max_memory_reserved_gb`: torch's peak CUDA memory of this process
-      (`torch.cuda.max_memory_allocated()` / `max_memory_reserved()` / 2**30), only when this process has
-      initialised CUDA: the local executor on a GPU. With `trainer.executor=ray` the models live in the worker
-      processes and the driver reports no GPU memory rather than its own zero.
-    - `perf/cpu_memory_used_gb`: as verl, the machine's used memory, `psutil.virtual_memory().used` (= total -
-      available), not this process's RSS; without psutil the same from /proc/meminfo (MemTotal - MemAvailable);
-      absent where neither exists.
-    Cheap: no device synchronisation (the CUDA caching allocator's counters are host-side)."""
-    metrics: dict[str, float] = {}
-    if torch.cuda.is_initialized():
-        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
-    used = _cpu_memory_used_bytes()
-    if used is not None:
-        metrics["perf/cpu_memory_used_gb"] = used / 2**30
-    return metrics
-
-
-def _cpu_memory_used_bytes() -> int | None:
-    try:
-        import psutil
-    except ImportError:
-        psutil = None
-    if psutil is not None:
-        return int(psutil.virtual_memory().used)
-    try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        return (int(fields["MemTotal"].split()[0]) - int(fields["MemAvailable"].split()[0])) * 1024  # kB
-    except (OSError, KeyError, ValueError):
-        return None
 
 
 def run_rl(overrides: Sequence[str], config_file: str | None = None) -> list[dict]:
