@@ -122,8 +122,8 @@ def verl_keys_hyflow_lacks(schema_name: str) -> tuple[list[str], int]:
             lookup(canonical, schema=schema)
         except ConfigError:
             # a key the table accepts (or refuses by its reason) without the schema holding it is not missing
-            return (support.outside_entry(canonical, schema_name) is None
-                    and not support.holds_outside_entries(canonical, schema_name))
+            return (support.outside_entry(canonical, schema) is None
+                    and not support.holds_outside_entries(canonical, schema))
         return False
 
     lacking = {k for k in keys if missing(k)}

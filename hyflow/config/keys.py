@@ -162,11 +162,10 @@ def _is_verl_key(key: str, schema: type) -> bool:
 def _close_table_key(key: str, schema: type) -> str | None:
     """A key of the same section that the schema does not hold but `hyflow.config.support`'s table accepts
     (`...profiler.rangs` -> `...profiler.ranks`)."""
-    from hyflow.config import support
+    from hyflow.config.support import outside_keys
 
     parent = key.rpartition(".")[0]
-    name = support.SFT if schema.__name__ == "SFTConfig" else support.RL
-    siblings = {k.rpartition(".")[2]: k for k in support.outside_keys(name) if k.rpartition(".")[0] == parent}
+    siblings = {k.rpartition(".")[2]: k for k in outside_keys(schema) if k.rpartition(".")[0] == parent}
     close = difflib.get_close_matches(key.rpartition(".")[2], list(siblings), n=1, cutoff=0.6)
     return siblings[close[0]] if close else None
 

@@ -35,7 +35,6 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from hyflow.config import support
 from hyflow.config.keys import (
     ConfigError,
     KeyInfo,
@@ -49,6 +48,7 @@ from hyflow.config.keys import (
     unknown_key_error,
 )
 from hyflow.config.schema import HyflowConfig
+from hyflow.config.support import DECLARED, holds_outside_entries, outside_entry, verl_default
 from hyflow.config.verl_compat import aliases, canonical_key, fold_sft_dict_keys
 
 _ABSENT = object()
@@ -80,7 +80,7 @@ def load_config(
             unknown.append(exc)
     _raise_unknown(unknown)
     result = _to_dataclass(cfg, schema)
-    vars(result)[support.DECLARED] = _resolve_declared(cfg, declared)
+    vars(result)[DECLARED] = _resolve_declared(cfg, declared)
     if schema.__name__ == "SFTConfig":
         return fold_sft_dict_keys(result)
     resolve_derived_defaults(result)
@@ -557,10 +557,9 @@ def _declare(declared: dict[str, Any], key: str, value: Any, schema: type) -> li
 
     A key below an entry (`...profiler.tool_config.torch.contents`) is merged into its entry's value, which starts
     from verl's default, so the entry's value is compared whole (`support.is_asked`)."""
-    name = support.SFT if schema.__name__ == "SFTConfig" else support.RL
-    entry = support.outside_entry(key, name)
+    entry = outside_entry(key, schema)
     if entry is None:
-        if not support.holds_outside_entries(key, name):
+        if not holds_outside_entries(key, schema):
             return [key]
         if value is None or value == {}:
             return []  # an empty section (`profiler:` with nothing under it) sets nothing
@@ -570,7 +569,7 @@ def _declare(declared: dict[str, Any], key: str, value: Any, schema: type) -> li
     if key == entry.key:
         declared[key] = value
         return []
-    whole = declared.get(entry.key, support.verl_default(entry.key))
+    whole = declared.get(entry.key, verl_default(entry.key))
     whole = copy.deepcopy(whole) if isinstance(whole, dict) else {}
     node = whole
     *parents, last = key[len(entry.key) + 1:].split(".")
@@ -586,9 +585,8 @@ def _declare(declared: dict[str, Any], key: str, value: Any, schema: type) -> li
 def _declare_override(declared: dict[str, Any], key: str, spelled: str, override: Any, schema: type,
                       seen: dict[str, tuple[str, Any]]) -> bool:
     """An override of a key the schema does not hold: recorded when the table has it (`~key` forgets it)."""
-    name = support.SFT if schema.__name__ == "SFTConfig" else support.RL
-    entry = support.outside_entry(key, name)
-    if entry is None and not support.holds_outside_entries(key, name):
+    entry = outside_entry(key, schema)
+    if entry is None and not holds_outside_entries(key, schema):
         return False
     if override.is_delete():
         declared.pop(key, None)

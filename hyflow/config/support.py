@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import importlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -308,32 +307,18 @@ _TABLE: list[KeySupport] = [
 
 
 def _merged_table() -> tuple[KeySupport, ...]:
-    """hyflow's own entries plus those of `hyflow.config.verl_compat` (verl 0.10's names), when it exists."""
+    """hyflow's own entries plus those of `hyflow.config.verl_compat` (verl 0.10's names)."""
+    import hyflow.config.verl_compat as compat
+
     entries = list(_TABLE)
-    try:
-        compat = importlib.import_module("hyflow.config.verl_compat")
-    except ModuleNotFoundError as exc:
-        if exc.name != "hyflow.config.verl_compat":
-            raise
-        return tuple(entries)
     own = {(e.key, e.kind, e.schema) for e in entries}
-    for kind, extra in ((PERFORMANCE_ONLY, getattr(compat, "PERFORMANCE_ONLY_KEYS", {})),
-                        (NOT_SUPPORTED, getattr(compat, "NOT_SUPPORTED_KEYS", {}))):
-        for key, reason in dict(extra).items():
-            entries += [KeySupport(key, kind, reason, None, schema) for schema in _schemas_of(key)
-                        if (key, kind, schema) not in own]
+    for schema, kind, extra in ((RL, PERFORMANCE_ONLY, compat.PERFORMANCE_ONLY_KEYS),
+                                (RL, NOT_SUPPORTED, compat.NOT_SUPPORTED_KEYS),
+                                (SFT, PERFORMANCE_ONLY, compat.SFT_PERFORMANCE_ONLY_KEYS),
+                                (SFT, NOT_SUPPORTED, compat.SFT_NOT_SUPPORTED_KEYS)):
+        entries += [KeySupport(key, kind, reason, None, schema) for key, reason in extra.items()
+                    if (key, kind, schema) not in own]
     return tuple(entries)
-
-
-def _schemas_of(key: str) -> list[str]:
-    """The schemas that have `key`; for a key neither schema holds, SFT when only verl's SFT trainer has it, else RL
-    (the table test names an entry that is no key of its schema nor of verl's)."""
-    held = [s for s in (RL, SFT) if _resolves(_default(s), key)]
-    if held:
-        return held
-    from hyflow.config.verl_compat import verl_keys
-
-    return [SFT] if key in verl_keys(SFT)[0] and key not in verl_keys(RL)[0] else [RL]
 
 
 @functools.cache
@@ -408,34 +393,36 @@ def verl_default(key: str) -> Any:
     return copy.deepcopy(_VERL_DEFAULTS[key.rsplit(".", 1)[-1]])
 
 
-def in_schema(entry: KeySupport) -> bool:
-    """Whether the typed schema holds `entry`'s key (an entry with a predicate on a value hyflow also reads)."""
-    return _resolves(_default(entry.schema), entry.key)
+def in_schema(entry: KeySupport, root: type) -> bool:
+    """Whether the root dataclass `root` of `entry`'s schema holds `entry`'s key (an entry with a predicate on a
+    value hyflow also reads, or a leaf the code reads elsewhere)."""
+    return _resolves(_default(root), entry.key)
 
 
 @functools.cache
-def _outside(schema: str) -> dict[str, KeySupport]:
-    return {e.key: e for e in table() if e.schema == schema and not in_schema(e)}
+def _outside(root: type) -> dict[str, KeySupport]:
+    name = _name_of(root)
+    return {e.key: e for e in table() if e.schema == name and not in_schema(e, root)}
 
 
-def outside_keys(schema: str) -> tuple[str, ...]:
-    """The table keys that the `schema` (RL or SFT) does not hold."""
-    return tuple(_outside(schema))
+def outside_keys(root: type) -> tuple[str, ...]:
+    """The table keys that the root dataclass `root` (HyflowConfig or SFTConfig) does not hold."""
+    return tuple(_outside(root))
 
 
-def outside_entry(key: str, schema: str) -> KeySupport | None:
-    """The entry that accepts or refuses `key`, a key the `schema` (RL or SFT) does not hold: the entry of `key`
+def outside_entry(key: str, root: type) -> KeySupport | None:
+    """The entry that accepts or refuses `key`, a key the root dataclass `root` does not hold: the entry of `key`
     itself or of a key above it (`...profiler.tool_config` for `...profiler.tool_config.torch.contents`)."""
-    entries, parts = _outside(schema), key.split(".")
+    entries, parts = _outside(root), key.split(".")
     for i in range(len(parts), 0, -1):
         if (entry := entries.get(".".join(parts[:i]))) is not None:
             return entry
     return None
 
 
-def holds_outside_entries(key: str, schema: str) -> bool:
-    """Whether entries the schema does not hold lie below `key` (`global_profiler`, a removed section)."""
-    return any(k.startswith(key + ".") for k in _outside(schema))
+def holds_outside_entries(key: str, root: type) -> bool:
+    """Whether entries `root` does not hold lie below `key` (`global_profiler`, a section the schema lacks)."""
+    return any(k.startswith(key + ".") for k in _outside(root))
 
 
 def declared_values(cfg: Any) -> dict[str, Any]:
@@ -455,19 +442,18 @@ def value_of(cfg: Any, key: str) -> Any:
 
 
 @functools.cache
-def _default(schema: str) -> Any:
-    if schema == RL:
-        from hyflow.config.schema import HyflowConfig
+def _default(root: type) -> Any:
+    """The root dataclass built with its defaults (once per class)."""
+    return root()
 
-        return HyflowConfig()
-    from hyflow.config.sft_schema import SFTConfig
 
-    return SFTConfig()
+def _name_of(root: type) -> str:
+    return SFT if root.__name__ == "SFTConfig" else RL
 
 
 def schema_name(cfg: Any) -> str:
     """RL for a HyflowConfig, SFT for an SFTConfig."""
-    return SFT if type(cfg).__name__ == "SFTConfig" else RL
+    return _name_of(type(cfg))
 
 
 def lookup(cfg: Any, key: str) -> Any:
@@ -487,7 +473,7 @@ def _resolves(cfg: Any, key: str) -> bool:
 
 
 def _non_default(cfg: Any, key: str) -> bool:
-    value, default = lookup(cfg, key), lookup(_default(schema_name(cfg)), key)
+    value, default = lookup(cfg, key), lookup(_default(type(cfg)), key)
     if dataclasses.is_dataclass(value):
         return dataclasses.asdict(value) != dataclasses.asdict(default)
     return value != default

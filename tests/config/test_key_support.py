@@ -227,14 +227,14 @@ def test_table_entries_name_schema_leaves_or_keys_beside_them_and_do_not_lie():
     leaves = {support.RL: set(rl), support.SFT: set(sft)}
     schemas = {support.RL: HyflowConfig, support.SFT: SFTConfig}
     # a key the schema does not hold lies in a section (or in a section of its own), never below a schema leaf
-    below_a_leaf = [e.key for e in support.table() if not support.in_schema(e)
+    below_a_leaf = [e.key for e in support.table() if not support.in_schema(e, schemas[e.schema])
                     and any(".".join(e.key.split(".")[:i]) in leaves[e.schema] for i in range(1, e.key.count(".") + 1))]
     assert not below_a_leaf, f"support-table entries below a single-valued schema key: {below_a_leaf}"
     for e in support.table():
-        if not support.in_schema(e):
+        if not support.in_schema(e, schemas[e.schema]):
             with pytest.raises(ConfigError):
                 lookup(e.key, schema=schemas[e.schema])
-    outside = {s: set(support.outside_keys(s)) for s in (support.RL, support.SFT)}
+    outside = {s: set(support.outside_keys(schemas[s])) for s in schemas}
     lying = lying_entries(support.table(), {s: leaves[s] | outside[s] for s in leaves}, hyflow_sources)
     assert not lying, f"declared not supported / performance-only, yet read by hyflow's code: {lying}"
 
@@ -248,13 +248,14 @@ SCHEMA_LEAVES_IN_TABLE = {(support.RL, "reward_model.model.fsdp_config.reshard_a
 
 
 def test_the_table_and_the_schema_do_not_overlap():
-    overlap = {(e.schema, e.key) for e in support.table() if support.in_schema(e) and e.asked is None}
+    schemas = {support.RL: HyflowConfig, support.SFT: SFTConfig}
+    overlap = {(e.schema, e.key) for e in support.table() if support.in_schema(e, schemas[e.schema]) and e.asked is None}
     assert overlap == SCHEMA_LEAVES_IN_TABLE, (
         "table entries without a predicate whose keys are schema leaves (remove the leaf, or list it here with "
         f"the code that reads it): {sorted(overlap - SCHEMA_LEAVES_IN_TABLE)}; listed but gone: "
         f"{sorted(SCHEMA_LEAVES_IN_TABLE - overlap)}")
-    for schema in (support.RL, support.SFT):
-        for key in support.outside_keys(schema):
+    for root in schemas.values():
+        for key in support.outside_keys(root):
             support.verl_default(key)  # every key outside the schema has verl's default (KeyError otherwise)
 
 
@@ -293,9 +294,10 @@ def _other_value(value):
 
 @pytest.mark.parametrize("entry", [e for e in support.table() if e.asked is None], ids=lambda e: f"{e.schema}:{e.key}")
 def test_every_entry_without_a_predicate_triggers_on_a_non_default_value(entry):
-    cfg = {support.RL: HyflowConfig, support.SFT: SFTConfig}[entry.schema]()
+    root = {support.RL: HyflowConfig, support.SFT: SFTConfig}[entry.schema]
+    cfg = root()
     assert support.not_supported_problems(cfg) == [] and support.performance_only_warning(cfg) is None
-    if support.in_schema(entry):
+    if support.in_schema(entry, root):
         *path, leaf = entry.key.split(".")
         parent = support.lookup(cfg, ".".join(path)) if path else cfg
         setattr(parent, leaf, _other_value(getattr(parent, leaf)))
