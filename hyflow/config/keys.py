@@ -135,9 +135,17 @@ def all_paths(schema: type = HyflowConfig) -> tuple[str, ...]:
 
 
 def closest_key(key: str, *, schema: type = HyflowConfig) -> str | None:
-    """The valid key of `schema` a misspelt `key` most likely meant (None if nothing is close)."""
-    return (_fix_segments(key, schema) or _same_leaf_name(key, schema) or _close_table_key(key, schema)
-            or _closest_full_path(key, schema))
+    """The valid key of `schema` a misspelt `key` most likely meant (None if nothing is close): the schema's (see
+    the module docstring), or a key the support table accepts when that one is closer (difflib ratio)."""
+    in_schema = _fix_segments(key, schema) or _same_leaf_name(key, schema) or _closest_full_path(key, schema)
+    in_table = _close_table_key(key, schema)
+    if in_table is None or (in_schema is not None and _ratio(key, in_schema) >= _ratio(key, in_table)):
+        return in_schema
+    return in_table
+
+
+def _ratio(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()
 
 
 def unknown_key_error(key: str, where: str = "", *, schema: type = HyflowConfig) -> UnknownKeyError:
@@ -160,14 +168,12 @@ def _is_verl_key(key: str, schema: type) -> bool:
 
 
 def _close_table_key(key: str, schema: type) -> str | None:
-    """A key of the same section that the schema does not hold but `hyflow.config.support`'s table accepts
-    (`...profiler.rangs` -> `...profiler.ranks`)."""
+    """The closest key (difflib ratio >= 0.6) that the schema does not hold but `hyflow.config.support`'s table
+    accepts (`...profiler.rangs` -> `...profiler.ranks`)."""
     from hyflow.config.support import outside_keys
 
-    parent = key.rpartition(".")[0]
-    siblings = {k.rpartition(".")[2]: k for k in outside_keys(schema) if k.rpartition(".")[0] == parent}
-    close = difflib.get_close_matches(key.rpartition(".")[2], list(siblings), n=1, cutoff=0.6)
-    return siblings[close[0]] if close else None
+    close = difflib.get_close_matches(key, outside_keys(schema), n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def _fix_segments(key: str, schema: type) -> str | None:

@@ -593,7 +593,10 @@ def _declare_override(declared: dict[str, Any], key: str, spelled: str, override
         return True
     value = override.value()
     _note(seen, key, spelled, value)
-    return not _declare(declared, key, value, schema)
+    undeclared = _declare(declared, key, value, schema)
+    if undeclared and undeclared != [key]:
+        raise unknown_key_error(undeclared[0], schema=schema)  # a key below the section that nothing accepts
+    return not undeclared
 
 
 def _raw(node: DictConfig, name: str) -> Any:

@@ -696,3 +696,14 @@ def test_a_key_the_schema_does_not_hold_is_refused_by_its_entry_when_asked():
     with pytest.raises(ConfigError, match=r"trainer.default_hdfs_dir is not supported by this hyflow version yet "
                                           r"\(got hdfs://x\): HDFS copies are not built yet"):
         validate_config(load_config(["trainer.default_hdfs_dir=hdfs://x"]))
+
+
+@pytest.mark.parametrize("override, suggestion", [
+    ("actor_rollout_ref.actor.profilr.enable=true", "actor_rollout_ref.actor.profiler.enable"),
+    ("actor_rollout_ref.actor.profiler={enable: true, bogus: 1}", "actor_rollout_ref.actor.profiler.tool"),
+    ("data.dataloader_num_worker=2", "data.dataloader_num_workers"),
+    ("data.train_batch_sise=3", "data.train_batch_size"),  # a schema key still wins when it is closer
+])
+def test_a_misspelt_key_the_table_accepts_gets_the_closest_name(override, suggestion):
+    with pytest.raises(ConfigError, match=rf"Did you mean '{re.escape(suggestion)}'\?"):
+        load_config([override])
