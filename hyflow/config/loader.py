@@ -165,7 +165,9 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def config_to_yaml(cfg: Any) -> str:
-    """The resolved config as YAML text (what the trainer writes to the run directory's config.yaml)."""
+    """The resolved config as YAML text (what the trainer writes to the run directory's config.yaml): the schema's
+    keys only. Keys hyflow accepts without acting on them (`hyflow.config.support.declared_values`) are left out:
+    nothing reads them, and loading the file back gives the same run."""
     return OmegaConf.to_yaml(OmegaConf.create(config_to_dict(cfg)))
 
 
