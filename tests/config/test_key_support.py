@@ -46,6 +46,11 @@ READ_WITHOUT_ATTRIBUTE = {
     # workers/actor.py passes the whole section as keyword arguments: **vars(actor.policy_loss)
     **dict.fromkeys(f"actor_rollout_ref.actor.policy_loss.{k}" for k in (
         "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")),
+    # trainer/rl_trainer.py hands the advantage estimator the algorithm knobs its signature names:
+    # estimator_knobs(vars(algo), estimator) (hyflow.algos.registry), e.g. gae's gamma/lam, grpo's
+    # norm_adv_by_std_in_grpo, gdpo's reward keys and weights
+    **dict.fromkeys(f"algorithm.{k}" for k in ("gamma", "lam", "norm_adv_by_std_in_grpo", "gdpo_reward_keys",
+                                                "gdpo_reward_weights")),
     # SFT: config/verl_compat.py's fold_sft_dict_keys reads getattr(data, f"{kind}_dict_keys") (a support module,
     # so not searched)
     "data.prompt_dict_keys": None, "data.response_dict_keys": None,
