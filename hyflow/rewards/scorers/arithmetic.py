@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
+from hyflow.rewards.scorers import rule_scorer
+
 _AFTER_MARK_RE = re.compile(r"\s*(-?\s*[0-9][0-9,]*(?:\.[0-9]+)?)")
 _INTEGER_RE = re.compile(r"(?<![\w.])-?[0-9][0-9,]*(?![0-9])")
 METHODS = ("strict", "flexible")
@@ -53,23 +55,16 @@ def extract_answer(solution_str: str, method: str = "strict") -> Decimal | None:
     return None
 
 
-def compute_score(
-    data_source,
-    solution_str: str,
-    ground_truth,
-    extra_info=None,
-    format_score: float = 0.0,
-    score: float = 1.0,
-    method: str = "strict",
-    **kwargs,
-) -> dict:
+def _judge(solution_str: str, ground_truth, method: str = "strict", **kwargs) -> tuple[bool | None, str | None]:
     """score = `score` if extract(solution) == int(ground_truth); `format_score` if a number was extracted but
     differs; 0.0 if none. Returns ``{"score": float, "acc": bool, "pred": str | None}`` (`pred` canonical).
     Other keyword arguments are accepted and ignored.
     """
     pred = extract_answer(solution_str, method=method)
     if pred is None:
-        return {"score": 0.0, "acc": False, "pred": None}
+        return None, None
     truth = _number(str(ground_truth).split("####")[-1].strip())
-    correct = truth is not None and pred == truth
-    return {"score": float(score if correct else format_score), "acc": correct, "pred": _canonical(pred)}
+    return truth is not None and pred == truth, _canonical(pred)
+
+
+compute_score = rule_scorer(_judge)

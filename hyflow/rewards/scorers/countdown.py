@@ -23,6 +23,8 @@ import re
 from collections import Counter
 from fractions import Fraction
 
+from hyflow.rewards.scorers import rule_scorer
+
 MAX_EXPRESSION_CHARS = 200
 _ANSWER_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BINARY_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
@@ -88,15 +90,7 @@ def _ground_truth(ground_truth) -> tuple[int, list[int], bool, str | None]:
     return int(truth["target"]), [int(n) for n in truth["numbers"]], bool(truth.get("use_all", True)), operators
 
 
-def compute_score(
-    data_source,
-    solution_str: str,
-    ground_truth,
-    extra_info=None,
-    format_score: float = 0.0,
-    score: float = 1.0,
-    **kwargs,
-) -> dict:
+def _judge(solution_str: str, ground_truth, **kwargs) -> tuple[bool | None, str | None]:
     """score = `score` if the expression keeps the rules and evaluates to the target (within 1e-6);
     `format_score` if it is a valid expression otherwise; 0.0 if missing or invalid.
     Returns ``{"score": float, "acc": bool, "pred": str | None}``; other keyword arguments are ignored.
@@ -104,12 +98,14 @@ def compute_score(
     expression = extract_expression(solution_str)
     parsed = parse_expression(expression) if expression is not None else None
     if parsed is None:
-        return {"score": 0.0, "acc": False, "pred": expression}
+        return None, expression
     tree, used, ops = parsed
     target, numbers, use_all, operators = _ground_truth(ground_truth)
     used_count, given_count = Counter(used), Counter(numbers)
     numbers_ok = used_count == given_count if use_all else all(used_count[n] <= given_count[n] for n in used_count)
     ops_ok = operators is None or ops <= set(operators)
     value = evaluate(tree) if numbers_ok and ops_ok else None
-    correct = value is not None and abs(value - target) < 1e-6
-    return {"score": float(score if correct else format_score), "acc": correct, "pred": expression}
+    return value is not None and abs(value - target) < 1e-6, expression
+
+
+compute_score = rule_scorer(_judge)

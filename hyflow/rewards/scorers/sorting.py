@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import re
 
+from hyflow.rewards.scorers import rule_scorer
+
 _INTEGER_RE = re.compile(r"-?[0-9]+")
 _SEPARATORS_RE = re.compile(r"[\s,\[\]]*")
 
@@ -29,22 +31,16 @@ def extract_list(solution_str: str) -> list[int] | None:
     return [int(v) for v in values]
 
 
-def compute_score(
-    data_source,
-    solution_str: str,
-    ground_truth,
-    extra_info=None,
-    format_score: float = 0.0,
-    score: float = 1.0,
-    **kwargs,
-) -> dict:
+def _judge(solution_str: str, ground_truth, **kwargs) -> tuple[bool | None, str | None]:
     """score = `score` if extract(solution) == ground-truth list; `format_score` if a well-formed list differs;
     0.0 if none. Returns ``{"score": float, "acc": bool, "pred": str | None}`` with `pred` as ``"1 3 5"``.
     Other keyword arguments are ignored.
     """
     pred = extract_list(solution_str)
     if pred is None:
-        return {"score": 0.0, "acc": False, "pred": None}
+        return None, None
     truth = ground_truth if isinstance(ground_truth, list) else [int(v) for v in _INTEGER_RE.findall(str(ground_truth))]
-    correct = pred == [int(v) for v in truth]
-    return {"score": float(score if correct else format_score), "acc": correct, "pred": " ".join(map(str, pred))}
+    return pred == [int(v) for v in truth], " ".join(map(str, pred))
+
+
+compute_score = rule_scorer(_judge)
