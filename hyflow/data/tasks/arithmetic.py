@@ -19,13 +19,7 @@ from __future__ import annotations
 
 from random import Random
 
-from hyflow.data.tasks.common import (
-    check_sizes,
-    draw_distinct,
-    make_row,
-    parse_operators,
-    split_problems,
-)
+from hyflow.data.tasks.common import Request, check_sizes, make_row, parse_operators, task_generator
 
 NAME = "arithmetic"
 DATA_SOURCE = "hyflow/arithmetic"
@@ -57,18 +51,41 @@ def render(numbers: list[int], ops: list[str]) -> str:
     return " ".join(parts)
 
 
+def draw_expressions(
+    request: Request, n_operands: int, digits: int, operators: str, *, exact_digits: bool = False
+) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
+    """The request's distinct problems `(numbers, ops)`: `n_operands` operands uniform in [0, 10^digits - 1]
+    (with `exact_digits`, of exactly `digits` digits: [10^(digits-1), 10^digits - 1], [0, 9] for one digit) and
+    operators drawn from `operators` (a subset of `OPERATORS`). The split sizes and the options are checked
+    first. Shared by the arithmetic and calculator tasks."""
+    check_sizes(request.n_train, request.n_test)
+    ops_allowed = parse_operators(operators, OPERATORS)
+    if n_operands < 2:
+        raise ValueError(f"n_operands must be at least 2, got {n_operands}")
+    if digits < 1:
+        raise ValueError(f"digits must be at least 1, got {digits}")
+    low, high = (10 ** (digits - 1) if exact_digits and digits > 1 else 0), 10**digits - 1
+
+    def draw(rng: Random) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        numbers = tuple(rng.randint(low, high) for _ in range(n_operands))
+        return numbers, tuple(rng.choice(ops_allowed) for _ in range(n_operands - 1))
+
+    capacity = (high - low + 1) ** n_operands * len(ops_allowed) ** (n_operands - 1)
+    return request.draw(
+        draw, key=lambda p: p, capacity=capacity,
+        fix="raise digits, n_operands or the number of operators, or lower n_train/n_test",
+    )
+
+
+@task_generator(INSTRUCTION)
 def generate(
+    request: Request,
     *,
-    n_train: int = 2000,
-    n_test: int = 200,
-    seed: int = 0,
     n_operands: int = 2,
     digits: int = 2,
     operators: str = "+-",
     show_work: bool = True,
     answer_line_rate: float = 1.0,
-    instruction: str = INSTRUCTION,
-    system_prompt: str | None = None,
 ) -> dict[str, list[dict]]:
     """Rows of both splits in memory: {"train": [...], "test": [...]} (see the module docstring).
 
@@ -80,33 +97,12 @@ def generate(
         raise ValueError(f"answer_line_rate must be in [0, 1], got {answer_line_rate}")
     if answer_line_rate < 1.0 and not show_work:
         raise ValueError("answer_line_rate < 1 needs show_work=True (an answer without work or answer line is empty)")
-    line_rng = Random(seed + 1)
-    check_sizes(n_train, n_test)
-    ops_allowed = parse_operators(operators, OPERATORS)
-    if n_operands < 2:
-        raise ValueError(f"n_operands must be at least 2, got {n_operands}")
-    if digits < 1:
-        raise ValueError(f"digits must be at least 1, got {digits}")
-    high = 10**digits - 1
-
-    def draw(rng: Random) -> tuple[tuple[int, ...], tuple[str, ...]]:
-        numbers = tuple(rng.randint(0, high) for _ in range(n_operands))
-        return numbers, tuple(rng.choice(ops_allowed) for _ in range(n_operands - 1))
-
-    capacity = (high + 1) ** n_operands * len(ops_allowed) ** (n_operands - 1)
-    problems = draw_distinct(
-        Random(seed), draw, key=lambda p: p, n=n_train + n_test, capacity=capacity,
-        fix="raise digits, n_operands or the number of operators, or lower n_train/n_test",
-    )
-    splits = split_problems(problems, n_train, n_test)
-    return {
-        split: [
-            _row(numbers, ops, split, i, show_work, instruction, system_prompt,
-                 answer_line=split != "train" or line_rng.random() < answer_line_rate)
-            for i, (numbers, ops) in enumerate(problems)
-        ]
-        for split, problems in splits.items()
-    }
+    line_rng = Random(request.seed + 1)
+    problems = draw_expressions(request, n_operands, digits, operators)
+    return request.rows(problems, lambda problem, split, i: _row(
+        *problem, split, i, show_work, request.instruction, request.system_prompt,
+        answer_line=split != "train" or line_rng.random() < answer_line_rate,
+    ))
 
 
 def _row(numbers, ops, split, index, show_work, instruction, system_prompt, answer_line=True) -> dict:

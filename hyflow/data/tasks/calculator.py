@@ -37,15 +37,14 @@ from __future__ import annotations
 import copy
 from random import Random
 
-from hyflow.data.tasks.arithmetic import evaluate_steps, render
-from hyflow.data.tasks.common import check_sizes, draw_distinct, make_row, parse_operators, split_problems
+from hyflow.data.tasks.arithmetic import draw_expressions, evaluate_steps, render
+from hyflow.data.tasks.common import Request, make_row, task_generator
 
 NAME = "calculator"
 DATA_SOURCE = "hyflow/calculator"
 AGENT_NAME = "tool_agent"
 TOOL_NAME = "calculator"
 INSTRUCTION = "Use the calculator. Put the final answer after '####'."
-OPERATORS = "+-*"
 
 CALCULATOR_SCHEMA: list[dict] = [
     {
@@ -84,17 +83,9 @@ def demonstration(prompt: list[dict], expression: str, value: str, use_tool: boo
     return [*messages, _message("assistant", f"#### {value}")]
 
 
+@task_generator(INSTRUCTION)
 def generate(
-    *,
-    n_train: int = 2000,
-    n_test: int = 200,
-    seed: int = 0,
-    digits: int = 4,
-    n_operands: int = 2,
-    operators: str = "+-",
-    tool_use_rate: float = 0.5,
-    instruction: str = INSTRUCTION,
-    system_prompt: str | None = None,
+    request: Request, *, digits: int = 4, n_operands: int = 2, operators: str = "+-", tool_use_rate: float = 0.5
 ) -> dict[str, list[dict]]:
     """Rows of both splits in memory: {"train": [...], "test": [...]} (see the module docstring).
 
@@ -103,33 +94,12 @@ def generate(
     """
     if not 0.0 <= tool_use_rate <= 1.0:
         raise ValueError(f"tool_use_rate must be in [0, 1], got {tool_use_rate}")
-    check_sizes(n_train, n_test)
-    ops_allowed = parse_operators(operators, OPERATORS)
-    if n_operands < 2:
-        raise ValueError(f"n_operands must be at least 2, got {n_operands}")
-    if digits < 1:
-        raise ValueError(f"digits must be at least 1, got {digits}")
-    low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
-
-    def draw(rng: Random) -> tuple[tuple[int, ...], tuple[str, ...]]:
-        numbers = tuple(rng.randint(low, high) for _ in range(n_operands))
-        return numbers, tuple(rng.choice(ops_allowed) for _ in range(n_operands - 1))
-
-    capacity = (high - low + 1) ** n_operands * len(ops_allowed) ** (n_operands - 1)
-    problems = draw_distinct(
-        Random(seed), draw, key=lambda p: p, n=n_train + n_test, capacity=capacity,
-        fix="raise digits, n_operands or the number of operators, or lower n_train/n_test",
-    )
-    tool_rng = Random(seed + 1)
-    splits = split_problems(problems, n_train, n_test)
-    return {
-        split: [
-            _row(numbers, ops, split, i, instruction, system_prompt,
-                 use_tool=split != "train" or tool_rng.random() < tool_use_rate)
-            for i, (numbers, ops) in enumerate(problems)
-        ]
-        for split, problems in splits.items()
-    }
+    problems = draw_expressions(request, n_operands, digits, operators, exact_digits=True)
+    tool_rng = Random(request.seed + 1)
+    return request.rows(problems, lambda problem, split, i: _row(
+        *problem, split, i, request.instruction, request.system_prompt,
+        use_tool=split != "train" or tool_rng.random() < tool_use_rate,
+    ))
 
 
 def _row(numbers, ops, split, index, instruction, system_prompt, use_tool) -> dict:

@@ -7,7 +7,9 @@ are disjoint by construction and the test split stays the same when only `n_trai
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from pathlib import Path
 from random import Random
 from typing import TypeVar
@@ -103,3 +105,57 @@ def parse_operators(operators: str | list[str] | tuple[str, ...], allowed: str) 
             f"operators must be distinct characters from {allowed!r} (e.g. {allowed!r}), got {operators!r}"
         )
     return ops
+
+
+@dataclass(frozen=True)
+class Request:
+    """The options every task's `generate` takes, handed to the task as one value (see `task_generator`)."""
+
+    n_train: int
+    n_test: int
+    seed: int
+    instruction: str
+    system_prompt: str | None
+
+    def draw(self, draw: Callable[[Random], P], key: Callable[[P], Hashable], **limits) -> list[P]:
+        """`n_test + n_train` distinct problems drawn from `Random(seed)` (`draw_distinct`; `limits`: capacity,
+        fix)."""
+        return draw_distinct(Random(self.seed), draw, key, self.n_train + self.n_test, **limits)
+
+    def rows(self, problems: list[P], row: Callable[[P, str, int], dict]) -> dict[str, list[dict]]:
+        """{"train": [...], "test": [...]}: `row(problem, split, index)` of each problem of each split, train first."""
+        return {
+            split: [row(problem, split, i) for i, problem in enumerate(chosen)]
+            for split, chosen in split_problems(problems, self.n_train, self.n_test).items()
+        }
+
+
+def task_generator(instruction: str) -> Callable[[Callable[..., dict]], Callable[..., dict]]:
+    """Decorator making a task's public `generate` from `fn(request, **options)`.
+
+    The options every task shares are declared here once: `generate` takes n_train (2000), n_test (200) and
+    seed (0), then `fn`'s own keyword-only options, then instruction (default `instruction`) and system_prompt
+    (None), all keyword-only, and calls `fn` with the shared ones as one `Request`. Its signature lists every
+    option in that order with its default, so `inspect.signature` and `task_options` see them all; it has
+    `fn`'s name, docstring and module.
+    """
+
+    def decorate(fn: Callable[..., dict]) -> Callable[..., dict]:
+        def generate(
+            *, n_train: int = 2000, n_test: int = 200, seed: int = 0, instruction: str = instruction,
+            system_prompt: str | None = None, **options,
+        ) -> dict[str, list[dict]]:
+            return fn(Request(n_train, n_test, seed, instruction, system_prompt), **options)
+
+        shared = inspect.signature(generate).parameters
+        own = [p for p in inspect.signature(fn).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        generate.__signature__ = inspect.Signature(
+            [*(shared[name] for name in ("n_train", "n_test", "seed")), *own,
+             shared["instruction"], shared["system_prompt"]],
+            return_annotation=inspect.signature(generate).return_annotation,
+        )
+        generate.__name__, generate.__qualname__ = fn.__name__, fn.__qualname__
+        generate.__doc__, generate.__module__ = fn.__doc__, fn.__module__
+        return generate
+
+    return decorate

@@ -23,13 +23,7 @@ import json
 from fractions import Fraction
 from random import Random
 
-from hyflow.data.tasks.common import (
-    check_sizes,
-    draw_distinct,
-    make_row,
-    parse_operators,
-    split_problems,
-)
+from hyflow.data.tasks.common import Request, check_sizes, make_row, parse_operators, task_generator
 
 NAME = "countdown"
 DATA_SOURCE = "hyflow/countdown"
@@ -74,22 +68,19 @@ def _random_tree(rng: Random, numbers: list[int], ops: tuple[str, ...]) -> Tree:
     return (rng.choice(ops), _random_tree(rng, numbers[:cut], ops), _random_tree(rng, numbers[cut:], ops))
 
 
+@task_generator(INSTRUCTION)
 def generate(
+    request: Request,
     *,
-    n_train: int = 2000,
-    n_test: int = 200,
-    seed: int = 0,
     min_numbers: int = 3,
     max_numbers: int = 4,
     max_number: int = 20,
     max_target: int = 100,
     operators: str = OPERATORS,
     use_all: bool = True,
-    instruction: str = INSTRUCTION,
-    system_prompt: str | None = None,
 ) -> dict[str, list[dict]]:
     """Rows of both splits in memory: {"train": [...], "test": [...]} (see the module docstring)."""
-    check_sizes(n_train, n_test)
+    check_sizes(request.n_train, request.n_test)
     ops = parse_operators(operators, OPERATORS)
     if not 2 <= min_numbers <= max_numbers:
         raise ValueError(f"need 2 <= min_numbers <= max_numbers, got {min_numbers} and {max_numbers}")
@@ -110,24 +101,20 @@ def generate(
             f"in [1, {max_target}] after 20,000 tries; raise max_target or max_number, or allow more operators"
         )
 
-    problems = draw_distinct(
-        Random(seed), draw, key=lambda p: (tuple(sorted(p[0])), p[1]), n=n_train + n_test,
+    problems = request.draw(
+        draw, key=lambda p: (tuple(sorted(p[0])), p[1]),
         fix="raise max_number, max_target or max_numbers, or lower n_train/n_test",
     )
     rule = "exactly once" if use_all else "at most once"
-    rules = f"Use each number {rule}, with {' '.join(ops)} and parentheses. {instruction}".strip()
+    rules = f"Use each number {rule}, with {' '.join(ops)} and parentheses. {request.instruction}".strip()
     extra_truth: dict = {}  # only rules that differ from the defaults go into the ground truth
     if not use_all:
         extra_truth["use_all"] = False
     if set(ops) != set(OPERATORS):
         extra_truth["operators"] = "".join(ops)
-    return {
-        split: [
-            _row(numbers, target, tree, split, i, rules, extra_truth, system_prompt)
-            for i, (numbers, target, tree) in enumerate(problems)
-        ]
-        for split, problems in split_problems(problems, n_train, n_test).items()
-    }
+    return request.rows(problems, lambda problem, split, i: _row(
+        *problem, split, i, rules, extra_truth, request.system_prompt,
+    ))
 
 
 def _row(numbers, target, tree, split, index, rules, extra_truth, system_prompt) -> dict:

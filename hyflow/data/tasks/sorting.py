@@ -11,27 +11,19 @@ from __future__ import annotations
 
 from random import Random
 
-from hyflow.data.tasks.common import check_sizes, draw_distinct, make_row, split_problems
+from hyflow.data.tasks.common import Request, check_sizes, make_row, task_generator
 
 NAME = "sorting"
 DATA_SOURCE = "hyflow/sorting"
 INSTRUCTION = "Put the sorted list after '####'."
 
 
+@task_generator(INSTRUCTION)
 def generate(
-    *,
-    n_train: int = 2000,
-    n_test: int = 200,
-    seed: int = 0,
-    min_len: int = 3,
-    max_len: int = 6,
-    min_value: int = 0,
-    max_value: int = 9,
-    instruction: str = INSTRUCTION,
-    system_prompt: str | None = None,
+    request: Request, *, min_len: int = 3, max_len: int = 6, min_value: int = 0, max_value: int = 9
 ) -> dict[str, list[dict]]:
     """Rows of both splits in memory: {"train": [...], "test": [...]} (see the module docstring)."""
-    check_sizes(n_train, n_test)
+    check_sizes(request.n_train, request.n_test)
     if not 1 <= min_len <= max_len:
         raise ValueError(f"need 1 <= min_len <= max_len, got {min_len} and {max_len}")
     if min_value > max_value:
@@ -42,14 +34,12 @@ def generate(
 
     n_values = max_value - min_value + 1
     capacity = sum(n_values**length for length in range(min_len, max_len + 1))
-    problems = draw_distinct(
-        Random(seed), draw, key=lambda p: p, n=n_train + n_test, capacity=capacity,
-        fix="raise max_len or the value range, or lower n_train/n_test",
+    problems = request.draw(
+        draw, key=lambda p: p, capacity=capacity, fix="raise max_len or the value range, or lower n_train/n_test"
     )
-    return {
-        split: [_row(values, split, i, instruction, system_prompt) for i, values in enumerate(problems)]
-        for split, problems in split_problems(problems, n_train, n_test).items()
-    }
+    return request.rows(problems, lambda values, split, i: _row(
+        values, split, i, request.instruction, request.system_prompt,
+    ))
 
 
 def _row(values, split, index, instruction, system_prompt) -> dict:
