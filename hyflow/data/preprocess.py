@@ -25,6 +25,7 @@ malformed value is a `ValueError` naming the file, the 1-based row and the colum
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from hyflow.data.io import SPLITS, read_rows, write_rows
@@ -85,6 +86,22 @@ def _read(input_path: Path) -> list[dict]:
     return rows
 
 
+def _write_math_rows(
+    records: list[dict], file_name: str, out_path: Path, split: str, data_source: str, instruction: str,
+    fields: Callable[[dict, str], tuple[str, str, dict]],
+) -> Path:
+    """Write one verl row (ability "math") per record to `out_path`: `fields(record, "<file> row <n>")` gives
+    (question, ground truth, extra_info); the prompt is the question, a space and `instruction`."""
+    rows = []
+    for i, record in enumerate(records):
+        question, truth, extra = fields(record, f"{file_name} row {i + 1}")
+        content = f"{question} {instruction}".strip()
+        rows.append(
+            make_row(data_source, content, ability="math", ground_truth=truth, split=split, index=i, extra=extra)
+        )
+    return write_rows(rows, out_path)
+
+
 def gsm8k_final_answer(answer: str) -> str | None:
     """The number after the last `####` of a GSM8K answer with commas removed (`"#### 1,000"` -> `"1000"`)."""
     matches = _GSM8K_FINAL_RE.findall(answer)
@@ -105,9 +122,8 @@ def preprocess_gsm8k(
     prompt = question + " " + instruction; ground truth = number after `####` without commas.
     """
     input_path, split, out_path = _resolve(input_path, out_dir, split, fmt)
-    rows = []
-    for i, record in enumerate(_read(input_path)):
-        where = f"{input_path.name} row {i + 1}"
+
+    def fields(record: dict, where: str) -> tuple[str, str, dict]:
         question = _text(record, "question", where, GSM8K_COLUMNS)
         answer = _text(record, "answer", where, GSM8K_COLUMNS)
         final = gsm8k_final_answer(answer)
@@ -116,14 +132,9 @@ def preprocess_gsm8k(
                 f"{where}: column 'answer' has no final answer '#### <number>' "
                 f"(GSM8K answers end like '#### 72'): ...{answer[-60:]!r}"
             )
-        content = f"{question} {instruction}".strip()
-        rows.append(
-            make_row(
-                data_source, content, ability="math", ground_truth=final, split=split, index=i,
-                extra={"question": question, "answer": answer},
-            )
-        )
-    return write_rows(rows, out_path)
+        return question, final, {"question": question, "answer": answer}
+
+    return _write_math_rows(_read(input_path), input_path.name, out_path, split, data_source, instruction, fields)
 
 
 def detect_math_layout(record: dict) -> str:
@@ -153,14 +164,13 @@ def preprocess_math(
     if layout not in MATH_LAYOUTS:
         raise ValueError(f"layout must be 'auto' or one of {', '.join(MATH_LAYOUTS)}, got {layout!r}")
     default_source, required, _ = MATH_LAYOUTS[layout]
-    rows = []
-    for i, record in enumerate(records):
-        where = f"{input_path.name} row {i + 1}"
-        fields = {column: _text(record, column, where, required) for column in required}
+
+    def fields(record: dict, where: str) -> tuple[str, str, dict]:
+        values = {column: _text(record, column, where, required) for column in required}
         if layout == "math500":
-            truth = fields["answer"].strip()
+            truth = values["answer"].strip()
         else:
-            truth = extract_boxed_answer(fields["solution"])
+            truth = extract_boxed_answer(values["solution"])
             if truth is None or not truth.strip():
                 raise ValueError(
                     f"{where}: column 'solution' has no closed \\boxed{{...}} final answer "
@@ -168,15 +178,12 @@ def preprocess_math(
                 )
             truth = truth.strip()
         extra = {
-            "question": fields["problem"],
+            "question": values["problem"],
             "answer": record.get("solution"),
             **{key: record.get(key) for key in ("level", "type", "subject", "unique_id") if key in record},
         }
-        content = f"{fields['problem']} {instruction}".strip()
-        rows.append(
-            make_row(
-                data_source or default_source, content, ability="math", ground_truth=truth, split=split,
-                index=i, extra=extra,
-            )
-        )
-    return write_rows(rows, out_path)
+        return values["problem"], truth, extra
+
+    return _write_math_rows(
+        records, input_path.name, out_path, split, data_source or default_source, instruction, fields
+    )
