@@ -301,46 +301,25 @@ def series_colors(n: int) -> list:
     return [colormaps["turbo"](x) for x in np.linspace(0.0, 1.0, n)]
 
 
+def _line(ax, s: Series, color, values, kind: str, **style) -> None:
+    """One line of series `s` over its steps, in its colour, with gid `<key>:<kind>`."""
+    ax.plot(s.steps, values, color=color, gid=f"{s.key}:{kind}", **style)
+
+
 def _draw(ax, panel: Panel, drawn: list[Series]) -> list[int]:
     """Draw `drawn` on `ax`; returns the rolling-mean windows used. Lines carry gid `<key>:raw` (the logged
     values) and `<key>:smooth` (their rolling mean); each series has a colour of its own (`series_colors`)."""
     windows = []
-    colors = series_colors(len(drawn))
-    for i, s in enumerate(drawn):
-        color = colors[i]
+    for s, color in zip(drawn, series_colors(len(drawn))):
         smooth = any(fnmatch.fnmatchcase(s.key, p) for p in panel.smooth) and is_noisy(s.values)
         if smooth:
             window = smoothing_window(sum(math.isfinite(v) for v in s.values))
             windows.append(window)
-            ax.plot(
-                s.steps,
-                s.values,
-                color=color,
-                alpha=RAW_ALPHA,
-                linewidth=0.9,
-                label="_raw",
-                gid=f"{s.key}:raw",
-            )
-            ax.plot(
-                s.steps,
-                rolling_mean(s.values, window),
-                color=color,
-                linewidth=1.8,
-                label=s.label,
-                gid=f"{s.key}:smooth",
-            )
+            _line(ax, s, color, s.values, "raw", alpha=RAW_ALPHA, linewidth=0.9, label="_raw")
+            _line(ax, s, color, rolling_mean(s.values, window), "smooth", linewidth=1.8, label=s.label)
         else:
             marker = "o" if len(s.steps) <= MARKER_MAX_POINTS else None
-            ax.plot(
-                s.steps,
-                s.values,
-                color=color,
-                marker=marker,
-                markersize=3,
-                linewidth=1.4,
-                label=s.label,
-                gid=f"{s.key}:raw",
-            )
+            _line(ax, s, color, s.values, "raw", marker=marker, markersize=3, linewidth=1.4, label=s.label)
     ax.set_title(panel.title, fontsize=10)
     ax.set_xlabel("step")
     ax.set_ylabel(y_label(panel, drawn), fontsize=8)
