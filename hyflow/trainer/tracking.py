@@ -357,6 +357,20 @@ def wandb_offline_reason() -> str | None:
     return "no wandb API key is configured (WANDB_API_KEY or `wandb login`)"
 
 
+def _init_service(backend, name: str, kwargs: dict[str, Any], offline: str):
+    """`backend.init(**kwargs)`; a failure (the service's own errors, login, network and bad keys, are plain
+    Exceptions) is a RuntimeError saying how to log in, how to run without the service (`offline`) or without
+    the logger."""
+    try:
+        return backend.init(**kwargs)
+    except Exception as exc:
+        raise RuntimeError(
+            f"{name}.init failed: {exc}. If this is a login or network problem: log in (`{name} login`, or "
+            f"set {name.upper()}_API_KEY), or run without the service: {offline}, or remove {name} from "
+            "trainer.logger"
+        ) from exc
+
+
 class WandbLogger:
     """Weights & Biases: `wandb.init(project, name, config, dir=run_dir)`, `run.log(metrics, step=step)`.
 
@@ -371,14 +385,7 @@ class WandbLogger:
             kwargs["mode"] = "offline"
             _note(f"wandb: {reason}, so it runs offline into {run_dir / 'wandb'}; upload later with "
                   f"`wandb sync {run_dir / 'wandb'}/offline-run-*`, or log in and set WANDB_MODE=online")
-        try:
-            self.run = self.wandb.init(**kwargs)
-        except Exception as exc:  # wandb's own errors (login, network, bad key) are plain Exceptions
-            raise RuntimeError(
-                f"wandb.init failed: {exc}. If this is a login or network problem: log in (`wandb login`, or "
-                "set WANDB_API_KEY), or run without the service: WANDB_MODE=offline (upload later with "
-                "`wandb sync`), or remove wandb from trainer.logger"
-            ) from exc
+        self.run = _init_service(self.wandb, "wandb", kwargs, "WANDB_MODE=offline (upload later with `wandb sync`)")
 
     def log(self, metrics: dict[str, int | float], step: int) -> None:
         self.run.log(metrics, step=step)
@@ -479,14 +486,7 @@ class SwanlabLogger:
             kwargs["mode"] = _swanlab_offline_mode(self.swanlab)
             _note(f"swanlab: {reason}, so it runs in mode={kwargs['mode']!r} into {run_dir / 'swanlab'}; "
                   "log in and set SWANLAB_MODE=online to use the service")
-        try:
-            self.swanlab.init(**kwargs)
-        except Exception as exc:  # login, network and key errors
-            raise RuntimeError(
-                f"swanlab.init failed: {exc}. If this is a login or network problem: log in (`swanlab login`, or "
-                "set SWANLAB_API_KEY), or run without the service: SWANLAB_MODE=offline (swanlab >= 0.7) or "
-                "SWANLAB_MODE=local, or remove swanlab from trainer.logger"
-            ) from exc
+        _init_service(self.swanlab, "swanlab", kwargs, "SWANLAB_MODE=offline (swanlab >= 0.7) or SWANLAB_MODE=local")
 
     def log(self, metrics: dict[str, int | float], step: int) -> None:
         self.swanlab.log(metrics, step=step)
