@@ -154,6 +154,8 @@ class BatchingServer:
     decoded in one engine call (seeded with seed + k * SEED_STRIDE for the k-th call).
     """
 
+    _request_type: type = _Request  # what `generate` queues (a subclass may queue its own kind)
+
     def __init__(self, engine, params: SamplingParams, pad_token_id: int, eos_token_ids: Sequence[int],
                  prompts: Batch | None = None) -> None:
         self.engine, self.params, self.pad_token_id = engine, params, pad_token_id
@@ -180,8 +182,8 @@ class BatchingServer:
                        ) -> TokenOutput:
         budget = max(1, min(int(budget), self.params.max_new_tokens))
         future = asyncio.get_running_loop().create_future()
-        self.waiting.append(_Request(index, group if group is not None else ("own", index), list(prompt_ids),
-                                     budget, future))
+        self.waiting.append(self._request_type(index, group if group is not None else ("own", index),
+                                               list(prompt_ids), budget, future))
         self._check()
         return await future
 
@@ -194,16 +196,20 @@ class BatchingServer:
             self._ready.clear()
             if self.waiting and len(self.waiting) >= self.live:
                 requests, self.waiting = sorted(self.waiting, key=lambda r: r.index), []
-                try:
-                    outputs = self._decode(requests)
-                except BaseException as err:
-                    for request in requests:
-                        if not request.future.done():
-                            request.future.set_exception(err)
-                    raise
+                outputs = self._decode_or_fail(requests)
                 for request, output in zip(requests, outputs):
                     if not request.future.done():
                         request.future.set_result(output)
+
+    def _decode_or_fail(self, requests: list[_Request]) -> list[TokenOutput]:
+        """`_decode`; when it raises, every request not yet done gets the error (its trajectory stops with it)."""
+        try:
+            return self._decode(requests)
+        except BaseException as err:
+            for request in requests:
+                if not request.future.done():
+                    request.future.set_exception(err)
+            raise
 
     def _decode(self, requests: list[_Request]) -> list[TokenOutput]:
         # runs of requests sharing a group key (a prompt's n first turns) go in as one prompt with n samples

@@ -64,6 +64,8 @@ class StreamServer(BatchingServer):
     """A BatchingServer that decodes at most `chunk` tokens per request per engine call and is flushed by its
     owner (`flush`), not by itself; it records the policy version of every token it returns."""
 
+    _request_type = _Segmented
+
     def __init__(self, engine, params: SamplingParams, pad_token_id: int, eos_token_ids: Sequence[int],
                  chunk: int) -> None:
         super().__init__(engine, params, pad_token_id, eos_token_ids, prompts=None)
@@ -72,15 +74,6 @@ class StreamServer(BatchingServer):
         self.token_versions: dict[int, list[int]] = {}  # trajectory index -> versions of its model tokens
         self.continued = 0  # segments that went back to the queue unfinished
         self.tokens = 0
-
-    async def generate(self, index: int, prompt_ids: list[int], budget: int, group: tuple | None = None
-                       ) -> TokenOutput:
-        budget = max(1, min(int(budget), self.params.max_new_tokens))
-        future = asyncio.get_running_loop().create_future()
-        self.waiting.append(_Segmented(index, group if group is not None else ("own", index), list(prompt_ids),
-                                       budget, future))
-        self._check()
-        return await future
 
     def quiescent(self) -> bool:
         """True when no trajectory can move without the engine: every live one waits for it, or none is live."""
@@ -92,13 +85,7 @@ class StreamServer(BatchingServer):
         self.waiting = []
         views = [_Request(seg.index, seg.group if not seg.tokens else ("own", seg.index), seg.prompt_ids + seg.tokens,
                           min(seg.budget, self.chunk), seg.future) for seg in segments]
-        try:
-            outputs = self._decode(views)
-        except BaseException as err:
-            for seg in segments:
-                if not seg.future.done():
-                    seg.future.set_exception(err)
-            raise
+        outputs = self._decode_or_fail(views)  # a view holds its segment's future
         for seg, out in zip(segments, outputs):
             if seg.future.done():  # cancelled meanwhile
                 continue
