@@ -118,39 +118,38 @@ CHATML_TEMPLATE = (
 
 DEFAULT_VOCAB_SIZE = 512
 
+def _preset(
+    hidden_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    intermediate_size: int,
+    *,
+    num_key_value_heads: int = 2,
+    max_position_embeddings: int = 4096,
+    rope_theta: float = 1e4,
+    padded_vocab_size: int | None = None,
+    dtype: str = "float32",
+) -> dict:
+    """A preset's shape: its arguments as a dict (the defaults are the tiny presets' common values)."""
+    return {
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_hidden_layers,
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads,
+        "intermediate_size": intermediate_size,
+        "max_position_embeddings": max_position_embeddings,
+        "rope_theta": rope_theta,
+        "padded_vocab_size": padded_vocab_size,
+        "dtype": dtype,
+    }
+
+
 PRESETS: dict[str, dict] = {
-    "tiny": dict(
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=512,
-        max_position_embeddings=4096,
-        rope_theta=1e4,
-        padded_vocab_size=None,
-        dtype="float32",
-    ),
-    "small": dict(
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        intermediate_size=1024,
-        max_position_embeddings=4096,
-        rope_theta=1e4,
-        padded_vocab_size=None,
-        dtype="float32",
-    ),
-    "qwen2.5-0.5b-shape": dict(
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        max_position_embeddings=32768,
-        rope_theta=1e6,
-        padded_vocab_size=151936,
-        dtype="bfloat16",
+    "tiny": _preset(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512),
+    "small": _preset(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, intermediate_size=1024),
+    "qwen2.5-0.5b-shape": _preset(
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, intermediate_size=4864,
+        max_position_embeddings=32768, rope_theta=1e6, padded_vocab_size=151936, dtype="bfloat16",
     ),
 }
 
