@@ -18,6 +18,8 @@ are kept as floats so a description can show them; `validate_config` rejects suc
 
 from __future__ import annotations
 
+from typing import Any
+
 from hyflow.config.catalog import algorithm_catalog
 from hyflow.config.schema import HyflowConfig
 from hyflow.specs import BatchArithmetic, ForwardBatches, RoleBatches
@@ -92,20 +94,8 @@ def batch_arithmetic(cfg: HyflowConfig, n_devices: int | None = None) -> BatchAr
     max_prompt, max_response = arr.rollout.prompt_length, arr.rollout.response_length
     max_sequence = max_prompt + max_response
 
-    actor = arr.actor
-    actor_dp = max(devices // max(actor.ulysses_sequence_parallel_size, 1), 1)
-    actor_batches = _role_batches(
-        prompts,
-        n,
-        max_sequence,
-        actor_dp,
-        mini_prompts=actor.ppo_mini_batch_size,
-        ppo_epochs=actor.ppo_epochs,
-        micro_per_gpu=actor.ppo_micro_batch_size_per_gpu,
-        micro_global=actor.ppo_micro_batch_size,
-        dynamic=actor.use_dynamic_bsz,
-        max_token_len=actor.ppo_max_token_len_per_gpu * max(actor.ulysses_sequence_parallel_size, 1),
-    )
+    actor_batches = _role_batches(arr.actor, devices, prompts, n, max_sequence)
+    actor_dp = actor_batches.dp_size
     rollout = arr.rollout
     old_micro = micro_per_device(rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_micro_batch_size, actor_dp)
     if old_micro is None:
@@ -130,19 +120,8 @@ def batch_arithmetic(cfg: HyflowConfig, n_devices: int | None = None) -> BatchAr
     critic_batches = critic_values = None
     if uses_critic(cfg):
         critic = cfg.critic
-        critic_dp = max(role_devices(cfg, "critic", n_devices) // max(critic.ulysses_sequence_parallel_size, 1), 1)
-        critic_batches = _role_batches(
-            prompts,
-            n,
-            max_sequence,
-            critic_dp,
-            mini_prompts=critic.ppo_mini_batch_size,
-            ppo_epochs=critic.ppo_epochs,
-            micro_per_gpu=critic.ppo_micro_batch_size_per_gpu,
-            micro_global=critic.ppo_micro_batch_size,
-            dynamic=critic.use_dynamic_bsz,
-            max_token_len=critic.ppo_max_token_len_per_gpu * max(critic.ulysses_sequence_parallel_size, 1),
-        )
+        critic_batches = _role_batches(critic, role_devices(cfg, "critic", n_devices), prompts, n, max_sequence)
+        critic_dp = critic_batches.dp_size
         forward_micro = micro_per_device(
             critic.forward_micro_batch_size_per_gpu, critic.forward_micro_batch_size, critic_dp
         )
@@ -179,19 +158,13 @@ def micro_per_device(per_gpu: int | None, global_size: int | None, dp: int) -> f
     return None
 
 
-def _role_batches(
-    prompts: int,
-    n: int,
-    max_sequence: int,
-    dp: int,
-    *,
-    mini_prompts: int,
-    ppo_epochs: int,
-    micro_per_gpu: int | None,
-    micro_global: int | None,
-    dynamic: bool,
-    max_token_len: int,
-) -> RoleBatches:
+def _role_batches(knobs: Any, devices: int, prompts: int, n: int, max_sequence: int) -> RoleBatches:
+    """The PPO batches of a trained role (the actor or the critic: both sections hold the same ppo_* knobs) on
+    `devices` devices, data-parallel over devices / ulysses_sequence_parallel_size."""
+    sp = max(knobs.ulysses_sequence_parallel_size, 1)
+    dp = max(devices // sp, 1)
+    mini_prompts, ppo_epochs, dynamic = knobs.ppo_mini_batch_size, knobs.ppo_epochs, knobs.use_dynamic_bsz
+    max_token_len = knobs.ppo_max_token_len_per_gpu * sp
     mini_batches = ratio(prompts, mini_prompts)
     per_device = ratio(mini_prompts * n, dp)
     micro = micro_batches = max_micro = token_len = None
@@ -199,7 +172,7 @@ def _role_batches(
         token_len = max_token_len
         max_micro = -(-int(per_device * max_sequence) // max(max_token_len, 1))
     else:
-        micro = micro_per_device(micro_per_gpu, micro_global, dp)
+        micro = micro_per_device(knobs.ppo_micro_batch_size_per_gpu, knobs.ppo_micro_batch_size, dp)
         micro = per_device if micro is None else micro
         micro_batches = ratio(per_device, micro)
     return RoleBatches(

@@ -60,7 +60,7 @@ def describe_batch_arithmetic(cfg: HyflowConfig, n_devices: int | None = None,
             "Old log-probs (actor forward)",
             b.old_log_prob,
             b.actor.dp_size,
-            _old_log_prob_source(cfg),
+            _micro_source(R, cfg.actor_rollout_ref.rollout, "log_prob_micro_batch_size", "the actor's micro-batch size"),
             f"{R}.log_prob_max_token_len_per_gpu",
             b,
         ),
@@ -71,7 +71,12 @@ def describe_batch_arithmetic(cfg: HyflowConfig, n_devices: int | None = None,
                 "Reference log-probs",
                 b.ref_log_prob,
                 b.actor.dp_size,
-                _ref_source(cfg),
+                _micro_source(
+                    "actor_rollout_ref.ref",
+                    cfg.actor_rollout_ref.ref,
+                    "log_prob_micro_batch_size",
+                    "the old log-probs' size",
+                ),
                 "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu",
                 b,
             )
@@ -83,7 +88,9 @@ def describe_batch_arithmetic(cfg: HyflowConfig, n_devices: int | None = None,
                 "Critic values (forward)",
                 b.critic_values,
                 b.critic.dp_size,
-                _critic_forward_source(cfg),
+                _micro_source(
+                    "critic", cfg.critic, "forward_micro_batch_size", "the critic's micro-batch size"
+                ),
                 "critic.forward_max_token_len_per_gpu",
                 b,
             )
@@ -219,39 +226,16 @@ def _length_line(cfg: HyflowConfig) -> str:
     )
 
 
-def _micro_source(key: str, knobs: Any) -> str:
-    if knobs.ppo_micro_batch_size_per_gpu is not None:
-        return f"{key}.ppo_micro_batch_size_per_gpu"
-    if knobs.ppo_micro_batch_size is not None:
-        return f"{key}.ppo_micro_batch_size / devices"
-    return f"{key}.ppo_micro_batch_size_per_gpu unset: the whole per-device mini-batch"
-
-
-def _old_log_prob_source(cfg: HyflowConfig) -> str:
-    rollout = cfg.actor_rollout_ref.rollout
-    if rollout.log_prob_micro_batch_size_per_gpu is not None:
-        return f"{R}.log_prob_micro_batch_size_per_gpu"
-    if rollout.log_prob_micro_batch_size is not None:
-        return f"{R}.log_prob_micro_batch_size / devices"
-    return f"{R}.log_prob_micro_batch_size_per_gpu unset: the actor's micro-batch size"
-
-
-def _ref_source(cfg: HyflowConfig) -> str:
-    ref = cfg.actor_rollout_ref.ref
-    if ref.log_prob_micro_batch_size_per_gpu is not None:
-        return "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"
-    if ref.log_prob_micro_batch_size is not None:
-        return "actor_rollout_ref.ref.log_prob_micro_batch_size / devices"
-    return "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu unset: the old log-probs' size"
-
-
-def _critic_forward_source(cfg: HyflowConfig) -> str:
-    critic = cfg.critic
-    if critic.forward_micro_batch_size_per_gpu is not None:
-        return "critic.forward_micro_batch_size_per_gpu"
-    if critic.forward_micro_batch_size is not None:
-        return "critic.forward_micro_batch_size / devices"
-    return "critic.forward_micro_batch_size_per_gpu unset: the critic's micro-batch size"
+def _micro_source(
+    key: str, knobs: Any, knob: str = "ppo_micro_batch_size", unset: str = "the whole per-device mini-batch"
+) -> str:
+    """Which knob sets a micro-batch size: `<key>.<knob>_per_gpu`, else the deprecated global `<key>.<knob>` /
+    devices, else neither (`unset` says what is used then)."""
+    if getattr(knobs, f"{knob}_per_gpu") is not None:
+        return f"{key}.{knob}_per_gpu"
+    if getattr(knobs, knob) is not None:
+        return f"{key}.{knob} / devices"
+    return f"{key}.{knob}_per_gpu unset: {unset}"
 
 
 def _budget_warning(budget: int | None, b: BatchArithmetic) -> str:
