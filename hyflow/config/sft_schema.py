@@ -36,6 +36,9 @@ from hyflow.config.schema import (
     resolve_interpolations,
     section,
 )
+from hyflow.config.schema.base import option_like
+from hyflow.config.schema.common import ModelConfig, OptimConfig
+from hyflow.config.schema.trainer import TrainerConfig
 from hyflow.specs import SFTBatches  # noqa: F401  (the type lives in hyflow.specs; importable from here too)
 
 
@@ -115,9 +118,7 @@ class SFTModelConfig:
     )
     tokenizer_path: str | None = option(None, "Tokenizer directory or hub id (None = partial_pretrain).")
     trust_remote_code: bool = option(False, "Allow custom modelling/tokenizer code from the model repository.")
-    enable_gradient_checkpointing: bool = option(
-        True, "Recompute activations in the backward pass: less memory, about 30% more compute."
-    )
+    enable_gradient_checkpointing: bool = option_like(ModelConfig, "enable_gradient_checkpointing")
     override_config: dict[str, Any] = option(
         {}, "Overrides of the model's config.json, e.g. +model.override_config.attn_implementation=sdpa."
     )
@@ -130,9 +131,9 @@ class SFTModelConfig:
         "is the same either way.")
     lora_rank: int = option(0, "LoRA rank (0 = full fine-tuning): train low-rank adapters (peft) on a frozen "
                             "base; checkpoints hold the adapter only; hyflow export merges it (or --adapter).")
-    lora_alpha: int = option(16, "LoRA scaling alpha (update scaled by lora_alpha / lora_rank).")
+    lora_alpha: int = option_like(ModelConfig, "lora_alpha")
     target_modules: Any = option("all-linear", "Modules that get LoRA adapters: 'all-linear' or a list of names.")
-    exclude_modules: Any = option(None, "Modules excluded from LoRA (a name, regex or list).")
+    exclude_modules: Any = option_like(ModelConfig, "exclude_modules")
     lora_adapter_path: str | None = option(None, "Start from this trained LoRA adapter (a peft directory).")
 
 
@@ -149,15 +150,15 @@ class SFTOptimConfig:
     lr: float = option(1e-5, "Peak learning rate.")
     betas: list[float] = option([0.9, 0.95], "Adam (beta1, beta2).")
     weight_decay: float = option(0.01, "Decoupled weight decay.")
-    lr_warmup_steps: int = option(-1, "Linear warm-up length, in optimizer steps (-1 = use lr_warmup_steps_ratio).")
+    lr_warmup_steps: int = option_like(OptimConfig, "lr_warmup_steps")
     lr_warmup_steps_ratio: float = option(
         0.1, "Warm-up length as a fraction of the total optimizer steps (used when lr_warmup_steps < 0)."
     )
     lr_scheduler: str = option(
         "cosine", "Learning-rate schedule after warm-up: constant or cosine.", choices=("constant", "cosine")
     )
-    min_lr_ratio: float = option(0.0, "Cosine schedule floor, as a fraction of lr.")
-    num_cycles: float = option(0.5, "Cosine cycles over the schedule (0.5 = one half-cosine decay).")
+    min_lr_ratio: float = option_like(OptimConfig, "min_lr_ratio")
+    num_cycles: float = option_like(OptimConfig, "num_cycles")
     clip_grad: float = option(1.0, "Clip the global gradient norm to this (<= 0 = no clipping); non-finite norms skip the step.")
 
 
@@ -181,12 +182,8 @@ class SFTTrainerConfig:
     )
     save_freq: int = option(-1, "Save a checkpoint every this many steps (-1 = only at the end; the last step is always saved).")
     test_freq: int = option(-1, "Compute val/loss every this many steps (-1 = only at the end, when val_files is set).")
-    resume_mode: str = option(
-        "auto",
-        "auto: resume from the latest intact checkpoint in default_local_dir (a directory holding a previous run with none is an error, never a silent restart); disable: start from step 0 (the explicit choice to start over a previous run there); resume_path: from resume_from_path.",
-        choices=("auto", "disable", "resume_path"),
-    )
-    resume_from_path: str | None = option(None, "Checkpoint directory (global_step_N) for resume_mode=resume_path.")
+    resume_mode: str = option_like(TrainerConfig, "resume_mode")
+    resume_from_path: str | None = option_like(TrainerConfig, "resume_from_path")
     max_ckpt_to_keep: int | None = option(None, "Keep at most this many checkpoints (None = all).")
     seed: int = option(1, "Global seed: model initialisation draws, data order (unless data.seed) and dropout.")
     nnodes: int = option(1, "Machines; the run trains on nnodes x n_gpus_per_node devices, one worker each.")

@@ -26,6 +26,14 @@ def option(default: Any, help: str, *, choices: tuple[Any, ...] | None = None) -
     return field(default=default, metadata=metadata)
 
 
+def option_like(cls: type, name: str) -> Any:
+    """The leaf `name` of the schema dataclass `cls` again (same default, help text and choices), for a section
+    that has the same key: one definition serves both (the SFT schema's keys that are the RL schema's)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return option(default, f.metadata["help"], choices=f.metadata.get("choices"))
+
+
 def section(factory: Callable[[], Any], help: str) -> Any:
     """A nested section: `field(default_factory=factory, metadata={"help": ...})`."""
     return field(default_factory=factory, metadata={"help": help})
