@@ -291,7 +291,7 @@ def test_reward_model_in_its_own_pool_scores_like_one_process(tiny_model_dir, ti
     local = RLTrainer(base)
     local.setup()
     try:
-        batch = local.generate(local.loader.next_batch(), local.sampling_params())
+        batch = local.actor.generate_sequences(local.loader.next_batch(), local.sampling_params())
         want = local.reward_model.compute_rm_score(batch)["rm_scores"]
     finally:
         local.shutdown()
