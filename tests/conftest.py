@@ -6,10 +6,18 @@ import faulthandler
 import importlib.util
 import os
 import re
+import signal
 import sys
 import threading
 
 import pytest
+
+# A suite started as a background job of a non-interactive shell (`cmd &`, nohup, some CI runners) inherits SIGINT
+# ignored (POSIX), and so would every process it starts: the Ctrl-C tests (tests/test_cli_interrupt.py,
+# tests/rewards/test_reward_failures.py) would then test nothing but the launch. Give this process Python's own
+# handler, so the processes it starts see SIGINT at its default, as under a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
