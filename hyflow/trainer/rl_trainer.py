@@ -53,6 +53,7 @@ from hyflow.config.arithmetic import (
     role_devices,
     uses_reference,
 )
+from hyflow.config.loader import derived_default_notes
 from hyflow.config.roles import role_specs
 from hyflow.config.support import performance_only_warning
 from hyflow.controller import LocalWorkerGroup
@@ -71,7 +72,7 @@ from hyflow.trainer.metrics import compute_data_metrics, compute_throughput_metr
 from hyflow.trainer.report import latest_checkpoint, sample_rows, speed_defaults_line, where_interrupted
 from hyflow.trainer.rl_datasets import rl_dataset
 from hyflow.trainer.role_checkpoints import RoleCheckpoints, RoleState
-from hyflow.trainer.roles import Roles, build_roles
+from hyflow.trainer.roles import Roles, build_roles, has_rollout_pool
 from hyflow.trainer.run_dir import claim_run_directory
 from hyflow.trainer.tracking import (
     ProgressBar,
@@ -107,9 +108,8 @@ class RLTrainer:
             print(accepted)  # once, at start: keys that only change speed or memory (hyflow.config.support)
         self.n_devices = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node  # the actor's (and colocated roles')
         self.async_mode = cfg.async_training.mode != "sync"
-        self.rollout_pool = self.async_mode and cfg.rollout.n_gpus_per_node > 0  # the rollout on devices of its own
         self.total_devices = (self.n_devices + sum(role_devices(cfg, role) for role in own_pool_roles(cfg))
-                              + (cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node if self.rollout_pool else 0))
+                              + (cfg.rollout.nnodes * cfg.rollout.n_gpus_per_node if has_rollout_pool(cfg) else 0))
         self.executor = cfg.trainer.executor if cfg.trainer.executor != "auto" else (
             "local" if self.total_devices == 1 else "ray")
         if self.executor == "local" and self.n_devices > 1:
@@ -138,8 +138,6 @@ class RLTrainer:
                                                          dict(cfg.custom_reward_function.reward_kwargs or {}))
         if self.reward_fn is None and not cfg.reward_model.enable:  # the built-in scorers must cover the data
             check_scorers_exist(self._data_sources())
-        from hyflow.config.loader import derived_default_notes
-
         for note in derived_default_notes(cfg):  # e.g. the off-policy correction an asynchronous mode runs with
             print(note)
         self.run_dir = Path(cfg.trainer.default_local_dir)
