@@ -237,8 +237,8 @@ def run_hyflow(args: argparse.Namespace, model_dir: Path, task_dir: Path, run_di
             result.gen_tokens.append(metrics["response_length/mean"] * samples)
             result.add_stage("rollout+score", metrics["timing_s/gen"])
             result.add_stage("old_log_prob", metrics.get("timing_s/old_log_prob", 0.0))
-            result.add_stage("update", metrics.get("timing_s/update_actor", 0.0)
-                             + metrics.get("timing_s/update_weights", 0.0))
+            result.add_stage("update", metrics.get("timing_s/update_actor", 0.0))
+            result.add_stage("weight_sync", metrics.get("timing_s/update_weights", 0.0))
             return metrics
 
     start = time.perf_counter()
@@ -306,6 +306,7 @@ def run_trl(args: argparse.Namespace, model_dir: Path, task_dir: Path, run_dir: 
             result.add_stage("rollout+score", stage.get("rollout+score", 0.0))
             result.add_stage("old_log_prob", 0.0)  # skipped by TRL when generation and update are aligned
             result.add_stage("update", seconds - stage.get("rollout+score", 0.0))
+            result.add_stage("weight_sync", 0.0)  # TRL generates with the module it trains
 
     start = time.perf_counter()
     with quiet(run_dir.parent / f"{run_dir.name}.log"):
@@ -381,7 +382,7 @@ def _cpu_model() -> str:
 
 
 def format_report(summaries: dict[str, dict], args: argparse.Namespace, info: dict, per_round: list[float]) -> str:
-    stage_names = ("rollout+score", "old_log_prob", "update")
+    stage_names = ("rollout+score", "old_log_prob", "update", "weight_sync")
     header = (f"{'library':<8} {'steps':>5} {'median s':>9} {'mean s':>8} {'min s':>7} {'max s':>7} {'steps/s':>8} "
               f"{'gen tok/s':>10} " + " ".join(f"{n:>13}" for n in stage_names) + f" {'warm-up s':>9} {'other s':>8}")
     lines = [

@@ -389,7 +389,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, cached_gaussian = state["numpy"]
-    keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+    keys = keys.cpu().numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)  # loaded to cuda: .cpu()
     np.random.set_state((kind, keys.astype(np.uint32), int(pos), int(has_gauss), float(cached_gaussian)))
     torch.set_rng_state(state["torch_cpu"].cpu())
     cuda_states = state["torch_cuda"]

@@ -107,6 +107,41 @@ def test_load_weights_changes_outputs_and_sleep_wake(model, tiny_tokenizer):
     assert torch.equal(engine.generate(prompts, params)["responses"], after)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sleep_frees_the_device_and_an_update_while_asleep_lands_on_the_device(model, tiny_tokenizer):
+    """On CUDA, sleep moves the weights to pinned host buffers (device memory freed); an update while asleep writes
+    straight into fresh device storage (what it does not cover comes from the host copy); wake then moves nothing.
+    Generation after each path equals an engine that was never put to sleep."""
+    model = model.to("cuda")
+    engine = HFRolloutEngine(model, eos_token_id=tiny_tokenizer.eos_token_id, pad_token_id=tiny_tokenizer.pad_token_id)
+    prompts = prompt_batch(tiny_tokenizer, TEXTS)
+    params = SamplingParams(max_new_tokens=6, do_sample=False)
+    before = engine.generate(prompts, params)["responses"]
+    reference = {name: p.detach().clone() for name, p in model.named_parameters()}
+    awake_bytes = torch.cuda.memory_allocated()
+    engine.sleep()
+    assert torch.cuda.memory_allocated() < awake_bytes
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in model.parameters())
+    engine.wake()
+    assert all(p.device.type == "cuda" for p in model.parameters())
+    assert torch.equal(engine.generate(prompts, params)["responses"], before)
+
+    # an update while asleep: half of the tensors new (sent in fp32 from the "trainer"), the rest from the host copy
+    names = [name for name, _ in model.named_parameters()]
+    new = {name: torch.randn_like(reference[name]) * 0.5 for name in names[::2]}
+    engine.sleep()
+    assert engine.update_weights([list(new.items())]) == len(new)
+    assert all(p.device.type == "cuda" for p in model.parameters())  # on the device already: wake moves nothing
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(prompts, params)
+    engine.wake()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, new[name] if name in new else reference[name]), name
+    after = engine.generate(prompts, params)["responses"]
+    fresh = HFRolloutEngine(model, eos_token_id=tiny_tokenizer.eos_token_id, pad_token_id=tiny_tokenizer.pad_token_id)
+    assert torch.equal(fresh.generate(prompts, params)["responses"], after)
+
+
 def test_load_weights_rejects_unknown_names_and_shapes(model, tiny_tokenizer):
     engine = HFRolloutEngine(model, eos_token_id=2, pad_token_id=0)
     with pytest.raises(KeyError, match="no parameter 'nope.weight'"):
