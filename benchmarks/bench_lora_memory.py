@@ -59,9 +59,9 @@ def run_mode(args: argparse.Namespace) -> dict:
 
     from hyflow.algos import get_policy_loss
     from hyflow.batch import Batch
-    from hyflow.config.arithmetic import ForwardBatches
-    from hyflow.config.lora import lora_settings
     from hyflow.models.loading import load_causal_lm
+    from hyflow.models.lora import parameter_counts
+    from hyflow.specs import ForwardBatches, FsdpSettings, LoraSettings, OptimizerSpec, TrainEngineSpec
     from hyflow.workers.train_engine import TrainEngine, UpdatePlan
 
     torch.manual_seed(0)
@@ -74,16 +74,12 @@ def run_mode(args: argparse.Namespace) -> dict:
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     base_rss = _rss_bytes()
-    optim = argparse.Namespace(optimizer_impl="torch.optim", optimizer="AdamW", lr=1e-4, weight_decay=0.01,
-                               betas=[0.9, 0.999], override_optimizer_config=None, lr_warmup_steps=0,
-                               lr_warmup_steps_ratio=0.0, lr_scheduler_type="constant", min_lr_ratio=0.0,
-                               num_cycles=0.5)
-    lora = None
-    if args.mode == "lora":
-        lora = lora_settings({"lora_rank": args.rank, "lora_alpha": 2 * args.rank, "target_modules": "all-linear"})
-    fsdp = argparse.Namespace(dtype=args.dtype, reshard_after_forward=True)
-    engine = TrainEngine(model, name="actor", head="lm", device=device, strategy="single", fsdp_config=fsdp,
-                         optim=optim, grad_clip=1.0, lora=lora, use_remove_padding=False)
+    # the actor's engine as the trainer builds it (TrainEngine.from_spec), AdamW at a constant lr
+    lora = LoraSettings(rank=args.rank, alpha=2 * args.rank) if args.mode == "lora" else None  # all linear layers
+    spec = TrainEngineSpec(name="actor", head="lm", strategy="fsdp", fsdp=FsdpSettings(dtype=args.dtype),
+                           compute_dtype=args.dtype, device=args.device, grad_clip=1.0, lora=lora,
+                           optim=OptimizerSpec(lr=1e-4, weight_decay=0.01, lr_warmup_steps=0))
+    engine = TrainEngine.from_spec(model, spec, device=device)
     B, P, R = args.batch, args.prompt, args.response
     vocab = model.config.vocab_size
     generator = torch.Generator().manual_seed(1)
@@ -112,7 +108,7 @@ def run_mode(args: argparse.Namespace) -> dict:
     # "Total Allocated" of the profiler's memory events: bytes of live CPU tensors allocated since it started
     cpu_live = [e["args"].get("Total Allocated", 0) for e in events
                 if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0]
-    trainable, total = engine.parameter_counts()
+    trainable, total = parameter_counts(engine.model)
     params = list(engine.model.parameters())
     optimizer_state = [v for state in engine.optimizer.state.values() for v in state.values()
                        if isinstance(v, torch.Tensor)]
