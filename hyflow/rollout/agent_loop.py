@@ -272,6 +272,11 @@ class ServerHandle:
         self.response_length = response_length
         self._calls = 0
 
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """The ids at which the engine ends a turn (EOS ids and the sampling params' stop ids)."""
+        return frozenset(self._server.stop_ids)
+
     async def generate(self, request_id: str | None = None, *, prompt_ids: list[int],
                        sampling_params: dict | None = None, **_: Any) -> TokenOutput:
         budget = (sampling_params or {}).get("max_tokens") or self.response_length
@@ -378,6 +383,8 @@ class ToolAgentLoop(AgentLoopBase):
                              for t in self.tools.values()]
         if self.tool_parser is None:
             self.tool_parser = make_tool_parser(mt.format, self.tokenizer)
+        # a turn's closing ids, dropped before it is parsed (a server manager of verl's shape may not say them)
+        self.end_ids = getattr(self.server_manager, "stop_ids", frozenset())
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         data = AgentData(messages=[dict(m) for m in kwargs["raw_prompt"]], request_id=uuid.uuid4().hex,
@@ -432,8 +439,7 @@ class ToolAgentLoop(AgentLoopBase):
                 return
             if self.max_user_turns and data.user_turns >= self.max_user_turns:
                 return
-            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            parsed = self.tool_parser.parse(text)
+            parsed = self.tool_parser.parse_ids(out.token_ids, end_ids=self.end_ids)
             calls: list[FunctionCall | MalformedCall] = [*parsed.calls, *parsed.malformed]
             data.messages.append(self._assistant_message(parsed.content, parsed.calls))
             if calls:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -62,9 +63,33 @@ class ToolParser(ABC):
     @abstractmethod
     def parse(self, text: str) -> ParsedTurn: ...
 
+    def parse_ids(self, token_ids: Sequence[int], *, end_ids: Iterable[int] = ()) -> ParsedTurn:
+        """Parse one turn from the token ids the model produced: the one decode path of the agent loop and of
+        `extract_tool_calls`.
+
+        The ids are decoded with their special tokens kept: a format's markers may be special tokens (Qwen's
+        `<tool_call>` in tokenizers that mark it special, Mistral's `[TOOL_CALLS]`, Llama's `<|python_tag|>`), and
+        decoding with `skip_special_tokens=True` made them vanish, so a well-formed call was neither run nor
+        counted as malformed. The turn's closing ids (the tokenizer's EOS and `end_ids`: the engine's EOS and stop
+        ids) are dropped before decoding, and the special tokens left in the content (outside the calls) are
+        removed from it, so the content reads as a decode without special tokens would.
+        """
+        if self.tokenizer is None:
+            raise ValueError(f"{type(self).__name__} was made without a tokenizer; parse(text) needs none")
+        ids = list(token_ids)
+        closing = set(end_ids)
+        if self.tokenizer.eos_token_id is not None:
+            closing.add(self.tokenizer.eos_token_id)
+        while ids and ids[-1] in closing:
+            ids.pop()
+        turn = self.parse(self.tokenizer.decode(ids, skip_special_tokens=False))
+        for token in _special_token_texts(self.tokenizer):
+            turn.content = turn.content.replace(token, "")
+        return turn
+
     async def extract_tool_calls(self, responses_ids: list[int], tools=None) -> tuple[str, list[FunctionCall]]:
         """verl's parser method: decode the ids and return (content, calls); malformed calls are left out."""
-        parsed = self.parse(self.tokenizer.decode(responses_ids, skip_special_tokens=False))
+        parsed = self.parse_ids(responses_ids)
         return parsed.content, parsed.calls
 
     @classmethod
@@ -116,6 +141,14 @@ class HermesToolParser(ToolParser):
             turn.malformed.append(MalformedCall(tail, f"{self.START} without {self.END}"))
             turn.content = rest[: rest.index(self.START)]
         return turn
+
+
+def _special_token_texts(tokenizer) -> list[str]:
+    """Every special token's text (`all_special_tokens` and added tokens marked special), longest first."""
+    texts = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    texts |= {token.content for token in decoder.values() if getattr(token, "special", False)}
+    return sorted((t for t in texts if t), key=len, reverse=True)
 
 
 def _read_call(body: str) -> FunctionCall | MalformedCall:

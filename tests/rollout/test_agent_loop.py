@@ -632,3 +632,52 @@ def test_a_loop_that_changes_the_prompt_is_refused(tmp_path, tiny_tokenizer, mon
     loops = manager(ScriptedEngine(tok, lambda t: "x"), tok, rollout_config(tmp_path, tools=False))
     with pytest.raises(ValueError, match="returned prompt_ids that are not the prompt's token ids"):
         loops.generate(make_prompts(tok, ["q"], agent="rewrites"), params())
+
+
+# ---------------------------------------------------------------------------------------------- special markers
+def _marking_tags_special(tokenizer, special: bool):
+    """A copy of the tokenizer in which <tool_call> and </tool_call> are single added tokens, special or not."""
+    import copy
+
+    from tokenizers import AddedToken
+
+    tok = copy.deepcopy(tokenizer)
+    tags = [AddedToken(t, special=special, normalized=False) for t in ("<tool_call>", "</tool_call>")]
+    if special:
+        tok.add_special_tokens({"additional_special_tokens": tags})
+    else:
+        tok.add_tokens(tags)
+    ids = tok("<tool_call>", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 1 and (ids[0] in tok.all_special_ids) == special  # the premise of the test
+    return tok
+
+
+@pytest.mark.parametrize("special", [True, False], ids=["tags-special", "tags-plain"])
+def test_calls_are_parsed_whether_the_tags_are_special_tokens_or_not(special, tiny_tokenizer):
+    """One decode path keeps special tokens: a tokenizer that marks <tool_call> special made the agent loop's
+    decode (skip_special_tokens=True) drop the markers, so the call was neither run nor counted as malformed."""
+    tok = _marking_tags_special(tiny_tokenizer, special)
+    parser = HermesToolParser(tok)
+    text = "Let me compute. " + call("6 * 7") + " and " + call("1 +", name="calculator")
+    ids = [*tok(text, add_special_tokens=False)["input_ids"], tok.eos_token_id]
+    turn = parser.parse_ids(ids)
+    assert [(c.name, c.parsed_arguments()) for c in turn.calls] == [("calculator", {"expression": "6 * 7"}),
+                                                                    ("calculator", {"expression": "1 +"})]
+    assert turn.content == "Let me compute.  and " and not turn.malformed  # no EOS or tag text left
+    unclosed = parser.parse_ids([*tok("Sure <tool_call>{\"name\": \"calculator\"", add_special_tokens=False)[
+        "input_ids"], tok.eos_token_id])
+    assert not unclosed.calls and "without </tool_call>" in unclosed.malformed[0].reason
+    assert unclosed.content == "Sure "
+    content, calls = asyncio.run(parser.extract_tool_calls(ids))  # verl's method: the same path
+    assert content == turn.content and [c.name for c in calls] == ["calculator", "calculator"]
+
+
+@pytest.mark.parametrize("special", [True, False], ids=["tags-special", "tags-plain"])
+def test_the_tool_agent_runs_calls_whose_tags_are_special_tokens(special, tmp_path, tiny_tokenizer):
+    tok = _marking_tags_special(tiny_tokenizer, special)
+    engine = ScriptedEngine(tok, calculator_script)
+    out = manager(engine, tok, rollout_config(tmp_path)).generate(make_prompts(tok, ["What is 2 + 3 * 4?"]),
+                                                                   params())
+    metrics = out.meta["metrics"]
+    assert metrics["tool/calls_per_sample/mean"] == 1.0 and metrics["tool/malformed_calls/mean"] == 0.0
+    assert [text for _, text in segments(tok, out, 0)][-1] == "#### 14<|im_end|>"  # the tool's answer came back
