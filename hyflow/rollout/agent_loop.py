@@ -383,6 +383,7 @@ class ToolAgentLoop(AgentLoopBase):
                              for t in self.tools.values()]
         if self.tool_parser is None:
             self.tool_parser = make_tool_parser(mt.format, self.tokenizer)
+            self.tool_parser.set_tools(self.tool_schemas)
         # a turn's closing ids, dropped before it is parsed (a server manager of verl's shape may not say them)
         self.end_ids = getattr(self.server_manager, "stop_ids", frozenset())
 
@@ -635,6 +636,8 @@ class AgentLoopManager:
         self.num_workers = max(1, int(agent.num_workers))
         self.multi_turn = bool(rollout_config.multi_turn.enable)
         self.tool_parser = make_tool_parser(rollout_config.multi_turn.format, tokenizer)
+        self.tool_parser.set_tools(tool.tool_schema.model_dump(exclude_unset=True, exclude_none=True)
+                                   for tool in self.tools.values())
         # tool calls run on these threads (at most max(64, num_workers) at once), so a timeout can end them
         self.tool_runner = ToolRunner(max_threads=max(64, self.num_workers))
         self._stuck_reported = 0
@@ -671,8 +674,11 @@ class AgentLoopManager:
         # asyncio.to_thread in an agent loop: daemon threads that asyncio.run does not wait for at its end
         asyncio.get_running_loop().set_default_executor(DaemonExecutor("hyflow-agent-thread"))
         n = params.n
-        server = BatchingServer(self.engine, dataclasses.replace(params, n=1), self.pad_token_id,
-                                self.eos_token_ids, prompts)
+        turn_params = dataclasses.replace(params, n=1)
+        extra_stops = [i for i in self.tool_parser.stop_token_ids if i not in params.stop_token_ids]
+        if self.multi_turn and extra_stops:  # the format ends a call turn with its own id (llama3's <|eom_id|>)
+            turn_params = dataclasses.replace(turn_params, stop_token_ids=(*params.stop_token_ids, *extra_stops))
+        server = BatchingServer(self.engine, turn_params, self.pad_token_id, self.eos_token_ids, prompts)
         self.last_server = server
         rows = prompt_rows(prompts)
         sampling = sampling_dict(params)

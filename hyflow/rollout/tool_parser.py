@@ -1,7 +1,9 @@
 """Tool-call parsers: the text of one assistant turn -> its content and the tool calls it makes.
 
-Parsers are registered by name (`rollout.multi_turn.format`, verl's key): `hermes` (Qwen2.5 / Hermes,
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) is built in; `@register_tool_parser("mine")` (verl's
+Parsers are registered by name (`rollout.multi_turn.format`, verl's key). Built in: `hermes` (Qwen2.5 / Qwen3 /
+Hermes, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), `qwen3_coder` (Qwen3-Coder / Qwen3.5's XML,
+`<tool_call><function=NAME><parameter=KEY>value</parameter></function></tool_call>`, verl's name) and
+`llama3_json` (Llama 3.x, `{"name": ..., "parameters": {...}}`, vLLM's name). `@register_tool_parser("mine")` (verl's
 spelling `@ToolParser.register("mine")` also works) adds one to `TOOL_PARSERS`. A parser never raises on the
 policy's output: every call it cannot read (bad JSON, no name, arguments that are not an object, a
 `<tool_call>` never closed) comes back as a `MalformedCall` with the reason, which the
@@ -55,6 +57,15 @@ class ToolParser(ABC):
 
     def __init__(self, tokenizer=None) -> None:
         self.tokenizer = tokenizer
+        self.tool_parameters: dict[str, dict[str, Any]] = {}  # tool name -> its JSON-schema `parameters`
+
+    def set_tools(self, schemas: Iterable[dict[str, Any]]) -> None:
+        """The tools the model may call (OpenAI function schemas, as the chat template receives them): formats
+        whose arguments are untyped text (qwen3_coder's `<parameter=...>` values) read their types from here."""
+        for schema in schemas:
+            function = schema.get("function", schema)
+            if function.get("name"):
+                self.tool_parameters[function["name"]] = dict(function.get("parameters") or {})
 
     @property
     def stop_token_ids(self) -> list[int]:
@@ -141,6 +152,146 @@ class HermesToolParser(ToolParser):
             turn.malformed.append(MalformedCall(tail, f"{self.START} without {self.END}"))
             turn.content = rest[: rest.index(self.START)]
         return turn
+
+
+@register_tool_parser("qwen3_coder")
+class Qwen3CoderToolParser(ToolParser):
+    """Qwen3-Coder's (and Qwen3.5's) XML calls, any number per turn::
+
+        <tool_call>
+        <function=calculator>
+        <parameter=expression>
+        6 * 7
+        </parameter>
+        </function>
+        </tool_call>
+
+    A value is the text between its tags without the one newline on each side that the chat template writes.
+    Its type comes from the tool's schema (`set_tools`): strings stay text; integers, numbers and booleans
+    (`true`/`True`) are converted; objects and arrays are read as JSON (the template writes them with `tojson`).
+    A value that does not convert stays text, so the argument check names the type error to the model. For a
+    tool without a schema a value is read as JSON when it is JSON, else kept as text. An unclosed
+    `<tool_call>`, a call without `<function=NAME>` or without `</function>`, and an unclosed `<parameter=` are
+    malformed."""
+
+    START, END = "<tool_call>", "</tool_call>"
+    _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+    _FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*)$", re.DOTALL)
+    _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+    def parse(self, text: str) -> ParsedTurn:
+        turn = ParsedTurn(content=self._CALL.sub("", text))
+        for match in self._CALL.finditer(text):
+            call = self._read(match.group(1))
+            (turn.calls if isinstance(call, FunctionCall) else turn.malformed).append(call)
+        if self.START in turn.content:
+            cut = turn.content.index(self.START)
+            turn.malformed.append(MalformedCall(turn.content[cut:], f"{self.START} without {self.END}"))
+            turn.content = turn.content[:cut]
+        return turn
+
+    def _read(self, body: str) -> FunctionCall | MalformedCall:
+        function = self._FUNCTION.match(body)
+        if function is None:
+            return MalformedCall(body.strip(), "the call has no <function=NAME>")
+        name, rest = function.group(1).strip(), function.group(2)
+        if "</function>" not in rest:
+            return MalformedCall(body.strip(), f"<function={name}> without </function>")
+        inner = rest[: rest.rindex("</function>")]
+        if rest[rest.rindex("</function>") + len("</function>"):].strip():
+            return MalformedCall(body.strip(), f"text after </function> in the call of {name!r}")
+        if self._PARAMETER.sub("", inner).count("<parameter=") > 0:
+            return MalformedCall(body.strip(), f"a <parameter= of {name!r} without </parameter>")
+        properties = (self.tool_parameters.get(name) or {}).get("properties") or {}
+        arguments: dict[str, Any] = {}
+        for parameter in self._PARAMETER.finditer(inner):
+            key, raw = parameter.group(1).strip(), _strip_one_newline(parameter.group(2))
+            arguments[key] = _typed_value(raw, (properties.get(key) or {}).get("type"), known=name in self.tool_parameters)
+        return FunctionCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False))
+
+
+@register_tool_parser("llama3_json")
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.1 / 3.2 / 3.3 JSON tool calls: a turn that is one or more JSON objects
+    `{"name": "calculator", "parameters": {"expression": "6 * 7"}}` (`"arguments"` is read too), separated by `;`
+    or whitespace, optionally after `<|python_tag|>` (which may follow some text: that text is the content). A
+    turn that does not start with `{` (after the tag) is content without calls. Calls end the turn with EOS
+    (`<|eot_id|>`) or `<|eom_id|>`, which is a stop id when the tokenizer has it."""
+
+    TAG = "<|python_tag|>"
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        if self.tokenizer is None:
+            return []
+        eom = self.tokenizer.convert_tokens_to_ids("<|eom_id|>")
+        return [eom] if isinstance(eom, int) and eom != self.tokenizer.unk_token_id else []
+
+    def parse(self, text: str) -> ParsedTurn:
+        content, body = (text.split(self.TAG, 1) if self.TAG in text else ("", text))
+        if not body.lstrip().startswith("{"):
+            return ParsedTurn(content=text.replace(self.TAG, ""))
+        turn = ParsedTurn(content=content)
+        decoder, position, body = json.JSONDecoder(), 0, body.strip()
+        while position < len(body):
+            try:
+                value, end = decoder.raw_decode(body, position)
+            except json.JSONDecodeError as err:
+                turn.malformed.append(MalformedCall(body[position:], f"the call is not valid JSON ({err.msg} at "
+                                                                     f"character {err.pos - position})"))
+                break
+            if isinstance(value, dict) and "parameters" in value:  # Llama's key for the arguments
+                value = {**{k: v for k, v in value.items() if k != "parameters"}, "arguments": value["parameters"]}
+            call = _read_call(json.dumps(value))
+            (turn.calls if isinstance(call, FunctionCall) else turn.malformed).append(call)
+            position = end
+            while position < len(body) and body[position] in " \t\r\n;":
+                position += 1
+        return turn
+
+
+def _strip_one_newline(value: str) -> str:
+    """The text of a qwen3_coder value: the chat template writes one newline after the opening tag and one
+    before the closing tag."""
+    if value.startswith("\n"):
+        value = value[1:]
+    if value.endswith("\n"):
+        value = value[:-1]
+    return value
+
+
+def _typed_value(raw: str, kind: str | list | None, *, known: bool) -> Any:
+    """`raw` as the schema's type says (see Qwen3CoderToolParser); unconvertible text stays text."""
+    text = raw.strip()
+    if not known:  # no schema for this tool: JSON when it is JSON
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return raw
+    kinds = [kind] if isinstance(kind, str) else list(kind or [])
+    for k in kinds:
+        if k == "string":
+            return raw
+        if k == "null" and text.lower() in ("null", "none"):
+            return None
+        if k == "boolean" and text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        if k == "integer" and re.fullmatch(r"[+-]?\d+", text):
+            return int(text)
+        if k == "number":
+            try:
+                number = float(text)
+            except ValueError:
+                continue
+            return int(number) if re.fullmatch(r"[+-]?\d+", text) else number
+        if k in ("object", "array"):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(value, dict if k == "object" else list):
+                return value
+    return raw
 
 
 def _special_token_texts(tokenizer) -> list[str]:

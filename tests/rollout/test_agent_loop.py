@@ -681,3 +681,35 @@ def test_the_tool_agent_runs_calls_whose_tags_are_special_tokens(special, tmp_pa
     metrics = out.meta["metrics"]
     assert metrics["tool/calls_per_sample/mean"] == 1.0 and metrics["tool/malformed_calls/mean"] == 0.0
     assert [text for _, text in segments(tok, out, 0)][-1] == "#### 14<|im_end|>"  # the tool's answer came back
+
+
+def test_the_tool_agent_with_the_qwen3_coder_format(tmp_path, tiny_tokenizer):
+    """multi_turn.format=qwen3_coder: the XML call is parsed with the tool's schema and run."""
+    tok = tiny_tokenizer
+
+    def script(text: str) -> str:
+        last = text.rsplit("<|im_start|>", 2)[-2]
+        if last.startswith("tool\n"):
+            return "#### " + last[len("tool\n"):].split("<|im_end|>")[0]
+        return ("<tool_call>\n<function=calculator>\n<parameter=expression>\n2 + 3 * 4\n</parameter>\n</function>\n"
+                "</tool_call>")
+
+    engine = ScriptedEngine(tok, script)
+    out = manager(engine, tok, rollout_config(tmp_path, f"{RT}.multi_turn.format=qwen3_coder")).generate(
+        make_prompts(tok, ["What is 2 + 3 * 4?"]), params())
+    metrics = out.meta["metrics"]
+    assert metrics["tool/calls_per_sample/mean"] == 1.0 and metrics["tool/bad_arguments/mean"] == 0.0
+    assert [text for _, text in segments(tok, out, 0)][-1] == "#### 14<|im_end|>"
+
+
+def test_a_format_with_its_own_end_of_call_id_stops_turns_there(tmp_path, tiny_tokenizer):
+    """llama3_json: <|eom_id|> (when the tokenizer has it) ends a call turn, as EOS does."""
+    import copy
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|eom_id|>"]})
+    eom = tok.convert_tokens_to_ids("<|eom_id|>")
+    loops = manager(ScriptedEngine(tok, lambda text: "6"), tok,
+                    rollout_config(tmp_path, f"{RT}.multi_turn.format=llama3_json"))
+    loops.generate(make_prompts(tok, ["Hi"]), params())
+    assert eom in loops.last_server.stop_ids and tok.eos_token_id in loops.last_server.stop_ids

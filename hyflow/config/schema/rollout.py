@@ -51,8 +51,9 @@ class MultiTurnConfig:
         None, "YAML file declaring simulated-user interactions (verl's format: an `interaction:` list of name, "
         "class_name, config); a sample's interaction_kwargs.name picks one.")
     format: str = option(
-        "hermes", "Tool-call format the model emits, a registered parser (hermes = "
-        "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>)."
+        "hermes", "Tool-call format the model emits, a registered parser: hermes (Qwen2.5/Qwen3, "
+        "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>), qwen3_coder (Qwen3-Coder/Qwen3.5 XML, "
+        "<function=NAME><parameter=KEY>), llama3_json (Llama 3.x, {\"name\": ..., \"parameters\": {...}})."
     )
     tool_timeout: float = option(
         30.0, "hyflow: seconds one tool call (create + execute) may take before it is answered with a timeout "
