@@ -189,6 +189,9 @@ def _check_async(cfg: HyflowConfig) -> list[str]:
                             "drop them")
         return problems
     where = f"async_training.mode={at.mode}"
+    if cfg.trainer.replay_rollouts:
+        problems.append(f"trainer.replay_rollouts replays the batches of a synchronous run; {where} generates while "
+                        "it trains: use async_training.mode=sync to replay")
     if not cfg.actor_rollout_ref.rollout.calculate_log_probs:
         problems.append(f"{where} needs the rollout's per-token log-probs (each token's behaviour policy): set "
                         f"{R}.calculate_log_probs=true")

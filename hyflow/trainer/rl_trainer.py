@@ -69,6 +69,7 @@ from hyflow.threads import configure_threads
 from hyflow.trainer.balance import balanced_group_order, balanced_order
 from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from hyflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, memory_metrics, timer
+from hyflow.trainer.replay import check_replay_shape, load_rollout, save_rollout
 from hyflow.trainer.report import latest_checkpoint, sample_rows, speed_defaults_line, where_interrupted
 from hyflow.trainer.rl_datasets import rl_dataset
 from hyflow.trainer.role_checkpoints import RoleCheckpoints, RoleState
@@ -344,7 +345,7 @@ class RLTrainer:
         metrics: dict[str, float] = {}
         with timer("step", timing):  # the stages below show on the bar
             with self._timed("gen", timing):
-                batch = self.rollout_and_score(prompts, metrics)
+                batch = self.rollout_or_replay(prompts, metrics)
             if self.progress is not None:
                 self.progress.generated(len(batch), batch["response_mask"], timing["gen"])
             batch = self.train_on(batch, metrics, timing)
@@ -469,6 +470,21 @@ class RLTrainer:
         for key, values in result.extra.items():
             batch[f"reward_extra/{key}"] = values
         return result.metrics
+
+    def rollout_or_replay(self, prompts: Batch, metrics: dict) -> Batch:
+        """The step's scored rollout: generated and scored (and written for replay with trainer.rollout_data_dir),
+        or read back from trainer.replay_rollouts (hyflow.trainer.replay)."""
+        trainer = self.config.trainer
+        if trainer.replay_rollouts:
+            batch, saved = load_rollout(trainer.replay_rollouts, self.global_step)
+            check_replay_shape(batch, samples=len(prompts) * self.config.actor_rollout_ref.rollout.n,
+                               directory=trainer.replay_rollouts, step=self.global_step)
+            metrics.update(saved)
+            return batch
+        batch = self.rollout_and_score(prompts, metrics)
+        if trainer.rollout_data_dir:
+            save_rollout(batch, metrics, trainer.rollout_data_dir, self.global_step)
+        return batch
 
     def rollout_and_score(self, prompts: Batch, metrics: dict) -> Batch:
         """Generate and score; with filter_groups, keep generating until enough prompts have varied scores."""

@@ -38,7 +38,11 @@ class TrainerConfig:
         "of them are always in <run dir>/generations/val_step_N.jsonl.")
     rollout_data_dir: str | None = option(
         None, "Write every training sample of step N (input, output, score, ground truth, scorer extras) to "
-        "<dir>/N.jsonl.")
+        "<dir>/N.jsonl, and (hyflow) the scored rollout batch to <dir>/N.rollout.safetensors and N.rollout.json, "
+        "which trainer.replay_rollouts reads.")
+    replay_rollouts: str | None = option(
+        None, "hyflow: train on the rollouts that a run's trainer.rollout_data_dir holds instead of generating and "
+        "scoring (slime's --debug-train-only): same batches, same losses; validation still generates.")
     validation_data_dir: str | None = option(None, "Write the validation samples of step N to <dir>/N.jsonl.")
     nnodes: int = option(1, "Machines in the run.")
     n_gpus_per_node: int = option(
