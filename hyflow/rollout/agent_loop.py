@@ -22,7 +22,10 @@ waiting for the engine): requests in trajectory order, each with its own budget 
 alone: call k of a rollout uses seed + k * 1_000_033. The first call holds every trajectory's first turn; the n
 samples of a prompt go to the engine as one prompt with n samples, so a single-turn rollout is exactly the engine
 call it replaced (same samples for the same seed). A tool that takes long holds back the next batch (every tool
-call has a timeout: `rollout.multi_turn.tool_timeout`).
+call has a timeout: `rollout.multi_turn.tool_timeout`). With `rollout.agent.batching=eager` the server instead
+calls the engine as soon as it is free with every request waiting then, on a thread of its own, so the event loop
+keeps running tools and interactions meanwhile: a slow tool or a long answer holds back only its own trajectory,
+at the price of smaller calls and samples that depend on the timing (which requests share call k).
 
 Never crash on the policy's output: a malformed call, an unknown tool, arguments that do not fit the tool's
 schema, a tool that raises (SystemExit included), returns garbage or times out all become an `error: ...` text in
@@ -157,8 +160,9 @@ class BatchingServer:
     _request_type: type = _Request  # what `generate` queues (a subclass may queue its own kind)
 
     def __init__(self, engine, params: SamplingParams, pad_token_id: int, eos_token_ids: Sequence[int],
-                 prompts: Batch | None = None) -> None:
+                 prompts: Batch | None = None, *, eager: bool = False) -> None:
         self.engine, self.params, self.pad_token_id = engine, params, pad_token_id
+        self.eager = eager  # call the engine whenever it is free (rollout.agent.batching=eager)
         self.stop_ids = set(eos_token_ids) | set(params.stop_token_ids)
         self.prompts = prompts  # the original prompt batch: turn-1 calls reuse its padded rows unchanged
         self.live = 0
@@ -169,9 +173,13 @@ class BatchingServer:
         self.tokens = 0  # generated so far (the progress callback reports it)
         self._ready: asyncio.Event | None = None
 
+    def _due(self) -> bool:
+        """Whether the waiting requests go to the engine now: all live trajectories wait (barrier), or any (eager)."""
+        return bool(self.waiting) and (self.eager or len(self.waiting) >= self.live)
+
     def _check(self) -> None:
-        """Wake `serve` when every live trajectory waits for the engine, or when none is left."""
-        if self._ready is not None and (self.live <= 0 or (self.waiting and len(self.waiting) >= self.live)):
+        """Wake `serve` when the waiting requests are due, or when no trajectory is left."""
+        if self._ready is not None and (self.live <= 0 or self._due()):
             self._ready.set()
 
     def finished_one(self) -> None:
@@ -191,25 +199,47 @@ class BatchingServer:
         """Run until every trajectory has finished."""
         self._ready = asyncio.Event()
         self._check()
-        while self.live > 0:
-            await self._ready.wait()
-            self._ready.clear()
-            if self.waiting and len(self.waiting) >= self.live:
-                requests, self.waiting = sorted(self.waiting, key=lambda r: r.index), []
-                outputs = self._decode_or_fail(requests)
-                for request, output in zip(requests, outputs):
-                    if not request.future.done():
-                        request.future.set_result(output)
+        engine_thread = None
+        if self.eager:  # the engine runs on this thread while the event loop runs tools and interactions
+            from concurrent.futures import ThreadPoolExecutor
+
+            engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hyflow-engine")
+        try:
+            while self.live > 0:
+                await self._ready.wait()
+                self._ready.clear()
+                if self._due():
+                    requests, self.waiting = sorted(self.waiting, key=lambda r: r.index), []
+                    if engine_thread is None:
+                        outputs = self._decode_or_fail(requests)
+                    else:
+                        try:
+                            outputs = await asyncio.get_running_loop().run_in_executor(engine_thread, self._decode,
+                                                                                      requests)
+                        except BaseException as err:
+                            self._fail(requests, err)  # futures are set on the event loop's thread
+                            raise
+                    for request, output in zip(requests, outputs):
+                        if not request.future.done():
+                            request.future.set_result(output)
+                    self._check()  # requests that arrived during the call are due now
+        finally:
+            if engine_thread is not None:
+                engine_thread.shutdown(wait=True)
 
     def _decode_or_fail(self, requests: list[_Request]) -> list[TokenOutput]:
         """`_decode`; when it raises, every request not yet done gets the error (its trajectory stops with it)."""
         try:
             return self._decode(requests)
         except BaseException as err:
-            for request in requests:
-                if not request.future.done():
-                    request.future.set_exception(err)
+            self._fail(requests, err)
             raise
+
+    @staticmethod
+    def _fail(requests: list[_Request], err: BaseException) -> None:
+        for request in requests:
+            if not request.future.done():
+                request.future.set_exception(err)
 
     def _decode(self, requests: list[_Request]) -> list[TokenOutput]:
         # runs of requests sharing a group key (a prompt's n first turns) go in as one prompt with n samples
@@ -678,7 +708,8 @@ class AgentLoopManager:
         extra_stops = [i for i in self.tool_parser.stop_token_ids if i not in params.stop_token_ids]
         if self.multi_turn and extra_stops:  # the format ends a call turn with its own id (llama3's <|eom_id|>)
             turn_params = dataclasses.replace(turn_params, stop_token_ids=(*params.stop_token_ids, *extra_stops))
-        server = BatchingServer(self.engine, turn_params, self.pad_token_id, self.eos_token_ids, prompts)
+        server = BatchingServer(self.engine, turn_params, self.pad_token_id, self.eos_token_ids, prompts,
+                                eager=self.config.agent.batching == "eager")
         self.last_server = server
         rows = prompt_rows(prompts)
         sampling = sampling_dict(params)

@@ -557,9 +557,11 @@ class AskTwice:
         return None
 
 
-def test_multi_turn_logprobs_equal_the_trainers_recompute(tiny_model_dir, tiny_tokenizer, tmp_path):
+@pytest.mark.parametrize("batching", ["barrier", "eager"])
+def test_multi_turn_logprobs_equal_the_trainers_recompute(tiny_model_dir, tiny_tokenizer, tmp_path, batching):
     """The rollout's log-probs of a multi-turn sample equal the trainer's recompute (the function the actor trains
-    with) on the model's tokens, in float32; the user turn between them is context, not trained on."""
+    with) on the model's tokens, in float32; the user turn between them is context, not trained on. Also with the
+    engine on a thread of its own (batching=eager)."""
     from transformers import AutoModelForCausalLM
 
     from hyflow.models.forward import response_logprobs
@@ -570,7 +572,8 @@ def test_multi_turn_logprobs_equal_the_trainers_recompute(tiny_model_dir, tiny_t
     tok = tiny_tokenizer
     engine = HFRolloutEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     rollout = load_config(["actor_rollout_ref.model.path=x", "data.max_response_length=48",
-                           "actor_rollout_ref.rollout.multi_turn.enable=true"]).actor_rollout_ref.rollout
+                           "actor_rollout_ref.rollout.multi_turn.enable=true",
+                           f"{RT}.agent.batching={batching}"]).actor_rollout_ref.rollout
     prompts = make_prompts(tok, ["What is 1 + 2?", "Name a colour."], interaction_kwargs=[{"name": "again"}] * 2)
     # many stop ids, so that the random model's turns end early and the interaction gets its turn
     p = SamplingParams(n=2, max_new_tokens=48, seed=11, temperature=0.8, calculate_log_probs=True,
@@ -713,3 +716,74 @@ def test_a_format_with_its_own_end_of_call_id_stops_turns_there(tmp_path, tiny_t
                     rollout_config(tmp_path, f"{RT}.multi_turn.format=llama3_json"))
     loops.generate(make_prompts(tok, ["Hi"]), params())
     assert eom in loops.last_server.stop_ids and tok.eos_token_id in loops.last_server.stop_ids
+
+
+# ---------------------------------------------------------------------------------------------- eager batching
+class WaitsForTheOthers:
+    """The first trajectory's interaction answers only once the second trajectory has finished (or after `patience`
+    seconds): under barrier batching the second cannot finish while the first waits, under eager it can."""
+
+    name = "waits"
+
+    def __init__(self, patience: float):
+        self.patience, self.timed_out = patience, None
+        self.second_done = asyncio.Event()
+
+    async def start_interaction(self, instance_id=None, **kwargs):
+        return instance_id
+
+    async def generate_response(self, instance_id, messages, who=None, **kwargs):
+        turns = sum(m["role"] == "assistant" for m in messages)
+        if who == "second":
+            if turns >= 3:
+                self.second_done.set()
+            return turns >= 3, "again", 0.0, {}
+        if turns == 1:
+            try:
+                await asyncio.wait_for(self.second_done.wait(), self.patience)
+                self.timed_out = False
+            except asyncio.TimeoutError:
+                self.timed_out = True
+        return turns >= 2, "again", 0.0, {}
+
+    async def finalize_interaction(self, instance_id=None, **kwargs):
+        return None
+
+
+@pytest.mark.parametrize("batching, waited_out", [("barrier", True), ("eager", False)])
+def test_eager_batching_lets_a_trajectory_go_on_while_another_waits(batching, waited_out, tmp_path, tiny_tokenizer):
+    tok = tiny_tokenizer
+    waits = WaitsForTheOthers(patience=2.0)
+    rollout = rollout_config(tmp_path, f"{RT}.agent.batching={batching}", tools=False)
+    prompts = make_prompts(tok, ["a", "b"], interaction_kwargs=[{"name": "waits", "who": "first"},
+                                                                {"name": "waits", "who": "second"}])
+    engine = ScriptedEngine(tok, lambda text: "#### 1")
+    out = manager(engine, tok, rollout, interactions={"waits": waits}).generate(prompts, params())
+    assert waits.timed_out is waited_out
+    assert [info["num_turns"] for info in out["extra_info"]] == [5, 7]  # 2 and 3 model turns, whatever the timing
+    if batching == "eager":  # the second trajectory's later turns were decoded alone, while the first waited
+        assert engine.calls[0] == 2 and engine.calls.count(1) >= 2
+
+
+def test_eager_and_barrier_batching_give_the_same_trajectories_for_a_deterministic_model(tmp_path, tiny_tokenizer):
+    tok = tiny_tokenizer
+    outs = {}
+    for batching in ("barrier", "eager"):
+        engine = ScriptedEngine(tok, calculator_script)
+        rollout = rollout_config(tmp_path, f"{RT}.agent.batching={batching}")
+        outs[batching] = manager(engine, tok, rollout).generate(make_prompts(tok, ["What is 2 + 3 * 4?", "Add"]),
+                                                               params(n=2))
+    for key in ("responses", "response_mask", "attention_mask", "rollout_log_probs", "input_ids", "position_ids"):
+        assert torch.equal(outs["barrier"][key], outs["eager"][key]), key
+
+
+def test_an_engine_error_under_eager_batching_reaches_the_caller(tmp_path, tiny_tokenizer):
+    tok = tiny_tokenizer
+
+    class Broken(ScriptedEngine):
+        def generate(self, prompts, params):
+            raise RuntimeError("the engine broke")
+
+    rollout = rollout_config(tmp_path, f"{RT}.agent.batching=eager")
+    with pytest.raises(RuntimeError, match="the engine broke"):
+        manager(Broken(tok, calculator_script), tok, rollout).generate(make_prompts(tok, ["q"]), params())

@@ -231,14 +231,17 @@ class _AskTwice:
         return None
 
 
-def test_multi_turn_agent_loop_log_probs_equal_the_trainers(engine, model, tiny_model_dir, tiny_tokenizer):
+@pytest.mark.parametrize("batching", ["barrier", "eager"])
+def test_multi_turn_agent_loop_log_probs_equal_the_trainers(engine, model, tiny_model_dir, tiny_tokenizer, batching):
     """The agent loop on the vllm engine: model turns with a user turn between them; the engine's log-probs on the
-    model's tokens equal the trainer's recompute (the user turn is context only)."""
+    model's tokens equal the trainer's recompute (the user turn is context only). Also with the engine called from
+    a thread of its own (rollout.agent.batching=eager)."""
     from hyflow.data.rl_dataset import collate_prompts
     from hyflow.rollout.agent_loop import AgentLoopManager
 
     tok = tiny_tokenizer
-    rollout = rollout_config(tiny_model_dir, "actor_rollout_ref.rollout.multi_turn.enable=true")
+    rollout = rollout_config(tiny_model_dir, "actor_rollout_ref.rollout.multi_turn.enable=true",
+                             f"actor_rollout_ref.rollout.agent.batching={batching}")
     items = []
     for i, text in enumerate(TEXTS):
         messages = [{"role": "user", "content": text}]
@@ -254,6 +257,7 @@ def test_multi_turn_agent_loop_log_probs_equal_the_trainers(engine, model, tiny_
     mask = out["response_mask"].bool()
     assert (out["attention_mask"][:, -24:].bool() & ~mask).any(), "some sample must hold a user turn"
     assert out.meta["metrics"]["agent_loop/engine_batch/max"] == 8  # every trajectory's first turn in one call
+    # (eager too: the first turns are all waiting when the engine is first free)
     diff = (recompute(model, out, 0.9) - out["rollout_log_probs"])[mask].abs().max().item()
     assert diff < 1e-5, diff
 

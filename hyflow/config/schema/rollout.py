@@ -78,6 +78,12 @@ class AgentConfig:
     agent_loop_config_path: str | None = option(
         None, "YAML list of custom agent loops to register: `- name: my_agent` / `_target_: module.Class` "
         "(other keys go to its constructor).")
+    batching: str = option(
+        "barrier", "hyflow: when the agent loop calls the engine. barrier: once every live trajectory waits for it, "
+        "all waiting turns in one call (the largest batches; samples a function of the seed alone). eager: as soon "
+        "as the engine is free, every turn waiting then, while the other trajectories' tools run (a slow tool or a "
+        "long answer holds back no one else; which turns share a call, and so the samples, depend on timing).",
+        choices=("barrier", "eager"))
 
 
 @dataclass
