@@ -270,3 +270,38 @@ def make_reward_manager(name: str, tokenizer, **kwargs):
     """The reward manager registered as `name` (reward_model.reward_manager; an unknown name is a ValueError
     naming the closest)."""
     return REWARD_MANAGERS.get(name)(tokenizer, **kwargs)
+
+
+def score_with_agent_rewards(manager, batch: Batch) -> RewardResult:
+    """`manager(batch)`, except for the rows whose agent loop scored its own trajectory (the `agent_reward` column,
+    `AgentLoopOutput.reward_score`, verl's field): their score is that value, on the last model token as every
+    score is, and the reward function is not called for them (a batch where every loop scored needs none)."""
+    agent = list(batch["agent_reward"]) if "agent_reward" in batch else [None] * len(batch)
+    given = np.array([value is not None for value in agent], dtype=bool)
+    if not given.any():
+        return manager(batch)
+    lengths = response_lengths(batch)
+    token_level = torch.zeros(batch["responses"].shape, dtype=torch.float32)
+    scores: list = [None] * len(batch)
+    extra: dict[str, list] = {}
+    metrics: dict[str, float] = {"reward/errors": 0.0, "reward/timeouts": 0.0}
+    if not given.all():  # the other rows go through the reward function
+        rest = np.flatnonzero(~given)
+        result = manager(batch[~given])
+        token_level[torch.as_tensor(rest)] = result.token_level_scores
+        for i, row in enumerate(rest):
+            scores[row] = result.scores[i]
+        for key, values in result.extra.items():
+            column = extra.setdefault(key, [None] * len(batch))
+            for i, row in enumerate(rest):
+                column[row] = values[i]
+        metrics.update(result.metrics)
+    rows = np.flatnonzero(given)
+    values = torch.tensor([float(agent[i]) for i in rows], dtype=torch.float32)
+    last = last_model_token(batch, lengths)[torch.as_tensor(rows)]
+    token_level[torch.as_tensor(rows), last] = values * (lengths[torch.as_tensor(rows)] > 0).float()
+    for i, row in enumerate(rows):
+        scores[row] = float(values[i])
+    metrics["reward/agent_reward/mean"] = float(values.mean())
+    metrics["reward/agent_reward/share"] = float(given.mean())
+    return RewardResult(token_level, scores, extra, metrics)

@@ -62,7 +62,7 @@ from hyflow.data.rl_dataset import PromptLoader
 from hyflow.models.loading import load_tokenizer
 from hyflow.models.packing import prompt_group_ids
 from hyflow.rewards.custom import combine_reward_functions, load_custom_reward_function
-from hyflow.rewards.managers import make_reward_manager
+from hyflow.rewards.managers import make_reward_manager, score_with_agent_rewards
 from hyflow.rewards.registry import check_scorers_exist
 from hyflow.rollout.base import SamplingParams
 from hyflow.threads import configure_threads
@@ -465,7 +465,7 @@ class RLTrainer:
             if self.reward_fn is None:
                 batch["token_level_scores"] = rm_scores
                 return {"reward/rm_score/mean": float(rm_scores.sum(-1).mean())}
-        result = manager(batch)
+        result = score_with_agent_rewards(manager, batch)  # rows an agent loop scored keep that score
         batch["token_level_scores"] = result.token_level_scores
         for key, values in result.extra.items():
             batch[f"reward_extra/{key}"] = values

@@ -787,3 +787,49 @@ def test_an_engine_error_under_eager_batching_reaches_the_caller(tmp_path, tiny_
     rollout = rollout_config(tmp_path, f"{RT}.agent.batching=eager")
     with pytest.raises(RuntimeError, match="the engine broke"):
         manager(Broken(tok, calculator_script), tok, rollout).generate(make_prompts(tok, ["q"]), params())
+
+
+# ---------------------------------------------------------------------------------------------- loop rewards
+def test_a_loop_that_scores_its_trajectory_replaces_the_reward_function(tmp_path, tiny_tokenizer):
+    """AgentLoopOutput.reward_score (verl's field) becomes the batch column agent_reward; those rows take it as
+    their score on the last model token, and only the other rows go to the reward function."""
+    from hyflow.rewards.managers import RewardResult, score_with_agent_rewards
+    from hyflow.rollout.agent_loop import SingleTurnAgentLoop, register
+
+    @register("scored_agent")
+    class Scored(SingleTurnAgentLoop):
+        async def run(self, sampling_params, **kwargs):
+            out = await super().run(sampling_params, **kwargs)
+            out.reward_score = 0.25 * len(out.response_ids)
+            return out
+
+    tok = tiny_tokenizer
+    try:
+        prompts = make_prompts(tok, ["a", "b", "c"], agent="scored_agent")
+        prompts["agent_name"] = ["scored_agent", "single_turn_agent", "scored_agent"]
+        out = manager(ScriptedEngine(tok, lambda text: "#### 1"), tok, rollout_config(tmp_path, tools=False)).generate(
+            prompts, params())
+    finally:
+        AGENT_LOOPS.pop("scored_agent", None)
+    lengths = out["response_mask"].sum(-1).tolist()
+    assert list(out["agent_reward"]) == [0.25 * lengths[0], None, 0.25 * lengths[2]]
+
+    seen = []
+
+    def reward_function(batch):  # the reward manager's role: sees only the unscored row
+        seen.append(len(batch))
+        scores = torch.zeros(batch["responses"].shape)
+        scores[:, 0] = 0.5
+        return RewardResult(scores, [0.5] * len(batch), {"checked": [True] * len(batch)}, {"reward/x/mean": 0.5})
+
+    result = score_with_agent_rewards(reward_function, out)
+    assert seen == [1]
+    assert result.scores == [0.25 * lengths[0], 0.5, 0.25 * lengths[2]]
+    assert result.extra == {"checked": [None, True, None]}
+    last = [length - 1 for length in lengths]
+    assert result.token_level_scores[0, last[0]] == 0.25 * lengths[0] and result.token_level_scores[0].sum() == \
+        0.25 * lengths[0]
+    assert result.token_level_scores[1, 0] == 0.5
+    assert result.metrics["reward/agent_reward/share"] == pytest.approx(2 / 3)
+    out.pop("agent_reward")  # no loop scored: the reward function scores every row
+    assert score_with_agent_rewards(reward_function, out).scores == [0.5] * 3 and seen == [1, 3]
