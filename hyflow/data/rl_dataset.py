@@ -4,7 +4,8 @@ Rows (parquet or JSONL, several files concatenated): `prompt` (chat messages, or
 user message), `data_source` (selects the scorer; another column with `reward_fn_key`, verl's
 `data.reward_fn_key`: its value becomes the batch's `data_source`), `reward_model.ground_truth`, optional `extra_info`,
 `ability`, `agent_name` (the agent loop that rolls the row out), `tools_kwargs` and `interaction_kwargs` (top-level
-or in `extra_info`, as verl reads them). Each prompt is rendered with the tokenizer's chat template
+or in `extra_info`, as verl reads them), `env_class` and `env_kwargs` (the environment of an `env_agent` row, top-level
+or in `extra_info`; such rows need no ground truth). Each prompt is rendered with the tokenizer's chat template
 (`add_generation_prompt=True`) and tokenised without extra special tokens.
 
 Prompts longer than `max_prompt_length` are dropped at load time when `filter_overlong_prompts`, otherwise
@@ -50,6 +51,11 @@ def _as_messages(value: Any, where: str, prompt_key: str) -> list[dict]:
                             f"got {message!r}")
         messages.append(dict(message))
     return messages
+
+
+def _optional(value: Any) -> Any:
+    """`value`, or None where a column is missing (None, or NaN read from parquet)."""
+    return None if _is_missing(value) else value
 
 
 def _is_missing(value: Any) -> bool:
@@ -190,7 +196,11 @@ class RLDataset(torch.utils.data.Dataset):
         if not isinstance(reward_model, dict):
             raise DataError(f"{where}: column 'reward_model' must be a dict like "
                             f"{{'style': 'rule', 'ground_truth': ...}}, got {type(reward_model).__name__}")
-        if reward_model.get("style", "rule") == "rule":
+        # rows an environment scores (hyflow.rollout.env_loop: an env_class column or agent_name env_agent), or
+        # whose reward_model.style is "agent" (a loop that scores its own trajectories), need no reference answer
+        scored_by_loop = (not _is_missing(row.get("env_class")) or row.get("agent_name") == "env_agent"
+                          or reward_model.get("style") == "agent")
+        if reward_model.get("style", "rule") == "rule" and not scored_by_loop:
             if "ground_truth" not in reward_model:
                 raise DataError(f"{where}: missing column 'reward_model.ground_truth' (rule-scored rows need it)")
             if _is_missing(reward_model["ground_truth"]):
@@ -237,6 +247,9 @@ class RLDataset(torch.utils.data.Dataset):
             "agent_name": row.get("agent_name"),
             "tools_kwargs": row.get("tools_kwargs") or row["extra_info"].get("tools_kwargs"),
             "interaction_kwargs": row.get("interaction_kwargs") or row["extra_info"].get("interaction_kwargs"),
+            # the environment of an env_agent row (hyflow.rollout.env_loop; SkyRL's column name) and its arguments
+            "env_class": _optional(row.get("env_class")) or row["extra_info"].get("env_class"),
+            "env_kwargs": _optional(row.get("env_kwargs")) or row["extra_info"].get("env_kwargs"),
         }
 
     def collate(self, items: Sequence[dict]) -> Batch:

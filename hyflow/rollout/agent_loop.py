@@ -102,7 +102,8 @@ class AgentLoopOutput:
 
 # ---------------------------------------------------------------------------------------------- registry
 AGENT_LOOPS = Registry("agent loop", hint="Register one with @hyflow.rollout.agent_loop.register(name) or "
-                                          "rollout.agent.agent_loop_config_path.")
+                                          "rollout.agent.agent_loop_config_path.",
+                       lazy={"env_agent": "hyflow.rollout.env_loop:EnvAgentLoop"})
 AGENT_LOOP_KWARGS: dict[str, dict[str, Any]] = {}
 
 
@@ -343,6 +344,10 @@ class AgentLoopBase:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.tool_runner = tool_runner if tool_runner is not None else _shared_tool_runner()
         self.loop_kwargs = kwargs
+
+    # True for a loop whose outputs always carry reward_score (env_agent): the trainer then needs no reward function
+    # for its rows (no scorer check at start)
+    scores_trajectories: bool = False
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         raise NotImplementedError
@@ -834,6 +839,14 @@ class AgentLoopManager:
         if latencies:
             metrics["tool/latency_s/mean"] = float(np.mean(latencies))
             metrics["tool/latency_s/max"] = float(np.max(latencies))
+        episodes = [o for o in outputs if "env_steps" in o.metrics]  # env_agent trajectories (hyflow.rollout.env_loop)
+        if episodes:
+            metrics["env/return/mean"] = float(np.mean([o.reward_score or 0.0 for o in episodes]))
+            for key in ("env_steps", "env_errors", "env_timeouts", "env_seconds"):
+                metrics[f"env/{key[len('env_'):]}/mean"] = float(np.mean([o.metrics[key] for o in episodes]))
+            for key in sorted({k for o in episodes for k in o.metrics["env_info"]}):
+                values = [o.metrics["env_info"][key] for o in episodes if key in o.metrics["env_info"]]
+                metrics[f"env/{key}/mean"] = float(np.mean(values))
         return metrics
 
 

@@ -151,11 +151,21 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ set-up
     def _data_sources(self) -> dict[str, str]:
-        """data_source -> the row where it first appears, over the training and validation rows."""
+        """data_source -> the row where it first appears, over the training and validation rows that a reward
+        function scores (not rows whose agent loop scores its own trajectory: env_agent)."""
+        from hyflow.rollout.agent_loop import AGENT_LOOPS
+
         key, seen = self.config.data.reward_fn_key, {}
+        default = self.config.actor_rollout_ref.rollout.agent.default_agent_loop
+        self_scoring: dict[str, bool] = {}
         for dataset in (self.train_dataset, self.val_dataset):
             for row in getattr(dataset, "rows", None) or []:
-                seen.setdefault(row.get(key), row.get("_where", "the dataset"))
+                name = row.get("agent_name") or default
+                if name not in self_scoring:
+                    loop = AGENT_LOOPS.get(name) if name in AGENT_LOOPS else None
+                    self_scoring[name] = bool(getattr(loop, "scores_trajectories", False))
+                if not self_scoring[name]:
+                    seen.setdefault(row.get(key), row.get("_where", "the dataset"))
         return seen
 
     def _reward_manager(self, num_examine: int):
