@@ -36,7 +36,8 @@ from hyflow.rollout.agent_loop import AgentLoopOutput, ToolAgentLoop, register
 from hyflow.tools.runner import ToolThreadsExhausted
 
 ENVS = Registry("environment", hint="Register one with @hyflow.rollout.env_loop.register_env(name), or name a "
-                                    "class as path/to/file.py:Class or package.module.Class.")
+                                    "class as path/to/file.py:Class or package.module.Class.",
+                lazy={"skyrl": "hyflow.rollout.skyrl_env:SkyRLEnv"})  # SkyRL-Gym's environments (hyflow[envs])
 
 
 def register_env(name: str):

@@ -150,3 +150,26 @@ def test_the_trainer_learns_from_environment_returns_alone(tiny_model_dir, tmp_p
     assert last["reward/agent_reward/share"] == 1.0
     assert last["critic/score/mean"] == pytest.approx(last["env/return/mean"], abs=1e-5)
     assert "env/steps/mean" in last and last["env/errors/mean"] == 0.0
+
+
+# ---------------------------------------------------------------------------------------------- SkyRL-Gym
+def test_skyrl_gym_environments_run_in_the_seat(tmp_path, tiny_tokenizer):
+    """The real SkyRL-Gym gsm8k environment (hyflow[envs]) scores each row's answer against its ground truth."""
+    pytest.importorskip("skyrl_gym", reason="SkyRL-Gym is installed by make venv (hyflow[envs])")
+    tok = tiny_tokenizer
+    prompts = make_prompts(tok, ["What is 8 * 9?", "What is 6 * 7?"], agent="env_agent",
+                           env_class=["skyrl", "skyrl"], env_kwargs=[{"env": "gsm8k"}] * 2, ground_truth=["72", "42"])
+    out = manager(ScriptedEngine(tok, lambda text: "8 * 9 = 72\n#### 72"), tok,
+                  rollout_config(tmp_path, tools=False)).generate(prompts, params())
+    assert list(out["agent_reward"]) == [1.0, 0.0]  # right for the first row, wrong for the second
+    assert [info["env_steps"] for info in out["extra_info"]] == [1, 1]  # gsm8k is one step
+
+
+def test_skyrl_errors_name_the_fix():
+    pytest.importorskip("skyrl_gym")
+    from hyflow.rollout.skyrl_env import SkyRLEnv
+
+    with pytest.raises(ValueError, match=r"needs the SkyRL-Gym environment id in env_kwargs.env"):
+        SkyRLEnv()
+    with pytest.raises(ValueError, match=r"env_kwargs.env='gsm9k' is not a SkyRL-Gym environment \(registered: .*gsm8k"):
+        SkyRLEnv(env="gsm9k")
