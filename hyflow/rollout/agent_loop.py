@@ -103,7 +103,8 @@ class AgentLoopOutput:
 # ---------------------------------------------------------------------------------------------- registry
 AGENT_LOOPS = Registry("agent loop", hint="Register one with @hyflow.rollout.agent_loop.register(name) or "
                                           "rollout.agent.agent_loop_config_path.",
-                       lazy={"env_agent": "hyflow.rollout.env_loop:EnvAgentLoop"})
+                       lazy={"env_agent": "hyflow.rollout.env_loop:EnvAgentLoop",
+                             "openai_agent": "hyflow.rollout.openai_agent:OpenAIAgentLoop"})
 AGENT_LOOP_KWARGS: dict[str, dict[str, Any]] = {}
 
 
@@ -348,6 +349,13 @@ class AgentLoopBase:
     # True for a loop whose outputs always carry reward_score (env_agent): the trainer then needs no reward function
     # for its rows (no scorer check at start)
     scores_trajectories: bool = False
+    # True for a loop whose trajectories may start from another prompt than the row's (openai_agent: the external
+    # agent writes its own messages); each of its rows then keeps the prompt it returned
+    may_change_prompt: bool = False
+
+    # A loop class may define `async start_rollout(cls, manager, params) -> dict` (run once per rollout that has its
+    # rows, before the trajectories start; the dict goes to each instance's constructor) and `async
+    # end_rollout(cls, kwargs)` (after they end, whatever happened): openai_agent starts and stops its endpoint so.
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         raise NotImplementedError
@@ -612,28 +620,43 @@ class ToolAgentLoop(AgentLoopBase):
 
     # ------------------------------------------------------------------ templates
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        kwargs = dict(self.chat_template_kwargs)
-        if self.tool_schemas:
-            kwargs.setdefault("tools", self.tool_schemas)
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                                  **kwargs)
+        return render_messages(self.tokenizer, messages, generation_prompt=generation_prompt,
+                               tools=self.tool_schemas, chat_template_kwargs=self.chat_template_kwargs)
 
     def _render_delta(self, with_assistant: list[dict], new: list[dict], *,
                       ended_with_eos: bool) -> list[int]:
-        """Token ids of `new` messages as the template renders them after the conversation `with_assistant`,
-        including the template's text after the assistant's end-of-turn token when the model ended on it."""
-        base = self._render(with_assistant, generation_prompt=False)
-        full = self._render(with_assistant + new, generation_prompt=True)
-        if not full.startswith(base):
-            raise ValueError("the chat template does not render a conversation as a prefix of the conversation with "
-                             "one more message, so the tool turn's tokens cannot be appended token-in-token-out; use "
-                             "a template that renders earlier turns unchanged (Qwen2.5 / ChatML templates do)")
-        tail = full[len(base):]
-        eos = self.tokenizer.eos_token or ""
-        suffix = ""
-        if ended_with_eos and eos and eos in base:
-            suffix = base[base.rfind(eos) + len(eos):]
-        return list(self.tokenizer(suffix + tail, add_special_tokens=False)["input_ids"])
+        return render_delta(self.tokenizer, with_assistant, new, ended_with_eos=ended_with_eos,
+                            tools=self.tool_schemas, chat_template_kwargs=self.chat_template_kwargs)
+
+
+def render_messages(tokenizer, messages: list[dict], *, generation_prompt: bool, tools: list | None = None,
+                    chat_template_kwargs: dict | None = None) -> str:
+    """The chat template's text of `messages` (with the tools' schemas when there are tools)."""
+    kwargs = dict(chat_template_kwargs or {})
+    if tools:
+        kwargs.setdefault("tools", tools)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs)
+
+
+def render_delta(tokenizer, with_assistant: list[dict], new: list[dict], *, ended_with_eos: bool,
+                 tools: list | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of `new` messages as the template renders them after the conversation `with_assistant` (ending
+    with the model's turn), including the template's text after the assistant's end-of-turn token when the model
+    ended on it: appended to the model's own token ids, they continue the conversation token in, token out."""
+    base = render_messages(tokenizer, with_assistant, generation_prompt=False, tools=tools,
+                           chat_template_kwargs=chat_template_kwargs)
+    full = render_messages(tokenizer, with_assistant + new, generation_prompt=True, tools=tools,
+                           chat_template_kwargs=chat_template_kwargs)
+    if not full.startswith(base):
+        raise ValueError("the chat template does not render a conversation as a prefix of the conversation with "
+                         "one more message, so the tool turn's tokens cannot be appended token-in-token-out; use "
+                         "a template that renders earlier turns unchanged (Qwen2.5 / ChatML templates do)")
+    tail = full[len(base):]
+    eos = tokenizer.eos_token or ""
+    suffix = ""
+    if ended_with_eos and eos and eos in base:
+        suffix = base[base.rfind(eos) + len(eos):]
+    return list(tokenizer(suffix + tail, add_special_tokens=False)["input_ids"])
 
 
 def _tool_result(result) -> tuple[str | None, float | None]:
@@ -678,6 +701,7 @@ class AgentLoopManager:
         # tool calls run on these threads (at most max(64, num_workers) at once), so a timeout can end them
         self.tool_runner = ToolRunner(max_threads=max(64, self.num_workers))
         self._stuck_reported = 0
+        self._rollout_kwargs: dict = {}  # loop class -> constructor kwargs its start_rollout gave this rollout
         self.last_server: BatchingServer | None = None
         # progress(stage, done, total, unit, detail): called as trajectories finish (the trainer's progress bar)
         self.progress: Callable[..., None] | None = None
@@ -735,6 +759,18 @@ class AgentLoopManager:
                 if self.progress is not None:
                     self.progress("rollout", finished, total, "trajectories", f"{server.tokens} tokens")
 
+        # loops that need something for the whole rollout (openai_agent: its endpoint) start it now
+        self._rollout_kwargs = {}
+        started = []
+        try:
+            for loop in {AGENT_LOOPS.get(name) for name in set(names)}:
+                if hasattr(loop, "start_rollout"):
+                    self._rollout_kwargs[loop] = await loop.start_rollout(self, params)
+                    started.append(loop)
+        except BaseException:
+            for loop in started:
+                await loop.end_rollout(self._rollout_kwargs[loop])
+            raise
         tasks = [asyncio.ensure_future(trajectory(i)) for i in range(len(rows) * n)]
         serving = asyncio.ensure_future(server.serve())
         try:
@@ -745,6 +781,10 @@ class AgentLoopManager:
                 task.cancel()
             await asyncio.gather(*tasks, serving, return_exceptions=True)
             raise
+        finally:
+            for loop in started:
+                await loop.end_rollout(self._rollout_kwargs[loop])
+            self._rollout_kwargs = {}
         self._warn_stuck_threads()
         return self.assemble(prompts, params, outputs, names, server)
 
@@ -764,10 +804,12 @@ class AgentLoopManager:
 
     def make_agent(self, name: str, handle: ServerHandle) -> AgentLoopBase:
         """A new instance of the agent loop registered as `name`, over `handle`."""
-        return AGENT_LOOPS[name](server_manager=handle, tokenizer=self.tokenizer, rollout_config=self.config,
-                                 tools=self.tools, tool_parser=self.tool_parser, interactions=self.interactions,
-                                 chat_template_kwargs=self.chat_template_kwargs, tool_runner=self.tool_runner,
-                                 **AGENT_LOOP_KWARGS.get(name, {}))
+        loop = AGENT_LOOPS[name]
+        extra = self._rollout_kwargs.get(loop, {})  # what the loop's start_rollout gave for this rollout
+        return loop(server_manager=handle, tokenizer=self.tokenizer, rollout_config=self.config,
+                    tools=self.tools, tool_parser=self.tool_parser, interactions=self.interactions,
+                    chat_template_kwargs=self.chat_template_kwargs, tool_runner=self.tool_runner,
+                    **AGENT_LOOP_KWARGS.get(name, {}), **extra)
 
     def assemble(self, prompts: Batch, params: SamplingParams, outputs: list[AgentLoopOutput], names: list[str],
                  server: BatchingServer) -> Batch:
@@ -779,9 +821,12 @@ class AgentLoopManager:
         model_mask = torch.zeros((N, R), dtype=torch.long)
         lengths = torch.zeros(N, dtype=torch.long)
         logprobs = torch.zeros((N, R), dtype=torch.float32)
+        own_prompts = False  # a loop that may change the prompt did (openai_agent): each row keeps its own
         for i, out in enumerate(outputs):
             expected = prompts["input_ids"][i // n][prompts["attention_mask"][i // n].bool()].tolist()
-            if list(out.prompt_ids) != expected:
+            if list(out.prompt_ids) != expected and getattr(AGENT_LOOPS.get(names[i // n]), "may_change_prompt", False):
+                own_prompts = True
+            elif list(out.prompt_ids) != expected:
                 raise ValueError(f"agent loop {names[i // n]!r} returned prompt_ids that are not the prompt's token "
                                  "ids; an agent loop keeps the prompt as it came (token in, token out) and puts "
                                  "everything it adds into response_ids (with response_mask 0 where the model did "
@@ -795,8 +840,18 @@ class AgentLoopManager:
             model_mask[i, :k] = torch.tensor(out.response_mask[:k], dtype=torch.long)
             if out.response_logprobs:
                 logprobs[i, :k] = torch.tensor(out.response_logprobs[:k], dtype=torch.float32)
-        out_batch = assemble_rollout(prompts, prompts["input_ids"].cpu(), prompts["attention_mask"].cpu(), responses,
-                                     logprobs, lengths, params, model_mask=model_mask)
+        if own_prompts:  # one left-padded prompt per trajectory (the prompt repeated n times otherwise)
+            width = max(len(o.prompt_ids) for o in outputs)
+            input_ids = torch.full((N, width), self.pad_token_id, dtype=torch.long)
+            prompt_mask = torch.zeros((N, width), dtype=torch.long)
+            for i, out in enumerate(outputs):
+                input_ids[i, width - len(out.prompt_ids):] = torch.tensor(list(out.prompt_ids), dtype=torch.long)
+                prompt_mask[i, width - len(out.prompt_ids):] = 1
+            out_batch = assemble_rollout(prompts.repeat(n, interleave=True), input_ids, prompt_mask, responses,
+                                         logprobs, lengths, dataclasses.replace(params, n=1), model_mask=model_mask)
+        else:
+            out_batch = assemble_rollout(prompts, prompts["input_ids"].cpu(), prompts["attention_mask"].cpu(),
+                                         responses, logprobs, lengths, params, model_mask=model_mask)
         if self.multi_turn:
             out_batch["__num_turns__"] = np.array([o.num_turns for o in outputs], dtype=np.int64)
             infos = list(out_batch["extra_info"]) if "extra_info" in out_batch else [{} for _ in outputs]
@@ -839,6 +894,9 @@ class AgentLoopManager:
         if latencies:
             metrics["tool/latency_s/mean"] = float(np.mean(latencies))
             metrics["tool/latency_s/max"] = float(np.max(latencies))
+        agents = [o for o in outputs if "openai_requests" in o.metrics]  # openai_agent (hyflow.rollout.openai_agent)
+        for key in ("requests", "restarts", "refused", "errors") if agents else ():
+            metrics[f"openai/{key}/mean"] = float(np.mean([o.metrics[f"openai_{key}"] for o in agents]))
         episodes = [o for o in outputs if "env_steps" in o.metrics]  # env_agent trajectories (hyflow.rollout.env_loop)
         if episodes:
             metrics["env/return/mean"] = float(np.mean([o.reward_score or 0.0 for o in episodes]))
