@@ -32,7 +32,8 @@ import uuid
 from typing import Any
 
 from hyflow.registry import Registry
-from hyflow.rollout.agent_loop import AgentLoopOutput, ToolAgentLoop, register
+from hyflow.rollout.agent_loop import AgentLoopOutput, register
+from hyflow.rollout.tool_agent import ToolAgentLoop
 from hyflow.tools.runner import ToolThreadsExhausted
 
 ENVS = Registry("environment", hint="Register one with @hyflow.rollout.env_loop.register_env(name), or name a "

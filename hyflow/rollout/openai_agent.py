@@ -50,7 +50,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from hyflow.rollout.agent_loop import AgentLoopBase, AgentLoopOutput, register, render_delta, render_messages
+from hyflow.rollout.agent_loop import AgentLoopBase, AgentLoopOutput, register
+from hyflow.rollout.tool_agent import render_delta, render_messages
 from hyflow.rollout.tool_parser import make_tool_parser
 
 MODEL_NAME = "hyflow-policy"

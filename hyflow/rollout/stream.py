@@ -32,16 +32,8 @@ from types import SimpleNamespace
 import torch
 
 from hyflow.batch import Batch
-from hyflow.rollout.agent_loop import (
-    AgentLoopManager,
-    AgentLoopOutput,
-    BatchingServer,
-    ServerHandle,
-    TokenOutput,
-    _Request,
-    prompt_rows,
-    sampling_dict,
-)
+from hyflow.rollout.agent_loop import AgentLoopManager, AgentLoopOutput, prompt_rows, sampling_dict
+from hyflow.rollout.agent_server import BatchingServer, ServerHandle, TokenOutput, _Request
 from hyflow.rollout.base import SamplingParams
 from hyflow.rollout.output import position_ids_from_mask
 

@@ -1,0 +1,219 @@
+"""The agent loop's engine seat: trajectories' generation requests batched into engine calls.
+
+Batching. The trajectories' generation requests go to one `BatchingServer`, which decodes every request that is
+waiting in one engine call as soon as no trajectory can make progress without it (all live trajectories are
+waiting for the engine): requests in trajectory order, each with its own budget (the engines' per-prompt
+`max_new_tokens` column). This makes the batches as large as they can be and the samples a function of the seed
+alone: call k of a rollout uses seed + k * 1_000_033. The first call holds every trajectory's first turn; the n
+samples of a prompt go to the engine as one prompt with n samples, so a single-turn rollout is exactly the engine
+call it replaced (same samples for the same seed). A tool that takes long holds back the next batch (every tool
+call has a timeout: `rollout.multi_turn.tool_timeout`). With `rollout.agent.batching=eager` the server instead
+calls the engine as soon as it is free with every request waiting then, on a thread of its own, so the event loop
+keeps running tools and interactions meanwhile: a slow tool or a long answer holds back only its own trajectory,
+at the price of smaller calls and samples that depend on the timing (which requests share call k).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hyflow.batch import Batch
+from hyflow.rollout.base import SamplingParams
+
+SEED_STRIDE = 1_000_033  # engine call k of one rollout samples with seed + k * SEED_STRIDE
+
+
+@dataclass
+class TokenOutput:
+    """One generation: the new token ids, their log-probs (None when not asked for) and why it stopped:
+    "stop" (an end-of-sequence or stop token) or "length" (the request's budget)."""
+
+    token_ids: list[int]
+    log_probs: list[float] | None
+    stop_reason: str
+
+
+
+# ---------------------------------------------------------------------------------------------- the server
+@dataclass
+class _Request:
+    index: int  # trajectory index (order of the output rows)
+    group: tuple  # requests with equal group keys in one call share their prompt (the n samples of turn 1)
+    prompt_ids: list[int]
+    budget: int
+    future: asyncio.Future
+
+
+class BatchingServer:
+    """Decodes the waiting requests of many trajectories together (see the module docstring).
+
+    `live` trajectories are running; when every one of them waits for the engine, the waiting requests are
+    decoded in one engine call (seeded with seed + k * SEED_STRIDE for the k-th call).
+    """
+
+    _request_type: type = _Request  # what `generate` queues (a subclass may queue its own kind)
+
+    def __init__(self, engine, params: SamplingParams, pad_token_id: int, eos_token_ids: Sequence[int],
+                 prompts: Batch | None = None, *, eager: bool = False) -> None:
+        self.engine, self.params, self.pad_token_id = engine, params, pad_token_id
+        self.eager = eager  # call the engine whenever it is free (rollout.agent.batching=eager)
+        self.stop_ids = set(eos_token_ids) | set(params.stop_token_ids)
+        self.prompts = prompts  # the original prompt batch: turn-1 calls reuse its padded rows unchanged
+        self.live = 0
+        self.waiting: list[_Request] = []
+        self.calls = 0
+        self.batch_sizes: list[int] = []
+        self.seconds = 0.0
+        self.tokens = 0  # generated so far (the progress callback reports it)
+        self._ready: asyncio.Event | None = None
+
+    def _due(self) -> bool:
+        """Whether the waiting requests go to the engine now: all live trajectories wait (barrier), or any (eager)."""
+        return bool(self.waiting) and (self.eager or len(self.waiting) >= self.live)
+
+    def _check(self) -> None:
+        """Wake `serve` when the waiting requests are due, or when no trajectory is left."""
+        if self._ready is not None and (self.live <= 0 or self._due()):
+            self._ready.set()
+
+    def finished_one(self) -> None:
+        self.live -= 1
+        self._check()
+
+    async def generate(self, index: int, prompt_ids: list[int], budget: int, group: tuple | None = None
+                       ) -> TokenOutput:
+        budget = max(1, min(int(budget), self.params.max_new_tokens))
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append(self._request_type(index, group if group is not None else ("own", index),
+                                               list(prompt_ids), budget, future))
+        self._check()
+        return await future
+
+    async def serve(self) -> None:
+        """Run until every trajectory has finished."""
+        self._ready = asyncio.Event()
+        self._check()
+        engine_thread = None
+        if self.eager:  # the engine runs on this thread while the event loop runs tools and interactions
+            from concurrent.futures import ThreadPoolExecutor
+
+            engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hyflow-engine")
+        try:
+            while self.live > 0:
+                await self._ready.wait()
+                self._ready.clear()
+                if self._due():
+                    requests, self.waiting = sorted(self.waiting, key=lambda r: r.index), []
+                    if engine_thread is None:
+                        outputs = self._decode_or_fail(requests)
+                    else:
+                        try:
+                            outputs = await asyncio.get_running_loop().run_in_executor(engine_thread, self._decode,
+                                                                                      requests)
+                        except BaseException as err:
+                            self._fail(requests, err)  # futures are set on the event loop's thread
+                            raise
+                    for request, output in zip(requests, outputs):
+                        if not request.future.done():
+                            request.future.set_result(output)
+                    self._check()  # requests that arrived during the call are due now
+        finally:
+            if engine_thread is not None:
+                engine_thread.shutdown(wait=True)
+
+    def _decode_or_fail(self, requests: list[_Request]) -> list[TokenOutput]:
+        """`_decode`; when it raises, every request not yet done gets the error (its trajectory stops with it)."""
+        try:
+            return self._decode(requests)
+        except BaseException as err:
+            self._fail(requests, err)
+            raise
+
+    @staticmethod
+    def _fail(requests: list[_Request], err: BaseException) -> None:
+        for request in requests:
+            if not request.future.done():
+                request.future.set_exception(err)
+
+    def _decode(self, requests: list[_Request]) -> list[TokenOutput]:
+        # runs of requests sharing a group key (a prompt's n first turns) go in as one prompt with n samples
+        runs: list[list[_Request]] = []
+        for request in requests:
+            if runs and runs[-1][0].group == request.group and runs[-1][0].budget == request.budget:
+                runs[-1].append(request)
+            else:
+                runs.append([request])
+        n = len(runs[0])
+        if any(len(run) != n for run in runs):
+            runs, n = [[r] for r in requests], 1
+        heads = [run[0] for run in runs]
+        batch = self._prompt_batch(heads)
+        seed = None if self.params.seed is None else self.params.seed + self.calls * SEED_STRIDE
+        params = dataclasses.replace(self.params, n=n, seed=seed)
+        start = time.perf_counter()
+        out = self.engine.generate(batch, params)
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        self.batch_sizes.append(len(requests))
+        lengths = out["response_mask"].sum(-1).tolist()
+        self.tokens += int(sum(lengths))
+        logprobs = out["rollout_log_probs"] if "rollout_log_probs" in out else None  # noqa: SIM401 (Batch)
+        outputs = []
+        for row, length in enumerate(lengths):
+            ids = out["responses"][row, :length].tolist()
+            budget = heads[row // n].budget
+            stopped = bool(ids) and ids[-1] in self.stop_ids
+            outputs.append(TokenOutput(ids, None if logprobs is None else logprobs[row, :length].tolist(),
+                                       "stop" if stopped or length < budget else "length"))
+        return outputs
+
+    def _prompt_batch(self, heads: list[_Request]) -> Batch:
+        original = self.prompts
+        if original is not None and all(r.group[0] == "prompt" for r in heads):
+            rows = [r.group[1] for r in heads]  # first turns: the original padded rows, as the engine saw them
+            batch = Batch({"input_ids": original["input_ids"][rows], "attention_mask": original["attention_mask"][rows]})
+        else:
+            width = max(len(r.prompt_ids) for r in heads)
+            input_ids = torch.full((len(heads), width), self.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(heads), width), dtype=torch.long)
+            for i, r in enumerate(heads):
+                input_ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids, dtype=torch.long)
+                mask[i, width - len(r.prompt_ids):] = 1
+            batch = Batch({"input_ids": input_ids, "attention_mask": mask})
+        budgets = torch.tensor([r.budget for r in heads], dtype=torch.long)
+        if bool((budgets != self.params.max_new_tokens).any()):
+            batch["max_new_tokens"] = budgets
+        return batch
+
+
+class ServerHandle:
+    """What an agent loop sees (verl's `server_manager`): `await generate(request_id, prompt_ids=...,
+    sampling_params=...)` -> TokenOutput. `sampling_params["max_tokens"]` caps the new tokens of this call
+    (default: what is left of the trajectory's response budget, as verl's server computes it)."""
+
+    def __init__(self, server: BatchingServer, index: int, prompt_row: int | None, response_length: int) -> None:
+        self._server, self.index, self._prompt_row = server, index, prompt_row
+        self.response_length = response_length
+        self._calls = 0
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """The ids at which the engine ends a turn (EOS ids and the sampling params' stop ids)."""
+        return frozenset(self._server.stop_ids)
+
+    async def generate(self, request_id: str | None = None, *, prompt_ids: list[int],
+                       sampling_params: dict | None = None, **_: Any) -> TokenOutput:
+        budget = (sampling_params or {}).get("max_tokens") or self.response_length
+        first = self._calls == 0 and self._prompt_row is not None
+        self._calls += 1
+        group = ("prompt", self._prompt_row) if first else None
+        return await self._server.generate(self.index, prompt_ids, budget, group)
+
+

@@ -1,0 +1,326 @@
+"""The `tool_agent` loop: generate, parse tool calls, run the tools, append their answers, generate again.
+
+Never crash on the policy's output: a malformed call, an unknown tool, arguments that do not fit the tool's
+schema, a tool that raises (SystemExit included), returns garbage or times out all become an `error: ...` text in
+the tool turn and a counted metric (`tool/malformed_calls`, `tool/unknown_tools`, `tool/bad_arguments`,
+`tool/errors`, `tool/timeouts`). Errors in the configuration (an unknown agent name, a missing interaction) stop
+the run before anything is generated, with the fix.
+
+Tools cannot stall or hang the rollout. Every tool method call (create + execute, calc_reward, release) runs on a
+worker thread of the manager's `ToolRunner`, in an event loop of its own, so a tool that blocks (``time.sleep``
+in ``async execute``, a synchronous client, a wait that never returns) holds only its own thread: the other
+trajectories go on, the call is answered with the timeout error at `multi_turn.tool_timeout` (counted from the
+call's start), and `generate()` returns without waiting for it. A thread still blocked after its call was
+abandoned is counted in `tool/stuck_threads` (per rollout worker) and warned about; Python cannot kill it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from hyflow.rollout.agent_loop import _COUNTERS, AgentLoopBase, AgentLoopOutput, register
+from hyflow.rollout.tool_parser import (
+    FunctionCall,
+    MalformedCall,
+    check_arguments,
+    make_tool_parser,
+)
+from hyflow.tools.runner import ToolThreadsExhausted, ToolTimeout
+
+
+@dataclass
+class AgentData:
+    """A trajectory's state; tools receive it as `agent_data` (verl passes its AgentData the same way)."""
+
+    messages: list[dict[str, Any]]
+    request_id: str
+    tools_kwargs: dict[str, Any]
+    interaction_kwargs: dict[str, Any]
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    response_logprobs: list[float] = field(default_factory=list)
+    assistant_turns: int = 0
+    user_turns: int = 0
+    turn_scores: list[float] = field(default_factory=list)
+    tool_rewards: list[float] = field(default_factory=list)
+    tool_instances: dict[str, str] = field(default_factory=dict)  # tool name -> instance id
+    metrics: dict[str, Any] = field(default_factory=dict)
+    extra_fields: dict[str, Any] = field(default_factory=dict)
+
+
+@register("tool_agent")
+class ToolAgentLoop(AgentLoopBase):
+    """Generate -> parse tool calls -> run them (at most `max_parallel_calls` at once) -> append the answers as
+    `tool` messages -> generate again; an assistant turn without a call goes to the sample's interaction (when it
+    has one: its answer becomes a `user` turn, `should_terminate` ends the trajectory) or ends the trajectory.
+    Also ends at `max_assistant_turns`, `max_user_turns` or when the response budget is spent."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        mt = self.rollout_config.multi_turn
+        self.max_assistant_turns = mt.max_assistant_turns
+        self.max_user_turns = mt.max_user_turns
+        self.max_parallel_calls = max(1, int(mt.max_parallel_calls))
+        self.max_tool_response_length = int(mt.max_tool_response_length)
+        self.truncate_side = mt.tool_response_truncate_side
+        self.tool_timeout = float(mt.tool_timeout)  # validated > 0 with the config
+        self.tool_schemas = [t.tool_schema.model_dump(exclude_unset=True, exclude_none=True)
+                             for t in self.tools.values()]
+        if self.tool_parser is None:
+            self.tool_parser = make_tool_parser(mt.format, self.tokenizer)
+            self.tool_parser.set_tools(self.tool_schemas)
+        # a turn's closing ids, dropped before it is parsed (a server manager of verl's shape may not say them)
+        self.end_ids = getattr(self.server_manager, "stop_ids", frozenset())
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        data = AgentData(messages=[dict(m) for m in kwargs["raw_prompt"]], request_id=uuid.uuid4().hex,
+                         tools_kwargs=dict(kwargs.get("tools_kwargs") or {}),
+                         interaction_kwargs=dict(kwargs.get("interaction_kwargs") or {}),
+                         prompt_ids=list(kwargs["raw_prompt_ids"]))
+        data.metrics.update({key: 0 for key in _COUNTERS}, tool_seconds=0.0, tool_latencies=[])
+        interaction = self._interaction(data)
+        instance = None
+        if interaction is not None:
+            instance = await interaction.start_interaction(data.request_id, **data.interaction_kwargs)
+        try:
+            await self._turns(data, sampling_params, interaction, instance)
+        finally:
+            await self._release_tools(data)
+            if interaction is not None:
+                await interaction.finalize_interaction(instance)
+        return AgentLoopOutput(
+            prompt_ids=data.prompt_ids, response_ids=data.response_ids[: self.response_length],
+            response_mask=data.response_mask[: self.response_length],
+            response_logprobs=data.response_logprobs[: self.response_length] if data.response_logprobs else None,
+            num_turns=data.assistant_turns + data.user_turns + 1, metrics=data.metrics,
+            extra_fields={**data.extra_fields, "turn_scores": data.turn_scores, "tool_rewards": data.tool_rewards})
+
+    def _interaction(self, data: AgentData):
+        name = data.interaction_kwargs.get("name")
+        if not self.interactions or (name is None and not data.interaction_kwargs):
+            return None
+        if name is None and len(self.interactions) == 1:
+            return next(iter(self.interactions.values()))
+        if name not in self.interactions:
+            raise ValueError(f"interaction_kwargs.name={name!r} names no interaction of "
+                             f"multi_turn.interaction_config_path (known: {', '.join(sorted(self.interactions))})")
+        return self.interactions[name]
+
+    async def _turns(self, data: AgentData, sampling_params: dict, interaction, instance) -> None:
+        while True:
+            left = self.response_length - len(data.response_ids)
+            if left <= 0:
+                return
+            start = time.perf_counter()
+            out = await self.server_manager.generate(data.request_id, prompt_ids=data.prompt_ids + data.response_ids,
+                                                     sampling_params={**sampling_params, "max_tokens": left})
+            data.metrics["generate_seconds"] = data.metrics.get("generate_seconds", 0.0) + time.perf_counter() - start
+            data.response_ids += out.token_ids
+            data.response_mask += [1] * len(out.token_ids)
+            data.response_logprobs += out.log_probs if out.log_probs is not None else [0.0] * len(out.token_ids)
+            data.assistant_turns += 1
+            if len(data.response_ids) >= self.response_length:
+                return
+            if self.max_assistant_turns and data.assistant_turns >= self.max_assistant_turns:
+                return
+            if self.max_user_turns and data.user_turns >= self.max_user_turns:
+                return
+            parsed = self.tool_parser.parse_ids(out.token_ids, end_ids=self.end_ids)
+            calls: list[FunctionCall | MalformedCall] = [*parsed.calls, *parsed.malformed]
+            data.messages.append(self._assistant_message(parsed.content, parsed.calls))
+            if calls:
+                if len(calls) > self.max_parallel_calls:
+                    data.metrics["dropped_calls"] += len(calls) - self.max_parallel_calls
+                    calls = calls[: self.max_parallel_calls]
+                start = time.perf_counter()
+                answers = await asyncio.gather(*(self._call_tool(call, data) for call in calls))
+                data.metrics["tool_seconds"] += time.perf_counter() - start
+                new = []
+                for call, text_answer in zip(calls, answers):
+                    message = {"role": "tool", "content": text_answer}
+                    if isinstance(call, FunctionCall) and call.tool_call_id is not None:
+                        message["tool_call_id"] = call.tool_call_id
+                    new.append(message)
+            elif interaction is not None:
+                terminate, reply, score, _ = await interaction.generate_response(
+                    instance, data.messages, **data.interaction_kwargs)
+                data.turn_scores.append(float(score))
+                data.user_turns += 1
+                if terminate:
+                    return
+                new = [{"role": "user", "content": reply}]
+            else:
+                return
+            ended_with_eos = bool(out.token_ids) and out.token_ids[-1] == self.tokenizer.eos_token_id
+            delta = self._render_delta(data.messages, new, ended_with_eos=ended_with_eos)
+            if len(data.response_ids) + len(delta) >= self.response_length:
+                return  # verl: a turn that does not fit ends the trajectory before it is appended
+            data.messages += new
+            data.response_ids += delta
+            data.response_mask += [0] * len(delta)
+            data.response_logprobs += [0.0] * len(delta)
+            if calls:
+                data.user_turns += 1
+
+    @staticmethod
+    def _assistant_message(content: str, calls: list[FunctionCall]) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)},
+                                      **({"id": c.tool_call_id} if c.tool_call_id else {})} for c in calls]
+        return message
+
+    # ------------------------------------------------------------------ tools
+    async def _call_tool(self, call: FunctionCall | MalformedCall, data: AgentData) -> str:
+        if isinstance(call, MalformedCall):
+            data.metrics["malformed_calls"] += 1
+            return f"error: malformed tool call: {call.reason}"
+        data.metrics["tool_calls"] += 1
+        tool = self.tools.get(call.name)
+        if tool is None:
+            data.metrics["unknown_tools"] += 1
+            known = ", ".join(sorted(self.tools)) or "none"
+            return f"error: unknown tool {call.name!r}; available tools: {known}"
+        arguments = call.parsed_arguments()
+        problem = check_arguments(arguments, tool.tool_schema.function.parameters.model_dump(exclude_none=True))
+        if problem is not None:
+            data.metrics["bad_arguments"] += 1
+            return f"error: {call.name}: {problem}"
+        timeout = float((getattr(tool, "config", None) or {}).get("timeout") or self.tool_timeout)
+        start = time.perf_counter()
+
+        async def create_and_execute():  # runs on a tool thread (see the module docstring)
+            instance_id = await self._instance(tool, data)
+            return await tool.execute(instance_id, arguments, agent_data=data)
+
+        try:
+            result = await self.tool_runner.run(create_and_execute, timeout, f"tool {call.name!r} (execute)")
+        except ToolTimeout:
+            data.metrics["tool_timeouts"] += 1
+            return f"error: tool {call.name!r} timed out after {timeout:g} s"
+        except ToolThreadsExhausted:
+            raise
+        except (Exception, SystemExit) as err:  # the tool's own failure: the model reads it, the step goes on
+            data.metrics["tool_errors"] += 1
+            return f"error: tool {call.name!r} raised {type(err).__name__}: {err}"
+        finally:
+            data.metrics["tool_latencies"].append(time.perf_counter() - start)
+        text, reward = _tool_result(result)
+        if text is None:
+            data.metrics["tool_errors"] += 1
+            return (f"error: tool {call.name!r} returned {type(result).__name__}, not (ToolResponse, reward, "
+                    "metrics)")
+        if reward is not None:
+            data.tool_rewards.append(reward)
+        return self._truncate(text)
+
+    async def _instance(self, tool, data: AgentData) -> str:
+        if tool.name not in data.tool_instances:
+            create_kwargs = dict((data.tools_kwargs.get(tool.name) or {}).get("create_kwargs") or {})
+            created = await tool.create(create_kwargs=create_kwargs,
+                                        **{k: v for k, v in create_kwargs.items() if k not in ("instance_id",)})
+            data.tool_instances[tool.name] = created[0] if isinstance(created, tuple) else created
+        return data.tool_instances[tool.name]
+
+    async def _release_tools(self, data: AgentData) -> None:
+        scores = {}
+        for name, instance_id in data.tool_instances.items():
+            tool = self.tools[name]
+            release_kwargs = dict((data.tools_kwargs.get(name) or {}).get("release_kwargs") or {})
+            run = self.tool_runner.run
+            try:
+                if hasattr(tool, "calc_reward"):
+                    scores[name] = float(await run(lambda tool=tool, i=instance_id: tool.calc_reward(i),
+                                                   self.tool_timeout, f"tool {name!r} (calc_reward)"))
+            except ToolThreadsExhausted:
+                raise
+            except (Exception, SystemExit) as err:
+                data.metrics["tool_errors"] += 1
+                data.extra_fields.setdefault("tool_reward_errors", {})[name] = f"{type(err).__name__}: {err}"
+            try:
+                await run(lambda tool=tool, i=instance_id, kw=release_kwargs: tool.release(i, **kw),
+                          self.tool_timeout, f"tool {name!r} (release)")
+            except ToolThreadsExhausted:
+                raise
+            except (Exception, SystemExit):
+                data.metrics["tool_errors"] += 1
+        if scores:
+            data.extra_fields["rollout_reward_scores"] = scores
+
+    def _truncate(self, text: str) -> str:
+        limit = self.max_tool_response_length
+        if len(text) <= limit:
+            return text
+        if self.truncate_side == "left":
+            return "(truncated)..." + text[-limit:]
+        if self.truncate_side == "right":
+            return text[:limit] + "...(truncated)"
+        half = limit // 2
+        return text[:half] + "...(truncated)..." + text[len(text) - (limit - half):]
+
+    # ------------------------------------------------------------------ templates
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return render_messages(self.tokenizer, messages, generation_prompt=generation_prompt,
+                               tools=self.tool_schemas, chat_template_kwargs=self.chat_template_kwargs)
+
+    def _render_delta(self, with_assistant: list[dict], new: list[dict], *,
+                      ended_with_eos: bool) -> list[int]:
+        return render_delta(self.tokenizer, with_assistant, new, ended_with_eos=ended_with_eos,
+                            tools=self.tool_schemas, chat_template_kwargs=self.chat_template_kwargs)
+
+
+def render_messages(tokenizer, messages: list[dict], *, generation_prompt: bool, tools: list | None = None,
+                    chat_template_kwargs: dict | None = None) -> str:
+    """The chat template's text of `messages` (with the tools' schemas when there are tools)."""
+    kwargs = dict(chat_template_kwargs or {})
+    if tools:
+        kwargs.setdefault("tools", tools)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs)
+
+
+def render_delta(tokenizer, with_assistant: list[dict], new: list[dict], *, ended_with_eos: bool,
+                 tools: list | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of `new` messages as the template renders them after the conversation `with_assistant` (ending
+    with the model's turn), including the template's text after the assistant's end-of-turn token when the model
+    ended on it: appended to the model's own token ids, they continue the conversation token in, token out."""
+    base = render_messages(tokenizer, with_assistant, generation_prompt=False, tools=tools,
+                           chat_template_kwargs=chat_template_kwargs)
+    full = render_messages(tokenizer, with_assistant + new, generation_prompt=True, tools=tools,
+                           chat_template_kwargs=chat_template_kwargs)
+    if not full.startswith(base):
+        raise ValueError("the chat template does not render a conversation as a prefix of the conversation with "
+                         "one more message, so the tool turn's tokens cannot be appended token-in-token-out; use "
+                         "a template that renders earlier turns unchanged (Qwen2.5 / ChatML templates do)")
+    tail = full[len(base):]
+    eos = tokenizer.eos_token or ""
+    suffix = ""
+    if ended_with_eos and eos and eos in base:
+        suffix = base[base.rfind(eos) + len(eos):]
+    return list(tokenizer(suffix + tail, add_special_tokens=False)["input_ids"])
+
+
+def _tool_result(result) -> tuple[str | None, float | None]:
+    """(text, reward) of what `execute` returned: (ToolResponse | str | dict, reward, metrics)."""
+    response, reward = result, None
+    if isinstance(result, tuple):
+        if not result:
+            return None, None
+        response = result[0]
+        if len(result) > 1 and isinstance(result[1], (int, float)) and not isinstance(result[1], bool):
+            reward = float(result[1])
+    if isinstance(response, str):
+        return response, reward
+    if isinstance(response, dict):
+        return str(response.get("text") or ""), reward
+    text = getattr(response, "text", None)
+    if text is None and hasattr(response, "is_empty"):
+        return "", reward
+    return (str(text), reward) if text is not None else (None, None)
+
+
