@@ -6,6 +6,7 @@
     hyflow init-model --preset tiny --out D  random-weight model + locally trained tokenizer
     hyflow data make TASK --out D            write a built-in task's train/test files
     hyflow data gsm8k|math --input F --out D convert public GSM8K / MATH files to hyflow's (verl's) schema
+    hyflow data reasoning-gym --task T --out D  generate Reasoning Gym's procedural tasks (hyflow[envs])
     hyflow export --ckpt RUN/global_step_N --out D   Hugging Face model directory from a checkpoint
     hyflow plot RUN_DIR                      PNG training curves of an RL or SFT run (smoothed, titled)
 
@@ -119,6 +120,21 @@ def _cmd_data_make(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_data_reasoning_gym(args: argparse.Namespace) -> int:
+    from hyflow.data.reasoning_gym import task_names, write_reasoning_gym
+
+    if args.list:
+        print("\n".join(task_names()))
+        return 0
+    if not args.task or not args.out:
+        raise ValueError("hyflow data reasoning-gym needs --task NAME[,NAME] and --out DIR (--list shows the tasks)")
+    paths = write_reasoning_gym(args.task, args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed,
+                                config=dict(args.option or []), fmt=args.format)
+    for split, path in paths.items():
+        print(f"{split}: {path}")
+    return 0
+
+
 def _cmd_data_preprocess(args: argparse.Namespace) -> int:
     from hyflow.data import preprocess
 
@@ -213,13 +229,15 @@ def build_parser() -> argparse.ArgumentParser:
     m = data_sub.add_parser("make", help="write a built-in task's train/test files")
     m.add_argument("task", help="arithmetic | calculator | countdown | sorting")
     m.add_argument("--out", required=True)
-    m.add_argument("--n-train", type=int, default=2000)
-    m.add_argument("--n-test", type=int, default=200)
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--format", default="parquet", choices=["parquet", "jsonl"])
-    m.add_argument("--option", action="append", type=_parse_task_option, metavar="KEY=VALUE",
-                   help="task option, e.g. --option digits=2 (repeatable)")
+    _add_generation_args(m, "task option, e.g. --option digits=2 (repeatable)")
     m.set_defaults(fn=_cmd_data_make)
+    r = data_sub.add_parser("reasoning-gym", help="generate Reasoning Gym tasks (procedural, verifiable; "
+                            "hyflow[envs])")
+    r.add_argument("--task", default=None, help="task name(s), comma-separated (e.g. leg_counting,chain_sum)")
+    r.add_argument("--out", default=None)
+    _add_generation_args(r, "a generator option, e.g. --option min_animals=2 (repeatable)")
+    r.add_argument("--list", action="store_true", help="print the task names and exit")
+    r.set_defaults(fn=_cmd_data_reasoning_gym)
     for name in ("gsm8k", "math"):
         d = data_sub.add_parser(name, help=f"convert a local {name.upper()} JSONL/parquet file")
         d.add_argument("--input", required=True)
@@ -229,6 +247,15 @@ def build_parser() -> argparse.ArgumentParser:
     for subparser in _subparsers(parser):
         _add_traceback_flag(subparser, top=False)
     return parser
+
+
+def _add_generation_args(parser: argparse.ArgumentParser, option_help: str) -> None:
+    """The options of the commands that generate task data: sizes, seed, file format, generator options."""
+    parser.add_argument("--n-train", type=int, default=2000)
+    parser.add_argument("--n-test", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--format", default="parquet", choices=["parquet", "jsonl"])
+    parser.add_argument("--option", action="append", type=_parse_task_option, metavar="KEY=VALUE", help=option_help)
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:

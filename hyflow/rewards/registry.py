@@ -25,6 +25,7 @@ _BUILTIN = {
     "hyflow.rewards.scorers.math": ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500",
                                     "math"),
     "hyflow.rewards.scorers.sorting": ("hyflow/sorting",),
+    "hyflow.rewards.scorers.reasoning_gym": ("reasoning_gym",),
 }
 
 SCORERS = Registry(
