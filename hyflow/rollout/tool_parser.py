@@ -3,7 +3,8 @@
 Parsers are registered by name (`rollout.multi_turn.format`, verl's key). Built in: `hermes` (Qwen2.5 / Qwen3 /
 Hermes, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), `qwen3_coder` (Qwen3-Coder / Qwen3.5's XML,
 `<tool_call><function=NAME><parameter=KEY>value</parameter></function></tool_call>`, verl's name) and
-`llama3_json` (Llama 3.x, `{"name": ..., "parameters": {...}}`, vLLM's name). `@register_tool_parser("mine")` (verl's
+`llama3_json` (Llama 3.x, `{"name": ..., "parameters": {...}}`, vLLM's name) and `gpt-oss` (harmony's
+`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`, verl's name). `@register_tool_parser("mine")` (verl's
 spelling `@ToolParser.register("mine")` also works) adds one to `TOOL_PARSERS`. A parser never raises on the
 policy's output: every call it cannot read (bad JSON, no name, arguments that are not an object, a
 `<tool_call>` never closed) comes back as a `MalformedCall` with the reason, which the
@@ -248,6 +249,64 @@ class Llama3JsonToolParser(ToolParser):
             while position < len(body) and body[position] in " \t\r\n;":
                 position += 1
         return turn
+
+
+@register_tool_parser("gpt-oss")
+class GptOssToolParser(ToolParser):
+    """gpt-oss's harmony format (verl's name `gpt-oss`). A turn is a run of messages, each a header then
+    `<|message|>` then its text up to `<|end|>`, `<|call|>` or `<|return|>`::
+
+        <|channel|>analysis<|message|>I should compute it.<|end|>
+        <|start|>assistant<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{"expression": "6 * 7"}<|call|>
+
+    A message whose header names a recipient `to=functions.NAME` (before or after the channel, as harmony allows)
+    is a call with that JSON body as its arguments; the `final` channel's text is the content (the `analysis`
+    channel is reasoning, left out of it); a turn without harmony markers is content as it is. A call whose body
+    is not a JSON object is malformed. `<|call|>` and `<|return|>` end a turn (stop ids when the tokenizer has
+    them)."""
+
+    # a message: its header (everything since the previous message ended: `<|start|>assistant`, the recipient, the
+    # channel, `<|constrain|>json`), then its text
+    _MESSAGE = re.compile(r"(?P<header>(?:(?!<\|message\|>).)*?)<\|message\|>(?P<body>.*?)"
+                          r"(?:<\|end\|>|<\|call\|>|<\|return\|>|$)", re.DOTALL)
+    _RECIPIENT = re.compile(r"to=functions\.([A-Za-z0-9_.\-]+)")
+    _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z]+)")
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        if self.tokenizer is None:
+            return []
+        ids = [self.tokenizer.convert_tokens_to_ids(t) for t in ("<|call|>", "<|return|>")]
+        return [i for i in ids if isinstance(i, int) and i != self.tokenizer.unk_token_id]
+
+    def parse(self, text: str) -> ParsedTurn:
+        if "<|message|>" not in text:
+            return ParsedTurn(content=text)
+        turn = ParsedTurn(content="")
+        finals: list[str] = []
+        for match in self._MESSAGE.finditer(text):
+            header, body = match.group("header"), match.group("body")
+            recipient = self._RECIPIENT.search(header)
+            if recipient is not None:
+                call = _read_call(json.dumps({"name": recipient.group(1), "arguments": _json_or_text(body)}))
+                if isinstance(call, FunctionCall):
+                    turn.calls.append(call)
+                else:
+                    turn.malformed.append(MalformedCall(body.strip(), call.reason))
+                continue
+            channel = self._CHANNEL.search(header)
+            if channel is None or channel.group(1) == "final":
+                finals.append(body)
+        turn.content = "".join(finals).strip()
+        return turn
+
+
+def _json_or_text(body: str) -> Any:
+    """The JSON value of a call's body, or the body itself (then the call is malformed: not an object)."""
+    try:
+        return json.loads(body.strip())
+    except json.JSONDecodeError:
+        return body.strip()
 
 
 def _strip_one_newline(value: str) -> str:

@@ -122,14 +122,51 @@ def test_llama3_text_turns_and_broken_calls():
 
 
 PIECES = [*list("<>/=\n{}[]\";: ab1"), "<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=",
-          "</parameter>", "<|python_tag|>", '{"name": "a", "parameters": ']
+          "</parameter>", "<|python_tag|>", '{"name": "a", "parameters": ', "<|channel|>", "<|message|>",
+          "<|call|>", "<|end|>", " to=functions.a", "<|start|>assistant", "final"]
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.sampled_from(PIECES), max_size=40).map("".join))
 def test_parsers_never_raise_on_what_a_policy_writes(text):
-    for parser in (Qwen3CoderToolParser(), Llama3JsonToolParser()):
+    for parser in (Qwen3CoderToolParser(), Llama3JsonToolParser(), make_tool_parser("gpt-oss")):
         parser.set_tools(SCHEMAS)
         turn = parser.parse(text)
         for call in turn.calls:
             assert isinstance(call.parsed_arguments(), dict)
+
+
+# ---------------------------------------------------------------------------------------------- gpt-oss (harmony)
+def harmony_turn(calls: list[dict], analysis: str = "I should use the tool.", recipient_first: bool = False) -> str:
+    """An assistant turn in the harmony format gpt-oss's template and model produce: reasoning, then each call."""
+    parts = [f"<|channel|>analysis<|message|>{analysis}<|end|>"]
+    for c in calls:
+        name, args = c["name"], json.dumps(c["arguments"])
+        if recipient_first:
+            parts.append(f"<|start|>assistant to=functions.{name}<|channel|>commentary <|constrain|>json"
+                         f"<|message|>{args}<|call|>")
+        else:
+            parts.append(f"<|start|>assistant<|channel|>commentary to=functions.{name} <|constrain|>json"
+                         f"<|message|>{args}<|call|>")
+    return "".join(parts)
+
+
+@pytest.mark.parametrize("recipient_first", [False, True])
+def test_gpt_oss_calls_parse_back(recipient_first):
+    parser = make_tool_parser("gpt-oss")
+    turn = parser.parse(harmony_turn(CALLS, recipient_first=recipient_first))
+    assert not turn.malformed and turn.content == ""  # the analysis channel is reasoning, not content
+    assert [{"name": c.name, "arguments": c.parsed_arguments()} for c in turn.calls] == CALLS
+
+
+def test_gpt_oss_final_answers_and_broken_calls():
+    parser = make_tool_parser("gpt-oss")
+    final = parser.parse("<|channel|>analysis<|message|>14 it is.<|end|><|start|>assistant<|channel|>final"
+                         "<|message|>The answer is 14.<|return|>")
+    assert final.content == "The answer is 14." and not final.calls
+    assert parser.parse("plain text, no harmony").content == "plain text, no harmony"
+    broken = parser.parse("<|start|>assistant<|channel|>commentary to=functions.calculator <|constrain|>json"
+                          "<|message|>{\"expression\": <|call|>")
+    assert not broken.calls and "not JSON" in broken.malformed[0].reason
+    listed = parser.parse("<|channel|>commentary to=functions.calculator<|message|>[1, 2]<|call|>")
+    assert "must be a JSON object" in listed.malformed[0].reason

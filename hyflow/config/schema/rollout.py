@@ -53,7 +53,8 @@ class MultiTurnConfig:
     format: str = option(
         "hermes", "Tool-call format the model emits, a registered parser: hermes (Qwen2.5/Qwen3, "
         "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>), qwen3_coder (Qwen3-Coder/Qwen3.5 XML, "
-        "<function=NAME><parameter=KEY>), llama3_json (Llama 3.x, {\"name\": ..., \"parameters\": {...}})."
+        "<function=NAME><parameter=KEY>), llama3_json (Llama 3.x, {\"name\": ..., \"parameters\": {...}}), gpt-oss "
+        "(harmony: <|channel|>commentary to=functions.NAME ... <|message|>{...}<|call|>)."
     )
     tool_timeout: float = option(
         30.0, "hyflow: seconds one tool call (create + execute) may take before it is answered with a timeout "
