@@ -32,8 +32,9 @@ def mean_reward(history, steps):
 ])
 def test_reward_rises(warm, tmp_path, name, extra):
     """The mean training reward of the last 6 of 24 steps exceeds that of the first 6 by more than 0.05.
-    Margins measured (last - first - 0.05; `[margin]` lines, tools/learning_margins.py): seed 0 under
-    ATEN_CPU_CAPABILITY=default: grpo +0.083, ppo +0.134 (AMD EPYC, session of issue 22)."""
+    Margins measured (last - first - 0.05; `[margin]` lines, tools/learning_margins.py; AMD EPYC): seed 0 under
+    ATEN_CPU_CAPABILITY=default: grpo +0.083, ppo +0.134 (session of issue 22); seeds 1 / 2 under default: grpo
+    +0.158 / +0.078, ppo +0.188 / +0.083; seed 1 under avx2: grpo +0.141 (session of issue 24)."""
     history = rl(warm, tmp_path / name, 24, *extra)
     first, last = mean_reward(history, lambda h: h[:6]), mean_reward(history, lambda h: h[-6:])
     print(f"{name}: mean reward first 6 steps {first:.3f}, last 6 steps {last:.3f}")

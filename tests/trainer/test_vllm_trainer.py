@@ -70,7 +70,8 @@ def test_resume_with_vllm_is_exact(tiny_model_dir, task_dir, tmp_path):
 
 
 def test_grpo_with_vllm_raises_the_reward(warm, tmp_path):
-    # The same run and criterion as tests/trainer/test_rl_learns.py's hf case, with the vllm engine.
+    """The same run and criterion as tests/trainer/test_rl_learns.py's hf case, with the vllm engine. Margins
+    measured (last - first - 0.05; AMD EPYC, ATEN_CPU_CAPABILITY=default): seed 1 +0.170, seed 2 +0.067."""
     model, data = warm
     history = RLTrainer([
         f"actor_rollout_ref.model.path={model}", f"data.train_files={data}/train.parquet",
