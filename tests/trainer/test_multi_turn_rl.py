@@ -12,22 +12,26 @@ from learning import SEED, assert_sft_premise, report_margin
 from hyflow.trainer.rl_trainer import RLTrainer
 from hyflow.trainer.tracking import read_metrics
 
-# the first test also runs the SFT warm start (2,500-4,500 steps, 5-10 minutes on 2 free cores): past the suite's
-# 900 s per-test limit on a slow or loaded machine
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
+# the first test also runs the SFT warm start (one to three runs of 2,500 steps, 5-10 minutes each on 2 free
+# cores): past the suite's 900 s per-test limit on a slow or loaded machine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(4500)]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tools"
 TOOLS_YAML = EXAMPLE / "tools.yaml"
 
 
-# The SFT warm start: SFT_STEPS, then SFT_MORE at a time (resumed from its checkpoint) until its sampled tool
-# calls work, at most SFT_MAX_STEPS. GRPO learns to call the tool only from calls that work, and the copying that
-# makes them work (the question's numbers into the call, the tool's result into the answer) is learnt in a sudden
-# transition whose step depends on the rounding of the CPU: the loss plateaus at ~0.22 (nothing copied), then
-# falls to ~0.12. Measured: below 0.13 by step 1,500 on two machines with the repeated-K/V attention; 0.22 at 1,500
-# on one with the grouped-query kernel; 0.21 at 1,500 and 0.12 at 2,500 (transition at ~1,650; sampled calls
-# working 67 %) on this AMD EPYC with it.
-SFT_STEPS, SFT_MORE, SFT_MAX_STEPS = 2500, 1000, 4500
+# The SFT warm start. GRPO learns to call the tool only from calls that work, and the copying that makes them work
+# (the question's numbers into the call, the tool's result into the answer) is learnt in a sudden transition whose
+# step the CPU's rounding decides, chaotically: the loss plateaus at ~0.22 (nothing copied), then falls to ~0.12.
+# So the warm start tries these (learning rate, data-order seed offset) runs of SFT_STEPS steps in turn, each from
+# the tiny model, until one has passed the transition (its sampled calls work): a second draw is more likely to pass
+# than continuing a run stuck on the plateau. Measured, seed 0 on this AMD EPYC: at 3e-3, natively (avx512) the
+# transition comes at ~1,650 steps (0.12 at 2,500), but under ATEN_CPU_CAPABILITY=default the run stays on the
+# plateau through 4,500 steps (0.21 -> 0.19, 0 of 57 sampled calls working); at 6e-3 that run passes by ~2,250
+# steps (0.137 at 2,500), while natively 6e-3 was still on the plateau at 2,250 (0.217). Seeds 1 and 2 passed at
+# 3e-3 under default.
+SFT_STEPS = 2500
+SFT_ATTEMPTS = ((3e-3, 0), (6e-3, 0), (3e-3, 1))
 # the premise of the test: of the warm start's sampled answers (32 prompts x 4, temperature 1) at least CALLS_MIN
 # call the tool and at least WORKING_MIN of those score 1 (answers without a call score ~0: 4-digit sums in its head)
 CALLS_MIN, WORKING_MIN = 16, 0.5
@@ -39,7 +43,7 @@ SFT_LOSS_PREMISE = 0.17
 def tool_warm(tiny_model_dir, tmp_path_factory):
     """(SFT model dir, data dir): the calculator task and the demo's SFT warm start (examples/tools/sft.yaml) on its
     conversations, half of which call the tool, from the tiny model of seed HYFLOW_TEST_SEED, trained until it is
-    past its copying transition (see SFT_STEPS); asserts the premise with its figures."""
+    past its copying transition (see SFT_ATTEMPTS); asserts the premise with its figures."""
     from hyflow.config.sft_schema import load_sft_config
     from hyflow.data.tasks import make_task
     from hyflow.models.tiny import make_tiny_model
@@ -50,24 +54,25 @@ def tool_warm(tiny_model_dir, tmp_path_factory):
     if SEED != 0:  # seed 0 is the session's tiny model
         tiny_model_dir = make_tiny_model(root / "tiny", preset="tiny", seed=SEED)
     make_task("calculator", root / "data", n_train=3000, n_test=32, seed=0, digits=4, tool_use_rate=0.5)
-    steps = SFT_STEPS
-    while True:
+    tried = []
+    for attempt, (lr, data_seed) in enumerate(SFT_ATTEMPTS):
+        run = root / f"sft_{attempt}"
         SFTTrainer(load_sft_config([
             f"model.partial_pretrain={tiny_model_dir}", f"data.train_files={root}/data/train.parquet",
-            "trainer.test_freq=-1", "trainer.logger=[file]", f"trainer.total_training_steps={steps}",
-            f"trainer.seed={SEED}", f"trainer.default_local_dir={root}/sft"], EXAMPLE / "sft.yaml")).fit()
-        model = export_checkpoint(root / "sft" / f"global_step_{steps}", root / f"sft_model_{steps}")
-        calls, working = sampled_calls_that_work((model, root / "data"), root / f"premise_{steps}")
-        print(f"[premise] SFT warm start after {steps} steps: {calls} of 128 sampled answers call the tool, "
-              f"{working:.0%} of those score 1 (needs >= {CALLS_MIN} and >= {WORKING_MIN:.0%})")
-        if (calls >= CALLS_MIN and working >= WORKING_MIN) or steps >= SFT_MAX_STEPS:
+            "trainer.test_freq=-1", "trainer.logger=[file]", f"trainer.total_training_steps={SFT_STEPS}",
+            f"trainer.seed={SEED + 1000 * data_seed}", f"trainer.default_local_dir={run}", f"optim.lr={lr}"],
+            EXAMPLE / "sft.yaml")).fit()
+        model = export_checkpoint(run / f"global_step_{SFT_STEPS}", root / f"sft_model_{attempt}")
+        calls, working = sampled_calls_that_work((model, root / "data"), root / f"premise_{attempt}")
+        tried.append(f"lr {lr:g}, data seed +{data_seed}: {calls} of 128 call the tool, {working:.0%} of those work")
+        print(f"[premise] SFT warm start attempt {attempt + 1} ({tried[-1]}; needs >= {CALLS_MIN} and >= "
+              f"{WORKING_MIN:.0%})")
+        if calls >= CALLS_MIN and working >= WORKING_MIN:
             break
-        steps += SFT_MORE
     assert calls >= CALLS_MIN and working >= WORKING_MIN, (
-        f"premise: the SFT warm start's tool calls do not work after {steps} steps ({calls} of 128 sampled answers "
-        f"call the tool, {working:.0%} of those score 1; needs >= {CALLS_MIN} and >= {WORKING_MIN:.0%}): it has not "
+        f"premise: no SFT warm start's tool calls work after {SFT_STEPS} steps ({'; '.join(tried)}): it has not "
         "learnt to copy the numbers, and GRPO learns to call the tool only from calls that work")
-    assert_sft_premise(root / "sft", SFT_LOSS_PREMISE)
+    assert_sft_premise(run, SFT_LOSS_PREMISE)
     return model, root / "data"
 
 
@@ -103,7 +108,9 @@ def test_grpo_with_the_calculator_learns_to_call_it(tool_warm, tmp_path):
     score with it (first 6 steps against the last 6). The premise (the warm start's calls work) is the fixture's.
     Margins measured, seed 0 on this AMD EPYC (avx512, 1 thread, the 2,500-step warm start): tool-call share
     0.50 -> 0.84 (+0.25 over its 0.08), score 0.33 -> 0.61 (+0.24 over its 0.04); the warm start's greedy calls
-    worked in 4 of 6."""
+    worked in 4 of 6. Under ATEN_CPU_CAPABILITY=default (session of issue 24): seed 0 (the second warm-start
+    attempt, lr 6e-3: 55 % of its sampled calls working) share +0.055, score +0.049; seeds 1 / 2 (the first
+    attempt) share +0.222 / +0.342, score +0.224 / +0.328."""
     history = grpo(tool_warm, tmp_path / "grpo", 30)
     first = history[1]  # history[0] is the validation before training
     # the run went through the agent loop: tool turns, their metrics, rollout/trainer agreement
