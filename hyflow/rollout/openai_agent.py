@@ -263,18 +263,16 @@ def _plain_message(message: dict) -> dict:
 
 def _continues(messages: list[dict], before: list[dict]) -> bool:
     """Whether `messages` repeat the conversation `before` (roles, contents and tool calls) and add to it."""
-    if len(messages) <= len(before):
-        return False
-    for new, old in zip(messages, before):
-        if new.get("role") != old.get("role") or (new.get("content") or "") != (old.get("content") or ""):
-            return False
-        calls = [(c.get("function") or {}).get("name") for c in new.get("tool_calls") or []]
-        if calls != [(c.get("function") or {}).get("name") for c in old.get("tool_calls") or []]:
-            return False
-        args = [(c.get("function") or {}).get("arguments") for c in new.get("tool_calls") or []]
-        if args != [(c.get("function") or {}).get("arguments") for c in old.get("tool_calls") or []]:
-            return False
-    return True
+    return len(messages) > len(before) and all(_same_message(new, old) for new, old in zip(messages, before))
+
+
+def _same_message(a: dict, b: dict) -> bool:
+    def calls(m: dict) -> list:
+        return [((c.get("function") or {}).get("name"), (c.get("function") or {}).get("arguments"))
+                for c in m.get("tool_calls") or []]
+
+    return (a.get("role") == b.get("role") and (a.get("content") or "") == (b.get("content") or "")
+            and calls(a) == calls(b))
 
 
 @register("openai_agent")
