@@ -209,6 +209,10 @@ def _check_async(cfg: HyflowConfig) -> list[str]:
     if at.partial_rollout_chunk is not None and at.partial_rollout_chunk < 1:
         problems.append(f"async_training.partial_rollout_chunk={at.partial_rollout_chunk} must be >= 1 token (or "
                         "null: a quarter of the response length)")
+    batching = cfg.actor_rollout_ref.rollout.agent.batching
+    if at.mode == "fully_async" and batching != "barrier":
+        problems.append(f"{R}.agent.batching={batching} with {where}: its rollout stream decodes in deterministic "
+                        f"segments of async_training.partial_rollout_chunk tokens (barrier); drop {R}.agent.batching")
     if at.mode == "one_step_off":
         changed = [f"async_training.{name}" for name in ("staleness_threshold", "partial_rollout",
                                                          "partial_rollout_chunk", "trigger_parameter_sync_step")
@@ -590,6 +594,11 @@ def _check_sampling(cfg: HyflowConfig) -> list[str]:
     for key, top_p in ((f"{R}.top_p", rollout.top_p), (f"{R}.val_kwargs.top_p", val.top_p)):
         if not 0 < top_p <= 1:
             problems.append(f"{key}={top_p} must be in (0, 1]; use 1.0 to turn nucleus sampling off.")
+    if rollout.agent.batching == "continuous" and (rollout.name != "vllm" or rollout.tensor_model_parallel_size > 1):
+        problems.append(f"{R}.agent.batching=continuous needs an engine that schedules requests itself: {R}.name=vllm "
+                        f"with tensor_model_parallel_size=1 (got name={rollout.name}, tensor_model_parallel_size="
+                        f"{rollout.tensor_model_parallel_size}); use batching=eager (the engine called whenever it "
+                        "is free) or barrier")
     if rollout.name == "vllm" and rollout.max_num_batched_tokens < rollout.max_num_seqs:
         problems.append(f"{R}.max_num_batched_tokens={rollout.max_num_batched_tokens} is smaller than {R}.max_num_seqs="
                         f"{rollout.max_num_seqs}; vLLM schedules at least one token per sequence per step: raise "

@@ -36,7 +36,13 @@ import torch
 
 from hyflow.batch import Batch
 from hyflow.registry import Registry
-from hyflow.rollout.agent_server import SEED_STRIDE, BatchingServer, ServerHandle, TokenOutput  # noqa: F401 (also re-exported)
+from hyflow.rollout.agent_server import (  # noqa: F401 (also re-exported)
+    SEED_STRIDE,
+    BatchingServer,
+    ContinuousServer,
+    ServerHandle,
+    TokenOutput,
+)
 from hyflow.rollout.base import SamplingParams
 from hyflow.rollout.output import assemble_rollout
 from hyflow.rollout.tool_parser import (
@@ -236,8 +242,11 @@ class AgentLoopManager:
         extra_stops = [i for i in self.tool_parser.stop_token_ids if i not in params.stop_token_ids]
         if self.multi_turn and extra_stops:  # the format ends a call turn with its own id (llama3's <|eom_id|>)
             turn_params = dataclasses.replace(turn_params, stop_token_ids=(*params.stop_token_ids, *extra_stops))
-        server = BatchingServer(self.engine, turn_params, self.pad_token_id, self.eos_token_ids, prompts,
-                                eager=self.config.agent.batching == "eager")
+        if self.config.agent.batching == "continuous":
+            server = ContinuousServer(self.engine, turn_params, self.eos_token_ids)
+        else:
+            server = BatchingServer(self.engine, turn_params, self.pad_token_id, self.eos_token_ids, prompts,
+                                    eager=self.config.agent.batching == "eager")
         self.last_server = server
         rows = prompt_rows(prompts)
         sampling = sampling_dict(params)

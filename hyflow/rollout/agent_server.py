@@ -10,7 +10,9 @@ call it replaced (same samples for the same seed). A tool that takes long holds 
 call has a timeout: `rollout.multi_turn.tool_timeout`). With `rollout.agent.batching=eager` the server instead
 calls the engine as soon as it is free with every request waiting then, on a thread of its own, so the event loop
 keeps running tools and interactions meanwhile: a slow tool or a long answer holds back only its own trajectory,
-at the price of smaller calls and samples that depend on the timing (which requests share call k).
+at the price of smaller calls and samples that depend on the timing (which requests share call k). With
+`rollout.agent.batching=continuous` (`ContinuousServer`, engines with a token stream: vllm) every request goes
+to the engine on its own and joins the running batch at the next engine step.
 """
 
 from __future__ import annotations
@@ -25,20 +27,9 @@ from typing import Any
 import torch
 
 from hyflow.batch import Batch
-from hyflow.rollout.base import SamplingParams
+from hyflow.rollout.base import SamplingParams, TokenOutput, TokenRequest
 
 SEED_STRIDE = 1_000_033  # engine call k of one rollout samples with seed + k * SEED_STRIDE
-
-
-@dataclass
-class TokenOutput:
-    """One generation: the new token ids, their log-probs (None when not asked for) and why it stopped:
-    "stop" (an end-of-sequence or stop token) or "length" (the request's budget)."""
-
-    token_ids: list[int]
-    log_probs: list[float] | None
-    stop_reason: str
-
 
 
 # ---------------------------------------------------------------------------------------------- the server
@@ -191,6 +182,78 @@ class BatchingServer:
         if bool((budgets != self.params.max_new_tokens).any()):
             batch["max_new_tokens"] = budgets
         return batch
+
+
+class ContinuousServer:
+    """The engine seat with `rollout.agent.batching=continuous`: each request goes to the engine's token stream
+    (`engine.open_stream`) the moment its trajectory asks, joins the running batch at the engine's next step and
+    comes back the moment it finishes (continuous batching, as verl's and the async peers' server engines do), so
+    a slow tool or a long answer holds back only its own trajectory and the engine is never idle while work waits.
+
+    Samples: call k of trajectory i is seeded with seed + i + k * SEED_STRIDE. Trajectory i's first call gets
+    the seed the barrier server gives that row's first turn (vLLM seeds sample j of prompt p with seed + p * n +
+    j = seed + i), so the first turns are the same samples as there; later turns depend on the seed and the
+    trajectory alone, never on which other requests were running (up to the rounding of the batch they shared).
+    Same interface and counters as `BatchingServer` (`calls` counts engine steps, `batch_sizes` the requests
+    running in each)."""
+
+    def __init__(self, engine, params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
+        if not hasattr(engine, "open_stream"):
+            raise ValueError(f"actor_rollout_ref.rollout.agent.batching=continuous needs an engine that schedules "
+                             f"requests itself (vllm); the {type(engine).__name__} decodes fixed batches: use "
+                             "batching=eager (the engine called whenever it is free) or barrier")
+        self.engine, self.params = engine, params
+        self.stop_ids = set(eos_token_ids) | set(params.stop_token_ids)
+        self.live = 0
+        self.tokens = 0
+        self._stream = None
+        self._turns: dict[int, int] = {}
+        self._done: asyncio.Event | None = None
+
+    # the counters the agent loop's metrics read (BatchingServer's names)
+    @property
+    def calls(self) -> int:
+        return self._stream.steps if self._stream is not None else 0
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return self._stream.step_sizes if self._stream is not None else []
+
+    @property
+    def seconds(self) -> float:
+        return self._stream.seconds if self._stream is not None else 0.0
+
+    def finished_one(self) -> None:
+        self.live -= 1
+        if self.live <= 0 and self._done is not None:
+            self._done.set()
+
+    async def generate(self, index: int, prompt_ids: list[int], budget: int, group: tuple | None = None
+                       ) -> TokenOutput:
+        if self._stream is None:
+            self._open()
+        turn = self._turns.get(index, 0)
+        self._turns[index] = turn + 1
+        seed = None if self.params.seed is None else self.params.seed + index + turn * SEED_STRIDE
+        budget = max(1, min(int(budget), self.params.max_new_tokens))
+        future = self._stream.submit(TokenRequest(f"t{index}.{turn}", list(prompt_ids), budget, seed))
+        output = await asyncio.wrap_future(future)
+        self.tokens += len(output.token_ids)
+        return output
+
+    def _open(self) -> None:
+        self._stream = self.engine.open_stream(self.params)
+
+    async def serve(self) -> None:
+        """Hold the engine's stream open until every trajectory has finished, then close it."""
+        self._done = asyncio.Event()
+        if self._stream is None:
+            self._open()
+        try:
+            if self.live > 0:
+                await self._done.wait()
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, self._stream.close)
 
 
 class ServerHandle:

@@ -51,6 +51,27 @@ class SamplingParams:
         return not self.do_sample or self.temperature == 0.0
 
 
+@dataclass
+class TokenOutput:
+    """One generation: the new token ids, their log-probs (None when not asked for) and why it stopped:
+    "stop" (an end-of-sequence or stop token), "length" (the request's budget) or "abort" (ended early)."""
+
+    token_ids: list[int]
+    log_probs: list[float] | None
+    stop_reason: str
+
+
+@dataclass
+class TokenRequest:
+    """One generation request of the token-level protocol (`engine.open_stream`): a prompt's token ids, at most
+    `max_tokens` new tokens, sampled with `seed` (None: unseeded); `request_id` names it for `abort`."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    seed: int | None = None
+
+
 class RolloutEngineError(RuntimeError):
     """An engine could not start, or a weight sync into it failed; the message names the cause and the fix."""
 
@@ -63,6 +84,13 @@ class RolloutEngine(Protocol):
     `update_weights(buckets)` receives the trainer's full weights, bucket by bucket, after each update: all of
     them or none (a sync that fails part-way leaves an engine that refuses to generate, never a half-updated
     model); `load_weights(named_tensors)` loads one set of tensors.
+
+    Optional, the token-level protocol (engines that schedule requests themselves: `vllm`):
+    `open_stream(params) -> stream`, where `stream.submit(TokenRequest)` returns a `concurrent.futures.Future`
+    of the request's `TokenOutput` as soon as it finishes, whatever else is running (continuous batching),
+    `stream.abort(request_ids)` ends requests early (their futures get the tokens so far, stop reason
+    "abort"), and `stream.close()` ends the stream; the agent loop uses it with `rollout.agent.batching=
+    continuous`.
     """
 
     shares_weights: bool

@@ -28,10 +28,15 @@ put back, so building the engine does not change the trainer's process.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import itertools
 import json
 import os
+import queue
 import random
+import threading
+import time
 import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -41,7 +46,14 @@ import torch
 
 from hyflow.batch import Batch
 from hyflow.models.loading import as_torch_dtype
-from hyflow.rollout.base import EngineSpec, RolloutEngineError, SamplingParams, register_engine
+from hyflow.rollout.base import (
+    EngineSpec,
+    RolloutEngineError,
+    SamplingParams,
+    TokenOutput,
+    TokenRequest,
+    register_engine,
+)
 from hyflow.rollout.output import assemble_rollout, prompt_budgets
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
@@ -289,10 +301,7 @@ class VLLMRolloutEngine:
     # ------------------------------------------------------------------ protocol
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """Sample `params.n` responses per prompt; the output keys are those of `hyflow.rollout.output`."""
-        if self._broken is not None:
-            raise VLLMEngineError(f"the vllm engine holds a half-updated model and will not generate: {self._broken}")
-        if self._asleep:
-            raise RuntimeError("the vllm rollout engine is asleep; call wake() before generate()")
+        self._check_ready()
         for key in ("input_ids", "attention_mask"):
             if key not in prompts:
                 raise KeyError(f"generate() needs a {key!r} column of left-padded prompt token ids")
@@ -309,12 +318,7 @@ class VLLMRolloutEngine:
             raise ValueError(f"a prompt of {longest} tokens + {budget} new tokens exceeds the vllm "
                              f"engine's max_model_len={self.max_model_len}; raise actor_rollout_ref.rollout."
                              "max_model_len (or leave it null: prompt_length + response_length)")
-        stop_ids = sorted(set(self.eos_token_ids) | {int(i) for i in params.stop_token_ids})
-        base = dict(n=params.n, stop_token_ids=stop_ids, ignore_eos=False,
-                    logprobs=0 if params.calculate_log_probs else None, detokenize=False,
-                    temperature=0.0 if params.greedy else params.temperature,
-                    top_p=1.0 if params.greedy else params.top_p,
-                    top_k=0 if params.greedy or params.top_k is None or params.top_k <= 0 else params.top_k)
+        base = self._sampling_kwargs(params)
         # One seed per prompt; vLLM gives its n samples seed + 0 .. n - 1, so every row has its own stream.
         seeds = [None if params.seed is None else (params.seed + i * params.n) % (2**63 - 1)
                  for i in range(len(token_lists))]
@@ -339,6 +343,17 @@ class VLLMRolloutEngine:
                     logprobs[row, : len(ids)] = torch.tensor(
                         [step[token].logprob for token, step in zip(ids, sample.logprobs)], dtype=torch.float32)
         return assemble_rollout(prompts, input_ids, prompt_mask, responses, logprobs, lengths, params)
+
+    def open_stream(self, params: SamplingParams) -> VLLMTokenStream:
+        """The token-level protocol (see `hyflow.rollout.base.RolloutEngine`): requests go into vLLM's engine as
+        they come and come back as they finish (continuous batching), sampled with `params` (its `n` is ignored:
+        one sample per request). Close it before the next `generate`, `update_weights` or `sleep`."""
+        self._check_ready()
+        if self.tp > 1:
+            raise VLLMEngineError("rollout.agent.batching=continuous with tensor_model_parallel_size > 1: the ranks "
+                                  "of one tensor-parallel engine must run the same requests in the same steps, which "
+                                  "per-request scheduling cannot promise; use batching=barrier or eager")
+        return VLLMTokenStream(self.llm.llm_engine, self._sampling_kwargs(params) | {"n": 1})
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load one complete set of weights (see `update_weights`)."""
@@ -392,6 +407,21 @@ class VLLMRolloutEngine:
         self._asleep = False
 
     # ------------------------------------------------------------------ internals
+    def _check_ready(self) -> None:
+        if self._broken is not None:
+            raise VLLMEngineError(f"the vllm engine holds a half-updated model and will not generate: {self._broken}")
+        if self._asleep:
+            raise RuntimeError("the vllm rollout engine is asleep; call wake() before generate()")
+
+    def _sampling_kwargs(self, params: SamplingParams) -> dict:
+        """vLLM SamplingParams keywords for hyflow's (all but max_tokens and seed, which are per request)."""
+        stop_ids = sorted(set(self.eos_token_ids) | {int(i) for i in params.stop_token_ids})
+        return dict(n=params.n, stop_token_ids=stop_ids, ignore_eos=False,
+                    logprobs=0 if params.calculate_log_probs else None, detokenize=False,
+                    temperature=0.0 if params.greedy else params.temperature,
+                    top_p=1.0 if params.greedy else params.top_p,
+                    top_k=0 if params.greedy or params.top_k is None or params.top_k <= 0 else params.top_k)
+
     def _gather_prompts(self, token_lists, seeds, budgets, params: SamplingParams):
         """With one engine over all ranks (tensor parallel), every rank must run the same requests: gather the
         ranks' prompts and seeds (all_gather_object over the process group), generate them all, keep this rank's
@@ -460,3 +490,149 @@ class VLLMRolloutEngine:
         if self.tied and hasattr(self.model, "lm_head"):
             dispatch_cpu_unquantized_gemm(self.model.lm_head, remove_weight=False)
         return len(weights)
+
+
+class _Live:
+    """A request in the engine: its future and the tokens (and log-probs) it has produced so far."""
+
+    __slots__ = ("future", "log_probs", "token_ids")
+
+    def __init__(self, future: concurrent.futures.Future, log_probs: bool) -> None:
+        self.future, self.token_ids = future, []
+        self.log_probs: list[float] | None = [] if log_probs else None
+
+    def output(self, reason: str) -> TokenOutput:
+        return TokenOutput(self.token_ids, self.log_probs, reason)
+
+
+class VLLMTokenStream:
+    """vLLM's engine stepped on a thread of its own: requests join the running batch at the next engine step and
+    leave it when they finish (continuous batching), each resolved the moment it finishes.
+
+    The thread owns the engine while the stream is open: it adds the requests `submit` queued, runs `step()`
+    while any is unfinished, collects each request's new tokens (vLLM's DELTA outputs, so an aborted request
+    still returns what it produced) and resolves futures as requests finish. Counters for the agent loop's
+    metrics: `steps` (engine steps), `seconds` (time inside them), `step_sizes` (requests running per step).
+    """
+
+    def __init__(self, llm_engine, sampling_kwargs: dict) -> None:
+        from vllm.sampling_params import RequestOutputKind
+
+        self._engine = llm_engine
+        self._kwargs = dict(sampling_kwargs, output_kind=RequestOutputKind.DELTA)
+        self._log_probs = sampling_kwargs.get("logprobs") is not None
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count()
+        self._error: BaseException | None = None
+        self._closed = False
+        self.steps, self.seconds, self.step_sizes = 0, 0.0, []
+        self._thread = threading.Thread(target=self._run, name="hyflow-vllm-stream", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: TokenRequest) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._closed or self._error is not None:
+            future.set_exception(self._error or RuntimeError("the vllm token stream is closed"))
+            return future
+        self._inbox.put(("add", request, future))
+        return future
+
+    def abort(self, request_ids) -> None:
+        """End these requests now: their futures get the tokens produced so far, stop reason "abort"."""
+        self._inbox.put(("abort", list(request_ids), None))
+
+    def close(self) -> None:
+        """Abort what is still running and stop the thread (waits for it)."""
+        if not self._closed:
+            self._closed = True
+            self._inbox.put(("close", None, None))
+        self._thread.join()
+
+    # ------------------------------------------------------------------ the engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                # block for work only when nothing is running; otherwise take what came and step
+                items = [self._inbox.get()] if not self._live else []
+                while True:
+                    try:
+                        items.append(self._inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                closing = False
+                for kind, payload, future in items:
+                    if kind == "add":
+                        self._add(payload, future)
+                    elif kind == "abort":
+                        self._abort(payload)
+                    else:
+                        closing = True
+                if closing:
+                    self._abort(list(self._live))
+                    return
+                if self._live:
+                    self._step()
+        except BaseException as err:  # the engine failed: every waiting request gets the error
+            self._error = err
+            for live in self._live.values():
+                if not live.future.done():
+                    live.future.set_exception(err)
+            self._live.clear()
+            while True:  # and so does anything queued after it
+                try:
+                    _, _, future = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if future is not None and not future.done():
+                    future.set_exception(err)
+
+    def _add(self, request: TokenRequest, future: concurrent.futures.Future) -> None:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        request_id = request.request_id or f"hyflow-{next(self._ids)}"
+        if request_id in self._live:
+            future.set_exception(ValueError(f"request id {request_id!r} is already running"))
+            return
+        seed = None if request.seed is None else int(request.seed) % (2**63 - 1)
+        params = VLLMSamplingParams(**self._kwargs, max_tokens=max(1, int(request.max_tokens)), seed=seed)
+        try:
+            self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params)
+        except Exception as err:  # a bad request (too long for max_model_len, ...) fails alone
+            future.set_exception(err)
+            return
+        self._live[request_id] = _Live(future, self._log_probs)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        ids = [i for i in request_ids if i in self._live]
+        if ids:
+            self._engine.abort_request(ids)
+        for request_id in ids:
+            live = self._live.pop(request_id)
+            if not live.future.done():
+                live.future.set_result(live.output("abort"))
+
+    def _step(self) -> None:
+        running = len(self._live)
+        start = time.perf_counter()
+        outputs = self._engine.step()
+        self.seconds += time.perf_counter() - start
+        self.steps += 1
+        self.step_sizes.append(running)
+        for output in outputs:
+            live = self._live.get(output.request_id)
+            if live is None:
+                continue
+            sample = output.outputs[0]
+            ids = list(sample.token_ids)
+            live.token_ids.extend(ids)
+            if live.log_probs is not None:
+                if sample.logprobs is None:
+                    raise VLLMEngineError("vLLM returned no log-probs although they were asked for")
+                live.log_probs.extend(step[token].logprob for token, step in zip(ids, sample.logprobs))
+            if output.finished:
+                del self._live[output.request_id]
+                reason = "length" if sample.finish_reason == "length" else "stop"
+                if not live.future.done():
+                    live.future.set_result(live.output(reason))

@@ -789,6 +789,123 @@ def test_an_engine_error_under_eager_batching_reaches_the_caller(tmp_path, tiny_
         manager(Broken(tok, calculator_script), tok, rollout).generate(make_prompts(tok, ["q"]), params())
 
 
+# ---------------------------------------------------------------------------------------------- continuous batching
+class StreamingScriptedEngine(ScriptedEngine):
+    """ScriptedEngine with the token-level protocol (`open_stream`): each request is answered on a thread of its
+    own after `delay(prompt text)` seconds, whatever else is running; records every request and each close."""
+
+    def __init__(self, tokenizer, reply, delay=lambda text: 0.0):
+        super().__init__(tokenizer, reply)
+        self.delay, self.requests, self.closed = delay, [], 0
+
+    def open_stream(self, params):
+        import concurrent.futures
+
+        from hyflow.rollout.base import TokenOutput
+
+        engine = self
+
+        class Stream:
+            steps, seconds, step_sizes = 0, 0.0, []
+
+            def submit(self, request):
+                engine.requests.append(request)
+                future = concurrent.futures.Future()
+
+                def answer():
+                    text = engine.tokenizer.decode(request.prompt_ids, skip_special_tokens=False)
+                    time.sleep(engine.delay(text))
+                    ids = engine.tokenizer(engine.reply(text), add_special_tokens=False)["input_ids"]
+                    ids = [*ids, engine.tokenizer.eos_token_id][: request.max_tokens]
+                    self.steps += 1
+                    self.step_sizes.append(1)
+                    future.set_result(TokenOutput(ids, [-0.5] * len(ids), "stop"))
+
+                threading.Thread(target=answer, daemon=True).start()
+                return future
+
+            def close(self):
+                engine.closed += 1
+
+        return Stream()
+
+
+def vllm_rollout_config(tmp_path, *overrides):
+    return rollout_config(tmp_path, f"{RT}.name=vllm", f"{RT}.agent.batching=continuous", *overrides)
+
+
+def test_continuous_batching_gives_the_barrier_trajectories_for_a_deterministic_model(tmp_path, tiny_tokenizer):
+    """Every turn is its own request (seed + trajectory + turn * SEED_STRIDE); the rows are those of the barrier
+    rollout; the stream is closed once at the end."""
+    from hyflow.rollout.agent_server import SEED_STRIDE
+
+    tok = tiny_tokenizer
+    prompts = make_prompts(tok, ["What is 2 + 3 * 4?", "Add"])
+    barrier = manager(ScriptedEngine(tok, calculator_script), tok, rollout_config(tmp_path)).generate(
+        prompts, params(n=2))
+    engine = StreamingScriptedEngine(tok, calculator_script)
+    loops = manager(engine, tok, vllm_rollout_config(tmp_path))
+    out = loops.generate(prompts, params(n=2))
+    for key in ("responses", "response_mask", "attention_mask", "rollout_log_probs", "input_ids", "position_ids"):
+        assert torch.equal(out[key], barrier[key]), key
+    assert engine.calls == [] and engine.closed == 1  # no padded-batch call: all through the stream
+    seeds = sorted((r.request_id, r.seed) for r in engine.requests)
+    assert seeds == sorted([(f"t{i}.0", 3 + i) for i in range(4)] + [(f"t{i}.1", 3 + i + SEED_STRIDE)
+                                                                     for i in range(4)])
+    assert out.meta["metrics"]["agent_loop/engine_calls"] == 8
+
+
+def test_continuous_batching_lets_a_trajectory_go_on_while_another_waits(tmp_path, tiny_tokenizer):
+    tok = tiny_tokenizer
+    waits = WaitsForTheOthers(patience=2.0)
+    rollout = vllm_rollout_config(tmp_path)
+    prompts = make_prompts(tok, ["a", "b"], interaction_kwargs=[{"name": "waits", "who": "first"},
+                                                                {"name": "waits", "who": "second"}])
+    out = manager(StreamingScriptedEngine(tok, lambda text: "#### 1"), tok, rollout,
+                  interactions={"waits": waits}).generate(prompts, params())
+    assert waits.timed_out is False  # the second trajectory finished while the first waited
+    assert [info["num_turns"] for info in out["extra_info"]] == [5, 7]
+
+
+def test_a_slow_answer_holds_back_only_its_own_trajectory(tmp_path, tiny_tokenizer):
+    """One trajectory's first answer takes 1.5 s; the other's three turns are all decoded meanwhile."""
+    tok = tiny_tokenizer
+    finished = []
+
+    class Record(WaitsForTheOthers):
+        async def generate_response(self, instance_id, messages, who=None, **kwargs):
+            turns = sum(m["role"] == "assistant" for m in messages)
+            if turns >= 3 or (who == "slow" and turns >= 1):
+                finished.append(who)
+            return turns >= 3 or who == "slow", "again", 0.0, {}
+
+    engine = StreamingScriptedEngine(tok, lambda text: "#### 1",
+                                     delay=lambda text: 1.5 if text.count("<|im_start|>user") == 1 and "slow" in text
+                                     else 0.0)
+    prompts = make_prompts(tok, ["slow", "fast"], interaction_kwargs=[{"name": "rec", "who": "slow"},
+                                                                      {"name": "rec", "who": "fast"}])
+    manager(engine, tok, vllm_rollout_config(tmp_path, "actor_rollout_ref.rollout.multi_turn.enable=true"),
+            interactions={"rec": Record(0)}).generate(prompts, params())
+    assert finished == ["fast", "slow"]
+
+
+def test_continuous_batching_needs_an_engine_with_a_stream(tmp_path, tiny_tokenizer):
+    tok = tiny_tokenizer
+    with pytest.raises(ValueError, match=r"batching=continuous needs an engine that schedules requests itself.*"
+                                         r"ScriptedEngine decodes fixed batches: use batching=eager"):
+        manager(ScriptedEngine(tok, calculator_script), tok, vllm_rollout_config(tmp_path)).generate(
+            make_prompts(tok, ["q"]), params())
+    from hyflow.config.validate import validate_config
+
+    with pytest.raises(ValueError, match=r"batching=continuous needs an engine that schedules requests itself: "
+                                         r"actor_rollout_ref.rollout.name=vllm with tensor_model_parallel_size=1 "
+                                         r"\(got name=hf"):
+        validate_config(load_config(["actor_rollout_ref.model.path=x", f"{RT}.agent.batching=continuous"]))
+    with pytest.raises(ValueError, match=r"agent.batching=eager with async_training.mode=fully_async"):
+        validate_config(load_config(["actor_rollout_ref.model.path=x", f"{RT}.agent.batching=eager",
+                                     "async_training.mode=fully_async", f"{RT}.calculate_log_probs=true"]))
+
+
 # ---------------------------------------------------------------------------------------------- loop rewards
 def test_a_loop_that_scores_its_trajectory_replaces_the_reward_function(tmp_path, tiny_tokenizer):
     """AgentLoopOutput.reward_score (verl's field) becomes the batch column agent_reward; those rows take it as

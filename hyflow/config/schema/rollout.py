@@ -83,8 +83,11 @@ class AgentConfig:
         "barrier", "hyflow: when the agent loop calls the engine. barrier: once every live trajectory waits for it, "
         "all waiting turns in one call (the largest batches; samples a function of the seed alone). eager: as soon "
         "as the engine is free, every turn waiting then, while the other trajectories' tools run (a slow tool or a "
-        "long answer holds back no one else; which turns share a call, and so the samples, depend on timing).",
-        choices=("barrier", "eager"))
+        "long answer holds back no one else; which turns share a call, and so the samples, depend on timing). "
+        "continuous: every turn goes to the engine on its own and joins the running batch at its next step "
+        "(continuous batching, as verl's server engines do; rollout.name=vllm, tensor_model_parallel_size=1; "
+        "samples a function of the seed and the trajectory, up to the rounding of the batch they share).",
+        choices=("barrier", "eager", "continuous"))
 
 
 @dataclass
