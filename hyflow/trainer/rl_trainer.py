@@ -635,9 +635,9 @@ class RLTrainer:
             dump_generations(rows, cfg.trainer.validation_data_dir, self.global_step)
         has_preds = any(p is not None for p in preds)
         metrics = compute_validation_metrics(sources, uids, scores, preds if has_preds else None, seed=cfg.trainer.seed)
-        # multi-turn: the agent loop's tool and turn metrics of the validation rollouts
+        # multi-turn: the agent loop's tool, turn, OpenAI-agent and environment metrics of the validation rollouts
         metrics.update({f"val-aux/{key}": value for key, value in reduce_metrics(agent_metrics).items()
-                        if key.startswith(("tool/", "num_turns/"))})
+                        if key.startswith(("tool/", "num_turns/", "openai/", "env/"))})
         return metrics
 
     # ------------------------------------------------------------------ checkpoints and logging
