@@ -7,6 +7,7 @@
     hyflow data make TASK --out D            write a built-in task's train/test files
     hyflow data gsm8k|math --input F --out D convert public GSM8K / MATH files to hyflow's (verl's) schema
     hyflow data reasoning-gym --task T --out D  generate Reasoning Gym's procedural tasks (hyflow[envs])
+    hyflow data textarena --env E --out D       single-player TextArena games for env_agent (hyflow[envs])
     hyflow export --ckpt RUN/global_step_N --out D   Hugging Face model directory from a checkpoint
     hyflow plot RUN_DIR                      PNG training curves of an RL or SFT run (smoothed, titled)
 
@@ -120,19 +121,36 @@ def _cmd_data_make(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_data_reasoning_gym(args: argparse.Namespace) -> int:
-    from hyflow.data.reasoning_gym import task_names, write_reasoning_gym
-
+def _generate_library_data(args: argparse.Namespace, chosen: str | None, usage: str, names, write) -> int:
+    """`hyflow data reasoning-gym|textarena`: --list prints `names()`; else `write(chosen, out, sizes, options)`."""
     if args.list:
-        print("\n".join(task_names()))
+        print("\n".join(names()))
         return 0
-    if not args.task or not args.out:
-        raise ValueError("hyflow data reasoning-gym needs --task NAME[,NAME] and --out DIR (--list shows the tasks)")
-    paths = write_reasoning_gym(args.task, args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed,
-                                config=dict(args.option or []), fmt=args.format)
+    if not chosen or not args.out:
+        raise ValueError(usage)
+    paths = write(chosen, args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed,
+                  options=dict(args.option or []), fmt=args.format)
     for split, path in paths.items():
         print(f"{split}: {path}")
     return 0
+
+
+def _cmd_data_reasoning_gym(args: argparse.Namespace) -> int:
+    from hyflow.data.reasoning_gym import task_names, write_reasoning_gym
+
+    def write(tasks, out, options, **kwargs):
+        return write_reasoning_gym(tasks, out, config=options, **kwargs)
+
+    return _generate_library_data(args, args.task, "hyflow data reasoning-gym needs --task NAME[,NAME] and --out "
+                                  "DIR (--list shows the tasks)", task_names, write)
+
+
+def _cmd_data_textarena(args: argparse.Namespace) -> int:
+    from hyflow.data.textarena import write_textarena
+    from hyflow.rollout.textarena_env import game_ids
+
+    return _generate_library_data(args, args.env, "hyflow data textarena needs --env ID[,ID] and --out DIR (--list "
+                                  "shows the games)", game_ids, write_textarena)
 
 
 def _cmd_data_preprocess(args: argparse.Namespace) -> int:
@@ -238,6 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_args(r, "a generator option, e.g. --option min_animals=2 (repeatable)")
     r.add_argument("--list", action="store_true", help="print the task names and exit")
     r.set_defaults(fn=_cmd_data_reasoning_gym)
+    t = data_sub.add_parser("textarena", help="single-player TextArena games for the env_agent loop (hyflow[envs])")
+    t.add_argument("--env", default=None, help="game id(s), comma-separated (e.g. GuessTheNumber-v0)")
+    t.add_argument("--out", default=None)
+    _add_generation_args(t, "a game option, e.g. --option max_turns=10 (repeatable)")
+    t.add_argument("--list", action="store_true", help="print the game ids and exit")
+    t.set_defaults(fn=_cmd_data_textarena)
     for name in ("gsm8k", "math"):
         d = data_sub.add_parser(name, help=f"convert a local {name.upper()} JSONL/parquet file")
         d.add_argument("--input", required=True)

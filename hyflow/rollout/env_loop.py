@@ -38,7 +38,8 @@ from hyflow.tools.runner import ToolThreadsExhausted
 
 ENVS = Registry("environment", hint="Register one with @hyflow.rollout.env_loop.register_env(name), or name a "
                                     "class as path/to/file.py:Class or package.module.Class.",
-                lazy={"skyrl": "hyflow.rollout.skyrl_env:SkyRLEnv"})  # SkyRL-Gym's environments (hyflow[envs])
+                lazy={"skyrl": "hyflow.rollout.skyrl_env:SkyRLEnv",  # SkyRL-Gym's environments (hyflow[envs])
+                      "textarena": "hyflow.rollout.textarena_env:TextArenaEnv"})  # TextArena's games (same)
 
 
 def register_env(name: str):
