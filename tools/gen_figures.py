@@ -11,6 +11,7 @@ committed in `benchmarks/results/`; every one was written by a run, never typed 
 |---|---|
 | `quickstart.json` | `make demo` (`examples/quickstart/run.py`: `runs/quickstart/summary.json`) |
 | `tools.json` | `make demo-tools` (`examples/tools/run.py`: `runs/tools/summary.json`) |
+| `openai_agent.json` | `make demo-openai` (`examples/openai_agent/run.py`: `runs/openai_agent/summary.json`) |
 | `packing_wide.json` | `benchmarks/bench_train.py --warmup 2 --json runs/bench/packing_wide.json` |
 | `packing_grpo.json` | `benchmarks/bench_train.py --warmup 2 --preset tiny --batch-size 64 --min-len 40 --max-len 88 --prompt-max 24 --json runs/bench/packing_grpo.json` |
 | `async_seed<N>.json` | `benchmarks/bench_async.py --seed N --json runs/bench/async_seed<N>.json` (one file per seed) |
@@ -43,6 +44,7 @@ BLOCK = re.compile(r"(<!-- figures:(?P<name>[a-z0-9_-]+) -->)(?P<body>.*?)(<!-- 
 SOURCES = {
     "quickstart.json": ("runs/quickstart/summary.json", "make demo"),
     "tools.json": ("runs/tools/summary.json", "make demo-tools"),
+    "openai_agent.json": ("runs/openai_agent/summary.json", "make demo-openai"),
     "packing_wide.json": ("runs/bench/packing_wide.json",
                           "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_train.py --warmup 2 "
                           "--json runs/bench/packing_wide.json"),
@@ -146,6 +148,26 @@ def tools(results: Path) -> str:
     )
 
 
+def openai_agent(results: Path) -> str:
+    s = load(results, "openai_agent.json")
+    m = s.get("machine", {})
+
+    def calls(requests: float | None) -> str:  # each calculator call adds a request to the episode's first
+        return "n/a" if requests is None else f"{requests - 1:.2f}"
+
+    warm = (f"its own SFT warm start ({s['sft_steps']} steps)" if s.get("sft_steps")
+            else f"the SFT warm start {s.get('sft_model')}")
+    return (
+        f"Measured by `{s.get('command', 'make demo-openai')}` on {s.get('date', 'an unrecorded date')}, on "
+        f"{machine_words(m)} at {commit_words(m)}, {load_words(s.get('load_average_before'), s.get('load_average_after'))} "
+        f"(artefact: `benchmarks/results/openai_agent.json`), from {warm}: the OpenAI-client agent's greedy accuracy "
+        f"on 200 held-out questions **{pct(s['accuracy_after_sft'])} after SFT -> {pct(s['accuracy_after_rl'])} after "
+        f"GRPO ({s['rl_steps']} steps)**; calculator calls per episode {calls(s['requests_per_episode_after_sft'])} "
+        f"-> {calls(s['requests_per_episode_after_rl'])}; wall time {minutes(s['wall_time_s'])}. What varies by "
+        "machine: the exact figures (as in the tool demo, whose SFT warm start this is) and the wall time."
+    )
+
+
 def _packing(r: dict) -> tuple[float, list[float], float, float, str]:
     """(packed/padded tokens/s, per-round ratios, padded fraction of the computed positions, tokens/step, words)."""
     res = r["results"]
@@ -223,6 +245,7 @@ def async_speed(results: Path) -> str:
 RENDERERS: dict[str, Callable[[Path], str]] = {
     "quickstart": quickstart,
     "tools": tools,
+    "openai-agent": openai_agent,
     "packing": packing,
     "packing-status": packing_status,
     "async": async_speed,
