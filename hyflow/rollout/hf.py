@@ -58,6 +58,8 @@ class HFRolloutEngine:
     (samples, not prompts).
     """
 
+    loads_model = False  # generates with a torch module (the trainer's, or a copy): EngineSpec.module
+
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> HFRolloutEngine:
         """The engine on the trainer's module itself (`spec.share_module`) or on a frozen copy of it.

@@ -179,6 +179,7 @@ class VLLMRolloutEngine:
     """Generation with vLLM in this process; see the module docstring."""
 
     shares_weights = False
+    loads_model = True  # loads actor_rollout_ref.model.path itself (hyflow.rollout.build.engine_loads_model)
 
     def __init__(self, model_path: str, *, eos_token_ids: Sequence[int], pad_token_id: int, device: str = "cpu",
                  dtype: str = "bfloat16", max_model_len: int = 2048, max_num_seqs: int = 256,

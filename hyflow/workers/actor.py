@@ -36,7 +36,8 @@ from hyflow.batch import Batch
 from hyflow.controller import Collect, Dispatch, Worker, register
 from hyflow.models.forward import unwrap_model
 from hyflow.models.loading import load_causal_lm, load_tokenizer
-from hyflow.rollout.base import EngineSpec, RolloutEngineError, SamplingParams, make_engine
+from hyflow.rollout.base import RolloutEngineError, SamplingParams
+from hyflow.rollout.build import build_rollout
 from hyflow.specs import ActorLossSpec, ActorSpec
 from hyflow.workers.engine import apply_full_determinism
 from hyflow.workers.fsdp import (
@@ -46,7 +47,7 @@ from hyflow.workers.fsdp import (
     maybe_init_distributed,
     parallel_strategy,
 )
-from hyflow.workers.rollout import RolloutStreamHost, build_agent_loops, eos_token_ids, pad_token_id
+from hyflow.workers.rollout import RolloutStreamHost
 from hyflow.workers.train_engine import (
     EngineCheckpoints,
     LossFn,
@@ -106,9 +107,7 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
                                device=self.model_device)
         ref_model = self._load_reference(model)
         self.weight_bucket_bytes = spec.rollout.weight_bucket_bytes
-        self.rollout = self._build_rollout(model)
-        self.agent_loops = build_agent_loops(spec.rollout, self.tokenizer, self.rollout,
-                                             eos_token_ids(self.tokenizer, model))
+        self.rollout, self.agent_loops = self._build_rollout(model)
         if spec.rollout.stream:
             self._build_stream(model)
         self.engine = TrainEngine.from_spec(model, spec.engine, device=self.model_device,
@@ -144,31 +143,26 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
                   f"({', '.join(self.engine.compiled.names)}) compile at their first update / log-prob pass "
                   f"(seconds, once)", flush=True)
 
-    def _build_rollout(self, model):
-        """The rollout engine of this rank, built by name (`hyflow.rollout.base.make_engine`).
+    def _build_rollout(self, model, *, engine: str | None = None, share_module: bool | None = None):
+        """(engine, agent loop) of this rank (`hyflow.rollout.build.build_rollout`; engine: the rollout's name).
 
         The hf engine generates with the actor's own module in one CPU process, or DDP on CPU (zero copy), else
         with a copy of it; the vllm engine loads the model path itself. Either way the engine then holds the
         actor's weights (a separate engine receives them at once: vllm may start from `load_format=dummy`).
         """
         self._model_class, self._model_config = type(model), model.config
-        share = self.model_device.type == "cpu" and self.strategy != "fsdp2"
-        return make_engine(self.spec.rollout.section.name, self._engine_spec(model, share_module=share))
-
-    def _engine_spec(self, model, *, share_module: bool) -> EngineSpec:
-        """The rollout engine's `EngineSpec` on this rank, over the actor's `model`."""
-        rollout = self.spec.rollout
-        return EngineSpec(model_path=rollout.model.path, device=self.model_device, rollout=rollout.section,
-                          eos_token_ids=eos_token_ids(self.tokenizer, model), pad_token_id=pad_token_id(self.tokenizer),
-                          module=model, share_module=share_module, trust_remote_code=rollout.model.trust_remote_code,
-                          rank=self.rank, world_size=self.world_size)
+        if share_module is None:
+            share_module = self.model_device.type == "cpu" and self.strategy != "fsdp2"
+        built = build_rollout(self.spec.rollout, self.tokenizer, device=self.model_device, module=model,
+                              share_module=share_module, rank=self.rank, world_size=self.world_size, engine=engine)
+        return built.engine, built.agent_loops
 
     def _build_stream(self, model) -> None:
         """Asynchronous training with the rollout in this process: a second hf engine with its own copy of the
-        weights, which change only when the scheduler pushes them (`stream_sync_weights`)."""
-        self.stream_engine = make_engine("hf", self._engine_spec(model, share_module=False))
-        self.stream_manager = build_agent_loops(self.spec.rollout, self.tokenizer, self.stream_engine,
-                                                eos_token_ids(self.tokenizer, model))
+        weights, which change only when the scheduler pushes them (`stream_sync_weights`). hf because a second
+        engine in the process must not hold a second model runtime (async_training with vllm gives the rollout a
+        pool of its own: rollout.n_gpus_per_node)."""
+        self.stream_engine, self.stream_manager = self._build_rollout(model, engine="hf", share_module=False)
 
     # ------------------------------------------------------------------ rollout
     @register(Dispatch.DP_SPLIT)

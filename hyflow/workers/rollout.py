@@ -7,8 +7,8 @@
 - `RolloutWorker`: a rollout-only worker (tokenizer, one engine, the agent loop; no optimizer, no reference),
   built from a `RolloutSpec`, for the rollout pool of its own (`rollout.n_gpus_per_node` > 0). It receives the
   trainer's weights through `stream_load_weights(buckets, version)`: all of them or none (`update_weights`).
-- `build_agent_loops`: the agent loop over an engine with the tools and interactions of `rollout.multi_turn`
-  (the `RolloutSpec`'s section), shared with the colocated actor worker.
+Both build their engine and agent loop with `hyflow.rollout.build.build_rollout` (shared with the colocated actor
+worker).
 """
 
 from __future__ import annotations
@@ -20,45 +20,11 @@ import time
 from hyflow.batch import Batch
 from hyflow.controller import Dispatch, Worker, register
 from hyflow.models.loading import load_causal_lm, load_tokenizer
-from hyflow.rollout.agent_loop import AgentLoopManager
-from hyflow.rollout.base import EngineSpec, SamplingParams, make_engine
+from hyflow.rollout.base import SamplingParams
+from hyflow.rollout.build import build_rollout, engine_loads_model
 from hyflow.rollout.stream import RolloutStream
 from hyflow.specs import RolloutSpec
 from hyflow.workers.train_engine import resolve_device
-
-
-def eos_token_ids(tokenizer, model=None) -> list[int]:
-    """The tokenizer's EOS id plus the model's generation-config EOS id(s)."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if gen_eos is not None:
-        ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos)
-    return sorted(ids)
-
-
-def pad_token_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
-def build_agent_loops(spec: RolloutSpec, tokenizer, engine, eos_ids: list[int]) -> AgentLoopManager:
-    """The agent loop over `engine`, with the tools and interactions of the rollout section's multi_turn (each
-    worker loads its own instances, as each of verl's agent-loop workers does)."""
-    rollout = spec.section
-    mt = rollout.multi_turn
-    tools = interactions = None
-    if mt.tool_config_path:
-        from hyflow.tools import load_tools
-
-        tools = load_tools(mt.tool_config_path)
-    if mt.interaction_config_path:
-        from hyflow.interactions import load_interactions
-
-        interactions = load_interactions(mt.interaction_config_path)
-    return AgentLoopManager(engine, tokenizer, rollout, eos_token_ids=eos_ids, pad_token_id=pad_token_id(tokenizer),
-                            tools=tools, interactions=interactions,
-                            chat_template_kwargs=dict(spec.chat_template_kwargs))
 
 
 class RolloutStreamHost:
@@ -117,17 +83,14 @@ class RolloutWorker(RolloutStreamHost, Worker):
                                             trust_remote_code=model_spec.trust_remote_code,
                                             chat_template=model_spec.custom_chat_template)
         model = None
-        if rollout.name == "hf":
+        if not engine_loads_model(rollout.name):  # the engine generates with a module: this worker's own copy
             model = load_causal_lm(model_spec.path, dtype="float32", trust_remote_code=model_spec.trust_remote_code,
                                    override_config=dict(model_spec.override_config), device=self.model_device)
             model.requires_grad_(False)
-        eos = eos_token_ids(self.tokenizer, model)
-        spec = EngineSpec(model_path=model_spec.path, device=self.model_device, rollout=rollout, eos_token_ids=eos,
-                          pad_token_id=pad_token_id(self.tokenizer), module=model, share_module=True,
-                          trust_remote_code=model_spec.trust_remote_code, rank=self.rank, world_size=self.world_size)
-        self.engine = make_engine(rollout.name, spec)
+        built = build_rollout(self.spec, self.tokenizer, device=self.model_device, module=model, share_module=True,
+                              rank=self.rank, world_size=self.world_size)
+        self.engine, self.stream_manager = built.engine, built.agent_loops
         self.engine.shares_weights = False  # its own module: the trainer's weights arrive via update_weights
-        self.stream_manager = build_agent_loops(self.spec, self.tokenizer, self.engine, eos)
 
     @register(Dispatch.REPLICATE)
     def stream_load_weights(self, buckets: list, version: int) -> float:
