@@ -137,7 +137,8 @@ class BatchingServer:
         # runs of requests sharing a group key (a prompt's n first turns) go in as one prompt with n samples
         runs: list[list[_Request]] = []
         for request in requests:
-            if runs and runs[-1][0].group == request.group and runs[-1][0].budget == request.budget:
+            if (runs and runs[-1][0].group == request.group and runs[-1][0].budget == request.budget
+                    and runs[-1][0].prompt_ids == request.prompt_ids):
                 runs[-1].append(request)
             else:
                 runs.append([request])
@@ -165,9 +166,16 @@ class BatchingServer:
                                        "stop" if stopped or length < budget else "length"))
         return outputs
 
+    def _is_original(self, request: _Request) -> bool:
+        """Whether a first turn asks for its row's own prompt (a loop that renders its own, openai_agent, may not:
+        then the engine gets the request's ids, never the row's)."""
+        row = request.group[1]
+        ids = self.prompts["input_ids"][row][self.prompts["attention_mask"][row].bool()]
+        return ids.tolist() == list(request.prompt_ids)
+
     def _prompt_batch(self, heads: list[_Request]) -> Batch:
         original = self.prompts
-        if original is not None and all(r.group[0] == "prompt" for r in heads):
+        if original is not None and all(r.group[0] == "prompt" and self._is_original(r) for r in heads):
             rows = [r.group[1] for r in heads]  # first turns: the original padded rows, as the engine saw them
             batch = Batch({"input_ids": original["input_ids"][rows], "attention_mask": original["attention_mask"][rows]})
         else:

@@ -124,6 +124,18 @@ def test_an_openai_client_agent_trains_token_in_token_out(tmp_path, tiny_tokeniz
     assert metrics["agent_loop/engine_batch/max"] == 2.0  # both trajectories' turns decoded together
 
 
+def test_the_engine_samples_from_the_prompt_the_agent_sent(tmp_path, tiny_tokenizer, agent_file):
+    """The agent renders its own first prompt (here with the calculator's schema, which the row's prompt lacks):
+    the engine must decode that prompt, not the row's padded one (found by make demo-openai: the SFT model, shown
+    the row's prompt without its tools, never called the calculator)."""
+    def script(text):  # calls the tool only when it sees the schema before the question
+        return calculator_script(text) if "calculator" in text.split("<|im_start|>user")[0] else "#### 0"
+
+    out = run_agent(tmp_path, tiny_tokenizer, "calculator_agent", engine_script=script)
+    assert agent_file.SEEN == ["tool_calls", "tool_calls"]
+    assert list(out["agent_reward"]) == [1.0, 1.0]
+
+
 def test_the_last_turn_alone_as_the_sample(tmp_path, tiny_tokenizer, agent_file):
     tok = tiny_tokenizer
     out = run_agent(tmp_path, tok, "calculator_agent", sample="last")
