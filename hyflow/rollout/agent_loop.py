@@ -368,17 +368,9 @@ class AgentLoopManager:
         out_batch.meta.setdefault("metrics", {}).update(self._metrics(outputs, server))
         return out_batch
 
-    def _metrics(self, outputs: list[AgentLoopOutput], server: BatchingServer) -> dict[str, float]:
-        metrics = {"agent_loop/engine_calls": float(server.calls),
-                   "agent_loop/engine_batch/mean": float(np.mean(server.batch_sizes)) if server.batch_sizes else 0.0,
-                   "agent_loop/engine_batch/max": float(max(server.batch_sizes, default=0)),
-                   "timing_s/agent_loop_engine": server.seconds}
-        if not self.multi_turn:
-            return metrics
-        turns = np.array([o.num_turns for o in outputs], dtype=float)
-        metrics.update({"num_turns/min": float(turns.min()), "num_turns/max": float(turns.max()),
-                        "num_turns/mean": float(turns.mean()),
-                        "tool/stuck_threads": float(len(self.tool_runner.stuck_threads()))})
+    @staticmethod
+    def _tool_metrics(outputs: list[AgentLoopOutput]) -> dict[str, float]:
+        metrics: dict[str, float] = {}
         counts = {key: np.array([o.metrics.get(key, 0) for o in outputs], dtype=float) for key in _COUNTERS}
         calls = counts["tool_calls"] + counts["malformed_calls"]
         # per-sample means (workers' values are averaged, so every count is a rate per sample)
@@ -396,6 +388,24 @@ class AgentLoopManager:
         metrics.update({"agent_loop/tool_calls/min": float(seconds.min()),
                         "agent_loop/tool_calls/max": float(seconds.max()),
                         "agent_loop/tool_calls/mean": float(seconds.mean())})
+        return metrics
+
+    def _metrics(self, outputs: list[AgentLoopOutput], server: BatchingServer) -> dict[str, float]:
+        metrics = {"agent_loop/engine_calls": float(server.calls),
+                   "agent_loop/engine_batch/mean": float(np.mean(server.batch_sizes)) if server.batch_sizes else 0.0,
+                   "agent_loop/engine_batch/max": float(max(server.batch_sizes, default=0)),
+                   "timing_s/agent_loop_engine": server.seconds}
+        if not self.multi_turn:
+            return metrics
+        turns = np.array([o.num_turns for o in outputs], dtype=float)
+        metrics.update({"num_turns/min": float(turns.min()), "num_turns/max": float(turns.max()),
+                        "num_turns/mean": float(turns.mean()),
+                        "tool/stuck_threads": float(len(self.tool_runner.stuck_threads()))})
+        # hyflow's tool calls, over the trajectories of loops that make them (tool_agent, env_agent): an
+        # openai_agent runs its tools itself and reports openai/* instead
+        tooled = [o for o in outputs if "tool_calls" in o.metrics]
+        if tooled:
+            metrics.update(self._tool_metrics(tooled))
         latencies = [x for o in outputs for x in o.metrics.get("tool_latencies", [])]
         if latencies:
             metrics["tool/latency_s/mean"] = float(np.mean(latencies))

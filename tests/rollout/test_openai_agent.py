@@ -122,6 +122,8 @@ def test_an_openai_client_agent_trains_token_in_token_out(tmp_path, tiny_tokeniz
     assert (out["rollout_log_probs"][mask] == -0.5).all() and (out["rollout_log_probs"][~mask] == 0).all()
     metrics = out.meta["metrics"]
     assert metrics["agent_loop/engine_batch/max"] == 2.0  # both trajectories' turns decoded together
+    # the agent ran its tool itself: no hyflow tool metrics (they would say 0 calls), the endpoint's instead
+    assert "tool/samples_with_call" not in metrics and metrics["openai/requests/mean"] == 2.0
 
 
 def test_the_engine_samples_from_the_prompt_the_agent_sent(tmp_path, tiny_tokenizer, agent_file):
