@@ -146,8 +146,7 @@ def _cmd_data_reasoning_gym(args: argparse.Namespace) -> int:
 
 
 def _cmd_data_textarena(args: argparse.Namespace) -> int:
-    from hyflow.data.textarena import write_textarena
-    from hyflow.rollout.textarena_env import game_ids
+    from hyflow.data.textarena import game_ids, write_textarena
 
     return _generate_library_data(args, args.env, "hyflow data textarena needs --env ID[,ID] and --out DIR (--list "
                                   "shows the games)", game_ids, write_textarena)

@@ -44,4 +44,4 @@ def test_bad_ways_are_named(capsys):
     spec.loader.exec_module(bench)
     with pytest.raises(SystemExit):
         bench.main(["--ways", "batched,fast"])
-    assert "--ways batched,fast: name 2 or 3 different ways" in capsys.readouterr().err
+    assert "--ways batched,fast: name 2 to 4 different ways" in capsys.readouterr().err

@@ -221,7 +221,7 @@ class ContinuousServer:
     # the counters the agent loop's metrics read (BatchingServer's names)
     @property
     def calls(self) -> int:
-        return self._stream.steps if self._stream is not None else 0
+        return self._stream.step_count if self._stream is not None else 0
 
     @property
     def batch_sizes(self) -> list[int]:

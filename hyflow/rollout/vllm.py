@@ -521,7 +521,7 @@ class VLLMTokenStream:
     The thread owns the engine while the stream is open: it adds the requests `submit` queued, runs `step()`
     while any is unfinished, collects each request's new tokens (vLLM's DELTA outputs, so an aborted request
     still returns what it produced) and resolves futures as requests finish. Counters for the agent loop's
-    metrics: `steps` (engine steps), `seconds` (time inside them), `step_sizes` (requests running per step).
+    metrics: `step_count` (engine steps), `seconds` (time inside them), `step_sizes` (requests running per step).
     """
 
     def __init__(self, llm_engine, sampling_kwargs: dict) -> None:
@@ -535,7 +535,7 @@ class VLLMTokenStream:
         self._ids = itertools.count()
         self._error: BaseException | None = None
         self._closed = False
-        self.steps, self.seconds, self.step_sizes = 0, 0.0, []
+        self.step_count, self.seconds, self.step_sizes = 0, 0.0, []
         self._thread = threading.Thread(target=self._run, name="hyflow-vllm-stream", daemon=True)
         self._thread.start()
 
@@ -627,7 +627,7 @@ class VLLMTokenStream:
         start = time.perf_counter()
         outputs = self._engine.step()
         self.seconds += time.perf_counter() - start
-        self.steps += 1
+        self.step_count += 1
         self.step_sizes.append(running)
         for output in outputs:
             live = self._live.get(output.request_id)

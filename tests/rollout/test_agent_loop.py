@@ -806,7 +806,7 @@ class StreamingScriptedEngine(ScriptedEngine):
         engine = self
 
         class Stream:
-            steps, seconds, step_sizes = 0, 0.0, []
+            step_count, seconds, step_sizes = 0, 0.0, []
 
             def submit(self, request):
                 engine.requests.append(request)
@@ -817,7 +817,7 @@ class StreamingScriptedEngine(ScriptedEngine):
                     time.sleep(engine.delay(text))
                     ids = engine.tokenizer(engine.reply(text), add_special_tokens=False)["input_ids"]
                     ids = [*ids, engine.tokenizer.eos_token_id][: request.max_tokens]
-                    self.steps += 1
+                    self.step_count += 1
                     self.step_sizes.append(1)
                     future.set_result(TokenOutput(ids, [-0.5] * len(ids), "stop"))
 
