@@ -14,7 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 from test_agent_loop import RT, ScriptedEngine, make_prompts, manager, params, rollout_config
 
-pytest.importorskip("textarena", reason="TextArena is installed by make venv (hyflow[envs])")
+
+@pytest.fixture(autouse=True)
+def _textarena():
+    """Per test, not at import: collecting this module in .venv-vllm (which deselects it) must not skip it."""
+    pytest.importorskip("textarena", reason="TextArena is installed by make venv (hyflow[envs])")
 
 HYFLOW = [str(Path(sys.executable).parent / "hyflow")]
 
