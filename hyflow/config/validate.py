@@ -210,9 +210,14 @@ def _check_async(cfg: HyflowConfig) -> list[str]:
         problems.append(f"async_training.partial_rollout_chunk={at.partial_rollout_chunk} must be >= 1 token (or "
                         "null: a quarter of the response length)")
     batching = cfg.actor_rollout_ref.rollout.agent.batching
-    if at.mode == "fully_async" and batching != "barrier":
-        problems.append(f"{R}.agent.batching={batching} with {where}: its rollout stream decodes in deterministic "
-                        f"segments of async_training.partial_rollout_chunk tokens (barrier); drop {R}.agent.batching")
+    if batching == "eager":
+        problems.append(f"{R}.agent.batching=eager with {where}: its rollout stream decodes either in deterministic "
+                        f"segments of async_training.partial_rollout_chunk tokens (barrier, the default) or with "
+                        f"continuous batching, aborted and resumed at weight pushes (continuous, vllm); choose one")
+    if batching == "continuous" and at.partial_rollout_chunk is not None:
+        problems.append(f"async_training.partial_rollout_chunk={at.partial_rollout_chunk} with {R}.agent.batching="
+                        "continuous: requests run with their whole budget and are aborted and resumed at weight "
+                        "pushes, not cut into segments; drop partial_rollout_chunk (or use batching=barrier)")
     if at.mode == "one_step_off":
         changed = [f"async_training.{name}" for name in ("staleness_threshold", "partial_rollout",
                                                          "partial_rollout_chunk", "trigger_parameter_sync_step")

@@ -238,10 +238,7 @@ class AgentLoopManager:
         # asyncio.to_thread in an agent loop: daemon threads that asyncio.run does not wait for at its end
         asyncio.get_running_loop().set_default_executor(DaemonExecutor("hyflow-agent-thread"))
         n = params.n
-        turn_params = dataclasses.replace(params, n=1)
-        extra_stops = [i for i in self.tool_parser.stop_token_ids if i not in params.stop_token_ids]
-        if self.multi_turn and extra_stops:  # the format ends a call turn with its own id (llama3's <|eom_id|>)
-            turn_params = dataclasses.replace(turn_params, stop_token_ids=(*params.stop_token_ids, *extra_stops))
+        turn_params = self.turn_params(params)
         if self.config.agent.batching == "continuous":
             server = ContinuousServer(self.engine, turn_params, self.eos_token_ids)
         else:
@@ -308,10 +305,20 @@ class AgentLoopManager:
                           "(tool/stuck_threads counts them)", RuntimeWarning, stacklevel=2)
         self._stuck_reported = len(stuck)
 
-    def make_agent(self, name: str, handle: ServerHandle) -> AgentLoopBase:
-        """A new instance of the agent loop registered as `name`, over `handle`."""
+    def turn_params(self, params: SamplingParams) -> SamplingParams:
+        """The sampling params of one turn: one sample (the n samples of a prompt are n trajectories), and the
+        tool format's own end-of-call ids among the stop ids (llama3's <|eom_id|>)."""
+        turn_params = dataclasses.replace(params, n=1)
+        extra_stops = [i for i in self.tool_parser.stop_token_ids if i not in params.stop_token_ids]
+        if self.multi_turn and extra_stops:
+            turn_params = dataclasses.replace(turn_params, stop_token_ids=(*params.stop_token_ids, *extra_stops))
+        return turn_params
+
+    def make_agent(self, name: str, handle: ServerHandle, rollout_kwargs: dict | None = None) -> AgentLoopBase:
+        """A new instance of the agent loop registered as `name`, over `handle`; `rollout_kwargs` (loop class ->
+        what its start_rollout gave) defaults to this manager's current rollout's."""
         loop = AGENT_LOOPS[name]
-        extra = self._rollout_kwargs.get(loop, {})  # what the loop's start_rollout gave for this rollout
+        extra = (self._rollout_kwargs if rollout_kwargs is None else rollout_kwargs).get(loop, {})
         return loop(server_manager=handle, tokenizer=self.tokenizer, rollout_config=self.config,
                     tools=self.tools, tool_parser=self.tool_parser, interactions=self.interactions,
                     chat_template_kwargs=self.chat_template_kwargs, tool_runner=self.tool_runner,

@@ -18,12 +18,21 @@ Deterministic. Like `BatchingServer`, the stream decodes only when every live tr
 requests in trajectory order, engine call k seeded with seed + k * SEED_STRIDE; so the samples depend on the
 seed, the submitted prompts and when the weights changed, never on timing. It runs on an event loop of its own,
 driven only inside `advance` (a breakpoint in an agent loop or tool stops the whole process, as usual).
+
+Abort and resume (`rollout.agent.batching=continuous`, engines with a token stream: vllm). Every request goes to
+the engine's stream the moment its trajectory asks and runs with its whole budget, joining the running batch at
+the next engine step (`ContinuousStreamServer`). When `advance` has its prompts, the requests still running are
+aborted: each keeps the tokens (and log-probs) it produced, and the stream closes, so the engine is idle while the
+trainer pushes weights. The next `advance` resubmits each with its tokens appended to its prompt and what is left
+of its budget (verl's fully-async rollouter pauses and resumes its server the same way). A weight update thus
+lands wherever each request was, never waiting for a segment boundary, and no engine call is cut short of work;
+the price is determinism: where a request was aborted depends on timing, so the samples do too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,10 +41,18 @@ from types import SimpleNamespace
 import torch
 
 from hyflow.batch import Batch
-from hyflow.rollout.agent_loop import AgentLoopManager, AgentLoopOutput, prompt_rows, sampling_dict
-from hyflow.rollout.agent_server import BatchingServer, ServerHandle, TokenOutput, _Request
-from hyflow.rollout.base import SamplingParams
+from hyflow.rollout.agent_loop import (
+    AGENT_LOOPS,
+    AgentLoopManager,
+    AgentLoopOutput,
+    prompt_rows,
+    sampling_dict,
+)
+from hyflow.rollout.agent_server import SEED_STRIDE, BatchingServer, ContinuousServer, ServerHandle, _Request
+from hyflow.rollout.base import SamplingParams, TokenOutput, TokenRequest
 from hyflow.rollout.output import position_ids_from_mask
+
+SEGMENT_STRIDE = 7_919  # segment s of a resumed request samples with its turn's seed + s * SEGMENT_STRIDE
 
 
 @dataclass
@@ -71,6 +88,19 @@ class StreamServer(BatchingServer):
         """True when no trajectory can move without the engine: every live one waits for it, or none is live."""
         return self.live <= 0 or len(self.waiting) >= self.live
 
+    # the stream's hooks (ContinuousStreamServer's counterparts)
+    def resume(self) -> None:
+        """Nothing to resume: unfinished segments wait in the queue for the next `flush`."""
+
+    async def step(self) -> None:
+        self.flush()
+
+    async def pause(self) -> None:
+        """Nothing runs between two engine calls."""
+
+    def shutdown(self) -> None:
+        self.waiting = []
+
     def flush(self) -> None:
         """One engine call over every waiting request (at most `chunk` new tokens each)."""
         segments: list[_Segmented] = sorted(self.waiting, key=lambda r: r.index)
@@ -81,19 +111,171 @@ class StreamServer(BatchingServer):
         for seg, out in zip(segments, outputs):
             if seg.future.done():  # cancelled meanwhile
                 continue
-            count = len(out.token_ids)
-            self.tokens += count
-            seg.tokens += out.token_ids
-            seg.log_probs += out.log_probs if out.log_probs is not None else [0.0] * count
-            seg.versions += [self.version] * count
-            seg.budget -= count
+            self.tokens += _append_segment(seg, out, self.version)
             if out.stop_reason == "stop" or seg.budget <= 0:
-                self.token_versions.setdefault(seg.index, []).extend(seg.versions)
-                seg.future.set_result(TokenOutput(seg.tokens, seg.log_probs if self.params.calculate_log_probs
-                                                  else None, "stop" if out.stop_reason == "stop" else "length"))
+                _finish(self, seg, out.stop_reason)
             else:
                 self.continued += 1
                 self.waiting.append(seg)
+
+
+def _append_segment(request, out: TokenOutput, version: int) -> int:
+    """Add a segment's output to a `_Segmented` / `_Running` request (its tokens, their log-probs and the policy
+    version that sampled them) and take them from its budget; returns how many tokens it added."""
+    count = len(out.token_ids)
+    request.tokens += out.token_ids
+    request.log_probs += out.log_probs if out.log_probs is not None else [0.0] * count
+    request.versions += [version] * count
+    request.budget -= count
+    return count
+
+
+def _finish(server, request, stop_reason: str) -> None:
+    """Resolve a request with all its segments' tokens, recording their versions for the batch."""
+    server.token_versions.setdefault(request.index, []).extend(request.versions)
+    request.future.set_result(TokenOutput(request.tokens, request.log_probs if server.params.calculate_log_probs
+                                          else None, "stop" if stop_reason == "stop" else "length"))
+
+
+@dataclass
+class _Running:
+    """A generation request of a trajectory in `ContinuousStreamServer`: its segments so far."""
+
+    index: int
+    seed: int | None
+    prompt_ids: list[int]
+    budget: int  # new tokens this request may still generate
+    future: asyncio.Future
+    name: str
+    segment: int = 0
+    segment_version: int = 0
+    submitted: bool = False  # its current segment went to the engine
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+class ContinuousStreamServer(ContinuousServer):
+    """The stream's engine seat with `rollout.agent.batching=continuous`: requests run in the engine's token stream
+    with their whole budget; `pause` aborts the running ones and closes the stream (the engine is then idle for a
+    weight push), `resume` resubmits them with their tokens so far (see the module docstring). Same interface as
+    `StreamServer`; `continued` counts resumed requests, `calls` the engine steps of every stream it opened."""
+
+    def __init__(self, engine, params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
+        super().__init__(engine, params, eos_token_ids)
+        self.version = 0
+        self.token_versions: dict[int, list[int]] = {}
+        self.continued = 0
+        self.waiting: list = []  # RolloutStream.reset clears it; nothing waits here (requests run in the engine)
+        self._running: dict[str, _Running] = {}
+        self._paused: list[_Running] = []
+        self._pausing = False
+        self._progress = asyncio.Event()
+        self._closed_counts = (0, 0.0, [])  # engine steps, seconds and step sizes of the streams closed so far
+
+    # counters over every stream this server opened
+    @property
+    def calls(self) -> int:
+        return self._closed_counts[0] + (self._stream.step_count if self._stream is not None else 0)
+
+    @property
+    def seconds(self) -> float:
+        return self._closed_counts[1] + (self._stream.seconds if self._stream is not None else 0.0)
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        return self._closed_counts[2] + (self._stream.step_sizes if self._stream is not None else [])
+
+    def quiescent(self) -> bool:
+        return True  # trajectories run while the engine does: `step` waits for progress instead
+
+    def _check(self) -> None:
+        pass
+
+    def finished_one(self) -> None:
+        self.live -= 1
+        self._progress.set()
+
+    async def generate(self, index: int, prompt_ids: list[int], budget: int, group: tuple | None = None
+                       ) -> TokenOutput:
+        turn = self._turns.get(index, 0)
+        self._turns[index] = turn + 1
+        seed = None if self.params.seed is None else self.params.seed + index + turn * SEED_STRIDE
+        budget = max(1, min(int(budget), self.params.max_new_tokens))
+        run = _Running(index, seed, list(prompt_ids), budget, asyncio.get_running_loop().create_future(),
+                       f"t{index}.{turn}")
+        self._submit(run)
+        return await run.future
+
+    def _submit(self, run: _Running) -> None:
+        if self._pausing:  # asked while `pause` drains the engine: it starts at the next `resume`
+            self._paused.append(run)
+            return
+        if self._stream is None:
+            self._open()
+        run.submitted = True
+        seed = None if run.seed is None else run.seed + run.segment * SEGMENT_STRIDE
+        run.segment_version = self.version
+        request_id = f"{run.name}.{run.segment}"
+        self._running[request_id] = run
+        future = asyncio.wrap_future(self._stream.submit(TokenRequest(request_id, run.prompt_ids + run.tokens,
+                                                                      run.budget, seed)))
+        future.add_done_callback(lambda done: self._landed(request_id, done))
+
+    def _landed(self, request_id: str, done: asyncio.Future) -> None:
+        run = self._running.pop(request_id, None)
+        self._progress.set()
+        if run is None or done.cancelled() or run.future.done():
+            return
+        if done.exception() is not None:
+            run.future.set_exception(done.exception())
+            return
+        out: TokenOutput = done.result()
+        self.tokens += _append_segment(run, out, run.segment_version)
+        if out.stop_reason == "abort" and run.budget > 0:
+            self._paused.append(run)  # `pause` aborted it: resumed by the next `resume`
+            return
+        _finish(self, run, out.stop_reason)
+
+    def resume(self) -> None:
+        """Resubmit the requests `pause` aborted, in trajectory order, each as its next segment."""
+        paused, self._paused = sorted(self._paused, key=lambda r: r.index), []
+        for run in paused:
+            if run.submitted:
+                run.segment += 1
+                self.continued += 1
+            self._submit(run)
+
+    async def step(self) -> None:
+        """Wait until a request lands or a trajectory finishes."""
+        await self._progress.wait()
+        self._progress.clear()
+
+    async def pause(self) -> None:
+        """Abort the running requests (each keeps its tokens so far) and close the stream, so the engine is idle."""
+        if self._stream is None:
+            return
+        self._pausing = True
+        try:
+            running = list(self._running)
+            if running:
+                self._stream.abort(running)
+                while self._running:
+                    await self.step()
+        finally:
+            self._pausing = False
+        stream, self._stream = self._stream, None
+        await asyncio.get_running_loop().run_in_executor(None, stream.close)
+        steps, seconds, sizes = self._closed_counts
+        self._closed_counts = (steps + stream.step_count, seconds + stream.seconds, sizes + stream.step_sizes)
+
+    def shutdown(self) -> None:
+        """Drop everything (the stream's `reset`/`close`): close the engine's stream, which aborts what runs."""
+        self._running.clear()
+        self._paused = []
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            stream.close()
 
 
 @dataclass
@@ -119,12 +301,22 @@ class RolloutStream:
         self.loop = asyncio.new_event_loop()
         self._executor = ThreadPoolExecutor(max_workers=manager.num_workers, thread_name_prefix="hyflow-tool")
         self.loop.set_default_executor(self._executor)  # asyncio.to_thread in tools: at most num_workers at once
-        self.server = StreamServer(manager.engine, dataclasses.replace(params, n=1), manager.pad_token_id,
-                                   manager.eos_token_ids, chunk_tokens)
+        turn_params = manager.turn_params(params)
+        batching = manager.config.agent.batching
+        if batching == "continuous":
+            self.server = ContinuousStreamServer(manager.engine, turn_params, manager.eos_token_ids)
+        elif batching == "barrier":
+            self.server = StreamServer(manager.engine, turn_params, manager.pad_token_id, manager.eos_token_ids,
+                                       chunk_tokens)
+        else:
+            raise ValueError(f"actor_rollout_ref.rollout.agent.batching={batching} has no asynchronous rollout stream: "
+                             "use barrier (deterministic segments) or continuous (abort/resume, vllm)")
         self.server._ready = asyncio.Event()
         self.groups: dict[int, _Group] = {}
         self.tasks: dict[int, asyncio.Task] = {}
         self.next_index = 0
+        self._loop_kwargs: dict = {}  # loop class -> what its start_rollout gave (openai_agent: its endpoint)
+        self._loop_starting: dict = {}
 
     # ------------------------------------------------------------------ the trainer's calls
     @property
@@ -176,12 +368,16 @@ class RolloutStream:
             self._run(asyncio.gather(*self.tasks.values(), return_exceptions=True))
         self.tasks.clear()
         self.groups.clear()
-        self.server.waiting = []
+        self.server.shutdown()
         self.server.live = 0
         return dropped
 
     def close(self) -> None:
         self.reset()
+        for loop_class, kwargs in self._loop_kwargs.items():
+            with contextlib.suppress(Exception):  # an endpoint that fails to stop must not hide the close
+                self._run(loop_class.end_rollout(kwargs))
+        self._loop_kwargs = {}
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.loop.close()
 
@@ -197,10 +393,24 @@ class RolloutStream:
     async def _trajectory(self, group: _Group, sample: int, index: int, row: dict, sampling: dict) -> None:
         try:
             handle = ServerHandle(self.server, index, ("stream", group.tag), self.response_length)
-            agent = self.manager.make_agent(group.name, handle)
+            agent = self.manager.make_agent(group.name, handle, await self._started_loop_kwargs(group.name))
             group.outputs[sample] = await agent.run(sampling, **row)
         finally:
             self.server.finished_one()
+
+    async def _started_loop_kwargs(self, name: str) -> dict:
+        """The loops' per-rollout kwargs; a loop class with `start_rollout` (openai_agent) is started once, on its
+        first trajectory in this stream, and ended by `close`."""
+        loop_class = AGENT_LOOPS.get(name)
+        if hasattr(loop_class, "start_rollout") and loop_class not in self._loop_kwargs:
+            if loop_class not in self._loop_starting:
+                self._loop_starting[loop_class] = asyncio.ensure_future(loop_class.start_rollout(self.manager,
+                                                                                                 self.params))
+            starting = self._loop_starting[loop_class]
+            kwargs = await asyncio.shield(starting)
+            self._loop_kwargs.setdefault(loop_class, kwargs)
+            self._loop_starting.pop(loop_class, None)
+        return self._loop_kwargs
 
     async def _settle(self) -> None:
         """Let every runnable trajectory run until each waits for the engine or has finished."""
@@ -219,19 +429,23 @@ class RolloutStream:
         calls, sizes, seconds = self.server.calls, len(self.server.batch_sizes), self.server.seconds
         tokens, continued = self.server.tokens, self.server.continued
         done: list[_Group] = []
-        while True:
-            await self._settle()
-            self._failed()
-            for tag in sorted(self.groups):
-                group = self.groups[tag]
-                if all(out is not None for out in group.outputs):
-                    done.append(self.groups.pop(tag))
-                    for index in range(group.first_index, group.first_index + len(group.outputs)):
-                        self.tasks.pop(index, None)
-            if len(done) >= need or self.server.live <= 0 or (max_calls is not None
-                                                                and self.server.calls - calls >= max_calls):
-                break
-            self.server.flush()
+        self.server.resume()
+        try:
+            while True:
+                await self._settle()
+                self._failed()
+                for tag in sorted(self.groups):
+                    group = self.groups[tag]
+                    if all(out is not None for out in group.outputs):
+                        done.append(self.groups.pop(tag))
+                        for index in range(group.first_index, group.first_index + len(group.outputs)):
+                            self.tasks.pop(index, None)
+                if len(done) >= need or self.server.live <= 0 or (max_calls is not None
+                                                                    and self.server.calls - calls >= max_calls):
+                    break
+                await self.server.step()
+        finally:
+            await self.server.pause()  # continuous: the engine idle (and its stream closed) until the next advance
         if not done:
             return None
         stats = SimpleNamespace(calls=self.server.calls - calls, batch_sizes=self.server.batch_sizes[sizes:],

@@ -536,6 +536,10 @@ class VLLMTokenStream:
         self._error: BaseException | None = None
         self._closed = False
         self.step_count, self.seconds, self.step_sizes = 0, 0.0, []
+        # OpenMP's thread count is per thread: a new thread starts with the process default, not the count hyflow
+        # chose (`torch.set_num_threads` in the caller), and vLLM's CPU attention refuses metadata built for
+        # another count ("Check failed: input->metadata->thread_num == thread_num")
+        self._threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._run, name="hyflow-vllm-stream", daemon=True)
         self._thread.start()
 
@@ -560,6 +564,7 @@ class VLLMTokenStream:
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
+        torch.set_num_threads(self._threads)
         try:
             while True:
                 # block for work only when nothing is running; otherwise take what came and step

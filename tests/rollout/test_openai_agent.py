@@ -239,3 +239,29 @@ def test_with_the_real_hf_engine_the_log_probs_equal_the_trainers_recompute(tiny
                                     temperature=1.0)
     diff = (logp - out["rollout_log_probs"])[mask].abs().max().item()
     assert diff < 1e-5, diff
+
+
+def test_an_openai_client_agent_in_the_asynchronous_rollout_stream(tmp_path, tiny_tokenizer, agent_file):
+    """async_training's rollout stream (fully_async / one_step_off) starts the loop's endpoint on its first
+    trajectory, keeps it across advances, and stops it on close; before, every openai_agent trajectory failed
+    there ("runs inside AgentLoopManager.generate, which starts its endpoint")."""
+    from hyflow.rollout.stream import RolloutStream
+
+    tok = tiny_tokenizer
+    try:
+        loops = manager(ScriptedEngine(tok, calculator_script), tok, rollout(tmp_path, "calculator_agent"))
+        stream = RolloutStream(loops, params(n=2), chunk_tokens=10_000, prompt_width=256)  # no segments
+        stream.submit(make_prompts(tok, ["What is 2 + 3 * 4?"], agent="my_agent"), [0])
+        first = stream.advance(need=1)
+        stream.submit(make_prompts(tok, ["What is 2 + 3 * 4?"], agent="my_agent"), [1])
+        second = stream.advance(need=1)
+        endpoint = next(iter(stream._loop_kwargs.values()))["openai_endpoint"]
+        stream.close()
+    finally:
+        AGENT_LOOPS.pop("my_agent", None)
+        AGENT_LOOP_KWARGS.pop("my_agent", None)
+    for out in (first, second):
+        assert list(out["agent_reward"]) == [1.0, 1.0] and all("agent_error" not in i for i in out["extra_info"])
+        assert segments(tok, out, 0)[-1] == (1, "#### 14<|im_end|>")
+    assert agent_file.SEEN == ["tool_calls"] * 4 and not stream._loop_kwargs
+    assert endpoint._runner is None  # stopped by close

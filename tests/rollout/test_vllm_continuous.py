@@ -163,3 +163,70 @@ def test_a_bad_request_fails_alone_and_an_engine_error_reaches_every_waiting_req
     finally:
         stream.close()
         engine.llm.llm_engine.abort_request([f"r{i}" for i in range(3)])  # what Broken left in the engine
+
+
+class _Budgeted:
+    """A single-turn loop whose row says its budget (`budget`): requests of one batch that finish far apart."""
+
+    @staticmethod
+    def register():
+        from hyflow.rollout.agent_loop import SingleTurnAgentLoop, register
+
+        @register("test_budgeted_agent")
+        class Budgeted(SingleTurnAgentLoop):
+            async def run(self, sampling_params, **row):
+                return await super().run({**sampling_params, "max_tokens": int(row["budget"])}, **row)
+
+
+def test_fully_async_stream_aborts_at_advance_and_resumes_under_the_new_weights(engine, model, tiny_model_dir,
+                                                                                  tiny_tokenizer):
+    """The asynchronous rollout stream with continuous batching (`fully_async` + `batching=continuous`): `advance`
+    returns once the short prompt's samples are done and aborts the long ones mid-answer (their tokens kept);
+    after new weights, the next `advance` resumes them where they stopped. Every token's version says which weights
+    sampled it, and vLLM's log-prob of it equals the trainer's recompute under those weights."""
+    import copy
+
+    from hyflow.data.rl_dataset import collate_prompts
+    from hyflow.rollout.agent_loop import AgentLoopManager
+    from hyflow.rollout.stream import RolloutStream
+
+    _Budgeted.register()
+    tok = tiny_tokenizer
+    v1 = copy.deepcopy(model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in v1.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    items = prompt_items(tok, TEXTS[:2], "test_budgeted_agent")
+    items[0]["budget"], items[1]["budget"] = 6, 300
+    loops = AgentLoopManager(engine, tok, rollout(tiny_model_dir, "continuous"), eos_token_ids=[tok.eos_token_id],
+                             pad_token_id=tok.pad_token_id)
+    params = SamplingParams(n=2, max_new_tokens=RESPONSE, seed=5, temperature=0.9, calculate_log_probs=True)
+    stream = RolloutStream(loops, params, chunk_tokens=RESPONSE, prompt_width=64)
+    try:
+        stream.submit(collate_prompts(items, tok.pad_token_id), [10, 11])
+        first = stream.advance(need=1)
+        assert first["async_tag"].tolist() == [10, 10] and stream.in_flight() == [11]
+        assert (first["rollout_versions"][first["response_mask"].bool()] == 0).all()
+        engine.update_weights([list(v1.state_dict().items())])  # the stream is closed: the engine is idle
+        stream.set_version(1)
+        out = stream.advance(need=1)
+    finally:
+        stream.close()
+        engine.update_weights([list(model.state_dict().items())])
+    assert out["async_tag"].tolist() == [11, 11] and out["async_admitted_version"].tolist() == [0, 0]
+    assert out.meta["metrics"]["async/continued_segments"] == 2  # both long samples were aborted once, resumed once
+    mask = out["response_mask"].bool()
+    versions = out["rollout_versions"]
+    assert (versions[~mask] == -1).all()
+    for row in range(2):
+        got = versions[row][mask[row]].tolist()
+        cut = got.index(1)  # where the abort was: version-0 tokens, then version-1 ones
+        assert 1 <= cut < len(got) and got == [0] * cut + [1] * (len(got) - cut), got
+    logp = {0: recompute(model, out, 0.9), 1: recompute(v1, out, 0.9)}
+    for v in (0, 1):
+        where = mask & (versions == v)
+        diff = (logp[v] - out["rollout_log_probs"])[where].abs().max().item()
+        assert diff < 1e-5, (v, diff)
+    newer = mask & (versions == 1)  # the new weights really differ on the resumed tokens
+    assert (logp[0] - out["rollout_log_probs"])[newer].abs().max().item() > 1e-3

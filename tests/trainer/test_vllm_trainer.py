@@ -213,3 +213,33 @@ def test_fully_async_with_a_vllm_rollout_pool(tiny_model_dir, task_dir, tmp_path
     # so vLLM's per-token log-probs, segment after segment, are the trainer's (rollout_corr/kl is not checked:
     # the actor reports it after its first optimizer step, against the moving policy)
     assert abs(history[0]["rollout_corr/is_max"] - 1) < 1e-3 and abs(history[0]["rollout_corr/is_min"] - 1) < 1e-3
+
+
+def test_fully_async_with_continuous_batching_aborts_and_resumes(warm, tmp_path):
+    """fully_async with `rollout.agent.batching=continuous`: the rollout pool's vLLM runs every request with its
+    whole budget; each advance ends by aborting the requests still running (tokens kept), the weights are pushed
+    into the idle engine, and the next advance resumes them. The warm start's answers end at different lengths and
+    twice the batch is in flight (staleness_threshold=1), so requests are running when an advance has its prompts.
+    The run trains, holds the staleness bound, resumes requests, and at step 1 (version-0 samples, version-0
+    policy) vLLM's log-probs are the trainer's (importance weights 1). Where the aborts fall depends on timing; the
+    tokens' versions and log-probs across a resume are pinned by tests/rollout/test_vllm_continuous.py."""
+    model, data = warm
+    history = RLTrainer([
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={data}/train.parquet",
+        f"trainer.default_local_dir={tmp_path}", "data.train_batch_size=4", "data.max_prompt_length=64",
+        "data.max_response_length=32", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.n=4",
+        "reward_model.num_workers=0", "trainer.logger=[file]", "trainer.total_training_steps=3",
+        "trainer.val_before_train=false", "algorithm.adv_estimator=grpo", *VLLM, f"trainer.seed={SEED}",
+        "actor_rollout_ref.rollout.calculate_log_probs=true", "async_training.mode=fully_async",
+        "async_training.staleness_threshold=1.0", "actor_rollout_ref.rollout.agent.batching=continuous",
+        "async_training.off_policy_correction=decoupled", "trainer.executor=ray", "trainer.n_gpus_per_node=1",
+        "rollout.n_gpus_per_node=1",
+    ]).fit()
+    assert [row["step"] for row in history] == [1, 2, 3]
+    assert max(row["async/staleness/max"] for row in history) <= 1
+    assert all(row["async/weight_sync_s"] > 0 for row in history)
+    resumed = [row["async/continued_segments"] for row in history]
+    print("resumed requests per step:", resumed,
+          "samples spanning versions:", [row["fully_async/partial/total_partial_num"] for row in history])
+    assert sum(resumed) > 0
+    assert abs(history[0]["rollout_corr/is_max"] - 1) < 1e-3 and abs(history[0]["rollout_corr/is_min"] - 1) < 1e-3

@@ -86,7 +86,8 @@ class AgentConfig:
         "long answer holds back no one else; which turns share a call, and so the samples, depend on timing). "
         "continuous: every turn goes to the engine on its own and joins the running batch at its next step "
         "(continuous batching, as verl's server engines do; rollout.name=vllm, tensor_model_parallel_size=1; "
-        "samples a function of the seed and the trajectory, up to the rounding of the batch they share).",
+        "samples a function of the seed and the trajectory, up to the rounding of the batch they share; with "
+        "async_training, requests are aborted and resumed at weight pushes instead of decoded in segments).",
         choices=("barrier", "eager", "continuous"))
 
 
