@@ -144,3 +144,82 @@ def test_left_pad_prompts_widens_and_refuses_wider(tiny_tokenizer):
     assert wide["position_ids"][0, -1] == width - 1
     with pytest.raises(ValueError, match="prompt width"):
         left_pad_prompts(prompts, width - 1, tiny_tokenizer.pad_token_id)
+
+
+class _FakeTokenStream:
+    """A token stream (the `open_stream` protocol) whose requests of trajectories 2 and 3 run until aborted (they
+    then return 3 tokens, "abort"); every other request finishes at once with 4 tokens."""
+
+    def __init__(self, log):
+        self.log, self.pending = log, {}
+        self.step_count, self.seconds, self.step_sizes = 0, 0.0, []
+
+    def submit(self, request):
+        import concurrent.futures
+
+        from hyflow.rollout.base import TokenOutput
+
+        self.log.append(request)
+        future = concurrent.futures.Future()
+        if request.request_id.split(".")[0] in ("t2", "t3") and request.request_id.endswith(".0"):
+            self.pending[request.request_id] = future
+        else:
+            count = min(4, request.max_tokens)
+            future.set_result(TokenOutput([7] * count, [-0.25] * count, "length"))
+        self.step_count += 1
+        return future
+
+    def abort(self, ids):
+        from hyflow.rollout.base import TokenOutput
+
+        for request_id in ids:
+            self.pending.pop(request_id).set_result(TokenOutput([5, 5, 5], [-0.5] * 3, "abort"))
+
+    def close(self):
+        self.log.append("close")
+
+
+class _FakeStreamEngine:
+    def __init__(self):
+        self.log = []
+
+    def open_stream(self, params):
+        return _FakeTokenStream(self.log)
+
+
+def test_continuous_stream_pauses_with_the_tokens_so_far_and_resumes_them_as_the_next_segment(tmp_path,
+                                                                                                tiny_tokenizer):
+    """The abort/resume stream (`batching=continuous`), engine-free: `advance` returns the finished prompt and
+    aborts the running requests (their 3 tokens kept, the stream closed); the next `advance` resubmits each with its
+    tokens appended to its prompt, what is left of its budget and the next segment's seed, and its tokens carry the
+    version that sampled them. An engine without a token stream is refused by name."""
+    from hyflow.rollout.agent_server import SEED_STRIDE
+    from hyflow.rollout.stream import SEGMENT_STRIDE
+
+    tok = tiny_tokenizer
+    engine = _FakeStreamEngine()
+    rollout = rollout_config(tmp_path, "actor_rollout_ref.rollout.agent.batching=continuous", tools=False)
+    stream = RolloutStream(manager(engine, tok, rollout), SamplingParams(n=2, max_new_tokens=R, seed=5,
+                                                                        calculate_log_probs=True),
+                           chunk_tokens=R, prompt_width=64)
+    stream.submit(make_prompts(tok, ["q one", "q two"], agent="single_turn_agent"), [10, 11])
+    first = stream.advance(need=1)
+    assert first["async_tag"].tolist() == [10, 10] and stream.in_flight() == [11]
+    assert engine.log[-1] == "close"  # paused: the engine's stream is closed, the engine idle for a push
+    stream.set_version(1)
+    out = stream.advance(need=1)
+    stream.close()
+    assert out["async_tag"].tolist() == [11, 11] and out.meta["metrics"]["async/continued_segments"] == 2
+    requests = {r.request_id: r for r in engine.log if r != "close"}
+    for index in (2, 3):
+        head, resumed = requests[f"t{index}.0.0"], requests[f"t{index}.0.1"]
+        assert resumed.prompt_ids == [*head.prompt_ids, 5, 5, 5] and resumed.max_tokens == head.max_tokens - 3
+        assert head.seed == 5 + index and resumed.seed == 5 + index + SEGMENT_STRIDE != 5 + index + SEED_STRIDE
+    mask = out["response_mask"].bool()
+    for row in range(2):
+        assert out["responses"][row][mask[row]].tolist() == [5, 5, 5, 7, 7, 7, 7]
+        assert out["rollout_versions"][row][mask[row]].tolist() == [0, 0, 0, 1, 1, 1, 1]
+        assert out["rollout_log_probs"][row][mask[row]].tolist() == [-0.5] * 3 + [-0.25] * 4
+    with pytest.raises(ValueError, match=r"batching=continuous needs an engine that schedules requests itself"):
+        RolloutStream(manager(object(), tok, rollout), SamplingParams(n=1, max_new_tokens=R), chunk_tokens=R,
+                      prompt_width=64)
