@@ -8,6 +8,7 @@
     hyflow data gsm8k|math --input F --out D convert public GSM8K / MATH files to hyflow's (verl's) schema
     hyflow data reasoning-gym --task T --out D  generate Reasoning Gym's procedural tasks (hyflow[envs])
     hyflow data textarena --env E --out D       single-player TextArena games for env_agent (hyflow[envs])
+    hyflow data verifiers --env E --out D       a verifiers environment for verifiers_agent (hyflow[envs])
     hyflow export --ckpt RUN/global_step_N --out D   Hugging Face model directory from a checkpoint
     hyflow plot RUN_DIR                      PNG training curves of an RL or SFT run (smoothed, titled)
 
@@ -152,6 +153,21 @@ def _cmd_data_textarena(args: argparse.Namespace) -> int:
                                   "shows the games)", game_ids, write_textarena)
 
 
+def _cmd_data_verifiers(args: argparse.Namespace) -> int:
+    import sys
+
+    from hyflow.data.verifiers import write_verifiers
+
+    if not args.env or not args.out:
+        raise ValueError("hyflow data verifiers needs --env ID (an installed verifiers environment) and --out DIR")
+    sys.path.insert(0, ".")  # an environment module in the current directory, as verifiers' own CLI finds it
+    paths = write_verifiers(args.env, args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed,
+                            options=dict(args.option or []), fmt=args.format)
+    for split, path in paths.items():
+        print(f"{split}: {path}")
+    return 0
+
+
 def _cmd_data_preprocess(args: argparse.Namespace) -> int:
     from hyflow.data import preprocess
 
@@ -261,6 +277,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_args(t, "a game option, e.g. --option max_turns=10 (repeatable)")
     t.add_argument("--list", action="store_true", help="print the game ids and exit")
     t.set_defaults(fn=_cmd_data_textarena)
+    v = data_sub.add_parser("verifiers", help="a verifiers environment's dataset for the verifiers_agent loop "
+                            "(hyflow[envs])")
+    v.add_argument("--env", default=None, help="the environment's id (an installed package or a module on the path)")
+    v.add_argument("--out", default=None)
+    _add_generation_args(v, "an option of the environment's load_environment, e.g. --option num_examples=100 "
+                         "(repeatable)")
+    v.set_defaults(fn=_cmd_data_verifiers)
     for name in ("gsm8k", "math"):
         d = data_sub.add_parser(name, help=f"convert a local {name.upper()} JSONL/parquet file")
         d.add_argument("--input", required=True)

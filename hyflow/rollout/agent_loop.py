@@ -74,7 +74,9 @@ AGENT_LOOPS = Registry("agent loop", hint="Register one with @hyflow.rollout.age
                                           "rollout.agent.agent_loop_config_path.",
                        lazy={"tool_agent": "hyflow.rollout.tool_agent:ToolAgentLoop",
                              "env_agent": "hyflow.rollout.env_loop:EnvAgentLoop",
-                             "openai_agent": "hyflow.rollout.openai_agent:OpenAIAgentLoop"})
+                             "openai_agent": "hyflow.rollout.openai_agent:OpenAIAgentLoop",
+                             # an environment of the verifiers library, run through the openai endpoint (hyflow[envs])
+                             "verifiers_agent": "hyflow.rollout.verifiers_env:VerifiersAgentLoop"})
 AGENT_LOOP_KWARGS: dict[str, dict[str, Any]] = {}
 
 
