@@ -117,11 +117,12 @@ def load_words(before, after) -> str:
 def quickstart(results: Path) -> str:
     s = load(results, "quickstart.json")
     m = s.get("machine", {})
+    sft = f"{s['sft_steps']} steps"
     return (
         f"Measured by `{s.get('command', 'make demo')}` on {s.get('date', 'an unrecorded date')}, on "
         f"{machine_words(m)} at {commit_words(m)}, {load_words(s.get('load_average_before'), s.get('load_average_after'))} "
         f"(artefact: `benchmarks/results/quickstart.json`): greedy accuracy on the 200 held-out prompts "
-        f"**{pct(s['accuracy_after_sft'])} after SFT ({s['sft_steps']} steps) -> {pct(s['accuracy_after_rl'])} after "
+        f"**{pct(s['accuracy_after_sft'])} after SFT ({sft}) -> {pct(s['accuracy_after_rl'])} after "
         f"GRPO ({s['rl_steps']} steps)**; the `#### answer` line written {pct(s['answer_line_rate_after_sft'])} -> "
         f"{pct(s['answer_line_rate_after_rl'])}; wall time {minutes(s['wall_time_s'])}. What varies by machine: the "
         "exact accuracies (the CPU's vector kernels round differently, greedy decoding turns last-bit differences "
@@ -134,11 +135,12 @@ def quickstart(results: Path) -> str:
 def tools(results: Path) -> str:
     s = load(results, "tools.json")
     m = s.get("machine", {})
+    sft = f"{s['sft_steps']} steps" if s.get("sft_steps") else f"the warm start {s.get('sft_model')}, reused"
     return (
         f"Measured by `{s.get('command', 'make demo-tools')}` on {s.get('date', 'an unrecorded date')}, on "
         f"{machine_words(m)} at {commit_words(m)}, {load_words(s.get('load_average_before'), s.get('load_average_after'))} "
         f"(artefact: `benchmarks/results/tools.json`): greedy accuracy on 200 held-out prompts "
-        f"**{pct(s['accuracy_after_sft'])} after SFT ({s['sft_steps']} steps) -> {pct(s['accuracy_after_rl'])} after "
+        f"**{pct(s['accuracy_after_sft'])} after SFT ({sft}) -> {pct(s['accuracy_after_rl'])} after "
         f"GRPO ({s['rl_steps']} steps)**; answers that called the tool {pct(s['tool_use_after_sft'])} -> "
         f"{pct(s['tool_use_after_rl'])}; well-formed calls {pct(s['well_formed_calls_after_sft'])} -> "
         f"{pct(s['well_formed_calls_after_rl'])} (n/a: no call to judge); wall time {minutes(s['wall_time_s'])}. "

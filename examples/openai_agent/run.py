@@ -66,10 +66,8 @@ def main() -> None:
 
     from transformers.utils import logging as transformers_logging
 
-    from hyflow import RLTrainer, SFTTrainer, load_config
-    from hyflow.config.sft_schema import load_sft_config
+    from hyflow import RLTrainer, load_config
     from hyflow.data.tasks import make_task
-    from hyflow.models.tiny import make_tiny_model
     from hyflow.trainer.export import export_checkpoint
     from hyflow.trainer.plot import plot_run
 
@@ -84,19 +82,11 @@ def main() -> None:
     loops = out / "loops.yaml"
     loops.write_text(LOOPS.format(agent=HERE / "agent.py"))
 
-    if args.sft_model:
-        print(f"\n== 2/5 the SFT warm start: reused from {args.sft_model}")
-        sft_model, sft_steps = Path(args.sft_model), None
-    else:
-        print("\n== 2/5 SFT on the tool demo's conversations (examples/tools/sft.yaml)")
-        init_model = make_tiny_model(out / "init_model", preset="tiny", seed=0)
-        sft_overrides = [f"model.partial_pretrain={init_model}", f"data.train_files={out}/data/train.parquet",
-                         f"data.val_files={out}/data/test.parquet", f"trainer.default_local_dir={out}/sft"]
-        if args.sft_steps:
-            sft_overrides.append(f"trainer.total_training_steps={args.sft_steps}")
-        sft_history = SFTTrainer(load_sft_config(sft_overrides, HERE.parent / "tools" / "sft.yaml")).fit()
-        sft_steps = sft_history[-1]["step"]
-        sft_model = export_checkpoint(out / "sft" / f"global_step_{sft_steps}", out / "sft_model")
+    print("\n== 2/5 the SFT warm start: the tool demo's (examples/tools/sft.yaml)")
+    sys.path.insert(0, str(HERE.parent / "tools"))
+    from warm_start import sft_warm_start
+
+    sft_model, sft_steps = sft_warm_start(out, args.sft_model, args.sft_steps)
 
     print("\n== 3/5 GRPO on the agent's episodes, through hyflow's OpenAI endpoint on 127.0.0.1 (grpo.yaml)")
     rl_overrides = [f"actor_rollout_ref.model.path={sft_model}", f"data.train_files={out}/data/train.parquet",

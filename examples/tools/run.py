@@ -27,6 +27,8 @@ import shutil
 import time
 from pathlib import Path
 
+from warm_start import sft_warm_start
+
 HERE = Path(__file__).resolve().parent
 QUESTION = "What is 7634 - 5969? Use the calculator. Put the final answer after '####'."
 TRY_IT = "  try the RL-trained model with transformers (it writes its first turn; after GRPO, a calculator call):"
@@ -79,6 +81,8 @@ def main() -> None:
     start = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/tools", help="output folder (replaced)")
+    parser.add_argument("--sft-model", default=None, help="reuse this SFT warm start (a Hugging Face directory, "
+                        "e.g. OUT/sft_model of an earlier run) instead of training it")
     parser.add_argument("--sft-steps", type=int, default=None, help="override sft.yaml's total_training_steps")
     parser.add_argument("--rl-steps", type=int, default=None, help="override grpo.yaml's total_training_steps")
     args = parser.parse_args()
@@ -87,10 +91,8 @@ def main() -> None:
     import yaml
     from transformers.utils import logging as transformers_logging
 
-    from hyflow import RLTrainer, SFTTrainer, load_config
-    from hyflow.config.sft_schema import load_sft_config
+    from hyflow import RLTrainer, load_config
     from hyflow.data.tasks import make_task
-    from hyflow.models.tiny import make_tiny_model
     from hyflow.trainer.export import export_checkpoint
     from hyflow.trainer.plot import plot_run
 
@@ -101,17 +103,11 @@ def main() -> None:
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
 
-    print("== 1/5 a random tiny model and the calculator task's data")
-    init_model = make_tiny_model(out / "init_model", preset="tiny", seed=0)
+    print("== 1/5 the calculator task's data")
     make_task("calculator", out / "data", n_train=3000, n_test=200, seed=0, digits=4, tool_use_rate=0.5)
 
     print("\n== 2/5 SFT on tool-call conversations, half of which skip the tool (sft.yaml)")
-    sft_overrides = [f"model.partial_pretrain={init_model}", f"data.train_files={out}/data/train.parquet",
-                     f"data.val_files={out}/data/test.parquet", f"trainer.default_local_dir={out}/sft"]
-    if args.sft_steps:
-        sft_overrides.append(f"trainer.total_training_steps={args.sft_steps}")
-    sft_history = SFTTrainer(load_sft_config(sft_overrides, HERE / "sft.yaml")).fit()
-    sft_model = export_checkpoint(out / "sft" / f"global_step_{sft_history[-1]['step']}", out / "sft_model")
+    sft_model, sft_steps = sft_warm_start(out, args.sft_model, args.sft_steps)
 
     print("\n== 3/5 GRPO with the agent loop and the calculator tool (grpo.yaml, tools.yaml)")
     rl_overrides = [f"actor_rollout_ref.model.path={sft_model}", f"data.train_files={out}/data/train.parquet",
@@ -138,7 +134,8 @@ def main() -> None:
         "tool_use_after_rl": metric(after, "val-aux/tool/samples_with_call"),
         "well_formed_calls_after_sft": before.get("val-aux/tool/well_formed_share"),
         "well_formed_calls_after_rl": after.get("val-aux/tool/well_formed_share"),
-        "sft_steps": sft_history[-1]["step"],
+        "sft_steps": sft_steps,
+        "sft_model": str(sft_model),
         "rl_steps": after["step"],
         "model": str(model),
         "wall_time_s": round(time.perf_counter() - start, 1),
@@ -152,7 +149,7 @@ def main() -> None:
     print()
     print("hyflow tool-use demo: summary (greedy decoding, 200 held-out prompts)")
     for stage, steps in (("sft", summary["sft_steps"]), ("rl", summary["rl_steps"])):
-        name = f"after {'SFT' if stage == 'sft' else 'GRPO'} ({steps} steps)"
+        name = f"after {'SFT' if stage == 'sft' else 'GRPO'} ({steps} steps)" if steps else "after SFT (reused)"
         print(f"  {name:24s} accuracy {pct(summary[f'accuracy_after_{stage}'])}   answers that called the tool "
               f"{pct(summary[f'tool_use_after_{stage}'])}   well-formed calls "
               f"{pct(summary[f'well_formed_calls_after_{stage}'])}")
