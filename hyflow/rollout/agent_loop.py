@@ -19,7 +19,8 @@ By job: this module holds the loops' contract (`AgentLoopBase`, `AgentLoopOutput
 loop and the manager that runs a rollout's trajectories and assembles their batch; `agent_server` batches the
 trajectories' requests into engine calls; `tool_agent` is the tool-calling loop (and the chat-template rendering
 of appended turns); `env_loop` runs Gymnasium-style text environments; `openai_agent` serves the policy to agents
-written against the OpenAI client.
+written against the OpenAI client, and `verifiers_env` runs the verifiers library's environments as such agents;
+`stream` keeps trajectories alive across calls for asynchronous training.
 """
 
 from __future__ import annotations
