@@ -265,7 +265,8 @@ class ContinuousStreamServer(ContinuousServer):
         finally:
             self._pausing = False
         stream, self._stream = self._stream, None
-        await asyncio.get_running_loop().run_in_executor(None, stream.close)
+        stream.close()  # nothing runs in it now: its thread ends at once (not via the loop's executor, whose
+        # threads a stuck tool may hold)
         steps, seconds, sizes = self._closed_counts
         self._closed_counts = (steps + stream.step_count, seconds + stream.seconds, sizes + stream.step_sizes)
 
