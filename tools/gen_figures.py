@@ -144,9 +144,10 @@ def tools(results: Path) -> str:
         f"GRPO ({s['rl_steps']} steps)**; answers that called the tool {pct(s['tool_use_after_sft'])} -> "
         f"{pct(s['tool_use_after_rl'])}; well-formed calls {pct(s['well_formed_calls_after_sft'])} -> "
         f"{pct(s['well_formed_calls_after_rl'])} (n/a: no call to judge); wall time {minutes(s['wall_time_s'])}. "
-        "What varies by machine: the exact figures (the CPU's rounding decides greedy ties, and after SFT the model "
-        "is about evenly split between calling the tool and guessing) and the wall time; the shape holds: SFT "
-        "teaches the call format, GRPO makes the policy call the tool and copy its result."
+        "What varies by machine: the exact figures (the CPU's rounding decides greedy ties and when the SFT run "
+        "learns to copy numbers; after SFT the model samples a call for about half of the prompts, while its greedy "
+        "answer may go either way) and the wall time; the shape holds: SFT teaches the call format, GRPO makes the "
+        "policy call the tool and copy its result."
     )
 
 
