@@ -21,19 +21,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hyflow.data.tasks.common import make_row, write_splits
+from hyflow.data.tasks.common import make_row, optional_package, write_splits
 
 INSTRUCTION = "Think it through, then put the final answer after '####' on the last line."
 DATA_SOURCE = "reasoning_gym"
 
 
 def _reasoning_gym():
-    try:
-        import reasoning_gym
-    except ModuleNotFoundError as err:
-        raise ModuleNotFoundError("hyflow data reasoning-gym needs Reasoning Gym: pip install 'hyflow[envs]' (or "
-                                  "reasoning-gym)") from err
-    return reasoning_gym
+    return optional_package("reasoning_gym", used_by="hyflow data reasoning-gym", pip="reasoning-gym")
 
 
 def task_names() -> list[str]:

@@ -15,16 +15,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hyflow.data.tasks.common import make_row, write_splits
+from hyflow.data.tasks.common import make_row, optional_package, write_splits
 
 
 def _textarena():
-    try:
-        import textarena
-    except ModuleNotFoundError as err:
-        raise ModuleNotFoundError("TextArena is not installed (env_class textarena, hyflow data textarena): "
-                                  "pip install 'hyflow[envs]' (or textarena)") from err
-    return textarena
+    return optional_package("textarena", used_by="env_class textarena / hyflow data textarena", pip="textarena")
 
 
 def game_ids() -> list[str]:

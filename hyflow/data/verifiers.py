@@ -18,18 +18,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hyflow.data.tasks.common import write_splits
+from hyflow.data.tasks.common import optional_package, write_splits
 
 _ENVS: dict[tuple[str, str], Any] = {}  # (env id, options JSON) -> the loaded environment (one per process)
 
 
 def _verifiers():
-    try:
-        import verifiers
-    except ModuleNotFoundError as err:
-        raise ModuleNotFoundError("verifiers is not installed (hyflow data verifiers, the verifiers_agent loop): "
-                                  "pip install 'hyflow[envs]' (or verifiers)") from err
-    return verifiers
+    return optional_package("verifiers", used_by="hyflow data verifiers / the verifiers_agent loop", pip="verifiers")
 
 
 def load_env(env_id: str, options: dict | str | None = None):

@@ -166,7 +166,6 @@ class ContinuousStreamServer(ContinuousServer):
         self.version = 0
         self.token_versions: dict[int, list[int]] = {}
         self.continued = 0
-        self.waiting: list = []  # RolloutStream.reset clears it; nothing waits here (requests run in the engine)
         self._running: dict[str, _Running] = {}
         self._paused: list[_Running] = []
         self._pausing = False
@@ -407,10 +406,8 @@ class RolloutStream:
             if loop_class not in self._loop_starting:
                 self._loop_starting[loop_class] = asyncio.ensure_future(loop_class.start_rollout(self.manager,
                                                                                                  self.params))
-            starting = self._loop_starting[loop_class]
-            kwargs = await asyncio.shield(starting)
-            self._loop_kwargs.setdefault(loop_class, kwargs)
-            self._loop_starting.pop(loop_class, None)
+            # shielded: a trajectory cancelled while it waits must not cancel the start the others wait for
+            self._loop_kwargs[loop_class] = await asyncio.shield(self._loop_starting[loop_class])
         return self._loop_kwargs
 
     async def _settle(self) -> None:

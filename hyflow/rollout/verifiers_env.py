@@ -70,5 +70,8 @@ class VerifiersAgentLoop(OpenAIAgentLoop):
     """An openai_agent whose agent function is the row's verifiers environment (see the module docstring)."""
 
     def __init__(self, *, sample: str = "concat", **kwargs: Any) -> None:
+        if kwargs.get("run") is not None:  # a key that would be ignored: the environment is the agent
+            raise ValueError("verifiers_agent runs the row's verifiers environment; drop `run:` from its "
+                             "agent_loop_config_path entry (use openai_agent for an agent function of your own)")
         kwargs.pop("run", None)
         super().__init__(run=run_verifiers_rollout, sample=sample, **kwargs)
