@@ -94,6 +94,21 @@ def pytest_runtest_protocol(item, nextitem):
             timer.cancel()
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """A child process a test left running (a rank of a spawned gloo group failed by pytest-timeout) is
+    non-daemonic: Python would join it at exit, and pytest would print its summary and never end. Name and kill
+    every such child of this process first."""
+    import multiprocessing
+
+    leftover = multiprocessing.active_children()
+    for child in leftover:
+        sys.stderr.write(f"\nhyflow tests: killing {child.name} (pid {child.pid}), a child process a test left "
+                         "running\n")
+        child.kill()
+    for child in leftover:
+        child.join(10)
+
+
 # In CI (CI=true, as .ci/run has it) or with HYFLOW_CI_STRICT_SKIPS=1 a skip is a failure unless its reason is a
 # missing CUDA device / GPU: every other test must run there. `-ra` prints each skip's reason.
 CUDA_REASON = re.compile(r"\bCUDA\b|\bGPUs?\b", re.IGNORECASE)

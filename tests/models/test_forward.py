@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ranks import init_gloo, spawn_ranks
 
 from hyflow.models.forward import (
     FULL_LOGITS_MAX_ELEMENTS,
@@ -266,7 +267,7 @@ def test_bad_chunk_size(model, batch):
 def _distributed_grads(rank: int, mode: str, model_dir: str, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    init_gloo(rank, 2, init_file)
     model = load_causal_lm(model_dir)
     ids, mask, pos = (t[2 * rank : 2 * rank + 2] for t in _dist_batch())
     if mode == "ddp":
@@ -309,16 +310,9 @@ def _dist_loss(model, ids, mask, pos):
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_wrapped_models_give_single_process_gradients(tiny_model_dir, tmp_path, mode):
     """Through DDP / FSDP2 (2 gloo ranks, half the batch each) the summed gradient equals one process's."""
-    import torch.multiprocessing as mp
-
     reference = load_causal_lm(tiny_model_dir)
     _dist_loss(reference, *_dist_batch()).backward()
-    mp.spawn(
-        _distributed_grads,
-        args=(mode, str(tiny_model_dir), str(tmp_path / "init"), str(tmp_path)),
-        nprocs=2,
-        join=True,
-    )
+    spawn_ranks(_distributed_grads, args=(mode, str(tiny_model_dir), str(tmp_path / "init"), str(tmp_path)))
     got = torch.load(tmp_path / "grads.pt")
     for name, param in reference.named_parameters():
         torch.testing.assert_close(got[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 from peft import PeftModel
+from ranks import init_gloo, spawn_ranks
 from safetensors.torch import load_file
 
 from hyflow.config.schema import CriticModelConfig, ModelConfig
@@ -535,8 +536,7 @@ def _fsdp_rank(rank: int, model_dir: str, init_file: str, out_dir: str) -> None:
 
     from hyflow.workers.fsdp import wrap_fsdp2
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    init_gloo(rank, 2, init_file)
     try:
         results = {}
         for task in ("causal_lm", "value"):
@@ -554,9 +554,7 @@ def _fsdp_rank(rank: int, model_dir: str, init_file: str, out_dir: str) -> None:
 def test_fsdp2_two_ranks_match_one_process(tiny_model_dir, tmp_path):
     """fully_shard of a peft model (layers + root, frozen and trainable parameters in each group) on 2 gloo ranks:
     training, adapter_disabled, merged tensors, adapter state (and its loading) equal the single-process results."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_fsdp_rank, args=(str(tiny_model_dir), str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_fsdp_rank, args=(str(tiny_model_dir), str(tmp_path / "init"), str(tmp_path)))
     for task in ("causal_lm", "value"):
         single = _fsdp_steps(_fsdp_model(str(tiny_model_dir), task), None, "single")
         for rank in (0, 1):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from ranks import spawn_ranks
 
 from hyflow.batch import Batch
 from hyflow.config import load_config
@@ -547,7 +547,7 @@ def run(tiny_model_dir, tiny_tokenizer, tmp_path_factory):
     ref["clip_boundary_distances"] = distances
     critic.save_sharded_checkpoint(str(out / "dcp_critic_1"))
 
-    mp.spawn(_rank_main, args=(2, free_port(), str(tiny_model_dir), str(out)), nprocs=2, join=True)
+    spawn_ranks(_rank_main, args=(2, free_port(), str(tiny_model_dir), str(out)))
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     return {"ref": ref, "ranks": ranks, "out": out, "cfg": cfg, "columns": columns}
 
@@ -739,7 +739,7 @@ def test_sharded_checkpoint_from_one_rank_loads_into_two(run):
 
 @pytest.mark.slow
 def test_weight_sync_raises_when_a_rank_never_joins(tiny_model_dir, tmp_path):
-    mp.spawn(_timeout_main, args=(2, free_port(), str(tiny_model_dir), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_timeout_main, args=(2, free_port(), str(tiny_model_dir), str(tmp_path)))
     result = torch.load(tmp_path / "timeout.pt")
     assert "every rank must call sync_rollout_weights together" in result["outcome"]
     assert result["seconds"] < 7.0
