@@ -213,7 +213,7 @@ def _check_async(cfg: HyflowConfig) -> list[str]:
     if batching == "eager":
         problems.append(f"{R}.agent.batching=eager with {where}: its rollout stream decodes either in deterministic "
                         f"segments of async_training.partial_rollout_chunk tokens (barrier, the default) or with "
-                        f"continuous batching, aborted and resumed at weight pushes (continuous, vllm); choose one")
+                        f"a token stream, aborted and resumed at weight pushes (continuous); choose one")
     if batching == "continuous" and at.partial_rollout_chunk is not None:
         problems.append(f"async_training.partial_rollout_chunk={at.partial_rollout_chunk} with {R}.agent.batching="
                         "continuous: requests run with their whole budget and are aborted and resumed at weight "
@@ -599,8 +599,9 @@ def _check_sampling(cfg: HyflowConfig) -> list[str]:
     for key, top_p in ((f"{R}.top_p", rollout.top_p), (f"{R}.val_kwargs.top_p", val.top_p)):
         if not 0 < top_p <= 1:
             problems.append(f"{key}={top_p} must be in (0, 1]; use 1.0 to turn nucleus sampling off.")
-    if rollout.agent.batching == "continuous" and (rollout.name != "vllm" or rollout.tensor_model_parallel_size > 1):
-        problems.append(f"{R}.agent.batching=continuous needs an engine that schedules requests itself: {R}.name=vllm "
+    if rollout.agent.batching == "continuous" and (rollout.name not in ("vllm", "hf") or (
+            rollout.name == "vllm" and rollout.tensor_model_parallel_size > 1)):
+        problems.append(f"{R}.agent.batching=continuous needs an engine with a token stream: {R}.name=hf, or vllm "
                         f"with tensor_model_parallel_size=1 (got name={rollout.name}, tensor_model_parallel_size="
                         f"{rollout.tensor_model_parallel_size}); use batching=eager (the engine called whenever it "
                         "is free) or barrier")

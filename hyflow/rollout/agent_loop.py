@@ -25,7 +25,6 @@ written against the OpenAI client, and `verifiers_env` runs the verifiers librar
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,7 +49,7 @@ from hyflow.rollout.tool_parser import (
     ToolParser,
     make_tool_parser,
 )
-from hyflow.tools.runner import DaemonExecutor, ToolRunner
+from hyflow.tools.runner import ToolRunner
 from hyflow.user_code import load_object
 
 
@@ -207,7 +206,6 @@ class AgentLoopManager:
         # tool calls run on these threads (at most max(64, num_workers) at once), so a timeout can end them
         self.tool_runner = ToolRunner(max_threads=max(64, self.num_workers))
         self._stuck_reported = 0
-        self._rollout_kwargs: dict = {}  # loop class -> constructor kwargs its start_rollout gave this rollout
         self.last_server: BatchingServer | None = None
         # progress(stage, done, total, unit, detail): called as trajectories finish (the trainer's progress bar)
         self.progress: Callable[..., None] | None = None
@@ -226,73 +224,31 @@ class AgentLoopManager:
         return names
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        names = self.agent_names(prompts)
+        """The rollout of `prompts`: the degenerate case of the asynchronous stream (`hyflow.rollout.stream`), one
+        driver for every mode: submit every prompt, advance until all are finished, close. Row i of the Batch is
+        sample i % n of prompt i // n."""
+        from hyflow.rollout.stream import (  # the stream builds on this module
+            ASYNC_COLUMNS,
+            ASYNC_METRICS,
+            RolloutStream,
+        )
+
+        self.agent_names(prompts)  # an unknown loop name fails here, before anything runs
+        if len(prompts) == 0:
+            raise ValueError("AgentLoopManager.generate got an empty prompt batch")
+        stream = RolloutStream(self, params, prompt_width=prompts["input_ids"].shape[1], prompts=prompts,
+                               response_length=int(self.config.response_length), progress=self.progress)
+        self.last_server = stream.server
         try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # the usual case: no event loop in this thread
-            return asyncio.run(self._generate(prompts, params, names))
-        # called from inside a running event loop (a Jupyter cell, an async driver): run ours in a thread of its own
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="hyflow-agent-loop") as pool:
-            return pool.submit(asyncio.run, self._generate(prompts, params, names)).result()
-
-    async def _generate(self, prompts: Batch, params: SamplingParams, names: list[str]) -> Batch:
-        # asyncio.to_thread in an agent loop: daemon threads that asyncio.run does not wait for at its end
-        asyncio.get_running_loop().set_default_executor(DaemonExecutor("hyflow-agent-thread"))
-        n = params.n
-        turn_params = self.turn_params(params)
-        if self.config.agent.batching == "continuous":
-            server = ContinuousServer(self.engine, turn_params, self.eos_token_ids)
-        else:
-            server = BatchingServer(self.engine, turn_params, self.pad_token_id, self.eos_token_ids, prompts,
-                                    eager=self.config.agent.batching == "eager")
-        self.last_server = server
-        rows = prompt_rows(prompts)
-        sampling = sampling_dict(params)
-        server.live = total = len(rows) * n
-        finished = 0
-
-        async def trajectory(index: int) -> AgentLoopOutput:
-            nonlocal finished
-            try:
-                agent = self.make_agent(names[index // n], ServerHandle(server, index, index // n,
-                                                                        int(self.config.response_length)))
-                return await agent.run(sampling, **rows[index // n])
-            finally:
-                server.finished_one()
-                finished += 1
-                if self.progress is not None:
-                    self.progress("rollout", finished, total, "trajectories", f"{server.tokens} tokens")
-
-        # loops that need something for the whole rollout (openai_agent: its endpoint) start it now
-        self._rollout_kwargs = {}
-        started = []
-        try:
-            for loop in {AGENT_LOOPS.get(name) for name in set(names)}:
-                if hasattr(loop, "start_rollout"):
-                    self._rollout_kwargs[loop] = await loop.start_rollout(self, params)
-                    started.append(loop)
-        except BaseException:
-            for loop in started:
-                await loop.end_rollout(self._rollout_kwargs[loop])
-            raise
-        tasks = [asyncio.ensure_future(trajectory(i)) for i in range(len(rows) * n)]
-        serving = asyncio.ensure_future(server.serve())
-        try:
-            outputs = await asyncio.gather(*tasks)
-            await serving
-        except BaseException:
-            for task in [*tasks, serving]:
-                task.cancel()
-            await asyncio.gather(*tasks, serving, return_exceptions=True)
-            raise
+            stream.submit(prompts, range(len(prompts)))
+            batch = stream.advance(len(prompts))
         finally:
-            for loop in started:
-                await loop.end_rollout(self._rollout_kwargs[loop])
-            self._rollout_kwargs = {}
+            stream.close()
         self._warn_stuck_threads()
-        return self.assemble(prompts, params, outputs, names, server)
+        batch.pop(*ASYNC_COLUMNS)
+        for key in ASYNC_METRICS:
+            batch.meta["metrics"].pop(key, None)
+        return batch
 
     def _warn_stuck_threads(self) -> None:
         """One warning when more tool threads are stuck than at the last report (see the module docstring)."""
@@ -318,10 +274,10 @@ class AgentLoopManager:
         return turn_params
 
     def make_agent(self, name: str, handle: ServerHandle, rollout_kwargs: dict | None = None) -> AgentLoopBase:
-        """A new instance of the agent loop registered as `name`, over `handle`; `rollout_kwargs` (loop class ->
-        what its start_rollout gave) defaults to this manager's current rollout's."""
+        """A new instance of the agent loop registered as `name`, over `handle`; `rollout_kwargs`: loop class ->
+        what its start_rollout gave this rollout."""
         loop = AGENT_LOOPS[name]
-        extra = (self._rollout_kwargs if rollout_kwargs is None else rollout_kwargs).get(loop, {})
+        extra = (rollout_kwargs or {}).get(loop, {})
         return loop(server_manager=handle, tokenizer=self.tokenizer, rollout_config=self.config,
                     tools=self.tools, tool_parser=self.tool_parser, interactions=self.interactions,
                     chat_template_kwargs=self.chat_template_kwargs, tool_runner=self.tool_runner,

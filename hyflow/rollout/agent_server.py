@@ -11,7 +11,7 @@ call has a timeout: `rollout.multi_turn.tool_timeout`). With `rollout.agent.batc
 calls the engine as soon as it is free with every request waiting then, on a thread of its own, so the event loop
 keeps running tools and interactions meanwhile: a slow tool or a long answer holds back only its own trajectory,
 at the price of smaller calls and samples that depend on the timing (which requests share call k). With
-`rollout.agent.batching=continuous` (`ContinuousServer`, engines with a token stream: vllm) every request goes
+`rollout.agent.batching=continuous` (`ContinuousServer`, engines with a token stream: vllm, hf) every request goes
 to the engine on its own and joins the running batch at the next engine step.
 """
 
@@ -70,7 +70,7 @@ class BatchingServer:
         return bool(self.waiting) and (self.eager or len(self.waiting) >= self.live)
 
     def _check(self) -> None:
-        """Wake `serve` when the waiting requests are due, or when no trajectory is left."""
+        """Wake the driver (`RolloutStream`'s advance) when the waiting requests are due, or no trajectory is left."""
         if self._ready is not None and (self.live <= 0 or self._due()):
             self._ready.set()
 
@@ -86,38 +86,6 @@ class BatchingServer:
                                                list(prompt_ids), budget, future))
         self._check()
         return await future
-
-    async def serve(self) -> None:
-        """Run until every trajectory has finished."""
-        self._ready = asyncio.Event()
-        self._check()
-        engine_thread = None
-        if self.eager:  # the engine runs on this thread while the event loop runs tools and interactions
-            from concurrent.futures import ThreadPoolExecutor
-
-            engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hyflow-engine")
-        try:
-            while self.live > 0:
-                await self._ready.wait()
-                self._ready.clear()
-                if self._due():
-                    requests, self.waiting = sorted(self.waiting, key=lambda r: r.index), []
-                    if engine_thread is None:
-                        outputs = self._decode_or_fail(requests)
-                    else:
-                        try:
-                            outputs = await asyncio.get_running_loop().run_in_executor(engine_thread, self._decode,
-                                                                                      requests)
-                        except BaseException as err:
-                            self._fail(requests, err)  # futures are set on the event loop's thread
-                            raise
-                    for request, output in zip(requests, outputs):
-                        if not request.future.done():
-                            request.future.set_result(output)
-                    self._check()  # requests that arrived during the call are due now
-        finally:
-            if engine_thread is not None:
-                engine_thread.shutdown(wait=True)
 
     def _decode_or_fail(self, requests: list[_Request]) -> list[TokenOutput]:
         """`_decode`; when it raises, every request not yet done gets the error (its trajectory stops with it)."""
@@ -207,16 +175,15 @@ class ContinuousServer:
 
     def __init__(self, engine, params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
         if not hasattr(engine, "open_stream"):
-            raise ValueError(f"actor_rollout_ref.rollout.agent.batching=continuous needs an engine that schedules "
-                             f"requests itself (vllm); the {type(engine).__name__} decodes fixed batches: use "
-                             "batching=eager (the engine called whenever it is free) or barrier")
+            raise ValueError(f"actor_rollout_ref.rollout.agent.batching=continuous needs an engine with a token "
+                             f"stream (`open_stream`: vllm, hf); the {type(engine).__name__} decodes fixed batches "
+                             "only: use batching=eager (the engine called whenever it is free) or barrier")
         self.engine, self.params = engine, params
         self.stop_ids = set(eos_token_ids) | set(params.stop_token_ids)
         self.live = 0
         self.tokens = 0
         self._stream = None
         self._turns: dict[int, int] = {}
-        self._done: asyncio.Event | None = None
 
     # the counters the agent loop's metrics read (BatchingServer's names)
     @property
@@ -233,8 +200,6 @@ class ContinuousServer:
 
     def finished_one(self) -> None:
         self.live -= 1
-        if self.live <= 0 and self._done is not None:
-            self._done.set()
 
     async def generate(self, index: int, prompt_ids: list[int], budget: int, group: tuple | None = None
                        ) -> TokenOutput:
@@ -251,17 +216,6 @@ class ContinuousServer:
 
     def _open(self) -> None:
         self._stream = self.engine.open_stream(self.params)
-
-    async def serve(self) -> None:
-        """Hold the engine's stream open until every trajectory has finished, then close it."""
-        self._done = asyncio.Event()
-        if self._stream is None:
-            self._open()
-        try:
-            if self.live > 0:
-                await self._done.wait()
-        finally:
-            await asyncio.get_running_loop().run_in_executor(None, self._stream.close)
 
 
 class ServerHandle:

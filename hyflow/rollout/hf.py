@@ -29,6 +29,7 @@ masks).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 from collections.abc import Iterable, Sequence
 
@@ -42,7 +43,7 @@ except ImportError:  # pragma: no cover - older transformers: plain DynamicCache
 
 from hyflow.batch import Batch
 from hyflow.models.loading import as_torch_dtype
-from hyflow.rollout.base import EngineSpec, SamplingParams, register_engine
+from hyflow.rollout.base import EngineSpec, SamplingParams, TokenOutput, TokenRequest, register_engine
 from hyflow.rollout.output import assemble_rollout, position_ids_from_mask, prompt_budgets
 from hyflow.rollout.sampling import sample_next_token
 
@@ -132,7 +133,7 @@ class HFRolloutEngine:
             prompts_per_chunk = max(1, self.max_batch_size // params.n)
             parts = [
                 self._generate_chunk(input_ids[i : i + prompts_per_chunk], prompt_mask[i : i + prompts_per_chunk],
-                                     params, stop_ids, generator, budgets[i : i + prompts_per_chunk])
+                                     params, stop_ids, generator, budgets[i : i + prompts_per_chunk])[:3]
                 for i in range(0, len(input_ids), prompts_per_chunk)
             ]
         finally:
@@ -141,6 +142,80 @@ class HFRolloutEngine:
         logprobs = torch.cat([p[1] for p in parts])
         lengths = torch.cat([p[2] for p in parts])
         return assemble_rollout(prompts, input_ids, prompt_mask, responses, logprobs, lengths, params)
+
+    # ------------------------------------------------------------------ the token-level protocol
+    def open_stream(self, params: SamplingParams):
+        """A token stream over this engine (`hyflow.rollout.hf_stream.HFTokenStream`): submit TokenRequests,
+        get each TokenOutput back as it finishes; `abort`, `close`."""
+        from hyflow.rollout.hf_stream import HFTokenStream
+
+        if self._asleep:
+            raise RuntimeError("the hf rollout engine is asleep; call wake() before open_stream()")
+        return HFTokenStream(self, params)
+
+    @torch.inference_mode()
+    def generate_requests(self, requests: Sequence[TokenRequest], params: SamplingParams, aborted=None,
+                          on_output=None) -> list[TokenOutput]:
+        """Decode `requests` (prompt ids, at most `max_tokens` new tokens each, each sampled with its own seed) as
+        one batch padded here; one TokenOutput per request, in order. `aborted()` (optional), asked before every
+        decoding step: a bool per request, True for requests to end there (stop reason "abort").
+        `on_output(i, output)` (optional) gets request i's output the step it finishes, before the batch ends."""
+        if self._asleep:
+            raise RuntimeError("the hf rollout engine is asleep; call wake() before generate_requests()")
+        if not requests:
+            return []
+        budgets = [max(1, min(int(r.max_tokens), params.max_new_tokens)) for r in requests]
+        width = max(len(r.prompt_ids) for r in requests)
+        input_ids = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
+        prompt_mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for row, request in enumerate(requests):
+            if not request.prompt_ids:
+                raise ValueError(f"request {request.request_id!r} has no prompt token ids")
+            input_ids[row, width - len(request.prompt_ids):] = torch.tensor(list(request.prompt_ids))
+            prompt_mask[row, width - len(request.prompt_ids):] = 1
+        generators = []
+        for request in requests:
+            generator = torch.Generator()
+            if request.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(int(request.seed) % (2**63 - 1))
+            generators.append(generator)
+        stop_set = set(self.eos_token_ids) | set(params.stop_token_ids)
+        outputs: list[TokenOutput | None] = [None] * len(requests)
+        cut_so_far: list[bool] = [False] * len(requests)
+
+        def ask() -> list[bool]:
+            cut = list(aborted())
+            for row, c in enumerate(cut):
+                cut_so_far[row] = cut_so_far[row] or c
+            return cut
+
+        def finish(rows, responses, logprobs, lengths) -> None:
+            for row in rows:
+                length = int(lengths[row])
+                ids = responses[row, :length].tolist()
+                if cut_so_far[row]:
+                    reason = "abort"
+                elif (ids and ids[-1] in stop_set) or length < budgets[row]:
+                    reason = "stop"
+                else:
+                    reason = "length"
+                outputs[row] = TokenOutput(ids, logprobs[row, :length].tolist() if params.calculate_log_probs
+                                           else None, reason)
+                if on_output is not None:
+                    on_output(row, outputs[row])
+
+        chunk_params = dataclasses.replace(params, n=1, max_new_tokens=max(budgets))
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            self._generate_chunk(input_ids.to(self._device), prompt_mask.to(self._device), chunk_params,
+                                 torch.tensor(sorted(stop_set), device=self._device), generators,
+                                 torch.tensor(budgets, device=self._device), None if aborted is None else ask, finish)
+        finally:
+            self.model.train(was_training)
+        return outputs
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, loaded_names: set | None = None) -> int:
         """Copy tensors into the model by parameter name; returns how many were loaded.
@@ -236,8 +311,15 @@ class HFRolloutEngine:
         self._on_host = False
 
     # ------------------------------------------------------------------ internals
-    def _generate_chunk(self, input_ids, prompt_mask, params: SamplingParams, stop_ids, generator, budgets):
+    def _generate_chunk(self, input_ids, prompt_mask, params: SamplingParams, stop_ids, generator, budgets,
+                        aborted=None, finished=None):
+        """Decode one chunk. `generator`: one for the chunk, or a list of CPU generators, one per row (n = 1).
+        `aborted()` (optional), asked before every step: a bool per row, True for rows to end there with the
+        tokens they have (their length is the step's index). `finished(rows, responses, logprobs, lengths)`
+        (optional) is told the rows whose outputs are final, as soon as they are. Returns (responses, log-probs,
+        lengths, cut rows)."""
         n, max_new = params.n, params.max_new_tokens
+        per_row = isinstance(generator, (list, tuple))
         num_rows = len(input_ids) * n
         prompt_width = input_ids.shape[1]
         responses = torch.full((num_rows, max_new), self.pad_token_id, dtype=torch.long, device=self._device)
@@ -267,10 +349,30 @@ class HFRolloutEngine:
         active = None  # row ids still held in the cache (None: all rows, in order)
         done = torch.zeros(num_rows, dtype=torch.bool, device=self._device)  # aligned with the cache's rows
         n_done = 0
+        cut_rows = torch.zeros(num_rows, dtype=torch.bool, device=self._device)  # rows `aborted` ended
         for t in range(max_new):
+            if aborted is not None:
+                cut = torch.tensor(aborted(), dtype=torch.bool, device=self._device)
+                cut_now = (cut if active is None else cut[active]) & ~done
+                if bool(cut_now.any()):
+                    if active is None:
+                        lengths.masked_fill_(cut_now, t)
+                        cut_rows |= cut_now
+                    else:
+                        lengths[active] = torch.where(cut_now, t, lengths[active])
+                        cut_rows[active] |= cut_now
+                    done |= cut_now
+                    if finished is not None:
+                        finished(_rows(cut_now, active), responses, logprobs, lengths)
+                    n_done = int(done.sum())
+                    if n_done == len(done):
+                        break
+            rows_generator = generator
+            if per_row:
+                rows_generator = generator if active is None else [generator[i] for i in active.tolist()]
             tokens, token_logprobs = sample_next_token(
                 logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                greedy=params.greedy, generator=generator)
+                greedy=params.greedy, generator=rows_generator)
             # rows finished earlier (still in the cache until the next compaction) keep their padding
             new_tokens = tokens.masked_fill(done, self.pad_token_id) if n_done else tokens
             new_logprobs = token_logprobs.masked_fill(done, 0.0) if n_done else token_logprobs
@@ -288,6 +390,8 @@ class HFRolloutEngine:
                 logprobs[active, t] = new_logprobs
                 lengths[active] = torch.where(stopped, t + 1, lengths[active])
             done |= stopped
+            if finished is not None and bool(stopped.any()):
+                finished(_rows(stopped, active), responses, logprobs, lengths)
             n_done = int(done.sum())
             if n_done == len(done) or t == max_new - 1:
                 break
@@ -307,7 +411,16 @@ class HFRolloutEngine:
                              **{self._cache_arg: cache}, use_cache=True)
             logits = out.logits[:, -1]
             next_pos = next_pos + 1
-        return responses, logprobs, lengths
+        if finished is not None:  # the rows that ran to the end without stopping
+            unfinished = ~done
+            if bool(unfinished.any()):
+                finished(_rows(unfinished, active), responses, logprobs, lengths)
+        return responses, logprobs, lengths, cut_rows
+
+
+def _rows(aligned: torch.Tensor, active: torch.Tensor | None) -> list[int]:
+    """The chunk's row numbers of a mask aligned with the rows still in the cache (`active`: their numbers)."""
+    return (aligned.nonzero().flatten() if active is None else active[aligned]).tolist()
 
 
 def decodes_with_4d_mask(model: torch.nn.Module) -> bool:

@@ -12,6 +12,8 @@ vocabulary entry (V per row: 0.5 ms of a 3 ms decoding step for 64 rows x 512 to
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -40,7 +42,7 @@ def sample_next_token(
     top_k: int = -1,
     top_p: float = 1.0,
     greedy: bool = False,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row; return (tokens_B, logprobs_B) with logprob = log softmax(logits / T)[token]."""
     logits_BV = logits_BV.float()
@@ -55,8 +57,10 @@ def sample_next_token(
     return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
 
 
-def draw_from_probs(probs_BV: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One index per row with P(i) = probs[i] / sum(probs), by inverse CDF.
+def draw_from_probs(probs_BV: torch.Tensor, generator: torch.Generator | Sequence[torch.Generator] | None = None
+                    ) -> torch.Tensor:
+    """One index per row with P(i) = probs[i] / sum(probs), by inverse CDF. `generator`: one for the batch, or
+    a list of CPU generators, one per row (each row's draw then depends on its own seed alone).
 
     cdf = cumsum(probs) in float64; token = min{i : cdf_i >= (1 - u) cdf_V}, u ~ U[0, 1). (1 - u) is in (0, 1], so
     the target is > 0 and at most the total: the index exists, and cdf_i > cdf_(i-1) there (probability > 0).
@@ -67,7 +71,13 @@ def draw_from_probs(probs_BV: torch.Tensor, generator: torch.Generator | None = 
     if not bool((torch.isfinite(total_B1) & (total_B1 > 0)).all()):
         raise ValueError("cannot sample: a row of next-token probabilities is NaN, infinite or all zero (the "
                          "model's logits are not finite: check the loss and learning rate of the last updates)")
-    u_B1 = torch.rand((probs_BV.shape[0], 1), dtype=dtype, device=probs_BV.device, generator=generator)
+    if isinstance(generator, (list, tuple)):  # one CPU generator per row (per-request seeds): its own draw each
+        if len(generator) != probs_BV.shape[0]:
+            raise ValueError(f"{len(generator)} generators for {probs_BV.shape[0]} rows")
+        u_B1 = torch.cat([torch.rand((1, 1), dtype=torch.float64, generator=g) for g in generator])
+        u_B1 = u_B1.to(device=probs_BV.device, dtype=dtype)
+    else:
+        u_B1 = torch.rand((probs_BV.shape[0], 1), dtype=dtype, device=probs_BV.device, generator=generator)
     target_B1 = (1.0 - u_B1) * total_B1
     tokens_B = torch.searchsorted(cdf_BV, target_B1).squeeze(-1)
     return tokens_B.clamp_(max=probs_BV.shape[-1] - 1)  # defensive: target <= cdf_V already bounds it

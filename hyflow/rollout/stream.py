@@ -1,4 +1,8 @@
-"""Trajectories that outlive one call: the rollout side of asynchronous training (`async_training.mode`).
+"""Trajectories that outlive one call: the driver of every rollout, synchronous or asynchronous.
+
+A synchronous rollout (`AgentLoopManager.generate`) is the degenerate case of the stream: submit every prompt,
+advance until all are finished, close (whole requests, the batch assembled on the prompts as they came); the
+asynchronous modes (`async_training.mode`) keep the stream open between the trainer's calls.
 
 `RolloutStream` keeps the agent loop's trajectories alive between calls. The trainer's scheduler `submit`s
 prompts (each with a group tag, the prompt's admission number) and calls `advance(need)`, which decodes until
@@ -19,7 +23,7 @@ requests in trajectory order, engine call k seeded with seed + k * SEED_STRIDE; 
 seed, the submitted prompts and when the weights changed, never on timing. It runs on an event loop of its own,
 driven only inside `advance` (a breakpoint in an agent loop or tool stops the whole process, as usual).
 
-Abort and resume (`rollout.agent.batching=continuous`, engines with a token stream: vllm). Every request goes to
+Abort and resume (`rollout.agent.batching=continuous`, engines with a token stream: vllm, hf). Every request goes to
 the engine's stream the moment its trajectory asks and runs with its whole budget, joining the running batch at
 the next engine step (`ContinuousStreamServer`). When `advance` has its prompts, the requests still running are
 aborted: each keeps the tokens (and log-probs) it produced, and the stream closes, so the engine is idle while the
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -51,7 +55,11 @@ from hyflow.rollout.agent_loop import (
 from hyflow.rollout.agent_server import SEED_STRIDE, BatchingServer, ContinuousServer, ServerHandle, _Request
 from hyflow.rollout.base import SamplingParams, TokenOutput, TokenRequest
 from hyflow.rollout.output import position_ids_from_mask
+from hyflow.tools.runner import DaemonExecutor
 
+# what the stream adds to an agent loop's Batch (a synchronous rollout drops them)
+ASYNC_COLUMNS = ("rollout_versions", "async_tag", "async_admitted_version")
+ASYNC_METRICS = ("async/rollout_tokens", "async/continued_segments")
 SEGMENT_STRIDE = 7_919  # segment s of a resumed request samples with its turn's seed + s * SEGMENT_STRIDE
 
 
@@ -70,44 +78,79 @@ class _Segmented:
 
 
 class StreamServer(BatchingServer):
-    """A BatchingServer that decodes at most `chunk` tokens per request per engine call and is flushed by its
-    owner (`flush`), not by itself; it records the policy version of every token it returns."""
+    """A BatchingServer driven by its stream (`step`), not by itself. It decodes at most `chunk` tokens per request
+    per engine call (None: a request's whole budget) and records the policy version of every token it returns.
+    Barrier (default): `step` is one engine call over every waiting request, once no trajectory can move without
+    the engine. Eager (`eager=True`, synchronous rollouts only): `step` calls the engine on a thread of its own as
+    soon as any request waits, so the event loop keeps running tools and interactions meanwhile."""
 
     _request_type = _Segmented
 
     def __init__(self, engine, params: SamplingParams, pad_token_id: int, eos_token_ids: Sequence[int],
-                 chunk: int) -> None:
-        super().__init__(engine, params, pad_token_id, eos_token_ids, prompts=None)
-        self.chunk = max(1, int(chunk))
+                 chunk: int | None, prompts: Batch | None = None, *, eager: bool = False) -> None:
+        super().__init__(engine, params, pad_token_id, eos_token_ids, prompts=prompts, eager=eager)
+        self.chunk = params.max_new_tokens if chunk is None else max(1, int(chunk))
         self.version = 0
         self.token_versions: dict[int, list[int]] = {}  # trajectory index -> versions of its model tokens
         self.continued = 0  # segments that went back to the queue unfinished
         self.tokens = 0
+        self._engine_thread: ThreadPoolExecutor | None = None  # eager: where the engine runs
 
     def quiescent(self) -> bool:
-        """True when no trajectory can move without the engine: every live one waits for it, or none is live."""
-        return self.live <= 0 or len(self.waiting) >= self.live
+        """True when no trajectory can move without the engine: every live one waits for it, or none is live.
+        Eager never waits for that (`step` waits for a request instead)."""
+        return self.eager or self.live <= 0 or len(self.waiting) >= self.live
 
     # the stream's hooks (ContinuousStreamServer's counterparts)
     def resume(self) -> None:
-        """Nothing to resume: unfinished segments wait in the queue for the next `flush`."""
+        """Nothing to resume: unfinished segments wait in the queue for the next `step`."""
 
     async def step(self) -> None:
-        self.flush()
+        if not self.eager:
+            self._land(*self._take_and_decode())
+            return
+        if not self.waiting:  # wait for a request (or for the last trajectory to finish)
+            self._ready.clear()
+            self._check()
+            await self._ready.wait()
+            if not self.waiting:
+                return
+        if self._engine_thread is None:
+            self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hyflow-engine")
+        segments, views = self._take()
+        try:
+            outputs = await asyncio.get_running_loop().run_in_executor(self._engine_thread, self._decode, views)
+        except BaseException as err:
+            self._fail(views, err)  # futures are set on the event loop's thread
+            raise
+        self._land(segments, outputs)
 
     async def pause(self) -> None:
         """Nothing runs between two engine calls."""
 
     def shutdown(self) -> None:
         self.waiting = []
+        if self._engine_thread is not None:
+            self._engine_thread.shutdown(wait=True)
+            self._engine_thread = None
 
     def flush(self) -> None:
         """One engine call over every waiting request (at most `chunk` new tokens each)."""
+        self._land(*self._take_and_decode())
+
+    def _take(self) -> tuple[list[_Segmented], list[_Request]]:
+        """The waiting requests, in trajectory order, and the engine's view of each (its segment)."""
         segments: list[_Segmented] = sorted(self.waiting, key=lambda r: r.index)
         self.waiting = []
         views = [_Request(seg.index, seg.group if not seg.tokens else ("own", seg.index), seg.prompt_ids + seg.tokens,
                           min(seg.budget, self.chunk), seg.future) for seg in segments]
-        outputs = self._decode_or_fail(views)  # a view holds its segment's future
+        return segments, views
+
+    def _take_and_decode(self) -> tuple[list[_Segmented], list[TokenOutput]]:
+        segments, views = self._take()
+        return segments, self._decode_or_fail(views)  # a view holds its segment's future
+
+    def _land(self, segments: list[_Segmented], outputs: list[TokenOutput]) -> None:
         for seg, out in zip(segments, outputs):
             if seg.future.done():  # cancelled meanwhile
                 continue
@@ -117,6 +160,7 @@ class StreamServer(BatchingServer):
             else:
                 self.continued += 1
                 self.waiting.append(seg)
+        self._check()
 
 
 def _append_segment(request, out: TokenOutput, version: int) -> int:
@@ -291,32 +335,45 @@ class _Group:
 
 
 class RolloutStream:
-    """The agent loop's trajectories, kept alive across calls (see the module docstring)."""
+    """The agent loop's trajectories, kept alive across calls (see the module docstring); also the driver of a
+    synchronous rollout (`AgentLoopManager.generate`: submit every prompt, advance until all are finished).
 
-    def __init__(self, manager: AgentLoopManager, params: SamplingParams, *, chunk_tokens: int,
-                 prompt_width: int) -> None:
+    chunk_tokens: the segment length of the barrier server (None: whole requests, no segments).
+    prompts: the whole prompt batch of a synchronous rollout (its tags are its row numbers): first turns reuse its
+    padded rows and the rollout Batch is assembled on it. response_length: a trajectory's token budget (default
+    `params.max_new_tokens`). progress(stage, done, total, unit, detail): called as trajectories finish."""
+
+    def __init__(self, manager: AgentLoopManager, params: SamplingParams, *, chunk_tokens: int | None = None,
+                 prompt_width: int, prompts: Batch | None = None, response_length: int | None = None,
+                 progress: Callable[..., None] | None = None) -> None:
         self.manager, self.params = manager, params
         self.prompt_width = int(prompt_width)
-        self.response_length = int(params.max_new_tokens)
+        self.response_length = int(params.max_new_tokens if response_length is None else response_length)
         self.loop = asyncio.new_event_loop()
-        self._executor = ThreadPoolExecutor(max_workers=manager.num_workers, thread_name_prefix="hyflow-tool")
-        self.loop.set_default_executor(self._executor)  # asyncio.to_thread in tools: at most num_workers at once
+        # asyncio.to_thread in an agent loop or tool: daemon threads, never joined, so a call left blocked neither
+        # holds `close` nor the interpreter's exit
+        self._executor = DaemonExecutor("hyflow-agent-thread")
+        self.loop.set_default_executor(self._executor)
         turn_params = manager.turn_params(params)
         batching = manager.config.agent.batching
         if batching == "continuous":
             self.server = ContinuousStreamServer(manager.engine, turn_params, manager.eos_token_ids)
-        elif batching == "barrier":
+        elif batching == "barrier" or (batching == "eager" and prompts is not None):
             self.server = StreamServer(manager.engine, turn_params, manager.pad_token_id, manager.eos_token_ids,
-                                       chunk_tokens)
+                                       chunk_tokens, prompts, eager=batching == "eager")
         else:
             raise ValueError(f"actor_rollout_ref.rollout.agent.batching={batching} has no asynchronous rollout stream: "
-                             "use barrier (deterministic segments) or continuous (abort/resume, vllm)")
+                             "use barrier (deterministic segments) or continuous (abort/resume)")
         self.server._ready = asyncio.Event()
+        self._prompts = prompts
+        self._progress = progress
+        self._finished = 0
         self.groups: dict[int, _Group] = {}
         self.tasks: dict[int, asyncio.Task] = {}
         self.next_index = 0
         self._loop_kwargs: dict = {}  # loop class -> what its start_rollout gave (openai_agent: its endpoint)
         self._loop_starting: dict = {}
+        self._counted = (0, 0, 0.0, 0, 0)  # the server's counters at the end of the last advance (`_counters`)
 
     # ------------------------------------------------------------------ the trainer's calls
     @property
@@ -392,11 +449,15 @@ class RolloutStream:
 
     async def _trajectory(self, group: _Group, sample: int, index: int, row: dict, sampling: dict) -> None:
         try:
-            handle = ServerHandle(self.server, index, ("stream", group.tag), self.response_length)
+            handle = ServerHandle(self.server, index, group.tag, self.response_length)
             agent = self.manager.make_agent(group.name, handle, await self._started_loop_kwargs(group.name))
             group.outputs[sample] = await agent.run(sampling, **row)
         finally:
             self.server.finished_one()
+            self._finished += 1
+            if self._progress is not None:
+                self._progress("rollout", self._finished, self.next_index, "trajectories",
+                               f"{self.server.tokens} tokens")
 
     async def _started_loop_kwargs(self, name: str) -> dict:
         """The loops' per-rollout kwargs; a loop class with `start_rollout` (openai_agent) is started once, on its
@@ -423,9 +484,14 @@ class RolloutStream:
             if task.done() and not task.cancelled() and task.exception() is not None:
                 raise task.exception()
 
+    def _counters(self) -> tuple:
+        server = self.server
+        return server.calls, len(server.batch_sizes), server.seconds, server.tokens, server.continued
+
     async def _advance(self, need: int, max_calls: int | None) -> Batch | None:
-        calls, sizes, seconds = self.server.calls, len(self.server.batch_sizes), self.server.seconds
-        tokens, continued = self.server.tokens, self.server.continued
+        # counted from the end of the previous advance: trajectories started by `submit` run (and a streaming
+        # engine answers them) as soon as the loop runs, before this coroutine's first line
+        calls, sizes, seconds, tokens, continued = self._counted
         done: list[_Group] = []
         self.server.resume()
         try:
@@ -444,6 +510,7 @@ class RolloutStream:
                 await self.server.step()
         finally:
             await self.server.pause()  # continuous: the engine idle (and its stream closed) until the next advance
+        self._counted = self._counters()
         if not done:
             return None
         stats = SimpleNamespace(calls=self.server.calls - calls, batch_sizes=self.server.batch_sizes[sizes:],
@@ -455,7 +522,12 @@ class RolloutStream:
 
     def _assemble(self, groups: list[_Group], stats) -> Batch:
         n = self.params.n
-        prompts = Batch.concat([g.prompt for g in groups])
+        whole = self._prompts
+        if whole is not None and sorted(g.tag for g in groups) == list(range(len(whole))):
+            groups = sorted(groups, key=lambda g: g.tag)  # a synchronous rollout: its batch as it came, in its order
+            prompts = whole
+        else:
+            prompts = Batch.concat([g.prompt for g in groups])
         outputs = [out for g in groups for out in g.outputs]
         names = [g.name for g in groups]
         # the manager's assembly reads names per prompt row

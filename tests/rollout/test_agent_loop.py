@@ -850,8 +850,9 @@ def test_continuous_batching_gives_the_barrier_trajectories_for_a_deterministic_
         assert torch.equal(out[key], barrier[key]), key
     assert engine.calls == [] and engine.closed == 1  # no padded-batch call: all through the stream
     seeds = sorted((r.request_id, r.seed) for r in engine.requests)
-    assert seeds == sorted([(f"t{i}.0", 3 + i) for i in range(4)] + [(f"t{i}.1", 3 + i + SEED_STRIDE)
-                                                                     for i in range(4)])
+    # request ids: t<trajectory>.<turn>.<segment> (a synchronous rollout is never cut into segments)
+    assert seeds == sorted([(f"t{i}.0.0", 3 + i) for i in range(4)] + [(f"t{i}.1.0", 3 + i + SEED_STRIDE)
+                                                                       for i in range(4)])
     assert out.meta["metrics"]["agent_loop/engine_calls"] == 8
 
 
@@ -891,16 +892,18 @@ def test_a_slow_answer_holds_back_only_its_own_trajectory(tmp_path, tiny_tokeniz
 
 def test_continuous_batching_needs_an_engine_with_a_stream(tmp_path, tiny_tokenizer):
     tok = tiny_tokenizer
-    with pytest.raises(ValueError, match=r"batching=continuous needs an engine that schedules requests itself.*"
-                                         r"ScriptedEngine decodes fixed batches: use batching=eager"):
+    with pytest.raises(ValueError, match=r"batching=continuous needs an engine with a token stream.*"
+                                         r"ScriptedEngine decodes fixed batches only: use batching=eager"):
         manager(ScriptedEngine(tok, calculator_script), tok, vllm_rollout_config(tmp_path)).generate(
             make_prompts(tok, ["q"]), params())
     from hyflow.config.validate import validate_config
 
-    with pytest.raises(ValueError, match=r"batching=continuous needs an engine that schedules requests itself: "
-                                         r"actor_rollout_ref.rollout.name=vllm with tensor_model_parallel_size=1 "
-                                         r"\(got name=hf"):
-        validate_config(load_config(["actor_rollout_ref.model.path=x", f"{RT}.agent.batching=continuous"]))
+    with pytest.raises(ValueError, match=r"batching=continuous needs an engine with a token stream: "
+                                         r"actor_rollout_ref.rollout.name=hf, or vllm with tensor_model_parallel_size"
+                                         r"=1 \(got name=vllm, tensor_model_parallel_size=2"):
+        validate_config(load_config(["actor_rollout_ref.model.path=x", f"{RT}.agent.batching=continuous",
+                                     f"{RT}.name=vllm", f"{RT}.tensor_model_parallel_size=2"]))
+    validate_config(load_config(["actor_rollout_ref.model.path=x", f"{RT}.agent.batching=continuous"]))  # hf
     for mode in ("fully_async", "one_step_off"):  # the stream has barrier segments or continuous, no eager
         with pytest.raises(ValueError, match=rf"agent.batching=eager with async_training.mode={mode}"):
             validate_config(load_config(["actor_rollout_ref.model.path=x", f"{RT}.agent.batching=eager",

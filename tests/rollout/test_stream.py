@@ -220,6 +220,6 @@ def test_continuous_stream_pauses_with_the_tokens_so_far_and_resumes_them_as_the
         assert out["responses"][row][mask[row]].tolist() == [5, 5, 5, 7, 7, 7, 7]
         assert out["rollout_versions"][row][mask[row]].tolist() == [0, 0, 0, 1, 1, 1, 1]
         assert out["rollout_log_probs"][row][mask[row]].tolist() == [-0.5] * 3 + [-0.25] * 4
-    with pytest.raises(ValueError, match=r"batching=continuous needs an engine that schedules requests itself"):
+    with pytest.raises(ValueError, match=r"batching=continuous needs an engine with a token stream"):
         RolloutStream(manager(object(), tok, rollout), SamplingParams(n=1, max_new_tokens=R), chunk_tokens=R,
                       prompt_width=64)

@@ -84,10 +84,12 @@ class AgentConfig:
         "all waiting turns in one call (the largest batches; samples a function of the seed alone). eager: as soon "
         "as the engine is free, every turn waiting then, while the other trajectories' tools run (a slow tool or a "
         "long answer holds back no one else; which turns share a call, and so the samples, depend on timing). "
-        "continuous: every turn goes to the engine on its own and joins the running batch at its next step "
-        "(continuous batching, as verl's server engines do; rollout.name=vllm, tensor_model_parallel_size=1; "
-        "samples a function of the seed and the trajectory, up to the rounding of the batch they share; with "
-        "async_training, requests are aborted and resumed at weight pushes instead of decoded in segments).",
+        "continuous: every turn goes to the engine's token stream on its own, seeded per request (vllm, "
+        "tensor_model_parallel_size=1: it joins the running batch at the next engine step, continuous batching as "
+        "verl's server engines do; hf: the turns waiting when the engine is free decode as one batch, the engine "
+        "pads them itself; samples a function of the seed and the trajectory, up to the rounding of the batch "
+        "they share; with async_training, requests are aborted and resumed at weight pushes instead of decoded in "
+        "segments).",
         choices=("barrier", "eager", "continuous"))
 
 
