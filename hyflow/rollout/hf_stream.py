@@ -36,6 +36,7 @@ class HFTokenStream:
         self._engine, self._params = engine, params
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._aborted: set[str] = set()  # ids of requests to end at the next decode step
+        self._running: list[str] = []  # ids of the batch decoding now
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._closed = False
@@ -61,6 +62,8 @@ class HFTokenStream:
         """Abort what is still running or queued and stop the thread (waits for it)."""
         if not self._closed:
             self._closed = True
+            with self._lock:
+                self._aborted.update(self._running)  # the batch decoding now ends at its next step
             self._inbox.put(None)
         self._thread.join()
 
@@ -117,6 +120,10 @@ class HFTokenStream:
         if not items:
             return
         ids = [request.request_id for request, _ in items]
+        with self._lock:
+            self._running = ids
+            if self._closed:  # close() came while this batch was being taken
+                self._aborted.update(ids)
         start = time.perf_counter()
 
         def landed(index: int, output: TokenOutput) -> None:  # the moment a request finishes, mid-batch
@@ -128,6 +135,8 @@ class HFTokenStream:
             self._engine.generate_requests([request for request, _ in items], self._params,
                                            aborted=lambda: self._cut(ids), on_output=landed)
         finally:
+            with self._lock:
+                self._running = []
             self.seconds += time.perf_counter() - start
             self.step_count += 1
             self.step_sizes.append(len(items))

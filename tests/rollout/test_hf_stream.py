@@ -105,16 +105,19 @@ def test_an_aborted_request_keeps_the_tokens_it_had(model, tiny_tokenizer):
         return real(requests, params, aborted=ask, **kw)
 
     engine.generate_requests = gated
-    stream = engine.open_stream(sampling())
-    try:
-        future = stream.submit(TokenRequest("x", ids, R, 7))
-        assert held.wait(60)
-        stream.abort(["x"])
-        out = future.result(timeout=60)
-    finally:
-        stream.close()
-    assert out.stop_reason == "abort" and out.token_ids == full.token_ids[:3]
-    assert out.log_probs == full.log_probs[:3]
+    for end in ("abort", "close"):  # `close` ends the batch decoding now the same way
+        asked.clear()
+        held.clear()
+        stream = engine.open_stream(sampling())
+        try:
+            future = stream.submit(TokenRequest("x", ids, R, 7))
+            assert held.wait(60)
+            stream.abort(["x"]) if end == "abort" else stream.close()
+            out = future.result(timeout=60)
+        finally:
+            stream.close()
+        assert out.stop_reason == "abort" and out.token_ids == full.token_ids[:3], end
+        assert out.log_probs == full.log_probs[:3]
 
 
 def test_close_ends_queued_requests_and_refuses_new_ones_and_an_engine_error_reaches_each(model, tiny_tokenizer):
