@@ -89,7 +89,7 @@ def build(preset: str, workdir: Path, turns: int, turn_tokens: int, latency: flo
 
     from hyflow.config import load_config
     from hyflow.models.tiny import make_tiny_model
-    from hyflow.rollout.agent_loop import AgentLoopManager
+    from hyflow.rollout.manager import AgentLoopManager
 
     model_dir = make_tiny_model(workdir / preset, preset=preset, seed=0)
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hyflow.rollout.agent_loop import AgentLoopManager
 from hyflow.rollout.base import ENGINES, EngineSpec, RolloutEngine, make_engine
+from hyflow.rollout.manager import AgentLoopManager
 
 
 @dataclass

@@ -47,7 +47,6 @@ import torch
 from hyflow.batch import Batch
 from hyflow.rollout.agent_loop import (
     AGENT_LOOPS,
-    AgentLoopManager,
     AgentLoopOutput,
     prompt_rows,
     sampling_dict,
@@ -343,7 +342,7 @@ class RolloutStream:
     padded rows and the rollout Batch is assembled on it. response_length: a trajectory's token budget (default
     `params.max_new_tokens`). progress(stage, done, total, unit, detail): called as trajectories finish."""
 
-    def __init__(self, manager: AgentLoopManager, params: SamplingParams, *, chunk_tokens: int | None = None,
+    def __init__(self, manager, params: SamplingParams, *, chunk_tokens: int | None = None,
                  prompt_width: int, prompts: Batch | None = None, response_length: int | None = None,
                  progress: Callable[..., None] | None = None) -> None:
         self.manager, self.params = manager, params

@@ -19,8 +19,9 @@ import torch
 from hyflow.batch import Batch
 from hyflow.config import load_config
 from hyflow.data.rl_dataset import collate_prompts
-from hyflow.rollout.agent_loop import AGENT_LOOPS, AgentLoopManager
+from hyflow.rollout.agent_loop import AGENT_LOOPS
 from hyflow.rollout.base import SamplingParams
+from hyflow.rollout.manager import AgentLoopManager
 from hyflow.rollout.output import assemble_rollout, prompt_budgets
 from hyflow.rollout.tool_parser import HermesToolParser, check_arguments
 from hyflow.tools import BaseTool

@@ -51,7 +51,7 @@ def prompt_items(tok, texts, agent_name, **extra):
 
 def run_loops(engine, tok, rollout_cfg, items, params, **kwargs):
     from hyflow.data.rl_dataset import collate_prompts
-    from hyflow.rollout.agent_loop import AgentLoopManager
+    from hyflow.rollout.manager import AgentLoopManager
 
     loops = AgentLoopManager(engine, tok, rollout_cfg, eos_token_ids=[tok.eos_token_id],
                              pad_token_id=tok.pad_token_id, **kwargs)
@@ -187,7 +187,7 @@ def test_fully_async_stream_aborts_at_advance_and_resumes_under_the_new_weights(
     import copy
 
     from hyflow.data.rl_dataset import collate_prompts
-    from hyflow.rollout.agent_loop import AgentLoopManager
+    from hyflow.rollout.manager import AgentLoopManager
     from hyflow.rollout.stream import RolloutStream
 
     _Budgeted.register()

@@ -237,7 +237,7 @@ def test_multi_turn_agent_loop_log_probs_equal_the_trainers(engine, model, tiny_
     model's tokens equal the trainer's recompute (the user turn is context only). Also with the engine called from
     a thread of its own (rollout.agent.batching=eager)."""
     from hyflow.data.rl_dataset import collate_prompts
-    from hyflow.rollout.agent_loop import AgentLoopManager
+    from hyflow.rollout.manager import AgentLoopManager
 
     tok = tiny_tokenizer
     rollout = rollout_config(tiny_model_dir, "actor_rollout_ref.rollout.multi_turn.enable=true",
@@ -277,7 +277,8 @@ def test_an_openai_client_agent_on_the_vllm_engine(engine, model, tiny_model_dir
     """openai_agent with the real openai client and vLLM: the conversation (two answers and the user turn between
     them, masked out) is one sample whose rollout log-probs equal the trainer's recompute."""
     from hyflow.data.rl_dataset import collate_prompts
-    from hyflow.rollout.agent_loop import AGENT_LOOP_KWARGS, AGENT_LOOPS, AgentLoopManager
+    from hyflow.rollout.agent_loop import AGENT_LOOP_KWARGS, AGENT_LOOPS
+    from hyflow.rollout.manager import AgentLoopManager
 
     (tmp_path / "twice_vllm.py").write_text(ASK_TWICE)
     monkeypatch.syspath_prepend(str(tmp_path))
