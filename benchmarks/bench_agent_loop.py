@@ -10,8 +10,9 @@ prompts and workload:
                  every live trajectory waits for it
     eager        the same with `rollout.agent.batching=eager`: the engine runs on a thread of its own and takes
                  every turn waiting whenever it is free, while the other trajectories' interactions run
-    continuous   the same with `rollout.agent.batching=continuous` (`--engine vllm` only): every turn is a
-                 request of its own on vLLM's token stream, joining the running batch at the next engine step
+    continuous   the same with `rollout.agent.batching=continuous`: every turn is a request of its own on the
+                 engine's token stream (vllm: it joins the running batch at the next engine step; hf: the requests
+                 waiting when the engine is free decode as one batch, each back the step it finishes)
     one-by-one   the same manager called once per prompt with n = 1 for each sample: each trajectory's turns are
                  decoded alone (what a per-sample tool loop without a request queue does)
 
@@ -106,7 +107,7 @@ def build(preset: str, workdir: Path, turns: int, turn_tokens: int, latency: flo
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         engine = HFRolloutEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     managers = {}
-    for batching in ("barrier", "eager", "continuous") if engine_name == "vllm" else ("barrier", "eager"):
+    for batching in ("barrier", "eager", "continuous"):
         rollout = load_config(["actor_rollout_ref.model.path=x", f"data.max_response_length={budget}",
                                "actor_rollout_ref.rollout.multi_turn.enable=true",
                                f"actor_rollout_ref.rollout.multi_turn.max_assistant_turns={turns}",
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--latency-dist", default="uniform", choices=("uniform", "tail"),
                         help="uniform: 0..LATENCY; tail: one answer in ten takes LATENCY, the rest 0..LATENCY/20")
     parser.add_argument("--ways", default="batched,one-by-one",
-                        help="comma-separated, the first is the ratios' base: batched, eager, continuous (vllm), "
+                        help="comma-separated, the first is the ratios' base: batched, eager, continuous, "
                         "one-by-one")
     parser.add_argument("--engine", default="hf", choices=("hf", "vllm"),
                         help="the rollout engine (vllm: run with .venv-vllm/bin/python)")
@@ -175,8 +176,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     unknown = sorted(set(ways) - {"batched", "eager", "continuous", "one-by-one"})
     if unknown or len(set(ways)) != len(ways) or len(ways) < 2:
         parser.error(f"--ways {args.ways}: name 2 to 4 different ways of batched, eager, continuous, one-by-one")
-    if "continuous" in ways and args.engine != "vllm":
-        parser.error("--ways continuous needs --engine vllm (the hf engine decodes fixed batches)")
 
     from hyflow.rollout.base import SamplingParams
 
