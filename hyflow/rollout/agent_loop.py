@@ -1,7 +1,7 @@
 """The agent loop: every sample is a trajectory that an async loop drives turn by turn over one rollout engine.
 
-`AgentLoopManager.generate(prompts, params)` (`hyflow.rollout.manager`) replaces a bare `engine.generate` call (the actor worker calls it on
-its share of the prompts). Each of the B x n samples runs the agent loop named by its `agent_name` column
+`AgentLoopManager.generate(prompts, params)` (`hyflow.rollout.manager`) replaces a bare `engine.generate` call
+(the actor worker calls it on its share of the prompts). Each of the B x n samples runs the agent loop named by its `agent_name` column
 (`rollout.agent.default_agent_loop` when empty): `single_turn_agent` (one generation: exactly today's single-turn
 rollout) or `tool_agent` (generate, parse tool calls, run the tools, append their answers, generate again ...),
 or a loop registered with `@register(name)` / `rollout.agent.agent_loop_config_path`.
@@ -18,8 +18,8 @@ before it is appended (verl's rule), so a trajectory always ends on model tokens
 By job: this module holds the loops' contract (`AgentLoopBase`, `AgentLoopOutput`, the registry) and the
 single-turn loop; `manager` runs a rollout's trajectories (`AgentLoopManager`) and assembles their batch;
 `stream` drives the trajectories of every rollout (kept alive across calls for asynchronous training);
-`agent_server` batches the trajectories' requests into engine calls; `tool_agent` is the tool-calling loop (and the chat-template rendering
-of appended turns); `env_loop` runs Gymnasium-style text environments; `openai_agent` serves the policy to agents
+`agent_server` batches the trajectories' requests into engine calls; `tool_agent` is the tool-calling loop (and
+the chat-template rendering of appended turns); `env_loop` runs Gymnasium-style text environments; `openai_agent` serves the policy to agents
 written against the OpenAI client, and `verifiers_env` runs the verifiers library's environments as such agents.
 """
 

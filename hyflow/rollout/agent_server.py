@@ -28,6 +28,7 @@ import torch
 
 from hyflow.batch import Batch
 from hyflow.rollout.base import SamplingParams, TokenOutput, TokenRequest
+from hyflow.rollout.output import left_pad
 
 SEED_STRIDE = 1_000_033  # engine call k of one rollout samples with seed + k * SEED_STRIDE
 
@@ -147,12 +148,7 @@ class BatchingServer:
             rows = [r.group[1] for r in heads]  # first turns: the original padded rows, as the engine saw them
             batch = Batch({"input_ids": original["input_ids"][rows], "attention_mask": original["attention_mask"][rows]})
         else:
-            width = max(len(r.prompt_ids) for r in heads)
-            input_ids = torch.full((len(heads), width), self.pad_token_id, dtype=torch.long)
-            mask = torch.zeros((len(heads), width), dtype=torch.long)
-            for i, r in enumerate(heads):
-                input_ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids, dtype=torch.long)
-                mask[i, width - len(r.prompt_ids):] = 1
+            input_ids, mask = left_pad((r.prompt_ids for r in heads), self.pad_token_id)
             batch = Batch({"input_ids": input_ids, "attention_mask": mask})
         budgets = torch.tensor([r.budget for r in heads], dtype=torch.long)
         if bool((budgets != self.params.max_new_tokens).any()):

@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - older transformers: plain DynamicCache
 from hyflow.batch import Batch
 from hyflow.models.loading import as_torch_dtype
 from hyflow.rollout.base import EngineSpec, SamplingParams, TokenOutput, TokenRequest, register_engine
-from hyflow.rollout.output import assemble_rollout, position_ids_from_mask, prompt_budgets
+from hyflow.rollout.output import assemble_rollout, left_pad, position_ids_from_mask, prompt_budgets
 from hyflow.rollout.sampling import sample_next_token
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
@@ -133,7 +133,7 @@ class HFRolloutEngine:
             prompts_per_chunk = max(1, self.max_batch_size // params.n)
             parts = [
                 self._generate_chunk(input_ids[i : i + prompts_per_chunk], prompt_mask[i : i + prompts_per_chunk],
-                                     params, stop_ids, generator, budgets[i : i + prompts_per_chunk])[:3]
+                                     params, stop_ids, generator, budgets[i : i + prompts_per_chunk])
                 for i in range(0, len(input_ids), prompts_per_chunk)
             ]
         finally:
@@ -164,15 +164,11 @@ class HFRolloutEngine:
             raise RuntimeError("the hf rollout engine is asleep; call wake() before generate_requests()")
         if not requests:
             return []
+        empty = next((r.request_id for r in requests if not r.prompt_ids), None)
+        if empty is not None:
+            raise ValueError(f"request {empty!r} has no prompt token ids")
         budgets = [max(1, min(int(r.max_tokens), params.max_new_tokens)) for r in requests]
-        width = max(len(r.prompt_ids) for r in requests)
-        input_ids = torch.full((len(requests), width), self.pad_token_id, dtype=torch.long)
-        prompt_mask = torch.zeros((len(requests), width), dtype=torch.long)
-        for row, request in enumerate(requests):
-            if not request.prompt_ids:
-                raise ValueError(f"request {request.request_id!r} has no prompt token ids")
-            input_ids[row, width - len(request.prompt_ids):] = torch.tensor(list(request.prompt_ids))
-            prompt_mask[row, width - len(request.prompt_ids):] = 1
+        input_ids, prompt_mask = left_pad((r.prompt_ids for r in requests), self.pad_token_id)
         generators = []
         for request in requests:
             generator = torch.Generator()
@@ -183,19 +179,12 @@ class HFRolloutEngine:
             generators.append(generator)
         stop_set = set(self.eos_token_ids) | set(params.stop_token_ids)
         outputs: list[TokenOutput | None] = [None] * len(requests)
-        cut_so_far: list[bool] = [False] * len(requests)
 
-        def ask() -> list[bool]:
-            cut = list(aborted())
-            for row, c in enumerate(cut):
-                cut_so_far[row] = cut_so_far[row] or c
-            return cut
-
-        def finish(rows, responses, logprobs, lengths) -> None:
+        def finish(rows, responses, logprobs, lengths, cut) -> None:
             for row in rows:
                 length = int(lengths[row])
                 ids = responses[row, :length].tolist()
-                if cut_so_far[row]:
+                if cut[row]:
                     reason = "abort"
                 elif (ids and ids[-1] in stop_set) or length < budgets[row]:
                     reason = "stop"
@@ -212,7 +201,7 @@ class HFRolloutEngine:
         try:
             self._generate_chunk(input_ids.to(self._device), prompt_mask.to(self._device), chunk_params,
                                  torch.tensor(sorted(stop_set), device=self._device), generators,
-                                 torch.tensor(budgets, device=self._device), None if aborted is None else ask, finish)
+                                 torch.tensor(budgets, device=self._device), aborted, finish)
         finally:
             self.model.train(was_training)
         return outputs
@@ -315,9 +304,9 @@ class HFRolloutEngine:
                         aborted=None, finished=None):
         """Decode one chunk. `generator`: one for the chunk, or a list of CPU generators, one per row (n = 1).
         `aborted()` (optional), asked before every step: a bool per row, True for rows to end there with the
-        tokens they have (their length is the step's index). `finished(rows, responses, logprobs, lengths)`
-        (optional) is told the rows whose outputs are final, as soon as they are. Returns (responses, log-probs,
-        lengths, cut rows)."""
+        tokens they have (their length is the step's index). `finished(rows, responses, logprobs, lengths, cut)`
+        (optional) is told the rows whose outputs are final, as soon as they are (`cut`: a bool per row, True for
+        rows `aborted` ended). Returns (responses, log-probs, lengths)."""
         n, max_new = params.n, params.max_new_tokens
         per_row = isinstance(generator, (list, tuple))
         num_rows = len(input_ids) * n
@@ -363,7 +352,7 @@ class HFRolloutEngine:
                         cut_rows[active] |= cut_now
                     done |= cut_now
                     if finished is not None:
-                        finished(_rows(cut_now, active), responses, logprobs, lengths)
+                        finished(_rows(cut_now, active), responses, logprobs, lengths, cut_rows)
                     n_done = int(done.sum())
                     if n_done == len(done):
                         break
@@ -391,7 +380,7 @@ class HFRolloutEngine:
                 lengths[active] = torch.where(stopped, t + 1, lengths[active])
             done |= stopped
             if finished is not None and bool(stopped.any()):
-                finished(_rows(stopped, active), responses, logprobs, lengths)
+                finished(_rows(stopped, active), responses, logprobs, lengths, cut_rows)
             n_done = int(done.sum())
             if n_done == len(done) or t == max_new - 1:
                 break
@@ -414,8 +403,8 @@ class HFRolloutEngine:
         if finished is not None:  # the rows that ran to the end without stopping
             unfinished = ~done
             if bool(unfinished.any()):
-                finished(_rows(unfinished, active), responses, logprobs, lengths)
-        return responses, logprobs, lengths, cut_rows
+                finished(_rows(unfinished, active), responses, logprobs, lengths, cut_rows)
+        return responses, logprobs, lengths
 
 
 def _rows(aligned: torch.Tensor, active: torch.Tensor | None) -> list[int]:

@@ -5,9 +5,9 @@ run on the hf engine too.
 
 A thread of its own decodes every request waiting when it is free as one batch, padded inside the engine
 (`HFRolloutEngine.generate_requests`), and resolves each request the step it finishes; requests that arrive
-while a batch decodes go into the next one. The hf
-engine's KV cache belongs to one batch, so a request cannot join a batch mid-decode as in vLLM's continuous
-batching: what the stream gives the hf engine is the protocol, not vLLM's scheduling. Each request samples with
+while a batch decodes go into the next one. The hf engine's KV cache belongs to one batch, so a request cannot
+join a batch mid-decode as in vLLM's continuous batching: what the stream gives the hf engine is the protocol,
+not vLLM's scheduling. Each request samples with
 its own seed (a generator per request), so its tokens do not depend on which requests shared its batch, up to
 that batch's rounding. `abort` ends requests at the engine's next decode step; each returns the tokens it has.
 Counters for the agent loop's metrics: `step_count` (engine calls: batches), `seconds` (time inside them),

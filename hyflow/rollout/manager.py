@@ -27,7 +27,7 @@ from hyflow.rollout.agent_loop import (
 )
 from hyflow.rollout.agent_server import BatchingServer, ServerHandle
 from hyflow.rollout.base import SamplingParams
-from hyflow.rollout.output import assemble_rollout
+from hyflow.rollout.output import assemble_rollout, left_pad
 from hyflow.rollout.stream import ASYNC_COLUMNS, ASYNC_METRICS, RolloutStream
 from hyflow.rollout.tool_parser import make_tool_parser
 from hyflow.tools.runner import ToolRunner
@@ -76,7 +76,6 @@ class AgentLoopManager:
         """The rollout of `prompts`: the degenerate case of the asynchronous stream (`hyflow.rollout.stream`), one
         driver for every mode: submit every prompt, advance until all are finished, close. Row i of the Batch is
         sample i % n of prompt i // n."""
-        self.agent_names(prompts)  # an unknown loop name fails here, before anything runs
         if len(prompts) == 0:
             raise ValueError("AgentLoopManager.generate got an empty prompt batch")
         stream = RolloutStream(self, params, prompt_width=prompts["input_ids"].shape[1], prompts=prompts,
@@ -156,12 +155,7 @@ class AgentLoopManager:
             if out.response_logprobs:
                 logprobs[i, :k] = torch.tensor(out.response_logprobs[:k], dtype=torch.float32)
         if own_prompts:  # one left-padded prompt per trajectory (the prompt repeated n times otherwise)
-            width = max(len(o.prompt_ids) for o in outputs)
-            input_ids = torch.full((N, width), self.pad_token_id, dtype=torch.long)
-            prompt_mask = torch.zeros((N, width), dtype=torch.long)
-            for i, out in enumerate(outputs):
-                input_ids[i, width - len(out.prompt_ids):] = torch.tensor(list(out.prompt_ids), dtype=torch.long)
-                prompt_mask[i, width - len(out.prompt_ids):] = 1
+            input_ids, prompt_mask = left_pad((o.prompt_ids for o in outputs), self.pad_token_id)
             out_batch = assemble_rollout(prompts.repeat(n, interleave=True), input_ids, prompt_mask, responses,
                                          logprobs, lengths, dataclasses.replace(params, n=1), model_mask=model_mask)
         else:

@@ -15,6 +15,18 @@ from hyflow.batch import Batch
 from hyflow.rollout.base import SamplingParams
 
 
+def left_pad(id_lists, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists as left-padded `input_ids` and `attention_mask` [len, longest] (long tensors)."""
+    id_lists = [list(ids) for ids in id_lists]
+    width = max(len(ids) for ids in id_lists)
+    input_ids = torch.full((len(id_lists), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(id_lists), width), dtype=torch.long)
+    for row, ids in enumerate(id_lists):
+        input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+        mask[row, width - len(ids):] = 1
+    return input_ids, mask
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """clamp(cumsum(mask) - 1, min=0): positions count only real tokens, so left padding does not shift them."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

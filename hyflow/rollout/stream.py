@@ -106,7 +106,7 @@ class StreamServer(BatchingServer):
 
     async def step(self) -> None:
         if not self.eager:
-            self._land(*self._take_and_decode())
+            self.flush()
             return
         if not self.waiting:  # wait for a request (or for the last trajectory to finish)
             self._ready.clear()
@@ -135,7 +135,8 @@ class StreamServer(BatchingServer):
 
     def flush(self) -> None:
         """One engine call over every waiting request (at most `chunk` new tokens each)."""
-        self._land(*self._take_and_decode())
+        segments, views = self._take()
+        self._land(segments, self._decode_or_fail(views))  # a view holds its segment's future
 
     def _take(self) -> tuple[list[_Segmented], list[_Request]]:
         """The waiting requests, in trajectory order, and the engine's view of each (its segment)."""
@@ -144,10 +145,6 @@ class StreamServer(BatchingServer):
         views = [_Request(seg.index, seg.group if not seg.tokens else ("own", seg.index), seg.prompt_ids + seg.tokens,
                           min(seg.budget, self.chunk), seg.future) for seg in segments]
         return segments, views
-
-    def _take_and_decode(self) -> tuple[list[_Segmented], list[TokenOutput]]:
-        segments, views = self._take()
-        return segments, self._decode_or_fail(views)  # a view holds its segment's future
 
     def _land(self, segments: list[_Segmented], outputs: list[TokenOutput]) -> None:
         for seg, out in zip(segments, outputs):
