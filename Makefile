@@ -91,6 +91,9 @@ test-vllm: venv-vllm
 # numerics under it change; CI runs `make test` natively. Each capability is checked to have taken effect. The
 # per-test limit is 2700 s: a learning test includes its SFT warm start, slow on a loaded machine. Each capability
 # has its own inductor cache: torch 2.13 reuses a precompiled header built for another ISA (at::vec undeclared).
+# Two invocations may run side by side (e.g. `ROUNDING_CAPABILITIES=default` and `=avx2 avx512`, each with
+# OMP_NUM_THREADS=1 on a 2-core machine): their vLLM parts take turns on a lock file, since two vLLM tensor-parallel
+# jobs on one machine collide.
 ROUNDING_CAPABILITIES ?= default avx2 avx512
 ROUNDING_TESTS := tests/algos tests/models tests/workers tests/rollout/test_hf_engine.py \
 	tests/rollout/test_agent_loop.py tests/trainer/test_rl_learns.py tests/trainer/test_lora_rl.py \
@@ -106,7 +109,7 @@ test-rounding: venv venv-vllm
 		echo "== ATEN_CPU_CAPABILITY=$$cap"; \
 		export TORCHINDUCTOR_CACHE_DIR=$${TMPDIR:-/tmp}/hyflow-inductor-$$cap; \
 		ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -m "not vllm" -p no:cacheprovider --timeout=2700 $(ROUNDING_TESTS) || exit 1; \
-		ATEN_CPU_CAPABILITY=$$cap HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm -p no:cacheprovider --timeout=2700 $(ROUNDING_VLLM_TESTS) || exit 1; \
+		ATEN_CPU_CAPABILITY=$$cap HYFLOW_REQUIRE_VLLM=1 flock /tmp/hyflow-vllm-tests.lock $(VLLM_PY) -m pytest -m vllm -p no:cacheprovider --timeout=2700 $(ROUNDING_VLLM_TESTS) || exit 1; \
 	done; echo "test-rounding: $(ROUNDING_CAPABILITIES) passed in $$(( $$(date +%s) - start )) s"
 
 # The learning tests over 3 seeds x 3 capabilities, with the table of their margins (runs/learning_margins.jsonl).
