@@ -12,6 +12,16 @@ Prompts longer than `max_prompt_length` are dropped at load time when `filter_ov
 handled by `truncation`: `error` (default, names the file and row), `left` (keep the end), `right` (keep the
 start) or `middle` (keep both ends).
 
+Images (vision-language models, given a `processor`: `hyflow.models.vision.VisionProcessor`). A row's `images`
+column (`image_key`) holds verl's image values (`{"bytes": ...}`, `{"image": path}`, ...) and its prompt text one
+`<image>` placeholder per image, as verl's geo3k files do. The placeholders become typed content parts
+(`{"type": "image"}` between the text parts), the chat template renders them, and the processor expands each into
+the image's tokens: the item gains `multi_modal_inputs` (`pixel_values`, `image_grid_thw`), `multi_modal_data`
+(`{"image": [PIL images]}`, what vLLM takes) and M-RoPE positions; a batch's `position_ids` are then [B, 4, W].
+An image prompt is never truncated (a cut would split an image's tokens): longer than `max_prompt_length` after
+the expansion is an error naming the row, or dropped with `filter_overlong_prompts`. Without a processor an image
+row is an error (the model is text-only). Videos are not supported yet (an error naming the row).
+
 `PromptLoader` yields `Batch`es of `train_batch_size` prompts, left-padded to the longest prompt in the batch.
 Its order is a function of (seed, epoch) only, and its position is part of the checkpoint, so a resumed run
 sees exactly the prompts the uninterrupted run would have seen.
@@ -19,6 +29,7 @@ sees exactly the prompts the uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +38,7 @@ import numpy as np
 import torch
 
 from hyflow.batch import Batch
+from hyflow.data.images import ImageError, decode_images
 from hyflow.data.io import read_rows
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
@@ -51,6 +63,43 @@ def _as_messages(value: Any, where: str, prompt_key: str) -> list[dict]:
                             f"got {message!r}")
         messages.append(dict(message))
     return messages
+
+
+_PLACEHOLDER = re.compile(r"(<image>|<video>)")
+
+
+def typed_content(messages: list[dict]) -> list[dict]:
+    """`messages` with each string content that holds `<image>` / `<video>` placeholders split into typed parts
+    (`{"type": "image"}`, `{"type": "text", "text": ...}`), as verl's RL dataset does for its chat template."""
+    out = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str) and _PLACEHOLDER.search(content):
+            parts = []
+            for piece in _PLACEHOLDER.split(content):
+                if piece in ("<image>", "<video>"):
+                    parts.append({"type": piece[1:-1]})
+                elif piece:
+                    parts.append({"type": "text", "text": piece})
+            message = {**message, "content": parts}
+        out.append(message)
+    return out
+
+
+def _placeholders(messages: list[dict], kind: str) -> int:
+    return sum(1 for m in messages if isinstance(m["content"], list) for part in m["content"]
+               if isinstance(part, dict) and part.get("type") == kind)
+
+
+def _media_list(value: Any) -> list:
+    """A row's images/videos as a list ([] when the column is missing or empty)."""
+    if value is None or (isinstance(value, float) and value != value):
+        return []
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, (dict, str, bytes)):
+        return [value]
+    return list(value)
 
 
 def _optional(value: Any) -> Any:
@@ -138,6 +187,7 @@ class RLDataset(torch.utils.data.Dataset):
         max_samples: int = -1,
         seed: int = 0,
         apply_chat_template_kwargs: dict | None = None,
+        processor=None,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={truncation!r} is not valid; choose one of {', '.join(TRUNCATION_MODES)}")
@@ -146,6 +196,7 @@ class RLDataset(torch.utils.data.Dataset):
         self.prompt_key = prompt_key
         self.reward_fn_key = reward_fn_key
         self.media_keys = tuple(media_keys)
+        self.processor = processor
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
         self.template_kwargs = dict(apply_chat_template_kwargs or {})
@@ -182,14 +233,25 @@ class RLDataset(torch.utils.data.Dataset):
                         if column == self.reward_fn_key else "")
                 raise DataError(f"{where}: missing column {column!r}{hint} (columns present: "
                                 f"{', '.join(sorted(row))})")
-        for column in self.media_keys:
-            value = row.get(column)
-            if value is not None and len(value) > 0:  # a list or array of images / videos
-                raise DataError(f"{where}: column {column!r} holds multimodal inputs, which this hyflow version "
-                                "does not train on yet (they would be silently dropped); use text-only rows")
+        image_key, video_key = (*self.media_keys, None, None)[:2]
+        if video_key is not None and _media_list(row.get(video_key)):
+            raise DataError(f"{where}: column {video_key!r} holds videos, which hyflow does not train on yet; use "
+                            "image rows (or drop the videos)")
+        images = _media_list(row.get(image_key)) if image_key is not None else []
+        if images and self.processor is None:
+            raise DataError(f"{where}: column {image_key!r} holds images, but the model is a text-only language model "
+                            "(they would be silently dropped); use a vision-language model (Qwen2-VL / Qwen2.5-VL "
+                            "family) or text-only rows")
         row = dict(row)
         row["_where"] = where
         row[self.prompt_key] = _as_messages(row[self.prompt_key], where, self.prompt_key)
+        if self.processor is not None:
+            row[self.prompt_key] = typed_content(row[self.prompt_key])
+            found = _placeholders(row[self.prompt_key], "image")
+            if found != len(images):
+                raise DataError(f"{where}: the prompt has {found} <image> placeholder(s) but column {image_key!r} "
+                                f"holds {len(images)} image(s); write one <image> in the prompt text per image")
+            row["_images"] = images
         reward_model = row.get("reward_model")
         if reward_model is None:
             reward_model = {}
@@ -222,12 +284,35 @@ class RLDataset(torch.utils.data.Dataset):
 
     def _prompt_ids(self, i: int) -> list[int]:
         if self._ids[i] is None:
-            self._ids[i] = list(self.tokenizer(self.render(i), add_special_tokens=False)["input_ids"])
+            if self.processor is not None:  # the ids with each image's tokens (pixels are not kept: memory)
+                self._ids[i] = list(self._processed(i)["input_ids"])
+            else:
+                self._ids[i] = list(self.tokenizer(self.render(i), add_special_tokens=False)["input_ids"])
         return self._ids[i]
+
+    def _processed(self, i: int) -> dict:
+        """The processor's output for prompt i (ids, multi_modal_inputs, position_ids [4, n]) and its images."""
+        row = self.rows[i]
+        try:
+            images = decode_images(row["_images"], row["_where"])
+        except ImageError as err:
+            raise DataError(str(err)) from None
+        try:
+            out = self.processor(self.render(i), images)
+        except ValueError as err:
+            raise DataError(f"{row['_where']}: {err}") from None
+        return {**out, "images": images}
 
     def __getitem__(self, i: int) -> dict:
         row = self.rows[i]
-        ids = self._prompt_ids(i)
+        processed = self._processed(i) if self.processor is not None else None
+        ids = list(processed["input_ids"]) if processed is not None else self._prompt_ids(i)
+        if processed is not None and len(ids) > self.max_prompt_length and row["_images"]:
+            raise DataError(
+                f"{row['_where']}: the prompt has {len(ids)} tokens with its {len(row['_images'])} image(s) expanded, "
+                f"more than data.max_prompt_length={self.max_prompt_length}; an image prompt is not truncated (a "
+                "cut would split an image). Raise data.max_prompt_length, set data.filter_overlong_prompts=True, or "
+                "lower the image size (data.mm_processor_kwargs max_pixels)")
         if len(ids) > self.max_prompt_length:
             if self.truncation == "error":
                 raise DataError(
@@ -235,6 +320,14 @@ class RLDataset(torch.utils.data.Dataset):
                     f"{self.max_prompt_length}. Raise data.max_prompt_length, set data.filter_overlong_prompts=True, "
                     "or set data.truncation=left|right|middle")
             ids = truncate_ids(ids, self.max_prompt_length, self.truncation)
+        media = {}
+        if processed is not None:
+            positions = processed["position_ids"]
+            if positions.shape[-1] != len(ids):  # a text-only row of a VLM, truncated: plain positions
+                positions = torch.arange(len(ids)).expand(positions.shape[0], -1).clone()
+            media = {"multi_modal_inputs": processed["multi_modal_inputs"],
+                     "multi_modal_data": {"image": processed["images"]} if processed["images"] else {},
+                     "mrope_position_ids": positions}
         return {
             "raw_prompt_ids": ids,
             "raw_prompt": row[self.prompt_key],
@@ -250,6 +343,7 @@ class RLDataset(torch.utils.data.Dataset):
             # the environment of an env_agent row (hyflow.rollout.env_loop; SkyRL's column name) and its arguments
             "env_class": _optional(row.get("env_class")) or row["extra_info"].get("env_class"),
             "env_kwargs": _optional(row.get("env_kwargs")) or row["extra_info"].get("env_kwargs"),
+            **media,
         }
 
     def collate(self, items: Sequence[dict]) -> Batch:
@@ -270,7 +364,14 @@ def collate_prompts(items: Sequence[dict], pad_token_id: int) -> Batch:
         input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
         attention_mask[row, width - len(ids):] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    non_tensors = {key: [item[key] for item in items] for key in items[0] if key != "raw_prompt_ids"}
+    if "mrope_position_ids" in items[0]:  # a vision-language model's prompts: [B, 4, W], left-padded with 0
+        rows = position_ids.shape[0]
+        position_ids = torch.zeros((rows, items[0]["mrope_position_ids"].shape[0], width), dtype=torch.long)
+        for row, item in enumerate(items):
+            n = item["mrope_position_ids"].shape[-1]
+            position_ids[row, :, width - n:] = item["mrope_position_ids"]
+    skip = ("raw_prompt_ids", "mrope_position_ids")
+    non_tensors = {key: [item[key] for item in items] for key in items[0] if key not in skip}
     non_tensors["raw_prompt_ids"] = [item["raw_prompt_ids"] for item in items]
     return Batch({"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
                  non_tensors)

@@ -26,7 +26,9 @@ in the recompute, which on CPU cost 25-45 % of the lm_head + log-prob time at a 
 (BENCHMARKS.md). The log-softmax/entropy math is
 `hyflow.algos.logprobs.logprobs_and_entropy_from_logits` (float32 outputs).
 
-Position ids for left padding: `position_ids = clamp(cumsum(attention_mask) - 1, min=0)`.
+Position ids for left padding: `position_ids = clamp(cumsum(attention_mask) - 1, min=0)`. A vision-language model's
+are [B, 4, L] (text positions over M-RoPE's three rows, `hyflow.models.vision`), passed to the model as [4, B, L],
+with its image inputs in `model_kwargs`.
 
 Wrapped models: the forward call goes through the outermost module (DDP, FSDP2, PEFT), so their hooks run;
 the decoder's output is captured with a forward hook and the causal LM is asked for logits at no position.
@@ -94,6 +96,8 @@ def backbone_hidden_states(
     def capture(_module, _args, output):
         captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
 
+    if position_ids is not None and position_ids.dim() == 3:  # [B, 4, L] (vision-language, hyflow.models.vision)
+        position_ids = position_ids.transpose(0, 1)  # transformers' Qwen2-VL takes [4, B, L]
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
               **model_kwargs}
     if "logits_to_keep" in inspect.signature(inner.forward).parameters:
@@ -185,15 +189,17 @@ def response_logprobs(
     calculate_entropy: bool = False,
     chunk_size: int = 1024,
     full_logits_max_elements: int = FULL_LOGITS_MAX_ELEMENTS,
+    **model_kwargs,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs [B, R] (float32) of the last R tokens of `input_ids`, and their entropy [B, R] if asked.
 
     log_probs[b, i] = log_softmax(lm_head(h[b, L-R-1+i]) / T)[input_ids[b, L-R+i]]; the backbone runs once,
     the lm_head runs on all B·R rows at once when B·R·V <= `full_logits_max_elements`, else in checkpointed
-    chunks of `chunk_size` rows (see the module docstring). Differentiable.
+    chunks of `chunk_size` rows (see the module docstring). Differentiable. `model_kwargs` go to the model call
+    (a vision-language model's `pixel_values` and `image_grid_thw`, with `position_ids` [B, 4, L]).
     """
     _check_response_length(input_ids, response_length)
-    hidden_BLH = backbone_hidden_states(model, input_ids, attention_mask, position_ids)
+    hidden_BLH = backbone_hidden_states(model, input_ids, attention_mask, position_ids, **model_kwargs)
     hidden_BRH = hidden_BLH[:, -response_length - 1 : -1]
     labels_BR = input_ids[:, -response_length:]
     batch, hidden_size = hidden_BRH.shape[0], hidden_BRH.shape[-1]

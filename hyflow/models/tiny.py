@@ -116,6 +116,28 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# The vision-language presets' template: as CHATML_TEMPLATE, and a message whose content is a list of typed parts
+# (`{"type": "text", "text": ...}`, `{"type": "image"}`, `{"type": "video"}`, as transformers' processors and verl
+# pass them) renders its parts in order, each image as `<|vision_start|><|image_pad|><|vision_end|>` (Qwen2-VL's
+# rendering, one pad token per image: the processor expands it to the image's tokens).
+_CONTENT_LINE = (
+    "{%- set content = message['content'] if (message['content'] is defined and message['content'] is not none)"
+    " else '' %}"
+)
+CHATML_VL_TEMPLATE = CHATML_TEMPLATE.replace(
+    _CONTENT_LINE,
+    _CONTENT_LINE
+    + "{%- if content is not string %}{%- set parts = namespace(text='') %}"
+    "{%- for part in content %}"
+    "{%- if part['type'] == 'image' %}{%- set parts.text = parts.text + '<|vision_start|><|image_pad|><|vision_end|>' %}"
+    "{%- elif part['type'] == 'video' %}"
+    "{%- set parts.text = parts.text + '<|vision_start|><|video_pad|><|vision_end|>' %}"
+    "{%- elif part['type'] == 'text' %}{%- set parts.text = parts.text + part['text'] %}{%- endif %}"
+    "{%- endfor %}{%- set content = parts.text %}{%- endif %}",
+)
+assert CHATML_VL_TEMPLATE != CHATML_TEMPLATE
+VISION_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
 DEFAULT_VOCAB_SIZE = 512
 
 def _preset(
@@ -143,6 +165,16 @@ def _preset(
         "dtype": dtype,
     }
 
+
+# Vision-language presets (`make_tiny_vl_model`): the text model of "tiny" under a 2-block vision tower (patch 14,
+# 2x2 merge, so a 56x56 image is 16 patches and 4 tokens), Qwen2-VL's or Qwen2.5-VL's architecture.
+VL_PRESETS: dict[str, dict] = {
+    "tiny-vl": {"model_type": "qwen2_vl", "text": "tiny", "vision_depth": 2, "vision_dim": 64, "vision_heads": 4},
+    "tiny-vl-2.5": {"model_type": "qwen2_5_vl", "text": "tiny", "vision_depth": 2, "vision_dim": 64,
+                    "vision_heads": 4},
+}
+# the image processor of the presets: images are resized to between 2x2 and 8x8 merged tokens
+VL_MIN_PIXELS, VL_MAX_PIXELS = 56 * 56, 224 * 224
 
 PRESETS: dict[str, dict] = {
     "tiny": _preset(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512),
@@ -307,8 +339,11 @@ def make_tiny_model(
     `dtype` defaults to the preset's (float32, bfloat16 for the 0.5B shape); `device` builds the weights
     there (a GPU makes the 0.5B shape fast). Returns `out_dir` as a Path.
     """
+    if preset in VL_PRESETS:
+        return make_tiny_vl_model(out_dir, preset, seed=seed, vocab_size=vocab_size, corpus=corpus, dtype=dtype,
+                                  device=device)
     if preset not in PRESETS:
-        raise ValueError(f"unknown tiny-model preset {preset!r}; choose one of {sorted(PRESETS)}")
+        raise ValueError(f"unknown tiny-model preset {preset!r}; choose one of {sorted(PRESETS) + sorted(VL_PRESETS)}")
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_bpe_tokenizer(corpus, DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size)
@@ -344,3 +379,80 @@ def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in table:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(table)} or a torch.dtype")
     return table[dtype]
+
+
+def make_tiny_vl_model(
+    out_dir: str | Path,
+    preset: str = "tiny-vl",
+    *,
+    seed: int = 0,
+    vocab_size: int | None = None,
+    corpus: Iterable[str] | None = None,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+) -> Path:
+    """Write a random-weight Qwen2-VL (`tiny-vl`) or Qwen2.5-VL (`tiny-vl-2.5`) model, its tokenizer (trained
+    locally, with Qwen2-VL's vision tokens) and its image processor (`preprocessor_config.json`) to `out_dir`.
+
+    The directory loads with `AutoModelForImageTextToText`, `AutoTokenizer` and `AutoImageProcessor` (and with
+    `AutoProcessor` where torchvision is installed), nothing downloaded. The text model is the `tiny` preset's shape;
+    the vision tower is VL_PRESETS[preset]; the chat template is CHATML_VL_TEMPLATE.
+    """
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    if preset not in VL_PRESETS:
+        raise ValueError(f"unknown vision-language preset {preset!r}; choose one of {sorted(VL_PRESETS)}")
+    spec = VL_PRESETS[preset]
+    out = Path(out_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_bpe_tokenizer(corpus, DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size)
+    tokenizer.add_special_tokens({"additional_special_tokens": [IM_START, IM_END, *VISION_SPECIAL_TOKENS]})
+    tokenizer.chat_template = CHATML_VL_TEMPLATE
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in (*SPECIAL_TOKENS, *VISION_SPECIAL_TOKENS)}
+    text = PRESETS[spec["text"]]
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    # M-RoPE splits the rotary half-dimension into temporal / height / width sections in Qwen's 1 : 1.5 : 1.5
+    half = head_dim // 2
+    section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
+    text_config = {
+        "hidden_size": text["hidden_size"], "num_hidden_layers": text["num_hidden_layers"],
+        "num_attention_heads": text["num_attention_heads"], "num_key_value_heads": text["num_key_value_heads"],
+        "intermediate_size": text["intermediate_size"], "max_position_embeddings": text["max_position_embeddings"],
+        "vocab_size": len(tokenizer), "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": text["rope_theta"], "mrope_section": section},
+        "bos_token_id": ids[ENDOFTEXT], "eos_token_id": ids[IM_END], "pad_token_id": ids[ENDOFTEXT],
+    }
+    if spec["model_type"] == "qwen2_vl":
+        vision_config = {"depth": spec["vision_depth"], "embed_dim": spec["vision_dim"],
+                         "hidden_size": text["hidden_size"], "num_heads": spec["vision_heads"], "mlp_ratio": 2,
+                         "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_chans": 3}
+    else:
+        vision_config = {"depth": spec["vision_depth"], "hidden_size": spec["vision_dim"],
+                         "intermediate_size": 2 * spec["vision_dim"], "num_heads": spec["vision_heads"],
+                         "out_hidden_size": text["hidden_size"], "patch_size": 14, "spatial_merge_size": 2,
+                         "temporal_patch_size": 2, "in_channels": 3, "window_size": 56,
+                         "fullatt_block_indexes": [spec["vision_depth"] - 1], "tokens_per_second": 2}
+    config = AutoConfig.for_model(
+        spec["model_type"], text_config=text_config, vision_config=vision_config,
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True, bos_token_id=ids[ENDOFTEXT], eos_token_id=ids[IM_END], pad_token_id=ids[ENDOFTEXT],
+    )
+    torch_dtype = _as_dtype(dtype if dtype is not None else "float32")
+    config.dtype = torch_dtype
+    torch.manual_seed(seed)
+    with torch.device(device or "cpu"):
+        model = AutoModelForImageTextToText.from_config(config)
+    model.to(dtype=torch_dtype)
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids[ENDOFTEXT], eos_token_id=ids[IM_END], pad_token_id=ids[ENDOFTEXT]
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    Qwen2VLImageProcessorPil(min_pixels=VL_MIN_PIXELS, max_pixels=VL_MAX_PIXELS, patch_size=14,
+                             temporal_patch_size=2, merge_size=2).save_pretrained(out)
+    (out / "hyflow_tiny_model.json").write_text(
+        json.dumps({"preset": preset, "seed": seed, "tokenizer_vocab_size": len(tokenizer)}, indent=2) + "\n"
+    )
+    return out

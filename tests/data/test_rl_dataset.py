@@ -65,9 +65,10 @@ def test_reward_fn_key_picks_the_scorer_column(tmp_path, tiny_tokenizer):
         RLDataset(write_rows(rows, tmp_path / "t.jsonl"), tiny_tokenizer, reward_fn_key="source")
 
 
-def test_multimodal_rows_are_refused_not_silently_dropped(tmp_path, tiny_tokenizer):
+def test_image_rows_for_a_text_model_are_refused_not_silently_dropped(tmp_path, tiny_tokenizer):
     path = write_rows([row(0, images=[]), row(1, images=["cat.png"])], tmp_path / "mm.parquet")
-    with pytest.raises(DataError, match=r"mm.parquet row 1: column 'images' holds multimodal inputs"):
+    with pytest.raises(DataError, match=r"mm.parquet row 1: column 'images' holds images, but the model is a "
+                                        r"text-only language model"):
         RLDataset(path, tiny_tokenizer)
     assert len(RLDataset(path, tiny_tokenizer, media_keys=("pictures",))) == 2  # another column is the image key
 

@@ -1,0 +1,231 @@
+"""Vision-language models: the image inputs of a prompt and the multimodal RoPE positions of its tokens.
+
+The Qwen2-VL contract (Qwen2-VL, Qwen2.5-VL and the models whose processor follows it): a prompt rendered by the
+chat template holds one `<|image_pad|>` token per image (between `<|vision_start|>` and `<|vision_end|>`); the image
+processor resizes each image within its min/max pixels to a grid of `t x h x w` patches (`image_grid_thw`, one row
+per image) and returns their flattened pixels (`pixel_values`, one row per patch); the vision tower merges each
+`merge x merge` block of patches into one token, so image i takes
+
+    n_i = t_i * h_i * w_i / merge**2
+
+`<|image_pad|>` tokens in the model's input, and its features replace exactly those tokens' embeddings.
+
+`VisionProcessor` does this with the model's image processor and tokenizer. It does not use transformers'
+`Qwen2VLProcessor`: that class cannot be built without torchvision (its video processor), and torchvision's PyPI
+wheels are CUDA builds that break a CPU torch (docs/install.md). The expansion is done on token ids (the pad token
+is a special token, so expanding the text and tokenising it gives the same ids).
+
+Positions (M-RoPE). Each token gets three rotary positions (temporal, height, width). Text tokens get the same
+running position in all three; an image's tokens, starting at position s, get (s + t, s + y, s + x) for its merged
+patch (t, y, x); the text after it continues at s + max(t_n, h_n, w_n) (the merged grid). The trainer's batch
+holds `position_ids [B, 4, L]` as verl 0.10 does: row 0 the plain text positions (0, 1, 2, ... over the real tokens;
+what packed attention reads its sequence boundaries from), rows 1-3 the M-RoPE positions. transformers' Qwen2-VL
+models take them as `[4, B, L]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+Tensor = torch.Tensor
+
+# the transformers model types whose processor follows the Qwen2-VL contract (module docstring)
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+
+
+class MultiModalError(ValueError):
+    """An image input (or the prompt that refers to it) that the model cannot take; the message says why."""
+
+
+def is_vision_config(config: Any) -> bool:
+    """Whether a transformers config describes a vision-language model this module handles."""
+    return getattr(config, "model_type", None) in VISION_MODEL_TYPES and hasattr(config, "vision_config")
+
+
+@dataclass(frozen=True)
+class VisionTokens:
+    """What the positions and the expansion need from a VLM's config."""
+
+    model_type: str
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    spatial_merge_size: int
+    tokens_per_second: float | None = None  # Qwen2.5-VL: temporal position spacing of videos
+
+    @classmethod
+    def from_config(cls, config: Any) -> VisionTokens:
+        if not is_vision_config(config):
+            raise MultiModalError(
+                f"model_type {getattr(config, 'model_type', None)!r} is not a vision-language model hyflow knows; "
+                f"image inputs need one of {', '.join(VISION_MODEL_TYPES)} (Qwen2-VL's processor contract)")
+        vision = config.vision_config
+        return cls(
+            model_type=config.model_type,
+            image_token_id=int(config.image_token_id),
+            video_token_id=int(config.video_token_id),
+            vision_start_token_id=int(config.vision_start_token_id),
+            spatial_merge_size=int(vision.spatial_merge_size),
+            tokens_per_second=getattr(vision, "tokens_per_second", None),
+        )
+
+
+def image_token_counts(image_grid_thw: Tensor | None, merge_size: int) -> list[int]:
+    """`<|image_pad|>` tokens each image takes: t * h * w / merge**2 per row of `image_grid_thw`."""
+    if image_grid_thw is None:
+        return []
+    return [int(t * h * w) // (merge_size * merge_size) for t, h, w in image_grid_thw.tolist()]
+
+
+def rope_index(tokens: VisionTokens, input_ids: Sequence[int] | Tensor, image_grid_thw: Tensor | None = None) -> Tensor:
+    """M-RoPE positions [3, L] (long) of one sequence without padding (module docstring).
+
+    The image tokens are read in order: image k's block is the next `n_k` (`image_token_counts`) consecutive
+    `image_token_id`s. A count that does not match the grids is an error."""
+    ids = input_ids.tolist() if isinstance(input_ids, Tensor) else list(input_ids)
+    merge = tokens.spatial_merge_size
+    grids = image_grid_thw.tolist() if image_grid_thw is not None else []
+    counts = image_token_counts(image_grid_thw, merge)
+    if sum(counts) != sum(1 for i in ids if i == tokens.image_token_id):
+        raise MultiModalError(
+            f"the sequence holds {sum(1 for i in ids if i == tokens.image_token_id)} image tokens, but its "
+            f"{len(grids)} image(s) of grids {grids} need {sum(counts)}: the prompt was not expanded for these images")
+    if tokens.video_token_id in ids:
+        raise MultiModalError("video inputs are not supported yet (the sequence holds video tokens); use images")
+    parts: list[Tensor] = []
+    pos, i, image = 0, 0, 0
+    while i < len(ids):
+        if ids[i] == tokens.image_token_id:
+            t, h, w = (int(v) for v in grids[image])
+            gt, gh, gw = t, h // merge, w // merge
+            tt, yy, xx = torch.meshgrid(torch.arange(gt), torch.arange(gh), torch.arange(gw), indexing="ij")
+            parts.append(torch.stack([tt, yy, xx]).reshape(3, -1) + pos)
+            pos += max(gt, gh, gw)
+            i += counts[image]
+            image += 1
+        else:
+            j = i
+            while j < len(ids) and ids[j] != tokens.image_token_id:
+                j += 1
+            parts.append(torch.arange(pos, pos + j - i).expand(3, -1))
+            pos += j - i
+            i = j
+    if not parts:
+        return torch.zeros(3, 0, dtype=torch.long)
+    return torch.cat(parts, dim=1).long()
+
+
+def position_ids_4d(tokens: VisionTokens, input_ids: Sequence[int] | Tensor,
+                    image_grid_thw: Tensor | None = None) -> Tensor:
+    """[4, L]: the plain text positions 0..L-1 over the M-RoPE positions of `rope_index` (verl 0.10's layout)."""
+    mrope = rope_index(tokens, input_ids, image_grid_thw)
+    return torch.cat([torch.arange(mrope.shape[1]).unsqueeze(0), mrope], dim=0)
+
+
+def continue_positions(prompt_positions: Tensor, n: int) -> Tensor:
+    """Positions [4, n] of n tokens appended after a prompt whose positions [4, P] are given (text tokens: every
+    row continues from its own last value + 1; for the M-RoPE rows that is max + 1 of the prompt's)."""
+    if prompt_positions.shape[-1] == 0:
+        start = torch.zeros(prompt_positions.shape[0], 1, dtype=torch.long)
+    else:
+        start = prompt_positions.max(dim=-1, keepdim=True).values + 1
+    return start + torch.arange(n).unsqueeze(0)
+
+
+class VisionProcessor:
+    """A VLM's prompt processor without torchvision: the model's image processor (transformers picks its PIL
+    backend when torchvision is absent) + its tokenizer + `VisionTokens` (module docstring).
+
+    `__call__(text, images)` tokenises a prompt already rendered by the chat template (one `<|image_pad|>` per
+    image), expands each image's pad token to its `n_i` tokens and returns the ids, `multi_modal_inputs`
+    (`pixel_values`, `image_grid_thw`) and `position_ids [4, L]`. `image_kwargs` (verl's
+    `data.mm_processor_kwargs`, e.g. `min_pixels`, `max_pixels`) go to every image-processor call.
+    """
+
+    def __init__(self, image_processor, tokenizer, tokens: VisionTokens, image_kwargs: dict | None = None):
+        self.image_processor = image_processor
+        self.tokenizer = tokenizer
+        self.tokens = tokens
+        self.image_kwargs = dict(image_kwargs or {})
+        merge = getattr(image_processor, "merge_size", None)
+        if merge is not None and int(merge) != tokens.spatial_merge_size:
+            raise MultiModalError(f"the image processor merges {merge}x{merge} patches but the model's vision tower "
+                                  f"{tokens.spatial_merge_size}x{tokens.spatial_merge_size}; they come from "
+                                  "different models")
+        pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        if pad_id != tokens.image_token_id:
+            raise MultiModalError(f"the tokenizer's {IMAGE_PAD} is token {pad_id}, the model's image_token_id is "
+                                  f"{tokens.image_token_id}: tokenizer and model do not belong together")
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, tokenizer=None, config=None, image_kwargs: dict | None = None,
+                        trust_remote_code: bool = False) -> VisionProcessor:
+        from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+        config = config or AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        tokens = VisionTokens.from_config(config)
+        try:
+            image_processor = AutoImageProcessor.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        except OSError as err:
+            raise MultiModalError(f"{path}: no image processor (preprocessor_config.json) for this vision-language "
+                                  f"model ({err}); copy the processor files of the model into the directory") from None
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        return cls(image_processor, tokenizer, tokens, image_kwargs)
+
+    @property
+    def patch_size(self) -> int | None:
+        return getattr(self.image_processor, "patch_size", None)
+
+    def images(self, images: Sequence[Any]) -> dict[str, Tensor]:
+        """{pixel_values [patches, D], image_grid_thw [n, 3]} of PIL images (float32, long)."""
+        out = self.image_processor(images=list(images), return_tensors="pt", **self.image_kwargs)
+        return {"pixel_values": out["pixel_values"].float(), "image_grid_thw": out["image_grid_thw"].long()}
+
+    def expand(self, ids: Sequence[int], image_grid_thw: Tensor | None) -> list[int]:
+        """`ids` with image k's single `<|image_pad|>` repeated n_k times; the number of pads must equal the
+        number of images."""
+        counts = image_token_counts(image_grid_thw, self.tokens.spatial_merge_size)
+        pad = self.tokens.image_token_id
+        found = sum(1 for i in ids if i == pad)
+        if found != len(counts):
+            raise MultiModalError(f"the prompt has {found} image placeholder(s) but the row has {len(counts)} "
+                                  "image(s); write one <image> per image in the prompt text")
+        out: list[int] = []
+        k = 0
+        for token in ids:
+            if token == pad:
+                out.extend([pad] * counts[k])
+                k += 1
+            else:
+                out.append(token)
+        return out
+
+    def __call__(self, text: str, images: Sequence[Any]) -> dict[str, Any]:
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        inputs = self.images(images) if images else {}
+        grid = inputs.get("image_grid_thw")
+        expanded = self.expand(ids, grid)
+        return {"input_ids": expanded, "multi_modal_inputs": inputs,
+                "position_ids": position_ids_4d(self.tokens, expanded, grid)}
+
+
+def concat_multi_modal_inputs(rows: Sequence[dict | None]) -> dict[str, Tensor]:
+    """One model call's image inputs from per-row `multi_modal_inputs`, in row order (the order the image tokens
+    appear in the flattened batch); rows without images contribute nothing. {} when no row has images."""
+    pixel_values, grids = [], []
+    for row in rows:
+        if row and row.get("image_grid_thw") is not None and len(row["image_grid_thw"]):
+            pixel_values.append(row["pixel_values"])
+            grids.append(row["image_grid_thw"])
+    if not grids:
+        return {}
+    return {"pixel_values": torch.cat(pixel_values), "image_grid_thw": torch.cat(grids)}
