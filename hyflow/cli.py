@@ -6,6 +6,7 @@
     hyflow init-model --preset tiny --out D  random-weight model + locally trained tokenizer
     hyflow data make TASK --out D            write a built-in task's train/test files
     hyflow data gsm8k|math --input F --out D convert public GSM8K / MATH files to hyflow's (verl's) schema
+    hyflow data geo3k --input F_OR_DIR --out D  convert Geometry3K (images + text, verl's multimodal rows)
     hyflow data reasoning-gym --task T --out D  generate Reasoning Gym's procedural tasks (hyflow[envs])
     hyflow data textarena --env E --out D       single-player TextArena games for env_agent (hyflow[envs])
     hyflow data verifiers --env E --out D       a verifiers environment for verifiers_agent (hyflow[envs])
@@ -171,6 +172,10 @@ def _cmd_data_verifiers(args: argparse.Namespace) -> int:
 def _cmd_data_preprocess(args: argparse.Namespace) -> int:
     from hyflow.data import preprocess
 
+    if args.dataset == "geo3k":
+        for split, path in preprocess.preprocess_geo3k(args.input, args.out, split=args.split).items():
+            print(f"{split}: {path}")
+        return 0
     fn = {"gsm8k": preprocess.preprocess_gsm8k, "math": preprocess.preprocess_math}[args.dataset]
     print(fn(args.input, args.out, split=args.split))
     return 0
@@ -260,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("data", help="make built-in task data or convert public datasets")
     data_sub = p.add_subparsers(dest="data_command", required=True)
     m = data_sub.add_parser("make", help="write a built-in task's train/test files")
-    m.add_argument("task", help="arithmetic | calculator | countdown | sorting")
+    m.add_argument("task", help="arithmetic | calculator | countdown | shapes | sorting")
     m.add_argument("--out", required=True)
     _add_generation_args(m, "task option, e.g. --option digits=2 (repeatable)")
     m.set_defaults(fn=_cmd_data_make)
@@ -290,6 +295,14 @@ def build_parser() -> argparse.ArgumentParser:
         d.add_argument("--out", required=True)
         d.add_argument("--split", default=None, help="train | test (default: guessed from the file name)")
         d.set_defaults(fn=_cmd_data_preprocess, dataset=name)
+    g = data_sub.add_parser("geo3k", help="convert a local Geometry3K copy (hiyouga/geometry3k: its folder or a "
+                            "parquet file) to verl's multimodal rows, as verl's geo3k.py")
+    g.add_argument("--input", required=True, help="the dataset's folder (data/train-*.parquet, data/test-*.parquet) "
+                   "or one parquet file")
+    g.add_argument("--out", required=True)
+    g.add_argument("--split", default=None, help="train | test (a file: default guessed from its name; a folder: "
+                   "only that split, default both)")
+    g.set_defaults(fn=_cmd_data_preprocess, dataset="geo3k")
     for subparser in _subparsers(parser):
         _add_traceback_flag(subparser, top=False)
     return parser

@@ -57,12 +57,25 @@ def write_rows(rows: Iterable[dict], path: str | Path) -> Path:
             values.extend(row.get(key) for row in rows)
         pq.write_table(pa.Table.from_pydict(columns), path)
     elif suffix == ".jsonl":
+        lines = [json.dumps(row, ensure_ascii=False, default=_not_json(path)) + "\n" for row in rows]
         with path.open("w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.writelines(lines)
     else:
-        path.write_text(json.dumps(rows, ensure_ascii=False), encoding="utf-8")
+        path.write_text(json.dumps(rows, ensure_ascii=False, default=_not_json(path)), encoding="utf-8")
     return path
+
+
+def _not_json(path: Path):
+    """`json.dumps`'s `default`: a value JSON cannot hold is a ValueError naming the file and the fix (raw image
+    bytes of multimodal rows go to parquet, as verl's datasets store them)."""
+
+    def refuse(value):
+        if isinstance(value, (bytes, bytearray)):
+            raise ValueError(f"{path.name}: the rows hold raw bytes (the images of multimodal rows), which JSON "
+                             "cannot store; write .parquet instead (--format parquet, fmt='parquet')")
+        raise TypeError(f"{path.name}: a {type(value).__name__} value cannot be written as JSON")
+
+    return refuse
 
 
 def read_rows(path: str | Path) -> list[dict]:

@@ -132,13 +132,14 @@ def position_ids_4d(tokens: VisionTokens, input_ids: Sequence[int] | Tensor,
 
 
 def continue_positions(prompt_positions: Tensor, n: int) -> Tensor:
-    """Positions [4, n] of n tokens appended after a prompt whose positions [4, P] are given (text tokens: every
-    row continues from its own last value + 1; for the M-RoPE rows that is max + 1 of the prompt's)."""
+    """Positions [..., 4, n] of n tokens appended after a prompt whose positions [..., 4, P] are given (one sequence
+    or a left-padded batch): every row continues from its maximum + 1 (for text that is its last value + 1; for the
+    M-RoPE rows it skips past an image's grid)."""
     if prompt_positions.shape[-1] == 0:
-        start = torch.zeros(prompt_positions.shape[0], 1, dtype=torch.long)
+        start = torch.zeros((*prompt_positions.shape[:-1], 1), dtype=torch.long, device=prompt_positions.device)
     else:
         start = prompt_positions.max(dim=-1, keepdim=True).values + 1
-    return start + torch.arange(n).unsqueeze(0)
+    return start + torch.arange(n, device=prompt_positions.device)
 
 
 class VisionProcessor:

@@ -21,9 +21,11 @@ _BUILTIN = {
     "hyflow.rewards.scorers.arithmetic": ("hyflow/arithmetic", "hyflow/calculator"),
     "hyflow.rewards.scorers.code": ("codecontests", "apps", "codeforces", "taco", "code"),
     "hyflow.rewards.scorers.countdown": ("hyflow/countdown", "countdown"),
+    "hyflow.rewards.scorers.geo3k": ("hiyouga/geometry3k",),
     "hyflow.rewards.scorers.gsm8k": ("openai/gsm8k", "gsm8k"),
     "hyflow.rewards.scorers.math": ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500",
                                     "math"),
+    "hyflow.rewards.scorers.shapes": ("hyflow/shapes",),
     "hyflow.rewards.scorers.sorting": ("hyflow/sorting",),
     "hyflow.rewards.scorers.reasoning_gym": ("reasoning_gym",),
 }

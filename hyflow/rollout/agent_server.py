@@ -41,6 +41,7 @@ class _Request:
     prompt_ids: list[int]
     budget: int
     future: asyncio.Future
+    media: dict | None = None  # a vision-language prompt's images: {"multi_modal_inputs", "multi_modal_data"}
 
 
 class BatchingServer:
@@ -79,12 +80,12 @@ class BatchingServer:
         self.live -= 1
         self._check()
 
-    async def generate(self, index: int, prompt_ids: list[int], budget: int, group: tuple | None = None
-                       ) -> TokenOutput:
+    async def generate(self, index: int, prompt_ids: list[int], budget: int, group: tuple | None = None,
+                       media: dict | None = None) -> TokenOutput:
         budget = max(1, min(int(budget), self.params.max_new_tokens))
         future = asyncio.get_running_loop().create_future()
         self.waiting.append(self._request_type(index, group if group is not None else ("own", index),
-                                               list(prompt_ids), budget, future))
+                                               list(prompt_ids), budget, future, media=media))
         self._check()
         return await future
 
@@ -153,6 +154,8 @@ class BatchingServer:
         budgets = torch.tensor([r.budget for r in heads], dtype=torch.long)
         if bool((budgets != self.params.max_new_tokens).any()):
             batch["max_new_tokens"] = budgets
+        if any(r.media for r in heads):  # the engine computes the positions from the ids and the image grids
+            batch["multi_modal_inputs"] = [(r.media or {}).get("multi_modal_inputs") for r in heads]
         return batch
 
 
@@ -197,15 +200,16 @@ class ContinuousServer:
     def finished_one(self) -> None:
         self.live -= 1
 
-    async def generate(self, index: int, prompt_ids: list[int], budget: int, group: tuple | None = None
-                       ) -> TokenOutput:
+    async def generate(self, index: int, prompt_ids: list[int], budget: int, group: tuple | None = None,
+                       media: dict | None = None) -> TokenOutput:
         if self._stream is None:
             self._open()
         turn = self._turns.get(index, 0)
         self._turns[index] = turn + 1
         seed = None if self.params.seed is None else self.params.seed + index + turn * SEED_STRIDE
         budget = max(1, min(int(budget), self.params.max_new_tokens))
-        future = self._stream.submit(TokenRequest(f"t{index}.{turn}", list(prompt_ids), budget, seed))
+        future = self._stream.submit(TokenRequest(f"t{index}.{turn}", list(prompt_ids), budget, seed,
+                                                  **(media or {})))
         output = await asyncio.wrap_future(future)
         self.tokens += len(output.token_ids)
         return output
@@ -219,10 +223,14 @@ class ServerHandle:
     sampling_params=...)` -> TokenOutput. `sampling_params["max_tokens"]` caps the new tokens of this call
     (default: what is left of the trajectory's response budget, as verl's server computes it)."""
 
-    def __init__(self, server: BatchingServer, index: int, prompt_row: int | None, response_length: int) -> None:
+    def __init__(self, server: BatchingServer, index: int, prompt_row: int | None, response_length: int,
+                 media: dict | None = None) -> None:
         self._server, self.index, self._prompt_row = server, index, prompt_row
         self.response_length = response_length
         self._calls = 0
+        # the prompt row's images (`multi_modal_inputs`, `multi_modal_data`): every call of the trajectory continues
+        # the prompt, so its token ids hold those images' tokens
+        self._media = media or None
 
     @property
     def stop_ids(self) -> frozenset[int]:
@@ -235,6 +243,6 @@ class ServerHandle:
         first = self._calls == 0 and self._prompt_row is not None
         self._calls += 1
         group = ("prompt", self._prompt_row) if first else None
-        return await self._server.generate(self.index, prompt_ids, budget, group)
+        return await self._server.generate(self.index, prompt_ids, budget, group, media=self._media)
 
 

@@ -64,12 +64,17 @@ class TokenOutput:
 @dataclass
 class TokenRequest:
     """One generation request of the token-level protocol (`engine.open_stream`): a prompt's token ids, at most
-    `max_tokens` new tokens, sampled with `seed` (None: unseeded); `request_id` names it for `abort`."""
+    `max_tokens` new tokens, sampled with `seed` (None: unseeded); `request_id` names it for `abort`.
+    `multi_modal_inputs` (a vision-language model's prompt): the processed images whose tokens `prompt_ids` hold
+    (`pixel_values`, `image_grid_thw`, `hyflow.models.vision`); `multi_modal_data`: the same images as PIL images
+    (`{"image": [...]}`, what vLLM takes)."""
 
     request_id: str
     prompt_ids: list[int]
     max_tokens: int
     seed: int | None = None
+    multi_modal_inputs: dict | None = None
+    multi_modal_data: dict | None = None
 
 
 class RolloutEngineError(RuntimeError):

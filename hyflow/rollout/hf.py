@@ -13,6 +13,11 @@ Works on CPU and GPU with any Hugging Face decoder. Per call:
    `attention_mask`, `position_ids` [N, P + R], `rollout_log_probs` [N, R] (0 where masked), and every other
    column of the prompt batch repeated per sample (interleaved: rows 0..n-1 are prompt 0's samples).
 
+Vision-language models (`hyflow.models.vision`): a prompt row's `multi_modal_inputs` (the batch's column, or a
+TokenRequest's field) go into the prefill with the prompt's M-RoPE positions, which the engine computes from the
+row's token ids and image grids; each decoded token continues every position row from its maximum + 1 (verl's and
+transformers' rule), so the positions are those `position_ids [N, 4, P + R]` of the rollout batch.
+
 Per decoding step the loop does only what the step needs (on CPU at small sizes the Python and allocation
 overhead of a step is comparable to the model's arithmetic): the KV cache of every full-attention layer
 is written in place into buffers sized for prompt + `max_new_tokens` (transformers' `DynamicCache`
@@ -43,6 +48,7 @@ except ImportError:  # pragma: no cover - older transformers: plain DynamicCache
 
 from hyflow.batch import Batch
 from hyflow.models.loading import as_torch_dtype
+from hyflow.models.vision import VisionTokens, concat_multi_modal_inputs, is_vision_config, position_ids_4d
 from hyflow.rollout.base import EngineSpec, SamplingParams, TokenOutput, TokenRequest, register_engine
 from hyflow.rollout.output import assemble_rollout, left_pad, position_ids_from_mask, prompt_budgets
 from hyflow.rollout.sampling import sample_next_token
@@ -104,6 +110,8 @@ class HFRolloutEngine:
         # transformers >= 5.24 names the KV-cache argument `cache` (`past_key_values` is deprecated there)
         forward_args = inspect.signature(type(model).forward).parameters
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
+        config = getattr(model, "config", None)
+        self._vision = VisionTokens.from_config(config) if is_vision_config(config) else None
 
     # ------------------------------------------------------------------ protocol
     @torch.inference_mode()
@@ -127,13 +135,15 @@ class HFRolloutEngine:
         else:
             generator.manual_seed(params.seed)
 
+        mm_rows = self._multi_modal_rows(prompts)
         was_training = self.model.training
         self.model.eval()
         try:
             prompts_per_chunk = max(1, self.max_batch_size // params.n)
             parts = [
                 self._generate_chunk(input_ids[i : i + prompts_per_chunk], prompt_mask[i : i + prompts_per_chunk],
-                                     params, stop_ids, generator, budgets[i : i + prompts_per_chunk])
+                                     params, stop_ids, generator, budgets[i : i + prompts_per_chunk],
+                                     mm_rows=None if mm_rows is None else mm_rows[i : i + prompts_per_chunk])
                 for i in range(0, len(input_ids), prompts_per_chunk)
             ]
         finally:
@@ -179,6 +189,9 @@ class HFRolloutEngine:
             generators.append(generator)
         stop_set = set(self.eos_token_ids) | set(params.stop_token_ids)
         outputs: list[TokenOutput | None] = [None] * len(requests)
+        mm_rows = [r.multi_modal_inputs for r in requests] if self._vision is not None else None
+        if mm_rows is None and any(r.multi_modal_inputs for r in requests):
+            raise ValueError("a request carries images but the rollout model is not a vision-language model")
 
         def finish(rows, responses, logprobs, lengths, cut) -> None:
             for row in rows:
@@ -201,7 +214,7 @@ class HFRolloutEngine:
         try:
             self._generate_chunk(input_ids.to(self._device), prompt_mask.to(self._device), chunk_params,
                                  torch.tensor(sorted(stop_set), device=self._device), generators,
-                                 torch.tensor(budgets, device=self._device), aborted, finish)
+                                 torch.tensor(budgets, device=self._device), aborted, finish, mm_rows=mm_rows)
         finally:
             self.model.train(was_training)
         return outputs
@@ -300,8 +313,30 @@ class HFRolloutEngine:
         self._on_host = False
 
     # ------------------------------------------------------------------ internals
+    def _multi_modal_rows(self, prompts: Batch) -> list | None:
+        """The prompt rows' `multi_modal_inputs` for a vision-language model (None for a text model); images for a
+        text model are an error."""
+        rows = list(prompts["multi_modal_inputs"]) if "multi_modal_inputs" in prompts.non_tensors else None
+        if self._vision is None:
+            if rows is not None and any(row for row in rows):
+                raise ValueError("the prompts carry images but the rollout model is not a vision-language model")
+            return None
+        return rows if rows is not None else [None] * len(prompts)
+
+    def _vision_prefill(self, input_ids, prompt_mask, mm_rows) -> tuple[torch.Tensor, dict]:
+        """Positions [B, 4, P] (left-padded with 0) of the rows' real tokens and the chunk's image inputs."""
+        positions = torch.zeros((input_ids.shape[0], 4, input_ids.shape[1]), dtype=torch.long)
+        for b in range(input_ids.shape[0]):
+            real = prompt_mask[b].bool().cpu()
+            grid = (mm_rows[b] or {}).get("image_grid_thw")
+            positions[b, :, real] = position_ids_4d(self._vision, input_ids[b].cpu()[real], grid)
+        images = {k: v.to(self._device) for k, v in concat_multi_modal_inputs(mm_rows).items()}
+        if "pixel_values" in images:
+            images["pixel_values"] = images["pixel_values"].to(next(self.model.parameters()).dtype)
+        return positions.to(self._device), images
+
     def _generate_chunk(self, input_ids, prompt_mask, params: SamplingParams, stop_ids, generator, budgets,
-                        aborted=None, finished=None):
+                        aborted=None, finished=None, mm_rows=None):
         """Decode one chunk. `generator`: one for the chunk, or a list of CPU generators, one per row (n = 1).
         `aborted()` (optional), asked before every step: a bool per row, True for rows to end there with the
         tokens they have (their length is the step's index). `finished(rows, responses, logprobs, lengths, cut)`
@@ -319,9 +354,14 @@ class HFRolloutEngine:
 
         # the decode steps feed one token each: the prompt and at most max_new - 1 of them are ever cached
         cache = _preallocated_cache(getattr(self.model, "config", None), capacity=prompt_width + max_new - 1)
-        positions = position_ids_from_mask(prompt_mask)
-        out = self.model(input_ids=input_ids, attention_mask=prompt_mask, position_ids=positions,
-                         **{self._cache_arg: cache}, use_cache=True, logits_to_keep=1)
+        images = {}
+        if self._vision is not None:  # [B, 4, P] M-RoPE positions; the model takes [4, B, P]
+            positions, images = self._vision_prefill(input_ids, prompt_mask, mm_rows or [None] * len(input_ids))
+            prefill_positions = positions.transpose(0, 1)
+        else:
+            positions = prefill_positions = position_ids_from_mask(prompt_mask)
+        out = self.model(input_ids=input_ids, attention_mask=prompt_mask, position_ids=prefill_positions,
+                         **{self._cache_arg: cache}, use_cache=True, logits_to_keep=1, **images)
         logits = out.logits[:, -1].repeat_interleave(n, dim=0)
         if n > 1:
             cache.batch_repeat_interleave(n)
@@ -333,7 +373,10 @@ class HFRolloutEngine:
         # SDPA gets no mask when no row is padded (what transformers does with an all-ones mask; a mask of all True
         # would change the kernel's rounding), so the ready-made mask is passed only while some row is padded
         unpadded = bool(mask[:, :prompt_width].all())
-        next_pos = positions[:, -1].repeat_interleave(n, dim=0) + 1
+        if self._vision is not None:  # [rows, 4]: each position row continues from its maximum
+            next_pos = positions.max(dim=-1).values.repeat_interleave(n, dim=0) + 1
+        else:
+            next_pos = positions[:, -1].repeat_interleave(n, dim=0) + 1
 
         active = None  # row ids still held in the cache (None: all rows, in order)
         done = torch.zeros(num_rows, dtype=torch.bool, device=self._device)  # aligned with the cache's rows
@@ -396,7 +439,8 @@ class HFRolloutEngine:
             step_mask = mask[:, : prompt_width + t + 1]
             if mask_4d:
                 step_mask = None if unpadded else step_mask[:, None, None]
-            out = self.model(input_ids=tokens[:, None], attention_mask=step_mask, position_ids=next_pos[:, None],
+            step_pos = next_pos.T[:, :, None] if self._vision is not None else next_pos[:, None]
+            out = self.model(input_ids=tokens[:, None], attention_mask=step_mask, position_ids=step_pos,
                              **{self._cache_arg: cache}, use_cache=True)
             logits = out.logits[:, -1]
             next_pos = next_pos + 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from hyflow.batch import Batch
+from hyflow.models.vision import continue_positions
 from hyflow.rollout.base import SamplingParams
 
 
@@ -53,6 +54,15 @@ def assemble_rollout(prompts: Batch, input_ids: torch.Tensor, prompt_mask: torch
     loop's tool and user turns): `response_mask` is then that mask within the lengths, while `attention_mask`
     covers every response token. Without it every token within the length is the model's."""
     n = params.n
+    prompt_positions = prompts["position_ids"] if "position_ids" in prompts else None  # noqa: SIM401 (Batch)
+    if prompt_positions is not None and prompt_positions.dim() == 3:  # a vision-language model's [B, 4, P]
+        if prompt_positions.shape[-1] != input_ids.shape[-1]:
+            raise ValueError(f"the prompts' M-RoPE position_ids cover {prompt_positions.shape[-1]} columns but their "
+                             f"input_ids {input_ids.shape[-1]}: a vision-language rollout keeps the prompt batch's "
+                             "padding (an agent loop that re-renders its prompt cannot carry images)")
+        prompt_positions = prompt_positions.cpu().repeat_interleave(n, dim=0)
+    else:
+        prompt_positions = None
     within = (torch.arange(responses.shape[1], device=responses.device)[None] < lengths[:, None]).long()
     response_mask = within if model_mask is None else within * model_mask.long()
     prompt_ids = input_ids.repeat_interleave(n, dim=0)
@@ -69,7 +79,8 @@ def assemble_rollout(prompts: Batch, input_ids: torch.Tensor, prompt_mask: torch
         "response_mask": response_mask,
         "input_ids": torch.cat([prompt_ids, responses], dim=-1),
         "attention_mask": attention_mask,
-        "position_ids": position_ids_from_mask(attention_mask),
+        "position_ids": position_ids_from_mask(attention_mask) if prompt_positions is None else torch.cat(
+            [prompt_positions, continue_positions(prompt_positions, responses.shape[1])], dim=-1),
     }
     if params.calculate_log_probs:
         columns["rollout_log_probs"] = logprobs * response_mask

@@ -74,6 +74,7 @@ class _Segmented:
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    media: dict | None = None  # the prompt's images (agent_server._Request.media)
 
 
 class StreamServer(BatchingServer):
@@ -143,7 +144,7 @@ class StreamServer(BatchingServer):
         segments: list[_Segmented] = sorted(self.waiting, key=lambda r: r.index)
         self.waiting = []
         views = [_Request(seg.index, seg.group if not seg.tokens else ("own", seg.index), seg.prompt_ids + seg.tokens,
-                          min(seg.budget, self.chunk), seg.future) for seg in segments]
+                          min(seg.budget, self.chunk), seg.future, seg.media) for seg in segments]
         return segments, views
 
     def _land(self, segments: list[_Segmented], outputs: list[TokenOutput]) -> None:
@@ -193,6 +194,7 @@ class _Running:
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    media: dict | None = None  # the prompt's images (agent_server._Request.media)
 
 
 class ContinuousStreamServer(ContinuousServer):
@@ -235,14 +237,14 @@ class ContinuousStreamServer(ContinuousServer):
         self.live -= 1
         self._progress.set()
 
-    async def generate(self, index: int, prompt_ids: list[int], budget: int, group: tuple | None = None
-                       ) -> TokenOutput:
+    async def generate(self, index: int, prompt_ids: list[int], budget: int, group: tuple | None = None,
+                       media: dict | None = None) -> TokenOutput:
         turn = self._turns.get(index, 0)
         self._turns[index] = turn + 1
         seed = None if self.params.seed is None else self.params.seed + index + turn * SEED_STRIDE
         budget = max(1, min(int(budget), self.params.max_new_tokens))
         run = _Running(index, seed, list(prompt_ids), budget, asyncio.get_running_loop().create_future(),
-                       f"t{index}.{turn}")
+                       f"t{index}.{turn}", media=media)
         self._submit(run)
         return await run.future
 
@@ -258,7 +260,7 @@ class ContinuousStreamServer(ContinuousServer):
         request_id = f"{run.name}.{run.segment}"
         self._running[request_id] = run
         future = asyncio.wrap_future(self._stream.submit(TokenRequest(request_id, run.prompt_ids + run.tokens,
-                                                                      run.budget, seed)))
+                                                                      run.budget, seed, **(run.media or {}))))
         future.add_done_callback(lambda done: self._landed(request_id, done))
 
     def _landed(self, request_id: str, done: asyncio.Future) -> None:
@@ -445,7 +447,8 @@ class RolloutStream:
 
     async def _trajectory(self, group: _Group, sample: int, index: int, row: dict, sampling: dict) -> None:
         try:
-            handle = ServerHandle(self.server, index, group.tag, self.response_length)
+            media = {key: row[key] for key in ("multi_modal_inputs", "multi_modal_data") if row.get(key)}
+            handle = ServerHandle(self.server, index, group.tag, self.response_length, media)
             agent = self.manager.make_agent(group.name, handle, await self._started_loop_kwargs(group.name))
             group.outputs[sample] = await agent.run(sampling, **row)
         finally:
@@ -560,5 +563,9 @@ def left_pad_prompts(prompts: Batch, width: int, pad_token_id: int) -> Batch:
     zeros = torch.zeros((len(prompts), extra), dtype=prompts["attention_mask"].dtype)
     out["input_ids"] = torch.cat([ids, prompts["input_ids"]], dim=-1)
     out["attention_mask"] = torch.cat([zeros, prompts["attention_mask"]], dim=-1)
-    out["position_ids"] = position_ids_from_mask(out["attention_mask"])
+    if prompts["position_ids"].dim() == 3:  # a vision-language model's [B, 4, P]: padding positions are 0
+        pad = torch.zeros((len(prompts), prompts["position_ids"].shape[1], extra), dtype=torch.long)
+        out["position_ids"] = torch.cat([pad, prompts["position_ids"]], dim=-1)
+    else:
+        out["position_ids"] = position_ids_from_mask(out["attention_mask"])
     return out

@@ -22,6 +22,11 @@ def _user_text(row: dict) -> str:
     return row["prompt"][-1]["content"]
 
 
+def _problem(row: dict) -> tuple:
+    """What the model sees: the user text and, for a visual task (shapes), the image bytes."""
+    return _user_text(row), tuple(image["bytes"] for image in row.get("images", []))
+
+
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_same_seed_same_rows_other_seed_other_rows(name):
     task = get_task(name)
@@ -33,9 +38,9 @@ def test_same_seed_same_rows_other_seed_other_rows(name):
 def test_splits_are_disjoint_and_sized(name):
     rows = get_task(name).generate(seed=0, n_train=300, n_test=100)
     assert (len(rows["train"]), len(rows["test"])) == (300, 100)
-    train_prompts = {_user_text(r) for r in rows["train"]}
+    train_prompts = {_problem(r) for r in rows["train"]}
     assert len(train_prompts) == 300
-    assert not train_prompts & {_user_text(r) for r in rows["test"]}
+    assert not train_prompts & {_problem(r) for r in rows["test"]}
 
 
 def test_countdown_test_split_holds_no_reordering_of_a_train_instance():
@@ -60,7 +65,7 @@ def test_every_row_has_the_verl_schema(name):
     for split, split_rows in rows.items():
         check_rows(split_rows, f"{name}/{split}")
         for index, row in enumerate(split_rows):
-            extra_columns = {"agent_name", "tools"} if name == "calculator" else set()  # the tool-use task's
+            extra_columns = {"calculator": {"agent_name", "tools"}, "shapes": {"images"}}.get(name, set())
             assert set(row) == {"data_source", "prompt", "ability", "reward_model", "extra_info"} | extra_columns
             assert row["data_source"] == task.DATA_SOURCE == f"hyflow/{name}"
             assert row["prompt"][0] == {"role": "system", "content": "Be brief."}
@@ -75,6 +80,10 @@ def test_every_row_has_the_verl_schema(name):
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl", "json"])
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_make_task_writes_what_generate_returns(tmp_path, name, fmt):
+    if name == "shapes" and fmt != "parquet":  # image bytes: parquet only, as verl stores them
+        with pytest.raises(ValueError, match=r"raw bytes \(the images of multimodal rows\).*write \.parquet"):
+            make_task(name, tmp_path, seed=5, fmt=fmt, **SMALL)
+        return
     paths = make_task(name, tmp_path, seed=5, fmt=fmt, **SMALL)
     assert paths == {"train": tmp_path / f"train.{fmt}", "test": tmp_path / f"test.{fmt}"}
     expected = get_task(name).generate(seed=5, **SMALL)
@@ -183,7 +192,7 @@ def test_unreachable_countdown_targets_are_named():
 
 def test_make_task_errors_name_the_fix():
     with pytest.raises(ValueError, match=r"unknown task 'sortin'. Did you mean 'sorting'\? Available tasks: "
-                                         r"arithmetic, calculator, countdown, sorting"):
+                                         r"arithmetic, calculator, countdown, shapes, sorting"):
         make_task("sortin", "unused")
     with pytest.raises(ValueError, match=r"task 'arithmetic' has no option 'digit'. Did you mean 'digits'\?"):
         make_task("arithmetic", "unused", digit=3)

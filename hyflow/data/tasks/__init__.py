@@ -1,4 +1,5 @@
-"""Built-in synthetic tasks that need no download: arithmetic, calculator (tool calling), countdown, sorting.
+"""Built-in synthetic tasks that need no download: arithmetic, calculator (tool calling), countdown, sorting and
+shapes (a visual question: its rows carry a PNG image in verl's multimodal layout).
 
 Each task module has `NAME`, `DATA_SOURCE` (the scorer it pairs with in `hyflow.rewards`) and
 `generate(*, n_train, n_test, seed, **task_options) -> {"train": rows, "test": rows}` (rows in verl's schema, in
@@ -13,10 +14,10 @@ import inspect
 from pathlib import Path
 from types import ModuleType
 
-from hyflow.data.tasks import arithmetic, calculator, countdown, sorting
+from hyflow.data.tasks import arithmetic, calculator, countdown, shapes, sorting
 from hyflow.data.tasks.common import write_splits
 
-TASKS: dict[str, ModuleType] = {task.NAME: task for task in (arithmetic, calculator, countdown, sorting)}
+TASKS: dict[str, ModuleType] = {task.NAME: task for task in (arithmetic, calculator, countdown, shapes, sorting)}
 
 
 def get_task(name: str) -> ModuleType:

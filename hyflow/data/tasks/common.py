@@ -82,13 +82,21 @@ def make_row(
     index: int,
     extra: dict,
     system_prompt: str | None = None,
+    images: list[bytes] | None = None,
 ) -> dict:
-    """One verl-schema row: the user message (after an optional system message) and its ground truth."""
+    """One verl-schema row: the user message (after an optional system message) and its ground truth.
+
+    `images` (encoded PNG/JPEG files) make a multimodal row in verl's layout: an `images` column after the prompt,
+    ``[{"bytes": ...}, ...]`` (what Hugging Face's Image feature stores), one ``<image>`` placeholder per image in
+    `content`, in order.
+    """
     prompt = [{"role": "system", "content": system_prompt}] if system_prompt else []
     prompt.append({"role": "user", "content": content})
+    media = {} if images is None else {"images": [{"bytes": image} for image in images]}
     return {
         "data_source": data_source,
         "prompt": prompt,
+        **media,
         "ability": ability,
         "reward_model": {"style": "rule", "ground_truth": ground_truth},
         "extra_info": {"split": split, "index": index, **extra},

@@ -232,6 +232,26 @@ def reference_answer(ground_truth) -> str:
     return boxed if boxed is not None else text
 
 
+def math_verifier(use_math_verify: bool | None = None) -> ModuleType | None:
+    """The `math_verify` module to ask for a second opinion, or None: `use_math_verify` None = when importable,
+    True = required (its absence is an ImportError saying how to install it), False = never."""
+    if use_math_verify is False:
+        return None
+    module = _load_math_verify()
+    if module is None and use_math_verify:
+        raise ImportError(
+            "use_math_verify=True but the math_verify package is not installed; "
+            "`pip install math-verify` (or hyflow[math]), or pass use_math_verify=None to use it only when present"
+        )
+    return module
+
+
+def answers_match(pred: str, reference: str, verifier: ModuleType | None = None) -> bool:
+    """Whether the extracted answer `pred` equals `reference`: `is_equiv`, or else (with `verifier`, from
+    `math_verifier`) Math-Verify's symbolic check. Shared by the MATH and Geometry3K scorers."""
+    return is_equiv(pred, reference) or (verifier is not None and math_verify_equiv(pred, reference, verifier))
+
+
 def compute_score(
     data_source,
     solution_str: str,
@@ -251,21 +271,11 @@ def compute_score(
     arguments are accepted and ignored.
     """
     require_ground_truth(ground_truth, data_source)
-    module = None
-    if use_math_verify is not False:
-        module = _load_math_verify()
-        if module is None and use_math_verify:
-            raise ImportError(
-                "use_math_verify=True but the math_verify package is not installed; "
-                "`pip install math-verify` (or hyflow[math]), or pass use_math_verify=None to use it only when present"
-            )
+    verifier = math_verifier(use_math_verify)
     pred = extract_boxed_answer(solution_str)
     if pred is None:
         return {"score": 0.0, "acc": False, "pred": None}
-    reference = reference_answer(ground_truth)
-    correct = is_equiv(pred, reference)
-    if not correct and module is not None:
-        correct = math_verify_equiv(pred, reference, module)
+    correct = answers_match(pred, reference_answer(ground_truth), verifier)
     return {
         "score": float(score if correct else format_score),
         "acc": correct,

@@ -1,0 +1,116 @@
+"""The hf engine on a vision-language model: image prompts in, rollout log-probs equal to the trainer's recompute
+(with the rollout batch's [N, 4, P + R] positions and the rows' images), through the engine's own call and through
+the agent loop's barrier, eager and continuous servers."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from PIL import Image
+
+from hyflow.batch import Batch
+from hyflow.config import load_config
+from hyflow.data.rl_dataset import RLDataset
+from hyflow.models.forward import response_logprobs
+from hyflow.models.vision import concat_multi_modal_inputs
+from hyflow.rollout.base import SamplingParams
+from hyflow.rollout.hf import HFRolloutEngine
+from hyflow.rollout.manager import AgentLoopManager
+
+R = 6
+
+
+def _png(colour, size=(56, 56)) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    from transformers import AutoModelForImageTextToText
+
+    from hyflow.models.tiny import make_tiny_model
+    from hyflow.models.vision import VisionProcessor
+
+    path = make_tiny_model(tmp_path_factory.mktemp("vl") / "m", preset="tiny-vl", seed=1)
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    return model, VisionProcessor.from_pretrained(path)
+
+
+def _prompts(processor, colours=((200, 30, 30), (20, 20, 220), (20, 180, 20))):
+    rows = [{"prompt": [{"role": "user", "content": f"<image>Which colour{'?' * (i + 1)}"}], "data_source": "shapes",
+             "reward_model": {"ground_truth": "x"}, "images": [{"bytes": _png(c, (56 + 28 * i, 56))}]}
+            for i, c in enumerate(colours)]
+    rows.append({"prompt": "No image: what is 2 + 2?", "data_source": "shapes", "reward_model": {"ground_truth": "4"}})
+    dataset = RLDataset(rows, processor.tokenizer, processor=processor, max_prompt_length=64)
+    return dataset.collate([dataset[i] for i in range(len(dataset))])
+
+
+def _engine(model, processor):
+    return HFRolloutEngine(model, eos_token_id=processor.tokenizer.eos_token_id,
+                           pad_token_id=processor.tokenizer.pad_token_id)
+
+
+def _recompute(model, out: Batch) -> torch.Tensor:
+    mm = concat_multi_modal_inputs(list(out["multi_modal_inputs"]))
+    with torch.no_grad():
+        logp, _ = response_logprobs(model, out["input_ids"], out["attention_mask"], out["position_ids"],
+                                    out["responses"].shape[1], **mm)
+    return logp * out["response_mask"]
+
+
+def test_engine_rollout_logprobs_equal_the_recompute_on_image_prompts(vl):
+    model, processor = vl
+    prompts = _prompts(processor)
+    out = _engine(model, processor).generate(prompts, SamplingParams(n=2, max_new_tokens=R, seed=0,
+                                                                      calculate_log_probs=True))
+    assert out["position_ids"].shape == (8, 4, prompts["input_ids"].shape[1] + R)
+    assert out["response_mask"].sum() > 8
+    assert torch.allclose(out["rollout_log_probs"], _recompute(model, out), atol=1e-5, rtol=0)
+    # the response positions continue each row's maximum (past the image's grid for the M-RoPE rows)
+    P = prompts["input_ids"].shape[1]
+    first = out["position_ids"][0, :, P]
+    assert torch.equal(first, out["position_ids"][0, :, :P].max(-1).values + 1)
+
+
+def test_the_image_changes_the_rollout(vl):
+    model, processor = vl
+    params = SamplingParams(n=1, max_new_tokens=R, seed=0, calculate_log_probs=True)
+    red = _engine(model, processor).generate(_prompts(processor, ((200, 30, 30),)), params)
+    blue = _engine(model, processor).generate(_prompts(processor, ((20, 20, 220),)), params)
+    forced = red.clone()  # the red rollout's tokens scored under the blue image
+    forced.non_tensors["multi_modal_inputs"] = blue.non_tensors["multi_modal_inputs"]
+    assert (_recompute(model, forced)[0] - red["rollout_log_probs"][0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("batching", ["barrier", "eager", "continuous"])
+def test_agent_loop_rollouts_of_image_prompts_equal_the_recompute(vl, batching):
+    model, processor = vl
+    prompts = _prompts(processor)
+    rollout = load_config(["actor_rollout_ref.model.path=x", f"data.max_response_length={R}",
+                           f"actor_rollout_ref.rollout.agent.batching={batching}"]).actor_rollout_ref.rollout
+    manager = AgentLoopManager(_engine(model, processor), processor.tokenizer, rollout,
+                               eos_token_ids=[processor.tokenizer.eos_token_id],
+                               pad_token_id=processor.tokenizer.pad_token_id)
+    params = SamplingParams(n=2, max_new_tokens=R, seed=0, calculate_log_probs=True)
+    out = manager.generate(prompts, params)
+    assert torch.allclose(out["rollout_log_probs"], _recompute(model, out), atol=1e-5, rtol=0)
+    if batching == "barrier":  # the barrier's first turns are the engine's own call on the prompt rows
+        direct = _engine(model, processor).generate(prompts, params)
+        assert torch.equal(out["responses"], direct["responses"])
+        assert torch.equal(out["position_ids"], direct["position_ids"])
+
+
+def test_images_for_a_text_model_are_an_error(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = Batch({"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)},
+                    {"multi_modal_inputs": [{"pixel_values": torch.zeros(4, 3), "image_grid_thw": torch.ones(1, 3)}]})
+    engine = HFRolloutEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    with pytest.raises(ValueError, match="the prompts carry images but the rollout model is not a vision-language"):
+        engine.generate(prompts, SamplingParams(n=1, max_new_tokens=2, seed=0))
