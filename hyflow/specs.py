@@ -195,6 +195,7 @@ class TrainEngineSpec:
     use_torch_compile: bool = False
     lora: LoraSettings | None = None
     checkpoint_prefix: str | None = None
+    freeze_vision_tower: bool = False
 
 
 # ------------------------------------------------------------------------------------------ roles

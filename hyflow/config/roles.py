@@ -87,7 +87,8 @@ def actor_spec(cfg: HyflowConfig, batches: BatchArithmetic, total_steps: int) ->
         compute_dtype=actor.fsdp_config.dtype, device=cfg.trainer.device, optim=optimizer_spec(actor.optim),
         grad_clip=actor.grad_clip, total_optimizer_steps=total_steps * int(batches.actor.optimizer_steps),
         use_remove_padding=model.use_remove_padding, share_prompts=actor.use_prefix_grouper,
-        use_torch_compile=actor.use_torch_compile, lora=lora_settings(model, config_key="actor_rollout_ref.model"))
+        use_torch_compile=actor.use_torch_compile, lora=lora_settings(model, config_key="actor_rollout_ref.model"),
+        freeze_vision_tower=actor.freeze_vision_tower)
     ref_engine = None
     if uses_reference(cfg):  # frozen (no optimizer), computing in the actor's dtype
         ref_engine = TrainEngineSpec(

@@ -72,7 +72,6 @@ _FSDP_ROLE = {f"{ARR}.actor.fsdp_config": None, f"{ARR}.ref.fsdp_config": None,
 
 LEAVE = "leave it at its default"
 ONLY_WITH_LORA = "a LoRA setting: only read when lora_rank > 0 (or lora_adapter_path is set), and LoRA is off"
-ONLY_MULTIMODAL = "multimodal rows are refused at load (DataError), so this has nothing to act on"
 VLLM_ONLY = "a vllm engine knob; the hf engine (rollout.name=hf) does not use it and generates the same samples"
 
 
@@ -268,7 +267,6 @@ _TABLE: list[KeySupport] = [
                  "(reward/overlong_reward/mean, reward/overlong/mean) when the buffer is on"),
     _performance("critic.model.tokenizer_path", "the critic reads the policy's token ids; no second tokenizer is "
                  "loaded"),
-    _performance(f"{A}.freeze_vision_tower", "hyflow trains text-only causal LMs (multimodal rows are refused)"),
     _performance(f"{M}.use_shm", "copying the model to /dev/shm only speeds up loading"),
     _performance("data.use_shm", "copying the data to /dev/shm only speeds up loading"),
     _performance("data.dataloader_num_workers", "hyflow batches prompts in the main process (each prompt is "
@@ -294,8 +292,8 @@ _TABLE: list[KeySupport] = [
     *(_performance(f"data.{k}", "an extra batch column that hyflow's reward model and rollout do not need "
                    "(they re-template from the prompt themselves)")
       for k in ("return_raw_input_ids", "return_raw_chat", "return_full_prompt")),
-    _performance("data.image_patch_size", ONLY_MULTIMODAL),
-    _performance("data.return_multi_modal_inputs", ONLY_MULTIMODAL),
+    _performance("data.return_multi_modal_inputs", "hyflow always carries a vision-language prompt's processed "
+                 "images in the batch (the rollout and the trainer's forward need them); the same samples either way"),
     *(_performance(f"{R}.multi_turn.{k}", "only read by the tool agent loop, which runs with multi_turn.enable=true",
                    lambda cfg, k=k: not cfg.actor_rollout_ref.rollout.multi_turn.enable
                    and _non_default(cfg, f"{R}.multi_turn.{k}"))
@@ -359,7 +357,7 @@ _VERL_DEFAULTS: dict[str, Any] = {
         "all_ranks", "async_save", "calculate_entropy", "calculate_sum_pi_squared",
         "del_local_ckpt_after_load", "enable", "enable_activation_offload", "entropy_checkpointing",
         "entropy_from_logits_with_chunking", "finish_hook_all_ranks", "forward_prefetch",
-        "freeze_vision_tower", "full_determinism", "ignore_eos", "launch_reward_fn_async", "layered_summon",
+        "full_determinism", "ignore_eos", "launch_reward_fn_async", "layered_summon",
         "log", "merge", "multi_stage_wake_up", "offload_policy", "optimizer_offload", "param_offload",
         "profile_continuous_steps", "relocate_results", "return_full_prompt", "return_raw_input_ids",
         "use_fused_kernels", "use_liger", "use_orig_params", "use_remove_padding", "use_shm",
@@ -374,7 +372,7 @@ _VERL_DEFAULTS: dict[str, Any] = {
         "use_torch_compile", "zero_indexed_step"), True),
     "backend": "naive", "dataloader_num_workers": 8, "num_workers": 8, "engine_kwargs": {},
     "filter_overlong_prompts_workers": 1, "require_batches": 1, "ulysses_sequence_parallel_size": 1,
-    "finish_hook_ranks": [], "ranks": [], "fsdp_size": -1, "total_training_steps": -1, "image_patch_size": 14,
+    "finish_hook_ranks": [], "ranks": [], "fsdp_size": -1, "total_training_steps": -1,
     "impl_backend": "torch", "logprobs_mode": "processed_logprobs", "max_concurrent": 64, "memory_limit_mb":
     1024, "min_num_params": 0, "mode": "async", "model_dtype": "fp32", "nccl_timeout": 600, "over_sample_rate":
     0.0, "pad_mode": "no_padding", "reward_loop_class_name": "custom_reward_manager", "reward_loop_source":

@@ -48,6 +48,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from hyflow.models.vision import is_vision_config
 from hyflow.serialization import refusal, weights_only_reason
 
 DTypeLike = str | torch.dtype | None
@@ -260,6 +261,10 @@ def _from_pretrained(
     resolved = resolve_model_path(path, config_key=config_key)
     config, attn_from_overrides = _load_config(resolved, override_config, trust_remote_code, role_updates,
                                                config_key)
+    if auto_cls is AutoModelForCausalLM and is_vision_config(config):  # Qwen2-VL family: the image-text-to-text class
+        from transformers import AutoModelForImageTextToText
+
+        auto_cls = AutoModelForImageTextToText
     kwargs: dict[str, Any] = {"config": config, "trust_remote_code": trust_remote_code}
     torch_dtype = as_torch_dtype(dtype)
     if torch_dtype is not None:
@@ -369,7 +374,8 @@ def load_causal_lm(
     device: str | torch.device | None = None,
     config_key: str = "actor_rollout_ref.model.path",
 ) -> PreTrainedModel:
-    """`AutoModelForCausalLM.from_pretrained` with hyflow's path checks, dtype names and config overrides.
+    """`AutoModelForCausalLM.from_pretrained` with hyflow's path checks, dtype names and config overrides (a
+    vision-language model of `hyflow.models.vision`'s family loads with `AutoModelForImageTextToText`).
 
     `dtype`: "float32" (default; fp32 master weights for training), "bfloat16", "float16", "auto" (the
     checkpoint's dtype) or a torch.dtype. `attn_implementation`: "sdpa", "eager", ... (None: transformers'

@@ -33,6 +33,7 @@ masks).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -48,7 +49,14 @@ except ImportError:  # pragma: no cover - older transformers: plain DynamicCache
 
 from hyflow.batch import Batch
 from hyflow.models.loading import as_torch_dtype
-from hyflow.models.vision import VisionTokens, concat_multi_modal_inputs, is_vision_config, position_ids_4d
+from hyflow.models.vision import (
+    VisionTokens,
+    concat_multi_modal_inputs,
+    image_placeholders,
+    is_vision_config,
+    placeholder_mask,
+    position_ids_4d,
+)
 from hyflow.rollout.base import EngineSpec, SamplingParams, TokenOutput, TokenRequest, register_engine
 from hyflow.rollout.output import assemble_rollout, left_pad, position_ids_from_mask, prompt_budgets
 from hyflow.rollout.sampling import sample_next_token
@@ -356,12 +364,16 @@ class HFRolloutEngine:
         cache = _preallocated_cache(getattr(self.model, "config", None), capacity=prompt_width + max_new - 1)
         images = {}
         if self._vision is not None:  # [B, 4, P] M-RoPE positions; the model takes [4, B, P]
-            positions, images = self._vision_prefill(input_ids, prompt_mask, mm_rows or [None] * len(input_ids))
+            mm_rows = mm_rows or [None] * len(input_ids)
+            positions, images = self._vision_prefill(input_ids, prompt_mask, mm_rows)
             prefill_positions = positions.transpose(0, 1)
         else:
             positions = prefill_positions = position_ids_from_mask(prompt_mask)
-        out = self.model(input_ids=input_ids, attention_mask=prompt_mask, position_ids=prefill_positions,
-                         **{self._cache_arg: cache}, use_cache=True, logits_to_keep=1, **images)
+        placeholders = (image_placeholders(self.model, placeholder_mask(input_ids, mm_rows, self._vision)) if images
+                        else contextlib.nullcontext())  # pad tokens a previous turn generated are text
+        with placeholders:
+            out = self.model(input_ids=input_ids, attention_mask=prompt_mask, position_ids=prefill_positions,
+                             **{self._cache_arg: cache}, use_cache=True, logits_to_keep=1, **images)
         logits = out.logits[:, -1].repeat_interleave(n, dim=0)
         if n > 1:
             cache.batch_repeat_interleave(n)

@@ -26,7 +26,31 @@ def chat_template_kwargs(data_cfg, tool_config_path: str | None) -> dict:
     return kwargs
 
 
-def rl_dataset(given, files, max_samples: int, split: str, *, data_cfg, tokenizer, tool_config_path: str | None):
+def prompt_processor(model_path: str, tokenizer, *, trust_remote_code: bool = False, data_cfg=None):
+    """A vision-language model's prompt processor (`hyflow.models.vision.VisionProcessor`: its image processor and
+    the tokenizer, called with `data.mm_processor_kwargs`), None for a text model: image rows need it (RLDataset
+    refuses them without). `data.image_patch_size` must be the image processor's patch size."""
+    from transformers import AutoConfig
+
+    from hyflow.models.loading import resolve_model_path
+    from hyflow.models.vision import VisionProcessor, is_vision_config
+
+    resolved = resolve_model_path(model_path)
+    config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    if not is_vision_config(config):
+        return None
+    image_kwargs = dict(getattr(data_cfg, "mm_processor_kwargs", None) or {})
+    processor = VisionProcessor.from_pretrained(resolved, tokenizer=tokenizer, config=config,
+                                                image_kwargs=image_kwargs, trust_remote_code=trust_remote_code)
+    want = getattr(data_cfg, "image_patch_size", None)
+    if want is not None and processor.patch_size is not None and int(want) != int(processor.patch_size):
+        raise ValueError(f"data.image_patch_size={want} but the image processor of {model_path} uses patches of "
+                         f"{processor.patch_size} pixels; set data.image_patch_size={processor.patch_size}")
+    return processor
+
+
+def rl_dataset(given, files, max_samples: int, split: str, *, data_cfg, tokenizer, tool_config_path: str | None,
+               processor=None):
     """The `split` ("train" or "val") dataset: `given` (a dataset object, rows or paths) else `files`
     (`data.train_files` / `data.val_files`), at most `max_samples` rows; None for a validation split without data."""
     if given is not None and not isinstance(given, (str, Path, list, tuple)) and not is_row_collection(given):
@@ -46,4 +70,4 @@ def rl_dataset(given, files, max_samples: int, split: str, *, data_cfg, tokenize
                      max_prompt_length=d.max_prompt_length,
                      filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
                      max_samples=max_samples, seed=d.seed or 0,
-                     apply_chat_template_kwargs=chat_template_kwargs(d, tool_config_path))
+                     apply_chat_template_kwargs=chat_template_kwargs(d, tool_config_path), processor=processor)

@@ -71,7 +71,7 @@ from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, rest
 from hyflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, memory_metrics, timer
 from hyflow.trainer.replay import check_replay_shape, load_rollout, save_rollout
 from hyflow.trainer.report import latest_checkpoint, sample_rows, speed_defaults_line, where_interrupted
-from hyflow.trainer.rl_datasets import rl_dataset
+from hyflow.trainer.rl_datasets import prompt_processor, rl_dataset
 from hyflow.trainer.role_checkpoints import RoleCheckpoints, RoleState
 from hyflow.trainer.roles import Roles, build_roles, has_rollout_pool
 from hyflow.trainer.run_dir import claim_run_directory
@@ -123,7 +123,11 @@ class RLTrainer:
                                                      or cfg.actor_rollout_ref.model.path,
                                                      trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code
                                                      or cfg.data.trust_remote_code)
-        inputs = {"data_cfg": cfg.data, "tokenizer": self.tokenizer,
+        # a vision-language model's image processor: image rows are expanded into the image's tokens
+        self.processor = prompt_processor(cfg.actor_rollout_ref.model.path, self.tokenizer,
+                                          trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,
+                                          data_cfg=cfg.data)
+        inputs = {"data_cfg": cfg.data, "tokenizer": self.tokenizer, "processor": self.processor,
                   "tool_config_path": cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path}
         self.train_dataset = rl_dataset(train_dataset, cfg.data.train_files, cfg.data.train_max_samples, "train",
                                         **inputs)
@@ -657,7 +661,7 @@ class RLTrainer:
                 self.checkpoints, {name: RoleState(group, tuple(ckpt.save_contents), tuple(ckpt.load_contents))
                                    for name, (group, ckpt) in roles.items()},
                 checkpoint_format=cfg.trainer.checkpoint_format, model_cfg=cfg.actor_rollout_ref.model,
-                tokenizer=self.tokenizer)
+                tokenizer=self.processor or self.tokenizer)  # a VLM's image processor travels with its tokenizer
         return self._role_checkpoints
 
     def save_checkpoint(self) -> Path:

@@ -211,7 +211,7 @@ def trim_padding(micro: Batch, response_length: int) -> tuple[dict[str, torch.Te
     prompt_width = mask.shape[1] - response_length
     first = min(first, prompt_width - 1)  # keep the prompt's last column: it predicts the first response token
     last = max(last, prompt_width)  # keep at least one response column
-    trimmed = {key: micro[key][:, first : last + 1] for key in SEQUENCE_KEYS}
+    trimmed = {key: micro[key][..., first : last + 1] for key in SEQUENCE_KEYS}  # position_ids may be [B, 4, L]
     return trimmed, last + 1 - prompt_width
 
 

@@ -57,6 +57,14 @@ from hyflow.models.forward import (
     values_from_model,
 )
 from hyflow.models.lora import adapter_disabled, apply_lora, merged_named_tensors, parameter_counts
+from hyflow.models.vision import (
+    VisionTokens,
+    concat_multi_modal_inputs,
+    image_placeholders,
+    is_vision_config,
+    placeholder_mask,
+    vision_tower,
+)
 from hyflow.specs import TrainEngineSpec
 from hyflow.workers.engine import (
     SEQUENCE_KEYS,
@@ -147,7 +155,7 @@ class TrainEngine:
                  fsdp_config, optim=None, total_optimizer_steps: int = 1, grad_clip: float | None = None,
                  use_remove_padding: bool = False, share_prompts: bool = False, use_torch_compile: bool = False,
                  lora=None, world_size: int = 1, rank: int = 0, compute_dtype: str | None = None,
-                 checkpoint_prefix: str | None = None):
+                 checkpoint_prefix: str | None = None, freeze_vision_tower: bool = False):
         if head not in HEADS:
             raise ValueError(f"head={head!r}; use one of {HEADS}")
         self.name, self.head, self.device = name, head, device
@@ -158,11 +166,21 @@ class TrainEngine:
         self.prefix = f"{name}_" if checkpoint_prefix is None else checkpoint_prefix
         self.strategy, self.world_size, self.rank = strategy, world_size, rank
         self.grad_clip = grad_clip
-        self.use_remove_padding = bool(use_remove_padding)
+        # a vision-language model (hyflow.models.vision) runs the padded forward with its images: packing its
+        # M-RoPE positions and images is not built yet, so use_remove_padding and share_prompts are off for it
+        # (the same values; the padded path computes more), said once at start
+        self.vision = is_vision_config(getattr(model, "config", None))
+        self.vision_tokens = VisionTokens.from_config(model.config) if self.vision else None
+        if self.vision and (use_remove_padding or share_prompts):
+            print(f"{name}: vision-language model: sequence packing (use_remove_padding) and prompt sharing are not "
+                  "implemented for it yet; the padded forward runs (same log-probs, more compute)")
+        self.use_remove_padding = bool(use_remove_padding) and not self.vision
         # verl's use_prefix_grouper: in a packed micro-batch the samples of one prompt run its tokens once
         self.share_prompts = bool(share_prompts) and self.use_remove_padding
         self.compute_dtype = compute_dtype or getattr(fsdp_config, "dtype", "fp32")
         self.lora = lora
+        if freeze_vision_tower and self.vision:  # verl's key: the vision tower keeps its weights
+            vision_tower(model).requires_grad_(False)
         if lora is not None:
             model = apply_lora(model, lora, task="causal_lm" if head == "lm" else "value")
         trainable = optim is not None
@@ -193,7 +211,8 @@ class TrainEngine:
                    total_optimizer_steps=spec.total_optimizer_steps, grad_clip=spec.grad_clip,
                    use_remove_padding=spec.use_remove_padding, share_prompts=spec.share_prompts,
                    use_torch_compile=spec.use_torch_compile, lora=spec.lora, world_size=world_size, rank=rank,
-                   compute_dtype=spec.compute_dtype, checkpoint_prefix=spec.checkpoint_prefix)
+                   compute_dtype=spec.compute_dtype, checkpoint_prefix=spec.checkpoint_prefix,
+                   freeze_vision_tower=spec.freeze_vision_tower)
 
     # ------------------------------------------------------------------------------------------ describing
 
@@ -251,23 +270,38 @@ class TrainEngine:
             return {"log_probs": logp, "entropy": entropy}, R
         seq, r = trim_padding(micro, R)
         seq = {k: v.to(self.device) for k, v in seq.items()}
-        with autocast(self.device, self.compute_dtype):
+        images = self._images(micro)
+        # generated image-pad tokens are text to the model, as they were to the rollout engine (placeholder_mask)
+        placeholders = (image_placeholders(self.model, placeholder_mask(
+            seq["input_ids"], list(micro["multi_modal_inputs"]), self.vision_tokens)) if images
+            else contextlib.nullcontext())
+        with autocast(self.device, self.compute_dtype), placeholders:
             if self.head == "value":
+                if images:
+                    raise ValueError(f"{self.name}: a critic of image prompts is not supported yet (the value model "
+                                     "is a text-only token classifier); use a critic-free estimator (grpo, rloo, ...)")
                 values = values_from_model(self.model, seq["input_ids"], seq["attention_mask"],
                                            seq["position_ids"], r)
                 return {"values": values}, r
             logp, entropy = response_logprobs(self.model, seq["input_ids"], seq["attention_mask"],
                                               seq["position_ids"], r, temperature=temperature,
-                                              calculate_entropy=with_entropy)
+                                              calculate_entropy=with_entropy, **images)
             out = {"log_probs": logp, "entropy": entropy}
             if with_sum_pi_squared:
                 from hyflow.algos import sum_pi_squared_from_logits
 
                 hidden = backbone_hidden_states(self.model, seq["input_ids"], seq["attention_mask"],
-                                                seq["position_ids"])
+                                                seq["position_ids"], **images)
                 logits = unwrap_model(self.model).get_output_embeddings()(hidden[:, -r - 1 : -1])
                 out["sum_pi_squared"] = sum_pi_squared_from_logits(logits, temperature)
         return out, r
+
+    def _images(self, micro: Batch) -> dict[str, torch.Tensor]:
+        """The micro-batch's image inputs for the model call (`pixel_values`, `image_grid_thw`), {} without."""
+        if not self.vision or "multi_modal_inputs" not in micro.non_tensors:
+            return {}
+        images = concat_multi_modal_inputs(list(micro["multi_modal_inputs"]))
+        return {key: value.to(self.device) for key, value in images.items()}
 
     def infer(self, batch: Batch, sizes, *, temperature: float = 1.0, with_entropy: bool = False,
               with_sum_pi_squared: bool = False, adapter: bool = True) -> dict[str, torch.Tensor]:

@@ -114,3 +114,43 @@ def test_images_for_a_text_model_are_an_error(tiny_model_dir):
     engine = HFRolloutEngine(model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     with pytest.raises(ValueError, match="the prompts carry images but the rollout model is not a vision-language"):
         engine.generate(prompts, SamplingParams(n=1, max_new_tokens=2, seed=0))
+
+
+def test_a_generated_image_pad_token_is_text_to_the_engine_and_to_the_trainer(vl):
+    """A sampled <|image_pad|> (a random or a real VLM may emit it) is embedded as a token by the engine's decoding
+    step; the trainer's forward embeds it the same way (placeholder_mask), instead of failing as transformers'
+    count check does ("Image features and image tokens do not match", verl issue 3469) or misplacing the image."""
+    from hyflow.models.vision import image_placeholders, placeholder_mask, position_ids_4d
+
+    model, processor = vl
+    prompts = _prompts(processor, ((200, 30, 30),))
+    pad = processor.tokens.image_token_id
+    prompt_ids = prompts["input_ids"][0].tolist()
+    mm = prompts["multi_modal_inputs"][0]
+    response = [40, pad, 41, pad, pad, 42]
+    # the engine's arithmetic: prefill with the image, then one decoding step per response token
+    engine_logp = []
+    cache_arg = "cache" if "cache" in __import__("inspect").signature(type(model).forward).parameters else \
+        "past_key_values"
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    positions = position_ids_4d(processor.tokens, prompt_ids, mm["image_grid_thw"])
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt_ids]), position_ids=positions[:, None], use_cache=True,
+                       **{cache_arg: cache}, **mm).logits[0, -1]
+        nxt = positions.max(-1).values + 1
+        for token in response:
+            engine_logp.append(torch.log_softmax(logits.float(), -1)[token])
+            logits = model(input_ids=torch.tensor([[token]]), position_ids=nxt[:, None, None], use_cache=True,
+                           **{cache_arg: cache}).logits[0, -1]
+            nxt = nxt + 1
+    ids = torch.tensor([prompt_ids + response])
+    full_pos = torch.cat([positions, positions.max(-1, keepdim=True).values + 1 + torch.arange(len(response))], -1)
+    mask = placeholder_mask(ids, [mm], processor.tokens)
+    assert int(mask.sum()) == int((torch.tensor(prompt_ids) == pad).sum())  # the three generated pads are not slots
+    with torch.no_grad(), image_placeholders(model, mask):
+        ours, _ = response_logprobs(model, ids, torch.ones_like(ids), full_pos[None], len(response), **mm)
+    assert torch.allclose(ours[0], torch.stack(engine_logp), atol=1e-5, rtol=0)
+    # the positions the engine gives a later turn over these ids equal the rollout's continuation
+    assert torch.equal(position_ids_4d(processor.tokens, ids[0], mm["image_grid_thw"]), full_pos)

@@ -116,6 +116,12 @@ class ActorConfig:
         "compile; the rollout decodes eagerly). hyflow's default is false (verl's: true): it costs a one-time "
         "compile of seconds per model, which only long runs earn back (1.09-1.13x training tokens/s on CPU, BENCHMARKS.md).",
     )
+    freeze_vision_tower: bool = option(
+        False,
+        "A vision-language model (Qwen2-VL family): train the language model only; the vision tower's weights "
+        "(the model's `visual` module, its patch merger included) get no gradient and no optimizer state. No effect "
+        "on a text model.",
+    )
     use_prefix_grouper: bool = option(
         "${actor_rollout_ref.model.use_remove_padding}",
         "Run each prompt's tokens once per micro-batch for all its samples (PrefixGrouper, arXiv 2506.05433): the "

@@ -64,8 +64,19 @@ class DataConfig:
         "What to do with a prompt longer than max_prompt_length: error, left (keep the end), right (keep the start), middle.",
         choices=("error", "left", "right", "middle"),
     )
-    image_key: str = option("images", "Column holding images (multimodal data).")
-    video_key: str = option("videos", "Column holding videos (multimodal data).")
+    image_key: str = option(
+        "images", "Column holding a row's images (verl's format: a list of {'bytes': ...} or {'image': path}; the "
+        "prompt holds one <image> per image). Needs a vision-language model (Qwen2-VL family)."
+    )
+    video_key: str = option("videos", "Column holding videos (not supported yet: a row with videos is an error).")
+    image_patch_size: int = option(
+        14, "The vision encoder's patch size (verl's key: 14 for Qwen2/2.5-VL, 16 for Qwen3-VL). hyflow resizes with "
+        "the model's own image processor, whose patch size must equal this (checked at start)."
+    )
+    mm_processor_kwargs: dict[str, Any] = option(
+        {}, "Keyword arguments for every call of the model's image processor, e.g. +data.mm_processor_kwargs."
+        "max_pixels=200704 (images are resized to between min_pixels and max_pixels)."
+    )
     custom_cls: CustomClassConfig = section(
         CustomClassConfig, "A custom Dataset class replacing the built-in RL dataset."
     )

@@ -1,0 +1,129 @@
+"""RL on a vision-language model end to end on CPU: the tiny Qwen2-VL model on the shapes task through the CLI
+(rollout log-probs equal the trainer's, checkpoints carry the image processor, the export loads with plain
+transformers), exact resume, freeze_vision_tower, and image rows for a text model refused by name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hyflow.trainer.rl_trainer import RLTrainer
+from hyflow.trainer.tracking import read_metrics
+
+pytestmark = pytest.mark.slow
+
+HYFLOW = Path(sys.executable).parent / "hyflow"
+
+
+@pytest.fixture(scope="module")
+def vl_task(tmp_path_factory):
+    from hyflow.data.tasks import make_task
+    from hyflow.models.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("vl_task")
+    model = make_tiny_model(root / "model", preset="tiny-vl", seed=0)
+    make_task("shapes", root / "data", n_train=64, n_test=8, seed=0)
+    return model, root / "data"
+
+
+def overrides(model, data, run, *extra):
+    return [f"actor_rollout_ref.model.path={model}", f"data.train_files={data}/train.parquet",
+            f"data.val_files={data}/test.parquet", f"trainer.default_local_dir={run}",
+            "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "data.max_prompt_length=64",
+            "data.max_response_length=8", "actor_rollout_ref.actor.optim.lr=3e-3", "reward_model.num_workers=0",
+            "trainer.logger=[console,file]", "trainer.total_training_steps=2", "trainer.test_freq=2",
+            "trainer.save_freq=1", "actor_rollout_ref.rollout.calculate_log_probs=true", "data.seed=1", *extra]
+
+
+def test_grpo_on_a_vision_language_model_through_the_cli(vl_task, tmp_path):
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from hyflow.models.vision import VisionProcessor, concat_multi_modal_inputs
+
+    model, data = vl_task
+    run = tmp_path / "run"
+    proc = subprocess.run([HYFLOW, "train", *overrides(model, data, run)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "vision-language model: sequence packing (use_remove_padding) and prompt sharing are not implemented" \
+        in proc.stdout
+    rows = [r for r in read_metrics(run) if "rollout_corr/log_ppl_abs_diff" in r]
+    assert len(rows) == 2
+    for row in rows:  # the hf engine's log-probs on image prompts are the trainer's
+        assert row["rollout_corr/log_ppl_abs_diff"] < 1e-4, row
+        assert row["response_length/mean"] > 0
+    generations = (run / "generations" / "val_step_2.jsonl").read_text().splitlines()
+    assert len(generations) == 8 and "What colour" in json.loads(generations[0])["input"]
+    # the checkpoint carries the image processor; the export loads with plain transformers and answers an image
+    assert (run / "global_step_2" / "tokenizer" / "preprocessor_config.json").is_file()
+    out = tmp_path / "hf"
+    proc = subprocess.run([HYFLOW, "export", "--ckpt", str(run / "global_step_2"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    exported = AutoModelForImageTextToText.from_pretrained(out).eval()
+    assert AutoImageProcessor.from_pretrained(out).merge_size == 2
+    processor = VisionProcessor.from_pretrained(out)
+    text = processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]}],
+        add_generation_prompt=True, tokenize=False)
+    inputs = processor(text, [Image.new("RGB", (56, 56), (220, 20, 20))])
+    ids = torch.tensor([inputs["input_ids"]])
+    mm = concat_multi_modal_inputs([inputs["multi_modal_inputs"]])
+    generated = exported.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                                  do_sample=False, mm_token_type_ids=(ids == processor.tokens.image_token_id).int(),
+                                  **mm)
+    assert generated.shape[1] > ids.shape[1]
+
+
+def test_resume_of_a_vision_language_run_is_exact(vl_task, tmp_path):
+    model, data = vl_task
+    comparable = [lambda rows: [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))}
+                                for r in rows]][0]
+    RLTrainer(overrides(model, data, tmp_path / "full", "trainer.logger=[file]")).fit()
+    part = tmp_path / "part"
+    RLTrainer(overrides(model, data, part, "trainer.logger=[file]", "trainer.total_training_steps=1")).fit()
+    RLTrainer(overrides(model, data, part, "trainer.logger=[file]")).fit()
+    full, resumed = comparable(read_metrics(tmp_path / "full")), comparable(read_metrics(part))
+    assert [r["step"] for r in resumed] == [r["step"] for r in full]
+    for a, b in zip(full, resumed):
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+
+
+def test_freeze_vision_tower_keeps_the_vision_weights(vl_task, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    model, data = vl_task
+    start = AutoModelForImageTextToText.from_pretrained(model).state_dict()  # the checkpoint's names
+
+    def visual_change(run, *extra):
+        RLTrainer(overrides(model, data, run, "trainer.logger=[file]", "trainer.total_training_steps=1",
+                            "actor_rollout_ref.actor.optim.lr=5e-2", "trainer.test_freq=-1", *extra)).fit()
+        trained = load_file(str(run / "global_step_1" / "actor_model.safetensors"))
+        change = {}
+        for prefix in ("model.visual.", "model.language_model."):
+            keys = [k for k in start if k.startswith(prefix)]
+            assert keys and all(k in trained for k in keys)
+            change[prefix] = max(float((trained[k].float() - start[k].float()).abs().max()) for k in keys)
+        return change
+
+    frozen = visual_change(tmp_path / "frozen", "actor_rollout_ref.actor.freeze_vision_tower=true")
+    assert frozen["model.visual."] == 0.0 and frozen["model.language_model."] > 1e-4
+    free = visual_change(tmp_path / "free")
+    assert free["model.visual."] > 1e-4
+
+
+def test_image_rows_for_a_text_model_are_refused_by_name(vl_task, tiny_model_dir, tmp_path):
+    _, data = vl_task
+    proc = subprocess.run([HYFLOW, "train", *overrides(tiny_model_dir, data, tmp_path / "run")], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "column 'images' holds images, but the model is a text-only language model" in proc.stdout + proc.stderr
