@@ -10,6 +10,8 @@
 #   - MODEL=warm: that model after 150 SFT steps on the arithmetic task (about half a minute, once), so its
 #     rollouts score above zero sometimes: a random model's GRPO groups all score 0 (zero advantages everywhere)
 #     and DAPO's dynamic sampling would find no group worth keeping;
+#   - MODEL=tiny-vl: `hyflow init-model --preset tiny-vl`, a random tiny Qwen2-VL model (the vision-language
+#     examples, with the built-in `shapes` task: images of coloured shapes, answer after `####`);
 #   - `hyflow data make arithmetic` (one-digit `a + b` / `a - b` questions, answer after `####`, scored 0/1 by
 #     the built-in checker) instead of GSM8K, or `hyflow data make calculator` for the multi-turn example.
 # They are made once into a cache directory and reused by every example (and every later run).
@@ -87,6 +89,21 @@ _cpu_tiny_model() {
     CPU_MODEL=$dest
 }
 
+# _cpu_tiny_vl_model: CPU_CACHE/tiny_vl_model, a random-weight tiny Qwen2-VL model (vision tower, tokenizer with the
+# vision tokens, image processor), made once.
+_cpu_tiny_vl_model() {
+    local dest="$CPU_CACHE/tiny_vl_model" tmp
+    if [ ! -e "$dest" ]; then
+        mkdir -p "$CPU_CACHE"
+        echo "examples: making the tiny vision-language model in $dest (once)" >&2
+        tmp=$(mktemp -d "$dest.tmp.XXXXXX")
+        _cpu_log "$tmp" "$tmp.log" "${HYFLOW[@]}" init-model --preset tiny-vl --seed 0 --out "$tmp"
+        rm -f "$tmp.log"
+        _cpu_publish "$tmp" "$dest"
+    fi
+    CPU_MODEL=$dest
+}
+
 # _cpu_warm_model: CPU_CACHE/warm_model, the tiny model after 150 SFT steps on the arithmetic task, made once.
 _cpu_warm_model() {
     local dest="$CPU_CACHE/warm_model" tmp data model
@@ -137,8 +154,9 @@ cpu_setup() {
     local data=$CPU_DATA
     case "$model" in
         tiny) _cpu_tiny_model ;;
+        tiny-vl) _cpu_tiny_vl_model ;;
         warm) _cpu_warm_model ;;
-        *) echo "cpu_setup: MODEL must be tiny or warm, got '$model'" >&2; return 1 ;;
+        *) echo "cpu_setup: MODEL must be tiny, tiny-vl or warm, got '$model'" >&2; return 1 ;;
     esac
     CPU_DATA=$data
 

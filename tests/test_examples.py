@@ -25,7 +25,7 @@ SHELL_FILES = sorted(EXAMPLES.rglob("*.sh"))
 # runnable scripts: everything but the sourced helpers (examples/_*.sh)
 SCRIPTS = [p for p in SHELL_FILES if not p.name.startswith("_")]
 # the run directory holds metrics.jsonl (RL and SFT) or the converted data (the GSM8K preprocessor)
-DATA_SCRIPTS = {"data_preprocess/gsm8k.sh"}
+DATA_SCRIPTS = {"data_preprocess/gsm8k.sh", "data_preprocess/geo3k.sh"}
 VLLM_SCRIPTS = {"vllm/run_qwen2_5_0_5b_grpo_vllm.sh"}
 SFT_SCRIPTS = {"sft/gsm8k/run_qwen2_5_0_5b_sft.sh"}
 
@@ -50,6 +50,8 @@ def test_the_examples_follow_verls_layout():
         "multi_turn/run_qwen2_5_0_5b_calculator.sh",
         "custom_reward/run_qwen2_5_0_5b_grpo_custom_reward.sh",
         "multi_node/run_grpo_multinode.sh",
+        "data_preprocess/geo3k.sh",
+        "grpo_trainer/run_qwen2_5_vl-7b.sh",
     ]:
         assert expected in names, f"examples/{expected} is missing"
     assert (EXAMPLES / "custom_reward" / "reward.py").is_file()
@@ -108,6 +110,9 @@ def test_gpu_variant_builds_a_valid_config(path, tmp_path):
         "GSM8K_TEST_FILE": str(data / "test.parquet"),
         "CALC_DATA_DIR": str(data),
         "GSM8K_RAW_DIR": str(data),
+        "GEO3K_TRAIN_FILE": str(data / "train.parquet"),
+        "GEO3K_TEST_FILE": str(data / "test.parquet"),
+        "GEO3K_RAW_DIR": str(data),
         "OUT_DIR": str(tmp_path / "out"),
     }
     proc = subprocess.run(
@@ -117,6 +122,9 @@ def test_gpu_variant_builds_a_valid_config(path, tmp_path):
     assert proc.stdout.startswith("+ "), "the script prints the command it runs"
     calls = recorded_calls(record_dir)
     assert calls, "the script ran no hyflow command"
+    if rel(path) == "data_preprocess/geo3k.sh":
+        assert calls == [["data", "geo3k", "--input", str(data), "--out", str(tmp_path / "out")]]
+        return
     if rel(path) in DATA_SCRIPTS:
         assert sorted(call[:2] + call[-2:] for call in calls) == [
             ["data", "gsm8k", "--split", "test"],

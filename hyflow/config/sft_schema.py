@@ -62,6 +62,13 @@ class SFTDataConfig:
         "messages", "Multi-turn: column holding the conversation (list of {role, content}); used when present."
     )
     tools_key: str = option("tools", "Multi-turn: column holding tool schemas passed to the chat template.")
+    image_key: str = option(
+        "images", "Column holding a row's images (verl's format; one <image> in the messages' text per image). "
+        "Needs a vision-language model (Qwen2-VL family); image tokens are never trained on."
+    )
+    mm_processor_kwargs: dict[str, Any] = option(
+        {}, "Keyword arguments for every call of the model's image processor (e.g. max_pixels)."
+    )
     max_length: int = option(
         1024, "Longest conversation, in tokens; longer ones follow data.truncation (verl: 2048)."
     )

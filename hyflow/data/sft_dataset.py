@@ -15,6 +15,12 @@ turn INCLUDING its end-of-turn token (`<|im_end|>` for ChatML). verl's SFT datas
 out of the loss, so its models never learn to stop; hyflow's do. Text the template adds after the end-of-turn
 token (ChatML's trailing newline) is not trained on.
 
+Images (vision-language models, given a `processor`, `hyflow.models.vision.VisionProcessor`): a row's `images`
+column (`image_key`) and `<image>` placeholders in its messages' text, as in RL rows (`hyflow.data.rl_dataset`).
+The conversation is rendered with one image pad token per image, the spans found on it, then each image's pad is
+expanded into the image's tokens (never trained on); the item gains `multi_modal_inputs` and M-RoPE positions, and
+a batch's `position_ids` are [B, 4, L] (right padding: 0). A conversation with images is never truncated.
+
 Masks are found on characters, not tokens: the template is rendered for each prefix of the conversation, the
 character span of each assistant turn is read off, and tokens whose character offsets fall in a span are
 trained on. This needs a fast tokenizer (offset mapping) and works for any template that renders prefixes as
@@ -30,7 +36,15 @@ import numpy as np
 import torch
 
 from hyflow.batch import Batch
-from hyflow.data.rl_dataset import DataError, _as_messages, row_sources
+from hyflow.data.images import ImageError, decode_images
+from hyflow.data.rl_dataset import (
+    DataError,
+    _as_messages,
+    _media_list,
+    _placeholders,
+    row_sources,
+    typed_content,
+)
 
 
 def _lookup(row: dict, key: str):
@@ -88,6 +102,8 @@ class SFTDataset:
         tools_key: str = "tools",
         max_samples: int = -1,
         seed: int = 0,
+        image_key: str = "images",
+        processor=None,
     ) -> None:
         if truncation not in ("error", "left", "right"):
             raise ValueError(f"SFT truncation={truncation!r} is not valid; choose error, left or right")
@@ -95,7 +111,9 @@ class SFTDataset:
             raise ValueError("the SFT dataset needs a fast tokenizer (offset mapping) to place the loss mask")
         sources = row_sources(files)  # data files, or in-memory rows (a list of dicts, a datasets.Dataset)
         self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
+        self.processor = processor
         self.examples: list[tuple[list[dict], list | None, str]] = []
+        self.images: list[list] = []
         for label, rows in sources:
             if not rows:
                 raise DataError(f"{label} holds no rows; give at least one conversation (or drop it from "
@@ -103,10 +121,24 @@ class SFTDataset:
             for i, row in enumerate(rows):
                 where = f"{label} row {i}"
                 tools = _lookup(row, tools_key)
-                self.examples.append((_conversation(row, where, prompt_key, response_key, messages_key), tools, where))
+                messages = _conversation(row, where, prompt_key, response_key, messages_key)
+                images = _media_list(row.get(image_key))
+                if images and processor is None:
+                    raise DataError(f"{where}: column {image_key!r} holds images, but the model is a text-only "
+                                    "language model (they would be silently dropped); fine-tune a vision-language "
+                                    "model (Qwen2-VL / Qwen2.5-VL family) or use text-only rows")
+                if processor is not None:
+                    messages = typed_content(messages)
+                    found = _placeholders(messages, "image")
+                    if found != len(images):
+                        raise DataError(f"{where}: the conversation has {found} <image> placeholder(s) but column "
+                                        f"{image_key!r} holds {len(images)} image(s); write one <image> per image")
+                self.examples.append((messages, tools, where))
+                self.images.append(images)
         if max_samples is not None and 0 < max_samples < len(self.examples):
             keep = np.random.default_rng(seed).permutation(len(self.examples))[:max_samples]
             self.examples = [self.examples[i] for i in sorted(keep)]
+            self.images = [self.images[i] for i in sorted(keep)]
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -139,6 +171,8 @@ class SFTDataset:
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = enc["input_ids"], enc["offset_mapping"]
         loss_mask = [int(any(s <= a < e for s, e in spans)) for a, _ in offsets]
+        if self.processor is not None:
+            return self._with_images(i, ids, loss_mask, where)
         if len(ids) > self.max_length:
             if self.truncation == "error":
                 raise DataError(f"{where}: the conversation has {len(ids)} tokens, more than max_length="
@@ -153,13 +187,59 @@ class SFTDataset:
             "loss_mask": torch.tensor(loss_mask, dtype=torch.long),
         }
 
+    def _with_images(self, i: int, ids: list[int], loss_mask: list[int], where: str) -> dict:
+        """Item i of a vision-language model: each image pad expanded into its image's tokens (loss 0)."""
+        try:
+            images = decode_images(self.images[i], where)
+        except ImageError as err:
+            raise DataError(str(err)) from None
+        inputs = self.processor.images(images) if images else {}
+        try:
+            expanded = self.processor.expand(ids, inputs.get("image_grid_thw"))
+        except ValueError as err:
+            raise DataError(f"{where}: {err}") from None
+        mask = _expand_mask(ids, loss_mask, self.processor.token_counts(inputs.get("image_grid_thw")),
+                            self.processor.tokens.image_token_id)
+        if len(expanded) > self.max_length:
+            if images or self.truncation == "error":
+                raise DataError(f"{where}: the conversation has {len(expanded)} tokens"
+                                f"{' with its images expanded' if images else ''}, more than max_length="
+                                f"{self.max_length}; raise data.max_length" + (
+                                    " (a conversation with images is not truncated: a cut would split an image)"
+                                    if images else " or set data.truncation=left|right"))
+            keep = slice(-self.max_length, None) if self.truncation == "left" else slice(0, self.max_length)
+            expanded, mask = expanded[keep], mask[keep]
+        input_ids = torch.tensor(expanded, dtype=torch.long)
+        from_processor = self.processor.positions(expanded, inputs.get("image_grid_thw"))
+        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+                "position_ids": from_processor, "loss_mask": torch.tensor(mask, dtype=torch.long),
+                "multi_modal_inputs": inputs}
+
     def collate(self, items: Sequence[dict[str, torch.Tensor]], pad_to: int | None = None) -> Batch:
-        """Right-pad to the longest item (or `pad_to`); padding has attention_mask = loss_mask = 0."""
+        """Right-pad to the longest item (or `pad_to`); padding has attention_mask = loss_mask = 0 (and position 0).
+        Items of a vision-language model: `position_ids` [B, 4, L] and a `multi_modal_inputs` column."""
         width = pad_to or max(len(item["input_ids"]) for item in items)
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        out = {key: torch.zeros((len(items), width), dtype=torch.long) for key in items[0]}
+        tensor_keys = [key for key in items[0] if key != "multi_modal_inputs"]
+        out = {key: torch.zeros((len(items), *items[0][key].shape[:-1], width), dtype=torch.long)
+               for key in tensor_keys}
         out["input_ids"].fill_(pad_id)
         for row, item in enumerate(items):
-            for key, value in item.items():
-                out[key][row, : len(value)] = value
-        return Batch(out)
+            for key in tensor_keys:
+                value = item[key]
+                out[key][row, ..., : value.shape[-1]] = value
+        non_tensors = ({"multi_modal_inputs": [item["multi_modal_inputs"] for item in items]}
+                       if "multi_modal_inputs" in items[0] else None)
+        return Batch(out, non_tensors)
+
+
+def _expand_mask(ids: list[int], loss_mask: list[int], counts: list[int], pad: int) -> list[int]:
+    """The loss mask of `ids` with image k's pad token repeated counts[k] times: image tokens are never trained on."""
+    mask, k = [], 0
+    for token, trained in zip(ids, loss_mask):
+        if token == pad and k < len(counts):
+            mask.extend([0] * counts[k])
+            k += 1
+        else:
+            mask.append(trained)
+    return mask

@@ -238,6 +238,14 @@ class VisionProcessor:
         tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         return cls(image_processor, tokenizer, tokens, image_kwargs)
 
+    def token_counts(self, image_grid_thw: Tensor | None) -> list[int]:
+        """The tokens each image takes (`image_token_counts` with this model's merge size)."""
+        return image_token_counts(image_grid_thw, self.tokens.spatial_merge_size)
+
+    def positions(self, input_ids: Sequence[int], image_grid_thw: Tensor | None = None) -> Tensor:
+        """[4, L] positions of an expanded sequence (`position_ids_4d`)."""
+        return position_ids_4d(self.tokens, input_ids, image_grid_thw)
+
     def save_pretrained(self, directory: str | Path) -> None:
         """Write the tokenizer and the image processor (`preprocessor_config.json`) into `directory`: what a
         checkpoint and an export need for the model to load its inputs again."""

@@ -51,6 +51,7 @@ from hyflow.config import (
 from hyflow.config.arithmetic import (
     own_pool_roles,
     role_devices,
+    uses_critic,
     uses_reference,
 )
 from hyflow.config.loader import derived_default_notes
@@ -127,6 +128,16 @@ class RLTrainer:
         self.processor = prompt_processor(cfg.actor_rollout_ref.model.path, self.tokenizer,
                                           trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,
                                           data_cfg=cfg.data)
+        if self.processor is not None and uses_critic(cfg):
+            raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} trains a critic, and a critic of a "
+                             "vision-language model is not supported yet (the value model is a text-only token "
+                             "classifier); use a critic-free estimator: algorithm.adv_estimator=grpo (or rloo, "
+                             "reinforce_plus_plus, ...)")
+        if self.processor is not None and cfg.actor_rollout_ref.rollout.name != "hf":
+            raise ValueError(f"actor_rollout_ref.rollout.name={cfg.actor_rollout_ref.rollout.name}: the rollout of a "
+                             "vision-language model runs on the hf engine only so far (vLLM's needs its image "
+                             "processor, which transformers builds only with torchvision); set "
+                             "actor_rollout_ref.rollout.name=hf")
         inputs = {"data_cfg": cfg.data, "tokenizer": self.tokenizer, "processor": self.processor,
                   "tool_config_path": cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path}
         self.train_dataset = rl_dataset(train_dataset, cfg.data.train_files, cfg.data.train_max_samples, "train",

@@ -66,6 +66,7 @@ from hyflow.models.loading import load_tokenizer
 from hyflow.specs import ModelSpec, SFTBatches, SFTSpec, TrainEngineSpec
 from hyflow.threads import configure_threads
 from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from hyflow.trainer.rl_datasets import prompt_processor
 from hyflow.trainer.run_dir import claim_run_directory
 from hyflow.trainer.tracking import (
     ProgressBar,
@@ -191,6 +192,10 @@ class SFTTrainer:
                               "or hub id> (the model to fine-tune), or pass model=")
         self.given_model = model
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
+        # a vision-language model's image processor: image rows are expanded into the image's tokens
+        model_path = cfg.model.partial_pretrain or cfg.model.tokenizer_path
+        self.processor = (prompt_processor(model_path, self.tokenizer, trust_remote_code=cfg.model.trust_remote_code,
+                                           data_cfg=cfg.data) if model_path else None)
         # a dataset object is used as given; in-memory rows (a list of dicts, a datasets.Dataset) become an SFTDataset
         if train_dataset is None:
             self.train_dataset = self._dataset(cfg.data.train_files, cfg.data.train_max_samples, "data.train_files")
@@ -234,7 +239,8 @@ class SFTTrainer:
         d = self.config.data
         return SFTDataset(files, self.tokenizer, max_length=d.max_length, truncation=d.truncation,
                           prompt_key=d.prompt_key, response_key=d.response_key, messages_key=d.messages_key,
-                          tools_key=d.tools_key, max_samples=max_samples, seed=self.config.trainer.seed)
+                          tools_key=d.tools_key, max_samples=max_samples, seed=self.config.trainer.seed,
+                          image_key=d.image_key, processor=self.processor)
 
     def setup(self) -> None:
         """Start the workers (in this process, or one Ray actor per device) and load the model into them."""
@@ -372,7 +378,8 @@ class SFTTrainer:
         components = dict(self.workers.state_dict())  # collective; rank 0's full components
         components["trainer_state"] = {"step": self.step, "loader": self.loader.state_dict(),
                                        "rng": capture_rng_state()}
-        return self.checkpoints.save(self.step, components, tokenizer=self.tokenizer, hf_config=self.hf_config,
+        return self.checkpoints.save(self.step, components, tokenizer=self.processor or self.tokenizer,
+                                     hf_config=self.hf_config,
                                      generation_config=self.generation_config,
                                      config_yaml=config_to_yaml(self.config))
 

@@ -47,9 +47,11 @@ SFT_COLUMNS = ("response_mask",)
 
 def as_engine_batch(batch: Batch) -> Batch:
     """The engine's layout of an SFT batch: the response span is the last L - 1 columns (module docstring)."""
+    images = ({"multi_modal_inputs": batch["multi_modal_inputs"]}  # a vision-language model's images
+              if "multi_modal_inputs" in batch.non_tensors else None)
     return Batch({"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
                   "position_ids": batch["position_ids"], "responses": batch["input_ids"][:, 1:],
-                  "response_mask": batch["loss_mask"][:, 1:]})
+                  "response_mask": batch["loss_mask"][:, 1:]}, images)
 
 
 def sft_loss(out: dict, cols: dict, ctx: MicroContext) -> tuple[torch.Tensor, dict]:

@@ -127,3 +127,30 @@ def test_image_rows_for_a_text_model_are_refused_by_name(vl_task, tiny_model_dir
                           text=True, timeout=300)
     assert proc.returncode != 0
     assert "column 'images' holds images, but the model is a text-only language model" in proc.stdout + proc.stderr
+
+
+def test_a_critic_for_a_vision_language_model_is_refused_by_name(vl_task, tmp_path):
+    model, data = vl_task
+    with pytest.raises(ValueError, match=r"algorithm.adv_estimator=gae trains a critic, and a critic of a vision-"
+                                         r"language model is not supported yet.*adv_estimator=grpo"):
+        RLTrainer(overrides(model, data, tmp_path / "run", "algorithm.adv_estimator=gae"))
+
+
+def test_a_vllm_rollout_of_a_vision_language_model_is_refused_by_name(vl_task, tmp_path):
+    import importlib.util
+
+    model, data = vl_task
+    # without vllm installed the config check stops first, naming the missing package
+    expected = (r"rollout.name=vllm: the rollout of a vision-language model runs on the hf engine only so far"
+                if importlib.util.find_spec("vllm") else r"rollout.name=vllm needs the vllm package")
+    with pytest.raises(ValueError, match=expected):
+        RLTrainer(overrides(model, data, tmp_path / "run", "actor_rollout_ref.rollout.name=vllm"))
+
+
+@pytest.mark.vllm
+def test_with_vllm_installed_a_vllm_rollout_of_a_vision_language_model_is_refused_by_name(vl_task, tmp_path):
+    pytest.importorskip("vllm")
+    model, data = vl_task
+    with pytest.raises(ValueError, match=r"rollout.name=vllm: the rollout of a vision-language model runs on the hf "
+                                         r"engine only so far"):
+        RLTrainer(overrides(model, data, tmp_path / "run", "actor_rollout_ref.rollout.name=vllm"))
