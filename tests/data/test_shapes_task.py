@@ -209,3 +209,21 @@ def test_scorer_gives_zero_to_a_wrong_answer_by_default():
                                                                              "pred": "blue"}
     assert shapes_scorer.compute_score(DATA_SOURCE, "#### 4", 4)["acc"] is True  # an int ground truth
     assert shapes_scorer.compute_score(DATA_SOURCE, "#### red", "Red ")["acc"] is True
+
+
+def test_answer_line_rate_makes_imperfect_demonstrations_of_the_train_split_only():
+    from hyflow.data.tasks import shapes
+
+    rows = shapes.generate(n_train=200, n_test=20, seed=3, answer_line_rate=0.5)
+    train = [row["extra_info"]["answer"] for row in rows["train"]]
+    with_line = sum(answer.startswith("####") for answer in train)
+    assert 70 < with_line < 130
+    for row, answer in zip(rows["train"], train):  # the other half says the answer in a sentence
+        truth = row["reward_model"]["ground_truth"]
+        assert answer in (f"#### {truth}", f"It is {truth}.")
+    assert all(row["extra_info"]["answer"].startswith("####") for row in rows["test"])
+    same = shapes.generate(n_train=200, n_test=20, seed=3)
+    assert [r["reward_model"] for r in same["train"]] == [r["reward_model"] for r in rows["train"]]
+    assert [r["images"] for r in same["test"]] == [r["images"] for r in rows["test"]]
+    with pytest.raises(ValueError, match=r"answer_line_rate must be in \[0, 1\]"):
+        shapes.generate(n_train=2, n_test=2, seed=0, answer_line_rate=1.5)

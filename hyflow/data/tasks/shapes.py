@@ -84,13 +84,22 @@ def generate(
     image_size: int = 56,
     min_shapes: int = 1,
     max_shapes: int = 4,
+    answer_line_rate: float = 1.0,
 ) -> dict[str, list[dict]]:
     """Rows of both splits in memory: {"train": [...], "test": [...]} (see the module docstring).
+
+    `answer_line_rate` < 1 makes the SFT demonstrations of the train split imperfect, as the arithmetic task's:
+    that fraction of them (chosen with the seed) is the `#### answer` line the scorer reads, the rest say the answer
+    in a sentence without the line ("It is red." / "There are 3."). Prompts, images and ground truths are
+    unchanged, and the test split always has the line.
 
     Each row is a verl row plus an `images` column ``[{"bytes": <png>}]``; `extra_info` also holds the drawn
     `colour`, `count` and `kinds` (the shapes' kinds in quarter order).
     """
     check_sizes(request.n_train, request.n_test)
+    if not 0.0 <= answer_line_rate <= 1.0:
+        raise ValueError(f"answer_line_rate must be in [0, 1], got {answer_line_rate}")
+    line_rng = Random(request.seed + 1)
     question = "colour" if question == "color" else question
     if question not in QUESTIONS:
         raise ValueError(f"question must be one of {', '.join(QUESTIONS)}, got {question!r}")
@@ -123,16 +132,19 @@ def generate(
     )
     return request.rows(problems, lambda problem, split, i: _row(
         problem, split, i, image_size, request.instruction, request.system_prompt,
+        answer_line=split != "train" or line_rng.random() < answer_line_rate,
     ))
 
 
-def _row(problem: Problem, split: str, index: int, image_size: int, instruction: str, system_prompt) -> dict:
+def _row(problem: Problem, split: str, index: int, image_size: int, instruction: str, system_prompt,
+         answer_line: bool = True) -> dict:
     asked, colour, shapes = problem
     answer = colour if asked == "colour" else str(len(shapes))
     content = f"<image>{question_text(asked, len(shapes))} {instruction}".strip()
+    worked = f"#### {answer}" if answer_line else (f"It is {answer}." if asked == "colour" else f"There are {answer}.")
     return make_row(
         DATA_SOURCE, content, ability="vision", ground_truth=answer, split=split, index=index,
-        extra={"question": content, "answer": f"#### {answer}", "colour": colour, "count": len(shapes),
+        extra={"question": content, "answer": worked, "colour": colour, "count": len(shapes),
                "kinds": [kind for _, kind, *_ in shapes]},
         system_prompt=system_prompt, images=[draw_image(colour, shapes, image_size)],
     )
