@@ -156,6 +156,7 @@ class BatchingServer:
             batch["max_new_tokens"] = budgets
         if any(r.media for r in heads):  # the engine computes the positions from the ids and the image grids
             batch["multi_modal_inputs"] = [(r.media or {}).get("multi_modal_inputs") for r in heads]
+            batch["multi_modal_data"] = [(r.media or {}).get("multi_modal_data") for r in heads]  # vLLM's images
         return batch
 
 

@@ -54,6 +54,8 @@ import torch
 
 from hyflow.batch import Batch
 from hyflow.models.loading import as_torch_dtype
+from hyflow.models.vision import VisionTokens, image_token_counts, is_vision_config
+from hyflow.rollout import vllm_vision
 from hyflow.rollout.base import (
     EngineSpec,
     RolloutEngineError,
@@ -232,8 +234,28 @@ class VLLMRolloutEngine:
             raise VLLMEngineError(f"the vllm engine cannot read the model config at {self.model_path!r}: {err}. "
                                   "Set actor_rollout_ref.model.path to a Hugging Face model directory") from err
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        # a vision-language model (Qwen2-VL): images in, vLLM's processor made to run without torchvision
+        self.vision = VisionTokens.from_config(hf_config) if is_vision_config(hf_config) else None
+        if self.vision is not None:
+            if self.tp > 1:
+                raise VLLMEngineError("the vllm rollout of a vision-language model runs one engine per device so far "
+                                      "(tensor_model_parallel_size=1)")
+            try:
+                vllm_vision.register(hf_config.model_type)
+            except ValueError as err:
+                raise VLLMEngineError(str(err)) from err
+            if self._expected is not None:  # checkpoint names (model.*, visual.*) in the trainer's layout
+                self._expected = {vllm_vision.canonical_name(k): v for k, v in self._expected.items()}
+            if load_format == "dummy":
+                # vLLM's vision tower holds buffers (its rotary frequencies) that no weight sync carries: random
+                # values under dummy loading (measured: log-probs off by 0.1 on image prompts)
+                warnings.warn("actor_rollout_ref.rollout.load_format=dummy: the vllm engine of a vision-language "
+                              "model loads the checkpoint (load_format=auto) so that its vision tower's buffers, which "
+                              "the weight sync does not carry, are real; start-up only", stacklevel=2)
+                load_format = "auto"
         args = dict(
-            model=self.model_path, skip_tokenizer_init=True, dtype=self.dtype, load_format=load_format,
+            # vLLM's multimodal processor needs the tokenizer; a text model's engine needs none (token ids in and out)
+            model=self.model_path, skip_tokenizer_init=self.vision is None, dtype=self.dtype, load_format=load_format,
             trust_remote_code=trust_remote_code, max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
             # without chunked prefill vLLM needs room for one whole sequence per scheduler step
             max_num_batched_tokens=(max_num_batched_tokens if enable_chunked_prefill
@@ -318,7 +340,6 @@ class VLLMRolloutEngine:
         if (prompt_mask[:, -1] == 0).any():
             raise ValueError("prompts must be LEFT-padded (the last position of every row must be a real token)")
         from vllm import SamplingParams as VLLMSamplingParams
-        from vllm.inputs import TokensPrompt
 
         token_lists = [row[mask.bool()].tolist() for row, mask in zip(input_ids, prompt_mask)]
         budgets = prompt_budgets(prompts, params).tolist()  # new tokens per prompt (agent-loop turns differ)
@@ -334,8 +355,9 @@ class VLLMRolloutEngine:
         all_tokens, all_seeds, all_budgets, first = self._gather_prompts(token_lists, seeds, budgets, params)
         sampling = [VLLMSamplingParams(**base, max_tokens=budget, seed=seed)
                     for seed, budget in zip(all_seeds, all_budgets)]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=t) for t in all_tokens], sampling,
-                                    use_tqdm=False)[first : first + len(token_lists)]
+        media = self._media(prompts) if first == 0 and len(all_tokens) == len(token_lists) else [None] * len(all_tokens)
+        requests = [self._prompt(t, m) for t, m in zip(all_tokens, media)]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)[first : first + len(token_lists)]
         rows = len(token_lists) * params.n
         R = params.max_new_tokens
         responses = torch.full((rows, R), self.pad_token_id, dtype=torch.long)
@@ -362,7 +384,7 @@ class VLLMRolloutEngine:
             raise VLLMEngineError("rollout.agent.batching=continuous with tensor_model_parallel_size > 1: the ranks "
                                   "of one tensor-parallel engine must run the same requests in the same steps, which "
                                   "per-request scheduling cannot promise; use batching=barrier or eager")
-        return VLLMTokenStream(self.llm.llm_engine, self._sampling_kwargs(params) | {"n": 1})
+        return VLLMTokenStream(self.llm.llm_engine, self._sampling_kwargs(params) | {"n": 1}, self.vision)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load one complete set of weights (see `update_weights`)."""
@@ -394,6 +416,8 @@ class VLLMRolloutEngine:
 
             loaded = self._guarded(load_streaming)
         self.llm.reset_prefix_cache()
+        if self.vision is not None:  # the image features of the old weights: stale otherwise, or a cache miss
+            self.llm.llm_engine.reset_encoder_cache()
         return loaded
 
     def sleep(self) -> None:
@@ -447,6 +471,28 @@ class VLLMRolloutEngine:
         return ([t for g in gathered for t in g[0]], [x for g in gathered for x in g[1]],
                 [b for g in gathered for b in g[4]], first)
 
+    def _media(self, prompts: Batch) -> list:
+        """Per row, (PIL images, tokens per image) of a vision-language prompt, or None (module docstring of
+        `hyflow.rollout.vllm_vision`); images for a text model are an error."""
+        inputs = list(prompts["multi_modal_inputs"]) if "multi_modal_inputs" in prompts.non_tensors else None
+        data = list(prompts["multi_modal_data"]) if "multi_modal_data" in prompts.non_tensors else None
+        if self.vision is None:
+            if any(inputs or []) or any(data or []):
+                raise ValueError("the prompts carry images but the rollout model is not a vision-language model")
+            return [None] * len(prompts)
+        return [_row_media(self.vision, (inputs or [None] * len(prompts))[i], (data or [None] * len(prompts))[i])
+                for i in range(len(prompts))]
+
+    def _prompt(self, token_ids: list[int], media):
+        """vLLM's TokensPrompt: the ids, and for an image prompt one pad per image plus the images."""
+        from vllm.inputs import TokensPrompt
+
+        if media is None:
+            return TokensPrompt(prompt_token_ids=list(token_ids))
+        images, counts = media
+        ids = vllm_vision.one_pad_per_image(token_ids, counts, self.vision.image_token_id)
+        return TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": list(images)})
+
     def _model_runner(self):
         executor = self.llm.llm_engine.model_executor
         return executor.driver_worker.worker.model_runner
@@ -458,6 +504,8 @@ class VLLMRolloutEngine:
             key = name
             for prefix in _WRAPPER_PREFIXES:
                 key = key.replace(prefix, "")
+            if self.vision is not None:
+                key = vllm_vision.canonical_name(key)
             if self._expected is not None:
                 if key == "lm_head.weight" and self.tied:
                     continue  # the tied head is the embedding: vLLM loads it from embed_tokens
@@ -496,9 +544,26 @@ class VLLMRolloutEngine:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
         self._model_runner().reload_weights(weights_iterator=iter(weights))
-        if self.tied and hasattr(self.model, "lm_head"):
-            dispatch_cpu_unquantized_gemm(self.model.lm_head, remove_weight=False)
+        if self.tied:  # the head of a vision-language model sits in its language model
+            head = getattr(self.model, "lm_head", None) or getattr(getattr(self.model, "language_model", None),
+                                                                    "lm_head", None)
+            if head is not None:
+                dispatch_cpu_unquantized_gemm(head, remove_weight=False)
         return len(weights)
+
+
+def _row_media(vision: VisionTokens, inputs: dict | None, data: dict | None):
+    """(PIL images, tokens per image) of one prompt row, None without images; images without their processed
+    inputs (the token counts) are an error."""
+    images = list((data or {}).get("image") or [])
+    grid = (inputs or {}).get("image_grid_thw")
+    if not images and (grid is None or not len(grid)):
+        return None
+    counts = image_token_counts(grid, vision.spatial_merge_size)
+    if len(images) != len(counts):
+        raise ValueError(f"a prompt row has {len(images)} image(s) in multi_modal_data but {len(counts)} in "
+                         "multi_modal_inputs; the vllm engine needs both (the rows of hyflow's RLDataset carry both)")
+    return images, counts
 
 
 class _Live:
@@ -524,10 +589,11 @@ class VLLMTokenStream:
     metrics: `step_count` (engine steps), `seconds` (time inside them), `step_sizes` (requests running per step).
     """
 
-    def __init__(self, llm_engine, sampling_kwargs: dict) -> None:
+    def __init__(self, llm_engine, sampling_kwargs: dict, vision: VisionTokens | None = None) -> None:
         from vllm.sampling_params import RequestOutputKind
 
         self._engine = llm_engine
+        self._vision = vision
         self._kwargs = dict(sampling_kwargs, output_kind=RequestOutputKind.DELTA)
         self._log_probs = sampling_kwargs.get("logprobs") is not None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -611,8 +677,16 @@ class VLLMTokenStream:
             return
         seed = None if request.seed is None else int(request.seed) % (2**63 - 1)
         params = VLLMSamplingParams(**self._kwargs, max_tokens=max(1, int(request.max_tokens)), seed=seed)
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
         try:
-            self._engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(request.prompt_ids)), params)
+            if self._vision is not None:
+                media = _row_media(self._vision, request.multi_modal_inputs, request.multi_modal_data)
+                if media is not None:
+                    prompt = TokensPrompt(prompt_token_ids=vllm_vision.one_pad_per_image(
+                        request.prompt_ids, media[1], self._vision.image_token_id), multi_modal_data={"image": media[0]})
+            elif request.multi_modal_inputs or request.multi_modal_data:
+                raise ValueError("a request carries images but the rollout model is not a vision-language model")
+            self._engine.add_request(request_id, prompt, params)
         except Exception as err:  # a bad request (too long for max_model_len, ...) fails alone
             future.set_exception(err)
             return

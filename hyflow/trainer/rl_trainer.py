@@ -133,11 +133,12 @@ class RLTrainer:
                              "vision-language model is not supported yet (the value model is a text-only token "
                              "classifier); use a critic-free estimator: algorithm.adv_estimator=grpo (or rloo, "
                              "reinforce_plus_plus, ...)")
-        if self.processor is not None and cfg.actor_rollout_ref.rollout.name != "hf":
-            raise ValueError(f"actor_rollout_ref.rollout.name={cfg.actor_rollout_ref.rollout.name}: the rollout of a "
-                             "vision-language model runs on the hf engine only so far (vLLM's needs its image "
-                             "processor, which transformers builds only with torchvision); set "
-                             "actor_rollout_ref.rollout.name=hf")
+        if (self.processor is not None and cfg.actor_rollout_ref.rollout.name == "vllm"
+                and cfg.data.mm_processor_kwargs):
+            raise ValueError("data.mm_processor_kwargs with actor_rollout_ref.rollout.name=vllm: vLLM processes the "
+                             "images with the model's own image processor settings, so the rollout and the trainer "
+                             "would see different image sizes; put min_pixels / max_pixels into the model's "
+                             "preprocessor_config.json instead (or use rollout.name=hf)")
         inputs = {"data_cfg": cfg.data, "tokenizer": self.tokenizer, "processor": self.processor,
                   "tool_config_path": cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path}
         self.train_dataset = rl_dataset(train_dataset, cfg.data.train_files, cfg.data.train_max_samples, "train",

@@ -4,15 +4,12 @@ the agent loop's barrier, eager and continuous servers."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
-from PIL import Image
+from vision import image_prompts, tiny_vl
 
 from hyflow.batch import Batch
 from hyflow.config import load_config
-from hyflow.data.rl_dataset import RLDataset
 from hyflow.models.forward import response_logprobs
 from hyflow.models.vision import concat_multi_modal_inputs
 from hyflow.rollout.base import SamplingParams
@@ -22,31 +19,10 @@ from hyflow.rollout.manager import AgentLoopManager
 R = 6
 
 
-def _png(colour, size=(56, 56)) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", size, colour).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
 @pytest.fixture(scope="module")
 def vl(tmp_path_factory):
-    from transformers import AutoModelForImageTextToText
-
-    from hyflow.models.tiny import make_tiny_model
-    from hyflow.models.vision import VisionProcessor
-
-    path = make_tiny_model(tmp_path_factory.mktemp("vl") / "m", preset="tiny-vl", seed=1)
-    model = AutoModelForImageTextToText.from_pretrained(path).eval()
-    return model, VisionProcessor.from_pretrained(path)
-
-
-def _prompts(processor, colours=((200, 30, 30), (20, 20, 220), (20, 180, 20))):
-    rows = [{"prompt": [{"role": "user", "content": f"<image>Which colour{'?' * (i + 1)}"}], "data_source": "shapes",
-             "reward_model": {"ground_truth": "x"}, "images": [{"bytes": _png(c, (56 + 28 * i, 56))}]}
-            for i, c in enumerate(colours)]
-    rows.append({"prompt": "No image: what is 2 + 2?", "data_source": "shapes", "reward_model": {"ground_truth": "4"}})
-    dataset = RLDataset(rows, processor.tokenizer, processor=processor, max_prompt_length=64)
-    return dataset.collate([dataset[i] for i in range(len(dataset))])
+    _, model, processor = tiny_vl(tmp_path_factory.mktemp("vl") / "m")
+    return model, processor
 
 
 def _engine(model, processor):
@@ -64,7 +40,7 @@ def _recompute(model, out: Batch) -> torch.Tensor:
 
 def test_engine_rollout_logprobs_equal_the_recompute_on_image_prompts(vl):
     model, processor = vl
-    prompts = _prompts(processor)
+    prompts = image_prompts(processor)
     out = _engine(model, processor).generate(prompts, SamplingParams(n=2, max_new_tokens=R, seed=0,
                                                                       calculate_log_probs=True))
     assert out["position_ids"].shape == (8, 4, prompts["input_ids"].shape[1] + R)
@@ -79,8 +55,8 @@ def test_engine_rollout_logprobs_equal_the_recompute_on_image_prompts(vl):
 def test_the_image_changes_the_rollout(vl):
     model, processor = vl
     params = SamplingParams(n=1, max_new_tokens=R, seed=0, calculate_log_probs=True)
-    red = _engine(model, processor).generate(_prompts(processor, ((200, 30, 30),)), params)
-    blue = _engine(model, processor).generate(_prompts(processor, ((20, 20, 220),)), params)
+    red = _engine(model, processor).generate(image_prompts(processor, ((200, 30, 30),)), params)
+    blue = _engine(model, processor).generate(image_prompts(processor, ((20, 20, 220),)), params)
     forced = red.clone()  # the red rollout's tokens scored under the blue image
     forced.non_tensors["multi_modal_inputs"] = blue.non_tensors["multi_modal_inputs"]
     assert (_recompute(model, forced)[0] - red["rollout_log_probs"][0]).abs().max() > 1e-3
@@ -89,7 +65,7 @@ def test_the_image_changes_the_rollout(vl):
 @pytest.mark.parametrize("batching", ["barrier", "eager", "continuous"])
 def test_agent_loop_rollouts_of_image_prompts_equal_the_recompute(vl, batching):
     model, processor = vl
-    prompts = _prompts(processor)
+    prompts = image_prompts(processor)
     rollout = load_config(["actor_rollout_ref.model.path=x", f"data.max_response_length={R}",
                            f"actor_rollout_ref.rollout.agent.batching={batching}"]).actor_rollout_ref.rollout
     manager = AgentLoopManager(_engine(model, processor), processor.tokenizer, rollout,
@@ -123,7 +99,7 @@ def test_a_generated_image_pad_token_is_text_to_the_engine_and_to_the_trainer(vl
     from hyflow.models.vision import image_placeholders, placeholder_mask, position_ids_4d
 
     model, processor = vl
-    prompts = _prompts(processor, ((200, 30, 30),))
+    prompts = image_prompts(processor, ((200, 30, 30),))
     pad = processor.tokens.image_token_id
     prompt_ids = prompts["input_ids"][0].tolist()
     mm = prompts["multi_modal_inputs"][0]

