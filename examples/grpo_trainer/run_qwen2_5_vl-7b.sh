@@ -10,8 +10,8 @@
 #
 # Vision-language RL: each row holds images (data.image_key) and `<image>` placeholders in its prompt; the model's
 # image processor expands them into image tokens, the rollout and the trainer see the same pixels and M-RoPE
-# positions. The KL to the reference is a loss term (use_kl_loss, low_var_kl). hyflow runs a vision-language
-# model's forward padded (sequence packing for VLMs is not built yet; use_remove_padding is said off at start).
+# positions. The KL to the reference is a loss term (use_kl_loss, low_var_kl). Sequence packing works for a
+# vision-language model; prompt sharing (use_prefix_grouper) does not yet (said at start).
 # Never run on a GPU: the CPU variant is what is tested. Extra key=value arguments are passed on and win.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -65,7 +65,7 @@ else
         data.filter_overlong_prompts=True
         data.truncation=error
         actor_rollout_ref.model.path="$MODEL_PATH"
-        actor_rollout_ref.model.use_remove_padding=False
+        actor_rollout_ref.model.use_remove_padding=True
         actor_rollout_ref.model.enable_gradient_checkpointing=True
         actor_rollout_ref.actor.optim.lr="$ACTOR_LR"
         actor_rollout_ref.actor.ppo_mini_batch_size="$PPO_MINI_BATCH_SIZE"

@@ -165,6 +165,8 @@ def pack_sequences(input_ids: Tensor, attention_mask: Tensor, position_ids: Tens
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(f"pack_sequences needs input_ids and attention_mask of one shape [B, L]; got "
                          f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
+    if share_prefix_width and position_ids is not None and position_ids.dim() == 3:
+        raise ValueError("prompt sharing (share_prefix_width) of M-RoPE positions is not built yet; pack without it")
     if share_prefix_width:
         shared = _pack_shared_prefixes(input_ids, attention_mask, position_ids, int(share_prefix_width))
         if shared is not None:
@@ -179,6 +181,8 @@ def pack_sequences(input_ids: Tensor, attention_mask: Tensor, position_ids: Tens
     if position_ids is None:
         row_of_token = flat_index // width
         positions = torch.arange(flat_index.numel(), device=input_ids.device) - cu_seqlens[row_of_token].long()
+    elif position_ids.dim() == 3:  # a vision-language model's [B, 4, L]: [4, T] (row 0 restarts per sequence)
+        positions = position_ids.transpose(0, 1).reshape(position_ids.shape[1], -1)[:, flat_index]
     else:
         positions = position_ids.reshape(-1)[flat_index]
     return _packed(input_ids, flat_index, positions, cu_seqlens, seq_lengths)
@@ -541,6 +545,13 @@ AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
 AttentionMaskInterface.register(PACKED_ATTENTION, _no_mask)
 
 
+def _tower_configs(model: nn.Module) -> list:
+    """The configs of a vision tower (a vision-language model's `visual` module, `hyflow.models.vision`): it attends
+    within each image, bidirectionally, with boundaries of its own, and is not packed."""
+    towers = [sub for name, sub in model.named_modules() if name.split(".")[-1] == "visual"]
+    return _configs(towers[0]) if towers else []
+
+
 def _configs(model: nn.Module) -> list:
     """Every distinct transformers config held by the modules of `model` (parents before their sub-configs)."""
     seen: dict[int, object] = {}
@@ -561,13 +572,21 @@ def packed_attention(model: nn.Module) -> Iterator[None]:
     recomputes activations in backward (gradient checkpointing)."""
     inner = unwrap_model(model)
     previous = [(config, config._attn_implementation) for config in _configs(inner)]
+    # a composite config passes its attention implementation on to its sub-configs: the vision tower's get theirs
+    # back (it is not packed)
+    towers = [(config, config._attn_implementation) for config in _tower_configs(inner)]
     setattr(inner, _DEPTH_ATTR, getattr(inner, _DEPTH_ATTR, 0) + 1)
     try:
         for config, _ in previous:
-            config._attn_implementation = PACKED_ATTENTION
+            if all(config is not tower for tower, _ in towers):
+                config._attn_implementation = PACKED_ATTENTION
+        for config, implementation in towers:
+            config._attn_implementation = implementation
         yield
     finally:
         for config, implementation in reversed(previous):
+            config._attn_implementation = implementation
+        for config, implementation in towers:  # after the parents: they pass theirs on (a nested exit too)
             config._attn_implementation = implementation
         setattr(inner, _DEPTH_ATTR, getattr(inner, _DEPTH_ATTR) - 1)
 
@@ -618,13 +637,14 @@ def _dummy_if_empty(packed: PackedSequences) -> PackedSequences:
     )
 
 
-def packed_hidden_states(model: nn.Module, packed: PackedSequences) -> Tensor:
+def packed_hidden_states(model: nn.Module, packed: PackedSequences, **model_kwargs) -> Tensor:
     """Final decoder hidden states [1, T, H] of the packed row (`forward.backbone_hidden_states` with the
-    sequence boundaries, under the packed attention)."""
+    sequence boundaries, under the packed attention); `model_kwargs` go to the model call too (a vision-language
+    model's images, in the packed row's order)."""
     packed = _dummy_if_empty(packed)
     with _packed_forward_context(model):
         return backbone_hidden_states(model, packed.input_ids, None, packed.position_ids,
-                                      **packed.attention_kwargs())
+                                      **packed.attention_kwargs(), **model_kwargs)
 
 
 def _attach(out: Tensor, hidden: Tensor) -> Tensor:
@@ -642,8 +662,15 @@ def packed_response_logprobs(
     calculate_entropy: bool = False,
     chunk_size: int = 1024,
     share_prompts: bool = False,
+    position_ids: Tensor | None = None,
+    images: dict | None = None,
+    image_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """`forward.response_logprobs` of the padded batch, computed packed: log-probs [B, R] (float32), entropy.
+
+    A vision-language model: `position_ids` [B, 4, L] (its M-RoPE positions, packed as they are), `images` (the
+    rows' `pixel_values` / `image_grid_thw` in row order, which is the packed row's order) and `image_mask` [B, L]
+    (the tokens that take image features, `hyflow.models.vision.placeholder_mask`).
 
     log_probs[b, i] = log_softmax(lm_head(h_prev) / T)[y] for the real response token y = input_ids[b, L-R+i],
     h_prev the packed hidden state of the real token before it; 0 where attention_mask[b, L-R+i] = 0. The backbone
@@ -653,9 +680,16 @@ def packed_response_logprobs(
     `share_prefix_width`; verl's `use_prefix_grouper`): the same values, less compute.
     """
     _check_response_length(input_ids, response_length)
-    packed = pack_sequences(input_ids, attention_mask,
+    packed = pack_sequences(input_ids, attention_mask, position_ids,
                             share_prefix_width=input_ids.shape[1] - response_length if share_prompts else None)
-    hidden_1TH = packed_hidden_states(model, packed)
+    if images:
+        from hyflow.models.vision import image_placeholders
+
+        packed_mask = image_mask.reshape(-1)[packed.flat_index].unsqueeze(0)
+        with image_placeholders(model, packed_mask):
+            hidden_1TH = packed_hidden_states(model, packed, **images)
+    else:
+        hidden_1TH = packed_hidden_states(model, packed)
     columns = slice(input_ids.shape[1] - response_length, None)
     valid_BR, predictor_N = _predictor_index(packed, attention_mask, attention_mask[:, columns], columns)
     logp_N, entropy_N = lm_head_logprobs(

@@ -171,12 +171,12 @@ class TrainEngine:
         # (the same values; the padded path computes more), said once at start
         self.vision = is_vision_config(getattr(model, "config", None))
         self.vision_tokens = VisionTokens.from_config(model.config) if self.vision else None
-        if self.vision and (use_remove_padding or share_prompts):
-            print(f"{name}: vision-language model: sequence packing (use_remove_padding) and prompt sharing are not "
-                  "implemented for it yet; the padded forward runs (same log-probs, more compute)")
-        self.use_remove_padding = bool(use_remove_padding) and not self.vision
+        if self.vision and share_prompts and use_remove_padding:
+            print(f"{name}: vision-language model: prompt sharing (use_prefix_grouper) is not implemented for it "
+                  "yet; its micro-batches are packed without it (same log-probs, more compute)")
+        self.use_remove_padding = bool(use_remove_padding)
         # verl's use_prefix_grouper: in a packed micro-batch the samples of one prompt run its tokens once
-        self.share_prompts = bool(share_prompts) and self.use_remove_padding
+        self.share_prompts = bool(share_prompts) and self.use_remove_padding and not self.vision
         self.compute_dtype = compute_dtype or getattr(fsdp_config, "dtype", "fp32")
         self.lora = lora
         if freeze_vision_tower and self.vision:  # verl's key: the vision tower keeps its weights
@@ -261,12 +261,21 @@ class TrainEngine:
 
             ids = micro["input_ids"].to(self.device)
             mask = micro["attention_mask"].to(self.device)
+            images = self._images(micro)
+            vision = {}
+            if self.vision:  # M-RoPE positions, the rows' images and the tokens that take their features
+                vision = {"position_ids": micro["position_ids"].to(self.device), "images": images,
+                          "image_mask": placeholder_mask(ids, list(micro["multi_modal_inputs"]), self.vision_tokens)
+                          if images else None}
             with autocast(self.device, self.compute_dtype):
                 if self.head == "value":
+                    if images:
+                        raise ValueError(f"{self.name}: a critic of image prompts is not supported yet (the value "
+                                         "model is a text-only token classifier); use a critic-free estimator")
                     return {"values": packed_values(self.model, ids, mask, R, share_prompts=self.share_prompts)}, R
                 logp, entropy = packed_response_logprobs(self.model, ids, mask, R, temperature=temperature,
                                                          calculate_entropy=with_entropy,
-                                                         share_prompts=self.share_prompts)
+                                                         share_prompts=self.share_prompts, **vision)
             return {"log_probs": logp, "entropy": entropy}, R
         seq, r = trim_padding(micro, R)
         seq = {k: v.to(self.device) for k, v in seq.items()}

@@ -163,3 +163,66 @@ def test_a_text_model_is_not_a_vision_model(tiny_model_dir):
 
     with pytest.raises(MultiModalError, match="not a vision-language model"):
         VisionTokens.from_config(AutoConfig.from_pretrained(tiny_model_dir))
+
+
+def test_packed_log_probs_and_gradients_of_image_sequences_equal_the_padded_forward(vl):
+    """Sequence packing of a vision-language batch (M-RoPE positions packed as they are, the images in row order,
+    the vision tower attending unpacked): the padded forward's log-probs and gradients, a generated pad included."""
+    from hyflow.models.packing import packed_response_logprobs
+    from hyflow.models.vision import image_placeholders, placeholder_mask
+
+    model, processor = vl
+    pad = processor.tokens.image_token_id
+    rows = [processor(_prompt(processor, "Which is red?", 1), [_image(56, 56)]),
+            processor(_prompt(processor, "Two pictures, which one is blue?", 2),
+                      [_image(112, 84, (20, 20, 220)), _image(56, 84, seed=3)]),
+            processor(_prompt(processor, "Only text here.", 0), [])]
+    responses = [[40, pad, 42, 43], [50, 51], [60, 61, 62]]
+    R = 4
+    width = max(len(r["input_ids"]) for r in rows) + 2 + R
+    ids = torch.full((3, width), processor.tokenizer.pad_token_id)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    pos = torch.zeros(3, 4, width, dtype=torch.long)
+    for b, (r, resp) in enumerate(zip(rows, responses)):  # left-padded prompts, right-padded responses
+        P = len(r["input_ids"])
+        start = width - R - P
+        ids[b, start:start + P] = torch.tensor(r["input_ids"])
+        ids[b, width - R:width - R + len(resp)] = torch.tensor(resp)
+        mask[b, start:width - R + len(resp)] = 1
+        pos[b, :, start:start + P] = r["position_ids"]
+        pos[b, :, width - R:width - R + len(resp)] = continue_positions(r["position_ids"], len(resp))
+    mm_rows = [r["multi_modal_inputs"] for r in rows]
+    images = concat_multi_modal_inputs(mm_rows)
+    image_mask = placeholder_mask(ids, mm_rows, processor.tokens)
+    model.train(False)
+
+    def grads(fn):
+        model.zero_grad()
+        logp = fn()
+        (logp * mask[:, -R:]).sum().backward()
+        return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    with image_placeholders(model, image_mask):
+        padded, padded_grads = grads(lambda: response_logprobs(model, ids, mask, pos, R, **images)[0])
+    packed, packed_grads = grads(lambda: packed_response_logprobs(model, ids, mask, R, position_ids=pos,
+                                                                  images=images, image_mask=image_mask)[0])
+    real = mask[:, -R:].bool()
+    assert torch.allclose(packed[real], padded[real], atol=1e-5, rtol=0)
+    assert any(name.startswith("model.visual.") for name in packed_grads)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_nested_packed_attention_leaves_the_vision_tower_unpacked(vl):
+    from hyflow.models.packing import PACKED_ATTENTION, packed_attention
+    from hyflow.models.vision import vision_tower
+
+    model, _ = vl
+    tower = vision_tower(model).config
+    before = tower._attn_implementation
+    with packed_attention(model):
+        with packed_attention(model):
+            assert model.config.get_text_config()._attn_implementation == PACKED_ATTENTION
+            assert tower._attn_implementation == before
+        assert tower._attn_implementation == before  # a nested exit restores the parent, which passes it on
+    assert tower._attn_implementation == before
