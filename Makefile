@@ -100,8 +100,10 @@ ROUNDING_TESTS := tests/algos tests/models tests/workers tests/rollout/test_hf_e
 	tests/rollout/test_agent_loop.py tests/trainer/test_rl_learns.py tests/trainer/test_lora_rl.py \
 	tests/trainer/test_async.py tests/trainer/test_multi_turn_rl.py tests/trainer/test_rl_ray.py \
 	tests/trainer/test_sft_distributed.py tests/trainer/test_sft_trainer.py tests/trainer/test_rl_trainer_e2e.py \
-	tests/trainer/test_checkpoint.py tests/trainer/test_speed_options.py
-ROUNDING_VLLM_TESTS := tests/trainer/test_vllm_trainer.py tests/rollout/test_vllm_engine.py
+	tests/trainer/test_checkpoint.py tests/trainer/test_speed_options.py tests/rollout/test_hf_vision.py \
+	tests/trainer/test_vl_rl.py
+ROUNDING_VLLM_TESTS := tests/trainer/test_vllm_trainer.py tests/rollout/test_vllm_engine.py \
+	tests/rollout/test_vllm_vision.py
 test-rounding: venv venv-vllm
 	@start=$$(date +%s); for cap in $(ROUNDING_CAPABILITIES); do \
 		got=$$(ATEN_CPU_CAPABILITY=$$cap $(PY) -c "import torch; print(torch.backends.cpu.get_cpu_capability())"); \

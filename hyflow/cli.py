@@ -240,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_cmd_config)
 
     p = sub.add_parser("init-model", help="write a random-weight model and a locally trained tokenizer")
-    p.add_argument("--preset", default="tiny", help="tiny | small | qwen2.5-0.5b-shape")
+    p.add_argument("--preset", default="tiny", help="tiny | small | qwen2.5-0.5b-shape | tiny-vl (Qwen2-VL) | "
+                   "tiny-vl-2.5 (Qwen2.5-VL)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=_cmd_init_model)
