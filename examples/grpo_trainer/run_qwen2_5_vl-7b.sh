@@ -39,7 +39,7 @@ else
     GEO3K_TEST_FILE=${GEO3K_TEST_FILE:-$HOME/data/geo3k/test.parquet}
     NNODES=${NNODES:-1}
     NGPUS_PER_NODE=${NGPUS_PER_NODE:-8}
-    ROLLOUT_NAME=${ROLLOUT_NAME:-hf}                        # hf | vllm (Qwen2-VL only so far: use a Qwen2-VL MODEL_PATH)
+    ROLLOUT_NAME=${ROLLOUT_NAME:-hf}                        # hf | vllm (pip install vllm)
     TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-512}               # prompts per step
     PPO_MINI_BATCH_SIZE=${PPO_MINI_BATCH_SIZE:-128}         # prompts per optimizer step
     ROLLOUT_N=${ROLLOUT_N:-5}                               # samples per prompt (the group)

