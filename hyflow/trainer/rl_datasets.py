@@ -36,7 +36,10 @@ def prompt_processor(model_path: str, tokenizer, *, trust_remote_code: bool = Fa
     from hyflow.models.vision import VisionProcessor, is_vision_config
 
     resolved = resolve_model_path(model_path)
-    config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):  # no model config here: the model's own loading says what is wrong
+        return None
     if not is_vision_config(config):
         return None
     image_kwargs = dict(getattr(data_cfg, "mm_processor_kwargs", None) or {})

@@ -193,7 +193,7 @@ class SFTTrainer:
         self.given_model = model
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer()
         # a vision-language model's image processor: image rows are expanded into the image's tokens
-        model_path = cfg.model.partial_pretrain or cfg.model.tokenizer_path
+        model_path = cfg.model.partial_pretrain
         self.processor = (prompt_processor(model_path, self.tokenizer, trust_remote_code=cfg.model.trust_remote_code,
                                            data_cfg=cfg.data) if model_path else None)
         # a dataset object is used as given; in-memory rows (a list of dicts, a datasets.Dataset) become an SFTDataset
