@@ -91,6 +91,25 @@ def _placeholders(messages: list[dict], kind: str) -> int:
                if isinstance(part, dict) and part.get("type") == kind)
 
 
+def image_messages(messages: list[dict], images: list, processor, where: str, image_key: str,
+                   what: str = "prompt") -> list[dict]:
+    """`messages` ready for a vision-language processor (typed content, `typed_content`), checked against the row's
+    `images`: one `<image>` per image. Without a processor (a text model) images are an error and the messages are
+    returned as they are."""
+    if processor is None:
+        if images:
+            raise DataError(f"{where}: column {image_key!r} holds images, but the model is a text-only language model "
+                            "(they would be silently dropped); use a vision-language model (Qwen2-VL / Qwen2.5-VL "
+                            "family) or text-only rows")
+        return messages
+    messages = typed_content(messages)
+    found = _placeholders(messages, "image")
+    if found != len(images):
+        raise DataError(f"{where}: the {what} has {found} <image> placeholder(s) but column {image_key!r} holds "
+                        f"{len(images)} image(s); write one <image> in the text per image")
+    return messages
+
+
 def _media_list(value: Any) -> list:
     """A row's images/videos as a list ([] when the column is missing or empty)."""
     if value is None or (isinstance(value, float) and value != value):
@@ -238,20 +257,11 @@ class RLDataset(torch.utils.data.Dataset):
             raise DataError(f"{where}: column {video_key!r} holds videos, which hyflow does not train on yet; use "
                             "image rows (or drop the videos)")
         images = _media_list(row.get(image_key)) if image_key is not None else []
-        if images and self.processor is None:
-            raise DataError(f"{where}: column {image_key!r} holds images, but the model is a text-only language model "
-                            "(they would be silently dropped); use a vision-language model (Qwen2-VL / Qwen2.5-VL "
-                            "family) or text-only rows")
         row = dict(row)
         row["_where"] = where
-        row[self.prompt_key] = _as_messages(row[self.prompt_key], where, self.prompt_key)
-        if self.processor is not None:
-            row[self.prompt_key] = typed_content(row[self.prompt_key])
-            found = _placeholders(row[self.prompt_key], "image")
-            if found != len(images):
-                raise DataError(f"{where}: the prompt has {found} <image> placeholder(s) but column {image_key!r} "
-                                f"holds {len(images)} image(s); write one <image> in the prompt text per image")
-            row["_images"] = images
+        row[self.prompt_key] = image_messages(_as_messages(row[self.prompt_key], where, self.prompt_key), images,
+                                              self.processor, where, image_key)
+        row["_images"] = images
         reward_model = row.get("reward_model")
         if reward_model is None:
             reward_model = {}

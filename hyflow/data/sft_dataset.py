@@ -37,14 +37,7 @@ import torch
 
 from hyflow.batch import Batch
 from hyflow.data.images import ImageError, decode_images
-from hyflow.data.rl_dataset import (
-    DataError,
-    _as_messages,
-    _media_list,
-    _placeholders,
-    row_sources,
-    typed_content,
-)
+from hyflow.data.rl_dataset import DataError, _as_messages, _media_list, image_messages, row_sources
 
 
 def _lookup(row: dict, key: str):
@@ -121,18 +114,9 @@ class SFTDataset:
             for i, row in enumerate(rows):
                 where = f"{label} row {i}"
                 tools = _lookup(row, tools_key)
-                messages = _conversation(row, where, prompt_key, response_key, messages_key)
                 images = _media_list(row.get(image_key))
-                if images and processor is None:
-                    raise DataError(f"{where}: column {image_key!r} holds images, but the model is a text-only "
-                                    "language model (they would be silently dropped); fine-tune a vision-language "
-                                    "model (Qwen2-VL / Qwen2.5-VL family) or use text-only rows")
-                if processor is not None:
-                    messages = typed_content(messages)
-                    found = _placeholders(messages, "image")
-                    if found != len(images):
-                        raise DataError(f"{where}: the conversation has {found} <image> placeholder(s) but column "
-                                        f"{image_key!r} holds {len(images)} image(s); write one <image> per image")
+                messages = image_messages(_conversation(row, where, prompt_key, response_key, messages_key), images,
+                                          processor, where, image_key, what="conversation")
                 self.examples.append((messages, tools, where))
                 self.images.append(images)
         if max_samples is not None and 0 < max_samples < len(self.examples):

@@ -80,6 +80,7 @@ from hyflow.models.forward import (
     token_values,
     unwrap_model,
 )
+from hyflow.models.vision import find_vision_tower, image_placeholders
 
 Tensor = torch.Tensor
 
@@ -548,8 +549,8 @@ AttentionMaskInterface.register(PACKED_ATTENTION, _no_mask)
 def _tower_configs(model: nn.Module) -> list:
     """The configs of a vision tower (a vision-language model's `visual` module, `hyflow.models.vision`): it attends
     within each image, bidirectionally, with boundaries of its own, and is not packed."""
-    towers = [sub for name, sub in model.named_modules() if name.split(".")[-1] == "visual"]
-    return _configs(towers[0]) if towers else []
+    tower = find_vision_tower(model)
+    return _configs(tower) if tower is not None else []
 
 
 def _configs(model: nn.Module) -> list:
@@ -683,8 +684,6 @@ def packed_response_logprobs(
     packed = pack_sequences(input_ids, attention_mask, position_ids,
                             share_prefix_width=input_ids.shape[1] - response_length if share_prompts else None)
     if images:
-        from hyflow.models.vision import image_placeholders
-
         packed_mask = image_mask.reshape(-1)[packed.flat_index].unsqueeze(0)
         with image_placeholders(model, packed_mask):
             hidden_1TH = packed_hidden_states(model, packed, **images)

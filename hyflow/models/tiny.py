@@ -43,6 +43,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from hyflow.models.vision import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_SPECIAL_TOKENS, VISION_START
+
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -136,7 +138,6 @@ CHATML_VL_TEMPLATE = CHATML_TEMPLATE.replace(
     "{%- endfor %}{%- set content = parts.text %}{%- endif %}",
 )
 assert CHATML_VL_TEMPLATE != CHATML_TEMPLATE
-VISION_SPECIAL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 DEFAULT_VOCAB_SIZE = 512
 
@@ -435,8 +436,8 @@ def make_tiny_vl_model(
                          "fullatt_block_indexes": [spec["vision_depth"] - 1], "tokens_per_second": 2}
     config = AutoConfig.for_model(
         spec["model_type"], text_config=text_config, vision_config=vision_config,
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        image_token_id=ids[IMAGE_PAD], video_token_id=ids[VIDEO_PAD],
+        vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END],
         tie_word_embeddings=True, bos_token_id=ids[ENDOFTEXT], eos_token_id=ids[IM_END], pad_token_id=ids[ENDOFTEXT],
     )
     torch_dtype = _as_dtype(dtype if dtype is not None else "float32")

@@ -41,6 +41,7 @@ IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
+VISION_SPECIAL_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)  # what a Qwen2-VL tokenizer adds
 
 
 class MultiModalError(ValueError):
@@ -59,9 +60,7 @@ class VisionTokens:
     model_type: str
     image_token_id: int
     video_token_id: int
-    vision_start_token_id: int
     spatial_merge_size: int
-    tokens_per_second: float | None = None  # Qwen2.5-VL: temporal position spacing of videos
 
     @classmethod
     def from_config(cls, config: Any) -> VisionTokens:
@@ -69,14 +68,11 @@ class VisionTokens:
             raise MultiModalError(
                 f"model_type {getattr(config, 'model_type', None)!r} is not a vision-language model hyflow knows; "
                 f"image inputs need one of {', '.join(VISION_MODEL_TYPES)} (Qwen2-VL's processor contract)")
-        vision = config.vision_config
         return cls(
             model_type=config.model_type,
             image_token_id=int(config.image_token_id),
             video_token_id=int(config.video_token_id),
-            vision_start_token_id=int(config.vision_start_token_id),
-            spatial_merge_size=int(vision.spatial_merge_size),
-            tokens_per_second=getattr(vision, "tokens_per_second", None),
+            spatial_merge_size=int(config.vision_config.spatial_merge_size),
         )
 
 
@@ -130,12 +126,18 @@ def rope_index(tokens: VisionTokens, input_ids: Sequence[int] | Tensor, image_gr
     return torch.cat(parts, dim=1).long()
 
 
+def find_vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The vision encoder of a Qwen2-VL-family model (its `visual` module: patch embedding, blocks, merger), or
+    None (a text model)."""
+    return next((module for name, module in model.named_modules() if name.split(".")[-1] == "visual"), None)
+
+
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
-    """The vision encoder of a Qwen2-VL-family model (its `visual` module: patch embedding, blocks, merger)."""
-    for name, module in model.named_modules():
-        if name.split(".")[-1] == "visual":
-            return module
-    raise MultiModalError(f"{type(model).__name__} has no `visual` module (the vision tower of Qwen2-VL's family)")
+    """`find_vision_tower`, where a model without one is an error."""
+    tower = find_vision_tower(model)
+    if tower is None:
+        raise MultiModalError(f"{type(model).__name__} has no `visual` module (the vision tower of Qwen2-VL's family)")
+    return tower
 
 
 def placeholder_mask(input_ids: Tensor, rows: Sequence[dict | None], tokens: VisionTokens) -> Tensor:

@@ -269,9 +269,7 @@ class TrainEngine:
                           if images else None}
             with autocast(self.device, self.compute_dtype):
                 if self.head == "value":
-                    if images:
-                        raise ValueError(f"{self.name}: a critic of image prompts is not supported yet (the value "
-                                         "model is a text-only token classifier); use a critic-free estimator")
+                    self._refuse_images_for_a_critic(images)
                     return {"values": packed_values(self.model, ids, mask, R, share_prompts=self.share_prompts)}, R
                 logp, entropy = packed_response_logprobs(self.model, ids, mask, R, temperature=temperature,
                                                          calculate_entropy=with_entropy,
@@ -286,9 +284,7 @@ class TrainEngine:
             else contextlib.nullcontext())
         with autocast(self.device, self.compute_dtype), placeholders:
             if self.head == "value":
-                if images:
-                    raise ValueError(f"{self.name}: a critic of image prompts is not supported yet (the value model "
-                                     "is a text-only token classifier); use a critic-free estimator (grpo, rloo, ...)")
+                self._refuse_images_for_a_critic(images)
                 values = values_from_model(self.model, seq["input_ids"], seq["attention_mask"],
                                            seq["position_ids"], r)
                 return {"values": values}, r
@@ -304,6 +300,11 @@ class TrainEngine:
                 logits = unwrap_model(self.model).get_output_embeddings()(hidden[:, -r - 1 : -1])
                 out["sum_pi_squared"] = sum_pi_squared_from_logits(logits, temperature)
         return out, r
+
+    def _refuse_images_for_a_critic(self, images: dict) -> None:
+        if images:
+            raise ValueError(f"{self.name}: a critic of image prompts is not supported yet (the value model is a "
+                             "text-only token classifier); use a critic-free estimator (grpo, rloo, ...)")
 
     def _images(self, micro: Batch) -> dict[str, torch.Tensor]:
         """The micro-batch's image inputs for the model call (`pixel_values`, `image_grid_thw`), {} without."""
