@@ -224,7 +224,8 @@ class RolloutSpec:
     model: the policy's path (the vllm engine and a rollout-only worker load it); section: the
     `actor_rollout_ref.rollout` config section, whole (engines and agent loops read it); chat_template_kwargs:
     `data.apply_chat_template_kwargs`; weight_bucket_bytes: the largest bucket of a weight push;
-    stream: asynchronous training with the rollout in the actor's processes (a second engine there).
+    stream: asynchronous training with the rollout in the actor's processes (a second engine there);
+    image_kwargs: `data.mm_processor_kwargs` (a vision-language policy's agent loop processes its tools' images so).
     """
 
     model: ModelSpec
@@ -233,6 +234,7 @@ class RolloutSpec:
     chat_template_kwargs: dict = field(default_factory=dict)
     weight_bucket_bytes: int = 512 << 20
     stream: bool = False
+    image_kwargs: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,8 @@ def rollout_spec(cfg: HyflowConfig) -> RolloutSpec:
     return RolloutSpec(model=policy_model_spec(cfg), section=rollout, device=cfg.trainer.device,
                        chat_template_kwargs=dict(cfg.data.apply_chat_template_kwargs or {}),
                        weight_bucket_bytes=rollout.checkpoint_engine.update_weights_bucket_megabytes << 20,
-                       stream=cfg.async_training.mode != "sync" and cfg.rollout.n_gpus_per_node == 0)
+                       stream=cfg.async_training.mode != "sync" and cfg.rollout.n_gpus_per_node == 0,
+                       image_kwargs=dict(cfg.data.mm_processor_kwargs or {}))
 
 
 def actor_spec(cfg: HyflowConfig, batches: BatchArithmetic, total_steps: int) -> ActorSpec:

@@ -109,6 +109,7 @@ class PackedSequences:
     seq_len: int
     token_index: Tensor | None = None
     shared: SharedPrefixes | None = None
+    leaders: Tensor | None = None  # shared prompts: [B], the row whose packed prompt row b reads (b for its own)
 
     @property
     def num_tokens(self) -> int:
@@ -150,7 +151,7 @@ class SharedPrefixes:
 
 
 def pack_sequences(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None = None, *,
-                   share_prefix_width: int | None = None) -> PackedSequences:
+                   share_prefix_width: int | None = None, prompt_keys: Tensor | None = None) -> PackedSequences:
     """Concatenate the real tokens (attention_mask = 1) of every row, in row order, into one row [1, T].
 
     Position ids restart at 0 for every sequence (n-th real token of a row -> n - 1, which is
@@ -161,15 +162,14 @@ def pack_sequences(input_ids: Tensor, attention_mask: Tensor, position_ids: Tens
     responses): rows whose prompt columns are identical (ids and mask; the n samples of a prompt) pack the prompt
     once, in the first such row; the others pack their response tokens only, which attend to that copy
     (`SharedPrefixes`). Their position ids continue after the prompt as in the padded row. Each row's real tokens
-    must then be contiguous (they are in an RL batch).
+    must then be contiguous (they are in an RL batch). `prompt_keys` [B] (optional): rows share a prompt only when
+    their keys are equal too (a vision-language prompt's images, which the ids do not show: `prompt_image_keys`).
     """
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(f"pack_sequences needs input_ids and attention_mask of one shape [B, L]; got "
                          f"{tuple(input_ids.shape)} and {tuple(attention_mask.shape)}")
-    if share_prefix_width and position_ids is not None and position_ids.dim() == 3:
-        raise ValueError("prompt sharing (share_prefix_width) of M-RoPE positions is not built yet; pack without it")
     if share_prefix_width:
-        shared = _pack_shared_prefixes(input_ids, attention_mask, position_ids, int(share_prefix_width))
+        shared = _pack_shared_prefixes(input_ids, attention_mask, position_ids, int(share_prefix_width), prompt_keys)
         if shared is not None:
             return shared
     batch, width = input_ids.shape
@@ -199,16 +199,18 @@ def _packed(input_ids: Tensor, flat_index: Tensor, positions: Tensor, cu_seqlens
     )
 
 
-def prompt_group_ids(input_ids: Tensor, attention_mask: Tensor, width: int) -> Tensor:
-    """[B] ids, equal for the rows whose first `width` columns (the left-padded prompt: ids and mask) are equal:
-    the rows that `pack_sequences(share_prefix_width=width)` packs one prompt for."""
+def prompt_group_ids(input_ids: Tensor, attention_mask: Tensor, width: int, keys: Tensor | None = None) -> Tensor:
+    """[B] ids, equal for the rows whose first `width` columns (the left-padded prompt: ids and mask) are equal
+    (and their `keys`, when given): the rows that `pack_sequences(share_prefix_width=width)` packs one prompt for."""
     prompt_mask = attention_mask[:, :width].bool()
     key = input_ids[:, :width].masked_fill(~prompt_mask, -1)
+    if keys is not None:
+        key = torch.cat([key, keys.to(key.device, key.dtype).reshape(-1, 1)], dim=1)
     return torch.unique(key, dim=0, return_inverse=True)[1]
 
 
 def _pack_shared_prefixes(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None,
-                          width: int) -> PackedSequences | None:
+                          width: int, keys: Tensor | None = None) -> PackedSequences | None:
     """`pack_sequences` with prompts shared (see there); None when no two rows share a prompt."""
     batch, seq_len = input_ids.shape
     if not 0 < width <= seq_len or batch < 2:
@@ -217,7 +219,7 @@ def _pack_shared_prefixes(input_ids: Tensor, attention_mask: Tensor, position_id
     mask = attention_mask.bool()
     prompt_mask = mask[:, :width]
     prompt_len = prompt_mask.sum(-1)
-    group = prompt_group_ids(input_ids, attention_mask, width)
+    group = prompt_group_ids(input_ids, attention_mask, width, keys)
     rows = torch.arange(batch, device=device)
     first = torch.full((int(group.max()) + 1,), batch, device=device).scatter_reduce(0, group, rows, "amin")
     leader = first[group]
@@ -243,7 +245,10 @@ def _pack_shared_prefixes(input_ids: Tensor, attention_mask: Tensor, position_id
     cu_seqlens[1:] = own.cumsum(0)
     if position_ids is None:
         position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    positions = position_ids.reshape(-1)[flat_index]
+    if position_ids.dim() == 3:  # a vision-language model's [B, 4, L] -> [4, T], the padded rows' values
+        positions = position_ids.transpose(0, 1).reshape(position_ids.shape[1], -1)[:, flat_index]
+    else:
+        positions = position_ids.reshape(-1)[flat_index]
 
     cu, plen, own_l, lead, is_f = (t.tolist() for t in (cu_seqlens, prompt_len, own, leader, follower))
     segments = []
@@ -259,7 +264,8 @@ def _pack_shared_prefixes(input_ids: Tensor, attention_mask: Tensor, position_id
         else:
             segments.append((start, end, start, start))
     return _packed(input_ids, flat_index, positions, cu_seqlens, tuple(own_l), token_index=token_index,
-                   shared=SharedPrefixes(tuple(segments), int(prompt_len[follower].sum())))
+                   shared=SharedPrefixes(tuple(segments), int(prompt_len[follower].sum())),
+                   leaders=torch.where(follower, leader, rows))
 
 
 def unpack(values: Tensor, packed: PackedSequences) -> Tensor:
@@ -666,12 +672,16 @@ def packed_response_logprobs(
     position_ids: Tensor | None = None,
     images: dict | None = None,
     image_mask: Tensor | None = None,
+    image_parts: list | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """`forward.response_logprobs` of the padded batch, computed packed: log-probs [B, R] (float32), entropy.
 
     A vision-language model: `position_ids` [B, 4, L] (its M-RoPE positions, packed as they are), `images` (the
     rows' `pixel_values` / `image_grid_thw` in row order, which is the packed row's order) and `image_mask` [B, L]
-    (the tokens that take image features, `hyflow.models.vision.placeholder_mask`).
+    (the tokens that take image features, `hyflow.models.vision.placeholder_mask`). With `share_prompts` pass
+    `image_parts` (per row its prompt's and its later images, `hyflow.models.vision.split_prompt_images`) instead
+    of `images`: rows share a prompt only when its images are equal too, whose images then run once; a row's later
+    images (a tool's) run with its response.
 
     log_probs[b, i] = log_softmax(lm_head(h_prev) / T)[y] for the real response token y = input_ids[b, L-R+i],
     h_prev the packed hidden state of the real token before it; 0 where attention_mask[b, L-R+i] = 0. The backbone
@@ -681,8 +691,22 @@ def packed_response_logprobs(
     `share_prefix_width`; verl's `use_prefix_grouper`): the same values, less compute.
     """
     _check_response_length(input_ids, response_length)
+    width = input_ids.shape[1] - response_length
+    keys = None
+    if image_parts is not None and share_prompts:
+        from hyflow.models.vision import prompt_image_keys
+
+        keys = prompt_image_keys(image_parts)
     packed = pack_sequences(input_ids, attention_mask, position_ids,
-                            share_prefix_width=input_ids.shape[1] - response_length if share_prompts else None)
+                            share_prefix_width=width if share_prompts else None, prompt_keys=keys)
+    if image_parts is not None:  # in packed order: a row that reads another row's prompt brings its later images
+        from hyflow.models.vision import concat_multi_modal_inputs
+
+        leaders = packed.leaders.tolist() if packed.leaders is not None else list(range(len(image_parts)))
+        images = concat_multi_modal_inputs(
+            [_merged(prompt, later) if leaders[b] == b else later
+             for b, (prompt, later) in enumerate(image_parts)])
+        images = {key: value.to(input_ids.device) for key, value in images.items()}
     if images:
         packed_mask = image_mask.reshape(-1)[packed.flat_index].unsqueeze(0)
         with image_placeholders(model, packed_mask):
@@ -740,3 +764,10 @@ def packed_token_nll_sum(model: nn.Module, input_ids: Tensor, attention_mask: Te
                                  unwrap_model(model).get_output_embeddings())
     nll = -logp_N.sum()
     return _attach(nll, hidden_1TH) if predictor_N.numel() == 0 else nll
+
+
+def _merged(first: dict, second: dict) -> dict:
+    """Two {pixel_values, image_grid_thw} parts of a row (either may be {}) as one, in order."""
+    if not first or not second:
+        return first or second
+    return {key: torch.cat([first[key], second[key]]) for key in ("pixel_values", "image_grid_thw")}

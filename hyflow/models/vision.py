@@ -21,6 +21,14 @@ patch (t, y, x); the text after it continues at s + max(t_n, h_n, w_n) (the merg
 holds `position_ids [B, 4, L]` as verl 0.10 does: row 0 the plain text positions (0, 1, 2, ... over the real tokens;
 what packed attention reads its sequence boundaries from), rows 1-3 the M-RoPE positions. transformers' Qwen2-VL
 models take them as `[4, B, L]`.
+
+Which `<|image_pad|>` tokens stand for an image. A prompt's images are its first pad tokens, block after block. A
+multi-turn trajectory may add images later (a tool that returns one, verl's `ToolResponse.image`), after tokens the
+model sampled, and a sampled pad token is text (a decoding step has no pixels; `placeholder_mask`). A row whose
+images do not all sit in the first pad tokens says where each block starts in its `multi_modal_inputs`:
+`image_pad_starts` [n] (long) = how many pad tokens of the row's sequence come before image k's block, counted
+from the sequence's first token (padding holds no pad token, so left padding and packing do not move it). Without
+it, image k's block starts after the blocks before it (`default_pad_starts`).
 """
 
 from __future__ import annotations
@@ -83,23 +91,52 @@ def image_token_counts(image_grid_thw: Tensor | None, merge_size: int) -> list[i
     return [int(t * h * w) // (merge_size * merge_size) for t, h, w in image_grid_thw.tolist()]
 
 
-def rope_index(tokens: VisionTokens, input_ids: Sequence[int] | Tensor, image_grid_thw: Tensor | None = None) -> Tensor:
+def default_pad_starts(counts: Sequence[int]) -> list[int]:
+    """Image k's block starts after the blocks of images 0..k-1 (every image in the prompt): the exclusive
+    cumulative sum of the token counts."""
+    starts, total = [], 0
+    for count in counts:
+        starts.append(total)
+        total += int(count)
+    return starts
+
+
+def pad_starts(row: dict | None, counts: Sequence[int]) -> list[int]:
+    """Where each image's block starts among the row's pad tokens (module docstring): the row's `image_pad_starts`
+    when it has them, else `default_pad_starts`. Starts that are not one per image, or blocks that overlap, are an
+    error."""
+    given = (row or {}).get("image_pad_starts")
+    if given is None:
+        return default_pad_starts(counts)
+    starts = [int(v) for v in (given.tolist() if isinstance(given, Tensor) else given)]
+    if len(starts) != len(counts):
+        raise MultiModalError(f"image_pad_starts has {len(starts)} entries for {len(counts)} image(s)")
+    for k in range(1, len(starts)):
+        if starts[k] < starts[k - 1] + int(counts[k - 1]):
+            raise MultiModalError(f"image_pad_starts {starts} overlap for token counts {list(counts)}")
+    return starts
+
+
+def rope_index(tokens: VisionTokens, input_ids: Sequence[int] | Tensor, image_grid_thw: Tensor | None = None,
+               starts: Sequence[int] | None = None) -> Tensor:
     """M-RoPE positions [3, L] (long) of one sequence without padding (module docstring).
 
-    Image k's block is the next `n_k` (`image_token_counts`) consecutive `image_token_id`s; image tokens after the
-    last image's block are text (a model may generate the pad token: the engine embedded it as text, see
-    `placeholder_mask`). A block that is missing or short is an error."""
+    Image k's block is the `n_k` (`image_token_counts`) consecutive `image_token_id`s from the pad token numbered
+    `starts[k]` (counting the sequence's pad tokens from 0; default `default_pad_starts`: the blocks come first,
+    back to back); every other pad token is text (a model may generate the pad token: the engine embedded it as
+    text, see `placeholder_mask`), video pad tokens too. A block that is missing or short is an error."""
     ids = input_ids.tolist() if isinstance(input_ids, Tensor) else list(input_ids)
     pad = tokens.image_token_id
     merge = tokens.spatial_merge_size
     grids = image_grid_thw.tolist() if image_grid_thw is not None else []
     counts = image_token_counts(image_grid_thw, merge)
-    if tokens.video_token_id in ids:
-        raise MultiModalError("video inputs are not supported yet (the sequence holds video tokens); use images")
+    starts = default_pad_starts(counts) if starts is None else list(starts)
+    # a video pad token is text here: no row carries videos (the datasets refuse them), so one can only have been
+    # sampled, and the engine embedded it as a token
     parts: list[Tensor] = []
-    pos, i, image = 0, 0, 0
+    pos, i, image, seen = 0, 0, 0, 0  # seen: pad tokens before ids[i]
     while i < len(ids):
-        if image < len(grids) and ids[i] == pad:
+        if image < len(grids) and ids[i] == pad and seen == starts[image]:
             if ids[i : i + counts[image]] != [pad] * counts[image]:
                 raise MultiModalError(
                     f"image {image} of grid {grids[image]} needs {counts[image]} consecutive image tokens, the "
@@ -110,10 +147,12 @@ def rope_index(tokens: VisionTokens, input_ids: Sequence[int] | Tensor, image_gr
             parts.append(torch.stack([tt, yy, xx]).reshape(3, -1) + pos)
             pos += max(gt, gh, gw)
             i += counts[image]
+            seen += counts[image]
             image += 1
         else:
-            j = i + 1
-            while j < len(ids) and not (image < len(grids) and ids[j] == pad):
+            j = i
+            while j < len(ids) and not (image < len(grids) and ids[j] == pad and seen == starts[image]):
+                seen += ids[j] == pad
                 j += 1
             parts.append(torch.arange(pos, pos + j - i).expand(3, -1))
             pos += j - i
@@ -141,17 +180,21 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def placeholder_mask(input_ids: Tensor, rows: Sequence[dict | None], tokens: VisionTokens) -> Tensor:
-    """[B, L] bool: the image tokens that stand for an image, i.e. of each row the first n_b image tokens (n_b: its
-    images' token count, from its `multi_modal_inputs`); image tokens after them were generated by the model.
+    """[B, L] bool: the image tokens that stand for an image: of each row the pad tokens of its images' blocks
+    (`pad_starts` of its `multi_modal_inputs`: by default its first n_b pad tokens, n_b its images' token count);
+    other pad tokens were generated by the model.
 
     A sampled `<|image_pad|>` is a plain token to the rollout engine (a decoding step has no pixels: it gets the
     token's embedding), so the trainer's forward must embed it the same way; transformers' Qwen2-VL counts every
-    pad token as an image slot ("Image features and image tokens do not match", verl issue 3469). All images of
-    a sequence are in its prompt, so the first n_b pad tokens are theirs."""
+    pad token as an image slot ("Image features and image tokens do not match", verl issue 3469)."""
     is_image = input_ids == tokens.image_token_id
-    counts = torch.tensor([sum(image_token_counts((row or {}).get("image_grid_thw"), tokens.spatial_merge_size))
-                           for row in rows], device=input_ids.device)
-    return is_image & (is_image.long().cumsum(-1) <= counts[:, None])
+    ordinal = is_image.long().cumsum(-1) - 1  # each pad token's number in its row
+    mask = torch.zeros_like(is_image)
+    for b, row in enumerate(rows):
+        counts = image_token_counts((row or {}).get("image_grid_thw"), tokens.spatial_merge_size)
+        for start, count in zip(pad_starts(row, counts), counts):
+            mask[b] |= is_image[b] & (ordinal[b] >= start) & (ordinal[b] < start + count)
+    return mask
 
 
 @contextlib.contextmanager
@@ -183,10 +226,35 @@ def image_placeholders(model: torch.nn.Module, mask: Tensor) -> Iterator[None]:
 
 
 def position_ids_4d(tokens: VisionTokens, input_ids: Sequence[int] | Tensor,
-                    image_grid_thw: Tensor | None = None) -> Tensor:
+                    image_grid_thw: Tensor | None = None, starts: Sequence[int] | None = None) -> Tensor:
     """[4, L]: the plain text positions 0..L-1 over the M-RoPE positions of `rope_index` (verl 0.10's layout)."""
-    mrope = rope_index(tokens, input_ids, image_grid_thw)
+    mrope = rope_index(tokens, input_ids, image_grid_thw, starts)
     return torch.cat([torch.arange(mrope.shape[1]).unsqueeze(0), mrope], dim=0)
+
+
+def row_position_ids(tokens: VisionTokens, input_ids: Sequence[int] | Tensor, row: dict | None) -> Tensor:
+    """[4, L] positions of one unpadded sequence with the images of its row's `multi_modal_inputs` (their blocks
+    where `pad_starts` says)."""
+    grid = (row or {}).get("image_grid_thw")
+    counts = image_token_counts(grid, tokens.spatial_merge_size)
+    return position_ids_4d(tokens, input_ids, grid, pad_starts(row, counts))
+
+
+def add_images(row: dict | None, new: dict, at: Sequence[int], merge_size: int) -> dict:
+    """A row's `multi_modal_inputs` with more images after its own (`new`: their `pixel_values` and
+    `image_grid_thw`), their blocks starting at the pad-token numbers `at` (`image_pad_starts`, module docstring)."""
+    row = row or {}
+    grid = row.get("image_grid_thw")
+    old_counts = image_token_counts(grid, merge_size)
+    if len(at) != len(new["image_grid_thw"]):
+        raise MultiModalError(f"{len(at)} block start(s) for {len(new['image_grid_thw'])} new image(s)")
+    starts = pad_starts(row, old_counts) + [int(v) for v in at]
+    has_old = grid is not None and len(grid)
+    out = {"pixel_values": torch.cat([row["pixel_values"], new["pixel_values"]]) if has_old else new["pixel_values"],
+           "image_grid_thw": torch.cat([grid, new["image_grid_thw"]]) if has_old else new["image_grid_thw"],
+           "image_pad_starts": torch.tensor(starts, dtype=torch.long)}
+    pad_starts(out, image_token_counts(out["image_grid_thw"], merge_size))  # checks the blocks do not overlap
+    return out
 
 
 def continue_positions(prompt_positions: Tensor, n: int) -> Tensor:
@@ -302,3 +370,63 @@ def concat_multi_modal_inputs(rows: Sequence[dict | None]) -> dict[str, Tensor]:
     if not grids:
         return {}
     return {"pixel_values": torch.cat(pixel_values), "image_grid_thw": torch.cat(grids)}
+
+
+def load_vision_processor(model_path: str | Path, tokenizer, *, image_kwargs: dict | None = None,
+                          trust_remote_code: bool = False) -> VisionProcessor | None:
+    """The `VisionProcessor` of the model at `model_path` (a directory or hub id) with `tokenizer`, None for a text
+    model or a path without a model config (the model's own loading then says what is wrong)."""
+    from transformers import AutoConfig
+
+    from hyflow.models.loading import resolve_model_path
+
+    resolved = resolve_model_path(str(model_path))
+    try:
+        config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    if not is_vision_config(config):
+        return None
+    return VisionProcessor.from_pretrained(resolved, tokenizer=tokenizer, config=config, image_kwargs=image_kwargs,
+                                           trust_remote_code=trust_remote_code)
+
+
+
+def split_prompt_images(rows: Sequence[dict | None], prompt_slots: Sequence[int],
+                        merge_size: int) -> list[tuple[dict, dict]]:
+    """Per row, (its prompt's images, its later images: a tool's), each {pixel_values, image_grid_thw} or {}:
+    the prompt's are the images whose tokens are the row's first `prompt_slots[b]` image slots (the image-slot
+    tokens in its prompt columns, `placeholder_mask`)."""
+    parts = []
+    for row, slots in zip(rows, prompt_slots):
+        grid = (row or {}).get("image_grid_thw")
+        if grid is None or not len(grid):
+            parts.append(({}, {}))
+            continue
+        counts = image_token_counts(grid, merge_size)
+        k, total = 0, 0
+        while k < len(counts) and total + counts[k] <= int(slots):
+            total += counts[k]
+            k += 1
+        cut = sum(int(t * h * w) for t, h, w in grid[:k].tolist())  # pixel rows: one per (unmerged) patch
+        prompt = {"pixel_values": row["pixel_values"][:cut], "image_grid_thw": grid[:k]} if k else {}
+        later = {"pixel_values": row["pixel_values"][cut:], "image_grid_thw": grid[k:]} if k < len(counts) else {}
+        parts.append((prompt, later))
+    return parts
+
+
+def prompt_image_keys(parts: Sequence[tuple[dict, dict]]) -> Tensor:
+    """[B] long: a digest of each row's prompt images (grids and pixels; 0 without), so that prompts with the same
+    token ids but other pictures are not shared (`hyflow.models.packing.pack_sequences`' `prompt_keys`)."""
+    import hashlib
+
+    keys = []
+    for prompt, _ in parts:
+        if not prompt:
+            keys.append(0)
+            continue
+        digest = hashlib.blake2b(digest_size=7)
+        for value in (prompt["image_grid_thw"], prompt["pixel_values"]):
+            digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+        keys.append(int.from_bytes(digest.digest(), "little") + 1)
+    return torch.tensor(keys, dtype=torch.long)

@@ -61,6 +61,11 @@ class AgentLoopOutput:
     reward_score: float | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     extra_fields: dict[str, Any] = field(default_factory=dict)
+    # a vision-language trajectory that gained images after its prompt (a tool returned one): all its images'
+    # processed inputs (`image_pad_starts` saying where each block lies, `hyflow.models.vision`) and the images
+    # themselves ({"image": [...]}); None: the prompt row's
+    multi_modal_inputs: dict | None = None
+    multi_modal_data: dict | None = None
 
 # ---------------------------------------------------------------------------------------------- registry
 AGENT_LOOPS = Registry("agent loop", hint="Register one with @hyflow.rollout.agent_loop.register(name) or "
@@ -122,9 +127,11 @@ class AgentLoopBase:
     def __init__(self, *, server_manager: ServerHandle, tokenizer, rollout_config, tools: dict | None = None,
                  tool_parser: ToolParser | None = None, interactions: dict | None = None,
                  chat_template_kwargs: dict | None = None, tool_runner: ToolRunner | None = None,
-                 **kwargs: Any) -> None:
+                 processor=None, **kwargs: Any) -> None:
         self.server_manager = server_manager
         self.tokenizer = tokenizer
+        # a vision-language policy's `hyflow.models.vision.VisionProcessor` (verl's AgentLoopBase.processor), else None
+        self.processor = processor
         self.rollout_config = rollout_config
         self.tools = tools or {}
         self.tool_parser = tool_parser

@@ -234,16 +234,24 @@ class ServerHandle:
         self._media = media or None
 
     @property
+    def media(self) -> dict:
+        """The prompt row's images: {"multi_modal_inputs": ..., "multi_modal_data": ...}, {} for a text prompt."""
+        return dict(self._media or {})
+
+    @property
     def stop_ids(self) -> frozenset[int]:
         """The ids at which the engine ends a turn (EOS ids and the sampling params' stop ids)."""
         return frozenset(self._server.stop_ids)
 
     async def generate(self, request_id: str | None = None, *, prompt_ids: list[int],
-                       sampling_params: dict | None = None, **_: Any) -> TokenOutput:
+                       sampling_params: dict | None = None, media: dict | None = None, **_: Any) -> TokenOutput:
+        """`media`: the images `prompt_ids` hold when the trajectory added some after the prompt (a tool's image;
+        `multi_modal_inputs` with `image_pad_starts`, and `multi_modal_data`); default the prompt row's."""
         budget = (sampling_params or {}).get("max_tokens") or self.response_length
         first = self._calls == 0 and self._prompt_row is not None
         self._calls += 1
         group = ("prompt", self._prompt_row) if first else None
-        return await self._server.generate(self.index, prompt_ids, budget, group, media=self._media)
+        return await self._server.generate(self.index, prompt_ids, budget, group,
+                                           media=self._media if media is None else media)
 
 

@@ -59,9 +59,15 @@ def build_agent_loops(spec, tokenizer, engine, eos_ids: list[int]) -> AgentLoopM
         from hyflow.interactions import load_interactions
 
         interactions = load_interactions(mt.interaction_config_path)
+    processor = None
+    if tools:  # a vision-language policy's tools may return images: the loop processes them as the data's
+        from hyflow.models.vision import load_vision_processor
+
+        processor = load_vision_processor(spec.model.path, tokenizer, image_kwargs=dict(spec.image_kwargs),
+                                          trust_remote_code=spec.model.trust_remote_code)
     return AgentLoopManager(engine, tokenizer, rollout, eos_token_ids=eos_ids, pad_token_id=pad_token_id(tokenizer),
                             tools=tools, interactions=interactions,
-                            chat_template_kwargs=dict(spec.chat_template_kwargs))
+                            chat_template_kwargs=dict(spec.chat_template_kwargs), processor=processor)
 
 
 def build_rollout(spec, tokenizer, *, device, module=None, share_module: bool = False, rank: int = 0,

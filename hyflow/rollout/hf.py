@@ -55,7 +55,7 @@ from hyflow.models.vision import (
     image_placeholders,
     is_vision_config,
     placeholder_mask,
-    position_ids_4d,
+    row_position_ids,
 )
 from hyflow.rollout.base import EngineSpec, SamplingParams, TokenOutput, TokenRequest, register_engine
 from hyflow.rollout.output import assemble_rollout, left_pad, position_ids_from_mask, prompt_budgets
@@ -336,8 +336,7 @@ class HFRolloutEngine:
         positions = torch.zeros((input_ids.shape[0], 4, input_ids.shape[1]), dtype=torch.long)
         for b in range(input_ids.shape[0]):
             real = prompt_mask[b].bool().cpu()
-            grid = (mm_rows[b] or {}).get("image_grid_thw")
-            positions[b, :, real] = position_ids_4d(self._vision, input_ids[b].cpu()[real], grid)
+            positions[b, :, real] = row_position_ids(self._vision, input_ids[b].cpu()[real], mm_rows[b])
         images = {k: v.to(self._device) for k, v in concat_multi_modal_inputs(mm_rows).items()}
         if "pixel_values" in images:
             images["pixel_values"] = images["pixel_values"].to(next(self.model.parameters()).dtype)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from hyflow.batch import Batch
+from hyflow.models.vision import row_position_ids
 from hyflow.rollout.agent_loop import (
     _COUNTERS,
     AGENT_LOOP_KWARGS,
@@ -38,8 +39,9 @@ class AgentLoopManager:
 
     def __init__(self, engine, tokenizer, rollout_config, *, eos_token_ids: Sequence[int], pad_token_id: int,
                  tools: Sequence | None = None, interactions: dict | None = None,
-                 chat_template_kwargs: dict | None = None) -> None:
+                 chat_template_kwargs: dict | None = None, processor=None) -> None:
         self.engine, self.tokenizer, self.config = engine, tokenizer, rollout_config
+        self.processor = processor  # a vision-language policy's VisionProcessor: the loops process tools' images
         self.eos_token_ids, self.pad_token_id = list(eos_token_ids), int(pad_token_id)
         self.tools = {tool.name: tool for tool in (tools or [])}
         self.interactions = dict(interactions or {})
@@ -123,6 +125,7 @@ class AgentLoopManager:
         return loop(server_manager=handle, tokenizer=self.tokenizer, rollout_config=self.config,
                     tools=self.tools, tool_parser=self.tool_parser, interactions=self.interactions,
                     chat_template_kwargs=self.chat_template_kwargs, tool_runner=self.tool_runner,
+                    **({"processor": self.processor} if self.processor is not None else {}),
                     **AGENT_LOOP_KWARGS.get(name, {}), **extra)
 
     def assemble(self, prompts: Batch, params: SamplingParams, outputs: list[AgentLoopOutput], names: list[str],
@@ -161,6 +164,8 @@ class AgentLoopManager:
         else:
             out_batch = assemble_rollout(prompts, prompts["input_ids"].cpu(), prompts["attention_mask"].cpu(),
                                          responses, logprobs, lengths, params, model_mask=model_mask)
+        if any(o.multi_modal_inputs is not None for o in outputs):
+            self._trajectory_images(out_batch, outputs)
         if self.multi_turn:
             out_batch["__num_turns__"] = np.array([o.num_turns for o in outputs], dtype=np.int64)
             infos = list(out_batch["extra_info"]) if "extra_info" in out_batch else [{} for _ in outputs]
@@ -170,6 +175,34 @@ class AgentLoopManager:
             out_batch["agent_reward"] = [None if o.reward_score is None else float(o.reward_score) for o in outputs]
         out_batch.meta.setdefault("metrics", {}).update(self._metrics(outputs, server))
         return out_batch
+
+    def _trajectory_images(self, batch: Batch, outputs: list[AgentLoopOutput]) -> None:
+        """Rows whose trajectory gained images after the prompt (a tool returned one) take the trajectory's
+        `multi_modal_inputs` / `multi_modal_data`, and M-RoPE positions over the whole sequence with every image
+        (the response columns after the last token continue from its maximum, as `continue_positions` does)."""
+        positions = batch["position_ids"]
+        if positions.dim() != 3 or self.processor is None:
+            raise ValueError("a trajectory returned images, but the policy is not a vision-language model (its rows "
+                             "have no M-RoPE positions); only a vision-language model's tools can return images")
+        tokens = self.processor.tokens
+        inputs = list(batch["multi_modal_inputs"]) if "multi_modal_inputs" in batch else [None] * len(outputs)
+        data = list(batch["multi_modal_data"]) if "multi_modal_data" in batch else [None] * len(outputs)
+        for i, out in enumerate(outputs):
+            if out.multi_modal_inputs is None:
+                continue
+            inputs[i], data[i] = out.multi_modal_inputs, out.multi_modal_data
+            real = batch["attention_mask"][i].bool()
+            ids = batch["input_ids"][i][real]
+            row = positions[i].clone()
+            row[:, real] = row_position_ids(tokens, ids, out.multi_modal_inputs)
+            last = int(real.nonzero().max())
+            after = row.shape[-1] - last - 1
+            if after:
+                row[:, last + 1:] = row[:, real].max(-1, keepdim=True).values + 1 + torch.arange(after)
+            positions[i] = row
+        batch["position_ids"] = positions
+        batch["multi_modal_inputs"] = inputs
+        batch["multi_modal_data"] = data
 
     @staticmethod
     def _tool_metrics(outputs: list[AgentLoopOutput]) -> dict[str, float]:

@@ -23,6 +23,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from hyflow.data.images import ImageError, load_image
+from hyflow.models.vision import IMAGE_PAD, VISION_SPECIAL_TOKENS, MultiModalError, add_images
 from hyflow.rollout.agent_loop import _COUNTERS, AgentLoopBase, AgentLoopOutput, register
 from hyflow.rollout.tool_parser import (
     FunctionCall,
@@ -52,6 +54,9 @@ class AgentData:
     tool_instances: dict[str, str] = field(default_factory=dict)  # tool name -> instance id
     metrics: dict[str, Any] = field(default_factory=dict)
     extra_fields: dict[str, Any] = field(default_factory=dict)
+    # the prompt row's images and those tools added since (None until a tool returns one; AgentLoopOutput's fields)
+    multi_modal_inputs: dict | None = None
+    multi_modal_data: dict | None = None
 
 
 @register("tool_agent")
@@ -99,7 +104,8 @@ class ToolAgentLoop(AgentLoopBase):
             response_mask=data.response_mask[: self.response_length],
             response_logprobs=data.response_logprobs[: self.response_length] if data.response_logprobs else None,
             num_turns=data.assistant_turns + data.user_turns + 1, metrics=data.metrics,
-            extra_fields={**data.extra_fields, "turn_scores": data.turn_scores, "tool_rewards": data.tool_rewards})
+            extra_fields={**data.extra_fields, "turn_scores": data.turn_scores, "tool_rewards": data.tool_rewards},
+            multi_modal_inputs=data.multi_modal_inputs, multi_modal_data=data.multi_modal_data)
 
     def _interaction(self, data: AgentData):
         name = data.interaction_kwargs.get("name")
@@ -118,8 +124,11 @@ class ToolAgentLoop(AgentLoopBase):
             if left <= 0:
                 return
             start = time.perf_counter()
+            media = ({"multi_modal_inputs": data.multi_modal_inputs, "multi_modal_data": data.multi_modal_data}
+                     if data.multi_modal_inputs is not None else None)  # the images a tool added, with the prompt's
             out = await self.server_manager.generate(data.request_id, prompt_ids=data.prompt_ids + data.response_ids,
-                                                     sampling_params={**sampling_params, "max_tokens": left})
+                                                     sampling_params={**sampling_params, "max_tokens": left},
+                                                     **({"media": media} if media is not None else {}))
             data.metrics["generate_seconds"] = data.metrics.get("generate_seconds", 0.0) + time.perf_counter() - start
             data.response_ids += out.token_ids
             data.response_mask += [1] * len(out.token_ids)
@@ -134,6 +143,7 @@ class ToolAgentLoop(AgentLoopBase):
             parsed = self.tool_parser.parse_ids(out.token_ids, end_ids=self.end_ids)
             calls: list[FunctionCall | MalformedCall] = [*parsed.calls, *parsed.malformed]
             data.messages.append(self._assistant_message(parsed.content, parsed.calls))
+            images: list = []  # what the tools returned besides text (a vision-language policy's tools)
             if calls:
                 if len(calls) > self.max_parallel_calls:
                     data.metrics["dropped_calls"] += len(calls) - self.max_parallel_calls
@@ -142,8 +152,12 @@ class ToolAgentLoop(AgentLoopBase):
                 answers = await asyncio.gather(*(self._call_tool(call, data) for call in calls))
                 data.metrics["tool_seconds"] += time.perf_counter() - start
                 new = []
-                for call, text_answer in zip(calls, answers):
-                    message = {"role": "tool", "content": text_answer}
+                for call, (text_answer, answer_images) in zip(calls, answers):
+                    content: str | list = text_answer
+                    if answer_images:  # verl's multimodal tool message: the images, then the text
+                        content = [*({"type": "image"} for _ in answer_images), {"type": "text", "text": text_answer}]
+                        images += answer_images
+                    message = {"role": "tool", "content": content}
                     if isinstance(call, FunctionCall) and call.tool_call_id is not None:
                         message["tool_call_id"] = call.tool_call_id
                     new.append(message)
@@ -159,8 +173,13 @@ class ToolAgentLoop(AgentLoopBase):
                 return
             ended_with_eos = bool(out.token_ids) and out.token_ids[-1] == self.tokenizer.eos_token_id
             delta = self._render_delta(data.messages, new, ended_with_eos=ended_with_eos)
+            media = None
+            if images:  # each image's single pad token becomes its block; the trajectory's images gain them
+                delta, media = self._with_images(data, delta, images)
             if len(data.response_ids) + len(delta) >= self.response_length:
                 return  # verl: a turn that does not fit ends the trajectory before it is appended
+            if media is not None:
+                data.multi_modal_inputs, data.multi_modal_data = media
             data.messages += new
             data.response_ids += delta
             data.response_mask += [0] * len(delta)
@@ -177,21 +196,39 @@ class ToolAgentLoop(AgentLoopBase):
         return message
 
     # ------------------------------------------------------------------ tools
-    async def _call_tool(self, call: FunctionCall | MalformedCall, data: AgentData) -> str:
+    async def _call_tool(self, call: FunctionCall | MalformedCall, data: AgentData) -> tuple[str, list]:
+        """(the tool turn's text, the images the tool returned); every failure is an `error: ...` text."""
+        text, images = await self._tool_answer(call, data)
+        if images and self.processor is None:
+            data.metrics["tool_errors"] += 1
+            return (f"error: tool {call.name!r} returned {len(images)} image(s), but the policy is a text model; "
+                    "only a vision-language model's tools can return images"), []
+        if images:
+            try:
+                images = [load_image(image, f"tool {call.name!r}'s image {k}") for k, image in enumerate(images)]
+            except ImageError as err:
+                data.metrics["tool_errors"] += 1
+                return f"error: tool {call.name!r} returned an image that cannot be read: {err}", []
+        if self.processor is not None:  # the vision tokens are the images' own: a tool's text cannot fake an image
+            for token in VISION_SPECIAL_TOKENS:
+                text = text.replace(token, "")
+        return text, images
+
+    async def _tool_answer(self, call: FunctionCall | MalformedCall, data: AgentData) -> tuple[str, list]:
         if isinstance(call, MalformedCall):
             data.metrics["malformed_calls"] += 1
-            return f"error: malformed tool call: {call.reason}"
+            return f"error: malformed tool call: {call.reason}", []
         data.metrics["tool_calls"] += 1
         tool = self.tools.get(call.name)
         if tool is None:
             data.metrics["unknown_tools"] += 1
             known = ", ".join(sorted(self.tools)) or "none"
-            return f"error: unknown tool {call.name!r}; available tools: {known}"
+            return f"error: unknown tool {call.name!r}; available tools: {known}", []
         arguments = call.parsed_arguments()
         problem = check_arguments(arguments, tool.tool_schema.function.parameters.model_dump(exclude_none=True))
         if problem is not None:
             data.metrics["bad_arguments"] += 1
-            return f"error: {call.name}: {problem}"
+            return f"error: {call.name}: {problem}", []
         timeout = float((getattr(tool, "config", None) or {}).get("timeout") or self.tool_timeout)
         start = time.perf_counter()
 
@@ -203,22 +240,49 @@ class ToolAgentLoop(AgentLoopBase):
             result = await self.tool_runner.run(create_and_execute, timeout, f"tool {call.name!r} (execute)")
         except ToolTimeout:
             data.metrics["tool_timeouts"] += 1
-            return f"error: tool {call.name!r} timed out after {timeout:g} s"
+            return f"error: tool {call.name!r} timed out after {timeout:g} s", []
         except ToolThreadsExhausted:
             raise
         except (Exception, SystemExit) as err:  # the tool's own failure: the model reads it, the step goes on
             data.metrics["tool_errors"] += 1
-            return f"error: tool {call.name!r} raised {type(err).__name__}: {err}"
+            return f"error: tool {call.name!r} raised {type(err).__name__}: {err}", []
         finally:
             data.metrics["tool_latencies"].append(time.perf_counter() - start)
-        text, reward = _tool_result(result)
+        response = result[0] if isinstance(result, tuple) and result else result
+        if (response.get("video") if isinstance(response, dict) else getattr(response, "video", None)):
+            data.metrics["tool_errors"] += 1
+            return (f"error: tool {call.name!r} returned a video; videos are not supported yet, return images "
+                    "(ToolResponse.image)"), []
+        text, reward, images = _tool_result(result)
         if text is None:
             data.metrics["tool_errors"] += 1
             return (f"error: tool {call.name!r} returned {type(result).__name__}, not (ToolResponse, reward, "
-                    "metrics)")
+                    "metrics)"), []
         if reward is not None:
             data.tool_rewards.append(reward)
-        return self._truncate(text)
+        return self._truncate(text), images
+
+    def _with_images(self, data: AgentData, delta: list[int], images: list) -> tuple[list[int], tuple[dict, dict]]:
+        """The tool turn's ids with each image's pad token expanded to its block, and the trajectory's images with
+        these after the ones it had (`image_pad_starts`: where each new block starts among the sequence's pad
+        tokens, counting those the model generated; `hyflow.models.vision`)."""
+        processor = self.processor
+        pad = processor.tokens.image_token_id
+        placeholders = sum(1 for token in delta if token == pad)
+        if placeholders != len(images):
+            raise MultiModalError(
+                f"the chat template rendered {placeholders} {IMAGE_PAD} token(s) for the {len(images)} image(s) the "
+                "tools returned; a vision-language model's tool turns need a template that renders a message's "
+                "{'type': 'image'} parts (the model's own chat template does)")
+        media = getattr(self.server_manager, "media", {}) if data.multi_modal_inputs is None else {
+            "multi_modal_inputs": data.multi_modal_inputs, "multi_modal_data": data.multi_modal_data}
+        new = processor.images(images)
+        counts = processor.token_counts(new["image_grid_thw"])
+        before = sum(1 for token in data.prompt_ids + data.response_ids if token == pad)
+        starts = [before + sum(counts[:k]) for k in range(len(images))]
+        inputs = add_images(media.get("multi_modal_inputs"), new, starts, processor.tokens.spatial_merge_size)
+        old_images = list((media.get("multi_modal_data") or {}).get("image") or [])
+        return processor.expand(delta, new["image_grid_thw"]), (inputs, {"image": old_images + images})
 
     async def _instance(self, tool, data: AgentData) -> str:
         if tool.name not in data.tool_instances:
@@ -305,22 +369,22 @@ def render_delta(tokenizer, with_assistant: list[dict], new: list[dict], *, ende
     return list(tokenizer(suffix + tail, add_special_tokens=False)["input_ids"])
 
 
-def _tool_result(result) -> tuple[str | None, float | None]:
-    """(text, reward) of what `execute` returned: (ToolResponse | str | dict, reward, metrics)."""
+def _tool_result(result) -> tuple[str | None, float | None, list]:
+    """(text, reward, images) of what `execute` returned: (ToolResponse | str | dict, reward, metrics); text None
+    when it is none of these."""
     response, reward = result, None
     if isinstance(result, tuple):
         if not result:
-            return None, None
+            return None, None, []
         response = result[0]
         if len(result) > 1 and isinstance(result[1], (int, float)) and not isinstance(result[1], bool):
             reward = float(result[1])
     if isinstance(response, str):
-        return response, reward
+        return response, reward, []
     if isinstance(response, dict):
-        return str(response.get("text") or ""), reward
+        return str(response.get("text") or ""), reward, list(response.get("image") or [])
     text = getattr(response, "text", None)
+    images = list(getattr(response, "image", None) or [])
     if text is None and hasattr(response, "is_empty"):
-        return "", reward
-    return (str(text), reward) if text is not None else (None, None)
-
-
+        return "", reward, images
+    return (str(text), reward, images) if text is not None else (None, None, [])

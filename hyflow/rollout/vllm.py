@@ -54,7 +54,7 @@ import torch
 
 from hyflow.batch import Batch
 from hyflow.models.loading import as_torch_dtype
-from hyflow.models.vision import VisionTokens, image_token_counts, is_vision_config
+from hyflow.models.vision import VisionTokens, image_token_counts, is_vision_config, pad_starts
 from hyflow.rollout import vllm_vision
 from hyflow.rollout.base import (
     EngineSpec,
@@ -472,7 +472,7 @@ class VLLMRolloutEngine:
                 [b for g in gathered for b in g[4]], first)
 
     def _media(self, prompts: Batch) -> list:
-        """Per row, (PIL images, tokens per image) of a vision-language prompt, or None (module docstring of
+        """Per row, `_row_media` of a vision-language prompt, or None (module docstring of
         `hyflow.rollout.vllm_vision`); images for a text model are an error."""
         inputs = list(prompts["multi_modal_inputs"]) if "multi_modal_inputs" in prompts.non_tensors else None
         data = list(prompts["multi_modal_data"]) if "multi_modal_data" in prompts.non_tensors else None
@@ -489,8 +489,8 @@ class VLLMRolloutEngine:
 
         if media is None:
             return TokensPrompt(prompt_token_ids=list(token_ids))
-        images, counts = media
-        ids = vllm_vision.one_pad_per_image(token_ids, counts, self.vision.image_token_id)
+        images, counts, starts = media
+        ids = vllm_vision.one_pad_per_image(token_ids, counts, self.vision.image_token_id, starts)
         return TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": list(images)})
 
     def _model_runner(self):
@@ -553,8 +553,8 @@ class VLLMRolloutEngine:
 
 
 def _row_media(vision: VisionTokens, inputs: dict | None, data: dict | None):
-    """(PIL images, tokens per image) of one prompt row, None without images; images without their processed
-    inputs (the token counts) are an error."""
+    """(PIL images, tokens per image, where each image's block starts among the pad tokens) of one prompt row, None
+    without images; images without their processed inputs (the token counts) are an error."""
     images = list((data or {}).get("image") or [])
     grid = (inputs or {}).get("image_grid_thw")
     if not images and (grid is None or not len(grid)):
@@ -563,7 +563,7 @@ def _row_media(vision: VisionTokens, inputs: dict | None, data: dict | None):
     if len(images) != len(counts):
         raise ValueError(f"a prompt row has {len(images)} image(s) in multi_modal_data but {len(counts)} in "
                          "multi_modal_inputs; the vllm engine needs both (the rows of hyflow's RLDataset carry both)")
-    return images, counts
+    return images, counts, pad_starts(inputs, counts)
 
 
 class _Live:
@@ -683,7 +683,8 @@ class VLLMTokenStream:
                 media = _row_media(self._vision, request.multi_modal_inputs, request.multi_modal_data)
                 if media is not None:
                     prompt = TokensPrompt(prompt_token_ids=vllm_vision.one_pad_per_image(
-                        request.prompt_ids, media[1], self._vision.image_token_id), multi_modal_data={"image": media[0]})
+                        request.prompt_ids, media[1], self._vision.image_token_id, media[2]),
+                        multi_modal_data={"image": media[0]})
             elif request.multi_modal_inputs or request.multi_modal_data:
                 raise ValueError("a request carries images but the rollout model is not a vision-language model")
             self._engine.add_request(request_id, prompt, params)

@@ -29,6 +29,8 @@ import types
 from collections.abc import Sequence
 from importlib import import_module
 
+from hyflow.models.vision import IMAGE_PAD, default_pad_starts
+
 _registered: set[str] = set()
 # model_type -> (vLLM's module, its model / processing-info / multimodal-processor / dummy-inputs class names,
 # transformers' processor class name): the architecture registered is the model class's name
@@ -101,20 +103,32 @@ def register(model_type: str) -> None:
     _registered.add(model_type)
 
 
-def one_pad_per_image(ids: Sequence[int], counts: Sequence[int], pad: int) -> list[int]:
-    """`ids` with image k's run of counts[k] pad tokens cut to one pad (what vLLM expands itself); pad tokens after
-    the images' runs (generated ones) stay."""
+def one_pad_per_image(ids: Sequence[int], counts: Sequence[int], pad: int,
+                      starts: Sequence[int] | None = None) -> list[int]:
+    """`ids` with image k's run of counts[k] pad tokens cut to one pad (what vLLM expands itself); the run starts at
+    the pad token numbered starts[k] (`hyflow.models.vision.pad_starts`; default: the runs come first, back to
+    back). Other pad tokens (generated ones) stay after the last image; one before an image is an error: vLLM
+    takes the prompt's first pad tokens for its images, so it would put that image on the sampled token (measured:
+    log-probs 5e-3 off the recompute on the tiny model), and the hf engine places it right."""
+    starts = default_pad_starts(counts) if starts is None else list(starts)
     out: list[int] = []
-    i, image = 0, 0
+    i, image, seen = 0, 0, 0
     while i < len(ids):
-        if image < len(counts) and ids[i] == pad:
+        if image < len(counts) and ids[i] == pad and seen == starts[image]:
             if list(ids[i : i + counts[image]]) != [pad] * counts[image]:
                 raise ValueError(f"image {image} needs {counts[image]} consecutive image tokens; the prompt has a "
                                  "shorter run")
             out.append(pad)
             i += counts[image]
+            seen += counts[image]
             image += 1
         else:
+            if ids[i] == pad and image < len(counts):
+                raise ValueError(
+                    f"the prompt holds an {IMAGE_PAD} token the model sampled before image {image}'s tokens (a "
+                    "tool's picture after it); vLLM would take that token for the image. The hf rollout engine "
+                    "places the image where it belongs (actor_rollout_ref.rollout.name=hf)")
+            seen += ids[i] == pad
             out.append(ids[i])
             i += 1
     if image < len(counts):

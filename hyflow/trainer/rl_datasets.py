@@ -30,21 +30,13 @@ def prompt_processor(model_path: str, tokenizer, *, trust_remote_code: bool = Fa
     """A vision-language model's prompt processor (`hyflow.models.vision.VisionProcessor`: its image processor and
     the tokenizer, called with `data.mm_processor_kwargs`), None for a text model: image rows need it (RLDataset
     refuses them without). `data.image_patch_size` must be the image processor's patch size."""
-    from transformers import AutoConfig
+    from hyflow.models.vision import load_vision_processor
 
-    from hyflow.models.loading import resolve_model_path
-    from hyflow.models.vision import VisionProcessor, is_vision_config
-
-    resolved = resolve_model_path(model_path)
-    try:
-        config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError):  # no model config here: the model's own loading says what is wrong
-        return None
-    if not is_vision_config(config):
-        return None
     image_kwargs = dict(getattr(data_cfg, "mm_processor_kwargs", None) or {})
-    processor = VisionProcessor.from_pretrained(resolved, tokenizer=tokenizer, config=config,
-                                                image_kwargs=image_kwargs, trust_remote_code=trust_remote_code)
+    processor = load_vision_processor(model_path, tokenizer, image_kwargs=image_kwargs,
+                                      trust_remote_code=trust_remote_code)
+    if processor is None:
+        return None
     want = getattr(data_cfg, "image_patch_size", None)
     if want is not None and processor.patch_size is not None and int(want) != int(processor.patch_size):
         raise ValueError(f"data.image_patch_size={want} but the image processor of {model_path} uses patches of "

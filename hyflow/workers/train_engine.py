@@ -63,6 +63,7 @@ from hyflow.models.vision import (
     image_placeholders,
     is_vision_config,
     placeholder_mask,
+    split_prompt_images,
     vision_tower,
 )
 from hyflow.specs import TrainEngineSpec
@@ -166,17 +167,14 @@ class TrainEngine:
         self.prefix = f"{name}_" if checkpoint_prefix is None else checkpoint_prefix
         self.strategy, self.world_size, self.rank = strategy, world_size, rank
         self.grad_clip = grad_clip
-        # a vision-language model (hyflow.models.vision) runs the padded forward with its images: packing its
-        # M-RoPE positions and images is not built yet, so use_remove_padding and share_prompts are off for it
-        # (the same values; the padded path computes more), said once at start
+        # a vision-language model (hyflow.models.vision): its rows' images and M-RoPE positions go into every
+        # forward, packed or padded
         self.vision = is_vision_config(getattr(model, "config", None))
         self.vision_tokens = VisionTokens.from_config(model.config) if self.vision else None
-        if self.vision and share_prompts and use_remove_padding:
-            print(f"{name}: vision-language model: prompt sharing (use_prefix_grouper) is not implemented for it "
-                  "yet; its micro-batches are packed without it (same log-probs, more compute)")
         self.use_remove_padding = bool(use_remove_padding)
-        # verl's use_prefix_grouper: in a packed micro-batch the samples of one prompt run its tokens once
-        self.share_prompts = bool(share_prompts) and self.use_remove_padding and not self.vision
+        # verl's use_prefix_grouper: in a packed micro-batch the samples of one prompt run its tokens once (a
+        # vision-language prompt: its images once too, and only rows whose prompt images are equal share it)
+        self.share_prompts = bool(share_prompts) and self.use_remove_padding
         self.compute_dtype = compute_dtype or getattr(fsdp_config, "dtype", "fp32")
         self.lora = lora
         if freeze_vision_tower and self.vision:  # verl's key: the vision tower keeps its weights
@@ -264,9 +262,14 @@ class TrainEngine:
             images = self._images(micro)
             vision = {}
             if self.vision:  # M-RoPE positions, the rows' images and the tokens that take their features
+                rows = list(micro["multi_modal_inputs"]) if images else None
+                image_mask = placeholder_mask(ids, rows, self.vision_tokens) if images else None
                 vision = {"position_ids": micro["position_ids"].to(self.device), "images": images,
-                          "image_mask": placeholder_mask(ids, list(micro["multi_modal_inputs"]), self.vision_tokens)
-                          if images else None}
+                          "image_mask": image_mask}
+                if images and self.share_prompts and self.head != "value":  # each part with its packed token
+                    vision["images"] = None
+                    vision["image_parts"] = split_prompt_images(
+                        rows, image_mask[:, : ids.shape[1] - R].sum(-1).tolist(), self.vision_tokens.spatial_merge_size)
             with autocast(self.device, self.compute_dtype):
                 if self.head == "value":
                     self._refuse_images_for_a_critic(images)

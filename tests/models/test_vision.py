@@ -13,10 +13,13 @@ from hyflow.models.vision import (
     MultiModalError,
     VisionProcessor,
     VisionTokens,
+    add_images,
     concat_multi_modal_inputs,
     continue_positions,
     image_token_counts,
+    placeholder_mask,
     position_ids_4d,
+    row_position_ids,
 )
 
 PRESETS = ("tiny-vl", "tiny-vl-2.5")
@@ -118,6 +121,34 @@ def test_mrope_positions_equal_transformers_own(vl):
     assert torch.equal(ours[:, 0], compute_position_ids(mask) * mask)
 
 
+def test_an_image_after_sampled_pad_tokens_sits_where_image_pad_starts_say(vl):
+    """A tool's picture after tokens the model sampled, one of them a pad token: the row's `image_pad_starts` put
+    the second block after the sampled pad, which stays text. Positions equal transformers' get_rope_index told
+    the same slots (its mm_token_type_ids); the default starts would misplace the block."""
+    model, processor = vl
+    first = processor(_prompt(processor, "Which is red?", 1), [_image(56, 56)])
+    pad = processor.tokens.image_token_id
+    new = processor.images([_image(84, 56, seed=2)])
+    before = sum(1 for t in first["input_ids"] if t == pad)
+    ids = [*first["input_ids"], 40, pad, 41, pad, 42, *processor.expand([pad], new["image_grid_thw"]), 43, pad]
+    row = add_images(first["multi_modal_inputs"], new, [before + 2], processor.tokens.spatial_merge_size)
+    assert row["image_pad_starts"].tolist() == [0, before + 2]
+    slots = placeholder_mask(torch.tensor([ids]), [row], processor.tokens)[0]
+    counts = processor.token_counts(row["image_grid_thw"])
+    assert int(slots.sum()) == sum(counts) and int((torch.tensor(ids) == pad).sum()) == sum(counts) + 3
+    sampled = [i for i, t in enumerate(ids) if t == pad and not slots[i]]
+    assert len(sampled) == 3 and ids[sampled[0] - 1] == 40 and ids[sampled[1] - 1] == 41 and sampled[2] == len(ids) - 1
+    ours = row_position_ids(processor.tokens, ids, row)
+    theirs, _ = model.model.get_rope_index(torch.tensor([ids]), mm_token_type_ids=slots.int()[None],
+                                           image_grid_thw=row["image_grid_thw"],
+                                           attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    assert torch.equal(ours[1:], theirs[:, 0])
+    with pytest.raises(MultiModalError, match="shorter run"):  # the default: the second block at the sampled pad
+        position_ids_4d(processor.tokens, ids, row["image_grid_thw"])
+    with pytest.raises(MultiModalError, match="overlap"):
+        add_images(first["multi_modal_inputs"], new, [before - 1], processor.tokens.spatial_merge_size)
+
+
 def test_response_logprobs_on_image_prompts_equal_the_models_forward(vl):
     """hyflow's backbone + lm_head log-probs with [B, 4, L] positions equal log_softmax of the model's own logits,
     which it computes from its own positions (mm_token_type_ids), on a left-padded batch with two images."""
@@ -165,11 +196,26 @@ def test_a_text_model_is_not_a_vision_model(tiny_model_dir):
         VisionTokens.from_config(AutoConfig.from_pretrained(tiny_model_dir))
 
 
+def _grads(model, mask, R, fn):
+    """(log-probs, parameter gradients) of fn()'s log-probs summed over the response mask."""
+    model.zero_grad()
+    logp = fn()
+    (logp * mask[:, -R:]).sum().backward()
+    return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _padded_grads(model, ids, mask, pos, R, images, image_mask):
+    from hyflow.models.vision import image_placeholders
+
+    with image_placeholders(model, image_mask):
+        return _grads(model, mask, R, lambda: response_logprobs(model, ids, mask, pos, R, **images)[0])
+
+
 def test_packed_log_probs_and_gradients_of_image_sequences_equal_the_padded_forward(vl):
     """Sequence packing of a vision-language batch (M-RoPE positions packed as they are, the images in row order,
     the vision tower attending unpacked): the padded forward's log-probs and gradients, a generated pad included."""
     from hyflow.models.packing import packed_response_logprobs
-    from hyflow.models.vision import image_placeholders, placeholder_mask
+    from hyflow.models.vision import placeholder_mask
 
     model, processor = vl
     pad = processor.tokens.image_token_id
@@ -196,21 +242,79 @@ def test_packed_log_probs_and_gradients_of_image_sequences_equal_the_padded_forw
     image_mask = placeholder_mask(ids, mm_rows, processor.tokens)
     model.train(False)
 
-    def grads(fn):
-        model.zero_grad()
-        logp = fn()
-        (logp * mask[:, -R:]).sum().backward()
-        return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    with image_placeholders(model, image_mask):
-        padded, padded_grads = grads(lambda: response_logprobs(model, ids, mask, pos, R, **images)[0])
-    packed, packed_grads = grads(lambda: packed_response_logprobs(model, ids, mask, R, position_ids=pos,
-                                                                  images=images, image_mask=image_mask)[0])
+    padded, padded_grads = _padded_grads(model, ids, mask, pos, R, images, image_mask)
+    packed, packed_grads = _grads(model, mask, R, lambda: packed_response_logprobs(
+        model, ids, mask, R, position_ids=pos, images=images, image_mask=image_mask)[0])
     real = mask[:, -R:].bool()
     assert torch.allclose(packed[real], padded[real], atol=1e-5, rtol=0)
     assert any(name.startswith("model.visual.") for name in packed_grads)
     for name, grad in padded_grads.items():
         torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_shared_prompts_of_image_sequences_equal_the_padded_forward(vl):
+    """Prompt sharing (use_prefix_grouper) on a vision-language batch: the samples of a prompt run its tokens and
+    its pictures once; a prompt with the same token ids but another picture is not shared; a tool's picture in one
+    response runs with that response. Log-probs and gradients equal the padded forward's."""
+    from hyflow.models.packing import pack_sequences, packed_response_logprobs
+    from hyflow.models.vision import (
+        placeholder_mask,
+        prompt_image_keys,
+        split_prompt_images,
+    )
+
+    model, processor = vl
+    pad = processor.tokens.image_token_id
+    merge = processor.tokens.spatial_merge_size
+    red = processor(_prompt(processor, "Which is red?", 1), [_image(56, 56)])
+    blue = processor(_prompt(processor, "Which is red?", 1), [_image(56, 56, (20, 20, 220))])  # same ids
+    two = processor(_prompt(processor, "Two pictures, which one is blue?", 2),
+                    [_image(112, 84, (20, 20, 220)), _image(56, 84, seed=3)])
+    tool = processor.images([_image(56, 84, (0, 200, 0), seed=4)])
+    block = processor.expand([pad], tool["image_grid_thw"])
+    prompts = [red, red, red, blue, two, two]
+    responses = [[40, 41], [40, pad, 42, *block, 43], [45], [40, 41], [50, 51, 52], [53]]
+    R = max(len(r) for r in responses)
+    width = max(len(r["input_ids"]) for r in prompts) + 1 + R
+    B = len(prompts)
+    ids = torch.full((B, width), processor.tokenizer.pad_token_id)
+    mask = torch.zeros(B, width, dtype=torch.long)
+    pos = torch.zeros(B, 4, width, dtype=torch.long)
+    rows = []
+    for b, (r, resp) in enumerate(zip(prompts, responses)):
+        P = len(r["input_ids"])
+        start = width - R - P
+        ids[b, start:start + P] = torch.tensor(r["input_ids"])
+        ids[b, width - R:width - R + len(resp)] = torch.tensor(resp)
+        mask[b, start:width - R + len(resp)] = 1
+        row = r["multi_modal_inputs"]
+        if b == 1:  # the tool's picture after a sampled pad token
+            row = add_images(row, tool, [sum(processor.token_counts(row["image_grid_thw"])) + 1], merge)
+        rows.append(row)
+        real = mask[b].bool()
+        pos[b, :, real] = row_position_ids(processor.tokens, ids[b][real], row)
+    image_mask = placeholder_mask(ids, rows, processor.tokens)
+    images = concat_multi_modal_inputs(rows)
+    parts = split_prompt_images(rows, image_mask[:, : width - R].sum(-1).tolist(), merge)
+    assert [len(p[1].get("image_grid_thw", [])) for p in parts] == [0, 1, 0, 0, 0, 0]
+    keys = prompt_image_keys(parts)
+    assert keys[0] == keys[1] == keys[2] != keys[3] and keys[4] == keys[5]
+    packed = pack_sequences(ids, mask, pos, share_prefix_width=width - R, prompt_keys=keys)
+    assert packed.leaders.tolist() == [0, 0, 0, 3, 4, 4]  # the blue picture has a prompt of its own
+    model.train(False)
+
+    padded, padded_grads = _padded_grads(model, ids, mask, pos, R, images, image_mask)
+    shared, shared_grads = _grads(model, mask, R, lambda: packed_response_logprobs(
+        model, ids, mask, R, position_ids=pos, image_mask=image_mask, image_parts=parts, share_prompts=True)[0])
+    real = mask[:, -R:].bool()
+    assert torch.allclose(shared[real], padded[real], atol=1e-5, rtol=0)
+    assert any(name.startswith("model.visual.") for name in shared_grads)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    # the same ids shared regardless of the pictures would score the blue row under the red picture
+    wrong = pack_sequences(ids, mask, pos, share_prefix_width=width - R)
+    assert wrong.leaders.tolist()[3] == 0
 
 
 def test_nested_packed_attention_leaves_the_vision_tower_unpacked(vl):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vision import image_prompts, tiny_vl
+from vision import STOPS, LookTool, image_prompts, tiny_vl
 
 from hyflow.config import load_config
 from hyflow.models.forward import response_logprobs
@@ -32,7 +32,8 @@ def rollout_config(path, *extra):
 @pytest.fixture(scope="module")
 def engine(vl):
     path, model, processor = vl
-    engine = make_engine("vllm", EngineSpec(model_path=str(path), device="cpu", rollout=rollout_config(path),
+    engine = make_engine("vllm", EngineSpec(model_path=str(path), device="cpu",  # room for the tool-image turns
+                                            rollout=rollout_config(path, "actor_rollout_ref.rollout.max_model_len=192"),
                                             eos_token_ids=[processor.tokenizer.eos_token_id],
                                             pad_token_id=processor.tokenizer.pad_token_id))
     # the trainer's weights, under its names (the engine loaded the checkpoint: a VLM's engine always does)
@@ -110,6 +111,70 @@ def test_the_token_stream_takes_a_requests_images(vl, engine):
     assert torch.allclose(torch.tensor(output.log_probs), logp[0], atol=1e-4, rtol=0)
 
 
+def _look_tool():
+    from hyflow.tools import OpenAIFunctionToolSchema
+
+    return LookTool({}, OpenAIFunctionToolSchema.model_validate({"type": "function", "function": {
+        "name": "look", "description": "look", "parameters": {"type": "object", "properties": {}}}}))
+
+
+@pytest.mark.parametrize("batching", ["barrier", "continuous"])
+def test_a_tools_image_on_vllm_equals_the_recompute(vl, engine, batching):
+    """A tool's picture goes to vLLM with the prompt's (one pad per image, where `image_pad_starts` says; pad tokens
+    the model sampled stay text) and the sampled log-probs equal the trainer's over the whole trajectory."""
+    from hyflow.rollout.manager import AgentLoopManager
+
+    _, model, processor = vl
+    rollout = rollout_config(vl[0], f"actor_rollout_ref.rollout.agent.batching={batching}",
+                             "data.max_response_length=64", "actor_rollout_ref.rollout.multi_turn.enable=true",
+                             "actor_rollout_ref.rollout.multi_turn.format=always_look",
+                             "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+                             "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent")
+    manager = AgentLoopManager(engine, processor.tokenizer, rollout, eos_token_ids=[processor.tokenizer.eos_token_id],
+                               pad_token_id=processor.tokenizer.pad_token_id, tools=[_look_tool()],
+                               processor=processor)
+    for seed in range(4):  # a seed whose trajectories have no pad token sampled before a tool's picture (vLLM
+        try:               # refuses those: test_a_sampled_pad_token_before_a_tools_image_is_refused_by_vllm)
+            out = manager.generate(image_prompts(processor), SamplingParams(
+                n=2, max_new_tokens=64, seed=seed, calculate_log_probs=True, stop_token_ids=STOPS))
+            break
+        except ValueError as err:
+            assert "the model sampled before image" in str(err)
+    else:
+        pytest.fail("every seed sampled a pad token before a tool's picture")
+    shown = sum(len(row["image_grid_thw"]) for row in out["multi_modal_inputs"] if row) - 6
+    assert shown >= 4, "too few tool pictures to test anything"
+    assert torch.allclose(out["rollout_log_probs"], recompute(model, processor, out), atol=1e-4, rtol=0)
+
+
+def test_a_sampled_pad_token_before_a_tools_image_is_refused_by_vllm(vl, engine):
+    """vLLM takes a prompt's first pad tokens for its images: a request with a pad token the model sampled before a
+    tool's picture fails by name (the hf engine places the picture right: test_tool_images.py)."""
+    from PIL import Image
+
+    from hyflow.models.vision import add_images
+
+    _, _, processor = vl
+    batch = image_prompts(processor, ((200, 30, 30),))
+    ids = batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
+    pad = processor.tokens.image_token_id
+    picture = Image.new("RGB", (56, 56), (0, 200, 0))
+    new = processor.images([picture])
+    before = sum(1 for t in ids if t == pad)
+    ids = [*ids, 40, pad, 41, 42, *processor.expand([pad], new["image_grid_thw"]), 43]
+    inputs = add_images(batch["multi_modal_inputs"][0], new, [before + 1], processor.tokens.spatial_merge_size)
+    data = {"image": [*batch["multi_modal_data"][0]["image"], picture]}
+    stream = engine.open_stream(SamplingParams(n=1, max_new_tokens=R, seed=0, calculate_log_probs=True))
+    try:
+        future = stream.submit(TokenRequest("r-pad", ids, R, seed=5, multi_modal_inputs=inputs, multi_modal_data=data))
+        with pytest.raises(ValueError, match="the model sampled before image 1's tokens"):
+            future.result(timeout=300)
+    finally:
+        stream.close()
+
+
+# builds a second engine: vLLM's process-wide parallel groups are the new engine's afterwards, so the module's
+# engine is not used after it
 def test_a_qwen2_5_vl_model_rolls_out_on_vllm_as_the_recompute(tmp_path):
     """Qwen2.5-VL (window attention in its vision tower) through the same image-only registration."""
     from transformers import AutoModelForImageTextToText

@@ -52,7 +52,6 @@ def test_grpo_on_a_vision_language_model_through_the_cli(vl_task, tmp_path):
     proc = subprocess.run([HYFLOW, "train", *overrides(model, data, run)], capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "vision-language model: prompt sharing (use_prefix_grouper) is not implemented for it yet" in proc.stdout
     rows = [r for r in read_metrics(run) if "rollout_corr/log_ppl_abs_diff" in r]
     assert len(rows) == 2
     for row in rows:  # the hf engine's log-probs on image prompts are the trainer's
@@ -175,3 +174,29 @@ def test_image_processor_settings_that_vllm_would_not_see_are_refused(vl_task, t
     with pytest.raises(ValueError, match=r"data.mm_processor_kwargs with actor_rollout_ref.rollout.name=vllm"):
         RLTrainer(overrides(model, data, tmp_path / "run", "actor_rollout_ref.rollout.name=vllm",
                             "+data.mm_processor_kwargs.max_pixels=12544"))
+
+
+def test_grpo_with_a_tool_that_returns_images(vl_task, tmp_path):
+    """verl's image tools (ToolResponse.image) in a training run: every trajectory calls a tool that shows a
+    picture, the rows carry the pictures after the prompt's, and the trainer's log-probs over them (packed) equal
+    the rollout's."""
+    import vision  # registers the always_look format; holds LookTool
+
+    model, data = vl_task
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - class_name: vision.LookTool\n    config: {}\n    tool_schema:\n"
+                     "      type: function\n      function: {name: look, description: look at a picture,\n"
+                     "                 parameters: {type: object, properties: {}}}\n")
+    run = tmp_path / "run"
+    vision.SHOWN.clear()
+    RLTrainer(overrides(model, data, run, "trainer.logger=[file]", "trainer.total_training_steps=1",
+                        "trainer.test_freq=0", "trainer.save_freq=0", "data.max_response_length=64",
+                        "actor_rollout_ref.rollout.multi_turn.enable=true",
+                        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+                        "actor_rollout_ref.rollout.multi_turn.format=always_look",
+                        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+                        "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent")).fit()
+    [row] = [r for r in read_metrics(run) if "rollout_corr/log_ppl_abs_diff" in r]
+    assert len(vision.SHOWN) >= 8, "too few pictures shown to test anything"
+    assert row["tool/calls_per_sample/mean"] >= 1
+    assert row["rollout_corr/log_ppl_abs_diff"] < 1e-4, row
