@@ -220,7 +220,10 @@ def token_values(
     value_model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor, **model_kwargs
 ) -> Tensor:
     """Per-token values [B, L] (float32) of a critic from `load_value_model` (token classifier, 1 label);
-    `model_kwargs` go to the model call as well (e.g. packed-sequence boundaries)."""
+    `model_kwargs` go to the model call as well (e.g. packed-sequence boundaries, a vision-language critic's
+    images with `position_ids` [B, 4, L])."""
+    if position_ids is not None and position_ids.dim() == 3:  # [B, 4, L] -> transformers' Qwen2-VL [4, B, L]
+        position_ids = position_ids.transpose(0, 1)
     out = value_model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
         **model_kwargs,
@@ -240,10 +243,12 @@ def values_from_model(
     attention_mask: Tensor,
     position_ids: Tensor,
     response_length: int,
+    **model_kwargs,
 ) -> Tensor:
-    """Values [B, R] (float32) at positions [-R-1:-1]: V(s_t) is read before response token t is emitted."""
+    """Values [B, R] (float32) at positions [-R-1:-1]: V(s_t) is read before response token t is emitted.
+    `model_kwargs` go to the model call (a vision-language critic's images)."""
     _check_response_length(input_ids, response_length)
-    values_BL = token_values(value_model, input_ids, attention_mask, position_ids)
+    values_BL = token_values(value_model, input_ids, attention_mask, position_ids, **model_kwargs)
     return values_BL[:, -response_length - 1 : -1]
 
 

@@ -254,6 +254,7 @@ def _from_pretrained(
     config_key: str,
     role_updates: dict[str, Any] | None = None,
     new_head: str | None = None,
+    load_kwargs: dict[str, Any] | None = None,
 ) -> PreTrainedModel:
     """`auto_cls.from_pretrained` with hyflow's config handling. `new_head`: the name of a head the checkpoint is
     known not to have (a critic's `score` on a causal-LM checkpoint): transformers' load report, which would list
@@ -265,7 +266,7 @@ def _from_pretrained(
         from transformers import AutoModelForImageTextToText
 
         auto_cls = AutoModelForImageTextToText
-    kwargs: dict[str, Any] = {"config": config, "trust_remote_code": trust_remote_code}
+    kwargs: dict[str, Any] = {"config": config, "trust_remote_code": trust_remote_code, **(load_kwargs or {})}
     torch_dtype = as_torch_dtype(dtype)
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
@@ -343,7 +344,8 @@ def _from_pretrained_with_new_head(auto_cls, resolved: str, head: str, kwargs: d
         hf_logging.set_verbosity(verbosity)
     missing = sorted(k for k in info.get("missing_keys", ()) if not k.startswith(head + "."))
     unexpected = sorted(k for k in info.get("unexpected_keys", ()) if not k.startswith("lm_head."))
-    mismatched = sorted(str(k) for k in info.get("mismatched_keys", ()))
+    mismatched = sorted(str(k) for k in info.get("mismatched_keys", ()) if not str(k).startswith(f"('{head}.")
+                        and not str(k).startswith(head + "."))
     if missing or unexpected or mismatched:
         warnings.warn(
             f"loading {resolved} as {auto_cls.__name__}: missing {missing}, unexpected {unexpected}, shape-mismatched "
@@ -426,9 +428,18 @@ def load_value_model(
     with its head; any other checkpoint (a causal LM) gives the backbone plus a fresh head from
     `init_value_head`. `model(input_ids, attention_mask, position_ids).logits[..., 0]` is V [B, L];
     `hyflow.models.forward.values_from_model` slices the response positions. Classifier dropout is 0.
+
+    A vision-language model (`hyflow.models.vision`'s family, which has no token-classification class) is its
+    image-text-to-text model whose output head becomes Linear(hidden, 1) (`as_vision_value_model`; verl puts trl's
+    value head on the same model): `.logits[..., 0]` is V again, with the images in the call.
     """
     resolved = resolve_model_path(path, config_key=config_key)
     saved_config = _auto_config(resolved, trust_remote_code, config_key)
+    if is_vision_config(saved_config):
+        return _load_vision_value_model(resolved, saved_config, dtype=dtype, attn_implementation=attn_implementation,
+                                        trust_remote_code=trust_remote_code, override_config=override_config,
+                                        enable_gradient_checkpointing=enable_gradient_checkpointing, device=device,
+                                        config_key=config_key)
     has_saved_head = (
         _architecture_endswith(saved_config, "ForTokenClassification") and saved_config.num_labels == 1
     )
@@ -447,6 +458,53 @@ def load_value_model(
     )
     if not has_saved_head:
         init_value_head(model.score)
+    return model
+
+
+VALUE_HEAD_FLAG = "hyflow_value_head"
+"""Config attribute of a vision-language critic saved by hyflow: its `lm_head` is the value head [1, hidden]."""
+
+
+def as_vision_value_model(model: PreTrainedModel) -> PreTrainedModel:
+    """A vision-language model as a critic, in place: its output head becomes a fresh `Linear(hidden, 1)`
+    (`init_value_head`; untied from the embeddings), so `model(...).logits` is [B, L, 1], the values."""
+    old = model.get_output_embeddings()
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = False
+    head = nn.Linear(old.in_features, 1, bias=True, device=old.weight.device, dtype=old.weight.dtype)
+    init_value_head(head)
+    model.set_output_embeddings(head)
+    model.config.num_labels = 1
+    setattr(model.config, VALUE_HEAD_FLAG, True)
+    return model
+
+
+def _load_vision_value_model(resolved: str, saved_config, *, config_key: str, **kwargs) -> PreTrainedModel:
+    """`load_value_model` of a vision-language model: the model with a value head (`as_vision_value_model`); a
+    critic hyflow saved (`VALUE_HEAD_FLAG` in its config) gets its saved head back."""
+    saved_head = bool(getattr(saved_config, VALUE_HEAD_FLAG, False))
+    device = kwargs.pop("device")
+    model = _from_pretrained(AutoModelForCausalLM, resolved, **kwargs, device=None, config_key=config_key,
+                             new_head="lm_head" if saved_head else None,
+                             load_kwargs={"ignore_mismatched_sizes": True} if saved_head else None)
+    as_vision_value_model(model)
+    if saved_head:
+        from safetensors import safe_open
+
+        found = {}
+        for file in sorted(Path(resolved).glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as handle:
+                found.update({key: handle.get_tensor(key) for key in handle.keys() if key.startswith("lm_head.")})  # noqa: SIM118
+        head = model.get_output_embeddings()
+        if set(found) != {"lm_head.weight", "lm_head.bias"} or found["lm_head.weight"].shape != head.weight.shape:
+            raise ValueError(f"{resolved}: a vision-language critic ({VALUE_HEAD_FLAG} in its config) needs its value "
+                             f"head lm_head.weight [1, hidden] and lm_head.bias in its safetensors files; found "
+                             f"{ {k: tuple(v.shape) for k, v in found.items()} }")
+        with torch.no_grad():
+            head.weight.copy_(found["lm_head.weight"])
+            head.bias.copy_(found["lm_head.bias"])
+    if device is not None:
+        model.to(device)
     return model
 
 

@@ -691,22 +691,8 @@ def packed_response_logprobs(
     `share_prefix_width`; verl's `use_prefix_grouper`): the same values, less compute.
     """
     _check_response_length(input_ids, response_length)
-    width = input_ids.shape[1] - response_length
-    keys = None
-    if image_parts is not None and share_prompts:
-        from hyflow.models.vision import prompt_image_keys
-
-        keys = prompt_image_keys(image_parts)
-    packed = pack_sequences(input_ids, attention_mask, position_ids,
-                            share_prefix_width=width if share_prompts else None, prompt_keys=keys)
-    if image_parts is not None:  # in packed order: a row that reads another row's prompt brings its later images
-        from hyflow.models.vision import concat_multi_modal_inputs
-
-        leaders = packed.leaders.tolist() if packed.leaders is not None else list(range(len(image_parts)))
-        images = concat_multi_modal_inputs(
-            [_merged(prompt, later) if leaders[b] == b else later
-             for b, (prompt, later) in enumerate(image_parts)])
-        images = {key: value.to(input_ids.device) for key, value in images.items()}
+    packed, images = _pack_with_images(input_ids, attention_mask, response_length, share_prompts, position_ids,
+                                       images, image_parts)
     if images:
         packed_mask = image_mask.reshape(-1)[packed.flat_index].unsqueeze(0)
         with image_placeholders(model, packed_mask):
@@ -733,18 +719,24 @@ def packed_response_logprobs(
 
 
 def packed_values(value_model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_length: int, *,
-                  share_prompts: bool = False) -> Tensor:
+                  share_prompts: bool = False, position_ids: Tensor | None = None, images: dict | None = None,
+                  image_mask: Tensor | None = None, image_parts: list | None = None) -> Tensor:
     """`forward.values_from_model` of the padded batch, computed packed: V [B, R] (float32), 0 at padding.
 
     values[b, i] = V(s) at the real token before response token (b, L-R+i): the critic's value of the state
     before that token is emitted. The value model is a token classifier with one label (`load_value_model`).
+    A vision-language critic: `position_ids`, `images` / `image_parts` and `image_mask` as in
+    `packed_response_logprobs`.
     """
     _check_response_length(input_ids, response_length)
-    packed = pack_sequences(input_ids, attention_mask,
-                            share_prefix_width=input_ids.shape[1] - response_length if share_prompts else None)
+    packed, images = _pack_with_images(input_ids, attention_mask, response_length, share_prompts, position_ids,
+                                       images, image_parts)
     run = _dummy_if_empty(packed)
-    with _packed_forward_context(value_model):
-        values_T = token_values(value_model, run.input_ids, None, run.position_ids, **run.attention_kwargs())[0]
+    placeholders = (image_placeholders(value_model, image_mask.reshape(-1)[packed.flat_index].unsqueeze(0))
+                    if images else contextlib.nullcontext())
+    with _packed_forward_context(value_model), placeholders:
+        values_T = token_values(value_model, run.input_ids, None, run.position_ids, **run.attention_kwargs(),
+                                **(images or {}))[0]
     columns = slice(input_ids.shape[1] - response_length, None)
     valid_BR, predictor_N = _predictor_index(packed, attention_mask, attention_mask[:, columns], columns)
     values_BR = values_T.new_zeros(valid_BR.shape).index_put(valid_BR.nonzero(as_tuple=True), values_T[predictor_N])
@@ -764,6 +756,30 @@ def packed_token_nll_sum(model: nn.Module, input_ids: Tensor, attention_mask: Te
                                  unwrap_model(model).get_output_embeddings())
     nll = -logp_N.sum()
     return _attach(nll, hidden_1TH) if predictor_N.numel() == 0 else nll
+
+
+def _pack_with_images(input_ids: Tensor, attention_mask: Tensor, response_length: int, share_prompts: bool,
+                      position_ids: Tensor | None, images: dict | None, image_parts: list | None
+                      ) -> tuple[PackedSequences, dict | None]:
+    """The packed batch (prompts shared when asked; with `image_parts`, only rows whose prompt images are equal)
+    and its images in the packed row's order (`images` as given without `image_parts`)."""
+    keys = None
+    if image_parts is not None and share_prompts:
+        from hyflow.models.vision import prompt_image_keys
+
+        keys = prompt_image_keys(image_parts)
+    width = input_ids.shape[1] - response_length
+    packed = pack_sequences(input_ids, attention_mask, position_ids,
+                            share_prefix_width=width if share_prompts else None, prompt_keys=keys)
+    if image_parts is not None:  # in packed order: a row that reads another row's prompt brings its later images
+        from hyflow.models.vision import concat_multi_modal_inputs
+
+        leaders = packed.leaders.tolist() if packed.leaders is not None else list(range(len(image_parts)))
+        images = concat_multi_modal_inputs(
+            [_merged(prompt, later) if leaders[b] == b else later
+             for b, (prompt, later) in enumerate(image_parts)])
+        images = {key: value.to(input_ids.device) for key, value in images.items()}
+    return packed, images
 
 
 def _merged(first: dict, second: dict) -> dict:

@@ -49,7 +49,8 @@ from transformers import (
     GenerationConfig,
 )
 
-from hyflow.models.loading import load_causal_lm, load_value_model, resolve_model_path
+from hyflow.models.loading import as_vision_value_model, load_causal_lm, load_value_model, resolve_model_path
+from hyflow.models.vision import is_vision_config
 from hyflow.serialization import CheckpointSecurityError, load_plain_data
 from hyflow.trainer.checkpoint import (
     CONFIG_YAML,
@@ -142,6 +143,10 @@ def _build_model(config: Any, component: str) -> torch.nn.Module:
     """A randomly initialised model of the config's `architectures[0]` (a causal LM when unnamed); for a critic
     component, the token classifier with one label that `hyflow.models.loading.load_value_model` builds."""
     architectures = getattr(config, "architectures", None) or []
+    if component.startswith("critic") and is_vision_config(config):  # the VLM with its value head
+        from transformers import AutoModelForImageTextToText
+
+        return as_vision_value_model(AutoModelForImageTextToText.from_config(config))
     if component.startswith("critic") and not any(a.endswith("ForTokenClassification") for a in architectures):
         config.num_labels, config.classifier_dropout = 1, 0.0
         return AutoModelForTokenClassification.from_config(config)

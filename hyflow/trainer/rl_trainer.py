@@ -128,11 +128,14 @@ class RLTrainer:
         self.processor = prompt_processor(cfg.actor_rollout_ref.model.path, self.tokenizer,
                                           trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,
                                           data_cfg=cfg.data)
-        if self.processor is not None and uses_critic(cfg):
-            raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} trains a critic, and a critic of a "
-                             "vision-language model is not supported yet (the value model is a text-only token "
-                             "classifier); use a critic-free estimator: algorithm.adv_estimator=grpo (or rloo, "
-                             "reinforce_plus_plus, ...)")
+        if self.processor is not None and uses_critic(cfg):  # the critic sees the images too
+            critic_path = cfg.critic.model.path or cfg.actor_rollout_ref.model.path
+            if prompt_processor(critic_path, self.tokenizer, trust_remote_code=cfg.critic.model.trust_remote_code)\
+                    is None:
+                raise ValueError(f"critic.model.path={critic_path} is a text-only model, but the policy is a "
+                                 "vision-language model whose prompts hold images the critic could not see; make the "
+                                 "critic a vision-language model of the same family (e.g. critic.model.path = the "
+                                 "policy's path)")
         if (self.processor is not None and cfg.actor_rollout_ref.rollout.name == "vllm"
                 and cfg.data.mm_processor_kwargs):
             raise ValueError("data.mm_processor_kwargs with actor_rollout_ref.rollout.name=vllm: vLLM processes the "

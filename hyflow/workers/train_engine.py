@@ -266,14 +266,14 @@ class TrainEngine:
                 image_mask = placeholder_mask(ids, rows, self.vision_tokens) if images else None
                 vision = {"position_ids": micro["position_ids"].to(self.device), "images": images,
                           "image_mask": image_mask}
-                if images and self.share_prompts and self.head != "value":  # each part with its packed token
+                if images and self.share_prompts:  # each part with its packed token
                     vision["images"] = None
                     vision["image_parts"] = split_prompt_images(
                         rows, image_mask[:, : ids.shape[1] - R].sum(-1).tolist(), self.vision_tokens.spatial_merge_size)
             with autocast(self.device, self.compute_dtype):
                 if self.head == "value":
-                    self._refuse_images_for_a_critic(images)
-                    return {"values": packed_values(self.model, ids, mask, R, share_prompts=self.share_prompts)}, R
+                    return {"values": packed_values(self.model, ids, mask, R, share_prompts=self.share_prompts,
+                                                    **vision)}, R
                 logp, entropy = packed_response_logprobs(self.model, ids, mask, R, temperature=temperature,
                                                          calculate_entropy=with_entropy,
                                                          share_prompts=self.share_prompts, **vision)
@@ -287,9 +287,8 @@ class TrainEngine:
             else contextlib.nullcontext())
         with autocast(self.device, self.compute_dtype), placeholders:
             if self.head == "value":
-                self._refuse_images_for_a_critic(images)
                 values = values_from_model(self.model, seq["input_ids"], seq["attention_mask"],
-                                           seq["position_ids"], r)
+                                           seq["position_ids"], r, **images)
                 return {"values": values}, r
             logp, entropy = response_logprobs(self.model, seq["input_ids"], seq["attention_mask"],
                                               seq["position_ids"], r, temperature=temperature,
@@ -303,11 +302,6 @@ class TrainEngine:
                 logits = unwrap_model(self.model).get_output_embeddings()(hidden[:, -r - 1 : -1])
                 out["sum_pi_squared"] = sum_pi_squared_from_logits(logits, temperature)
         return out, r
-
-    def _refuse_images_for_a_critic(self, images: dict) -> None:
-        if images:
-            raise ValueError(f"{self.name}: a critic of image prompts is not supported yet (the value model is a "
-                             "text-only token classifier); use a critic-free estimator (grpo, rloo, ...)")
 
     def _images(self, micro: Batch) -> dict[str, torch.Tensor]:
         """The micro-batch's image inputs for the model call (`pixel_values`, `image_grid_thw`), {} without."""

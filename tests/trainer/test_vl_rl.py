@@ -127,11 +127,63 @@ def test_image_rows_for_a_text_model_are_refused_by_name(vl_task, tiny_model_dir
     assert "column 'images' holds images, but the model is a text-only language model" in proc.stdout + proc.stderr
 
 
-def test_a_critic_for_a_vision_language_model_is_refused_by_name(vl_task, tmp_path):
+def test_ppo_with_a_critic_on_a_vision_language_model(vl_task, tmp_path):
+    """A critic of image prompts (verl: trl's value head on the VLM): the VLM with a Linear(hidden, 1) head sees
+    the images; PPO (GAE) trains it, resumes exactly, and its export reloads with load_value_model with its
+    trained head; its packed values equal the padded ones."""
+    from hyflow.models.forward import values_from_model
+    from hyflow.models.loading import load_value_model
+    from hyflow.models.packing import packed_values
+    from hyflow.models.vision import (
+        VisionProcessor,
+        concat_multi_modal_inputs,
+        image_placeholders,
+        placeholder_mask,
+    )
+    from hyflow.trainer.export import export_checkpoint
+
     model, data = vl_task
-    with pytest.raises(ValueError, match=r"algorithm.adv_estimator=gae trains a critic, and a critic of a vision-"
-                                         r"language model is not supported yet.*adv_estimator=grpo"):
-        RLTrainer(overrides(model, data, tmp_path / "run", "algorithm.adv_estimator=gae"))
+    gae = ("algorithm.adv_estimator=gae", "trainer.logger=[file]", "critic.optim.lr=1e-2")
+    full = tmp_path / "full"
+    RLTrainer(overrides(model, data, full, *gae)).fit()
+    rows = [r for r in read_metrics(full) if "critic/vf_loss" in r]
+    assert len(rows) == 2 and all(r["critic/vf_loss"] > 0 for r in rows)
+    assert rows[0]["critic/vf_loss"] != rows[1]["critic/vf_loss"]
+    part = tmp_path / "part"
+    RLTrainer(overrides(model, data, part, *gae, "trainer.total_training_steps=1")).fit()
+    RLTrainer(overrides(model, data, part, *gae)).fit()
+    assert [r["critic/vf_loss"] for r in read_metrics(part) if "critic/vf_loss" in r] == pytest.approx(
+        [r["critic/vf_loss"] for r in rows], rel=1e-5, abs=1e-6)
+    out = export_checkpoint(full / "global_step_2", tmp_path / "critic", component="critic_model")
+    critic = load_value_model(out).eval()
+    head = critic.get_output_embeddings().weight
+    assert head.shape[0] == 1  # the saved value head, not a fresh one (a fresh head is drawn at random)
+    assert torch.equal(load_value_model(out).get_output_embeddings().weight, head)
+    # the images reach the values, packed and padded alike
+    processor = VisionProcessor.from_pretrained(model)
+    from vision import image_prompts
+
+    prompts = image_prompts(processor)
+    ids, mask, pos = prompts["input_ids"], prompts["attention_mask"], prompts["position_ids"]
+    rows_mm = list(prompts["multi_modal_inputs"])
+    images, image_mask = concat_multi_modal_inputs(rows_mm), placeholder_mask(ids, rows_mm, processor.tokens)
+    R = 3
+    with torch.no_grad(), image_placeholders(critic, image_mask):
+        padded = values_from_model(critic, ids, mask, pos, R, **images)
+    with torch.no_grad():
+        packed = packed_values(critic, ids, mask, R, position_ids=pos, images=images, image_mask=image_mask)
+    assert torch.allclose(packed, padded * mask[:, -R - 1 : -1], atol=1e-5)
+    trained = load_value_model(model).eval()  # a fresh head on the same backbone gives other values
+    with torch.no_grad(), image_placeholders(trained, image_mask):
+        assert not torch.allclose(values_from_model(trained, ids, mask, pos, R, **images), padded)
+
+
+def test_a_text_critic_for_a_vision_language_policy_is_refused_by_name(vl_task, tiny_model_dir, tmp_path):
+    model, data = vl_task
+    with pytest.raises(ValueError, match=r"critic.model.path=.* is a text-only model, but the policy is a vision-"
+                                         r"language model"):
+        RLTrainer(overrides(model, data, tmp_path / "run", "algorithm.adv_estimator=gae",
+                            f"critic.model.path={tiny_model_dir}"))
 
 
 def test_lora_on_a_vision_language_model_trains_and_exports_merged(vl_task, tmp_path):
