@@ -68,11 +68,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from hyflow.models import ulysses
 from hyflow.models.forward import (
     _check_response_length,
     backbone_hidden_states,
@@ -381,6 +383,20 @@ def packed_attention_forward(
     Query [1, h, T, d], key/value [1, h_kv, T, d] (h_kv divides h); returns ([1, T, h, d], None) as transformers'
     attention functions do. The boundaries are `kwargs["cu_seq_lens_q"]` (int32 [N+1], N non-empty sequences).
     """
+    group = kwargs.pop(ulysses.ULYSSES_KWARG, None)
+    if group is not None:  # sequence parallel: the whole row for this rank's heads, then back (hyflow.models.ulysses)
+        size = dist.get_world_size(group)
+        if query.shape[1] % size:
+            raise RuntimeError(f"Ulysses sequence parallelism over {size} ranks needs the attention heads "
+                               f"({query.shape[1]}, {_model_name(module)}) divisible by {size}; lower "
+                               "ulysses_sequence_parallel_size")
+        repeats = ulysses.kv_repeats(key.shape[1], size)
+        if repeats > 1:  # K/V heads fewer than (or not divisible by) the group: each rank gets whole ones
+            key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+        out, _ = packed_attention_forward(module, ulysses.seq_to_heads(query, group),
+                                          ulysses.seq_to_heads(key, group), ulysses.seq_to_heads(value, group),
+                                          attention_mask, dropout, scaling, sliding_window, softcap, **kwargs)
+        return ulysses.heads_to_seq(out, group), None
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is None or attention_mask is not None:
         raise RuntimeError(
@@ -649,9 +665,44 @@ def packed_hidden_states(model: nn.Module, packed: PackedSequences, **model_kwar
     sequence boundaries, under the packed attention); `model_kwargs` go to the model call too (a vision-language
     model's images, in the packed row's order)."""
     packed = _dummy_if_empty(packed)
+    return _packed_call(model, packed, backbone_hidden_states, **model_kwargs)
+
+
+def _packed_call(model: nn.Module, packed: PackedSequences, forward, **model_kwargs) -> Tensor:
+    """`forward(model, input_ids, None, position_ids, **boundaries, **model_kwargs)` -> [1, T, ...] on the packed
+    row under the packed attention; under Ulysses sequence parallelism (`hyflow.models.ulysses`) the row is
+    padded to a multiple of the group's size (the padding a sequence of its own), this rank's slice goes through
+    the model (attention over the whole row by all-to-all), and the slices' outputs are gathered."""
+    sp = ulysses.active()
+    if sp is None:
+        with _packed_forward_context(model):
+            return forward(model, packed.input_ids, None, packed.position_ids, **packed.attention_kwargs(),
+                           **model_kwargs)
+    group, grad_scale = sp
+    if model_kwargs.get("pixel_values") is not None:
+        raise NotImplementedError("Ulysses sequence parallelism of a vision-language model (images in the packed "
+                                  "row) is not built yet; use ulysses_sequence_parallel_size=1 for it")
+    total = packed.num_tokens
+    padded, start, end = ulysses.local_slice(total, group)
+    extra = padded - total
+    ids, positions = packed.input_ids, packed.position_ids
+    if extra:
+        ids = torch.cat([ids, ids.new_zeros((*ids.shape[:-1], extra))], dim=-1)
+        tail = torch.arange(extra, device=positions.device).expand(*positions.shape[:-1], extra)
+        positions = torch.cat([positions, tail.to(positions.dtype)], dim=-1)
+    kwargs = packed.attention_kwargs()
+    if extra:  # the padding attends to itself only
+        cu = kwargs["cu_seq_lens_q"]
+        cu = torch.cat([cu, cu.new_tensor([padded])])
+        longest = max(kwargs["max_length_q"], extra)
+        kwargs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        if packed.shared is not None:
+            kwargs[SHARED_PREFIX_KWARG] = SharedPrefixes((*packed.shared.segments, (total, padded, total, total)),
+                                                         packed.shared.shared_tokens)
+    kwargs[ulysses.ULYSSES_KWARG] = group
     with _packed_forward_context(model):
-        return backbone_hidden_states(model, packed.input_ids, None, packed.position_ids,
-                                      **packed.attention_kwargs(), **model_kwargs)
+        local = forward(model, ids[..., start:end], None, positions[..., start:end], **kwargs, **model_kwargs)
+    return ulysses.gather_sequence(local, group, dim=1, grad_scale=grad_scale)[:, :total]
 
 
 def _attach(out: Tensor, hidden: Tensor) -> Tensor:
@@ -734,9 +785,8 @@ def packed_values(value_model: nn.Module, input_ids: Tensor, attention_mask: Ten
     run = _dummy_if_empty(packed)
     placeholders = (image_placeholders(value_model, image_mask.reshape(-1)[packed.flat_index].unsqueeze(0))
                     if images else contextlib.nullcontext())
-    with _packed_forward_context(value_model), placeholders:
-        values_T = token_values(value_model, run.input_ids, None, run.position_ids, **run.attention_kwargs(),
-                                **(images or {}))[0]
+    with placeholders:
+        values_T = _packed_call(value_model, run, token_values, **(images or {}))[0]
     columns = slice(input_ids.shape[1] - response_length, None)
     valid_BR, predictor_N = _predictor_index(packed, attention_mask, attention_mask[:, columns], columns)
     values_BR = values_T.new_zeros(valid_BR.shape).index_put(valid_BR.nonzero(as_tuple=True), values_T[predictor_N])

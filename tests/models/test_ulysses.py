@@ -1,0 +1,104 @@
+"""Ulysses sequence parallelism on 2 gloo ranks (hyflow.models.ulysses): each rank runs half of the packed row, the
+attention exchanges heads for tokens by all-to-all, and the log-probs, values and gradients equal one process's
+packed forward (with verl's grad scale, the gradients averaged over the group), with grouped-query heads,
+K/V heads fewer than the group (repeated), shared prompts, and a row whose length the group does not divide."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ranks import init_gloo, spawn_ranks
+
+from hyflow.models import ulysses
+
+R = 5
+
+
+def _batch(seed: int = 0):
+    """Left-padded prompts (two samples each of two prompts, one prompt of its own) + right-padded responses."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(5, 400, (n,), generator=g).tolist() for n in (7, 4, 9)]
+    rows = [(prompts[0], 5), (prompts[0], 3), (prompts[1], 4), (prompts[1], 5), (prompts[2], 2)]
+    P = max(len(p) for p in prompts)
+    ids = torch.zeros(len(rows), P + R, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, (prompt, n) in enumerate(rows):
+        ids[b, P - len(prompt):P] = torch.tensor(prompt)
+        ids[b, P:P + n] = torch.randint(5, 400, (n,), generator=g)
+        mask[b, P - len(prompt):P + n] = 1
+    return ids, mask
+
+
+def _model(path: str, kv_heads: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    config.num_key_value_heads = kv_heads
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def _logprobs_and_grads(model, ids, mask, share: bool):
+    from hyflow.models.packing import packed_response_logprobs
+
+    model.zero_grad()
+    logp, _ = packed_response_logprobs(model, ids, mask, R, share_prompts=share)
+    weights = torch.linspace(0.5, 1.5, logp.numel()).view_as(logp)  # no two tokens weigh the same
+    (logp * weights * mask[:, -R:]).sum().backward()
+    return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _rank(rank: int, init_file: str, path: str, kv_heads: int, share: bool) -> None:
+    import torch.distributed as dist
+
+    init_gloo(rank, 2, init_file)
+    model = _model(path, kv_heads)
+    ids, mask = _batch()
+    ids, mask = ids[:, 1:], mask[:, 1:]  # 24 real tokens less the trimmed one: the group does not divide some rows
+    reference, reference_grads = _logprobs_and_grads(model, ids, mask, share)
+    group = dist.new_group([0, 1])
+    with ulysses.sequence_parallel(group):
+        logp, grads = _logprobs_and_grads(model, ids, mask, share)
+    real = mask[:, -R:].bool()
+    assert torch.allclose(logp[real], reference[real], atol=1e-5, rtol=0), (logp - reference).abs().max()
+    # the layers' gradients are split over the ranks, the (tied) lm_head's whole on each: with the grad scale the
+    # group's average is the whole gradient, as a data-parallel average over dp x sp ranks needs
+    for name, grad in grads.items():
+        dist.all_reduce(grad, op=dist.ReduceOp.AVG, group=group)
+        torch.testing.assert_close(grad, reference_grads[name], atol=2e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("kv_heads", "share"), [(2, False), (1, False), (2, True)])
+def test_sequence_parallel_log_probs_and_gradients_equal_one_process(tiny_model_dir, tmp_path, kv_heads, share):
+    """kv_heads=1 < 2 ranks: the K/V head is repeated so each rank's query heads find theirs."""
+    spawn_ranks(_rank, args=(str(tmp_path / "init"), str(tiny_model_dir), kv_heads, share), timeout_s=300)
+
+
+def _values_rank(rank: int, init_file: str, path: str) -> None:
+    import torch.distributed as dist
+
+    from hyflow.models.loading import load_value_model
+    from hyflow.models.packing import packed_values
+
+    init_gloo(rank, 2, init_file)
+    torch.manual_seed(0)
+    critic = load_value_model(path).eval()
+    ids, mask = _batch(seed=1)
+    with torch.no_grad():
+        reference = packed_values(critic, ids, mask, R)
+        with ulysses.sequence_parallel(dist.new_group([0, 1])):
+            values = packed_values(critic, ids, mask, R)
+    assert torch.allclose(values, reference, atol=1e-5, rtol=0)
+    dist.destroy_process_group()
+
+
+def test_sequence_parallel_values_equal_one_process(tiny_model_dir, tmp_path):
+    spawn_ranks(_values_rank, args=(str(tmp_path / "init"), str(tiny_model_dir)), timeout_s=300)
+
+
+def test_kv_repeats_give_each_rank_whole_heads():
+    assert ulysses.kv_repeats(2, 2) == 1 and ulysses.kv_repeats(1, 2) == 2 and ulysses.kv_repeats(2, 4) == 2
+    assert ulysses.kv_repeats(3, 2) == 2 and ulysses.kv_repeats(4, 8) == 2
+    for kv, size in ((1, 2), (2, 4), (3, 2), (4, 8), (6, 4)):
+        assert kv * ulysses.kv_repeats(kv, size) % size == 0
