@@ -143,11 +143,17 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class FsdpSettings:
-    """What the parallel wrapper reads of a role's `fsdp_config`: the mixed-precision dtype (FSDP2 on
-    accelerators) and whether each layer's gathered parameters are freed after its forward."""
+    """What the parallel wrapper and the engine read of a role's `fsdp_config`: the mixed-precision dtype (FSDP2 on
+    accelerators), whether each layer's gathered parameters are freed after its forward, and offload: the
+    parameters (`param_offload`) and the optimizer state (`optimizer_offload`) in host memory between the engine's
+    uses (`TrainEngine.on_device`), or FSDP2's `CPUOffloadPolicy` (`offload_policy`, FSDP2 only; it replaces the
+    other two, as in verl)."""
 
     dtype: str = "bfloat16"
     reshard_after_forward: bool = True
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    offload_policy: bool = False
 
 
 @dataclass(frozen=True)

@@ -44,11 +44,12 @@ def test_config_names_the_performance_only_keys_that_are_set():
     assert plain.returncode == 0, plain.stderr
     assert "performance-only" not in plain.stdout
     out = run("config", "--no-help", "actor_rollout_ref.model.use_shm=true",
-              "actor_rollout_ref.ref.fsdp_config.param_offload=true")
+              "reward_model.model.fsdp_config.param_offload=true", "actor_rollout_ref.ref.fsdp_config.param_offload=true")
     assert out.returncode == 0, out.stderr
     (line,) = [text for text in out.stdout.splitlines() if text.startswith("hyflow: performance-only key(s)")]
     assert "actor_rollout_ref.model.use_shm=true" in line
-    assert "actor_rollout_ref.ref.fsdp_config.param_offload=true" in line
+    assert "reward_model.model.fsdp_config.param_offload=true" in line
+    assert "actor_rollout_ref.ref.fsdp_config.param_offload" not in line  # read: the reference offloads
 
 
 def test_config_validation_error_is_clear():

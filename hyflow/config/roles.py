@@ -54,9 +54,15 @@ def optimizer_spec(optim, *, lr_scheduler_type: str | None = None) -> OptimizerS
                          min_lr_ratio=optim.min_lr_ratio, num_cycles=optim.num_cycles)
 
 
-def fsdp_settings(fsdp_config) -> FsdpSettings:
-    """What the parallel wrapper reads of an `fsdp_config` section."""
-    return FsdpSettings(dtype=fsdp_config.dtype, reshard_after_forward=fsdp_config.reshard_after_forward)
+def fsdp_settings(fsdp_config, *, offload: bool = True) -> FsdpSettings:
+    """What the parallel wrapper and the engine read of an `fsdp_config` section (SFT's `engine` section has no
+    offload keys: off). `offload=False`: the role's worker does not offload (the reward model's)."""
+    def read(key: str) -> bool:
+        return offload and bool(getattr(fsdp_config, key, False))
+
+    return FsdpSettings(dtype=fsdp_config.dtype, reshard_after_forward=fsdp_config.reshard_after_forward,
+                        param_offload=read("param_offload"), optimizer_offload=read("optimizer_offload"),
+                        offload_policy=read("offload_policy"))
 
 
 def policy_model_spec(cfg: HyflowConfig) -> ModelSpec:
@@ -177,7 +183,8 @@ def reward_model_spec(cfg: HyflowConfig, *, n_devices: int | None = None) -> Rew
     fsdp = rm.model.fsdp_config
     # every rank holds the whole frozen model (no wrapper) and scores its share of the samples
     engine = TrainEngineSpec(name="reward_model", head="score", strategy="single",
-                             fsdp=fsdp_settings(fsdp), compute_dtype=fsdp.dtype, device=cfg.trainer.device)
+                             fsdp=fsdp_settings(fsdp, offload=False), compute_dtype=fsdp.dtype,
+                             device=cfg.trainer.device)
     return RewardModelSpec(
         model=ModelSpec(rm.model.path, trust_remote_code=rm.model.trust_remote_code,
                         override_config=dict(rm.model.override_config or {}), config_key="reward_model.model.path"),

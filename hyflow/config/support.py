@@ -83,34 +83,65 @@ def _lora_off(section: str, key: str) -> Callable[[Any], bool]:
     return off
 
 
-def _fsdp_size_asked(section: str) -> Callable[[Any], bool]:
-    def asked(cfg: Any) -> bool:
-        from hyflow.config.arithmetic import role_devices, total_devices
+# The strategy key of the role an FSDP section belongs to (the reward model runs unwrapped: a full copy per rank).
+_FSDP_STRATEGY = {f"{ARR}.actor.fsdp_config": f"{ARR}.actor.strategy", f"{ARR}.ref.fsdp_config": f"{ARR}.ref.strategy",
+                  "critic.model.fsdp_config": "critic.strategy", "reward_model.model.fsdp_config": None}
 
-        role = _FSDP_ROLE[section]
-        devices = total_devices(cfg) if role is None else role_devices(cfg, role)
-        return lookup(cfg, f"{section}.fsdp_size") not in (-1, devices)  # anything else is hybrid sharding (HSDP)
+
+def _section_devices(cfg: Any, section: str) -> int:
+    """The devices the role of an FSDP section runs on."""
+    from hyflow.config.arithmetic import role_devices, total_devices
+
+    role = _FSDP_ROLE[section]
+    return total_devices(cfg) if role is None else role_devices(cfg, role)
+
+
+def _fsdp_size_asked(section: str) -> Callable[[Any], bool]:
+    def asked(cfg: Any) -> bool:  # anything but -1 or all the role's devices is hybrid sharding (HSDP)
+        return lookup(cfg, f"{section}.fsdp_size") not in (-1, _section_devices(cfg, section))
 
     return asked
+
+
+def _offload_policy_without_fsdp2(section: str) -> Callable[[Any], bool]:
+    """offload_policy for a role that runs without the FSDP2 wrapper: one device (the model runs unwrapped), DDP,
+    or the reward model."""
+    def asked(cfg: Any) -> bool:
+        strategy = _FSDP_STRATEGY[section]
+        return bool(lookup(cfg, f"{section}.offload_policy")) and (
+            strategy is None or lookup(cfg, strategy) not in ("fsdp", "fsdp2") or _section_devices(cfg, section) < 2)
+
+    return asked
+
+
+def _set(key: str) -> Callable[[Any], bool]:
+    return lambda cfg: bool(lookup(cfg, key))
 
 
 def _fsdp_entries() -> list[KeySupport]:
     entries = []
     for s in FSDP_SECTIONS:
         entries += [
-            _unsupported(f"{s}.offload_policy", "FSDP2's CPUOffloadPolicy is not wired (and needs an accelerator); "
-                         + LEAVE),
+            _unsupported(f"{s}.offload_policy", "FSDP2's CPUOffloadPolicy is an option of the FSDP2 wrapper, which a "
+                         "role has only with strategy fsdp/fsdp2 on 2 or more devices (one device runs the model "
+                         "unwrapped, the reward model is a full copy on each rank); use param_offload / "
+                         "optimizer_offload there", _offload_policy_without_fsdp2(s)),
             _unsupported(f"{s}.fsdp_size", "hybrid sharding (HSDP) is not built; use -1 (shard over all the "
                          "role's devices)", _fsdp_size_asked(s)),
             _unsupported(f"{s}.wrap_policy.min_num_params", "hyflow always wraps each transformer layer; " + LEAVE),
             _unsupported(f"{s}.seed", "hyflow seeds model set-up with trainer.seed; set trainer.seed instead"),
-            _performance(f"{s}.param_offload", "hyflow keeps parameters on the device (no CPU offload yet): same "
-                         "results, more device memory"),
-            _performance(f"{s}.optimizer_offload", "hyflow keeps optimizer state on the device (no CPU offload "
-                         "yet): same results, more device memory"),
             _performance(f"{s}.forward_prefetch", "FSDP2 prefetch order only changes overlap, not the numbers"),
             _performance(f"{s}.use_orig_params", "an FSDP1 option; FSDP2 always keeps the original parameters"),
         ]
+    # The actor's and the critic's offload keys and the reference's param_offload are read (hyflow.config.roles);
+    # these three have nothing to act on.
+    rm = "reward_model.model.fsdp_config"
+    entries += [
+        _performance(f"{rm}.param_offload", "the reward model's worker keeps its frozen model on the device (no "
+                     "offload): the same scores, more device memory", _set(f"{rm}.param_offload")),
+        *(_performance(f"{s}.optimizer_offload", "a frozen model has no optimizer: nothing to offload",
+                       _set(f"{s}.optimizer_offload")) for s in (f"{ARR}.ref.fsdp_config", rm)),
+    ]
     for s in FSDP_SECTIONS[:3]:  # the reward model reads its model_dtype; the trained roles keep fp32 masters
         entries.append(_unsupported(f"{s}.model_dtype", "hyflow keeps fp32 master weights for this role "
                                     "(mixed precision follows fsdp_config.dtype); use fp32",

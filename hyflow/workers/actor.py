@@ -14,6 +14,14 @@ the frozen reference policy (HybridFlow's colocated roles).
   module (nothing to copy); otherwise the engine holds its own full (unsharded) copy and the weights are pushed
   in buckets of at most `weight_bucket_bytes`, gathered from the FSDP2 shards parameter by parameter.
 
+Offload (the hybrid engine's state machine, as verl's fsdp_workers): with `actor.fsdp_config.param_offload` the
+actor's parameters (with `optimizer_offload` its optimizer state) live in host memory between uses and come to the
+device only for `compute_log_prob`, the weight sync and checkpoints (parameters), and `update_actor` (both), so the
+rollout generates while the actor holds no device memory; `ref.fsdp_config.param_offload` does the same for the
+reference around `compute_ref_log_prob` (`TrainEngine.on_device`). A step then moves: old log-probs (actor params
+in, out), ref (ref params in, out), update (actor params and optimizer in, out), weight sync to a rollout copy of
+its own (actor params in, out; verl gathers them when the next rollout starts: the same moves, one call earlier).
+
 Several ranks (`world_size` > 1; `actor.strategy` fsdp or fsdp2 = FSDP2, ddp = DistributedDataParallel; see
 `hyflow.workers.fsdp`): `init_model` joins the process group, shards the actor and the reference (the reference
 has no optimizer), and gives the rollout engine a separate full copy. The driver splits each batch by rank
@@ -191,7 +199,8 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
         start = time.perf_counter()
         if not self.rollout.shares_weights:
             try:
-                self.rollout.update_weights(self.engine.weight_buckets(self.weight_bucket_bytes))
+                with self.engine.on_device():  # gathered on the device, then back to the host when offloaded
+                    self.rollout.update_weights(self.engine.weight_buckets(self.weight_bucket_bytes))
             except RuntimeError as err:
                 if not is_distributed() or isinstance(err, RolloutEngineError):
                     raise
@@ -206,7 +215,8 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
         """Asynchronous training in this process: copy the actor's weights into the stream's engine and tag what
         it decodes from now on with `version`; returns seconds spent."""
         start = time.perf_counter()
-        self.stream_engine.update_weights(self.engine.weight_buckets(self.weight_bucket_bytes))
+        with self.engine.on_device():
+            self.stream_engine.update_weights(self.engine.weight_buckets(self.weight_bucket_bytes))
         if self.stream is not None:
             self.stream.set_version(version)
         return time.perf_counter() - start
@@ -215,8 +225,9 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
     def export_weights(self) -> list | None:
         """The actor's full weights (LoRA merged) as buckets of at most `weight_bucket_bytes` of CPU tensors on rank
         0, None on the others; collective under FSDP2 (every rank gathers). For a rollout pool of its own."""
-        buckets = [[(name, tensor.detach().to("cpu", copy=True)) for name, tensor in bucket]
-                   for bucket in self.engine.weight_buckets(self.weight_bucket_bytes)]
+        with self.engine.on_device():
+            buckets = [[(name, tensor.detach().to("cpu", copy=True)) for name, tensor in bucket]
+                       for bucket in self.engine.weight_buckets(self.weight_bucket_bytes)]
         return buckets if self.rank == 0 else None
 
     # ------------------------------------------------------------------ forward passes
@@ -224,8 +235,9 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
     @register(Dispatch.DP_SPLIT)
     def compute_log_prob(self, batch: Batch, with_sum_pi_squared: bool = False) -> Batch:
         """`old_log_probs` and `entropys` [N, R] under the current weights (+ `sum_pi_squared` when asked)."""
-        out = self.engine.infer(batch, self.spec.old_log_prob, temperature=self._temperature(batch), with_entropy=True,
-                                with_sum_pi_squared=with_sum_pi_squared)
+        with self.engine.on_device():
+            out = self.engine.infer(batch, self.spec.old_log_prob, temperature=self._temperature(batch),
+                                    with_entropy=True, with_sum_pi_squared=with_sum_pi_squared)
         result = Batch({"old_log_probs": out["log_probs"], "entropys": out["entropy"]})
         if with_sum_pi_squared:
             result["sum_pi_squared"] = out["sum_pi_squared"]
@@ -238,7 +250,9 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
             raise RuntimeError("no reference policy was loaded: set actor_rollout_ref.actor.use_kl_loss=True or "
                                "algorithm.use_kl_in_reward=True")
         sizes = self.spec.ref_log_prob or self.spec.old_log_prob
-        out = self.ref.infer(batch, sizes, temperature=self._temperature(batch), adapter=self.ref is not self.engine)
+        with self.ref.on_device():
+            out = self.ref.infer(batch, sizes, temperature=self._temperature(batch),
+                                 adapter=self.ref is not self.engine)
         return Batch({"ref_log_prob": out["log_probs"]})
 
     # ------------------------------------------------------------------ training
@@ -257,9 +271,10 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
                           shuffle=self.spec.shuffle, sizes=sizes,
                           seed=self.spec.data_loader_seed + int(batch.meta.get("global_step", 0)) * 7919,
                           loss_agg_mode=loss.loss_agg_mode, metric_prefix="actor")
-        metrics = self.engine.update(batch, plan, actor_loss_fn(loss, on_policy), columns=RESPONSE_KEYS,
-                                     temperature=self._temperature(batch),
-                                     with_entropy=loss.entropy_coeff != 0 or on_policy)
+        with self.engine.on_device(optimizer=True):
+            metrics = self.engine.update(batch, plan, actor_loss_fn(loss, on_policy), columns=RESPONSE_KEYS,
+                                         temperature=self._temperature(batch),
+                                         with_entropy=loss.entropy_coeff != 0 or on_policy)
         if loss.use_kl_loss:
             metrics["actor/kl_coef"] = [loss.kl_loss_coef]
         return Batch(meta={"metrics": metrics})
@@ -277,7 +292,8 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
         the gathered (collective) full weights."""
         if self.strategy != "fsdp2" and self.engine.lora is None:
             return (unwrap_model(self.model), self.tokenizer) if self.rank == 0 else None
-        state = self.engine.full_model_state()
+        with self.engine.on_device():
+            state = self.engine.full_model_state()
         if self.rank != 0:
             return None
         model = self._model_class(self._model_config).to(device="cpu", dtype=torch.float32)

@@ -8,6 +8,10 @@ Several ranks (`critic.strategy` fsdp/fsdp2 = FSDP2, ddp = DistributedDataParall
 `init_model` joins the process group and shards the value model; metrics are all-reduced so every rank reports
 the global values; `state_dict` (collective) returns rank 0's full state dicts, `load_state_dict` loads them
 into any world size, `save_sharded_checkpoint` / `load_sharded_checkpoint` use per-rank DCP shards.
+
+Offload (verl's `critic.model.fsdp_config.param_offload` / `optimizer_offload`): the value model's parameters (and
+its optimizer state) live in host memory between uses; `compute_values` brings the parameters to the device,
+`update_critic` both, and each sends them back after (`TrainEngine.on_device`).
 """
 
 from __future__ import annotations
@@ -68,7 +72,8 @@ class CriticWorker(EngineCheckpoints, Worker):
     @register(Dispatch.DP_SPLIT)
     def compute_values(self, batch: Batch) -> Batch:
         """`values` [N, R] (0 on masked tokens), micro-batched as `critic.forward_*` derive."""
-        return Batch({"values": self.engine.infer(batch, self.spec.values)["values"]})
+        with self.engine.on_device():
+            return Batch({"values": self.engine.infer(batch, self.spec.values)["values"]})
 
     @register(Dispatch.DP_MINI_BATCHES, pad=False)
     def update_critic(self, batch: Batch) -> Batch:
@@ -90,4 +95,6 @@ class CriticWorker(EngineCheckpoints, Worker):
                           shuffle=c.shuffle, sizes=sizes,
                           seed=int(batch.meta.get("global_step", 0)) * 7919 + 17, loss_agg_mode=c.loss_agg_mode,
                           metric_prefix="critic")
-        return Batch(meta={"metrics": self.engine.update(batch, plan, loss_fn, columns=VALUE_COLUMNS)})
+        with self.engine.on_device(optimizer=True):
+            metrics = self.engine.update(batch, plan, loss_fn, columns=VALUE_COLUMNS)
+        return Batch(meta={"metrics": metrics})

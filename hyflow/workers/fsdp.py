@@ -29,6 +29,15 @@ Weight sync for a separate rollout copy: `iter_full_tensors` all-gathers one par
 `full_tensor_buckets` packs them into buckets of at most `bucket_bytes` (a single larger tensor is a bucket
 of its own), so the extra memory is one bucket.
 
+Offload (verl's `param_offload` / `optimizer_offload`): `move_model` moves a model's parameters (under FSDP2 each
+rank's shard: the local tensor of every DTensor), gradients and buffers between the device and host memory in
+place, as verl's `offload_fsdp_model_to_cpu` / `load_fsdp_model_to_gpu` do (`model.to(device)`);
+`optimizer_state_to_host` / `optimizer_state_back` move the optimizer's state tensors out and back to where each was
+(verl's `offload_fsdp_optimizer` / `load_fsdp_optimizer`). `TrainEngine` runs the state machine around them. FSDP2's
+own `CPUOffloadPolicy` (`fsdp_config.offload_policy`) instead keeps the shards, their gradients and the optimizer
+step on the host for good and copies each layer's parameters to the device for its forward and backward
+(`wrap_fsdp2(offload_policy=True)`); its pinned host memory needs an accelerator, so on a CPU model it runs unpinned.
+
 Timeouts. `maybe_init_distributed` creates the process group with `timeout_s` (DIST_TIMEOUT_S by default): a
 collective that a peer never joins raises (gloo: a RuntimeError after the timeout; NCCL: the watchdog aborts the
 communicator and raises, with TORCH_NCCL_ASYNC_ERROR_HANDLING on, its default) instead of hanging the job.
@@ -154,7 +163,7 @@ def mixed_precision_policy(dtype: str | None):
 
 
 def wrap_fsdp2(model: nn.Module, *, mixed_precision: str | None, reshard_after_forward: bool = True,
-               activation_checkpointing: bool = False) -> nn.Module:
+               activation_checkpointing: bool = False, offload_policy: bool = False) -> nn.Module:
     """Shard `model` in place with FSDP2 over all ranks: each decoder layer, then the root; returns `model`.
 
     mesh = init_device_mesh(device type of the parameters, (W,)). `reshard_after_forward` applies to the layers;
@@ -162,6 +171,8 @@ def wrap_fsdp2(model: nn.Module, *, mixed_precision: str | None, reshard_after_f
     the lm_head chunks of `hyflow.models.forward` run after the forward. `mixed_precision`: None or fp32 = full
     precision, bf16/fp16 = `MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)`. `activation_checkpointing`
     recomputes each layer's activations in backward (composable checkpoint: parameter names are unchanged).
+    `offload_policy`: FSDP2's `CPUOffloadPolicy` (shards, gradients and optimizer step on the host; each group's
+    parameters copied to the device for its passes), pinned host memory when the model is on an accelerator.
     Needs an initialised process group (`maybe_init_distributed`).
     """
     from torch.distributed.device_mesh import init_device_mesh
@@ -173,6 +184,7 @@ def wrap_fsdp2(model: nn.Module, *, mixed_precision: str | None, reshard_after_f
     device_type = next(model.parameters()).device.type
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     policy = mixed_precision_policy(mixed_precision)
+    offload = cpu_offload_policy(device_type) if offload_policy else None
     layers = decoder_layers(model)
     check_shard_groups(model, layers)
     for layer in layers:
@@ -180,15 +192,26 @@ def wrap_fsdp2(model: nn.Module, *, mixed_precision: str | None, reshard_after_f
             from torch.distributed._composable import checkpoint
 
             checkpoint(layer)
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                    **({"offload_policy": offload} if offload else {}))
     # The root stays gathered after its forward: hyflow runs the lm_head in chunks after the model's forward
     # (hyflow.models.forward), and backward needs the root's parameters at once anyway.
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy,
+                **({"offload_policy": offload} if offload else {}))
     # FSDP2 warns on every forward whose output is a view (a token classifier's logits are a reshaped matmul):
     # an in-place op on it would skip the backward all-gather. hyflow's forward functions never modify model
     # outputs in place (the 2-rank vs 1-process gradient tests would fail), so on each rank it is only noise.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     return model
+
+
+def cpu_offload_policy(device_type: str):
+    """FSDP2's `CPUOffloadPolicy` for a model on `device_type`: pinned host memory (asynchronous copies) for an
+    accelerator; unpinned on a CPU model, where pinning raises ("Cannot access accelerator device when none is
+    available", torch 2.13) and the host is the device anyway."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=device_type != "cpu")
 
 
 def wrap_ddp(model: nn.Module) -> nn.Module:
@@ -202,15 +225,22 @@ def wrap_model(model: nn.Module, strategy: str, fsdp_config, *, trainable: bool 
     """Wrap one role's model for `strategy` (from `parallel_strategy`): FSDP2, DDP (trainable models only) or as is.
 
     FSDP2 mixed precision follows `fsdp_config.dtype` on accelerators; CPU models compute in fp32 (as the
-    workers' autocast does). `fsdp_config.reshard_after_forward` is passed through.
+    workers' autocast does). `fsdp_config.reshard_after_forward` and `fsdp_config.offload_policy` are passed through.
     """
     if strategy == "fsdp2":
         on_cpu = next(model.parameters()).device.type == "cpu"
         return wrap_fsdp2(model, mixed_precision=None if on_cpu else fsdp_config.dtype,
-                          reshard_after_forward=fsdp_config.reshard_after_forward)
+                          reshard_after_forward=fsdp_config.reshard_after_forward,
+                          offload_policy=uses_offload_policy(strategy, fsdp_config))
     if strategy == "ddp" and trainable:
         return wrap_ddp(model)
     return model
+
+
+def uses_offload_policy(strategy: str, fsdp_config) -> bool:
+    """Whether `wrap_model` gives the model FSDP2's CPUOffloadPolicy: `fsdp_config.offload_policy` under FSDP2 (a
+    model run unwrapped or under DDP has no such policy; the config refuses asking for it there)."""
+    return strategy == "fsdp2" and bool(getattr(fsdp_config, "offload_policy", False))
 
 
 def is_fsdp2(model: nn.Module) -> bool:
@@ -227,6 +257,124 @@ def reshard(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+# ---------------------------------------------------------------------------------------------- offload
+
+HOST = torch.device("cpu")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    local = _local(tensor)
+    return local.numel() * local.element_size()
+
+
+def model_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    """This rank's tensors of `model` that an offload moves: every parameter (FSDP2: the local shard of each
+    DTensor), its gradient, every buffer; tied tensors once."""
+    seen: set[int] = set()
+    for tensor in (*model.parameters(), *(p.grad for p in model.parameters()), *model.buffers()):
+        if tensor is not None and id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield _local(tensor)
+
+
+def model_bytes(model: nn.Module, device: torch.device | None = None) -> int:
+    """Bytes of `model_tensors` (on `device` only, when given): what this rank holds of the model there."""
+    return sum(t.numel() * t.element_size() for t in model_tensors(model)
+               if device is None or t.device == torch.device(device))
+
+
+def _sync_after_copy(source: torch.device, target: torch.device) -> None:
+    """Wait for asynchronous device-to-host copies (the host tensors are read after this), then give the freed
+    blocks of the device's caching allocator back (verl's empty_cache after an offload)."""
+    if source.type == "cuda" and target.type == "cpu":
+        torch.cuda.synchronize(source)
+        torch.cuda.empty_cache()
+
+
+def _mover(device: torch.device, copy: bool):
+    """The function that moves one tensor to `device`: asynchronous between host and accelerator (a device-to-host
+    copy lands in pinned memory, as in verl; `_sync_after_copy` waits for it), a fresh copy with `copy` even on
+    the same device."""
+    def move(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device == device and not copy:
+            return tensor
+        return tensor.to(device, non_blocking=tensor.device.type != device.type, copy=copy)
+    return move
+
+
+@torch.no_grad()
+def move_model(model: nn.Module, device: torch.device | str, *, copy: bool = False) -> int:
+    """Move `model`'s parameters (FSDP2: this rank's shard of each), gradients and buffers to `device` in place;
+    returns the bytes moved (0 when everything already was there and not `copy`).
+
+    `nn.Module._apply` does the move (verl's offload_fsdp2_model_to_cpu is `model.to("cpu")`): a plain parameter
+    keeps its `Parameter` object (`param.data = moved`), a DTensor parameter of FSDP2 is swapped in place
+    (`torch.utils.swap_tensors`) and each FSDP2 module re-registers its padded shard afterwards
+    (`FSDPModule._apply` -> `FSDPParam.reset_sharded_param`, after freeing any gathered parameters), so the
+    optimizer's state (keyed by parameter object) stays attached. DDP's reducer keeps its gradient buckets on the
+    device it was built on, so a DDP model is moved by its wrapped module the same way and must be back on the
+    device before its backward. `copy`: every tensor gets a new storage even where it already is on `device`,
+    which is what a move between two devices does; it lets that path run on a CPU-only machine.
+    """
+    device = torch.device(device)
+    tensors = list(model_tensors(model))
+    if not copy and all(t.device == device for t in tensors):
+        return 0
+    source = next((t.device for t in tensors if t.device != device), device)
+    model._apply(_mover(device, copy))
+    _sync_after_copy(source, device)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[tuple[tuple[int, str], dict, str]]:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            for key, value in (state or {}).items():
+                if isinstance(value, torch.Tensor):
+                    yield (id(param), key), state, key
+
+
+@torch.no_grad()
+def optimizer_state_to_host(optimizer: torch.optim.Optimizer, *, copy: bool = False
+                            ) -> tuple[dict[tuple[int, str], torch.device], int]:
+    """Move every tensor of `optimizer`'s state (Adam's moments, FSDP2: DTensor shards) to host memory in place
+    (verl's offload_fsdp_optimizer); returns (where each tensor was, by (parameter id, key), for
+    `optimizer_state_back`; the bytes moved). An optimizer that has not stepped has no state: nothing moves."""
+    devices, moved, source = {}, 0, HOST
+    move = _mover(HOST, copy)
+    for where, state, key in _state_tensors(optimizer):
+        value = state[key]
+        devices[where] = value.device
+        if value.device != HOST or copy:
+            source = value.device if value.device != HOST else source
+            moved += _nbytes(value)
+            state[key] = move(value)
+    _sync_after_copy(source, HOST)
+    return devices, moved
+
+
+@torch.no_grad()
+def optimizer_state_back(optimizer: torch.optim.Optimizer, devices: dict[tuple[int, str], torch.device], *,
+                         copy: bool = False) -> int:
+    """Move each state tensor back to the device `optimizer_state_to_host` recorded for it (verl's
+    load_fsdp_optimizer; a host-side tensor such as Adam's step count stays on the host, where the optimizer
+    keeps it unless capturable or fused); returns the bytes moved. A tensor without a record stays where it is."""
+    moved = 0
+    for where, state, key in _state_tensors(optimizer):
+        device = devices.get(where)
+        if device is not None and (state[key].device != device or copy):
+            moved += _nbytes(state[key])
+            state[key] = _mover(device, copy)(state[key])
+    return moved
 
 
 # ---------------------------------------------------------------------------------------------- full tensors

@@ -31,14 +31,27 @@ normalisers, its global token count, the micro-batch count, the world size). `lo
 the global counts (`hyflow.algos.agg_loss(..., **ctx.norms)`): then the gradients summed over micro-batches and
 ranks are the full mini-batch's gradient whatever the cut. `parts` maps metric names to this micro-batch's
 share of the mini-batch value; they are summed over micro-batches and all-reduced over ranks.
+
+Offload (verl's `fsdp_config.param_offload` / `optimizer_offload`; `FsdpSettings`): the parameters (and the
+optimizer state) live in host memory from the engine's construction on and come to the device only inside
+`on_device()`, which a role wraps around each pass (verl's load_fsdp_model_to_gpu / offload_fsdp_model_to_cpu
+around compute_log_prob, update_actor, ...):
+
+    with engine.on_device(optimizer=True):   # params (+ optimizer state) -> device; nested uses share one load
+        engine.update(...)
+    engine.location()                        # {"params": "host", "optimizer": "host"} again
+
+Every move is recorded (`offload_log`, `offload_counts`). With `fsdp_config.offload_policy` FSDP2's
+`CPUOffloadPolicy` keeps them on the host instead and streams each layer to the device (no moves here).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -80,15 +93,20 @@ from hyflow.workers.engine import (
     trim_padding,
 )
 from hyflow.workers.fsdp import (
+    HOST,
     WEIGHT_BUCKET_BYTES,
     full_optimizer_state_dict,
     iter_full_tensors,
     load_full_optimizer_state_dict,
     load_sharded,
+    move_model,
+    optimizer_state_back,
+    optimizer_state_to_host,
     parallel_strategy,
     reshard,
     save_sharded,
     tensor_buckets,
+    uses_offload_policy,
     wrap_model,
 )
 
@@ -147,6 +165,21 @@ class MicroContext:
 
 LossFn = Callable[[dict, dict, MicroContext], tuple[torch.Tensor, dict]]
 
+_MOVES = itertools.count()  # numbers every offload move of this process, across engines (OffloadMove.seq)
+
+
+@dataclass(frozen=True)
+class OffloadMove:
+    """One move of an engine's `part` ("params" or "optimizer") `to` "host" or "device": the `seq`-th of this
+    process (orders the moves of several engines), `nbytes` of this rank's tensors moved (0 when nothing was
+    elsewhere: an optimizer that has not stepped, or the host is the device and nothing is copied)."""
+
+    seq: int
+    engine: str
+    part: str
+    to: str
+    nbytes: int
+
 
 class TrainEngine:
     """One model of a role: wrapped for `strategy`, optionally with LoRA, with its optimizer and LR schedule
@@ -197,6 +230,7 @@ class TrainEngine:
             params = [p for p in self.model.parameters() if p.requires_grad]
             self.optimizer = build_optimizer(params, optim)
             self.scheduler = build_scheduler(self.optimizer, optim, max(1, int(total_optimizer_steps)))
+        self._init_offload(fsdp_config)
 
     @classmethod
     def from_spec(cls, model: nn.Module, spec: TrainEngineSpec, *, device: torch.device, world_size: int = 1,
@@ -219,7 +253,7 @@ class TrainEngine:
         trainable, total = parameter_counts(self.model)
         share = 100.0 * trainable / max(total, 1)
         kind = f"LoRA rank {self.lora.rank}" if self.lora is not None else "full fine-tuning"
-        return f"{self.name}: trainable params {trainable:,} of {total:,} ({share:.2f} %), {kind}"
+        return f"{self.name}: trainable params {trainable:,} of {total:,} ({share:.2f} %), {kind}{self.describe_offload()}"
 
     @contextlib.contextmanager
     def adapter_disabled(self) -> Iterator[None]:
@@ -228,6 +262,80 @@ class TrainEngine:
             raise RuntimeError(f"{self.name} has no LoRA adapter to disable")
         with adapter_disabled(self.model):
             yield
+
+    # ------------------------------------------------------------------------------------------ offload
+
+    # A move to the device a tensor is already on copies it anyway: what a move between host and accelerator does,
+    # so that path (FSDP2's shard re-registration, the optimizer's references) runs on a CPU-only machine (tests).
+    offload_copies = False
+
+    def _init_offload(self, fsdp_config) -> None:
+        """The offload state machine (module docstring): what is offloaded, then the initial move to the host."""
+        self.fsdp_cpu_offload = uses_offload_policy(self.strategy, fsdp_config)  # FSDP2 keeps them on the host
+        self.offload_params = bool(getattr(fsdp_config, "param_offload", False)) and not self.fsdp_cpu_offload
+        self.offload_optimizer = (bool(getattr(fsdp_config, "optimizer_offload", False)) and not self.fsdp_cpu_offload
+                                  and self.optimizer is not None)
+        self._where = {"params": "device", "optimizer": "device"}
+        self._users = {"params": 0, "optimizer": 0}  # open on_device() scopes that need each part on the device
+        self._optimizer_devices: dict = {}
+        self.offload_log: list[OffloadMove] = []
+        self.offload_counts: Counter[str] = Counter()  # "params_to_host", "optimizer_to_device", ...
+        self._offload("params", self.offload_params)
+        self._offload("optimizer", self.offload_optimizer)
+
+    def location(self) -> dict[str, str | None]:
+        """Where the parameters and the optimizer state live now: "device" or "host" ("host" for good under
+        offload_policy; optimizer None without one)."""
+        params = "host" if self.fsdp_cpu_offload else self._where["params"]
+        optimizer = None if self.optimizer is None else "host" if self.fsdp_cpu_offload else self._where["optimizer"]
+        return {"params": params, "optimizer": optimizer}
+
+    def describe_offload(self) -> str:
+        """`, parameters and optimizer state in host memory between uses` (the start-up line), "" without offload."""
+        if self.fsdp_cpu_offload:
+            return ", parameters, gradients and optimizer step in host memory (FSDP2 CPUOffloadPolicy)"
+        parts = [name for name, on in (("parameters", self.offload_params),
+                                       ("optimizer state", self.offload_optimizer)) if on]
+        return f", {' and '.join(parts)} in host memory between uses (offload)" if parts else ""
+
+    def _move(self, part: str, to: str) -> None:
+        """Move `part` ("params" / "optimizer") `to` "host" or "device" and record it."""
+        copy = self.offload_copies
+        if part == "params":
+            nbytes = move_model(self.model, HOST if to == "host" else self.device, copy=copy)
+        elif to == "host":
+            self._optimizer_devices, nbytes = optimizer_state_to_host(self.optimizer, copy=copy)
+        else:
+            nbytes = optimizer_state_back(self.optimizer, self._optimizer_devices, copy=copy)
+        self._where[part] = to
+        self.offload_counts[f"{part}_to_{to}"] += 1
+        self.offload_log.append(OffloadMove(next(_MOVES), self.name, part, to, nbytes))
+
+    def _offload(self, part: str, enabled: bool) -> None:
+        if enabled and self._where[part] == "device" and self._users[part] == 0:
+            self._move(part, "host")
+
+    def _load(self, part: str, enabled: bool) -> None:
+        if enabled and self._where[part] == "host":
+            self._move(part, "device")
+
+    @contextlib.contextmanager
+    def on_device(self, optimizer: bool = False) -> Iterator[None]:
+        """The parameters (and with `optimizer` the optimizer state) on the device inside, back in host memory after
+        when they are offloaded; nested scopes share the outermost one's load. Without offload: nothing moves."""
+        parts = [part for part, enabled in (("params", self.offload_params),
+                                            ("optimizer", optimizer and self.offload_optimizer)) if enabled]
+        entered = []
+        try:
+            for part in parts:
+                self._load(part, True)
+                self._users[part] += 1
+                entered.append(part)
+            yield
+        finally:
+            for part in entered:  # verl's order: the model, then the optimizer
+                self._users[part] -= 1
+                self._offload(part, True)
 
     # ------------------------------------------------------------------------------------------ forward
 
@@ -503,7 +611,9 @@ class TrainEngine:
 class EngineCheckpoints:
     """The checkpoint methods of a worker role that trains through a `TrainEngine` held as `self.engine`, mixed
     into its Worker class: collective calls the driver makes on every rank. `after_weights_loaded` runs after a
-    load (the actor refreshes its rollout engine's weights there)."""
+    load (the actor refreshes its rollout engine's weights there). An offloaded engine comes to the device for the
+    call (the gathers and DCP's collectives run there) and goes back after; `offload_status` reports where each
+    engine of the role lives."""
 
     engine: TrainEngine
 
@@ -514,22 +624,34 @@ class EngineCheckpoints:
     def state_dict(self, contents=CHECKPOINT_CONTENTS) -> dict:
         """Checkpoint components: full model weights (the adapter under LoRA), full optimizer state (by parameter
         name), LR schedule. Collective (every rank gathers); rank 0 returns the components, the other ranks {}."""
-        return self.engine.state_dict(contents)
+        with self.engine.on_device(optimizer="optimizer" in contents):  # offloaded: gathered on the device
+            return self.engine.state_dict(contents)
 
     @register(Dispatch.REPLICATE)
     def load_state_dict(self, components: dict, contents=CHECKPOINT_CONTENTS) -> None:
         """Restore what `state_dict` returned (saved at any world size); `contents` as in `state_dict`."""
-        self.engine.load_state_dict(components, contents)
+        with self.engine.on_device(optimizer="optimizer" in contents):
+            self.engine.load_state_dict(components, contents)
         self.after_weights_loaded()
 
     @register(Dispatch.REPLICATE)
     def save_sharded_checkpoint(self, path: str, contents=CHECKPOINT_CONTENTS) -> None:
         """Write every rank's model shards (DCP) into directory `path`, with the optimizer's and the LR schedule
         when `contents` has "optimizer" / "extra"."""
-        self.engine.save_sharded(path, contents)
+        with self.engine.on_device(optimizer="optimizer" in contents):
+            self.engine.save_sharded(path, contents)
 
     @register(Dispatch.REPLICATE)
     def load_sharded_checkpoint(self, path: str, contents=CHECKPOINT_CONTENTS) -> None:
         """Read a `save_sharded_checkpoint` directory written at any world size."""
-        self.engine.load_sharded(path, contents)
+        with self.engine.on_device(optimizer="optimizer" in contents):
+            self.engine.load_sharded(path, contents)
         self.after_weights_loaded()
+
+    @register(Dispatch.REPLICATE)
+    def offload_status(self) -> dict:
+        """This rank's offload state of every engine the role holds: {engine name: {"params": "host" | "device",
+        "optimizer": ..., "counts": {"params_to_host": n, ...}}}."""
+        engines = [self.engine, getattr(self, "ref", None)]
+        return {e.name: {**e.location(), "counts": dict(e.offload_counts)}
+                for e in dict.fromkeys(e for e in engines if e is not None)}

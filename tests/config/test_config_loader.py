@@ -383,14 +383,14 @@ def test_verl_knobs_that_would_change_results_but_are_not_built_are_errors():
 
     cfg = load_config(["actor_rollout_ref.rollout.ignore_eos=true", "reward_model.sandbox_fusion.url=http://x:8080",
                        "actor_rollout_ref.actor.fsdp_config.fsdp_size=4", "trainer.n_gpus_per_node=8",
-                       "critic.model.fsdp_config.offload_policy=true",
+                       "reward_model.model.fsdp_config.offload_policy=true",
                        "actor_rollout_ref.ref.fsdp_config.wrap_policy.min_num_params=1000",
                        "actor_rollout_ref.model.hf_config_path=/models/cfg"])
     with pytest.raises(ConfigError) as info:
         validate_config(cfg)
     text = str(info.value)
     for key in ("actor_rollout_ref.rollout.ignore_eos", "reward_model.sandbox_fusion.url",
-                "actor_rollout_ref.actor.fsdp_config.fsdp_size", "critic.model.fsdp_config.offload_policy",
+                "actor_rollout_ref.actor.fsdp_config.fsdp_size", "reward_model.model.fsdp_config.offload_policy",
                 "actor_rollout_ref.ref.fsdp_config.wrap_policy.min_num_params", "actor_rollout_ref.model.hf_config_path"):
         assert f"{key} is not supported by this hyflow version yet" in text, key
     # fsdp_size equal to the number of devices is plain FSDP, which is what hyflow does
@@ -430,8 +430,8 @@ def test_verl_010_reward_names_mean_the_legacy_keys():
     # keys the schema does not hold (hyflow.config.support's table): their values are kept beside the config
     from hyflow.config.support import declared_values
 
-    assert declared_values(cfg) == {"reward_model.sandbox_fusion.max_concurrent": 8,
-                                    "critic.model.fsdp_config.optimizer_offload": True}
+    assert declared_values(cfg) == {"reward_model.sandbox_fusion.max_concurrent": 8}
+    assert cfg.critic.model.fsdp_config.optimizer_offload is True  # a schema key (the critic offloads)
 
 
 def test_both_spellings_agreeing_are_fine_disagreeing_name_both():
@@ -666,7 +666,7 @@ def test_a_verl_yaml_setting_keys_hyflow_does_not_act_on_loads_and_config_yaml_o
     path = tmp_path / "verl.yaml"
     path.write_text(
         "global_profiler:\n  tool: null\n  steps: null\n  save_path: outputs/profile\n"
-        "actor_rollout_ref:\n  actor:\n    fsdp_config:\n      param_offload: false\n      dtype: bfloat16\n"
+        "actor_rollout_ref:\n  actor:\n    fsdp_config:\n      forward_prefetch: false\n      dtype: bfloat16\n"
         "      wrap_policy:\n        min_num_params: 0\n"
         "    profiler:\n      enable: ${actor_rollout_ref.ref.profiler.enable}\n"
         "  ref:\n    profiler:\n      enable: true\n  rollout:\n    profiler:\n"
@@ -679,9 +679,9 @@ def test_a_verl_yaml_setting_keys_hyflow_does_not_act_on_loads_and_config_yaml_o
     validate_config(cfg)
     line = support.performance_only_warning(cfg)  # only the values other than verl's defaults are named
     assert "actor_rollout_ref.actor.profiler.enable=true" in line and "actor_rollout_ref.ref.profiler.enable=true" in line
-    assert "param_offload" not in line and "global_profiler" not in line and "dataloader_num_workers" not in line
+    assert "forward_prefetch" not in line and "global_profiler" not in line and "dataloader_num_workers" not in line
     saved = config_to_yaml(cfg)
-    assert "profiler" not in saved and "param_offload" not in saved  # config.yaml holds the schema's keys
+    assert "profiler" not in saved and "forward_prefetch" not in saved  # config.yaml holds the schema's keys
     (tmp_path / "config.yaml").write_text(saved)
     assert config_from_yaml_file(tmp_path / "config.yaml").data.train_batch_size == 512
     path.write_text("global_profiler:\n  tol: nsys\n")

@@ -27,6 +27,7 @@ import hyflow
 from hyflow.config import ConfigError, load_config, support, validate_config
 from hyflow.config import catalog as catalog_module
 from hyflow.config.keys import lookup
+from hyflow.config.roles import role_specs
 from hyflow.config.schema import HyflowConfig
 from hyflow.config.sft_schema import SFTConfig
 
@@ -364,8 +365,8 @@ def test_the_ref_sequence_parallel_size_that_follows_the_actor_is_reported_once(
 
 def test_performance_only_keys_are_named_in_one_line_only_when_set():
     assert support.performance_only_warning(load_config([])) is None
-    cfg = load_config(["actor_rollout_ref.ref.fsdp_config.param_offload=true",
-                       "critic.model.fsdp_config.optimizer_offload=true",
+    cfg = load_config(["actor_rollout_ref.ref.fsdp_config.optimizer_offload=true",
+                       "critic.model.fsdp_config.optimizer_offload=true",  # read: not named
                        "reward_model.model.fsdp_config.param_offload=true",
                        "actor_rollout_ref.model.use_fused_kernels=true",
                        "reward_model.launch_reward_fn_async=true",
@@ -376,8 +377,8 @@ def test_performance_only_keys_are_named_in_one_line_only_when_set():
     validate_config(cfg)
     line = support.performance_only_warning(cfg)
     assert line.startswith(support.WARNING_PREFIX) and "\n" not in line
-    for key in ("actor_rollout_ref.ref.fsdp_config.param_offload=true",
-                "critic.model.fsdp_config.optimizer_offload=true",
+    assert "critic.model.fsdp_config.optimizer_offload" not in line
+    for key in ("actor_rollout_ref.ref.fsdp_config.optimizer_offload=true",
                 "reward_model.model.fsdp_config.param_offload=true",
                 "actor_rollout_ref.model.use_fused_kernels=true",
                 "reward_model.launch_reward_fn_async=true", "data.dataloader_num_workers=0",
@@ -390,10 +391,10 @@ def test_the_rl_trainer_prints_the_line_once_at_start(capsys):
     from hyflow.trainer.rl_trainer import RLTrainer
 
     with pytest.raises(ValueError, match="actor_rollout_ref.model.path"):  # stops before any model loads
-        RLTrainer(["actor_rollout_ref.ref.fsdp_config.param_offload=true", "data.dataloader_num_workers=2"])
+        RLTrainer(["actor_rollout_ref.model.use_shm=true", "data.dataloader_num_workers=2"])
     out = capsys.readouterr().out
     assert out.count(support.WARNING_PREFIX) == 1
-    assert "actor_rollout_ref.ref.fsdp_config.param_offload=true" in out and "data.dataloader_num_workers=2" in out
+    assert "actor_rollout_ref.model.use_shm=true" in out and "data.dataloader_num_workers=2" in out
 
 
 def test_the_sft_trainer_prints_its_line_once_before_loading(monkeypatch, capsys):
@@ -436,7 +437,8 @@ def test_a_verl_gsm8k_grpo_command_line_passes_with_its_speed_knobs_named():
         "trainer.device=cpu"])
     validate_config(cfg)
     line = support.performance_only_warning(cfg)
-    assert "actor_rollout_ref.ref.fsdp_config.param_offload=true" in line
+    assert "param_offload" not in line  # read: the reference lives in host memory between its log-prob passes
+    assert role_specs(cfg).actor.ref.fsdp.param_offload
     assert "actor_rollout_ref.rollout.tensor_model_parallel_size=2" in line
     assert "fsdp_config.optimizer_offload" not in line  # left at the default: not named
 

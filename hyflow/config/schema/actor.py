@@ -177,7 +177,8 @@ class RefConfig:
         "is the actor: the actor's setting applies).",
     )
     fsdp_config: FSDPConfig = section(
-        FSDPConfig, "FSDP settings of the reference (verl forces parameter offload here)."
+        FSDPConfig, "FSDP settings of the reference (frozen: no optimizer; param_offload keeps it in host memory "
+        "but for its log-prob pass)."
     )
 
 

@@ -94,6 +94,19 @@ class FSDPConfig:
         "bfloat16", "dtype of the forward/backward compute (mixed precision): bfloat16, float16 or float32."
     )
     full_determinism: bool = option(False, "Deterministic kernels everywhere (slower; for debugging).")
+    param_offload: bool = option(
+        False, "Keep the role's parameters (each rank's shard) in host memory between its uses: they move to the "
+        "device for each forward/update, weight sync or checkpoint and back after, and the actor's stay on the host "
+        "while the rollout generates (verl's hybrid-engine offload). Less device memory, a host-device copy per use; "
+        "the same results. The reward model's worker does not offload.")
+    optimizer_offload: bool = option(
+        False, "Keep the optimizer state (Adam's moments, each rank's shard) in host memory between updates: it moves "
+        "to the device for each update and back after. Same results; roles without an optimizer (reference, reward "
+        "model) have nothing to offload.")
+    offload_policy: bool = option(
+        False, "FSDP2's CPUOffloadPolicy instead (strategy fsdp/fsdp2 on several devices): shards, gradients and the "
+        "optimizer step stay in (pinned) host memory and each layer's parameters are copied to the device for its "
+        "forward and backward; replaces param_offload/optimizer_offload (as in verl).")
 
 
 @dataclass
