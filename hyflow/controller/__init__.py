@@ -12,7 +12,13 @@ from hyflow.controller.dispatch import (
 )
 from hyflow.controller.factory import EXECUTORS, make_worker_group
 from hyflow.controller.group import LocalWorkerGroup, PendingCall, RoleView, WorkerError, WorkerGroup
-from hyflow.controller.ray_group import RayWorkerGroup, WorkerDiedError, WorkerTimeoutError
+from hyflow.controller.ray_group import (
+    RankLocation,
+    RayWorkerGroup,
+    WorkerDiedError,
+    WorkerTimeoutError,
+    describe_placement,
+)
 from hyflow.controller.resources import RayResourcePool, ensure_ray, shutdown_ray
 from hyflow.controller.worker import (
     Placement,
@@ -31,6 +37,7 @@ __all__ = [
     "LocalWorkerGroup",
     "PendingCall",
     "Placement",
+    "RankLocation",
     "RayResourcePool",
     "RayWorkerGroup",
     "RoleView",
@@ -40,6 +47,7 @@ __all__ = [
     "WorkerGroup",
     "WorkerTimeoutError",
     "collect_results",
+    "describe_placement",
     "ensure_ray",
     "free_port",
     "make_colocated_class",

@@ -10,9 +10,16 @@ registered methods become group methods, split and collected by their dispatch m
    `num_cpus`), with `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE` and the caller's `env` in its
    process environment from the start;
 3. rank 0's host reports a free TCP port on its node; every host exports `MASTER_ADDR` (127.0.0.1 when
-   all ranks share one node, else rank 0's node IP) and `MASTER_PORT`, then constructs
-   `worker_cls(*args, **kwargs)`, so `Worker.__init__` reads its placement from the environment as under
-   torchrun and `Worker.init_process_group()` joins gloo/nccl with no further arguments.
+   all ranks share one node, else rank 0's node IP) and `MASTER_PORT`, moves into the driver's working
+   directory (as torchrun's ranks share one: a relative model path or `trainer.default_local_dir` then names
+   the same files on every node; Ray starts workers in the directory `ray start` ran in, which on another node
+   is anything; skipped under a Ray `runtime_env` `working_dir`, and said when the node has no such
+   directory), then constructs `worker_cls(*args, **kwargs)`, so `Worker.__init__` reads its placement from
+   the environment as under torchrun and `Worker.init_process_group()` joins gloo/nccl with no further
+   arguments.
+
+`placement()` says where each rank runs (node id and IP as the rank's own process reports them, pid);
+`describe_placement(groups)` is the start-up line the trainers print when the ranks span several nodes.
 
 A call sends every rank its arguments (each distinct `Batch` is `ray.put` once and passed by reference,
 so a replicated batch is serialised once, not once per rank), then waits on all ranks at once and
@@ -41,6 +48,7 @@ import re
 import time
 import traceback
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from hyflow.batch import Batch
 from hyflow.controller.group import WorkerError, WorkerGroup
@@ -129,17 +137,20 @@ class _WorkerHost:
     def __init__(self):
         self.worker = None
 
-    def locate(self, loopback: bool) -> tuple[int, str, int]:
-        """(pid, node IP, a TCP port free now on 127.0.0.1 if `loopback`, else on the node IP)."""
+    def locate(self, loopback: bool) -> tuple[int, str, int, str]:
+        """(pid, node IP, a TCP port free now on 127.0.0.1 if `loopback`, else on the node IP, node id)."""
         import ray
 
         node_ip = ray.util.get_node_ip_address()
-        return os.getpid(), node_ip, free_port(LOOPBACK if loopback else node_ip)
+        return (os.getpid(), node_ip, free_port(LOOPBACK if loopback else node_ip),
+                ray.get_runtime_context().get_node_id())
 
-    def construct(self, worker_cls: type[Worker], args: tuple, kwargs: dict, env: dict[str, str]) -> None:
-        """Export `env` (rendezvous address), size torch's threads (hyflow.threads), then build `worker_cls(*args,
-        **kwargs)` in this process."""
+    def construct(self, worker_cls: type[Worker], args: tuple, kwargs: dict, env: dict[str, str],
+                  cwd: str | None = None) -> None:
+        """Export `env` (rendezvous address), move into `cwd` (the driver's working directory), size torch's
+        threads (hyflow.threads), then build `worker_cls(*args, **kwargs)` in this process."""
         os.environ.update(env)
+        _follow_driver_cwd(cwd)
         configure_worker_threads()
         worker = _traced(worker_cls, *args, **kwargs)
         if not isinstance(getattr(worker, "placement", None), Placement):
@@ -150,6 +161,22 @@ class _WorkerHost:
     def run(self, method: str, *args, **kwargs):
         """`worker.<method>(*args, **kwargs)`."""
         return _traced(getattr(self.worker, method), *args, **kwargs)
+
+
+def _follow_driver_cwd(cwd: str | None) -> None:
+    """chdir to the driver's working directory `cwd`, unless Ray's runtime_env put this process in a `working_dir`
+    (the job's files, shipped there on purpose); a printed note when this node has no directory `cwd`."""
+    import ray
+
+    if not cwd or os.getcwd() == cwd or (ray.get_runtime_context().runtime_env or {}).get("working_dir"):
+        return
+    if os.path.isdir(cwd):
+        os.chdir(cwd)
+        return
+    print(f"rank {os.environ.get('RANK', '?')}: the driver's working directory {cwd} does not exist on this node "
+          f"({ray.util.get_node_ip_address()}): relative paths in the config (model, data, "
+          f"trainer.default_local_dir) resolve against {os.getcwd()} here; use absolute paths on a filesystem "
+          "every node sees", flush=True)
 
 
 def _traced(func, *args, **kwargs):
@@ -183,6 +210,36 @@ def _check_env(env: dict | None) -> dict[str, str]:
     return env
 
 
+@dataclass(frozen=True)
+class RankLocation:
+    """Where one rank of a Ray worker group runs, as its own process reports it."""
+
+    rank: int
+    node_id: str
+    node_ip: str
+    pid: int
+
+
+def describe_placement(groups: Sequence) -> str | None:
+    """Lines saying on which Ray node (id, IP) and in which process each rank of the Ray worker groups among
+    `groups` runs, or None when they all run on one node:
+
+        Ray placement: 3 worker processes on 2 nodes
+          HybridWorker: rank 0 -> node 2e76fcea (10.0.0.1) pid 4242, rank 1 -> node f7d6b9cf (10.0.0.2) pid 977
+          RolloutHost: rank 0 -> node f7d6b9cf (10.0.0.2) pid 978
+    """
+    located = [(group.worker_cls.__name__, group.placement()) for group in groups
+               if isinstance(group, RayWorkerGroup)]
+    nodes = {where.node_id for _, ranks in located for where in ranks}
+    if len(nodes) < 2:
+        return None
+    lines = [f"Ray placement: {sum(len(ranks) for _, ranks in located)} worker processes on {len(nodes)} nodes"]
+    lines += [f"  {name}: " + ", ".join(f"rank {w.rank} -> node {w.node_id[:8]} ({w.node_ip}) pid {w.pid}"
+                                        for w in ranks)
+              for name, ranks in located]
+    return "\n".join(lines)
+
+
 class RayWorkerGroup(WorkerGroup):
     """The `ray` executor: rank r of `worker_cls(*args, **kwargs)` runs in its own Ray actor process."""
 
@@ -209,7 +266,7 @@ class RayWorkerGroup(WorkerGroup):
         self._ray = require_ray()
         self.timeout_s = timeout_s
         self._actors: list = []
-        self._pids: list[int] = []
+        self._locations: list[RankLocation] = []
         self._broken: str | None = None
         self._raylet = _Raylet.find()
         self.master_addr: str | None = None
@@ -231,19 +288,24 @@ class RayWorkerGroup(WorkerGroup):
 
     def worker_pids(self) -> list[int]:
         """Process id of each rank's actor, in rank order (for tests and debugging)."""
-        return list(self._pids)
+        return [where.pid for where in self._locations]
+
+    def placement(self) -> list[RankLocation]:
+        """Where each rank runs (node id and IP as its process reports them, pid), in rank order."""
+        return list(self._locations)
 
     def _start(self, args: tuple, kwargs: dict) -> None:
         slots = self._pool.slots
         one_node = len({slot.node_id for slot in slots}) == 1
         self._actors = [self._spawn(slot) for slot in slots]
         located = self._wait([actor.locate.remote(one_node) for actor in self._actors], "__init__")
-        self._pids = [pid for pid, _, _ in located]
+        self._locations = [RankLocation(rank, node_id, node_ip, pid)
+                           for rank, (pid, node_ip, _, node_id) in enumerate(located)]
         self.master_addr = LOOPBACK if one_node else located[0][1]
         self.master_port = located[0][2]
         rendezvous = {"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
         args_ref, kwargs_ref = self._ray.put(args), self._ray.put(kwargs)
-        self._wait([actor.construct.remote(self.worker_cls, args_ref, kwargs_ref, rendezvous)
+        self._wait([actor.construct.remote(self.worker_cls, args_ref, kwargs_ref, rendezvous, os.getcwd())
                     for actor in self._actors], "__init__")
 
     def _spawn(self, slot: Slot):
@@ -352,7 +414,7 @@ class RayWorkerGroup(WorkerGroup):
             "start` needs `ray stop; ray start --head` first)")
 
     def _where(self, rank: int) -> str:
-        pid = f"pid {self._pids[rank]}, " if rank < len(self._pids) else ""
+        pid = f"pid {self._locations[rank].pid}, " if rank < len(self._locations) else ""
         slots = self._pool.slots
         return f"{pid}node {slots[rank].node_ip if rank < len(slots) else '?'}"
 

@@ -1,7 +1,8 @@
 """Ray clusters and resource pools for the `ray` executor.
 
-`ensure_ray()` attaches to a running Ray cluster (`address="auto"` or `"host:port"`) or starts a local one
-whose every socket listens on 127.0.0.1. Ray picks its node address when `ray` is *imported*
+`ensure_ray()` attaches to a running Ray cluster (`address="auto"` or `"host:port"`, or with no address the
+`RAY_ADDRESS` environment variable, as `ray.init()` and `ray job submit` use it) or starts a local one whose every
+socket listens on 127.0.0.1. Ray picks its node address when `ray` is *imported*
 (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`, read into `ray._private.ray_constants.ENABLE_RAY_CLUSTER`): with the
 variable unset it binds the machine's external interface even when told `_node_ip_address="127.0.0.1"`.
 So the variable is exported before the cluster starts (its processes inherit it) and the constant is
@@ -76,12 +77,18 @@ def ensure_ray(address: str | None = None, *, num_cpus: float | None = None,
                ray_init: dict | None = None) -> bool:
     """Connect this process to Ray; True when it started a new local cluster (stop it with `shutdown_ray`).
 
-    address: None starts a local cluster on 127.0.0.1 (no dashboard, usage stats off) with `num_cpus`
-    logical CPUs (Ray's default: the machine's cores; ask for more than the cores to fit several
-    fractional-CPU workers); "auto" or "host:port" attaches to a running cluster. `ray_init` holds extra
+    address: "auto" or "host:port" attaches to a running cluster; None attaches to `RAY_ADDRESS` when that
+    environment variable is set (as `ray.init()` does: `ray job submit` sets it for its entrypoint, and a driver
+    on a node of a `ray start` cluster can export it), else starts a local cluster on 127.0.0.1 (no dashboard,
+    usage stats off) with `num_cpus` logical CPUs (Ray's default: the machine's cores; ask for more than the
+    cores to fit several fractional-CPU workers); `RAY_ADDRESS=local` also starts one. `ray_init` holds extra
     `ray.init` keyword arguments (verl's `ray_kwargs.ray_init`); an explicit `num_cpus` wins over
     `ray_init["num_cpus"]`. Does nothing and returns False when Ray is already initialised.
     """
+    from_env = address is None and os.environ.get("RAY_ADDRESS", "local") not in ("", "local")
+    if from_env:
+        address = os.environ["RAY_ADDRESS"]
+    local_instead = "unset RAY_ADDRESS" if from_env else "leave the address unset"
     options = dict(ray_init or {})
     runtime_env = _runtime_env(options.pop("runtime_env", None))
     if runtime_env:
@@ -91,12 +98,13 @@ def ensure_ray(address: str | None = None, *, num_cpus: float | None = None,
     sized = sorted(k for k in ("num_cpus", "num_gpus", "resources") if k in options)
     if address is not None and sized:
         raise ValueError(f"{sized} size a local cluster and cannot be set when attaching to the cluster at "
-                         f"{address!r}; drop them, or leave the address unset to start a local cluster")
+                         f"{address!r}{' (RAY_ADDRESS)' if from_env else ''}; drop them, or {local_instead} to "
+                         "start a local cluster")
     ray = import_ray()
     if ray.is_initialized():
         return False
     if address is not None:
-        _connect(ray, address, options)
+        _connect(ray, address, options, local_instead)
         return False
     _start_local(ray, options)
     return True
@@ -113,7 +121,7 @@ def _runtime_env(runtime_env: dict | None) -> dict:
     return {key: value for key, value in runtime_env.items() if value is not None}
 
 
-def _connect(ray, address: str, options: dict) -> None:
+def _connect(ray, address: str, options: dict, local_instead: str) -> None:
     resolved = _resolve_auto(address)
     if _is_loopback(resolved):
         _pin_loopback()
@@ -123,7 +131,7 @@ def _connect(ray, address: str, options: dict) -> None:
     except Exception as err:
         raise RuntimeError(f"Ray could not connect to the cluster at {address!r}: {type(err).__name__}: "
                            f"{err}; start it first (ray start --head --node-ip-address=127.0.0.1 "
-                           "--port=6379) or leave the address unset to start a local cluster") from err
+                           f"--port=6379) or {local_instead} to start a local cluster") from err
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:

@@ -57,7 +57,7 @@ from hyflow.config.arithmetic import (
 from hyflow.config.loader import derived_default_notes
 from hyflow.config.roles import role_specs
 from hyflow.config.support import performance_only_warning
-from hyflow.controller import LocalWorkerGroup
+from hyflow.controller import LocalWorkerGroup, describe_placement
 from hyflow.controller.dispatch import with_mini_batch_rows
 from hyflow.data.rl_dataset import PromptLoader
 from hyflow.models.loading import load_tokenizer
@@ -227,6 +227,8 @@ class RLTrainer:
         # The worker groups and pools (hyflow.trainer.roles): the trainer talks to one view per role.
         self.roles = build_roles(cfg, self.specs, executor=self.executor, tokenizer=self.tokenizer)
         self.workers, self.groups = self.roles.workers, self.roles.groups
+        if (placement := describe_placement(self.groups)) is not None:
+            print(placement)  # which node each rank landed on, when the ranks span several nodes
         self.actor, self.critic, self.reward_model = self.roles.actor, self.roles.critic, self.roles.reward_model
         self.scheduler = self._async_scheduler() if self.async_mode else None
         self.use_reference = uses_reference(cfg)
