@@ -234,11 +234,11 @@ _TABLE: list[KeySupport] = [
       for k in ("class_path", "class_name")),
     _unsupported(f"{M}.hf_config_path", "the model's config.json is read from actor_rollout_ref.model.path; "
                  + LEAVE),
-    _unsupported(f"{R}.nnodes", "a standalone rollout on devices of its own is rollout_pool.nnodes / "
-                 "rollout_pool.n_gpus_per_node in hyflow (verl's fully-async rollout.nnodes / n_gpus_per_node); set "
+    _unsupported(f"{R}.nnodes", "a standalone rollout on devices of its own is the top-level rollout.nnodes / "
+                 "rollout.n_gpus_per_node in hyflow (verl's fully-async rollout.nnodes / n_gpus_per_node); set "
                  "those and leave this at 0 (colocated)", lambda cfg: lookup(cfg, f"{R}.nnodes") > 0),
     _unsupported(f"{R}.n_gpus_per_node", "verl reads it only for a standalone rollout (rollout.nnodes > 0); set "
-                 "rollout_pool.n_gpus_per_node instead",
+                 "the top-level rollout.n_gpus_per_node instead",
                  lambda cfg: lookup(cfg, f"{R}.nnodes") > 0 and lookup(cfg, f"{R}.n_gpus_per_node") is not None),
     _unsupported(f"{R}.ignore_eos", "generation always stops at end-of-sequence; " + LEAVE),
     _unsupported("data.tool_config_path", "hyflow puts the schemas of actor_rollout_ref.rollout.multi_turn."

@@ -48,7 +48,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from hyflow.models.vision import is_vision_config
+from hyflow.models.vision import VisionProcessor, is_vision_config
 from hyflow.serialization import refusal, weights_only_reason
 
 DTypeLike = str | torch.dtype | None
@@ -566,3 +566,21 @@ def load_reward_model(
         eos = model.config.eos_token_id
         model.config.pad_token_id = eos[0] if isinstance(eos, list) else eos
     return model.eval()
+
+def load_vision_processor(model_path: str | Path, tokenizer, *, image_kwargs: dict | None = None,
+                          trust_remote_code: bool = False) -> VisionProcessor | None:
+    """The `VisionProcessor` of the model at `model_path` (a directory or hub id) with `tokenizer`, None for a text
+    model or a path without a model config (the model's own loading then says what is wrong)."""
+    from transformers import AutoConfig
+
+    resolved = resolve_model_path(str(model_path))
+    try:
+        config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    if not is_vision_config(config):
+        return None
+    return VisionProcessor.from_pretrained(resolved, tokenizer=tokenizer, config=config, image_kwargs=image_kwargs,
+                                           trust_remote_code=trust_remote_code)
+
+

@@ -372,26 +372,6 @@ def concat_multi_modal_inputs(rows: Sequence[dict | None]) -> dict[str, Tensor]:
     return {"pixel_values": torch.cat(pixel_values), "image_grid_thw": torch.cat(grids)}
 
 
-def load_vision_processor(model_path: str | Path, tokenizer, *, image_kwargs: dict | None = None,
-                          trust_remote_code: bool = False) -> VisionProcessor | None:
-    """The `VisionProcessor` of the model at `model_path` (a directory or hub id) with `tokenizer`, None for a text
-    model or a path without a model config (the model's own loading then says what is wrong)."""
-    from transformers import AutoConfig
-
-    from hyflow.models.loading import resolve_model_path
-
-    resolved = resolve_model_path(str(model_path))
-    try:
-        config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError):
-        return None
-    if not is_vision_config(config):
-        return None
-    return VisionProcessor.from_pretrained(resolved, tokenizer=tokenizer, config=config, image_kwargs=image_kwargs,
-                                           trust_remote_code=trust_remote_code)
-
-
-
 def split_prompt_images(rows: Sequence[dict | None], prompt_slots: Sequence[int],
                         merge_size: int) -> list[tuple[dict, dict]]:
     """Per row, (its prompt's images, its later images: a tool's), each {pixel_values, image_grid_thw} or {}:

@@ -61,7 +61,7 @@ def build_agent_loops(spec, tokenizer, engine, eos_ids: list[int]) -> AgentLoopM
         interactions = load_interactions(mt.interaction_config_path)
     processor = None
     if tools:  # a vision-language policy's tools may return images: the loop processes them as the data's
-        from hyflow.models.vision import load_vision_processor
+        from hyflow.models.loading import load_vision_processor
 
         processor = load_vision_processor(spec.model.path, tokenizer, image_kwargs=dict(spec.image_kwargs),
                                           trust_remote_code=spec.model.trust_remote_code)

@@ -30,7 +30,7 @@ def prompt_processor(model_path: str, tokenizer, *, trust_remote_code: bool = Fa
     """A vision-language model's prompt processor (`hyflow.models.vision.VisionProcessor`: its image processor and
     the tokenizer, called with `data.mm_processor_kwargs`), None for a text model: image rows need it (RLDataset
     refuses them without). `data.image_patch_size` must be the image processor's patch size."""
-    from hyflow.models.vision import load_vision_processor
+    from hyflow.models.loading import load_vision_processor
 
     image_kwargs = dict(getattr(data_cfg, "mm_processor_kwargs", None) or {})
     processor = load_vision_processor(model_path, tokenizer, image_kwargs=image_kwargs,

@@ -1,5 +1,5 @@
 """`hyflow train` on a Ray cluster of two nodes (two raylets on this machine, 1 CPU each, every socket on 127.0.0.1),
-attached from outside the way a real cluster is used: examples/multinode/run_qwen2_5_7b_multinode.sh --cpu with
+attached from outside the way a real cluster is used: examples/multi_node/run_qwen2_5_7b_multinode.sh --cpu with
 RAY_ADDRESS set, in a working directory the cluster was not started in.
 
 Per layout of the example (LAYOUT): the workers land one per node, as the run prints it ("Ray placement") and as
@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "multinode"
+EXAMPLE = ROOT / "examples" / "multi_node"
 SCRIPT = EXAMPLE / "run_qwen2_5_7b_multinode.sh"
 LAUNCHER = EXAMPLE / "loopback_cluster.py"
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
@@ -59,7 +59,7 @@ def _alive(pid: int, marker: str) -> bool:
 
 @contextlib.contextmanager
 def loopback_cluster(nodes: int, num_cpus: int):
-    """examples/multinode/loopback_cluster.py in a session of its own: yields its cluster.json; then SIGTERM to it
+    """examples/multi_node/loopback_cluster.py in a session of its own: yields its cluster.json; then SIGTERM to it
     (it stops its nodes), SIGKILL to its process group only if it did not, and a check that its raylets are gone."""
     cluster_dir = tempfile.mkdtemp(prefix="hyflow-mn-", dir="/tmp")  # short: Ray's socket paths live under it
     started = time.perf_counter()

@@ -113,10 +113,10 @@ class RolloutConfig:
     do_sample: bool = option(True, "Sample training rollouts (False = greedy).")
     nnodes: int = option(
         0, "verl (v1 separate_async): machines of a standalone rollout (0 = colocated with the actor). hyflow's "
-        "separate rollout devices are rollout_pool.nnodes / rollout_pool.n_gpus_per_node: only 0 here.")
+        "separate rollout devices are the top-level rollout.nnodes / rollout.n_gpus_per_node: only 0 here.")
     n_gpus_per_node: int | None = option(
         None, "verl (v1 separate_async): devices per machine of a standalone rollout, read only with nnodes > 0 "
-        "(null = trainer.n_gpus_per_node, verl's default). Use rollout_pool.n_gpus_per_node.")
+        "(null = trainer.n_gpus_per_node, verl's default). Use the top-level rollout.n_gpus_per_node.")
     prompt_length: int = option(
         "${data.max_prompt_length}",
         "Longest prompt the engine accepts, in tokens (default = data.max_prompt_length).",

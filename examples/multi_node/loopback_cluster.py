@@ -1,7 +1,7 @@
 """A Ray cluster of several nodes on this one machine, every socket on 127.0.0.1: for trying and testing multi-node
 runs without a second machine.
 
-    python examples/multinode/loopback_cluster.py --dir DIR [--nodes 2] [--num-cpus 1] [--num-gpus 0]
+    python examples/multi_node/loopback_cluster.py --dir DIR [--nodes 2] [--num-cpus 1] [--num-gpus 0]
 
 starts a head node and `--nodes - 1` worker nodes, each a raylet of its own with its own `--num-cpus` CPUs (and
 `--num-gpus` GPUs), writes `DIR/cluster.json` once every node is alive (`address`: the head's GCS address to give
@@ -10,7 +10,7 @@ then `DIR/address` (the address alone), then waits. SIGTERM or SIGINT (Ctrl-C) s
 DIR (never /tmp/ray), no `ray_current_cluster` file is written, so `address="auto"` of another Ray user on this
 machine never finds this cluster and `ray stop` is never needed.
 
-On a real cluster the same thing is two commands (examples/multinode/README.md):
+On a real cluster the same thing is two commands (examples/multi_node/clusters.md):
 
     ray start --head --node-ip-address=HEAD_IP --port=6379 --num-cpus=C      # on the head node
     ray start --address=HEAD_IP:6379 --node-ip-address=NODE_IP --num-cpus=C  # on every other node

@@ -3,11 +3,11 @@
 #
 #   head node:         ray start --head --node-ip-address=HEAD_IP --port=6379 --num-gpus=8
 #   every other node:  ray start --address=HEAD_IP:6379 --node-ip-address=NODE_IP --num-gpus=8
-#   any node:          RAY_ADDRESS=HEAD_IP:6379 bash examples/multinode/run_qwen2_5_7b_multinode.sh [key=value ...]
+#   any node:          RAY_ADDRESS=HEAD_IP:6379 bash examples/multi_node/run_qwen2_5_7b_multinode.sh [key=value ...]
 #                      (RAY_ADDRESS defaults to auto: the cluster `ray start` made on this node)
 # CPU, on this one machine: two Ray nodes of 1 CPU each on 127.0.0.1 (loopback_cluster.py, started and stopped by
 # the script when RAY_ADDRESS is unset), one worker process per "GPU", gloo instead of NCCL, tiny model:
-#   bash examples/multinode/run_qwen2_5_7b_multinode.sh --cpu [key=value ...]   # STEPS (default 2), OUT, LAYOUT
+#   bash examples/multi_node/run_qwen2_5_7b_multinode.sh --cpu [key=value ...]   # STEPS (default 2), OUT, LAYOUT
 #
 # LAYOUT says where the roles run:
 #   spread   (default) GRPO; actor + rollout + reference on every GPU of every node (trainer.nnodes=NNODES)
