@@ -184,7 +184,8 @@ class TrainEngineSpec:
     "value"; strategy: the config's `strategy` (fsdp, fsdp2, ddp), resolved against the world size by the
     engine; fsdp: the wrapper's settings; compute_dtype: the autocast dtype on accelerators; optim: None for a
     frozen model (the reference policy); total_optimizer_steps: the LR schedule's length (training steps x
-    optimizer steps per training step); device: `trainer.device` (auto, cpu, cuda), resolved by the worker.
+    optimizer steps per training step); device: `trainer.device` (auto, cpu, cuda), resolved by the worker;
+    ulysses_sequence_parallel_size: ranks per sequence-parallel group (`hyflow.models.ulysses`; 1 = none).
     """
 
     name: str
@@ -202,6 +203,7 @@ class TrainEngineSpec:
     lora: LoraSettings | None = None
     checkpoint_prefix: str | None = None
     freeze_vision_tower: bool = False
+    ulysses_sequence_parallel_size: int = 1
 
 
 # ------------------------------------------------------------------------------------------ roles

@@ -194,14 +194,6 @@ R, A, M = f"{ARR}.rollout", f"{ARR}.actor", f"{ARR}.model"
 
 _TABLE: list[KeySupport] = [
     # ------------------------------------------------------------------ features not built yet
-    _unsupported(f"{A}.ulysses_sequence_parallel_size", "sequence parallelism is not built yet; use 1",
-                 lambda cfg: lookup(cfg, f"{A}.ulysses_sequence_parallel_size") > 1),
-    _unsupported(f"{ARR}.ref.ulysses_sequence_parallel_size", "sequence parallelism is not built yet; use 1",
-                 lambda cfg: cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size > 1
-                 and cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size
-                 != cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size),  # else reported for the actor
-    _unsupported("critic.ulysses_sequence_parallel_size", "sequence parallelism is not built yet; use 1",
-                 lambda cfg: cfg.critic.ulysses_sequence_parallel_size > 1),
     *(_unsupported(f"{role}.optim.clip_grad", f"hyflow clips gradients at {role}.grad_clip; set that instead",
                    lambda cfg, role=role: _non_default(cfg, f"{role}.optim.clip_grad")
                    and lookup(cfg, f"{role}.optim.clip_grad") != lookup(cfg, f"{role}.grad_clip"))

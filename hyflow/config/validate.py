@@ -363,14 +363,21 @@ def _check_devices(cfg: HyflowConfig, n_devices: int | None) -> list[str]:
         ]
     devices = total_devices(cfg, n_devices)
     problems = []
-    for key, sp in (
-        (f"{A}.ulysses_sequence_parallel_size", cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size),
-        ("critic.ulysses_sequence_parallel_size", cfg.critic.ulysses_sequence_parallel_size),
+    for key, sp, packing in (
+        (f"{A}.ulysses_sequence_parallel_size", cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size,
+         ("actor_rollout_ref.model.use_remove_padding", cfg.actor_rollout_ref.model.use_remove_padding)),
+        ("actor_rollout_ref.ref.ulysses_sequence_parallel_size", cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size,
+         ("actor_rollout_ref.model.use_remove_padding", cfg.actor_rollout_ref.model.use_remove_padding)),
+        ("critic.ulysses_sequence_parallel_size", cfg.critic.ulysses_sequence_parallel_size,
+         ("critic.model.use_remove_padding", cfg.critic.model.use_remove_padding)),
     ):
         if sp < 1 or devices % sp:
             problems.append(
                 f"{key}={sp} must be >= 1 and divide the {devices} devices; set it to a divisor of {devices}."
             )
+        elif sp > 1 and not packing[1]:
+            problems.append(f"{key}={sp} needs sequence packing ({packing[0]}=true, as verl requires): each packed "
+                            "row is cut across the group's devices; set it, or the sequence-parallel size to 1.")
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.name != "hf" and devices % max(rollout.tensor_model_parallel_size, 1):
         problems.append(

@@ -189,7 +189,8 @@ class TrainEngine:
                  fsdp_config, optim=None, total_optimizer_steps: int = 1, grad_clip: float | None = None,
                  use_remove_padding: bool = False, share_prompts: bool = False, use_torch_compile: bool = False,
                  lora=None, world_size: int = 1, rank: int = 0, compute_dtype: str | None = None,
-                 checkpoint_prefix: str | None = None, freeze_vision_tower: bool = False):
+                 checkpoint_prefix: str | None = None, freeze_vision_tower: bool = False,
+                 sequence_parallel_size: int = 1):
         if head not in HEADS:
             raise ValueError(f"head={head!r}; use one of {HEADS}")
         self.name, self.head, self.device = name, head, device
@@ -208,6 +209,7 @@ class TrainEngine:
         # verl's use_prefix_grouper: in a packed micro-batch the samples of one prompt run its tokens once (a
         # vision-language prompt: its images once too, and only rows whose prompt images are equal share it)
         self.share_prompts = bool(share_prompts) and self.use_remove_padding
+        self._init_sequence_parallel(int(sequence_parallel_size), model)
         self.compute_dtype = compute_dtype or getattr(fsdp_config, "dtype", "fp32")
         self.lora = lora
         if freeze_vision_tower and self.vision:  # verl's key: the vision tower keeps its weights
@@ -244,7 +246,42 @@ class TrainEngine:
                    use_remove_padding=spec.use_remove_padding, share_prompts=spec.share_prompts,
                    use_torch_compile=spec.use_torch_compile, lora=spec.lora, world_size=world_size, rank=rank,
                    compute_dtype=spec.compute_dtype, checkpoint_prefix=spec.checkpoint_prefix,
-                   freeze_vision_tower=spec.freeze_vision_tower)
+                   freeze_vision_tower=spec.freeze_vision_tower,
+                   sequence_parallel_size=spec.ulysses_sequence_parallel_size)
+
+    def _init_sequence_parallel(self, size: int, model: nn.Module) -> None:
+        """Ulysses sequence parallelism over groups of `size` consecutive ranks (`hyflow.workers.
+        sequence_parallel`, `hyflow.models.ulysses`): the ranks of a group hold the group's rows and each runs a
+        slice of every packed row; the data-parallel size is world_size / size."""
+        self.sp_size = max(1, size)
+        self.dp_size = self.world_size // self.sp_size
+        self.sp_group = None
+        self.sp_rank = 0
+        if self.sp_size == 1:
+            return
+        where = f"{self.name}: ulysses_sequence_parallel_size={self.sp_size}"
+        if self.world_size % self.sp_size:
+            raise ValueError(f"{where} must divide the role's {self.world_size} ranks")
+        if not self.use_remove_padding:
+            raise ValueError(f"{where} needs sequence packing (use_remove_padding=true, as verl requires): the "
+                             "sequence is cut across the ranks of the packed row")
+        if self.vision:
+            raise ValueError(f"{where}: sequence parallelism of a vision-language model (images in the packed "
+                             "row) is not built yet; use 1")
+        heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
+        if heads is not None and heads % self.sp_size:
+            raise ValueError(f"{where} must divide the model's {heads} attention heads (each rank attends with "
+                             f"heads / {self.sp_size} of them)")
+        from hyflow.workers.sequence_parallel import new_groups
+
+        self.sp_group = new_groups(self.world_size, self.rank, self.sp_size)
+        self.sp_rank = self.rank % self.sp_size
+
+    def _sp(self):
+        """The sequence-parallel block of a packed forward (a no-op without sequence parallelism)."""
+        from hyflow.models.ulysses import sequence_parallel
+
+        return sequence_parallel(self.sp_group)
 
     # ------------------------------------------------------------------------------------------ describing
 
@@ -362,30 +399,13 @@ class TrainEngine:
             with autocast(self.device, self.compute_dtype):
                 return {"scores": reward_scores(self.model, seq["input_ids"], seq["attention_mask"],
                                                 seq["position_ids"])}, 0
+        if self.sp_group is not None and with_sum_pi_squared:
+            raise ValueError(f"{self.name}: sum_pi_squared (the entropy-change metrics) runs the padded forward, "
+                             "which sequence parallelism (ulysses_sequence_parallel_size > 1) does not split; turn "
+                             "those metrics off or use ulysses_sequence_parallel_size=1")
         if self.use_remove_padding and not with_sum_pi_squared:
-            from hyflow.models.packing import packed_response_logprobs, packed_values
-
-            ids = micro["input_ids"].to(self.device)
-            mask = micro["attention_mask"].to(self.device)
-            images = self._images(micro)
-            vision = {}
-            if self.vision:  # M-RoPE positions, the rows' images and the tokens that take their features
-                rows = list(micro["multi_modal_inputs"]) if images else None
-                image_mask = placeholder_mask(ids, rows, self.vision_tokens) if images else None
-                vision = {"position_ids": micro["position_ids"].to(self.device), "images": images,
-                          "image_mask": image_mask}
-                if images and self.share_prompts:  # each part with its packed token
-                    vision["images"] = None
-                    vision["image_parts"] = split_prompt_images(
-                        rows, image_mask[:, : ids.shape[1] - R].sum(-1).tolist(), self.vision_tokens.spatial_merge_size)
-            with autocast(self.device, self.compute_dtype):
-                if self.head == "value":
-                    return {"values": packed_values(self.model, ids, mask, R, share_prompts=self.share_prompts,
-                                                    **vision)}, R
-                logp, entropy = packed_response_logprobs(self.model, ids, mask, R, temperature=temperature,
-                                                         calculate_entropy=with_entropy,
-                                                         share_prompts=self.share_prompts, **vision)
-            return {"log_probs": logp, "entropy": entropy}, R
+            with self._sp():
+                return self._packed_micro(micro, R, temperature, with_entropy)
         seq, r = trim_padding(micro, R)
         seq = {k: v.to(self.device) for k, v in seq.items()}
         images = self._images(micro)
@@ -411,6 +431,32 @@ class TrainEngine:
                 out["sum_pi_squared"] = sum_pi_squared_from_logits(logits, temperature)
         return out, r
 
+    def _packed_micro(self, micro: Batch, R: int, temperature: float, with_entropy: bool) -> tuple[dict, int]:
+        """`forward_micro` on the packed path (sequence-parallel inside `self._sp()`)."""
+        from hyflow.models.packing import packed_response_logprobs, packed_values
+
+        ids = micro["input_ids"].to(self.device)
+        mask = micro["attention_mask"].to(self.device)
+        images = self._images(micro)
+        vision = {}
+        if self.vision:  # M-RoPE positions, the rows' images and the tokens that take their features
+            rows = list(micro["multi_modal_inputs"]) if images else None
+            image_mask = placeholder_mask(ids, rows, self.vision_tokens) if images else None
+            vision = {"position_ids": micro["position_ids"].to(self.device), "images": images,
+                      "image_mask": image_mask}
+            if images and self.share_prompts:  # each part with its packed token
+                vision["images"] = None
+                vision["image_parts"] = split_prompt_images(
+                    rows, image_mask[:, : ids.shape[1] - R].sum(-1).tolist(), self.vision_tokens.spatial_merge_size)
+        with autocast(self.device, self.compute_dtype):
+            if self.head == "value":
+                return {"values": packed_values(self.model, ids, mask, R, share_prompts=self.share_prompts,
+                                                **vision)}, R
+            logp, entropy = packed_response_logprobs(self.model, ids, mask, R, temperature=temperature,
+                                                     calculate_entropy=with_entropy,
+                                                     share_prompts=self.share_prompts, **vision)
+        return {"log_probs": logp, "entropy": entropy}, R
+
     def _images(self, micro: Batch) -> dict[str, torch.Tensor]:
         """The micro-batch's image inputs for the model call (`pixel_values`, `image_grid_thw`), {} without."""
         if not self.vision or "multi_modal_inputs" not in micro.non_tensors:
@@ -430,6 +476,11 @@ class TrainEngine:
                 for micro, rows in micro_batches_as_derived(batch, sizes):
                     scores[rows] = self.forward_micro(micro, 0)[0]["scores"].float().cpu()
             return {"scores": scores}
+        own = None
+        if self.sp_group is not None:  # the group's rows, computed sequence-parallel; this rank keeps its own
+            from hyflow.workers.sequence_parallel import gather_rows
+
+            batch, own, _ = gather_rows(batch, self.sp_group)
         R = batch["responses"].shape[1]
         outputs: dict[str, torch.Tensor] = {}
         self.model.eval()
@@ -445,7 +496,7 @@ class TrainEngine:
                         outputs[key] = torch.zeros(len(batch), R)
                     outputs[key][rows] = pad_response(value.float().cpu(), R)
         mask = batch["response_mask"].float()
-        return {key: value * mask for key, value in outputs.items()}
+        return {key: (value * mask)[own if own is not None else slice(None)] for key, value in outputs.items()}
 
     # ------------------------------------------------------------------------------------------ training
 
@@ -456,21 +507,35 @@ class TrainEngine:
         R = batch["responses"].shape[1]
         micros = micro_batches_as_derived(batch, sizes, share_prompts=self.share_prompts)
         ctx = MicroContext(norms=norms, global_tokens=max(float(norms["global_token_count"]), 1.0),
-                           n_micro=len(micros), world_size=self.world_size)
+                           n_micro=len(micros), world_size=self.dp_size)
         sums: defaultdict[str, float] = defaultdict(float)
         for done, (micro, _) in enumerate(micros, 1):
             with self.passes():  # forward and backward: a checkpointed layer re-runs its attention in backward
                 out, r = self.forward_micro(micro, R, temperature=temperature, with_entropy=with_entropy)
                 cols = {key: micro[key][:, :r].to(self.device) for key in columns if key in micro}
                 loss, parts = loss_fn(out, cols, ctx)
-                if loss.requires_grad:
-                    (loss * self.world_size).backward()  # DDP/FSDP average gradients; the losses are global sums
+                if loss.requires_grad:  # DDP/FSDP average gradients over the ranks; the losses are global sums.
+                    # Sequence parallel: the S ranks of a group compute the same loss, and the group's average is
+                    # its whole gradient (hyflow.models.ulysses), so the average over all ranks is multiplied by
+                    # the data-parallel size (world / S), not the world size
+                    (loss * self.dp_size).backward()
             for key, value in parts.items():
                 sums[key] += float(value)
             if self.progress is not None:
                 mini = f"mini-batch {self._mini[0]}/{self._mini[1]}" if self._mini and self._mini[1] > 1 else ""
                 self.progress(f"update_{self.name}", done, len(micros), "micro-batches", mini)
         return sums
+
+    def _group_rows(self, batch: Batch, mini_batch_size: int) -> Batch:
+        """Sequence parallel: the rows of this rank's group for an update, each mini-batch's slices together (the
+        dispatcher gave each rank the same slice of every mini-batch; `hyflow.workers.sequence_parallel`).
+        `mini_batch_size`: the rows of a mini-batch of the group (per data-parallel rank)."""
+        from hyflow.workers.sequence_parallel import gather_rows, mini_batch_order
+
+        rows, _, lengths = gather_rows(batch, self.sp_group)
+        order = mini_batch_order(lengths, mini_batch_size // self.sp_size) if mini_batch_size % self.sp_size == 0 \
+            else None
+        return rows if order is None else rows[order]
 
     def step(self) -> dict[str, float]:
         """Clip the global gradient norm, step (skipped when the norm is not finite), advance the LR schedule."""
@@ -488,6 +553,8 @@ class TrainEngine:
         mini-batch's global metric values (all-reduced, the same on every rank), plus `<prefix>/grad_norm`,
         `<prefix>/lr` and `<prefix>/grad_norm_skipped`."""
         self.model.train()
+        if self.sp_group is not None:
+            batch = self._group_rows(batch, plan.mini_batch_size)
         metrics: dict[str, list[float]] = {}
         peak = self.peak_flops()
         start = time.perf_counter()
@@ -495,10 +562,13 @@ class TrainEngine:
         for j, (_, mini) in enumerate(mini_batches(batch, plan.mini_batch_size, epochs=plan.epochs,
                                                    shuffle=plan.shuffle, seed=plan.seed), 1):
             self._mini = (j, n_mini)
-            norms = all_reduce_sum(loss_normalisers(mini["response_mask"], plan.loss_agg_mode))
+            local = loss_normalisers(mini["response_mask"], plan.loss_agg_mode)
+            if self.sp_rank:  # the group's rows are counted (and its metrics summed) once, by its first rank
+                local = {key: torch.zeros_like(value) for key, value in local.items()}
+            norms = all_reduce_sum(local)
             sums = self.forward_backward(mini, plan.sizes, loss_fn, columns=columns, norms=norms,
                                          temperature=temperature, with_entropy=with_entropy)
-            sums = all_reduce_metrics(dict(sums))
+            sums = all_reduce_metrics({key: 0.0 if self.sp_rank else value for key, value in sums.items()})
             stepped = self.step()
             for key, value in {**sums, **{f"{plan.metric_prefix}/{k}": v for k, v in stepped.items()}}.items():
                 metrics.setdefault(key, []).append(value)

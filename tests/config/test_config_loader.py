@@ -344,8 +344,9 @@ def test_overrides_land_and_round_trip(tmp_path_factory, batch, n, lr, name):
 def test_features_not_built_yet_are_errors_not_surprises():
     from hyflow.config import ConfigError, load_config, validate_config
 
-    cfg = load_config(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "algorithm.use_pf_ppo=true"])
-    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.ulysses_sequence_parallel_size is not supported "
+    cfg = load_config(["actor_rollout_ref.actor.fsdp_config.fsdp_size=1", "trainer.n_gpus_per_node=2",
+                       "algorithm.use_pf_ppo=true"])
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.fsdp_config.fsdp_size is not supported "
                                           r"by this hyflow version"):
         validate_config(cfg)
 

@@ -319,8 +319,6 @@ def test_every_entry_without_a_predicate_triggers_on_a_non_default_value(entry):
 
 
 @pytest.mark.parametrize("overrides, key", [
-    (["actor_rollout_ref.ref.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2"],
-     "actor_rollout_ref.ref.ulysses_sequence_parallel_size"),
     (["actor_rollout_ref.actor.fsdp_config.seed=7"], "actor_rollout_ref.actor.fsdp_config.seed"),
     (["critic.model.fsdp_config.model_dtype=bf16"], "critic.model.fsdp_config.model_dtype"),
     (["data.tokenizer=/tok"], "data.tokenizer"),
@@ -331,7 +329,6 @@ def test_every_entry_without_a_predicate_triggers_on_a_non_default_value(entry):
     (["critic.model.external_lib=my_models"], "critic.model.external_lib"),
     (["+actor_rollout_ref.rollout.engine_kwargs.hf.attn=sdpa"], "actor_rollout_ref.rollout.engine_kwargs"),
     (["critic.model.enable_activation_offload=true"], "critic.model.enable_activation_offload"),
-    (["critic.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2"], "critic.ulysses_sequence_parallel_size"),
     (["actor_rollout_ref.actor.optim.clip_grad=0.5"], "actor_rollout_ref.actor.optim.clip_grad"),
 ])
 def test_keys_hyflow_cannot_honour_are_named_errors(overrides, key):
@@ -353,11 +350,19 @@ def test_defaults_and_allowed_values_are_not_rejected():
                                  "critic.optim.clip_grad=0.3"]))
 
 
-def test_the_ref_sequence_parallel_size_that_follows_the_actor_is_reported_once():
-    with pytest.raises(ConfigError) as info:
-        validate_config(load_config(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+def test_sequence_parallel_sizes_are_accepted_and_checked():
+    """Ulysses sequence parallelism is built (hyflow.models.ulysses): a size that divides the devices validates;
+    one that does not, or one without packing, is a named problem."""
+    validate_config(load_config(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "critic.ulysses_"
+                                 "sequence_parallel_size=2", "trainer.n_gpus_per_node=2"]))
+    with pytest.raises(ConfigError, match=r"actor.ulysses_sequence_parallel_size=3 must be >= 1 and divide the 2 "
+                                          r"devices"):
+        validate_config(load_config(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=3",
                                      "trainer.n_gpus_per_node=2"]))
-    assert str(info.value).count("ulysses_sequence_parallel_size is not supported") == 1
+    with pytest.raises(ConfigError, match=r"critic.ulysses_sequence_parallel_size=2 needs sequence packing "
+                                          r"\(critic.model.use_remove_padding=true"):
+        validate_config(load_config(["critic.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2",
+                                     "critic.model.use_remove_padding=false", "algorithm.adv_estimator=gae"]))
 
 
 # ---------------------------------------------------------------------- performance-only keys

@@ -188,6 +188,69 @@ PPO_FUNCTION_REWARD_E2E = """
     trainer.default_local_dir={run}
 """
 
+# examples/ascend_extras/ppo_trainer/run_qwen3_8b_fsdp.sh (verl-project/verl 1dda039): PPO with Ulysses sequence
+# parallelism of 2 for the actor and the critic, parameter and optimizer offload, dynamic batch sizes.
+# Changed: paths (model, data); rollout.name vllm -> hf; sizes (train_batch_size 64 -> 4, ppo_mini_batch_size
+# 64 -> 2, max_prompt_length / max_response_length 2000 -> 48 / 8, n_gpus_per_node 8 -> 2, total_training_steps
+# 15 -> 1); + trainer.device=cpu + trainer.default_local_dir + ray_kwargs.ray_init.runtime_env.py_executable=null;
+# the tee to a log file is the shell's.
+PPO_QWEN3_8B_SP2_FSDP = """
+    algorithm.adv_estimator=gae
+    data.train_files={gsm8k}/train.parquet
+    data.val_files={gsm8k}/test.parquet
+    data.train_batch_size=4
+    data.max_prompt_length=48
+    data.max_response_length=8
+    data.shuffle=False
+    actor_rollout_ref.model.path="{model}"
+    actor_rollout_ref.model.use_remove_padding=True
+    actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.actor.ppo_mini_batch_size=2
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1
+    actor_rollout_ref.actor.fsdp_config.param_offload=True
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=True
+    actor_rollout_ref.actor.use_kl_loss=False
+    actor_rollout_ref.actor.ulysses_sequence_parallel_size=2
+    actor_rollout_ref.actor.use_dynamic_bsz=True
+    actor_rollout_ref.actor.use_torch_compile=False
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1
+    actor_rollout_ref.rollout.tensor_model_parallel_size=1
+    actor_rollout_ref.rollout.name=hf
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.9
+    actor_rollout_ref.rollout.max_num_batched_tokens=4000
+    actor_rollout_ref.rollout.max_num_seqs=64
+    actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=4096
+    actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True
+    actor_rollout_ref.rollout.enable_chunked_prefill=True
+    actor_rollout_ref.rollout.enforce_eager=False
+    actor_rollout_ref.rollout.calculate_log_probs=False
+    critic.optim.lr=1e-5
+    critic.model.use_remove_padding=True
+    critic.model.path="{model}"
+    critic.model.enable_gradient_checkpointing=True
+    critic.ppo_micro_batch_size_per_gpu=1
+    critic.ulysses_sequence_parallel_size=2
+    critic.fsdp.param_offload=True
+    critic.fsdp.optimizer_offload=True
+    critic.use_dynamic_bsz=True
+    trainer.critic_warmup=0
+    trainer.logger=console
+    trainer.project_name='verl_example_ppo_gsm8k'
+    trainer.experiment_name='qwen3_8b_fsdp'
+    trainer.n_gpus_per_node=2
+    trainer.nnodes=1
+    trainer.save_freq=-1
+    trainer.test_freq=-1
+    trainer.val_before_train=False
+    trainer.max_actor_ckpt_to_keep=1
+    trainer.max_critic_ckpt_to_keep=1
+    +actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.cudagraph_mode="FULL_DECODE_ONLY"
+    trainer.total_training_steps=1
+    trainer.device=cpu ray_kwargs.ray_init.runtime_env.py_executable=null
+    trainer.default_local_dir={run}
+"""
+
 # The reward function the e2e script writes (its heredoc), as verl writes it.
 MY_REWARD_FUNCTION = '''def my_reward_function(data_source, solution_str, ground_truth, extra_info=None):
     print(f"Congratulations!!! You have called my_reward_function successfully!!!")
@@ -219,6 +282,7 @@ def command_line(text: str, paths: dict, run: Path, **extra: str) -> list[str]:
     ("ppo", PPO_QWEN3_8B_FSDP, {}),
     ("function_reward_gae", PPO_FUNCTION_REWARD_E2E, {"adv": "gae"}),
     ("function_reward_grpo", PPO_FUNCTION_REWARD_E2E, {"adv": "grpo"}),
+    ("ppo_sp2", PPO_QWEN3_8B_SP2_FSDP, {}),
 ])
 def test_verl_command_line_passes_config_checks(paths, tmp_path, name, text, extra):
     cfg = load_config(command_line(text, paths, tmp_path / "run", **extra))
@@ -246,6 +310,21 @@ def test_verl_function_reward_command_line_trains_one_step(paths, tmp_path, caps
     assert rows and rows[-1]["step"] == 1
     assert rows[-1]["critic/score/mean"] == pytest.approx(0.1)  # verl's my_reward_function scored every sample
     assert "critic/vf_loss" in rows[-1]  # PPO: the critic trained
+
+
+@pytest.mark.slow
+def test_verl_sequence_parallel_command_line_trains_one_step(paths, tmp_path, capsys):
+    """verl's PPO script with Ulysses sequence parallelism 2 (actor and critic) and offload runs one step on 2 Ray
+    CPU workers through `hyflow train` (both workers in one sequence-parallel group)."""
+    from hyflow.cli import main
+    from hyflow.trainer.tracking import read_metrics
+
+    run = tmp_path / "run"
+    argv = command_line(PPO_QWEN3_8B_SP2_FSDP, paths, run)
+    assert main(["train", *argv, "trainer.logger=[console,file]"]) == 0, capsys.readouterr().err
+    rows = [r for r in read_metrics(run) if r.get("step", 0) >= 1]
+    assert rows and rows[-1]["step"] == 1
+    assert "critic/vf_loss" in rows[-1] and "actor/pg_loss" in rows[-1]
 
 
 def test_runtime_env_nulls_are_dropped_and_the_rest_is_kept():

@@ -78,17 +78,10 @@ def test_two_ray_workers_match_one_process(tiny_model_dir, task_dir, tmp_path, e
     args = overrides(tiny_model_dir, task_dir, tmp_path / "x", f"algorithm.adv_estimator={estimator}",
                      "trainer.resume_mode=disable", "trainer.balance_batch=false", *SGD,
                      *(f"actor_rollout_ref.actor.use_{name}=true" for name in option))
-    local = RLTrainer(args, reward_fn=digit_reward)
-    local.setup()
-    try:
-        batch = prepared_batch(local)
-        ref_actor = local.actor.update_actor(batch.clone()).meta["metrics"]
-        ref_weights = local.actor.state_dict()["actor_model"]
-        if estimator == "gae":
-            ref_critic = local.critic.update_critic(batch.clone()).meta["metrics"]
-            ref_critic_weights = local.critic.state_dict()["critic_model"]
-    finally:
-        local.shutdown()
+    want = one_process_step(args, critic=estimator == "gae")
+    batch, ref_actor, ref_weights = want["batch"], want["actor"], want["actor_weights"]
+    if estimator == "gae":
+        ref_critic, ref_critic_weights = want["critic"], want["critic_weights"]
     dist = RLTrainer(args + on_ray(2), reward_fn=digit_reward)
     dist.setup()
     try:
@@ -106,6 +99,25 @@ def test_two_ray_workers_match_one_process(tiny_model_dir, task_dir, tmp_path, e
         assert_inside_the_clips(ref_critic)
         assert_same_update(got_critic, ref_critic, ("critic/vf_loss", "critic/grad_norm"), got_critic_weights,
                            ref_critic_weights)
+
+
+def one_process_step(args, *, critic: bool) -> dict:
+    """One process's step on a prepared batch: the batch, its old log-probs (and values), the actor's (and
+    critic's) update metrics and weights after it."""
+    local = RLTrainer(args, reward_fn=digit_reward)
+    local.setup()
+    try:
+        batch = prepared_batch(local)
+        out = {"batch": batch, "log_probs": local.actor.compute_log_prob(batch.clone())["old_log_probs"]}
+        out["actor"] = local.actor.update_actor(batch.clone()).meta["metrics"]
+        out["actor_weights"] = local.actor.state_dict()["actor_model"]
+        if critic:
+            out["values"] = local.critic.compute_values(batch.clone())["values"]
+            out["critic"] = local.critic.update_critic(batch.clone()).meta["metrics"]
+            out["critic_weights"] = local.critic.state_dict()["critic_model"]
+    finally:
+        local.shutdown()
+    return out
 
 
 def assert_inside_the_clips(metrics) -> None:

@@ -108,7 +108,10 @@ class ActorConfig:
     grad_clip: float = option(1.0, "Clip the global gradient norm to this value before each optimizer step.")
     ulysses_sequence_parallel_size: int = option(
         1,
-        "Devices that split one sequence (DeepSpeed-Ulysses, arXiv 2309.14509); data-parallel size = devices / this.",
+        "Devices that split one sequence (DeepSpeed-Ulysses, arXiv 2309.14509): groups of this many consecutive "
+        "devices hold the same samples, each runs a slice of every packed row and attention exchanges heads for "
+        "tokens by all-to-all (hyflow.models.ulysses); needs use_remove_padding; data-parallel size = devices / "
+        "this.",
     )
     use_torch_compile: bool = option(
         False,

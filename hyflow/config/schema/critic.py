@@ -97,5 +97,7 @@ class CriticConfig:
         choices=LOSS_AGG_MODES,
     )
     grad_clip: float = option(1.0, "Clip the critic's global gradient norm to this value.")
-    ulysses_sequence_parallel_size: int = option(1, "Sequence-parallel size of the critic.")
+    ulysses_sequence_parallel_size: int = option(
+        1, "Sequence-parallel size of the critic (see actor_rollout_ref.actor.ulysses_sequence_parallel_size; needs "
+        "critic.model.use_remove_padding).")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "What the critic's checkpoints contain.")
