@@ -114,6 +114,10 @@ class SFTEngineConfig:
                                          "pass (less memory, one more all-gather in backward).")
     dtype: str = option("bfloat16", "Mixed-precision compute dtype (bf16 autocast / FSDP2 mixed precision on cuda "
                         "over fp32 master weights; fp32 on cpu).")
+    ulysses_sequence_parallel_size: int = option(
+        1, "Devices that split one sequence (DeepSpeed-Ulysses, as the RL actor's key): groups of this many devices "
+        "hold the same samples and each runs a slice of every packed row; needs model.use_remove_padding; "
+        "data-parallel size = devices / this.")
 
 
 @dataclass
@@ -250,6 +254,15 @@ def validate_sft_config(cfg: SFTConfig) -> None:
         if value < 1:
             problems.append(f"{key}={value} must be >= 1.")
     devices = t.nnodes * t.n_gpus_per_node
+    sp = cfg.engine.ulysses_sequence_parallel_size
+    if sp < 1 or (devices >= 1 and devices % sp):
+        problems.append(f"engine.ulysses_sequence_parallel_size={sp} must be >= 1 and divide the {devices} "
+                        f"device(s); set it to a divisor of {devices}.")
+        sp = 1
+    elif sp > 1 and not cfg.model.use_remove_padding:
+        problems.append(f"engine.ulysses_sequence_parallel_size={sp} needs sequence packing (model.use_remove_padding"
+                        "=true, as verl requires): each packed row is cut across the group's devices.")
+    dp = max(devices // sp, 1)  # micro-batches are per data-parallel rank: a sequence-parallel group shares one
     sizes_ok = min(data.train_batch_size, data.micro_batch_size_per_gpu, t.nnodes, t.n_gpus_per_node) >= 1
     where = f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node} = {devices} device(s)"
     if sizes_ok and data.train_batch_size % devices:
@@ -257,14 +270,15 @@ def validate_sft_config(cfg: SFTConfig) -> None:
             f"data.train_batch_size={data.train_batch_size} samples cannot be split evenly over {where}: every "
             f"device trains on an equal share. Set data.train_batch_size to a multiple of {devices} (e.g. "
             f"{_neighbours(data.train_batch_size, devices)}) or use a number of devices that divides it.")
-    elif sizes_ok and not data.use_dynamic_bsz and data.train_batch_size % (data.micro_batch_size_per_gpu * devices):
-        per_step = data.micro_batch_size_per_gpu * devices
+    elif sizes_ok and not data.use_dynamic_bsz and data.train_batch_size % (data.micro_batch_size_per_gpu * dp):
+        per_step = data.micro_batch_size_per_gpu * dp
+        ranks = f"{dp} data-parallel rank(s)" if sp > 1 else f"{devices} device(s)"
         problems.append(
             f"data.train_batch_size={data.train_batch_size} samples is not a multiple of "
-            f"data.micro_batch_size_per_gpu={data.micro_batch_size_per_gpu} x {devices} device(s) = {per_step}, "
+            f"data.micro_batch_size_per_gpu={data.micro_batch_size_per_gpu} x {ranks} = {per_step}, "
             f"so it cannot be split into whole micro-batches. Set data.train_batch_size to a multiple of {per_step} "
             f"(e.g. {_neighbours(data.train_batch_size, per_step)}) or pick a micro_batch_size_per_gpu that divides "
-            f"data.train_batch_size / {devices} = {data.train_batch_size / devices:g}."
+            f"data.train_batch_size / {dp} = {data.train_batch_size / dp:g}."
         )
     if data.use_dynamic_bsz and data.max_token_len_per_gpu < data.max_length:
         problems.append(

@@ -225,5 +225,4 @@ SFT_NOT_SUPPORTED_KEYS: dict[str, str] = {
     "engine.dtype": "hyflow's SFT trainer computes in bf16 autocast on cuda (fp32 on cpu); use bfloat16",
     "engine.seed": "hyflow's SFT trainer seeds model set-up and data order with trainer.seed; set that instead",
     "engine.full_determinism": "deterministic-kernel mode is not wired into the SFT trainer; leave it false",
-    "engine.ulysses_sequence_parallel_size": "sequence parallelism is not built yet; use 1",
 }

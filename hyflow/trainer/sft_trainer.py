@@ -87,7 +87,9 @@ def sft_batch_arithmetic(cfg: SFTConfig) -> SFTBatches:
     data.max_token_len_per_gpu tokens with data.use_dynamic_bsz (a validated config divides evenly)."""
     d, t = cfg.data, cfg.trainer
     devices = t.nnodes * t.n_gpus_per_node
-    per_device, micro = d.train_batch_size // devices, d.micro_batch_size_per_gpu
+    # a sequence-parallel group of devices trains on one data-parallel share (hyflow.workers.sequence_parallel)
+    dp = devices // max(cfg.engine.ulysses_sequence_parallel_size, 1)
+    per_device, micro = d.train_batch_size // dp, d.micro_batch_size_per_gpu
     return SFTBatches(
         n_devices=devices, samples_per_step=d.train_batch_size, samples_per_device=per_device,
         use_dynamic_bsz=bool(d.use_dynamic_bsz), micro_batch_size_per_device=micro,
@@ -104,7 +106,8 @@ def sft_spec(cfg: SFTConfig, batches: SFTBatches, total_steps: int) -> SFTSpec:
         name="sft", head="lm", strategy=e.strategy, fsdp=fsdp_settings(e), compute_dtype=e.dtype,
         device=cfg.trainer.device, optim=optimizer_spec(o, lr_scheduler_type=o.lr_scheduler), grad_clip=o.clip_grad,
         total_optimizer_steps=total_steps, use_remove_padding=m.use_remove_padding,
-        lora=lora_settings(m, config_key="model"), checkpoint_prefix="")
+        lora=lora_settings(m, config_key="model"), checkpoint_prefix="",
+        ulysses_sequence_parallel_size=e.ulysses_sequence_parallel_size)
     model = ModelSpec(path=m.partial_pretrain, tokenizer_path=m.tokenizer_path, trust_remote_code=m.trust_remote_code,
                       override_config=dict(m.override_config or {}),
                       enable_gradient_checkpointing=m.enable_gradient_checkpointing,

@@ -105,7 +105,9 @@ class SFTWorker(EngineCheckpoints, Worker):
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on the step's samples (this rank gets its share): train/loss, train/lr,
         train/grad_norm, the same on every rank."""
-        plan = UpdatePlan(mini_batch_size=len(batch), epochs=1, shuffle=False, seed=0, sizes=self.spec.batches,
+        # one mini-batch: this rank's share, or its sequence-parallel group's (the group trains on its rows together)
+        plan = UpdatePlan(mini_batch_size=len(batch) * self.engine.sp_size, epochs=1, shuffle=False, seed=0,
+                          sizes=self.spec.batches,
                           loss_agg_mode="token-mean", metric_prefix="train")
         metrics = self.engine.update(as_engine_batch(batch), plan, sft_loss, columns=SFT_COLUMNS)
         return {key: metrics[key][0] for key in ("train/loss", "train/lr", "train/grad_norm")}

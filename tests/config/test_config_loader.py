@@ -554,6 +554,20 @@ def test_sft_verl_scheduler_and_padding_names():
     assert "'optim.min_lr' is a verl key" in str(err.value)
 
 
+def test_sft_sequence_parallel_size_is_checked():
+    from hyflow.config.sft_schema import load_sft_config
+    from hyflow.trainer.sft_trainer import sft_batch_arithmetic
+
+    cfg = load_sft_config(["engine.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=4",
+                           "data.train_batch_size=8", "data.micro_batch_size_per_gpu=2"])
+    assert sft_batch_arithmetic(cfg).samples_per_device == 4  # 8 samples over 2 data-parallel groups of 2 devices
+    with pytest.raises(ConfigError, match=r"engine.ulysses_sequence_parallel_size=3 must be >= 1 and divide the 2"):
+        load_sft_config(["engine.ulysses_sequence_parallel_size=3", "trainer.n_gpus_per_node=2"])
+    with pytest.raises(ConfigError, match=r"needs sequence packing \(model.use_remove_padding=true"):
+        load_sft_config(["engine.ulysses_sequence_parallel_size=2", "trainer.n_gpus_per_node=2",
+                         "model.use_remove_padding=false"])
+
+
 def test_verl_010_fsdp_config_role_names():
     cfg = load_config(["actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2",
                        "actor_rollout_ref.ref.fsdp_config.entropy_from_logits_with_chunking=true",

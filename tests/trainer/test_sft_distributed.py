@@ -101,6 +101,20 @@ def test_two_ray_workers_train_like_one_process(one_process, two_workers):
 
 
 @pytest.mark.slow
+def test_sequence_parallel_workers_train_like_one_process(ray_cluster, one_process, tiny_model_dir, task_dir,
+                                                          tmp_path):
+    """engine.ulysses_sequence_parallel_size=2 on 2 workers (one sequence-parallel group: each runs half of every
+    packed row): the losses, gradient norms, validation and weights of one process."""
+    run = tmp_path / "run"
+    args = overrides(tiny_model_dir, task_dir, run, "trainer.n_gpus_per_node=2",
+                     "engine.ulysses_sequence_parallel_size=2")
+    assert main(["sft", "--traceback", *args]) == 0
+    assert_same_rows(read_metrics(run), read_metrics(one_process))
+    for step in range(1, STEPS + 1):
+        assert_same_weights(model_weights(run / f"global_step_{step}"), model_weights(one_process / f"global_step_{step}"))
+
+
+@pytest.mark.slow
 def test_a_two_worker_checkpoint_resumes_in_one_process(one_process, two_workers, tiny_model_dir, task_dir,
                                                         tmp_path):
     resumed = run_sft(overrides(tiny_model_dir, task_dir, tmp_path / "run", "trainer.n_gpus_per_node=1",
