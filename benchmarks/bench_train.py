@@ -28,9 +28,19 @@ Torch threads are set to `--threads` (default 1; the machines are shared).
 `--compare compile` times the packed path against itself with the MLPs and norms compiled
 (`hyflow.models.compile.CompiledModules`, what `use_torch_compile=true` turns on); the compile falls in the warm-up.
 
+`--sp N` times Ulysses sequence parallelism (`hyflow.models.ulysses`): the packed step in one process (sp=1)
+against N processes (gloo on CPU, NCCL on CUDA; spawned, `--threads` threads each) that run the same micro-batches
+as one sequence-parallel group, each rank a 1/N slice of every packed row. Reported per path: median seconds per
+step and real tokens per second (of the whole micro-batch, i.e. of the group), the activation memory per rank
+(the bytes of the tensors autograd saves for backward during the forward, parameters excluded, unique storages:
+what sequence parallelism divides; `torch.cuda.max_memory_allocated` too on CUDA) and the peak resident memory of
+each rank's process. Rounds alternate which path runs first. Use long sequences: e.g.
+`--sp 2 --batch-size 1 --min-len 4096 --max-len 4096 --prompt-max 256`.
+
 Run:  OMP_NUM_THREADS=1 python benchmarks/bench_train.py                     (small, 16 x U[8, 512], 3 rounds)
       OMP_NUM_THREADS=1 python benchmarks/bench_train.py --compare compile --warmup 2
       python benchmarks/bench_train.py --preset tiny --batch-size 4 --max-len 64 --rounds 1 --steps 1 --json o.json
+      python benchmarks/bench_train.py --sp 2 --batch-size 1 --min-len 4096 --max-len 4096 --prompt-max 256
 """
 
 from __future__ import annotations
@@ -79,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compare", default="padding", choices=("padding", "compile"),
                    help="padding: padded vs packed; compile: packed vs packed with the MLPs and norms compiled "
                         "(hyflow.models.compile, what use_torch_compile does; the compile falls in the warm-up)")
+    p.add_argument("--sp", type=int, default=1, help="compare one process with N sequence-parallel ranks (Ulysses)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sequence lengths and token ids")
     p.add_argument("--workdir", default=None, help="keep the model here (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write every number and the machine facts to this file")
@@ -88,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+    if args.sp < 1:
+        p.error("--sp must be >= 1")
     if not 2 <= args.min_len <= args.max_len:
         p.error(f"need 2 <= --min-len <= --max-len (a prompt and a response token); got {args.min_len}, "
                 f"{args.max_len}")
@@ -198,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        return _run_benchmark(args)
+        return _run_sequence_parallel(args) if args.sp > 1 else _run_benchmark(args)
     finally:
         torch.set_num_threads(threads_before)  # main() may run inside another process (the smoke test)
 
@@ -272,6 +285,162 @@ def _run_benchmark(args: argparse.Namespace) -> dict:
           f"{parameters:,} parameters")
     report = {"args": vars(args), "machine": machine, "parameters": parameters, "loss_check": losses,
               "loss_check_abs_diff": loss_diff, "results": summary, "rounds": rounds}
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+# ---------------------------------------------------------------------------------------------- --sp N
+def _activation_bytes(model, step) -> tuple:
+    """(result of step(), bytes of the unique non-parameter tensors autograd saved during it)."""
+    import torch
+
+    params = {p.data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = max(seen.get(ptr, 0), tensor.untyped_storage().nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = step()
+    return out, sum(seen.values())
+
+
+def _sp_rank(rank: int, args: argparse.Namespace, model_dir: str, init_file: str, out_file: str, world: int) -> None:
+    """One rank of a `--sp` run (world 1: the one-process baseline): warm-up, then `--steps` timed packed steps
+    on each round's batches; rank 0 writes every rank's numbers to `out_file`."""
+    import resource
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from hyflow.models import ulysses
+    from hyflow.models.forward import compute_position_ids
+    from hyflow.models.loading import load_causal_lm
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device if args.device == "cpu" else f"cuda:{rank}")
+    if args.device == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"file://{init_file}",
+                            rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    group = dist.new_group(list(range(world))) if world > 1 else None
+    model = load_causal_lm(model_dir, dtype=args.dtype, device=device)
+    model.train()
+    vocab = model.config.vocab_size
+
+    def batch(seed: int):
+        ids, mask, R = make_batch(args, seed, vocab, device)
+        return ids, mask, R, compute_position_ids(mask)
+
+    def step(b):
+        model.zero_grad(set_to_none=True)
+        with ulysses.sequence_parallel(group):
+            loss, _ = path_step("packed", model, b)
+        loss.backward()
+        return loss
+
+    for i in range(args.warmup):
+        step(batch(args.seed * 100_003 + 50_000 + i))
+    records = []
+    for r in range(args.rounds):
+        for s in range(args.steps):
+            b = batch(args.seed * 100_003 + r * args.steps + s)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss, saved = _activation_bytes(model, lambda b=b: step(b))
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            record = {"round": r, "s": time.perf_counter() - t0, "tokens": int(b[1].sum()),
+                      "loss": float(loss.detach()), "saved_bytes": saved}
+            if args.device == "cuda":
+                record["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+            records.append(record)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kilobytes
+    everything = [None] * world
+    dist.all_gather_object(everything, {"rank": rank, "records": records, "peak_rss_bytes": rss})
+    if rank == 0:
+        Path(out_file).write_text(json.dumps(everything))
+    dist.destroy_process_group()
+
+
+def _spawn_sp(args: argparse.Namespace, model_dir: str, world: int, workdir: Path, tag: str) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    init_file, out_file = workdir / f"init-{tag}", workdir / f"out-{tag}.json"
+    init_file.unlink(missing_ok=True)
+    mp.start_processes(_sp_rank, args=(args, model_dir, str(init_file), str(out_file), world), nprocs=world,
+                       join=True, start_method="spawn")
+    return json.loads(out_file.read_text())
+
+
+def _run_sequence_parallel(args: argparse.Namespace) -> dict:
+    from hyflow.models.tiny import make_tiny_model
+
+    machine = machine_info()
+    machine["load_average_before"] = load_average()
+    print(f"sequence-parallel benchmark: sp={args.sp} preset={args.preset} batch={args.batch_size} lengths "
+          f"U[{args.min_len}, {args.max_len}] prompt<= {args.prompt_max} rounds={args.rounds} steps={args.steps} "
+          f"warmup={args.warmup} threads/rank={args.threads} dtype={args.dtype} device={args.device}", flush=True)
+    print(f"machine: {machine['cpu']}, {machine['cores']} cores, load average {machine['load_average_before']}; "
+          f"torch {machine['torch']}" + (f", gpu {machine['gpu']}" if "gpu" in machine else ""), flush=True)
+    paths = {"sp=1": 1, f"sp={args.sp}": args.sp}
+    results: dict[str, list] = {name: [] for name in paths}
+    with contextlib.ExitStack() as stack:
+        workdir = Path(args.workdir) if args.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        model_dir = str(make_tiny_model(workdir / f"model-{args.preset}", preset=args.preset, seed=0))
+        rounds, args.rounds = args.rounds, 1  # one spawn per path and round; the order alternates per round
+        for r in range(rounds):
+            for name in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
+                ranks = _spawn_sp(args, model_dir, paths[name], workdir, f"{name}-{r}")
+                results[name].append(ranks)
+                steps = ranks[0]["records"]
+                seconds = sum(x["s"] for x in steps)
+                print(f"round {r + 1}/{rounds} {name}: {seconds:.2f} s, "
+                      f"{sum(x['tokens'] for x in steps) / seconds:.0f} tokens/s", file=sys.stderr, flush=True)
+        args.rounds = rounds
+    summary: dict = {"paths": {}}
+    for name, per_round in results.items():
+        tps = [sum(x["tokens"] for x in ranks[0]["records"]) / max(max(sum(x["s"] for x in rk["records"])
+                                                                         for rk in ranks), 1e-9)
+               for ranks in per_round]
+        steps = [x for ranks in per_round for x in ranks[0]["records"]]
+        summary["paths"][name] = {
+            "ranks": paths[name], "rounds_tokens_per_s": tps, "median_tokens_per_s": statistics.median(tps),
+            "median_s_per_step": statistics.median(x["s"] for x in steps),
+            "tokens_per_step": statistics.mean(x["tokens"] for x in steps),
+            "activation_mb_per_rank": max(x["saved_bytes"] for ranks in per_round for rk in ranks
+                                          for x in rk["records"]) / 2**20,
+            "peak_rss_mb_per_rank": max(rk["peak_rss_bytes"] for ranks in per_round for rk in ranks) / 2**20,
+            "losses": [x["loss"] for x in steps],
+        }
+        cuda = [x["cuda_peak_bytes"] for ranks in per_round for rk in ranks for x in rk["records"]
+                if "cuda_peak_bytes" in x]
+        if cuda:
+            summary["paths"][name]["cuda_peak_mb_per_rank"] = max(cuda) / 2**20
+    one, many = (summary["paths"][name] for name in paths)
+    summary["ratio_tokens_per_s"] = many["median_tokens_per_s"] / one["median_tokens_per_s"]
+    summary["ratio_activation_memory"] = many["activation_mb_per_rank"] / one["activation_mb_per_rank"]
+    summary["max_loss_abs_diff"] = max(abs(a - b) for a, b in zip(one["losses"], many["losses"]))
+    machine["load_average_after"] = load_average()
+    header = (f"{'path':<8} {'ranks':>5} {'median s/step':>13} {'real tokens/step':>16} {'tokens/s':>9} "
+              f"{'activations MB/rank':>19} {'peak RSS MB/rank':>16}")
+    print(header + "\n" + "-" * len(header))
+    for name, x in summary["paths"].items():
+        print(f"{name:<8} {x['ranks']:>5} {x['median_s_per_step']:>13.3f} {x['tokens_per_step']:>16.0f} "
+              f"{x['median_tokens_per_s']:>9.0f} {x['activation_mb_per_rank']:>19.1f} {x['peak_rss_mb_per_rank']:>16.0f}")
+    print(f"ratio sp={args.sp}/sp=1: tokens/s {summary['ratio_tokens_per_s']:.2f}x, activation memory per rank "
+          f"{summary['ratio_activation_memory']:.2f}x; losses equal to {summary['max_loss_abs_diff']:.1e}; load "
+          f"average before {machine['load_average_before']}, after {machine['load_average_after']}")
+    report = {"args": vars(args), "machine": machine, "results": summary, "raw": results}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return report

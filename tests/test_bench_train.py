@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ TINY = ["--preset", "tiny", "--batch-size", "3", "--min-len", "4", "--max-len", 
 def bench():
     spec = importlib.util.spec_from_file_location("bench_train", SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_train"] = module  # --sp's spawned ranks unpickle their function from it by name
     spec.loader.exec_module(module)
     return module
 
@@ -59,3 +61,17 @@ def test_compare_compile_runs_packed_against_packed_compiled(bench, tmp_path, ca
     assert report["results"]["ratio_packed+compile_over_packed"] > 0
     assert report["loss_check_abs_diff"] < 1e-4
     assert "ratio packed+compile/packed" in printed, printed
+
+
+@pytest.mark.slow
+def test_sequence_parallel_mode_runs_two_ranks(bench, tmp_path, capsys):
+    """--sp 2: one process and a 2-rank sequence-parallel group on the same batches; the losses agree and each
+    rank saves fewer activation bytes than the one process."""
+    report = bench.main(["--sp", "2", "--preset", "tiny", "--batch-size", "2", "--min-len", "64", "--max-len", "96",
+                         "--rounds", "1", "--steps", "1", "--warmup", "0", "--workdir", str(tmp_path / "work")])
+    printed = capsys.readouterr().out
+    paths = report["results"]["paths"]
+    assert set(paths) == {"sp=1", "sp=2"} and paths["sp=2"]["ranks"] == 2
+    assert report["results"]["max_loss_abs_diff"] < 1e-4
+    assert paths["sp=2"]["activation_mb_per_rank"] < paths["sp=1"]["activation_mb_per_rank"]
+    assert "ratio sp=2/sp=1" in printed, printed
