@@ -186,14 +186,19 @@ def sync_micro_batch_count(batch: Batch, *, micro_batch_size: int | None, use_dy
                                max_token_len=max_token_len, min_micro_batches=target, share_prompts=share_prompts)
 
 
-def micro_batches_as_derived(batch: Batch, sizes, *, share_prompts: bool = False) -> list[tuple[Batch, torch.Tensor]]:
+def micro_batches_as_derived(batch: Batch, sizes, *, share_prompts: bool = False,
+                             token_scale: int = 1) -> list[tuple[Batch, torch.Tensor]]:
     """`sync_micro_batch_count` with the sizes the role spec carries for a pass (`hyflow.specs`
     `RoleBatches` or `ForwardBatches`): the numbers printed at start are the numbers that run, deprecated
     global knobs and each pass's own fallbacks included. `share_prompts`: token budgets count a prompt once for
-    its samples, which stay together (`split_micro_batches`)."""
+    its samples, which stay together (`split_micro_batches`). `token_scale`: the token budget per device times this
+    (Ulysses sequence parallelism over S devices: each holds 1/S of a micro-batch's tokens, so the group's budget is
+    S times a device's, as verl's dp_actor computes it)."""
     micro = sizes.micro_batch_size_per_device
+    budget = sizes.max_token_len_per_device
     return sync_micro_batch_count(batch, micro_batch_size=None if micro is None else max(1, int(micro)),
-                                  use_dynamic_bsz=sizes.use_dynamic_bsz, max_token_len=sizes.max_token_len_per_device,
+                                  use_dynamic_bsz=sizes.use_dynamic_bsz,
+                                  max_token_len=None if budget is None else int(budget) * max(1, int(token_scale)),
                                   share_prompts=share_prompts)
 
 

@@ -486,7 +486,8 @@ class TrainEngine:
         self.model.eval()
         off = self.adapter_disabled() if not adapter else contextlib.nullcontext()
         with torch.no_grad(), off, self.passes(packing=not with_sum_pi_squared):
-            for micro, rows in micro_batches_as_derived(batch, sizes, share_prompts=self.share_prompts):
+            for micro, rows in micro_batches_as_derived(batch, sizes, share_prompts=self.share_prompts,
+                                                        token_scale=self.sp_size):
                 out, _ = self.forward_micro(micro, R, temperature=temperature, with_entropy=with_entropy,
                                             with_sum_pi_squared=with_sum_pi_squared)
                 for key, value in out.items():
@@ -505,7 +506,7 @@ class TrainEngine:
         """Forward and backward every micro-batch of `batch` (one mini-batch of this rank) with `loss_fn`;
         gradients accumulate in `.grad`. Returns this rank's metric parts, summed over the micro-batches."""
         R = batch["responses"].shape[1]
-        micros = micro_batches_as_derived(batch, sizes, share_prompts=self.share_prompts)
+        micros = micro_batches_as_derived(batch, sizes, share_prompts=self.share_prompts, token_scale=self.sp_size)
         ctx = MicroContext(norms=norms, global_tokens=max(float(norms["global_token_count"]), 1.0),
                            n_micro=len(micros), world_size=self.dp_size)
         sums: defaultdict[str, float] = defaultdict(float)

@@ -44,3 +44,22 @@ def test_the_sft_optim_section_builds_the_same_way():
                              "+optim.override_optimizer_config.momentum=0.5"]).optim
     opt = build_optimizer(params(), optim)
     assert type(opt) is torch.optim.SGD and opt.param_groups[0]["nesterov"] is True
+
+
+def test_sequence_parallel_groups_get_their_devices_token_budget_times_the_group():
+    """verl's dp_actor: with Ulysses over S devices each holds 1/S of a micro-batch's tokens, so a group's budget
+    is S times the per-device token budget (fewer, larger micro-batches; the same loss: it is normalised over the
+    whole mini-batch)."""
+    import torch
+
+    from hyflow.batch import Batch
+    from hyflow.specs import ForwardBatches
+    from hyflow.workers.engine import micro_batches_as_derived
+
+    mask = torch.ones(8, 10, dtype=torch.long)
+    batch = Batch({"input_ids": torch.ones(8, 10, dtype=torch.long), "attention_mask": mask,
+                   "responses": torch.ones(8, 4, dtype=torch.long), "response_mask": mask[:, -4:]})
+    sizes = ForwardBatches(samples_per_device=8, use_dynamic_bsz=True, micro_batch_size_per_device=None,
+                           micro_batches=None, max_token_len_per_device=20)
+    assert len(micro_batches_as_derived(batch, sizes)) == 4  # 2 rows of 10 tokens per 20-token budget
+    assert len(micro_batches_as_derived(batch, sizes, token_scale=2)) == 2
