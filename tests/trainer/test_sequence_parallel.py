@@ -21,14 +21,20 @@ from hyflow.trainer.rl_trainer import RLTrainer
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize(("workers", "option"), [(2, "grpo"), (2, "gae"), (4, "grpo+prefix_grouper")])
+LORA = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8",
+        "actor_rollout_ref.model.target_modules=all-linear")
+
+
+@pytest.mark.parametrize(("workers", "option"), [(2, "grpo"), (2, "gae"), (4, "grpo+prefix_grouper"), (2, "grpo+lora")])
 def test_sequence_parallel_workers_match_one_process(tiny_model_dir, task_dir, tmp_path, workers, option):
+    """+lora: the adapted projections inside each rank's slice, the reference the base model with the adapter off."""
     import torch
 
     estimator, *extra = option.split("+")
     args = overrides(tiny_model_dir, task_dir, tmp_path / "x", f"algorithm.adv_estimator={estimator}",
                      "trainer.resume_mode=disable", "trainer.balance_batch=false", *SGD,
-                     *(f"actor_rollout_ref.actor.use_{name}=true" for name in extra))
+                     *(f"actor_rollout_ref.actor.use_{name}=true" for name in extra if name != "lora"),
+                     *(LORA if "lora" in extra else ()))
     want = one_process_step(args, critic=estimator == "gae")
     batch = want["batch"]
     sp = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "critic.ulysses_sequence_parallel_size=2"]
