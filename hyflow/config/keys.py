@@ -233,4 +233,8 @@ def not_one_of(key: str, value: Any, choices: Any) -> str:
     names = [str(c) if c is not None else "null" for c in choices]
     close = difflib.get_close_matches(str(value), names, n=1, cutoff=0.5)
     hint = f" Did you mean {close[0]!r}?" if close else ""
+    if key.endswith("strategy") and value == "megatron":  # verl's other backend: say what stands in for it
+        hint = (" verl's Megatron backend (tensor, pipeline and expert parallelism) is not built in hyflow; for a "
+                "model or context that does not fit one device use fsdp2 with ulysses_sequence_parallel_size and "
+                "fsdp_config.param_offload / optimizer_offload (docs/fitting-large-models.md).")
     return f"{key}={value!r} is not one of: {', '.join(names)}.{hint} Set {key} to one of them."

@@ -616,3 +616,9 @@ def test_validation_sampling_at_temperature_zero_is_greedy_with_one_note():
 
     val = cfg.actor_rollout_ref.rollout.val_kwargs
     assert SamplingParams(temperature=val.temperature, do_sample=val.do_sample).greedy
+
+
+def test_the_megatron_strategy_names_what_stands_in_for_it():
+    with pytest.raises(ConfigError, match=r"strategy='megatron' is not one of: fsdp, fsdp2, ddp\. verl's Megatron "
+                                          r"backend .* is not built in hyflow; .* ulysses_sequence_parallel_size"):
+        validate_config(load_config(["actor_rollout_ref.actor.strategy=megatron"]))
