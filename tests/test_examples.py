@@ -153,7 +153,7 @@ def test_gpu_variant_builds_a_valid_config(path, tmp_path):
     else:
         validate_config(cfg)
         assert performance_only_warning(cfg) is None  # no key that hyflow accepts and ignores
-    assert cfg.actor_rollout_ref.model.path.startswith("Qwen/Qwen2.5-")
+    assert cfg.actor_rollout_ref.model.path.startswith(("Qwen/Qwen2.5-", "Qwen/Qwen3-"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
