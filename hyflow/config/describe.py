@@ -182,7 +182,7 @@ def _role_line(role: RoleBatches, key: str, knobs: Any, b: BatchArithmetic) -> s
         f"{_count(role.optimizer_steps, 'optimizer step')} per step (ppo_epochs {role.ppo_epochs} x "
         f"{b.prompts_per_step}/{role.mini_batch_prompts} = {_count(role.mini_batches_per_epoch, 'mini-batch')} of "
         f"{role.mini_batch_prompts} prompts = {role.mini_batch_samples} samples; {key}.ppo_mini_batch_size); "
-        f"per device: {role.mini_batch_samples} samples per mini-batch / {dp} device{'s' if dp != 1 else ''} = "
+        f"per device: {role.mini_batch_samples} samples per mini-batch / {_dp_words(dp, knobs)} = "
         f"{_num(role.samples_per_device)} samples"
     )
     if role.use_dynamic_bsz:
@@ -196,6 +196,15 @@ def _role_line(role: RoleBatches, key: str, knobs: Any, b: BatchArithmetic) -> s
         f", in {_count(role.micro_batches, 'micro-batch')} of {_num(role.micro_batch_size_per_device)} samples "
         f"({_micro_source(key, knobs)}) = {_count(role.micro_batches, 'gradient-accumulation step')}."
     )
+
+
+def _dp_words(dp: int, knobs: Any) -> str:
+    """`N devices`, or with Ulysses sequence parallelism `N data-parallel groups of S devices (...)`."""
+    sp = max(int(getattr(knobs, "ulysses_sequence_parallel_size", 1) or 1), 1)
+    if sp == 1:
+        return f"{dp} device{'s' if dp != 1 else ''}"
+    return (f"{dp} data-parallel group{'s' if dp != 1 else ''} of {sp} devices (ulysses_sequence_parallel_size "
+            f"{sp}: a group's devices share its samples, each runs 1/{sp} of every sequence)")
 
 
 def _forward_line(
