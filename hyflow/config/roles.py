@@ -55,8 +55,8 @@ def optimizer_spec(optim, *, lr_scheduler_type: str | None = None) -> OptimizerS
 
 
 def fsdp_settings(fsdp_config, *, offload: bool = True) -> FsdpSettings:
-    """What the parallel wrapper and the engine read of an `fsdp_config` section (SFT's `engine` section has no
-    offload keys: off). `offload=False`: the role's worker does not offload (the reward model's)."""
+    """What the parallel wrapper and the engine read of an `fsdp_config` section (or SFT's `engine` section).
+    `offload=False`: the role's worker does not offload (the reward model's)."""
     def read(key: str) -> bool:
         return offload and bool(getattr(fsdp_config, key, False))
 

@@ -39,6 +39,7 @@ from hyflow.config.schema import (
 from hyflow.config.schema.base import option_like
 from hyflow.config.schema.common import ModelConfig, OptimConfig
 from hyflow.config.schema.trainer import TrainerConfig
+from hyflow.config.support import not_supported_problems
 from hyflow.specs import SFTBatches  # noqa: F401  (the type lives in hyflow.specs; importable from here too)
 
 
@@ -114,6 +115,17 @@ class SFTEngineConfig:
                                          "pass (less memory, one more all-gather in backward).")
     dtype: str = option("bfloat16", "Mixed-precision compute dtype (bf16 autocast / FSDP2 mixed precision on cuda "
                         "over fp32 master weights; fp32 on cpu).")
+    param_offload: bool = option(
+        False, "Keep the model's parameters (each rank's shard) in host memory between training steps and validation "
+        "passes: they move to the device for each and back after (verl's offload). Less device memory, a "
+        "host-device copy per use; the same results.")
+    optimizer_offload: bool = option(
+        False, "Keep the optimizer state in host memory between steps: it moves to the device for each step and back "
+        "after. Same results.")
+    offload_policy: bool = option(
+        False, "FSDP2's CPUOffloadPolicy instead (strategy fsdp/fsdp2 on several devices): shards, gradients and the "
+        "optimizer step stay in host memory, each layer's parameters are copied to the device for its forward and "
+        "backward; replaces param_offload/optimizer_offload (as in verl).")
     ulysses_sequence_parallel_size: int = option(
         1, "Devices that split one sequence (DeepSpeed-Ulysses, as the RL actor's key): groups of this many devices "
         "hold the same samples and each runs a slice of every packed row; needs model.use_remove_padding; "
@@ -245,7 +257,7 @@ def validate_sft_config(cfg: SFTConfig) -> None:
     rules with W = trainer.nnodes x trainer.n_gpus_per_node devices: `train_batch_size % W == 0` (every device
     gets an equal share) and, without use_dynamic_bsz, `train_batch_size % (micro_batch_size_per_gpu x W) == 0`
     (whole micro-batches on every device)."""
-    problems = check_choices(cfg)
+    problems = check_choices(cfg) + not_supported_problems(cfg)
     data, t = cfg.data, cfg.trainer
     for key, value in (("data.train_batch_size", data.train_batch_size),
                        ("data.micro_batch_size_per_gpu", data.micro_batch_size_per_gpu),

@@ -310,6 +310,12 @@ _TABLE: list[KeySupport] = [
                                                                            "exclude_modules")),
     *(_performance(f"model.{k}", ONLY_WITH_LORA, _lora_off("model", k), schema=SFT)
       for k in ("lora_alpha", "target_modules", "exclude_modules")),
+    _unsupported("engine.offload_policy", "FSDP2's CPUOffloadPolicy is an option of the FSDP2 wrapper, which SFT "
+                 "has only with engine.strategy fsdp/fsdp2 on 2 or more devices (one device runs the model "
+                 "unwrapped); use engine.param_offload / engine.optimizer_offload there",
+                 lambda cfg: bool(lookup(cfg, "engine.offload_policy")) and (
+                     lookup(cfg, "engine.strategy") not in ("fsdp", "fsdp2")
+                     or lookup(cfg, "trainer.nnodes") * lookup(cfg, "trainer.n_gpus_per_node") < 2), schema=SFT),
     *(_performance(f"critic.model.{k}", ONLY_WITH_LORA, _lora_off("critic.model", k))
       for k in ("lora_alpha", "target_modules", "exclude_modules")),
     *(_performance(f"data.{k}", "an extra batch column that hyflow's reward model and rollout do not need "

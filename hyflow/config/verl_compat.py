@@ -145,9 +145,8 @@ _HOOKS = ("relocate_results", "finish_hook_cmd", "finish_hook_all_ranks", "finis
 _PROFILER_LEAVES = ("tool", "enable", "all_ranks", "ranks", "save_path", *_HOOKS, "tool_config")
 _GLOBAL_PROFILER_LEAVES = ("tool", "steps", "profile_continuous_steps", "save_path", *_HOOKS, "global_tool_config")
 
-_SFT_ENGINE = ("hyflow's SFT engine shards with FSDP2 over all its workers and keeps parameters and optimizer "
-               "state on the device: offload, prefetch and FSDP1 options change memory and speed only, not the "
-               "results")
+_SFT_ENGINE = ("hyflow's SFT engine shards with FSDP2 over all its workers: prefetch, shard-group and FSDP1 options "
+               "change memory and speed only, not the results")
 
 PERFORMANCE_ONLY_KEYS: dict[str, str] = {
     **{f"{prefix}.profiler.{leaf}": _PROFILER
@@ -188,8 +187,7 @@ SFT_PERFORMANCE_ONLY_KEYS: dict[str, str] = {
     "data.pad_mode": "hyflow packs or pads by model.use_remove_padding (packed by default, like verl's no_padding "
     "mode); either way the pads carry no loss, so the loss is the same",
     "data.num_workers": "hyflow tokenizes in the main process; the batches are the same",
-    **{f"engine.{leaf}": _SFT_ENGINE for leaf in ("param_offload", "optimizer_offload", "offload_policy",
-                                                  "reshard_after_forward", "fsdp_size", "forward_prefetch",
+    **{f"engine.{leaf}": _SFT_ENGINE for leaf in ("reshard_after_forward", "fsdp_size", "forward_prefetch",
                                                   "use_orig_params")},
     "engine.use_torch_compile": "hyflow's SFT computes the loss eagerly: same numbers, slower",
     "engine.entropy_from_logits_with_chunking": "the SFT loss computes no entropy",

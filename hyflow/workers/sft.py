@@ -109,7 +109,8 @@ class SFTWorker(EngineCheckpoints, Worker):
         plan = UpdatePlan(mini_batch_size=len(batch) * self.engine.sp_size, epochs=1, shuffle=False, seed=0,
                           sizes=self.spec.batches,
                           loss_agg_mode="token-mean", metric_prefix="train")
-        metrics = self.engine.update(as_engine_batch(batch), plan, sft_loss, columns=SFT_COLUMNS)
+        with self.engine.on_device(optimizer=True):  # engine.param_offload / optimizer_offload: in for the step
+            metrics = self.engine.update(as_engine_batch(batch), plan, sft_loss, columns=SFT_COLUMNS)
         return {key: metrics[key][0] for key in ("train/loss", "train/lr", "train/grad_norm")}
 
     @register(Dispatch.DP_SPLIT, collect=Collect.FIRST, pad=False)
@@ -117,6 +118,7 @@ class SFTWorker(EngineCheckpoints, Worker):
         """{"nll": sum of -log p over the trained tokens of `batch`, "tokens": their number}, summed over the
         ranks (the same on every rank). Rows without trained tokens (padding) add nothing."""
         data = as_engine_batch(batch)
-        log_probs = self.engine.infer(data, self.spec.batches)["log_probs"]
+        with self.engine.on_device():
+            log_probs = self.engine.infer(data, self.spec.batches)["log_probs"]
         return all_reduce_metrics({"nll": -float(log_probs.double().sum()),
                                    "tokens": float(data["response_mask"].sum())})

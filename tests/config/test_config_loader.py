@@ -568,6 +568,21 @@ def test_sft_sequence_parallel_size_is_checked():
                          "model.use_remove_padding=false"])
 
 
+def test_sft_offload_keys_are_read_and_the_policy_needs_fsdp2_on_several_devices():
+    from hyflow.config.roles import fsdp_settings
+    from hyflow.config.sft_schema import load_sft_config
+    from hyflow.config.support import performance_only_warning
+
+    cfg = load_sft_config(["engine.param_offload=true", "engine.optimizer_offload=true"])
+    settings = fsdp_settings(cfg.engine)
+    assert settings.param_offload and settings.optimizer_offload and not settings.offload_policy
+    assert performance_only_warning(cfg) is None
+    with pytest.raises(ConfigError, match=r"engine.offload_policy is not supported .*which SFT has only with "
+                                          r"engine.strategy fsdp/fsdp2 on 2 or more devices"):
+        load_sft_config(["engine.offload_policy=true"])
+    load_sft_config(["engine.offload_policy=true", "trainer.n_gpus_per_node=2"])  # FSDP2 on two devices
+
+
 def test_verl_010_fsdp_config_role_names():
     cfg = load_config(["actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=2",
                        "actor_rollout_ref.ref.fsdp_config.entropy_from_logits_with_chunking=true",

@@ -158,6 +158,36 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run(tiny_model_dir, t
     assert read_metrics(tmp_path / "b") == read_metrics(tmp_path / "a")
 
 
+def test_offloaded_sft_trains_like_a_plain_one_and_stays_on_the_host(tiny_model_dir, task_paths, tmp_path,
+                                                                     monkeypatch):
+    """engine.param_offload / optimizer_offload: the model and the optimizer state move in for each step (and the
+    model for validation) and back after; every move copies into new storage (TrainEngine.offload_copies, as a
+    host <-> accelerator move does), yet the run's numbers are the plain run's."""
+    from hyflow.workers.train_engine import TrainEngine
+
+    extra = ("trainer.total_training_steps=3", "trainer.save_freq=0", "trainer.test_freq=2")
+    plain = SFTTrainer(overrides(tiny_model_dir, task_paths, tmp_path / "plain", *extra)).fit()
+    monkeypatch.setattr(TrainEngine, "offload_copies", True)
+    engines = []
+    init = TrainEngine._init_offload
+    monkeypatch.setattr(TrainEngine, "_init_offload", lambda self, *a, **k: (engines.append(self), init(self, *a, **k)))
+    trainer = SFTTrainer(overrides(tiny_model_dir, task_paths, tmp_path / "off", *extra, "engine.param_offload=true",
+                                   "engine.optimizer_offload=true"))
+    offloaded = trainer.fit()
+    assert [r["step"] for r in offloaded] == [r["step"] for r in plain]
+    for got, want in zip(offloaded, plain):
+        for key in ("train/loss", "train/grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5), key
+    (engine,) = engines
+    assert engine.location() == {"params": "host", "optimizer": "host"}
+    # each of the 3 steps loads both parts, validation (steps 2 and 3) the parameters, the last step's checkpoint
+    # both; every load is followed by an offload
+    counts = engine.offload_counts
+    assert counts["optimizer_to_device"] >= 3 and counts["params_to_device"] >= 5
+    assert counts["optimizer_to_device"] == counts["optimizer_to_host"] - 1  # the first move: offloaded at start
+    assert counts["params_to_device"] == counts["params_to_host"] - 1
+
+
 def test_checkpoint_exports_to_a_transformers_model(tiny_model_dir, tiny_tokenizer, task_paths, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
