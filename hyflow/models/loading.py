@@ -571,16 +571,27 @@ def load_vision_processor(model_path: str | Path, tokenizer, *, image_kwargs: di
                           trust_remote_code: bool = False) -> VisionProcessor | None:
     """The `VisionProcessor` of the model at `model_path` (a directory or hub id) with `tokenizer`, None for a text
     model or a path without a model config (the model's own loading then says what is wrong)."""
+    resolved = resolve_model_path(str(model_path))
+    config = _vision_config(resolved, trust_remote_code)
+    if config is None:
+        return None
+    return VisionProcessor.from_pretrained(resolved, tokenizer=tokenizer, config=config, image_kwargs=image_kwargs,
+                                           trust_remote_code=trust_remote_code)
+
+
+def is_vision_model(model_path: str | Path, *, trust_remote_code: bool = False) -> bool:
+    """Whether the model at `model_path` is a vision-language model of `hyflow.models.vision`'s family (its config
+    only; False for a path without a model config)."""
+    return _vision_config(resolve_model_path(str(model_path)), trust_remote_code) is not None
+
+
+def _vision_config(resolved: str, trust_remote_code: bool):
     from transformers import AutoConfig
 
-    resolved = resolve_model_path(str(model_path))
     try:
         config = AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
     except (OSError, ValueError):
         return None
-    if not is_vision_config(config):
-        return None
-    return VisionProcessor.from_pretrained(resolved, tokenizer=tokenizer, config=config, image_kwargs=image_kwargs,
-                                           trust_remote_code=trust_remote_code)
+    return config if is_vision_config(config) else None
 
 

@@ -60,7 +60,7 @@ from hyflow.config.support import performance_only_warning
 from hyflow.controller import LocalWorkerGroup, describe_placement
 from hyflow.controller.dispatch import with_mini_batch_rows
 from hyflow.data.rl_dataset import PromptLoader
-from hyflow.models.loading import load_tokenizer
+from hyflow.models.loading import is_vision_model, load_tokenizer
 from hyflow.models.packing import prompt_group_ids
 from hyflow.rewards.custom import combine_reward_functions, load_custom_reward_function
 from hyflow.rewards.managers import make_reward_manager, score_with_agent_rewards
@@ -130,8 +130,7 @@ class RLTrainer:
                                           data_cfg=cfg.data)
         if self.processor is not None and uses_critic(cfg):  # the critic sees the images too
             critic_path = cfg.critic.model.path or cfg.actor_rollout_ref.model.path
-            if prompt_processor(critic_path, self.tokenizer, trust_remote_code=cfg.critic.model.trust_remote_code)\
-                    is None:
+            if not is_vision_model(critic_path, trust_remote_code=cfg.critic.model.trust_remote_code):
                 raise ValueError(f"critic.model.path={critic_path} is a text-only model, but the policy is a "
                                  "vision-language model whose prompts hold images the critic could not see; make the "
                                  "critic a vision-language model of the same family (e.g. critic.model.path = the "
