@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -167,8 +168,40 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 def config_to_yaml(cfg: Any) -> str:
     """The resolved config as YAML text (what the trainer writes to the run directory's config.yaml): the schema's
     keys only. Keys hyflow accepts without acting on them (`hyflow.config.support.declared_values`) are left out:
-    nothing reads them, and loading the file back gives the same run."""
-    return OmegaConf.to_yaml(OmegaConf.create(config_to_dict(cfg)))
+    nothing reads them, and loading the file back gives the same run.
+
+    Written with PyYAML from plain dicts, not through OmegaConf nodes: the trainer calls this at every checkpoint,
+    and a Ctrl-C that lands inside OmegaConf's node building leaves its half-built nodes behind, whose clean-up
+    then raises a ConfigKeyError in place of the KeyboardInterrupt (the run ended with exit 1 and a config error
+    instead of the "interrupted" line). The text is OmegaConf's (strings YAML 1.1 would read as something else
+    are quoted)."""
+    return yaml.dump(config_to_dict(cfg), Dumper=_ConfigDumper, sort_keys=False, allow_unicode=True,
+                     default_flow_style=False)
+
+
+def _plain_scalar_is_not_text(text: str) -> bool:
+    """Whether `text` written unquoted would read back as something other than this string (a number, a bool
+    of YAML 1.1 such as `n` or `off`, null)."""
+    if text.lower() in ("y", "n", "yes", "no", "on", "off", "true", "false", "null", "~", ""):
+        return True
+    try:
+        float(text)  # `1e3`, `nan`, `1_0`: YAML 1.1 reads some as strings, OmegaConf's loader as numbers
+        return True
+    except ValueError:
+        pass
+    try:
+        return not isinstance(yaml.safe_load(text), str)
+    except yaml.YAMLError:
+        return False
+
+
+class _ConfigDumper(yaml.SafeDumper):
+    def represent_str(self, data: str):
+        style = "'" if _plain_scalar_is_not_text(data) else None
+        return self.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+_ConfigDumper.add_representer(str, _ConfigDumper.represent_str)
 
 
 def config_from_yaml_file(path: str | Path, *, schema: type = HyflowConfig) -> Any:

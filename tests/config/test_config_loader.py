@@ -317,6 +317,49 @@ def test_round_trip_through_yaml_equals(tmp_path):
     assert config_to_dict(cfg)["reward_model"]["reward_kwargs"] == {"nested": {"a": 1, "b": ["x", "y"]}}
 
 
+@pytest.mark.parametrize("name", ["n", "off", "yes", "null", "007", "1e3", "true", "a: b", "- x", "", "# c"])
+def test_config_yaml_keeps_strings_that_yaml_would_read_as_something_else(tmp_path, name):
+    cfg = load_config([f"trainer.experiment_name='{name}'"])
+    path = tmp_path / "config.yaml"
+    path.write_text(config_to_yaml(cfg))
+    assert config_from_yaml_file(path).trainer.experiment_name == name
+
+
+def test_ctrl_c_inside_config_to_yaml_stays_a_keyboard_interrupt():
+    """The trainer writes config.yaml at every checkpoint; a Ctrl-C landing at any point of it must surface as
+    KeyboardInterrupt (through OmegaConf's node building, ~3 % of them became a ConfigKeyError or were lost)."""
+    import random
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals are delivered to the main thread")
+    cfg = load_config([])
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    rng = random.Random(0)
+    outcomes = []
+    try:
+        for _ in range(150):
+            signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0005, 0.02))
+            try:
+                for _ in range(100):  # ~20 ms each: the timer always fires inside one of them
+                    config_to_yaml(cfg)
+                outcomes.append("not interrupted")
+            except KeyboardInterrupt:
+                outcomes.append("interrupted")
+            except Exception as exc:  # what the test looks for
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert set(outcomes) == {"interrupted"}, [o for o in outcomes if o != "interrupted"][:3]
+
+
 @settings(max_examples=10, deadline=None)
 @given(
     batch=st.integers(1, 10**6),
