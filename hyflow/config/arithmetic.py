@@ -1,7 +1,8 @@
 """Derived batch sizes: one place that turns the config's batch knobs into per-step, per-device numbers.
 
 With P = data.train_batch_size (prompts), n = rollout.n, M = ppo_mini_batch_size (prompts), W = devices,
-sp = ulysses_sequence_parallel_size and D = W / sp (data-parallel size), as in verl:
+sp = ulysses_sequence_parallel_size, tp = tensor_parallel_size and D = W / (sp * tp) (data-parallel size), as in
+verl (a group of sp or tp consecutive devices holds the same samples):
     samples per step              = P * n
     optimizer steps per step      = ppo_epochs * P / M
     samples per mini-batch        = M * n                  (global)
@@ -160,9 +161,11 @@ def micro_per_device(per_gpu: int | None, global_size: int | None, dp: int) -> f
 
 def _role_batches(knobs: Any, devices: int, prompts: int, n: int, max_sequence: int) -> RoleBatches:
     """The PPO batches of a trained role (the actor or the critic: both sections hold the same ppo_* knobs) on
-    `devices` devices, data-parallel over devices / ulysses_sequence_parallel_size."""
+    `devices` devices, data-parallel over devices / (ulysses_sequence_parallel_size x tensor_parallel_size). A
+    sequence-parallel group splits each sequence, so its token budget per device counts sp x the per-GPU one (as
+    verl's); a tensor-parallel group's devices each run every token of its samples, so tp leaves it alone."""
     sp = max(knobs.ulysses_sequence_parallel_size, 1)
-    dp = max(devices // sp, 1)
+    dp = max(devices // (sp * max(knobs.tensor_parallel_size, 1)), 1)
     mini_prompts, ppo_epochs, dynamic = knobs.ppo_mini_batch_size, knobs.ppo_epochs, knobs.use_dynamic_bsz
     max_token_len = knobs.ppo_max_token_len_per_gpu * sp
     mini_batches = ratio(prompts, mini_prompts)

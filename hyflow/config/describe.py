@@ -199,12 +199,21 @@ def _role_line(role: RoleBatches, key: str, knobs: Any, b: BatchArithmetic) -> s
 
 
 def _dp_words(dp: int, knobs: Any) -> str:
-    """`N devices`, or with Ulysses sequence parallelism `N data-parallel groups of S devices (...)`."""
+    """`N devices`, or with Ulysses sequence parallelism or tensor parallelism `N data-parallel groups of S devices
+    (...)`."""
     sp = max(int(getattr(knobs, "ulysses_sequence_parallel_size", 1) or 1), 1)
-    if sp == 1:
+    tp = max(int(getattr(knobs, "tensor_parallel_size", 1) or 1), 1)
+    if sp == tp == 1:
         return f"{dp} device{'s' if dp != 1 else ''}"
-    return (f"{dp} data-parallel group{'s' if dp != 1 else ''} of {sp} devices (ulysses_sequence_parallel_size "
-            f"{sp}: a group's devices share its samples, each runs 1/{sp} of every sequence)")
+    parts = []
+    if sp > 1:
+        parts.append(f"ulysses_sequence_parallel_size {sp}")
+    if tp > 1:
+        parts.append(f"tensor_parallel_size {tp}")
+    each = [f"runs 1/{sp} of every sequence"] if sp > 1 else []
+    each += [f"holds 1/{tp} of every layer's attention heads and MLP"] if tp > 1 else []
+    return (f"{dp} data-parallel group{'s' if dp != 1 else ''} of {sp * tp} devices ({' x '.join(parts)}: a "
+            f"group's devices share its samples, each {' and '.join(each)})")
 
 
 def _forward_line(

@@ -95,14 +95,16 @@ def actor_spec(cfg: HyflowConfig, batches: BatchArithmetic, total_steps: int) ->
         grad_clip=actor.grad_clip, total_optimizer_steps=total_steps * int(batches.actor.optimizer_steps),
         use_remove_padding=model.use_remove_padding, share_prompts=actor.use_prefix_grouper,
         use_torch_compile=actor.use_torch_compile, lora=lora_settings(model, config_key="actor_rollout_ref.model"),
-        freeze_vision_tower=actor.freeze_vision_tower, ulysses_sequence_parallel_size=actor.ulysses_sequence_parallel_size)
+        freeze_vision_tower=actor.freeze_vision_tower, ulysses_sequence_parallel_size=actor.ulysses_sequence_parallel_size,
+        tensor_parallel_size=actor.tensor_parallel_size)
     ref_engine = None
     if uses_reference(cfg):  # frozen (no optimizer), computing in the actor's dtype
         ref_engine = TrainEngineSpec(
             name="ref", head="lm", strategy=ref.strategy, fsdp=fsdp_settings(ref.fsdp_config),
             compute_dtype=actor.fsdp_config.dtype, device=cfg.trainer.device,
             use_remove_padding=model.use_remove_padding, share_prompts=actor.use_prefix_grouper,
-            use_torch_compile=ref.use_torch_compile, ulysses_sequence_parallel_size=ref.ulysses_sequence_parallel_size)
+            use_torch_compile=ref.use_torch_compile, ulysses_sequence_parallel_size=ref.ulysses_sequence_parallel_size,
+            tensor_parallel_size=ref.tensor_parallel_size)
     loss = ActorLossSpec(
         loss_mode=actor.policy_loss.loss_mode,
         policy_loss_kwargs={
@@ -130,7 +132,8 @@ def critic_spec(cfg: HyflowConfig, batches: BatchArithmetic, total_steps: int) -
         compute_dtype=m.fsdp_config.dtype, device=cfg.trainer.device, optim=optimizer_spec(critic.optim),
         grad_clip=critic.grad_clip, total_optimizer_steps=total_steps * int(batches.critic.optimizer_steps),
         use_remove_padding=m.use_remove_padding, lora=lora_settings(m, config_key="critic.model"),
-        ulysses_sequence_parallel_size=critic.ulysses_sequence_parallel_size)
+        ulysses_sequence_parallel_size=critic.ulysses_sequence_parallel_size,
+        tensor_parallel_size=critic.tensor_parallel_size)
     model = ModelSpec(path=m.path or cfg.actor_rollout_ref.model.path, trust_remote_code=m.trust_remote_code,
                       override_config=dict(m.override_config or {}),
                       enable_gradient_checkpointing=m.enable_gradient_checkpointing, config_key="critic.model.path")

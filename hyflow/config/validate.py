@@ -378,6 +378,7 @@ def _check_devices(cfg: HyflowConfig, n_devices: int | None) -> list[str]:
         elif sp > 1 and not packing[1]:
             problems.append(f"{key}={sp} needs sequence packing ({packing[0]}=true, as verl requires): each packed "
                             "row is cut across the group's devices; set it, or the sequence-parallel size to 1.")
+    problems += _check_tensor_parallel(cfg, devices, role_devices(cfg, "critic", n_devices))
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.name != "hf" and devices % max(rollout.tensor_model_parallel_size, 1):
         problems.append(
@@ -387,9 +388,53 @@ def _check_devices(cfg: HyflowConfig, n_devices: int | None) -> list[str]:
     return problems
 
 
+def _check_tensor_parallel(cfg: HyflowConfig, devices: int, critic_devices: int) -> list[str]:
+    """tensor_parallel_size of the actor, the reference and the critic: >= 1 and a divisor of the role's devices,
+    with the FSDP2 wrapper (strategy fsdp/fsdp2), and not yet together with Ulysses sequence parallelism or with
+    LoRA (the reference has no adapter of its own: under LoRA it is the actor, or a full model from ref.model.path).
+    A reference problem that only repeats the actor's (its sizes follow the actor's) is reported once."""
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    problems: list[str] = []
+    for role, section, strategy, role_devices_, lora in (
+        (A, arr.actor, arr.actor.strategy, devices, ("actor_rollout_ref.model", arr.model)),
+        ("actor_rollout_ref.ref", arr.ref, arr.ref.strategy, devices, None),
+        ("critic", critic, critic.strategy, critic_devices, ("critic.model", critic.model)),
+    ):
+        found = _tensor_parallel_problems(role, section, strategy, role_devices_, lora)
+        problems += [p for p in found if p.replace("actor_rollout_ref.ref.", f"{A}.") not in problems]
+    return problems
+
+
+def _tensor_parallel_problems(role: str, section: Any, strategy: str, devices: int,
+                              lora: tuple[str, Any] | None) -> list[str]:
+    key, tp, sp = f"{role}.tensor_parallel_size", section.tensor_parallel_size, section.ulysses_sequence_parallel_size
+    if tp < 1 or devices % tp:
+        return [f"{key}={tp} must be >= 1 and divide the {devices} devices; set it to a divisor of {devices}."]
+    if tp == 1:
+        return []
+    problems = []
+    if sp > 1:
+        problems.append(f"{key}={tp} with {role}.ulysses_sequence_parallel_size={sp}: tensor parallelism together "
+                        "with Ulysses sequence parallelism in one role is not built yet; use one of them (set "
+                        f"{key}=1 or {role}.ulysses_sequence_parallel_size=1).")
+    if strategy not in ("fsdp", "fsdp2"):
+        problems.append(f"{key}={tp} needs {role}.strategy fsdp or fsdp2 (tensor parallelism is composed with the "
+                        f"FSDP2 wrapper over a data-parallel x tensor-parallel device mesh), got {role}.strategy="
+                        f"{strategy}; set {role}.strategy=fsdp2, or {key}=1.")
+    if lora is not None:
+        lora_key, model = lora
+        rank, adapter = model.lora_rank, model.lora_adapter_path
+        if (isinstance(rank, int) and rank > 0) or adapter:
+            given = f"lora_rank={rank}" if isinstance(rank, int) and rank > 0 else f"lora_adapter_path={adapter}"
+            problems.append(f"{key}={tp} with LoRA ({lora_key}.{given}): tensor parallelism of a LoRA model is not "
+                            f"built yet; set {key}=1, or train without LoRA ({lora_key}.lora_rank=0"
+                            f"{', lora_adapter_path=null' if adapter else ''}).")
+    return problems
+
+
 def _check_actor_batches(cfg: HyflowConfig, devices: int) -> list[str]:
     actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
-    dp = devices // actor.ulysses_sequence_parallel_size
+    dp = devices // (actor.ulysses_sequence_parallel_size * actor.tensor_parallel_size)
     problems = _check_positive(
         {
             "data.train_batch_size": cfg.data.train_batch_size,
@@ -433,7 +478,8 @@ def _check_critic_batches(cfg: HyflowConfig, devices: int) -> list[str]:
     if problems:
         return problems
     problems += _check_role_batches(
-        cfg, "critic", critic, devices, devices // critic.ulysses_sequence_parallel_size
+        cfg, "critic", critic, devices,
+        devices // (critic.ulysses_sequence_parallel_size * critic.tensor_parallel_size)
     )
     problems += _check_exclusive(
         "critic.forward_micro_batch_size",

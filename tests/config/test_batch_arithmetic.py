@@ -427,3 +427,108 @@ def test_a_deprecated_global_micro_batch_that_does_not_split_over_the_devices_is
                                           r"does not split evenly over 2 devices; set actor_rollout_ref.actor."
                                           r"ppo_micro_batch_size_per_gpu instead"):
         validate_config(cfg)
+
+
+# ------------------------------------------------------------------------------ tensor parallelism
+
+TP8 = ["data.train_batch_size=32", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+       "trainer.n_gpus_per_node=8", "algorithm.adv_estimator=grpo"]
+
+
+def test_tensor_parallel_groups_are_the_data_parallel_size():
+    """8 devices, tensor_parallel_size 2: 4 data-parallel groups of 2 devices hold a mini-batch's 64 samples, 16
+    each; the critic's own size splits its devices the same way."""
+    cfg = cfg_of(*TP8, "actor_rollout_ref.actor.tensor_parallel_size=2")
+    validate_config(cfg)
+    b = batch_arithmetic(cfg)
+    assert (b.actor.dp_size, b.actor.samples_per_device, b.old_log_prob.samples_per_device) == (4, 16, 32)
+    assert describe_batch_arithmetic(cfg).count(
+        "64 samples per mini-batch / 4 data-parallel groups of 2 devices (tensor_parallel_size 2: a group's devices "
+        "share its samples, each holds 1/2 of every layer's attention heads and MLP) = 16 samples") == 1
+    cfg = cfg_of(*TP8[:-1], "algorithm.adv_estimator=gae", "critic.tensor_parallel_size=4")
+    validate_config(cfg)
+    b = batch_arithmetic(cfg)
+    assert (b.actor.dp_size, b.critic.dp_size, b.critic.samples_per_device) == (8, 2, 32)
+    assert "64 samples per mini-batch / 2 data-parallel groups of 4 devices (tensor_parallel_size 4" in \
+        describe_batch_arithmetic(cfg)
+    # the token budget per device is not scaled: each device of a tensor-parallel group runs every token
+    b = batch_arithmetic(cfg_of(*TP8, "actor_rollout_ref.actor.tensor_parallel_size=2",
+                                "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096"))
+    assert b.actor.max_token_len_per_device == 4096
+
+
+def test_tensor_parallel_batches_must_split_over_the_data_parallel_groups():
+    """tp=2 on 8 devices gives 4 data-parallel groups: a mini-batch of 1 prompt x 2 samples does not split over
+    them (it would over 2), and 2 prompts x 4 samples = 2 per group do not fill micro-batches of 4."""
+    text = problems_of(cfg_of("data.train_batch_size=32", "actor_rollout_ref.rollout.n=2",
+                              "actor_rollout_ref.actor.ppo_mini_batch_size=1", *TP8[3:],
+                              "actor_rollout_ref.actor.tensor_parallel_size=2"))
+    assert "8 devices (trainer.nnodes 1 x trainer.n_gpus_per_node 8), 4 data-parallel groups" in text
+    text = problems_of(cfg_of(*TP8[:2], "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", *TP8[3:],
+                              "actor_rollout_ref.actor.tensor_parallel_size=2"))
+    assert "2 x 4 / 4 = 2 samples on each device, which is not divisible by actor_rollout_ref.actor." in text
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor_rollout_ref.actor.tensor_parallel_size=3"],
+         "actor_rollout_ref.actor.tensor_parallel_size=3 must be >= 1 and divide the 8 devices; set it to a divisor "
+         "of 8."),
+        (["actor_rollout_ref.actor.tensor_parallel_size=0"],
+         "actor_rollout_ref.actor.tensor_parallel_size=0 must be >= 1 and divide the 8 devices"),
+        (["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.ref.tensor_parallel_size=16"],
+         "actor_rollout_ref.ref.tensor_parallel_size=16 must be >= 1 and divide the 8 devices"),
+        (["actor_rollout_ref.actor.tensor_parallel_size=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
+         "actor_rollout_ref.actor.tensor_parallel_size=2 with actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"
+         ": tensor parallelism together with Ulysses sequence parallelism in one role is not built yet; use one of "
+         "them (set actor_rollout_ref.actor.tensor_parallel_size=1 or actor_rollout_ref.actor.ulysses_sequence_"
+         "parallel_size=1)."),
+        (["actor_rollout_ref.actor.tensor_parallel_size=2", "actor_rollout_ref.actor.strategy=ddp"],
+         "actor_rollout_ref.actor.tensor_parallel_size=2 needs actor_rollout_ref.actor.strategy fsdp or fsdp2 (tensor "
+         "parallelism is composed with the FSDP2 wrapper over a data-parallel x tensor-parallel device mesh), got "
+         "actor_rollout_ref.actor.strategy=ddp; set actor_rollout_ref.actor.strategy=fsdp2, or "
+         "actor_rollout_ref.actor.tensor_parallel_size=1."),
+        (["actor_rollout_ref.actor.tensor_parallel_size=2", "actor_rollout_ref.model.lora_rank=8"],
+         "actor_rollout_ref.actor.tensor_parallel_size=2 with LoRA (actor_rollout_ref.model.lora_rank=8): tensor "
+         "parallelism of a LoRA model is not built yet; set actor_rollout_ref.actor.tensor_parallel_size=1, or train "
+         "without LoRA (actor_rollout_ref.model.lora_rank=0)."),
+        (["algorithm.adv_estimator=gae", "critic.tensor_parallel_size=2", "critic.model.lora_rank=4"],
+         "critic.tensor_parallel_size=2 with LoRA (critic.model.lora_rank=4): tensor parallelism of a LoRA model is "
+         "not built yet; set critic.tensor_parallel_size=1, or train without LoRA (critic.model.lora_rank=0)."),
+        (["algorithm.adv_estimator=gae", "critic.tensor_parallel_size=2", "critic.strategy=ddp"],
+         "critic.tensor_parallel_size=2 needs critic.strategy fsdp or fsdp2"),
+        (["algorithm.adv_estimator=gae", "critic.tensor_parallel_size=2", "critic.ulysses_sequence_parallel_size=2"],
+         "critic.tensor_parallel_size=2 with critic.ulysses_sequence_parallel_size=2: tensor parallelism together "
+         "with Ulysses sequence parallelism in one role is not built yet"),
+    ],
+)
+def test_each_tensor_parallel_problem_names_key_value_and_fix(overrides, message):
+    assert message in problems_of(cfg_of(*TP8, *overrides))
+
+
+def test_a_reference_problem_that_repeats_the_actors_is_reported_once():
+    """The reference's sizes follow the actor's: one problem, under the actor's key; a reference size of its own
+    is checked by itself (a full reference model from ref.model.path under LoRA has no adapter: no LoRA problem)."""
+    text = problems_of(cfg_of(*TP8, "actor_rollout_ref.actor.use_kl_loss=true",
+                              "actor_rollout_ref.actor.tensor_parallel_size=2", "actor_rollout_ref.actor.strategy=ddp"))
+    assert "actor_rollout_ref.actor.tensor_parallel_size=2 needs" in text
+    assert "actor_rollout_ref.ref.tensor_parallel_size" not in text
+    text = problems_of(cfg_of(*TP8, "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.model.lora_rank=8",
+                              "actor_rollout_ref.ref.tensor_parallel_size=2", "actor_rollout_ref.ref.strategy=ddp"))
+    assert text.startswith("actor_rollout_ref.ref.tensor_parallel_size=2 needs actor_rollout_ref.ref.strategy fsdp")
+    assert "LoRA" not in text
+    validate_config(cfg_of(*TP8, "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.model.lora_rank=8",
+                           "actor_rollout_ref.ref.tensor_parallel_size=2"))
+
+
+def test_a_critic_in_its_own_pool_divides_its_own_devices_by_its_tensor_parallel_size():
+    cfg = cfg_of(*TP8[:-1], "algorithm.adv_estimator=gae", "critic.enable_resource_pool=true",
+                 "critic.n_gpus_per_node=4", "critic.tensor_parallel_size=4")
+    validate_config(cfg)
+    assert batch_arithmetic(cfg).critic.dp_size == 1
+    assert "critic.tensor_parallel_size=8 must be >= 1 and divide the 4 devices" in problems_of(
+        cfg_of(*TP8[:-1], "algorithm.adv_estimator=gae", "critic.enable_resource_pool=true",
+               "critic.n_gpus_per_node=4", "critic.tensor_parallel_size=8"))

@@ -40,6 +40,21 @@ def test_config_section_that_names_nothing_suggests_the_closest(capsys):
     assert "unknown config key 'actor_rollout_ref.actr'. Did you mean 'actor_rollout_ref.actor'?" in err
 
 
+def test_config_prints_tensor_parallel_groups(capsys):
+    """`hyflow config` with verl's torchtitan name: the actor's 8 devices are 4 data-parallel groups of 2, the
+    spec says so, and a size that does not divide the devices is the named error (exit 2)."""
+    assert main(["config", "--no-help", "trainer.n_gpus_per_node=8", "data.train_batch_size=32",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+                 "actor_rollout_ref.actor.torchtitan.tensor_parallel_size=2"]) == 0
+    out = capsys.readouterr().out
+    assert ("per device: 16 samples per mini-batch / 4 data-parallel groups of 2 devices (tensor_parallel_size 2: a "
+            "group's devices share its samples, each holds 1/2 of every layer's attention heads and MLP) = 4 samples"
+            in out)
+    assert "    tensor_parallel_size: 2\n" in out and "  actor.engine.tensor_parallel_size: 2\n" in out
+    assert main(["config", "--no-help", "trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.tensor_parallel_size=3"]) == 2
+    assert "actor_rollout_ref.actor.tensor_parallel_size=3 must be >= 1 and divide the 8 devices" in capsys.readouterr().err
+
+
 def _quick_check_commands() -> list[tuple[str, str]]:
     """The `hyflow config ...` lines of README.md's and docs/install.md's code blocks (the install checks)."""
     commands = []

@@ -594,6 +594,9 @@ def test_sft_verl_scheduler_and_padding_names():
     with pytest.raises(ConfigError) as err:
         load_sft_config(["engine.tensor_model_parallel_size=2", "optim.min_lr=0.1"])
     assert "'engine.tensor_model_parallel_size' is a verl key" in str(err.value)
+    assert "Tensor parallelism" not in str(err.value)  # SFT has no tensor parallelism
+    with pytest.raises(ConfigError, match="'engine.tensor_parallel_size' is a verl key that hyflow does not support"):
+        load_sft_config(["engine.tensor_parallel_size=2"])
     assert "'optim.min_lr' is a verl key" in str(err.value)
 
 
@@ -635,6 +638,46 @@ def test_verl_010_fsdp_config_role_names():
     assert cfg.critic.ulysses_sequence_parallel_size == 2
     with pytest.raises(ConfigError, match="is a verl key that hyflow does not support yet"):
         load_config(["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
+
+
+def test_verl_torchtitan_tensor_parallel_sizes_are_hyflows():
+    """verl's PyTorch-native FSDP2 + tensor-parallel engine is its torchtitan engine: its tensor_parallel_size of
+    each role lands on hyflow's key (the reference's follows the actor's unless given); the section's other keys
+    stay verl keys hyflow lacks."""
+    cfg = load_config(["actor_rollout_ref.actor.torchtitan.tensor_parallel_size=2",
+                       "critic.torchtitan.tensor_parallel_size=4"])
+    arr = cfg.actor_rollout_ref
+    assert (arr.actor.tensor_parallel_size, arr.ref.tensor_parallel_size, cfg.critic.tensor_parallel_size) == (2, 2, 4)
+    cfg = load_config(["actor_rollout_ref.ref.torchtitan.tensor_parallel_size=2"])
+    assert (cfg.actor_rollout_ref.actor.tensor_parallel_size, cfg.actor_rollout_ref.ref.tensor_parallel_size) == (1, 2)
+    assert load_config([]).critic.tensor_parallel_size == 1
+    with pytest.raises(ConfigError, match="set the same thing"):
+        load_config(["actor_rollout_ref.actor.torchtitan.tensor_parallel_size=2",
+                     "actor_rollout_ref.actor.tensor_parallel_size=4"])
+    for key in ("actor_rollout_ref.actor.torchtitan.attn_type=flex", "actor_rollout_ref.ref.torchtitan.strategy=fsdp2",
+                "critic.torchtitan.pipeline_parallel_size=2", "actor_rollout_ref.actor.torchtitan.data_parallel_size=2"):
+        with pytest.raises(ConfigError, match="is a verl key that hyflow does not support yet: remove it"):
+            load_config([key])
+
+
+def test_verl_torchtitan_section_in_a_yaml_file_keeps_its_tensor_parallel_size_only(tmp_path):
+    path = _write(tmp_path, "actor_rollout_ref:\n  actor:\n    torchtitan:\n      tensor_parallel_size: 2\n")
+    assert load_config([], config_file=path).actor_rollout_ref.actor.tensor_parallel_size == 2
+    path = _write(tmp_path, "critic:\n  torchtitan:\n    tensor_parallel_size: 2\n    context_parallel_size: 2\n")
+    with pytest.raises(ConfigError, match="'critic.torchtitan' in config file .* is a verl key"):
+        load_config([], config_file=path)
+
+
+def test_verl_megatron_tensor_model_parallel_size_points_to_tensor_parallel_size():
+    for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic"):
+        with pytest.raises(ConfigError) as err:
+            load_config([f"{role}.megatron.tensor_model_parallel_size=2"])
+        assert str(err.value).endswith(
+            f"Tensor parallelism in training is {role}.tensor_parallel_size in hyflow (FSDP2 + PyTorch tensor "
+            "parallelism with strategy fsdp2, verl's torchtitan engine); set that instead.")
+    with pytest.raises(ConfigError) as err:  # other Megatron keys: no hint
+        load_config(["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"])
+    assert "tensor_parallel_size" not in str(err.value)
 
 
 VERL_STYLE_CONFIG = """\

@@ -620,5 +620,20 @@ def test_validation_sampling_at_temperature_zero_is_greedy_with_one_note():
 
 def test_the_megatron_strategy_names_what_stands_in_for_it():
     with pytest.raises(ConfigError, match=r"strategy='megatron' is not one of: fsdp, fsdp2, ddp\. verl's Megatron "
-                                          r"backend .* is not built in hyflow; .* ulysses_sequence_parallel_size"):
+                                          r"backend .* is not built in hyflow; .* use fsdp2 with tensor_parallel_size "
+                                          r"\(FSDP2 \+ PyTorch tensor parallelism\), ulysses_sequence_parallel_size"):
         validate_config(load_config(["actor_rollout_ref.actor.strategy=megatron"]))
+    with pytest.raises(ConfigError, match=r"actor.strategy='torchtitan' is not one of: fsdp, fsdp2, ddp\. verl's "
+                                          r"torchtitan engine \(FSDP2 \+ tensor parallelism\) is hyflow's fsdp2 with "
+                                          r"the role's tensor_parallel_size"):
+        validate_config(load_config(["actor_rollout_ref.actor.strategy=torchtitan"]))
+
+
+def test_tensor_parallel_sizes_are_accepted_and_checked():
+    """Tensor parallelism of the training engine: a size that divides the devices validates (for every role);
+    one that does not is a named problem."""
+    validate_config(load_config(["actor_rollout_ref.actor.tensor_parallel_size=2", "critic.tensor_parallel_size=2",
+                                 "trainer.n_gpus_per_node=2", "algorithm.adv_estimator=gae",
+                                 "actor_rollout_ref.actor.use_kl_loss=true"]))
+    with pytest.raises(ConfigError, match=r"critic.tensor_parallel_size=3 must be >= 1 and divide the 2 devices"):
+        validate_config(load_config(["critic.tensor_parallel_size=3", "trainer.n_gpus_per_node=2"]))

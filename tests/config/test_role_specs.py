@@ -56,6 +56,20 @@ def test_the_actor_engine_and_loss_carry_the_config_values():
     assert specs.actor.ref.compute_dtype == "float16"
 
 
+def test_each_engine_carries_its_parallel_sizes():
+    """tensor_parallel_size reaches the actor's, the reference's and the critic's engines (the reference's
+    follows the actor's unless given), as ulysses_sequence_parallel_size does."""
+    specs = specs_of("actor_rollout_ref.actor.tensor_parallel_size=2", "actor_rollout_ref.actor.use_kl_loss=true",
+                     "algorithm.adv_estimator=gae", "critic.tensor_parallel_size=4", n_devices=4)
+    assert (specs.actor.engine.tensor_parallel_size, specs.actor.ref.tensor_parallel_size,
+            specs.critic.engine.tensor_parallel_size) == (2, 2, 4)
+    assert specs.actor.batches.dp_size == 2 and specs.critic.batches.dp_size == 1
+    specs = specs_of("actor_rollout_ref.ref.torchtitan.tensor_parallel_size=2", "actor_rollout_ref.actor.use_kl_loss=true",
+                     "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", n_devices=2)
+    assert (specs.actor.engine.tensor_parallel_size, specs.actor.engine.ulysses_sequence_parallel_size) == (1, 2)
+    assert (specs.actor.ref.tensor_parallel_size, specs.actor.ref.ulysses_sequence_parallel_size) == (2, 2)
+
+
 def test_roles_that_the_run_does_not_have_get_no_spec():
     specs = specs_of("algorithm.adv_estimator=grpo")
     assert specs.critic is None

@@ -113,6 +113,16 @@ class ActorConfig:
         "tokens by all-to-all (hyflow.models.ulysses); needs use_remove_padding; data-parallel size = devices / "
         "this.",
     )
+    tensor_parallel_size: int = option(
+        1,
+        "Devices that split each decoder layer's attention heads and MLP columns/rows with PyTorch tensor "
+        "parallelism (torch.distributed.tensor.parallel: q/k/v and gate/up column-wise, o and down row-wise; "
+        "embeddings, norms and the heads replicated), composed with FSDP2 over the data-parallel dimension of a "
+        "(devices / this) x this device mesh, as torchtitan does (verl's torchtitan.tensor_parallel_size): groups "
+        "of this many consecutive devices hold the same samples; data-parallel size = devices / this. Needs "
+        "strategy fsdp/fsdp2; it must divide the model's attention and key-value heads. Not combined with "
+        "ulysses_sequence_parallel_size > 1 or LoRA yet.",
+    )
     use_torch_compile: bool = option(
         False,
         "torch.compile the model's MLPs and RMSNorms for the actor's training and log-prob passes (hyflow.models."
@@ -173,6 +183,10 @@ class RefConfig:
     ulysses_sequence_parallel_size: int = option(
         "${actor_rollout_ref.actor.ulysses_sequence_parallel_size}",
         "Sequence-parallel size of the reference.",
+    )
+    tensor_parallel_size: int = option(
+        "${actor_rollout_ref.actor.tensor_parallel_size}",
+        "Tensor-parallel size of the reference (see actor_rollout_ref.actor.tensor_parallel_size).",
     )
     use_torch_compile: bool = option(
         "${actor_rollout_ref.actor.use_torch_compile}",

@@ -100,4 +100,7 @@ class CriticConfig:
     ulysses_sequence_parallel_size: int = option(
         1, "Sequence-parallel size of the critic (see actor_rollout_ref.actor.ulysses_sequence_parallel_size; needs "
         "critic.model.use_remove_padding).")
+    tensor_parallel_size: int = option(
+        1, "Tensor-parallel size of the critic (see actor_rollout_ref.actor.tensor_parallel_size; needs "
+        "critic.strategy fsdp/fsdp2; the value head is replicated).")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "What the critic's checkpoints contain.")
