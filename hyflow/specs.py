@@ -185,7 +185,8 @@ class TrainEngineSpec:
     engine; fsdp: the wrapper's settings; compute_dtype: the autocast dtype on accelerators; optim: None for a
     frozen model (the reference policy); total_optimizer_steps: the LR schedule's length (training steps x
     optimizer steps per training step); device: `trainer.device` (auto, cpu, cuda), resolved by the worker;
-    ulysses_sequence_parallel_size: ranks per sequence-parallel group (`hyflow.models.ulysses`; 1 = none).
+    ulysses_sequence_parallel_size: ranks per sequence-parallel group (`hyflow.models.ulysses`; 1 = none);
+    tensor_parallel_size: ranks per tensor-parallel group (`hyflow.models.tensor_parallel`; 1 = none).
     """
 
     name: str
@@ -204,6 +205,7 @@ class TrainEngineSpec:
     checkpoint_prefix: str | None = None
     freeze_vision_tower: bool = False
     ulysses_sequence_parallel_size: int = 1
+    tensor_parallel_size: int = 1
 
 
 # ------------------------------------------------------------------------------------------ roles

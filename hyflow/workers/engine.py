@@ -276,15 +276,28 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     """Total L2 norm ||g|| = sqrt(sum_p ||g_p||^2) over all gradients; scale them by min(1, max_norm / (||g|| + 1e-6)).
 
     FSDP2 gradients are DTensor shards: their norm is a DTensor, made a plain tensor (the global norm, the same
-    on every rank and equal to the single-process norm) with `full_tensor()` before clipping.
+    on every rank and equal to the single-process norm) with `full_tensor()` before clipping. Under tensor
+    parallelism the gradients live on different meshes (the split weights on (dp, tp), the rest on dp): each
+    group of one mesh and layout gets its norm so, and the total is the root of their squares.
     """
     from torch.distributed.tensor import DTensor
 
-    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    from hyflow.models.tensor_parallel import grad_norm_groups
+
+    groups = grad_norm_groups([p.grad for p in params])
+    parts = []
+    for grads in groups:
+        part = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        parts.append(part.full_tensor() if isinstance(part, DTensor) else part)
+    total = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack([p.float() for p in parts]))
     if math.isfinite(max_norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        if len(groups) == 1:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        else:  # torch.nn.utils.clip_grads_with_norm_'s scale, applied one mesh at a time
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for grads in groups:
+                for grad in grads:
+                    grad.mul_(coef.to(grad.device))
     return total
 
 

@@ -163,10 +163,11 @@ def mixed_precision_policy(dtype: str | None):
 
 
 def wrap_fsdp2(model: nn.Module, *, mixed_precision: str | None, reshard_after_forward: bool = True,
-               activation_checkpointing: bool = False, offload_policy: bool = False) -> nn.Module:
+               activation_checkpointing: bool = False, offload_policy: bool = False, mesh=None) -> nn.Module:
     """Shard `model` in place with FSDP2 over all ranks: each decoder layer, then the root; returns `model`.
 
-    mesh = init_device_mesh(device type of the parameters, (W,)). `reshard_after_forward` applies to the layers;
+    mesh = init_device_mesh(device type of the parameters, (W,)), or the given one (the data-parallel dimension
+    of a (dp, tp) mesh under tensor parallelism, `hyflow.models.tensor_parallel`). `reshard_after_forward` applies to the layers;
     the root group (embeddings, norm, heads) always stays gathered between its forward and the backward, since
     the lm_head chunks of `hyflow.models.forward` run after the forward. `mixed_precision`: None or fp32 = full
     precision, bf16/fp16 = `MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)`. `activation_checkpointing`
@@ -182,7 +183,8 @@ def wrap_fsdp2(model: nn.Module, *, mixed_precision: str | None, reshard_after_f
         raise RuntimeError("wrap_fsdp2 needs an initialised torch.distributed process group; call "
                            "maybe_init_distributed(worker) (or torch.distributed.init_process_group) first")
     device_type = next(model.parameters()).device.type
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    if mesh is None:
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     policy = mixed_precision_policy(mixed_precision)
     offload = cpu_offload_policy(device_type) if offload_policy else None
     layers = decoder_layers(model)
@@ -221,7 +223,7 @@ def wrap_ddp(model: nn.Module) -> nn.Module:
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
 
-def wrap_model(model: nn.Module, strategy: str, fsdp_config, *, trainable: bool = True) -> nn.Module:
+def wrap_model(model: nn.Module, strategy: str, fsdp_config, *, trainable: bool = True, mesh=None) -> nn.Module:
     """Wrap one role's model for `strategy` (from `parallel_strategy`): FSDP2, DDP (trainable models only) or as is.
 
     FSDP2 mixed precision follows `fsdp_config.dtype` on accelerators; CPU models compute in fp32 (as the
@@ -231,7 +233,7 @@ def wrap_model(model: nn.Module, strategy: str, fsdp_config, *, trainable: bool 
         on_cpu = next(model.parameters()).device.type == "cpu"
         return wrap_fsdp2(model, mixed_precision=None if on_cpu else fsdp_config.dtype,
                           reshard_after_forward=fsdp_config.reshard_after_forward,
-                          offload_policy=uses_offload_policy(strategy, fsdp_config))
+                          offload_policy=uses_offload_policy(strategy, fsdp_config), mesh=mesh)
     if strategy == "ddp" and trainable:
         return wrap_ddp(model)
     return model
@@ -264,14 +266,15 @@ def reshard(model: nn.Module) -> None:
 HOST = torch.device("cpu")
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (an FSDP2 shard, a tensor-parallel split), or the tensor itself."""
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
-    local = _local(tensor)
+    local = local_tensor(tensor)
     return local.numel() * local.element_size()
 
 
@@ -282,7 +285,7 @@ def model_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
     for tensor in (*model.parameters(), *(p.grad for p in model.parameters()), *model.buffers()):
         if tensor is not None and id(tensor) not in seen:
             seen.add(id(tensor))
-            yield _local(tensor)
+            yield local_tensor(tensor)
 
 
 def model_bytes(model: nn.Module, device: torch.device | None = None) -> int:

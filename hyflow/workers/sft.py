@@ -106,7 +106,7 @@ class SFTWorker(EngineCheckpoints, Worker):
         """One optimizer step on the step's samples (this rank gets its share): train/loss, train/lr,
         train/grad_norm, the same on every rank."""
         # one mini-batch: this rank's share, or its sequence-parallel group's (the group trains on its rows together)
-        plan = UpdatePlan(mini_batch_size=len(batch) * self.engine.sp_size, epochs=1, shuffle=False, seed=0,
+        plan = UpdatePlan(mini_batch_size=len(batch) * self.engine.group_size, epochs=1, shuffle=False, seed=0,
                           sizes=self.spec.batches,
                           loss_agg_mode="token-mean", metric_prefix="train")
         with self.engine.on_device(optimizer=True):  # engine.param_offload / optimizer_offload: in for the step

@@ -95,6 +95,7 @@ from hyflow.workers.engine import (
 from hyflow.workers.fsdp import (
     HOST,
     WEIGHT_BUCKET_BYTES,
+    decoder_layers,
     full_optimizer_state_dict,
     iter_full_tensors,
     load_full_optimizer_state_dict,
@@ -190,7 +191,7 @@ class TrainEngine:
                  use_remove_padding: bool = False, share_prompts: bool = False, use_torch_compile: bool = False,
                  lora=None, world_size: int = 1, rank: int = 0, compute_dtype: str | None = None,
                  checkpoint_prefix: str | None = None, freeze_vision_tower: bool = False,
-                 sequence_parallel_size: int = 1):
+                 sequence_parallel_size: int = 1, tensor_parallel_size: int = 1):
         if head not in HEADS:
             raise ValueError(f"head={head!r}; use one of {HEADS}")
         self.name, self.head, self.device = name, head, device
@@ -210,6 +211,7 @@ class TrainEngine:
         # vision-language prompt: its images once too, and only rows whose prompt images are equal share it)
         self.share_prompts = bool(share_prompts) and self.use_remove_padding
         self._init_sequence_parallel(int(sequence_parallel_size), model)
+        self._init_tensor_parallel(int(tensor_parallel_size), model, lora, strategy)
         self.compute_dtype = compute_dtype or getattr(fsdp_config, "dtype", "fp32")
         self.lora = lora
         if freeze_vision_tower and self.vision:  # verl's key: the vision tower keeps its weights
@@ -220,7 +222,13 @@ class TrainEngine:
         if not trainable:
             model.requires_grad_(False).eval()
         self.module = model  # before wrapping (FSDP2 shards it in place; DDP holds it as .module)
-        self.model = wrap_model(model, strategy, fsdp_config, trainable=trainable)
+        mesh = None
+        if self.tp_mesh is not None:  # split each layer over the tp dimension, then FSDP2 over the dp dimension
+            from hyflow.models.tensor_parallel import apply_tensor_parallel
+
+            apply_tensor_parallel(model, decoder_layers(model), self.tp_mesh["tp"])
+            mesh = self.tp_mesh["dp"]
+        self.model = wrap_model(model, strategy, fsdp_config, trainable=trainable, mesh=mesh)
         # verl's use_torch_compile: the MLPs and norms compiled for this engine's own passes (hyflow.models.compile)
         self.compiled = None
         if use_torch_compile:
@@ -247,7 +255,8 @@ class TrainEngine:
                    use_torch_compile=spec.use_torch_compile, lora=spec.lora, world_size=world_size, rank=rank,
                    compute_dtype=spec.compute_dtype, checkpoint_prefix=spec.checkpoint_prefix,
                    freeze_vision_tower=spec.freeze_vision_tower,
-                   sequence_parallel_size=spec.ulysses_sequence_parallel_size)
+                   sequence_parallel_size=spec.ulysses_sequence_parallel_size,
+                   tensor_parallel_size=spec.tensor_parallel_size)
 
     def _init_sequence_parallel(self, size: int, model: nn.Module) -> None:
         """Ulysses sequence parallelism over groups of `size` consecutive ranks (`hyflow.workers.
@@ -276,6 +285,42 @@ class TrainEngine:
 
         self.sp_group = new_groups(self.world_size, self.rank, self.sp_size)
         self.sp_rank = self.rank % self.sp_size
+
+    def _init_tensor_parallel(self, size: int, model: nn.Module, lora, strategy: str) -> None:
+        """Tensor parallelism over groups of `size` consecutive ranks (`hyflow.models.tensor_parallel`): the ranks
+        of a group hold the group's rows (as a Ulysses group does) and each runs its share of every layer's heads
+        and MLP columns; FSDP2 shards over the data-parallel dimension; data-parallel size = world_size / size.
+
+        `row_group` / `group_size` / `group_rank`: the ranks that share rows (the Ulysses or the tensor-parallel
+        group; None / 1 / 0 without either)."""
+        self.tp_size = max(1, size)
+        self.tp_mesh = None
+        self.row_group, self.group_size, self.group_rank = self.sp_group, self.sp_size, self.sp_rank
+        if self.tp_size == 1:
+            return
+        where = f"{self.name}: tensor_parallel_size={self.tp_size}"
+        if self.world_size % self.tp_size:
+            raise ValueError(f"{where} must divide the role's {self.world_size} ranks")
+        if self.sp_size > 1:
+            raise ValueError(f"{where} with ulysses_sequence_parallel_size={self.sp_size}: both at once are not "
+                             "built yet; use one of them")
+        if strategy != "fsdp2":
+            raise ValueError(f"{where} composes with FSDP2 (strategy fsdp or fsdp2 on 2 or more ranks), not "
+                             f"{strategy}")
+        if lora is not None:
+            raise ValueError(f"{where} with LoRA is not built yet (the adapters wrap the linears it splits); use "
+                             "lora_rank=0 or tensor_parallel_size=1")
+        if self.vision:
+            raise ValueError(f"{where}: tensor parallelism of a vision-language model is not built yet; use 1")
+        from hyflow.models.tensor_parallel import tp_mesh, tp_problem
+
+        problem = tp_problem(model, decoder_layers(model), self.tp_size)
+        if problem is not None:
+            raise ValueError(f"{self.name}: {problem}")
+        self.tp_mesh = tp_mesh(next(model.parameters()).device.type, self.world_size, self.tp_size)
+        self.dp_size = self.world_size // self.tp_size
+        self.row_group = self.tp_mesh["tp"].get_group()
+        self.group_size, self.group_rank = self.tp_size, self.tp_mesh["tp"].get_local_rank()
 
     def _sp(self):
         """The sequence-parallel block of a packed forward (a no-op without sequence parallelism)."""
@@ -477,10 +522,10 @@ class TrainEngine:
                     scores[rows] = self.forward_micro(micro, 0)[0]["scores"].float().cpu()
             return {"scores": scores}
         own = None
-        if self.sp_group is not None:  # the group's rows, computed sequence-parallel; this rank keeps its own
-            from hyflow.workers.sequence_parallel import gather_rows
+        if self.row_group is not None:  # the group's rows, computed sequence- or tensor-parallel; this rank
+            from hyflow.workers.sequence_parallel import gather_rows  # keeps its own
 
-            batch, own, _ = gather_rows(batch, self.sp_group)
+            batch, own, _ = gather_rows(batch, self.row_group)
         R = batch["responses"].shape[1]
         outputs: dict[str, torch.Tensor] = {}
         self.model.eval()
@@ -533,9 +578,9 @@ class TrainEngine:
         `mini_batch_size`: the rows of a mini-batch of the group (per data-parallel rank)."""
         from hyflow.workers.sequence_parallel import gather_rows, mini_batch_order
 
-        rows, _, lengths = gather_rows(batch, self.sp_group)
-        order = mini_batch_order(lengths, mini_batch_size // self.sp_size) if mini_batch_size % self.sp_size == 0 \
-            else None
+        rows, _, lengths = gather_rows(batch, self.row_group)
+        size = self.group_size
+        order = mini_batch_order(lengths, mini_batch_size // size) if mini_batch_size % size == 0 else None
         return rows if order is None else rows[order]
 
     def step(self) -> dict[str, float]:
@@ -554,7 +599,7 @@ class TrainEngine:
         mini-batch's global metric values (all-reduced, the same on every rank), plus `<prefix>/grad_norm`,
         `<prefix>/lr` and `<prefix>/grad_norm_skipped`."""
         self.model.train()
-        if self.sp_group is not None:
+        if self.row_group is not None:
             batch = self._group_rows(batch, plan.mini_batch_size)
         metrics: dict[str, list[float]] = {}
         peak = self.peak_flops()
@@ -564,12 +609,12 @@ class TrainEngine:
                                                    shuffle=plan.shuffle, seed=plan.seed), 1):
             self._mini = (j, n_mini)
             local = loss_normalisers(mini["response_mask"], plan.loss_agg_mode)
-            if self.sp_rank:  # the group's rows are counted (and its metrics summed) once, by its first rank
+            if self.group_rank:  # the group's rows are counted (and its metrics summed) once, by its first rank
                 local = {key: torch.zeros_like(value) for key, value in local.items()}
             norms = all_reduce_sum(local)
             sums = self.forward_backward(mini, plan.sizes, loss_fn, columns=columns, norms=norms,
                                          temperature=temperature, with_entropy=with_entropy)
-            sums = all_reduce_metrics({key: 0.0 if self.sp_rank else value for key, value in sums.items()})
+            sums = all_reduce_metrics({key: 0.0 if self.group_rank else value for key, value in sums.items()})
             stepped = self.step()
             for key, value in {**sums, **{f"{plan.metric_prefix}/{k}": v for k, v in stepped.items()}}.items():
                 metrics.setdefault(key, []).append(value)
@@ -718,6 +763,19 @@ class EngineCheckpoints:
         with self.engine.on_device(optimizer="optimizer" in contents):
             self.engine.load_sharded(path, contents)
         self.after_weights_loaded()
+
+    @register(Dispatch.REPLICATE)
+    def parallel_layout(self) -> dict:
+        """This rank's layout of every engine the role holds: {engine name: {"dp": data-parallel size, "sp": ...,
+        "tp": ..., "group_rank": rank in the group that shares rows, "local_params": elements of the model this
+        rank holds (FSDP2 shards and tensor-parallel splits), "params": elements of the whole model}}."""
+        from hyflow.workers.fsdp import local_tensor
+
+        engines = [self.engine, getattr(self, "ref", None)]
+        return {e.name: {"dp": e.dp_size, "sp": e.sp_size, "tp": e.tp_size, "group_rank": e.group_rank,
+                         "local_params": sum(local_tensor(p).numel() for p in e.model.parameters()),
+                         "params": sum(p.numel() for p in e.model.parameters())}
+                for e in dict.fromkeys(e for e in engines if e is not None)}
 
     @register(Dispatch.REPLICATE)
     def offload_status(self) -> dict:

@@ -120,6 +120,48 @@ def one_process_step(args, *, critic: bool) -> dict:
     return out
 
 
+def assert_workers_match_one_process(dist: RLTrainer, want: dict, *, critic: bool, workers: int,
+                                     during=None) -> None:
+    """`dist` (set up, on `workers` Ray workers) computes `one_process_step`'s old log-probs, update metrics and
+    weights (and the critic's) on its batch, to rounding, the batch dispatched in the trainer's mini-batch-major
+    order; `during(dist)` runs after the actor's update, before the shutdown (checks of the workers' state)."""
+    batch = want["batch"]
+    try:
+        assert dist.actor.world_size == workers
+        got_logp = dist.actor.compute_log_prob(batch.clone())["old_log_probs"]
+        prompts = 2  # ppo_mini_batch_size: the dispatcher's mini-batch-major order, as the trainer marks it
+        got_actor = dist.actor.update_actor(in_mini_batches(dist, batch.clone(), prompts)).meta["metrics"]
+        got_weights = dist.actor.state_dict()["actor_model"]
+        if during is not None:
+            during(dist)
+        if critic:
+            got_values = dist.critic.compute_values(batch.clone())["values"]
+            got_critic = dist.critic.update_critic(in_mini_batches(dist, batch.clone(), prompts)).meta["metrics"]
+            got_critic_weights = dist.critic.state_dict()["critic_model"]
+    finally:
+        dist.shutdown()
+    torch.testing.assert_close(got_logp, want["log_probs"], atol=1e-5, rtol=0)
+    assert_inside_the_clips(want["actor"])
+    assert_same_update(got_actor, want["actor"], ("actor/pg_loss", "actor/grad_norm"), got_weights,
+                       want["actor_weights"])
+    if critic:
+        torch.testing.assert_close(got_values, want["values"], atol=1e-5, rtol=0)
+        assert_inside_the_clips(want["critic"])
+        assert_same_update(got_critic, want["critic"], ("critic/vf_loss", "critic/grad_norm"), got_critic_weights,
+                           want["critic_weights"])
+
+
+def resumed_actor_weights(args) -> tuple[int, int, dict]:
+    """(global step, actor world size, actor weights) of a trainer set up with `args` (a resume), shut down."""
+    resumed = RLTrainer(args, reward_fn=digit_reward)
+    resumed.setup()
+    try:
+        return resumed.global_step, resumed.actor.world_size, resumed.actor.state_dict()["actor_model"]
+    finally:
+        resumed.tracker.close()
+        resumed.shutdown()
+
+
 def assert_inside_the_clips(metrics) -> None:
     """The premise of a 2-ranks-vs-1-process comparison: no token of the update sat on a PPO (or value) clip
     boundary, where another rounding would flip it in or out of the clip and the comparison would measure that."""
@@ -160,15 +202,9 @@ def test_resume_across_world_sizes(tiny_model_dir, task_dir, tmp_path):
     for role in ("actor", "critic"):
         assert {p.name for p in (ckpt / role).glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
     exported = AutoModelForCausalLM.from_pretrained(export_checkpoint(ckpt, tmp_path / "hf")).state_dict()
-    resumed = RLTrainer(overrides(tiny_model_dir, task_dir, two_then_one, *ppo, "trainer.total_training_steps=2"),
-                        reward_fn=digit_reward)
-    resumed.setup()
-    try:
-        assert resumed.global_step == 1 and resumed.actor.world_size == 1
-        loaded = resumed.actor.state_dict()["actor_model"]
-    finally:
-        resumed.tracker.close()
-        resumed.shutdown()
+    step, world_size, loaded = resumed_actor_weights(
+        overrides(tiny_model_dir, task_dir, two_then_one, *ppo, "trainer.total_training_steps=2"))
+    assert step == 1 and world_size == 1
     for name, tensor in loaded.items():
         torch.testing.assert_close(exported[name], tensor, atol=0, rtol=0, msg=name)
     RLTrainer(overrides(tiny_model_dir, task_dir, two_then_one, *ppo, "trainer.total_training_steps=2"),

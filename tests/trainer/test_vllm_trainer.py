@@ -108,9 +108,12 @@ def test_grpo_with_vllm_raises_the_reward(warm, tmp_path):
     assert last > first + 0.05
 
 
-def test_two_ray_workers_with_vllm_match_one_process(tiny_model_dir, task_dir, tmp_path):
+@pytest.mark.parametrize("training_tp", [1, 2])
+def test_two_ray_workers_with_vllm_match_one_process(tiny_model_dir, task_dir, tmp_path, training_tp):
     """The same checks as tests/trainer/test_rl_ray.py's, with a vllm engine in every worker; then each rank's
-    engine, synced from FSDP2 shards, generates with log-probs equal to the single process's recompute."""
+    engine, synced from FSDP2 shards, generates with log-probs equal to the single process's recompute.
+    training_tp=2: the actor trains tensor-parallel over both ranks while each rank's engine holds the whole model
+    (rollout tensor_model_parallel_size=1): the sync gathers the split weights whole."""
     from test_rl_ray import (
         SGD,
         assert_inside_the_clips,
@@ -136,10 +139,12 @@ def test_two_ray_workers_with_vllm_match_one_process(tiny_model_dir, task_dir, t
         want_weights = local.actor.state_dict()["actor_model"]
     finally:
         local.shutdown()
-    dist = RLTrainer(args + on_ray(2), reward_fn=digit_reward)
+    dist = RLTrainer(args + on_ray(2) + [f"actor_rollout_ref.actor.tensor_parallel_size={training_tp}"],
+                     reward_fn=digit_reward)
     dist.setup()
     try:
         assert dist.actor.world_size == 2
+        assert [rank["actor"]["tp"] for rank in dist.actor.parallel_layout()] == [training_tp] * 2
         got = dist.actor.update_actor(in_mini_batches(dist, batch.clone(), 2)).meta["metrics"]
         got_weights = dist.actor.state_dict()["actor_model"]
         dist.actor.sync_rollout_weights()

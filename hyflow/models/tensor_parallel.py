@@ -1,0 +1,118 @@
+"""Tensor parallelism of a Hugging Face decoder with PyTorch's own engine (`torch.distributed.tensor.parallel`).
+
+Each decoder layer's attention and MLP are split over a tensor-parallel group of T ranks, Megatron's layout as
+torchtitan writes it for Llama: `q_proj`, `k_proj`, `v_proj`, `gate_proj` and `up_proj` column-wise (rank t
+holds heads t*H/T .. (t+1)*H/T - 1 and the same slice of the MLP's columns), `o_proj` and `down_proj` row-wise
+(their partial sums are all-reduced). The layer's input and output stay whole on every rank of the group
+(Replicate), so everything outside the split modules (embeddings, norms, the LM or value head, hyflow's packed
+attention, which reads the local head count from its tensors) runs as in one process, and their gradients come
+out the same on every rank of the group (the backward of a replicated input all-reduces its partial gradients).
+
+The group's ranks therefore compute on the same rows (`hyflow.workers.train_engine` gathers them, as for Ulysses
+groups) and FSDP2 shards over the data-parallel dimension of the (dp, tp) mesh (`tp_mesh`). Parameters of a
+split module are DTensors on the tp mesh (FSDP2 adds the dp dimension); state dicts, weight sync and checkpoints
+see full tensors through DTensor (`hyflow.workers.fsdp`).
+
+`apply_tensor_parallel(model, mesh)` checks first that the model is of this shape (a `config` with attention and
+key-value heads divisible by T, decoder layers with `self_attn.{q,k,v,o}_proj` and `mlp.{gate,up,down}_proj`
+linears) and says which part is not.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# module path inside a decoder layer -> "colwise" | "rowwise"
+LAYER_PLAN: dict[str, str] = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+
+
+def tp_mesh(device_type: str, world_size: int, tp_size: int):
+    """The (dp, tp) DeviceMesh of `world_size` ranks: tensor-parallel groups of `tp_size` consecutive ranks
+    (rank = dp_index * tp_size + tp_index). Collective: every rank calls it, in the same order."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if tp_size < 1 or world_size % tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} must divide the role's {world_size} ranks")
+    return init_device_mesh(device_type, (world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+
+
+def tp_problem(model: nn.Module, layers: list[nn.Module], tp_size: int) -> str | None:
+    """Why `model` cannot be split over `tp_size` ranks by LAYER_PLAN, or None."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads is None:
+        return "the model's config has no num_attention_heads"
+    for name, count in (("attention heads", heads), ("key-value heads", kv_heads)):
+        if count % tp_size:
+            return f"tensor_parallel_size={tp_size} must divide the model's {count} {name}"
+    if not layers:
+        return "the model has no decoder layers (model.layers) to split"
+    for path in LAYER_PLAN:
+        module = layers[0].get_submodule(path) if _has_submodule(layers[0], path) else None
+        if type(module) is not nn.Linear:
+            found = "no such module" if module is None else type(module).__name__
+            return (f"each decoder layer needs a plain nn.Linear at {path} to split it ({found} in "
+                    f"{type(layers[0]).__name__}); tensor parallelism supports Llama/Qwen-style decoders without "
+                    "LoRA")
+        if path.endswith(("gate_proj", "up_proj", "q_proj", "k_proj", "v_proj")) and module.out_features % tp_size:
+            return f"tensor_parallel_size={tp_size} must divide {path}'s {module.out_features} output features"
+        if path.endswith(("o_proj", "down_proj")) and module.in_features % tp_size:
+            return f"tensor_parallel_size={tp_size} must divide {path}'s {module.in_features} input features"
+    return None
+
+
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+        return True
+    except AttributeError:
+        return False
+
+
+def apply_tensor_parallel(model: nn.Module, layers: list[nn.Module], mesh) -> None:
+    """Split every decoder layer of `model` (`layers`, from `hyflow.workers.fsdp.decoder_layers`) over the 1-D
+    tensor-parallel `mesh`, in place (before FSDP2 wraps the model). Raises ValueError when the model is not of
+    the shape LAYER_PLAN needs."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    size = mesh.size()
+    problem = tp_problem(model, layers, size)
+    if problem is not None:
+        raise ValueError(problem)
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for layer in layers:
+        parallelize_module(layer, mesh, {path: styles[kind]() for path, kind in LAYER_PLAN.items()})
+
+
+def is_tensor_parallel(model: nn.Module) -> bool:
+    """Whether a parameter of `model` is split over a mesh dimension named "tp"."""
+    from torch.distributed.tensor import DTensor
+
+    for param in model.parameters():
+        if isinstance(param, DTensor) and "tp" in (param.device_mesh.mesh_dim_names or ()):
+            return True
+    return False
+
+
+def grad_norm_groups(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`grads` grouped by (mesh, placements) for DTensors (plain tensors one group): torch's total-norm functions
+    stack per-tensor norms, which DTensors of different meshes (2-D split weights beside 1-D sharded norms) or
+    placements cannot be."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[object, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = (id(grad.device_mesh), tuple(grad.placements)) if isinstance(grad, DTensor) else "plain"
+        groups.setdefault(key, []).append(grad)
+    return list(groups.values())
