@@ -34,13 +34,21 @@ as one sequence-parallel group, each rank a 1/N slice of every packed row. Repor
 step and real tokens per second (of the whole micro-batch, i.e. of the group), the activation memory per rank
 (the bytes of the tensors autograd saves for backward during the forward, parameters excluded, unique storages:
 what sequence parallelism divides; `torch.cuda.max_memory_allocated` too on CUDA) and the peak resident memory of
-each rank's process. Rounds alternate which path runs first. Use long sequences: e.g.
-`--sp 2 --batch-size 1 --min-len 4096 --max-len 4096 --prompt-max 256`.
+each rank's process. Rounds alternate which path runs first (one spawn per path and round). Use long sequences:
+e.g. `--sp 2 --batch-size 1 --min-len 4096 --max-len 4096 --prompt-max 256`.
+
+`--tp N` times tensor parallelism (`hyflow.models.tensor_parallel`) the same way: the packed step in one process
+(tp=1) against N spawned processes over which every decoder layer is split (q/k/v/gate/up column-wise, o/down
+row-wise; embeddings, norms and the lm_head stay whole on every rank), all N running the same whole micro-batch
+and computing the same loss. Reported per path, beside the --sp numbers: the parameter and the gradient memory
+per rank (bytes of each tensor's local part, `DTensor.to_local()`), and the ratios tp=N / tp=1. N must divide the
+preset's attention and key-value heads (tiny: 4 / 2, small: 8 / 2); `--sp` and `--tp` cannot be combined.
 
 Run:  OMP_NUM_THREADS=1 python benchmarks/bench_train.py                     (small, 16 x U[8, 512], 3 rounds)
       OMP_NUM_THREADS=1 python benchmarks/bench_train.py --compare compile --warmup 2
       python benchmarks/bench_train.py --preset tiny --batch-size 4 --max-len 64 --rounds 1 --steps 1 --json o.json
       python benchmarks/bench_train.py --sp 2 --batch-size 1 --min-len 4096 --max-len 4096 --prompt-max 256
+      python benchmarks/bench_train.py --tp 2 --batch-size 1 --min-len 4096 --max-len 4096 --prompt-max 256
 """
 
 from __future__ import annotations
@@ -90,6 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="padding: padded vs packed; compile: packed vs packed with the MLPs and norms compiled "
                         "(hyflow.models.compile, what use_torch_compile does; the compile falls in the warm-up)")
     p.add_argument("--sp", type=int, default=1, help="compare one process with N sequence-parallel ranks (Ulysses)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="compare one process with N tensor-parallel ranks (hyflow.models.tensor_parallel: every "
+                        "decoder layer split over them, all on the same micro-batch); N must divide the preset's "
+                        "attention and key-value heads")
     p.add_argument("--seed", type=int, default=0, help="seed of the sequence lengths and token ids")
     p.add_argument("--workdir", default=None, help="keep the model here (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write every number and the machine facts to this file")
@@ -99,8 +111,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
-    if args.sp < 1:
-        p.error("--sp must be >= 1")
+    for name in ("sp", "tp"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    if args.sp > 1 and args.tp > 1:
+        p.error("--sp and --tp cannot be combined: each compares one process with N ranks of its own kind")
+    if args.tp > 1:
+        shape = PRESETS[args.preset]
+        for key, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "key-value heads")):
+            if shape[key] % args.tp:
+                p.error(f"--tp {args.tp} must divide the {args.preset} preset's {shape[key]} {what}")
     if not 2 <= args.min_len <= args.max_len:
         p.error(f"need 2 <= --min-len <= --max-len (a prompt and a response token); got {args.min_len}, "
                 f"{args.max_len}")
@@ -211,7 +231,11 @@ def main(argv: list[str] | None = None) -> dict:
     threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        return _run_sequence_parallel(args) if args.sp > 1 else _run_benchmark(args)
+        if args.sp > 1:
+            return _run_parallel(args, "sp")
+        if args.tp > 1:
+            return _run_parallel(args, "tp")
+        return _run_benchmark(args)
     finally:
         torch.set_num_threads(threads_before)  # main() may run inside another process (the smoke test)
 
@@ -290,18 +314,23 @@ def _run_benchmark(args: argparse.Namespace) -> dict:
     return report
 
 
-# ---------------------------------------------------------------------------------------------- --sp N
+# ---------------------------------------------------------------------------------------------- --sp N / --tp N
+MODES = {"sp": "sequence-parallel", "tp": "tensor-parallel"}
+
+
 def _activation_bytes(model, step) -> tuple:
-    """(result of step(), bytes of the unique non-parameter tensors autograd saved during it)."""
+    """(result of step(), bytes of the unique non-parameter tensors autograd saved during it). A saved DTensor
+    (tensor parallelism) counts as its local part."""
     import torch
 
-    params = {p.data_ptr() for p in model.parameters()}
+    params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
     def pack(tensor):
-        ptr = tensor.untyped_storage().data_ptr()
+        storage = _local(tensor).untyped_storage()
+        ptr = storage.data_ptr()
         if ptr not in params:
-            seen[ptr] = max(seen.get(ptr, 0), tensor.untyped_storage().nbytes())
+            seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
@@ -309,9 +338,25 @@ def _activation_bytes(model, step) -> tuple:
     return out, sum(seen.values())
 
 
-def _sp_rank(rank: int, args: argparse.Namespace, model_dir: str, init_file: str, out_file: str, world: int) -> None:
-    """One rank of a `--sp` run (world 1: the one-process baseline): warm-up, then `--steps` timed packed steps
-    on each round's batches; rank 0 writes every rank's numbers to `out_file`."""
+def _local(tensor):
+    """This rank's part of a DTensor (a tensor-parallel split), or the tensor itself (`DTensor.to_local()`, as
+    `hyflow.workers.fsdp.local_tensor`; kept here so that --sp needs nothing of the tensor-parallel work)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _local_bytes(tensors) -> int:
+    """Bytes of this rank's part of each tensor; None entries skipped."""
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors if t is not None)
+
+
+def _parallel_rank(rank: int, mode: str, args: argparse.Namespace, model_dir: str, init_file: str, out_file: str,
+                   world: int) -> None:
+    """One rank of a `--sp` / `--tp` run (`mode`; world 1: the one-process baseline): warm-up, then `--steps`
+    timed packed steps on each round's batches; rank 0 writes every rank's numbers to `out_file`. sp: the ranks
+    form one Ulysses group, each a slice of every row; tp: every decoder layer is split over the ranks
+    (`hyflow.models.tensor_parallel`), all of which run the whole micro-batch."""
     import resource
     from datetime import timedelta
 
@@ -329,9 +374,16 @@ def _sp_rank(rank: int, args: argparse.Namespace, model_dir: str, init_file: str
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"file://{init_file}",
                             rank=rank, world_size=world, timeout=timedelta(seconds=600))
-    group = dist.new_group(list(range(world))) if world > 1 else None
     model = load_causal_lm(model_dir, dtype=args.dtype, device=device)
     model.train()
+    group = None
+    if world > 1 and mode == "sp":
+        group = dist.new_group(list(range(world)))
+    elif world > 1:
+        from hyflow.models.tensor_parallel import apply_tensor_parallel, tp_mesh
+        from hyflow.workers.fsdp import decoder_layers
+
+        apply_tensor_parallel(model, decoder_layers(model), tp_mesh(args.device, world, world)["tp"])
     vocab = model.config.vocab_size
 
     def batch(seed: int):
@@ -340,7 +392,7 @@ def _sp_rank(rank: int, args: argparse.Namespace, model_dir: str, init_file: str
 
     def step(b):
         model.zero_grad(set_to_none=True)
-        with ulysses.sequence_parallel(group):
+        with ulysses.sequence_parallel(group) if mode == "sp" else contextlib.nullcontext():
             loss, _ = path_step("packed", model, b)
         loss.backward()
         return loss
@@ -361,6 +413,9 @@ def _sp_rank(rank: int, args: argparse.Namespace, model_dir: str, init_file: str
                 torch.cuda.synchronize()
             record = {"round": r, "s": time.perf_counter() - t0, "tokens": int(b[1].sum()),
                       "loss": float(loss.detach()), "saved_bytes": saved}
+            if mode == "tp":
+                record["parameter_bytes"] = _local_bytes(model.parameters())
+                record["gradient_bytes"] = _local_bytes(p.grad for p in model.parameters())
             if args.device == "cuda":
                 record["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(device)
             records.append(record)
@@ -372,78 +427,120 @@ def _sp_rank(rank: int, args: argparse.Namespace, model_dir: str, init_file: str
     dist.destroy_process_group()
 
 
-def _spawn_sp(args: argparse.Namespace, model_dir: str, world: int, workdir: Path, tag: str) -> list[dict]:
+def _spawn(mode: str, args: argparse.Namespace, model_dir: str, world: int, workdir: Path, tag: str) -> list[dict]:
     import torch.multiprocessing as mp
 
     init_file, out_file = workdir / f"init-{tag}", workdir / f"out-{tag}.json"
     init_file.unlink(missing_ok=True)
-    mp.start_processes(_sp_rank, args=(args, model_dir, str(init_file), str(out_file), world), nprocs=world,
-                       join=True, start_method="spawn")
+    mp.start_processes(_parallel_rank, args=(mode, args, model_dir, str(init_file), str(out_file), world),
+                       nprocs=world, join=True, start_method="spawn")
     return json.loads(out_file.read_text())
 
 
-def _run_sequence_parallel(args: argparse.Namespace) -> dict:
+def _run_parallel(args: argparse.Namespace, mode: str) -> dict:
+    """`--sp N` or `--tp N` (`mode`): the packed step in one process against N ranks, one spawn per path and
+    round."""
     from hyflow.models.tiny import make_tiny_model
 
+    size = getattr(args, mode)
     machine = machine_info()
     machine["load_average_before"] = load_average()
-    print(f"sequence-parallel benchmark: sp={args.sp} preset={args.preset} batch={args.batch_size} lengths "
+    print(f"{MODES[mode]} benchmark: {mode}={size} preset={args.preset} batch={args.batch_size} lengths "
           f"U[{args.min_len}, {args.max_len}] prompt<= {args.prompt_max} rounds={args.rounds} steps={args.steps} "
           f"warmup={args.warmup} threads/rank={args.threads} dtype={args.dtype} device={args.device}", flush=True)
     print(f"machine: {machine['cpu']}, {machine['cores']} cores, load average {machine['load_average_before']}; "
           f"torch {machine['torch']}" + (f", gpu {machine['gpu']}" if "gpu" in machine else ""), flush=True)
-    paths = {"sp=1": 1, f"sp={args.sp}": args.sp}
+    paths = {f"{mode}=1": 1, f"{mode}={size}": size}
     results: dict[str, list] = {name: [] for name in paths}
     with contextlib.ExitStack() as stack:
         workdir = Path(args.workdir) if args.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         model_dir = str(make_tiny_model(workdir / f"model-{args.preset}", preset=args.preset, seed=0))
         rounds, args.rounds = args.rounds, 1  # one spawn per path and round; the order alternates per round
-        for r in range(rounds):
-            for name in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
-                ranks = _spawn_sp(args, model_dir, paths[name], workdir, f"{name}-{r}")
-                results[name].append(ranks)
-                steps = ranks[0]["records"]
-                seconds = sum(x["s"] for x in steps)
-                print(f"round {r + 1}/{rounds} {name}: {seconds:.2f} s, "
-                      f"{sum(x['tokens'] for x in steps) / seconds:.0f} tokens/s", file=sys.stderr, flush=True)
-        args.rounds = rounds
+        try:
+            for r in range(rounds):
+                for name in (list(paths) if r % 2 == 0 else list(paths)[::-1]):
+                    ranks = _spawn(mode, args, model_dir, paths[name], workdir, f"{name}-{r}")
+                    results[name].append(ranks)
+                    steps = ranks[0]["records"]
+                    seconds = sum(x["s"] for x in steps)
+                    print(f"round {r + 1}/{rounds} {name}: {seconds:.2f} s, "
+                          f"{sum(x['tokens'] for x in steps) / seconds:.0f} tokens/s", file=sys.stderr, flush=True)
+        finally:
+            args.rounds = rounds
     summary: dict = {"paths": {}}
     for name, per_round in results.items():
         tps = [sum(x["tokens"] for x in ranks[0]["records"]) / max(max(sum(x["s"] for x in rk["records"])
                                                                          for rk in ranks), 1e-9)
                for ranks in per_round]
         steps = [x for ranks in per_round for x in ranks[0]["records"]]
+        every = [x for ranks in per_round for rk in ranks for x in rk["records"]]  # every rank's steps
         summary["paths"][name] = {
             "ranks": paths[name], "rounds_tokens_per_s": tps, "median_tokens_per_s": statistics.median(tps),
             "median_s_per_step": statistics.median(x["s"] for x in steps),
             "tokens_per_step": statistics.mean(x["tokens"] for x in steps),
-            "activation_mb_per_rank": max(x["saved_bytes"] for ranks in per_round for rk in ranks
-                                          for x in rk["records"]) / 2**20,
+            "activation_mb_per_rank": max(x["saved_bytes"] for x in every) / 2**20,
             "peak_rss_mb_per_rank": max(rk["peak_rss_bytes"] for ranks in per_round for rk in ranks) / 2**20,
             "losses": [x["loss"] for x in steps],
         }
-        cuda = [x["cuda_peak_bytes"] for ranks in per_round for rk in ranks for x in rk["records"]
-                if "cuda_peak_bytes" in x]
+        if mode == "tp":
+            summary["paths"][name]["parameter_mb_per_rank"] = max(x["parameter_bytes"] for x in every) / 2**20
+            summary["paths"][name]["gradient_mb_per_rank"] = max(x["gradient_bytes"] for x in every) / 2**20
+            # every rank of the group computes the same loss: the largest spread within a step
+            summary["paths"][name]["max_loss_spread_across_ranks"] = max(
+                (max(rk["records"][i]["loss"] for rk in ranks) - min(rk["records"][i]["loss"] for rk in ranks))
+                for ranks in per_round for i in range(len(ranks[0]["records"])))
+        cuda = [x["cuda_peak_bytes"] for x in every if "cuda_peak_bytes" in x]
         if cuda:
             summary["paths"][name]["cuda_peak_mb_per_rank"] = max(cuda) / 2**20
     one, many = (summary["paths"][name] for name in paths)
     summary["ratio_tokens_per_s"] = many["median_tokens_per_s"] / one["median_tokens_per_s"]
     summary["ratio_activation_memory"] = many["activation_mb_per_rank"] / one["activation_mb_per_rank"]
+    if mode == "tp":
+        summary["ratio_parameter_memory"] = many["parameter_mb_per_rank"] / one["parameter_mb_per_rank"]
+        summary["ratio_parameters_and_gradients"] = (
+            (many["parameter_mb_per_rank"] + many["gradient_mb_per_rank"])
+            / (one["parameter_mb_per_rank"] + one["gradient_mb_per_rank"]))
+        if "cuda_peak_mb_per_rank" in one and "cuda_peak_mb_per_rank" in many:
+            summary["ratio_cuda_peak_memory"] = many["cuda_peak_mb_per_rank"] / one["cuda_peak_mb_per_rank"]
     summary["max_loss_abs_diff"] = max(abs(a - b) for a, b in zip(one["losses"], many["losses"]))
     machine["load_average_after"] = load_average()
-    header = (f"{'path':<8} {'ranks':>5} {'median s/step':>13} {'real tokens/step':>16} {'tokens/s':>9} "
-              f"{'activations MB/rank':>19} {'peak RSS MB/rank':>16}")
-    print(header + "\n" + "-" * len(header))
-    for name, x in summary["paths"].items():
-        print(f"{name:<8} {x['ranks']:>5} {x['median_s_per_step']:>13.3f} {x['tokens_per_step']:>16.0f} "
-              f"{x['median_tokens_per_s']:>9.0f} {x['activation_mb_per_rank']:>19.1f} {x['peak_rss_mb_per_rank']:>16.0f}")
-    print(f"ratio sp={args.sp}/sp=1: tokens/s {summary['ratio_tokens_per_s']:.2f}x, activation memory per rank "
-          f"{summary['ratio_activation_memory']:.2f}x; losses equal to {summary['max_loss_abs_diff']:.1e}; load "
-          f"average before {machine['load_average_before']}, after {machine['load_average_after']}")
+    print(_format_parallel_table(summary, mode))
+    many_name = f"{mode}={size}"
+    if mode == "sp":
+        print(f"ratio {many_name}/sp=1: tokens/s {summary['ratio_tokens_per_s']:.2f}x, activation memory per rank "
+              f"{summary['ratio_activation_memory']:.2f}x; losses equal to {summary['max_loss_abs_diff']:.1e}; load "
+              f"average before {machine['load_average_before']}, after {machine['load_average_after']}")
+    else:
+        cuda = (f", CUDA peak memory per rank {summary['ratio_cuda_peak_memory']:.2f}x"
+                if "ratio_cuda_peak_memory" in summary else "")
+        print(f"ratio {many_name}/tp=1: tokens/s {summary['ratio_tokens_per_s']:.2f}x, parameters+gradients per rank "
+              f"{summary['ratio_parameters_and_gradients']:.2f}x (parameters {summary['ratio_parameter_memory']:.2f}x"
+              f"; embeddings, norms and lm_head are replicated), activation memory per rank "
+              f"{summary['ratio_activation_memory']:.2f}x{cuda}; losses equal to {summary['max_loss_abs_diff']:.1e}; "
+              f"load average before {machine['load_average_before']}, after {machine['load_average_after']}")
     report = {"args": vars(args), "machine": machine, "results": summary, "raw": results}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _format_parallel_table(summary: dict, mode: str) -> str:
+    """The per-path table of `--sp` / `--tp`: (title, summary key, width, format) per column after the path."""
+    columns = [("ranks", "ranks", 5, "d"), ("median s/step", "median_s_per_step", 13, ".3f"),
+               ("real tokens/step", "tokens_per_step", 16, ".0f"), ("tokens/s", "median_tokens_per_s", 9, ".0f")]
+    if mode == "tp":
+        columns += [("params MB/rank", "parameter_mb_per_rank", 14, ".1f"),
+                    ("grads MB/rank", "gradient_mb_per_rank", 13, ".1f")]
+    columns += [("activations MB/rank", "activation_mb_per_rank", 19, ".1f"),
+                ("peak RSS MB/rank", "peak_rss_mb_per_rank", 16, ".0f")]
+    if mode == "tp" and any("cuda_peak_mb_per_rank" in x for x in summary["paths"].values()):
+        columns.append(("CUDA peak MB/rank", "cuda_peak_mb_per_rank", 17, ".1f"))
+    header = f"{'path':<8} " + " ".join(f"{title:>{width}}" for title, _, width, _ in columns)
+    lines = [header, "-" * len(header)]
+    for name, x in summary["paths"].items():
+        lines.append(f"{name:<8} " + " ".join(f"{x.get(key, float('nan')):>{width}{fmt}}"
+                                              for _, key, width, fmt in columns))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,8 @@ def test_both_paths_run_and_write_json(bench, tmp_path, capsys):
     (["--rounds", "0"], "--rounds must be >= 1"),
     (["--min-len", "1"], "--min-len"),
     (["--preset", "huge"], "invalid choice"),
+    (["--sp", "2", "--tp", "2"], "--sp and --tp cannot be combined"),
+    (["--preset", "tiny", "--tp", "4"], "--tp 4 must divide the tiny preset's 2 key-value heads"),
 ])
 def test_bad_options_exit_before_building_a_model(bench, argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -75,3 +77,20 @@ def test_sequence_parallel_mode_runs_two_ranks(bench, tmp_path, capsys):
     assert report["results"]["max_loss_abs_diff"] < 1e-4
     assert paths["sp=2"]["activation_mb_per_rank"] < paths["sp=1"]["activation_mb_per_rank"]
     assert "ratio sp=2/sp=1" in printed, printed
+
+
+@pytest.mark.slow
+def test_tensor_parallel_mode_runs_two_ranks(bench, tmp_path, capsys):
+    """--tp 2: one process and 2 tensor-parallel ranks on the same batches; every rank computes the one process's
+    loss and holds less parameter (and gradient) memory than it (the decoder layers split, embeddings replicated)."""
+    report = bench.main(["--tp", "2", "--preset", "tiny", "--batch-size", "2", "--min-len", "32", "--max-len", "48",
+                         "--rounds", "1", "--steps", "1", "--warmup", "0", "--workdir", str(tmp_path / "work")])
+    printed = capsys.readouterr().out
+    results = report["results"]
+    paths = results["paths"]
+    assert set(paths) == {"tp=1", "tp=2"} and paths["tp=2"]["ranks"] == 2
+    assert results["max_loss_abs_diff"] < 1e-4 and paths["tp=2"]["max_loss_spread_across_ranks"] < 1e-6
+    assert 0.5 <= results["ratio_parameter_memory"] < 1
+    assert paths["tp=2"]["gradient_mb_per_rank"] < paths["tp=1"]["gradient_mb_per_rank"]
+    assert "ratio tp=2/tp=1" in printed and "params MB/rank" in printed, printed
+
