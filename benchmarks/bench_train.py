@@ -116,6 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name} must be >= 1")
     if args.sp > 1 and args.tp > 1:
         p.error("--sp and --tp cannot be combined: each compares one process with N ranks of its own kind")
+    if max(args.sp, args.tp) > 1 and (args.optimizer_step or args.compare != "padding" or args.attn != "sdpa"):
+        p.error("--sp / --tp time the packed forward and backward only: --optimizer-step, --compare and --attn "
+                "apply to the one-process comparison; drop them")
     if args.tp > 1:
         shape = PRESETS[args.preset]
         for key, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "key-value heads")):

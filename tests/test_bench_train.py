@@ -48,6 +48,8 @@ def test_both_paths_run_and_write_json(bench, tmp_path, capsys):
     (["--preset", "huge"], "invalid choice"),
     (["--sp", "2", "--tp", "2"], "--sp and --tp cannot be combined"),
     (["--preset", "tiny", "--tp", "4"], "--tp 4 must divide the tiny preset's 2 key-value heads"),
+    (["--tp", "2", "--optimizer-step"], "--sp / --tp time the packed forward and backward only"),
+    (["--sp", "2", "--compare", "compile"], "--sp / --tp time the packed forward and backward only"),
 ])
 def test_bad_options_exit_before_building_a_model(bench, argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
