@@ -82,7 +82,7 @@ from hyflow.models.forward import (
     token_values,
     unwrap_model,
 )
-from hyflow.models.vision import find_vision_tower, image_placeholders
+from hyflow.models.vision import MultiModalError, find_vision_tower, image_placeholders
 
 Tensor = torch.Tensor
 
@@ -679,17 +679,12 @@ def _packed_call(model: nn.Module, packed: PackedSequences, forward, **model_kwa
             return forward(model, packed.input_ids, None, packed.position_ids, **packed.attention_kwargs(),
                            **model_kwargs)
     group, grad_scale = sp
-    if model_kwargs.get("pixel_values") is not None:
-        raise NotImplementedError("Ulysses sequence parallelism of a vision-language model (images in the packed "
-                                  "row) is not built yet; use ulysses_sequence_parallel_size=1 for it")
     total = packed.num_tokens
     padded, start, end = ulysses.local_slice(total, group)
     extra = padded - total
-    ids, positions = packed.input_ids, packed.position_ids
+    ids, positions = packed.input_ids, _padded_positions(packed.position_ids, extra)
     if extra:
         ids = torch.cat([ids, ids.new_zeros((*ids.shape[:-1], extra))], dim=-1)
-        tail = torch.arange(extra, device=positions.device).expand(*positions.shape[:-1], extra)
-        positions = torch.cat([positions, tail.to(positions.dtype)], dim=-1)
     kwargs = packed.attention_kwargs()
     if extra:  # the padding attends to itself only
         cu = kwargs["cu_seq_lens_q"]
@@ -700,9 +695,53 @@ def _packed_call(model: nn.Module, packed: PackedSequences, forward, **model_kwa
             kwargs[SHARED_PREFIX_KWARG] = SharedPrefixes((*packed.shared.segments, (total, padded, total, total)),
                                                          packed.shared.shared_tokens)
     kwargs[ulysses.ULYSSES_KWARG] = group
-    with _packed_forward_context(model):
-        local = forward(model, ids[..., start:end], None, positions[..., start:end], **kwargs, **model_kwargs)
+    if model_kwargs.get("pixel_values") is not None:  # a vision-language model: see _decoder_gets_the_slice
+        with _packed_forward_context(model), _decoder_gets_the_slice(model, start, end, extra, kwargs):
+            local = forward(model, packed.input_ids, None, packed.position_ids, **packed.attention_kwargs(),
+                            **model_kwargs)
+    else:
+        with _packed_forward_context(model):
+            local = forward(model, ids[..., start:end], None, positions[..., start:end], **kwargs, **model_kwargs)
     return ulysses.gather_sequence(local, group, dim=1, grad_scale=grad_scale)[:, :total]
+
+
+def _padded_positions(positions: Tensor, extra: int) -> Tensor:
+    """Position ids [..., T] followed by `extra` padding positions 0 .. extra - 1 (the padding's own sequence)."""
+    if not extra:
+        return positions
+    tail = torch.arange(extra, device=positions.device).expand(*positions.shape[:-1], extra)
+    return torch.cat([positions, tail.to(positions.dtype)], dim=-1)
+
+
+@contextlib.contextmanager
+def _decoder_gets_the_slice(model: nn.Module, start: int, end: int, extra: int, kwargs: dict) -> Iterator[None]:
+    """Ulysses sequence parallelism of a vision-language model: every rank of the group runs the vision tower on
+    all the row's images and builds the whole row's input embeddings (the image features land on their pad
+    tokens, which a slice of token ids could not say), then its language model runs on this rank's slice only:
+    a pre-hook pads `inputs_embeds` and the [4, 1, T] positions by `extra` tokens, cuts [start, end) and hands the
+    decoder the padded row's boundaries with the group (`kwargs`). The gradient reaches the tower and the
+    embeddings through the slice alone; the gather's grad scale makes the group's average the whole gradient, as
+    for the decoder (hyflow.models.ulysses)."""
+    inner = unwrap_model(model)
+    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else getattr(inner, inner.base_model_prefix)
+
+    def slice_inputs(_module, args, call_kwargs):
+        embeds = call_kwargs.get("inputs_embeds")
+        if embeds is None or args:
+            raise MultiModalError(f"{_model_name(inner)}'s language model was not called with inputs_embeds as a "
+                                  "keyword: Ulysses sequence parallelism of this vision-language model is not "
+                                  "supported; use ulysses_sequence_parallel_size=1")
+        if extra:
+            embeds = torch.cat([embeds, embeds.new_zeros(embeds.shape[0], extra, embeds.shape[-1])], dim=1)
+        call_kwargs = {**call_kwargs, **kwargs, "inputs_embeds": embeds[:, start:end],
+                       "position_ids": _padded_positions(call_kwargs["position_ids"], extra)[..., start:end]}
+        return args, call_kwargs
+
+    handle = decoder.register_forward_pre_hook(slice_inputs, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _attach(out: Tensor, hidden: Tensor) -> Tensor:

@@ -274,9 +274,6 @@ class TrainEngine:
         if not self.use_remove_padding:
             raise ValueError(f"{where} needs sequence packing (use_remove_padding=true, as verl requires): the "
                              "sequence is cut across the ranks of the packed row")
-        if self.vision:
-            raise ValueError(f"{where}: sequence parallelism of a vision-language model (images in the packed "
-                             "row) is not built yet; use 1")
         heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
         if heads is not None and heads % self.sp_size:
             raise ValueError(f"{where} must divide the model's {heads} attention heads (each rank attends with "

@@ -102,3 +102,46 @@ def test_kv_repeats_give_each_rank_whole_heads():
     assert ulysses.kv_repeats(3, 2) == 2 and ulysses.kv_repeats(4, 8) == 2
     for kv, size in ((1, 2), (2, 4), (3, 2), (4, 8), (6, 4)):
         assert kv * ulysses.kv_repeats(kv, size) % size == 0
+
+
+def _vision_rank(rank: int, init_file: str, path: str) -> None:
+    """A vision-language model: each rank runs the vision tower and the embeddings on the whole row, its
+    language model on its slice; log-probs and every gradient (vision tower included) equal one process."""
+    import torch.distributed as dist
+    from test_vision import image_batch
+    from transformers import AutoModelForImageTextToText
+
+    from hyflow.models.packing import packed_response_logprobs
+    from hyflow.models.vision import VisionProcessor
+
+    init_gloo(rank, 2, init_file)
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    ids, mask, pos, R_, images, image_mask = image_batch(VisionProcessor.from_pretrained(path))
+
+    def run():
+        model.zero_grad()
+        logp, _ = packed_response_logprobs(model, ids, mask, R_, position_ids=pos, images=images,
+                                           image_mask=image_mask)
+        weights = torch.linspace(0.5, 1.5, logp.numel()).view_as(logp)
+        (logp * weights * mask[:, -R_:]).sum().backward()
+        return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    reference, reference_grads = run()
+    group = dist.new_group([0, 1])
+    with ulysses.sequence_parallel(group):
+        logp, grads = run()
+    real = mask[:, -R_:].bool()
+    assert torch.allclose(logp[real], reference[real], atol=1e-5, rtol=0), (logp - reference).abs().max()
+    assert any(name.startswith("model.visual.") for name in grads) and set(grads) == set(reference_grads)
+    for name, grad in grads.items():
+        dist.all_reduce(grad, op=dist.ReduceOp.AVG, group=group)
+        torch.testing.assert_close(grad, reference_grads[name], atol=2e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("preset", ["tiny-vl", "tiny-vl-2.5"])
+def test_sequence_parallel_vision_language_model_equals_one_process(tmp_path, preset):
+    from hyflow.models.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "vl", preset=preset, seed=0)
+    spawn_ranks(_vision_rank, args=(str(tmp_path / "init"), str(path)), timeout_s=300)

@@ -215,9 +215,26 @@ def test_packed_log_probs_and_gradients_of_image_sequences_equal_the_padded_forw
     """Sequence packing of a vision-language batch (M-RoPE positions packed as they are, the images in row order,
     the vision tower attending unpacked): the padded forward's log-probs and gradients, a generated pad included."""
     from hyflow.models.packing import packed_response_logprobs
-    from hyflow.models.vision import placeholder_mask
 
     model, processor = vl
+    ids, mask, pos, R, images, image_mask = image_batch(processor)
+    model.train(False)
+
+    padded, padded_grads = _padded_grads(model, ids, mask, pos, R, images, image_mask)
+    packed, packed_grads = _grads(model, mask, R, lambda: packed_response_logprobs(
+        model, ids, mask, R, position_ids=pos, images=images, image_mask=image_mask)[0])
+    real = mask[:, -R:].bool()
+    assert torch.allclose(packed[real], padded[real], atol=1e-5, rtol=0)
+    assert any(name.startswith("model.visual.") for name in packed_grads)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def image_batch(processor: VisionProcessor):
+    """(ids, mask, positions [B, 4, L], R, images, image_mask) of three rows (one picture, two pictures, text
+    only), left-padded prompts and right-padded responses, a generated pad token among the first response."""
+    from hyflow.models.vision import placeholder_mask
+
     pad = processor.tokens.image_token_id
     rows = [processor(_prompt(processor, "Which is red?", 1), [_image(56, 56)]),
             processor(_prompt(processor, "Two pictures, which one is blue?", 2),
@@ -238,18 +255,7 @@ def test_packed_log_probs_and_gradients_of_image_sequences_equal_the_padded_forw
         pos[b, :, start:start + P] = r["position_ids"]
         pos[b, :, width - R:width - R + len(resp)] = continue_positions(r["position_ids"], len(resp))
     mm_rows = [r["multi_modal_inputs"] for r in rows]
-    images = concat_multi_modal_inputs(mm_rows)
-    image_mask = placeholder_mask(ids, mm_rows, processor.tokens)
-    model.train(False)
-
-    padded, padded_grads = _padded_grads(model, ids, mask, pos, R, images, image_mask)
-    packed, packed_grads = _grads(model, mask, R, lambda: packed_response_logprobs(
-        model, ids, mask, R, position_ids=pos, images=images, image_mask=image_mask)[0])
-    real = mask[:, -R:].bool()
-    assert torch.allclose(packed[real], padded[real], atol=1e-5, rtol=0)
-    assert any(name.startswith("model.visual.") for name in packed_grads)
-    for name, grad in padded_grads.items():
-        torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+    return ids, mask, pos, R, concat_multi_modal_inputs(mm_rows), placeholder_mask(ids, mm_rows, processor.tokens)
 
 
 def test_shared_prompts_of_image_sequences_equal_the_padded_forward(vl):

@@ -360,9 +360,11 @@ def vowel_reward(data_source, solution_str, ground_truth, extra_info=None, **kwa
     return sum(c in "aeiou" for c in solution_str) / max(len(solution_str), 1)
 
 
-def test_two_ray_workers_match_one_process_on_a_vision_language_model(tmp_path):
+@pytest.mark.parametrize("sp", [1, 2])
+def test_two_ray_workers_match_one_process_on_a_vision_language_model(tmp_path, sp):
     """FSDP2 over 2 Ray workers on the tiny Qwen2-VL model: the same update as one process, images travelling with
-    their rows to each rank (and the vision tower sharded with the rest)."""
+    their rows to each rank (and the vision tower sharded with the rest). sp=2: both workers form one Ulysses group
+    (each runs the tower on the group's images, its language model on half of every packed row)."""
     from hyflow.data.tasks import make_task
     from hyflow.models.tiny import make_tiny_model
 
@@ -380,10 +382,12 @@ def test_two_ray_workers_match_one_process_on_a_vision_language_model(tmp_path):
         ref_weights = local.actor.state_dict()["actor_model"]
     finally:
         local.shutdown()
-    dist = RLTrainer(args + on_ray(2), reward_fn=vowel_reward)
+    dist = RLTrainer(args + on_ray(2) + [f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}"],
+                     reward_fn=vowel_reward)
     dist.setup()
     try:
         assert dist.actor.world_size == 2
+        assert [rank["actor"]["sp"] for rank in dist.actor.parallel_layout()] == [sp] * 2
         got_actor = dist.actor.update_actor(in_mini_batches(dist, batch.clone(), 2)).meta["metrics"]
         got_weights = dist.actor.state_dict()["actor_model"]
     finally:
