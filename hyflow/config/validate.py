@@ -39,6 +39,19 @@ A = "actor_rollout_ref.actor"
 R = "actor_rollout_ref.rollout"
 
 
+_INHERITED_STRATEGY = ("actor_rollout_ref.ref.strategy", "critic.strategy", "reward_model.strategy")
+
+
+def _without_inherited_strategy(cfg: HyflowConfig, problems: list[str]) -> list[str]:
+    """An invalid actor strategy is said once: the reference, critic and reward model follow it by default, and
+    each would repeat the same message."""
+    actor = cfg.actor_rollout_ref.actor.strategy
+    repeated = tuple(f"{key}={actor!r} is not one of" for key in _INHERITED_STRATEGY)
+    if not any(p.startswith(f"{A}.strategy=") for p in problems):
+        return problems
+    return [p for p in problems if not p.startswith(repeated)]
+
+
 def validate_config(cfg: HyflowConfig, n_devices: int | None = None) -> None:
     """Raise ConfigError listing every problem of `cfg` on `n_devices` devices (default nnodes * n_gpus_per_node).
 
@@ -46,7 +59,7 @@ def validate_config(cfg: HyflowConfig, n_devices: int | None = None) -> None:
     it will run."""
     resolve_derived_defaults(cfg)
     problems: list[str] = []
-    problems += check_choices(cfg)
+    problems += _without_inherited_strategy(cfg, check_choices(cfg))
     problems += _check_registered_names(cfg)
     problems += _check_component_names(cfg)
     device_problems = _check_devices(cfg, n_devices)

@@ -828,3 +828,21 @@ def test_a_key_the_schema_does_not_hold_is_refused_by_its_entry_when_asked():
 def test_a_misspelt_key_the_table_accepts_gets_the_closest_name(override, suggestion):
     with pytest.raises(ConfigError, match=rf"Did you mean '{re.escape(suggestion)}'\?"):
         load_config([override])
+
+
+@pytest.mark.parametrize("key", ["critic.strategy", "actor_rollout_ref.ref.strategy", "reward_model.strategy"])
+def test_the_other_roles_strategies_are_checked_too(key):
+    """verl's megatron or torchtitan given to a role other than the actor is an error, not a silent fsdp run."""
+    from hyflow.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match=rf"{key}='megatron' is not one of: fsdp, fsdp2, ddp\. verl's Megatron"):
+        validate_config(load_config([f"{key}=megatron"]))
+
+
+def test_an_invalid_actor_strategy_is_said_once_not_by_every_role_that_follows_it():
+    from hyflow.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError) as err:
+        validate_config(load_config(["actor_rollout_ref.actor.strategy=torchtitan"]))
+    text = str(err.value)
+    assert text.count("is not one of: fsdp, fsdp2, ddp") == 1 and "actor_rollout_ref.actor.strategy=" in text

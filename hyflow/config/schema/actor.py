@@ -163,7 +163,8 @@ class RefConfig:
     """The frozen reference policy (needed for use_kl_loss or use_kl_in_reward)."""
 
     strategy: str = option(
-        "${actor_rollout_ref.actor.strategy}", "Data-parallel strategy of the reference (default = actor's)."
+        "${actor_rollout_ref.actor.strategy}", "Data-parallel strategy of the reference (default = actor's).",
+        choices=("fsdp", "fsdp2", "ddp"),
     )
     model: RefModelConfig = section(RefModelConfig, "Reference model source.")
     log_prob_micro_batch_size: int | None = option(

@@ -53,7 +53,8 @@ class CriticConfig:
         0, "Devices per machine of the critic's own pool (critic.enable_resource_pool); 0 = trainer.n_gpus_per_node."
     )
     strategy: str = option(
-        "${actor_rollout_ref.actor.strategy}", "Data-parallel strategy of the critic (default = actor's)."
+        "${actor_rollout_ref.actor.strategy}", "Data-parallel strategy of the critic (default = actor's).",
+        choices=("fsdp", "fsdp2", "ddp"),
     )
     optim: OptimConfig = section(lambda: OptimConfig(lr=1e-5), "Critic optimizer (lr 1e-5 by default).")
     model: CriticModelConfig = section(CriticModelConfig, "The value model.")

@@ -58,7 +58,8 @@ class RewardModelConfig:
         0, "Devices per machine of the reward model's own pool (reward_model.enable_resource_pool); 0 = trainer.n_gpus_per_node."
     )
     strategy: str = option(
-        "${actor_rollout_ref.actor.strategy}", "Data-parallel strategy of the reward model."
+        "${actor_rollout_ref.actor.strategy}", "Data-parallel strategy of the reward model.",
+        choices=("fsdp", "fsdp2", "ddp"),
     )
     model: RewardModelModelConfig = section(RewardModelModelConfig, "The reward model network.")
     micro_batch_size: int | None = option(
