@@ -159,13 +159,19 @@ def micro_per_device(per_gpu: int | None, global_size: int | None, dp: int) -> f
     return None
 
 
+def data_parallel_size(knobs: Any, devices: int) -> int:
+    """A trained role's data-parallel size: its devices / (ulysses_sequence_parallel_size x tensor_parallel_size)
+    (the devices of a sequence- or tensor-parallel group hold the same samples)."""
+    return max(devices // (max(knobs.ulysses_sequence_parallel_size, 1) * max(knobs.tensor_parallel_size, 1)), 1)
+
+
 def _role_batches(knobs: Any, devices: int, prompts: int, n: int, max_sequence: int) -> RoleBatches:
     """The PPO batches of a trained role (the actor or the critic: both sections hold the same ppo_* knobs) on
     `devices` devices, data-parallel over devices / (ulysses_sequence_parallel_size x tensor_parallel_size). A
     sequence-parallel group splits each sequence, so its token budget per device counts sp x the per-GPU one (as
     verl's); a tensor-parallel group's devices each run every token of its samples, so tp leaves it alone."""
     sp = max(knobs.ulysses_sequence_parallel_size, 1)
-    dp = max(devices // (sp * max(knobs.tensor_parallel_size, 1)), 1)
+    dp = data_parallel_size(knobs, devices)
     mini_prompts, ppo_epochs, dynamic = knobs.ppo_mini_batch_size, knobs.ppo_epochs, knobs.use_dynamic_bsz
     max_token_len = knobs.ppo_max_token_len_per_gpu * sp
     mini_batches = ratio(prompts, mini_prompts)

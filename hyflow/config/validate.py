@@ -19,6 +19,7 @@ from typing import Any
 
 from hyflow.config.arithmetic import (
     POOL_ROLES,
+    data_parallel_size,
     has_own_pool,
     micro_per_device,
     role_devices,
@@ -447,7 +448,7 @@ def _tensor_parallel_problems(role: str, section: Any, strategy: str, devices: i
 
 def _check_actor_batches(cfg: HyflowConfig, devices: int) -> list[str]:
     actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
-    dp = devices // (actor.ulysses_sequence_parallel_size * actor.tensor_parallel_size)
+    dp = data_parallel_size(actor, devices)
     problems = _check_positive(
         {
             "data.train_batch_size": cfg.data.train_batch_size,
@@ -491,8 +492,7 @@ def _check_critic_batches(cfg: HyflowConfig, devices: int) -> list[str]:
     if problems:
         return problems
     problems += _check_role_batches(
-        cfg, "critic", critic, devices,
-        devices // (critic.ulysses_sequence_parallel_size * critic.tensor_parallel_size)
+        cfg, "critic", critic, devices, data_parallel_size(critic, devices)
     )
     problems += _check_exclusive(
         "critic.forward_micro_batch_size",

@@ -77,6 +77,11 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
+def decoder_of(inner: nn.Module) -> nn.Module:
+    """The decoder (the model's stack of layers with its final norm) of an unwrapped Hugging Face model."""
+    return inner.get_decoder() if hasattr(inner, "get_decoder") else getattr(inner, inner.base_model_prefix)
+
+
 def backbone_hidden_states(
     model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None, position_ids: Tensor, **model_kwargs
 ) -> Tensor:
@@ -88,9 +93,7 @@ def backbone_hidden_states(
     call as well (e.g. the packed-sequence boundaries of `hyflow.models.packing`).
     """
     inner = unwrap_model(model)
-    decoder = (
-        inner.get_decoder() if hasattr(inner, "get_decoder") else getattr(inner, inner.base_model_prefix)
-    )
+    decoder = decoder_of(inner)
     captured: list[Tensor] = []
 
     def capture(_module, _args, output):

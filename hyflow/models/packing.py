@@ -78,6 +78,7 @@ from hyflow.models import ulysses
 from hyflow.models.forward import (
     _check_response_length,
     backbone_hidden_states,
+    decoder_of,
     lm_head_logprobs,
     token_values,
     unwrap_model,
@@ -723,7 +724,7 @@ def _decoder_gets_the_slice(model: nn.Module, start: int, end: int, extra: int, 
     embeddings through the slice alone; the gather's grad scale makes the group's average the whole gradient, as
     for the decoder (hyflow.models.ulysses)."""
     inner = unwrap_model(model)
-    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else getattr(inner, inner.base_model_prefix)
+    decoder = decoder_of(inner)
 
     def slice_inputs(_module, args, call_kwargs):
         embeds = call_kwargs.get("inputs_embeds")

@@ -20,7 +20,6 @@ linears) and says which part is not.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 # module path inside a decoder layer -> "colwise" | "rowwise"
@@ -59,7 +58,10 @@ def tp_problem(model: nn.Module, layers: list[nn.Module], tp_size: int) -> str |
     if not layers:
         return "the model has no decoder layers (model.layers) to split"
     for path in LAYER_PLAN:
-        module = layers[0].get_submodule(path) if _has_submodule(layers[0], path) else None
+        try:
+            module = layers[0].get_submodule(path)
+        except AttributeError:
+            module = None
         if type(module) is not nn.Linear:
             found = "no such module" if module is None else type(module).__name__
             return (f"each decoder layer needs a plain nn.Linear at {path} to split it ({found} in "
@@ -70,14 +72,6 @@ def tp_problem(model: nn.Module, layers: list[nn.Module], tp_size: int) -> str |
         if path.endswith(("o_proj", "down_proj")) and module.in_features % tp_size:
             return f"tensor_parallel_size={tp_size} must divide {path}'s {module.in_features} input features"
     return None
-
-
-def _has_submodule(module: nn.Module, path: str) -> bool:
-    try:
-        module.get_submodule(path)
-        return True
-    except AttributeError:
-        return False
 
 
 def apply_tensor_parallel(model: nn.Module, layers: list[nn.Module], mesh) -> None:
@@ -93,26 +87,3 @@ def apply_tensor_parallel(model: nn.Module, layers: list[nn.Module], mesh) -> No
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for layer in layers:
         parallelize_module(layer, mesh, {path: styles[kind]() for path, kind in LAYER_PLAN.items()})
-
-
-def is_tensor_parallel(model: nn.Module) -> bool:
-    """Whether a parameter of `model` is split over a mesh dimension named "tp"."""
-    from torch.distributed.tensor import DTensor
-
-    for param in model.parameters():
-        if isinstance(param, DTensor) and "tp" in (param.device_mesh.mesh_dim_names or ()):
-            return True
-    return False
-
-
-def grad_norm_groups(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """`grads` grouped by (mesh, placements) for DTensors (plain tensors one group): torch's total-norm functions
-    stack per-tensor norms, which DTensors of different meshes (2-D split weights beside 1-D sharded norms) or
-    placements cannot be."""
-    from torch.distributed.tensor import DTensor
-
-    groups: dict[object, list[torch.Tensor]] = {}
-    for grad in grads:
-        key = (id(grad.device_mesh), tuple(grad.placements)) if isinstance(grad, DTensor) else "plain"
-        groups.setdefault(key, []).append(grad)
-    return list(groups.values())

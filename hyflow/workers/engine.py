@@ -272,6 +272,20 @@ def all_reduce_max(value: int) -> int:
     return int(packed.item())
 
 
+def _by_mesh(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """`params` grouped by their gradient's (mesh, placements) (plain tensors one group): torch's norm and clip
+    functions stack or batch per-tensor results, which DTensors of different meshes (tensor-parallel weights on
+    (dp, tp) beside FSDP2-sharded norms on dp) or placements cannot be."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[object, list[torch.nn.Parameter]] = {}
+    for param in params:
+        grad = param.grad
+        key = (id(grad.device_mesh), tuple(grad.placements)) if isinstance(grad, DTensor) else "plain"
+        groups.setdefault(key, []).append(param)
+    return list(groups.values())
+
+
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Total L2 norm ||g|| = sqrt(sum_p ||g_p||^2) over all gradients; scale them by min(1, max_norm / (||g|| + 1e-6)).
 
@@ -282,22 +296,15 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     """
     from torch.distributed.tensor import DTensor
 
-    from hyflow.models.tensor_parallel import grad_norm_groups
-
-    groups = grad_norm_groups([p.grad for p in params])
+    groups = _by_mesh(params)
     parts = []
-    for grads in groups:
-        part = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    for group in groups:
+        part = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
         parts.append(part.full_tensor() if isinstance(part, DTensor) else part)
     total = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack([p.float() for p in parts]))
     if math.isfinite(max_norm):
-        if len(groups) == 1:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        else:  # torch.nn.utils.clip_grads_with_norm_'s scale, applied one mesh at a time
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for grads in groups:
-                for grad in grads:
-                    grad.mul_(coef.to(grad.device))
+        for group in groups:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 

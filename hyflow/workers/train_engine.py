@@ -768,16 +768,17 @@ class EngineCheckpoints:
         rank holds (FSDP2 shards and tensor-parallel splits), "params": elements of the whole model}}."""
         from hyflow.workers.fsdp import local_tensor
 
-        engines = [self.engine, getattr(self, "ref", None)]
         return {e.name: {"dp": e.dp_size, "sp": e.sp_size, "tp": e.tp_size, "group_rank": e.group_rank,
                          "local_params": sum(local_tensor(p).numel() for p in e.model.parameters()),
                          "params": sum(p.numel() for p in e.model.parameters())}
-                for e in dict.fromkeys(e for e in engines if e is not None)}
+                for e in self._engines()}
 
     @register(Dispatch.REPLICATE)
     def offload_status(self) -> dict:
         """This rank's offload state of every engine the role holds: {engine name: {"params": "host" | "device",
         "optimizer": ..., "counts": {"params_to_host": n, ...}}}."""
-        engines = [self.engine, getattr(self, "ref", None)]
-        return {e.name: {**e.location(), "counts": dict(e.offload_counts)}
-                for e in dict.fromkeys(e for e in engines if e is not None)}
+        return {e.name: {**e.location(), "counts": dict(e.offload_counts)} for e in self._engines()}
+
+    def _engines(self) -> list[TrainEngine]:
+        """The engines this role holds: its own and, for the actor, a separate reference (LoRA's is the same)."""
+        return list(dict.fromkeys(e for e in (self.engine, getattr(self, "ref", None)) if e is not None))
