@@ -212,6 +212,24 @@ class TrainEngineSpec:
 
 
 @dataclass(frozen=True)
+class DistillationLossSpec:
+    """On-policy distillation's loss knobs (`distillation.distillation_loss`, `hyflow.algos.distillation`): the
+    per-token loss `loss_mode` (top-k forward KL over the teacher's `topk` tokens, or a KL estimator on the
+    sampled token), its clamps, supervised or as a policy gradient (`policy_loss_mode` with `policy_loss_kwargs`),
+    and how it joins the task's loss (`use_task_rewards`, `distillation_loss_coef`)."""
+
+    loss_mode: str = "k3"
+    topk: int = 32
+    use_task_rewards: bool = True
+    distillation_loss_coef: float = 1.0
+    loss_max_clamp: float | None = None
+    log_prob_min_clamp: float | None = None
+    use_policy_gradient: bool = False
+    policy_loss_mode: str = "vanilla"
+    policy_loss_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class ActorLossSpec:
     """The actor's loss knobs: loss = policy loss (`loss_mode`, called with `policy_loss_kwargs`) -
     entropy_coeff * entropy + kl_loss_coef * KL(pi || ref) (when `use_kl_loss`, estimator `kl_loss_type`), each
@@ -225,6 +243,7 @@ class ActorLossSpec:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    distillation: DistillationLossSpec | None = None  # on-policy distillation's term (None: none)
 
 
 @dataclass(frozen=True)
@@ -296,6 +315,19 @@ class SFTSpec:
 
 
 @dataclass(frozen=True)
+class PreferenceSpec(SFTSpec):
+    """The preference worker (`hyflow dpo`): the SFT worker's spec (`batches` in sequences: 2 per pair) and the loss
+    (`hyflow.algos.preference`): its `loss_type`, `beta`, the `knobs` it reads, whether it needs a `reference`
+    model (a frozen copy, or the model with its LoRA adapter off) and whether rows come in chosen/rejected pairs."""
+
+    loss_type: str = "sigmoid"
+    beta: float = 0.1
+    knobs: dict = field(default_factory=dict)
+    reference: bool = True
+    paired: bool = True
+
+
+@dataclass(frozen=True)
 class RoleSpecs:
     """The specs of one RL run's roles, derived once (`hyflow.config.roles.role_specs`): what `hyflow config`
     prints and what the trainer hands each role. `batches` is the whole step's arithmetic (printed in words)."""
@@ -333,3 +365,35 @@ class RewardModelSpec:
     micro_batch_size_per_device: int | None = None
     use_dynamic_bsz: bool = False
     max_token_len_per_device: int | None = None
+
+
+# ------------------------------------------------------------------------------------------ distillation teacher
+
+
+@dataclass(frozen=True)
+class TeacherModelSpec:
+    """One frozen teacher of on-policy distillation: its name in `distillation.teacher_models`, the routing `key`
+    (a value of the teacher_key field; None with one teacher), its model, the engine that serves it (`hf` or
+    `vllm`), that engine's weights dtype on an accelerator, rows per forward (`max_num_seqs`) and the vllm
+    engine's `inference` settings (gpu_memory_utilization, enforce_eager, max_model_len, engine_kwargs)."""
+
+    name: str
+    key: str | None
+    model: ModelSpec
+    engine: str = "hf"
+    dtype: str = "bfloat16"
+    max_num_seqs: int = 256
+    inference: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    """The teacher worker (`hyflow.config.roles.teacher_spec`): its teachers, the sample field that routes a
+    sample to one of them (`teacher_key`), `topk` (the teacher's top-k per position for forward_kl_topk; 0 = the
+    log-prob of the sampled token only), the device setting, and the rollout section (the vllm engine's defaults)."""
+
+    teachers: tuple[TeacherModelSpec, ...]
+    teacher_key: str = "data_source"
+    topk: int = 0
+    device: str = "auto"
+    rollout: Any = None

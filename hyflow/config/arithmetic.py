@@ -45,16 +45,21 @@ def total_devices(cfg: HyflowConfig, n_devices: int | None = None) -> int:
     return n_devices if n_devices is not None else cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
 
 
-POOL_ROLES = ("critic", "reward_model")
+POOL_ROLES = ("critic", "reward_model", "distillation")
 
 
 def has_own_pool(cfg: HyflowConfig, role: str) -> bool:
-    """Whether `role` (critic, reward_model) runs in its own worker processes (`<role>.enable_resource_pool`)."""
+    """Whether `role` (critic, reward_model, distillation: its teacher) runs in its own worker processes
+    (`<role>.enable_resource_pool`; the teacher's: `distillation.nnodes` > 0, as in verl)."""
+    if role == "distillation":
+        return cfg.distillation.nnodes > 0
     return bool(getattr(cfg, role).enable_resource_pool)
 
 
 def role_is_on(cfg: HyflowConfig, role: str) -> bool:
-    """Whether the run has `role` (critic, reward_model) at all."""
+    """Whether the run has `role` (critic, reward_model, distillation) at all."""
+    if role == "distillation":
+        return bool(cfg.distillation.enabled)
     return uses_critic(cfg) if role == "critic" else bool(cfg.reward_model.enable)
 
 

@@ -20,12 +20,15 @@ from hyflow.specs import (
     ActorSpec,
     BatchArithmetic,
     CriticSpec,
+    DistillationLossSpec,
     FsdpSettings,
     ModelSpec,
     OptimizerSpec,
     RewardModelSpec,
     RoleSpecs,
     RolloutSpec,
+    TeacherModelSpec,
+    TeacherSpec,
     TrainEngineSpec,
 )
 
@@ -115,7 +118,7 @@ def actor_spec(cfg: HyflowConfig, batches: BatchArithmetic, total_steps: int) ->
         },
         loss_agg_mode=actor.loss_agg_mode, loss_scale_factor=actor.loss_scale_factor,
         entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
-        kl_loss_type=actor.kl_loss_type)
+        kl_loss_type=actor.kl_loss_type, distillation=distillation_loss_spec(cfg))
     return ActorSpec(model=policy_model_spec(cfg), engine=engine, ref=ref_engine, ref_model_path=ref.model.path or None,
                      loss=loss, batches=batches.actor, old_log_prob=batches.old_log_prob,
                      ref_log_prob=batches.ref_log_prob, rollout=rollout_spec(cfg), seed=cfg.trainer.seed,
@@ -203,3 +206,48 @@ def reward_model_spec(cfg: HyflowConfig, *, n_devices: int | None = None) -> Rew
         use_dynamic_bsz=rm.use_dynamic_bsz,
         max_token_len_per_device=rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None,
     )
+
+
+def teacher_models(cfg: HyflowConfig) -> dict[str, dict]:
+    """distillation.teacher_models with every entry's defaults filled in (`TEACHER_DEFAULTS`); the default
+    `teacher_model` entry is dropped when other entries are given and it has no model_path (verl's rule)."""
+    from hyflow.config.schema.distillation import TEACHER_DEFAULTS
+
+    entries = {name: {**TEACHER_DEFAULTS, **dict(entry or {})}
+               for name, entry in dict(cfg.distillation.teacher_models or {}).items()}
+    if len(entries) > 1 and not entries.get("teacher_model", {"model_path": "kept"}).get("model_path"):
+        entries.pop("teacher_model")
+    return entries
+
+
+def teacher_spec(cfg: HyflowConfig) -> TeacherSpec:
+    """The distillation teacher worker's spec from a validated config (`validate_config` checked the entries)."""
+    from hyflow.config.schema.distillation import TOPK_LOSS_MODES
+
+    d, rollout = cfg.distillation, cfg.actor_rollout_ref.rollout
+    teachers = []
+    for name, entry in teacher_models(cfg).items():
+        inference = dict(entry.get("inference") or {})
+        teachers.append(TeacherModelSpec(
+            name=name, key=entry.get("key"),
+            model=ModelSpec(path=entry["model_path"], trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,
+                            config_key=f"distillation.teacher_models.{name}.model_path"),
+            engine=inference.get("name") or rollout.name, dtype=inference.get("dtype") or rollout.dtype,
+            max_num_seqs=int(inference.get("max_num_seqs") or rollout.max_num_seqs), inference=inference))
+    topk = d.distillation_loss.topk if d.distillation_loss.loss_mode in TOPK_LOSS_MODES else 0
+    return TeacherSpec(teachers=tuple(teachers), teacher_key=d.teacher_key, topk=topk, device=cfg.trainer.device,
+                       rollout=rollout)
+
+
+def distillation_loss_spec(cfg: HyflowConfig) -> DistillationLossSpec | None:
+    """The actor's distillation term (`hyflow.specs.DistillationLossSpec`), None without distillation."""
+    if not cfg.distillation.enabled:
+        return None
+    loss = cfg.distillation.distillation_loss
+    return DistillationLossSpec(
+        loss_mode=loss.loss_mode, topk=loss.topk, use_task_rewards=loss.use_task_rewards,
+        distillation_loss_coef=loss.distillation_loss_coef, loss_max_clamp=loss.loss_max_clamp,
+        log_prob_min_clamp=loss.log_prob_min_clamp, use_policy_gradient=loss.use_policy_gradient,
+        policy_loss_mode=loss.policy_loss_mode,
+        policy_loss_kwargs={"clip_ratio": loss.clip_ratio, "clip_ratio_low": loss.clip_ratio_low,
+                            "clip_ratio_high": loss.clip_ratio_high})

@@ -118,13 +118,20 @@ FULL_LOGITS_MAX_ELEMENTS = 1 << 24
 
 
 def _head_logprobs_chunk(
-    hidden_cH: Tensor, labels_c: Tensor, lm_head: nn.Module, temperature: float, with_entropy: bool
-) -> tuple[Tensor, Tensor | None]:
+    hidden_cH: Tensor, labels_c: Tensor, lm_head: nn.Module, temperature: float, with_entropy: bool,
+    gather_cK: Tensor | None = None,
+) -> tuple[Tensor, ...]:
     logits_cV = lm_head(hidden_cH)
-    return logprobs_and_entropy_from_logits(
+    logp_c, entropy_c = logprobs_and_entropy_from_logits(
         logits_cV, labels_c, temperature=temperature, chunk_size=max(1, logits_cV.shape[0]),
         with_entropy=with_entropy,
     )
+    if gather_cK is None:
+        return logp_c, entropy_c
+    z_cV = logits_cV.float() / temperature  # the same softmax as logp: log_softmax(z)[ids] = z[ids] - lse(z)
+    gathered_cK = z_cV.gather(-1, gather_cK.long()) - torch.logsumexp(z_cV, -1, keepdim=True)
+    own_cK = z_cV.detach().topk(gather_cK.shape[-1], dim=-1).indices
+    return logp_c, entropy_c, gathered_cK, own_cK
 
 
 def _vocab_size(lm_head: nn.Module) -> int | None:
@@ -155,30 +162,58 @@ def lm_head_logprobs(
     them (module docstring). Pass `full_logits_max_elements=0` to always chunk. Same values either way (to
     float rounding).
     """
+    logp_N, entropy_N, _, _ = _lm_head_rows(hidden_NH, labels_N, lm_head, None, temperature, calculate_entropy,
+                                            chunk_size, full_logits_max_elements)
+    return logp_N, entropy_N
+
+
+def lm_head_logprobs_topk(
+    hidden_NH: Tensor,
+    labels_N: Tensor,
+    gather_NK: Tensor,
+    lm_head: nn.Module,
+    *,
+    temperature: float = 1.0,
+    calculate_entropy: bool = False,
+    chunk_size: int = 1024,
+    full_logits_max_elements: int = FULL_LOGITS_MAX_ELEMENTS,
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
+    """`lm_head_logprobs` plus, from the same logits, the log-probs at K given token ids per row ([N, K] float32,
+    differentiable: a teacher's top-k ids in on-policy distillation) and this model's own top-k ids ([N, K])."""
+    return _lm_head_rows(hidden_NH, labels_N, lm_head, gather_NK, temperature, calculate_entropy, chunk_size,
+                         full_logits_max_elements)
+
+
+def _lm_head_rows(hidden_NH: Tensor, labels_N: Tensor, lm_head: nn.Module, gather_NK: Tensor | None,
+                  temperature: float, calculate_entropy: bool, chunk_size: int, full_logits_max_elements: int):
+    """The head over [N, H] rows at once or in checkpointed chunks (`lm_head_logprobs`); the gathered top-k
+    outputs are None without `gather_NK`."""
     if int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be a positive number of rows; got {chunk_size}")
     n_rows = hidden_NH.shape[0]
     vocab = _vocab_size(lm_head)
+    topk = 0 if gather_NK is None else gather_NK.shape[-1]
     if n_rows > 0 and vocab is not None and n_rows * vocab <= full_logits_max_elements:
-        logp_N, entropy_N = _head_logprobs_chunk(hidden_NH, labels_N, lm_head, temperature, calculate_entropy)
-        return logp_N.float(), entropy_N.float() if calculate_entropy else None
-    needs_grad = torch.is_grad_enabled() and (
-        hidden_NH.requires_grad or any(p.requires_grad for p in lm_head.parameters())
-    )
-    logp_chunks, entropy_chunks = [], []
-    for start in range(0, n_rows, chunk_size):
-        args = (hidden_NH[start : start + chunk_size], labels_N[start : start + chunk_size], lm_head)
-        if needs_grad:
-            logp_c, entropy_c = checkpoint(
-                _head_logprobs_chunk, *args, temperature, calculate_entropy, use_reentrant=False
-            )
-        else:
-            logp_c, entropy_c = _head_logprobs_chunk(*args, temperature, calculate_entropy)
-        logp_chunks.append(logp_c)
-        entropy_chunks.append(entropy_c)
-    logp_N = torch.cat(logp_chunks) if logp_chunks else hidden_NH.new_zeros(0, dtype=torch.float32)
-    entropy_N = torch.cat(entropy_chunks) if calculate_entropy and entropy_chunks else None
-    return logp_N.float(), entropy_N.float() if entropy_N is not None else None
+        parts = [_head_logprobs_chunk(hidden_NH, labels_N, lm_head, temperature, calculate_entropy, gather_NK)]
+    else:
+        needs_grad = torch.is_grad_enabled() and (
+            hidden_NH.requires_grad or any(p.requires_grad for p in lm_head.parameters())
+        )
+        parts = []
+        for start in range(0, n_rows, chunk_size):
+            rows = slice(start, start + chunk_size)
+            args = (hidden_NH[rows], labels_N[rows], lm_head, temperature, calculate_entropy,
+                    None if gather_NK is None else gather_NK[rows])
+            parts.append(checkpoint(_head_logprobs_chunk, *args, use_reentrant=False) if needs_grad
+                         else _head_logprobs_chunk(*args))
+    empty = hidden_NH.new_zeros(0, dtype=torch.float32)
+    logp_N = torch.cat([p[0] for p in parts]).float() if parts else empty
+    entropy_N = torch.cat([p[1] for p in parts]).float() if calculate_entropy and parts else None
+    if gather_NK is None:
+        return logp_N, entropy_N, None, None
+    if not parts:
+        return logp_N, entropy_N, empty.new_zeros(0, topk), gather_NK.new_zeros(0, topk)
+    return logp_N, entropy_N, torch.cat([p[2] for p in parts]).float(), torch.cat([p[3] for p in parts])
 
 
 def response_logprobs(
@@ -192,9 +227,12 @@ def response_logprobs(
     calculate_entropy: bool = False,
     chunk_size: int = 1024,
     full_logits_max_elements: int = FULL_LOGITS_MAX_ELEMENTS,
+    topk_ids: Tensor | None = None,
     **model_kwargs,
-) -> tuple[Tensor, Tensor | None]:
+) -> tuple[Tensor, ...]:
     """Log-probs [B, R] (float32) of the last R tokens of `input_ids`, and their entropy [B, R] if asked.
+    With `topk_ids` [B, R, K] (a teacher's top-k ids at each response token) two more outputs: the log-probs
+    at those ids [B, R, K] and this model's own top-k ids [B, R, K] (`lm_head_logprobs_topk`).
 
     log_probs[b, i] = log_softmax(lm_head(h[b, L-R-1+i]) / T)[input_ids[b, L-R+i]]; the backbone runs once,
     the lm_head runs on all B·R rows at once when B·R·V <= `full_logits_max_elements`, else in checkpointed
@@ -206,17 +244,16 @@ def response_logprobs(
     hidden_BRH = hidden_BLH[:, -response_length - 1 : -1]
     labels_BR = input_ids[:, -response_length:]
     batch, hidden_size = hidden_BRH.shape[0], hidden_BRH.shape[-1]
-    logp_N, entropy_N = lm_head_logprobs(
-        hidden_BRH.reshape(-1, hidden_size),
-        labels_BR.reshape(-1),
-        unwrap_model(model).get_output_embeddings(),
-        temperature=temperature,
-        calculate_entropy=calculate_entropy,
-        chunk_size=chunk_size,
-        full_logits_max_elements=full_logits_max_elements,
+    gather_NK = None if topk_ids is None else topk_ids.reshape(batch * response_length, -1)
+    logp_N, entropy_N, gathered_NK, own_NK = _lm_head_rows(
+        hidden_BRH.reshape(-1, hidden_size), labels_BR.reshape(-1), unwrap_model(model).get_output_embeddings(),
+        gather_NK, temperature, calculate_entropy, chunk_size, full_logits_max_elements,
     )
     entropy_BR = entropy_N.view(batch, response_length) if entropy_N is not None else None
-    return logp_N.view(batch, response_length), entropy_BR
+    if topk_ids is None:
+        return logp_N.view(batch, response_length), entropy_BR
+    return (logp_N.view(batch, response_length), entropy_BR, gathered_NK.view(topk_ids.shape),
+            own_NK.view(topk_ids.shape))
 
 
 def token_values(
@@ -280,3 +317,39 @@ def reward_scores(
             f"(AutoModelForSequenceClassification with num_labels=1)"
         )
     return scores_B1[:, 0].float()
+
+
+@torch.no_grad()
+def response_token_scores(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    response_length: int,
+    *,
+    topk: int = 0,
+    chunk_size: int = 1024,
+) -> dict[str, Tensor]:
+    """A frozen model's scores of the last R tokens of `input_ids` (a teacher's, in on-policy distillation):
+    `log_probs` [B, R] = log_softmax(lm_head(h[b, L-R-1+i]))[input_ids[b, L-R+i]] and, with `topk` > 0, the model's
+    own `topk_log_probs` and `topk_ids` [B, R, K] at each position (its K most likely next tokens). float32, no
+    gradients; the head runs `chunk_size` rows at a time, so no [B, R, V] tensor is built at once."""
+    _check_response_length(input_ids, response_length)
+    hidden_BLH = backbone_hidden_states(model, input_ids, attention_mask, position_ids)
+    hidden_NH = hidden_BLH[:, -response_length - 1 : -1].reshape(-1, hidden_BLH.shape[-1])
+    labels_N = input_ids[:, -response_length:].reshape(-1)
+    head = unwrap_model(model).get_output_embeddings()
+    logp, values, ids = [], [], []
+    for start in range(0, hidden_NH.shape[0], chunk_size):
+        logp_cV = torch.log_softmax(head(hidden_NH[start : start + chunk_size]).float(), dim=-1)
+        logp.append(logp_cV.gather(-1, labels_N[start : start + chunk_size, None]).squeeze(-1))
+        if topk:
+            top = logp_cV.topk(topk, dim=-1)
+            values.append(top.values)
+            ids.append(top.indices)
+    shape = (input_ids.shape[0], response_length)
+    out = {"log_probs": torch.cat(logp).view(shape)}
+    if topk:
+        out["topk_log_probs"] = torch.cat(values).view(*shape, topk)
+        out["topk_ids"] = torch.cat(ids).view(*shape, topk)
+    return out

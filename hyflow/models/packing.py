@@ -80,6 +80,7 @@ from hyflow.models.forward import (
     backbone_hidden_states,
     decoder_of,
     lm_head_logprobs,
+    lm_head_logprobs_topk,
     token_values,
     unwrap_model,
 )
@@ -764,8 +765,11 @@ def packed_response_logprobs(
     images: dict | None = None,
     image_mask: Tensor | None = None,
     image_parts: list | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """`forward.response_logprobs` of the padded batch, computed packed: log-probs [B, R] (float32), entropy.
+    topk_ids: Tensor | None = None,
+) -> tuple[Tensor, ...]:
+    """`forward.response_logprobs` of the padded batch, computed packed: log-probs [B, R] (float32), entropy
+    (and with `topk_ids` [B, R, K] the log-probs at those ids and the model's own top-k ids, [B, R, K] each, 0 at
+    padding).
 
     A vision-language model: `position_ids` [B, 4, L] (its M-RoPE positions, packed as they are), `images` (the
     rows' `pixel_values` / `image_grid_thw` in row order, which is the packed row's order) and `image_mask` [B, L]
@@ -792,11 +796,15 @@ def packed_response_logprobs(
         hidden_1TH = packed_hidden_states(model, packed)
     columns = slice(input_ids.shape[1] - response_length, None)
     valid_BR, predictor_N = _predictor_index(packed, attention_mask, attention_mask[:, columns], columns)
-    logp_N, entropy_N = lm_head_logprobs(
-        hidden_1TH[0, predictor_N], input_ids[:, columns][valid_BR],
-        unwrap_model(model).get_output_embeddings(),
-        temperature=temperature, calculate_entropy=calculate_entropy, chunk_size=chunk_size,
-    )
+    head = unwrap_model(model).get_output_embeddings()
+    if topk_ids is None:
+        logp_N, entropy_N = lm_head_logprobs(hidden_1TH[0, predictor_N], input_ids[:, columns][valid_BR], head,
+                                             temperature=temperature, calculate_entropy=calculate_entropy,
+                                             chunk_size=chunk_size)
+    else:
+        logp_N, entropy_N, gathered_NK, own_NK = lm_head_logprobs_topk(
+            hidden_1TH[0, predictor_N], input_ids[:, columns][valid_BR], topk_ids.to(valid_BR.device)[valid_BR],
+            head, temperature=temperature, calculate_entropy=calculate_entropy, chunk_size=chunk_size)
     if calculate_entropy and entropy_N is None:  # lm_head_logprobs gives None for zero rows
         entropy_N = logp_N.new_zeros(0)
     shape = valid_BR.shape
@@ -806,7 +814,12 @@ def packed_response_logprobs(
     if predictor_N.numel() == 0:
         logp_BR = _attach(logp_BR, hidden_1TH)
         entropy_BR = _attach(entropy_BR, hidden_1TH) if entropy_BR is not None else None
-    return logp_BR, entropy_BR
+    if topk_ids is None:
+        return logp_BR, entropy_BR
+    gathered_BRK = gathered_NK.new_zeros(topk_ids.shape).index_put(where, gathered_NK)
+    if predictor_N.numel() == 0:
+        gathered_BRK = _attach(gathered_BRK, hidden_1TH)
+    return logp_BR, entropy_BR, gathered_BRK, own_NK.new_zeros(topk_ids.shape).index_put(where, own_NK)
 
 
 def packed_values(value_model: nn.Module, input_ids: Tensor, attention_mask: Tensor, response_length: int, *,

@@ -96,6 +96,10 @@ class RolloutEngine(Protocol):
     `stream.abort(request_ids)` ends requests early (their futures get the tokens so far, stop reason
     "abort"), and `stream.close()` ends the stream; the agent loop uses it with `rollout.agent.batching=
     continuous`.
+
+    Optional, scoring (an engine serving a teacher in on-policy distillation): `prompt_log_probs(sequences,
+    response_length, topk)` -> `log_probs` [N, R] of the last R tokens of each row, and with `topk` > 0 the
+    model's own `topk_log_probs` / `topk_ids` [N, R, K] (`hf`: one forward; `vllm`: prompt log-probs).
     """
 
     shares_weights: bool

@@ -48,6 +48,7 @@ except ImportError:  # pragma: no cover - older transformers: plain DynamicCache
     DynamicLayer = None
 
 from hyflow.batch import Batch
+from hyflow.models.forward import response_token_scores
 from hyflow.models.loading import as_torch_dtype
 from hyflow.models.vision import (
     VisionTokens,
@@ -160,6 +161,25 @@ class HFRolloutEngine:
         logprobs = torch.cat([p[1] for p in parts])
         lengths = torch.cat([p[2] for p in parts])
         return assemble_rollout(prompts, input_ids, prompt_mask, responses, logprobs, lengths, params)
+
+    @torch.inference_mode()
+    def prompt_log_probs(self, sequences: Batch, response_length: int, topk: int = 0) -> dict[str, torch.Tensor]:
+        """The engine's model scoring given sequences (a teacher scoring a student's samples): `log_probs` [N, R]
+        of each of the last R tokens (`input_ids`, `attention_mask`, `position_ids` columns, responses
+        right-padded), and with `topk` its own `topk_log_probs` / `topk_ids` [N, R, K]
+        (`hyflow.models.forward.response_token_scores`), `max_batch_size` rows per forward. On CPU."""
+        if self._asleep:
+            raise RuntimeError("the hf engine is asleep; call wake() before prompt_log_probs()")
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            parts = [response_token_scores(self.model, *(sequences[key][i : i + self.max_batch_size].to(self._device)
+                                                         for key in ("input_ids", "attention_mask", "position_ids")),
+                                           response_length, topk=topk)
+                     for i in range(0, len(sequences), self.max_batch_size)]
+        finally:
+            self.model.train(was_training)
+        return {key: torch.cat([part[key] for part in parts]).cpu() for key in parts[0]}
 
     # ------------------------------------------------------------------ the token-level protocol
     def open_stream(self, params: SamplingParams):

@@ -124,6 +124,11 @@ class RLTrainer:
                                                      or cfg.actor_rollout_ref.model.path,
                                                      trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code
                                                      or cfg.data.trust_remote_code)
+        if cfg.distillation.enabled:  # the teachers must read the student's token ids as the same text
+            from hyflow.config.roles import teacher_spec
+            from hyflow.workers.teacher import check_teacher_tokenizers
+
+            check_teacher_tokenizers(teacher_spec(cfg), self.tokenizer)
         # a vision-language model's image processor: image rows are expanded into the image's tokens
         self.processor = prompt_processor(cfg.actor_rollout_ref.model.path, self.tokenizer,
                                           trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,
@@ -229,6 +234,7 @@ class RLTrainer:
         if (placement := describe_placement(self.groups)) is not None:
             print(placement)  # which node each rank landed on, when the ranks span several nodes
         self.actor, self.critic, self.reward_model = self.roles.actor, self.roles.critic, self.roles.reward_model
+        self.teacher = self.roles.teacher
         self.scheduler = self._async_scheduler() if self.async_mode else None
         self.use_reference = uses_reference(cfg)
         self.needs_old_log_probs = self._needs_old_log_probs()
@@ -423,6 +429,9 @@ class RLTrainer:
         if self.use_reference:
             with self._timed("ref", timing):
                 batch.union(self.actor.compute_ref_log_prob(batch))
+        if self.teacher is not None:  # on-policy distillation: the teacher scores the samples
+            with self._timed("teacher", timing):
+                batch.union(self.teacher.compute_teacher_log_probs(batch))
         if self.critic is not None:
             with self._timed("values", timing):
                 batch.union(self.critic.compute_values(batch))

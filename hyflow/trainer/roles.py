@@ -6,7 +6,8 @@ HybridFlow's placement, as the trainer runs it:
   (+ its rollout engine and reference policy), the critic and the reward model unless they have pools of their
   own (one colocated Worker class, `make_colocated_class`, the trainer talks to one view per role);
 - a critic or reward model with `<role>.enable_resource_pool` runs in worker processes of its own, on its own
-  `<role>.nnodes` x `<role>.n_gpus_per_node` devices;
+  `<role>.nnodes` x `<role>.n_gpus_per_node` devices; so does on-policy distillation's teacher with
+  `distillation.nnodes` > 0 (else it is colocated);
 - an asynchronous run with `rollout.n_gpus_per_node` > 0 generates on a rollout pool of its own
   (`RolloutWorker`s on `rollout.nnodes` x `rollout.n_gpus_per_node` devices).
 
@@ -23,15 +24,16 @@ from typing import Any
 import torch
 
 from hyflow.config.arithmetic import own_pool_roles, role_pool_shape
-from hyflow.config.roles import reward_model_spec
+from hyflow.config.roles import reward_model_spec, teacher_spec
 from hyflow.config.schema import HyflowConfig
 from hyflow.controller import make_colocated_class, make_worker_group
 from hyflow.specs import RoleSpecs
 from hyflow.workers.actor import ActorRolloutRefWorker
 from hyflow.workers.critic import CriticWorker
 from hyflow.workers.reward_model import RewardModelWorker
+from hyflow.workers.teacher import TeacherWorker
 
-SECTIONS = {"critic": "critic", "rm": "reward_model"}  # worker role -> its config section (own pools)
+SECTIONS = {"critic": "critic", "rm": "reward_model", "teacher": "distillation"}  # worker role -> its config section (own pools)
 
 
 def has_rollout_pool(cfg: HyflowConfig) -> bool:
@@ -48,6 +50,7 @@ class Roles:
     actor: Any = None
     critic: Any = None
     reward_model: Any = None
+    teacher: Any = None
     rollout: Any = None
     workers: Any = None
     groups: list = field(default_factory=list)
@@ -84,6 +87,8 @@ def _start(roles: Roles, cfg: HyflowConfig, specs: RoleSpecs, executor: str, tok
     if cfg.reward_model.enable:  # the reward model's spec is derived here (`reward_model_spec`)
         rm_spec = reward_model_spec(cfg, n_devices=specs.batches.n_devices)
         classes["rm"], role_kwargs["rm"] = RewardModelWorker, {"spec": rm_spec, "tokenizer": tokenizer}
+    if cfg.distillation.enabled:  # on-policy distillation's teachers (hyflow.workers.teacher)
+        classes["teacher"], role_kwargs["teacher"] = TeacherWorker, {"spec": teacher_spec(cfg)}
     separate = [role for role in classes if SECTIONS.get(role) in own_pool_roles(cfg)]
     colocated = {role: cls for role, cls in classes.items() if role not in separate}
     t = cfg.trainer
@@ -96,11 +101,14 @@ def _start(roles: Roles, cfg: HyflowConfig, specs: RoleSpecs, executor: str, tok
                        *role_pool_shape(cfg, SECTIONS[role]), **{role: role_kwargs[role]})
         views[role] = group.role(role)
     roles.actor, roles.critic, roles.reward_model = views["actor"], views.get("critic"), views.get("rm")
+    roles.teacher = views.get("teacher")
     roles.actor.init_model()
     if roles.critic is not None:
         roles.critic.init_model()
     if roles.reward_model is not None:
         roles.reward_model.init_model()
+    if roles.teacher is not None:
+        roles.teacher.init_model()
     if has_rollout_pool(cfg):
         from hyflow.workers.rollout import RolloutWorker
 

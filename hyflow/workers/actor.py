@@ -40,13 +40,20 @@ import time
 import torch
 
 from hyflow.algos import actor_loss, compute_offpolicy_metrics, get_policy_loss
+from hyflow.algos.distillation import (
+    combine_with_policy_loss,
+    distillation_loss,
+    distillation_token_losses,
+    topk_overlap,
+    uses_topk,
+)
 from hyflow.batch import Batch
 from hyflow.controller import Collect, Dispatch, Worker, register
 from hyflow.models.forward import unwrap_model
 from hyflow.models.loading import load_causal_lm, load_tokenizer
 from hyflow.rollout.base import RolloutEngineError, SamplingParams
 from hyflow.rollout.build import build_rollout
-from hyflow.specs import ActorLossSpec, ActorSpec
+from hyflow.specs import ActorLossSpec, ActorSpec, DistillationLossSpec
 from hyflow.workers.engine import apply_full_determinism
 from hyflow.workers.fsdp import (
     DIST_TIMEOUT_S,
@@ -66,7 +73,7 @@ from hyflow.workers.train_engine import (
 )
 
 RESPONSE_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_prob", "rollout_is_weights",
-                 "rollout_log_probs")
+                 "rollout_log_probs", "teacher_log_probs", "teacher_topk_log_probs", "teacher_topk_ids")
 
 
 class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
@@ -271,10 +278,12 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
                           shuffle=self.spec.shuffle, sizes=sizes,
                           seed=self.spec.data_loader_seed + int(batch.meta.get("global_step", 0)) * 7919,
                           loss_agg_mode=loss.loss_agg_mode, metric_prefix="actor")
+        topk = loss.distillation is not None and uses_topk(loss.distillation.loss_mode)
         with self.engine.on_device(optimizer=True):
             metrics = self.engine.update(batch, plan, actor_loss_fn(loss, on_policy), columns=RESPONSE_KEYS,
                                          temperature=self._temperature(batch),
-                                         with_entropy=loss.entropy_coeff != 0 or on_policy)
+                                         with_entropy=loss.entropy_coeff != 0 or on_policy,
+                                         topk_column="teacher_topk_ids" if topk else None)
         if loss.use_kl_loss:
             metrics["actor/kl_coef"] = [loss.kl_loss_coef]
         return Batch(meta={"metrics": metrics})
@@ -313,6 +322,8 @@ def actor_loss_fn(loss: ActorLossSpec, on_policy: bool) -> LossFn:
     metrics and, on-policy, `actor/entropy` weighted by the micro-batch's share of tokens; the off-policy metrics
     against `rollout_log_probs` averaged over micro-batches and ranks."""
     policy_loss = get_policy_loss(loss.loss_mode)
+    distill = loss.distillation
+    task_loss = distill is None or distill.use_task_rewards or distill.use_policy_gradient  # verl computes it then
 
     def loss_fn(out: dict, cols: dict, ctx: MicroContext) -> tuple[torch.Tensor, dict]:
         logp, entropy = out["log_probs"], out["entropy"]
@@ -322,19 +333,62 @@ def actor_loss_fn(loss: ActorLossSpec, on_policy: bool) -> LossFn:
         old = logp.detach() if on_policy else cols["old_log_probs"]
         if on_policy:
             parts["actor/entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1)) * weight
-        pg_loss, pg_metrics = policy_loss(old_log_prob=old, log_prob=logp, advantages=cols["advantages"],
-                                          response_mask=mask, rollout_is_weights=cols.get("rollout_is_weights"),
-                                          loss_agg_mode=loss.loss_agg_mode, **ctx.norms, **loss.policy_loss_kwargs)
-        total, terms = actor_loss(pg_loss, log_prob=logp, entropy=entropy, ref_log_prob=cols.get("ref_log_prob"),
-                                  response_mask=mask, entropy_coeff=loss.entropy_coeff, use_kl_loss=loss.use_kl_loss,
-                                  kl_loss_coef=loss.kl_loss_coef, kl_loss_type=loss.kl_loss_type,
-                                  loss_agg_mode=loss.loss_agg_mode, loss_scale_factor=loss.loss_scale_factor,
-                                  **ctx.norms)
-        parts.update({f"actor/{name}": value for name, value in terms.items()})
-        parts.update({f"actor/{name}": float(value) * weight for name, value in pg_metrics.items()})
+        total = None
+        if task_loss:
+            pg_loss, pg_metrics = policy_loss(old_log_prob=old, log_prob=logp, advantages=cols["advantages"],
+                                              response_mask=mask, rollout_is_weights=cols.get("rollout_is_weights"),
+                                              loss_agg_mode=loss.loss_agg_mode, **ctx.norms,
+                                              **loss.policy_loss_kwargs)
+            total, terms = actor_loss(pg_loss, log_prob=logp, entropy=entropy,
+                                      ref_log_prob=cols.get("ref_log_prob"), response_mask=mask,
+                                      entropy_coeff=loss.entropy_coeff, use_kl_loss=loss.use_kl_loss,
+                                      kl_loss_coef=loss.kl_loss_coef, kl_loss_type=loss.kl_loss_type,
+                                      loss_agg_mode=loss.loss_agg_mode, loss_scale_factor=loss.loss_scale_factor,
+                                      **ctx.norms)
+            parts.update({f"actor/{name}": value for name, value in terms.items()})
+            parts.update({f"actor/{name}": float(value) * weight for name, value in pg_metrics.items()})
+        if distill is not None:
+            total = _with_distillation(distill, total, out, cols, old, mask, ctx, weight, parts,
+                                       loss_agg_mode=loss.loss_agg_mode, loss_scale_factor=loss.loss_scale_factor)
         if "rollout_log_probs" in cols:
             for name, value in compute_offpolicy_metrics(logp.detach(), cols["rollout_log_probs"], mask).items():
                 parts[name] = float(value) / (ctx.n_micro * ctx.world_size)
         return total, parts
 
     return loss_fn
+
+
+def _with_distillation(distill: DistillationLossSpec, total: torch.Tensor | None, out: dict, cols: dict,
+                       old: torch.Tensor, mask: torch.Tensor, ctx: MicroContext, weight: float, parts: dict, *,
+                       loss_agg_mode: str, loss_scale_factor: float | None) -> torch.Tensor:
+    """The actor's loss with on-policy distillation's term (`hyflow.algos.distillation`, verl's
+    `distillation_ppo_loss`); its metric parts join `parts` (token-weighted means; `distillation/loss` as this
+    micro-batch's share of the mini-batch's L_d, like `actor/pg_loss`)."""
+    logp = out["log_probs"]
+    losses, diagnostics = distillation_token_losses(
+        distill.loss_mode, log_prob=logp, teacher_log_prob=cols.get("teacher_log_probs"),
+        student_topk_log_probs=out.get("topk_log_probs"), teacher_topk_log_probs=cols.get("teacher_topk_log_probs"),
+        log_prob_min_clamp=distill.log_prob_min_clamp)
+    if "teacher_topk_ids" in cols and "own_topk_ids" in out:
+        count, advantage = topk_overlap(cols["teacher_topk_ids"], out["own_topk_ids"],
+                                        cols["teacher_topk_log_probs"], out["topk_log_probs"])
+        diagnostics["overlap_ratio"] = count.float() / distill.topk
+        shared = mask * (count > 0)
+        if float(shared.sum()) > 0:  # mean over the positions that share a token (verl's), weighted by them
+            parts["distillation/overlap_token_advantage"] = (
+                float((advantage * shared).sum()) / float(shared.sum())) / (ctx.n_micro * ctx.world_size)
+    else:
+        diagnostics["abs_loss"] = losses.detach().abs()
+    denominator = mask.sum().clamp(min=1)
+    for name, values in diagnostics.items():
+        parts[f"distillation/{name}"] = float((values.detach().float() * mask).sum() / denominator) * weight
+    distill_loss, metrics = distillation_loss(
+        losses, mask, loss_agg_mode=loss_agg_mode, loss_max_clamp=distill.loss_max_clamp,
+        use_policy_gradient=distill.use_policy_gradient,
+        policy_loss=get_policy_loss(distill.policy_loss_mode) if distill.use_policy_gradient else None,
+        policy_loss_kwargs=distill.policy_loss_kwargs, log_prob=logp, old_log_prob=old,
+        rollout_is_weights=cols.get("rollout_is_weights"), loss_scale_factor=loss_scale_factor, **ctx.norms)
+    parts.update({name: value * weight for name, value in metrics.items() if not name.endswith(("_min", "_max"))})
+    parts["distillation/loss"] = float(distill_loss.detach())
+    return combine_with_policy_loss(total, distill_loss, use_task_rewards=distill.use_task_rewards,
+                                    distillation_loss_coef=distill.distillation_loss_coef)

@@ -433,8 +433,11 @@ class TrainEngine:
             yield
 
     def forward_micro(self, micro: Batch, response_length: int, *, temperature: float = 1.0,
-                      with_entropy: bool = False, with_sum_pi_squared: bool = False) -> tuple[dict, int]:
-        """Per-token outputs of one micro-batch over its response span (module docstring); returns (outputs, r)."""
+                      with_entropy: bool = False, with_sum_pi_squared: bool = False,
+                      topk_column: str | None = None) -> tuple[dict, int]:
+        """Per-token outputs of one micro-batch over its response span (module docstring); returns (outputs, r).
+        `topk_column`: a [N, R, K] column of token ids (a teacher's top-k); the outputs then hold `topk_log_probs`
+        (this model's log-probs at those ids) and `own_topk_ids` ([.., r, K] each)."""
         R = response_length
         if self.head == "score":
             seq = {key: micro[key].to(self.device) for key in SEQUENCE_KEYS}
@@ -447,7 +450,7 @@ class TrainEngine:
                              "those metrics off or use ulysses_sequence_parallel_size=1")
         if self.use_remove_padding and not with_sum_pi_squared:
             with self._sp():
-                return self._packed_micro(micro, R, temperature, with_entropy)
+                return self._packed_micro(micro, R, temperature, with_entropy, topk_column)
         seq, r = trim_padding(micro, R)
         seq = {k: v.to(self.device) for k, v in seq.items()}
         images = self._images(micro)
@@ -460,10 +463,13 @@ class TrainEngine:
                 values = values_from_model(self.model, seq["input_ids"], seq["attention_mask"],
                                            seq["position_ids"], r, **images)
                 return {"values": values}, r
-            logp, entropy = response_logprobs(self.model, seq["input_ids"], seq["attention_mask"],
-                                              seq["position_ids"], r, temperature=temperature,
-                                              calculate_entropy=with_entropy, **images)
+            topk = {} if topk_column is None else {"topk_ids": micro[topk_column][:, :r].to(self.device)}
+            logp, entropy, *gathered = response_logprobs(self.model, seq["input_ids"], seq["attention_mask"],
+                                                         seq["position_ids"], r, temperature=temperature,
+                                                         calculate_entropy=with_entropy, **topk, **images)
             out = {"log_probs": logp, "entropy": entropy}
+            if gathered:
+                out["topk_log_probs"], out["own_topk_ids"] = gathered
             if with_sum_pi_squared:
                 from hyflow.algos import sum_pi_squared_from_logits
 
@@ -473,7 +479,8 @@ class TrainEngine:
                 out["sum_pi_squared"] = sum_pi_squared_from_logits(logits, temperature)
         return out, r
 
-    def _packed_micro(self, micro: Batch, R: int, temperature: float, with_entropy: bool) -> tuple[dict, int]:
+    def _packed_micro(self, micro: Batch, R: int, temperature: float, with_entropy: bool,
+                      topk_column: str | None = None) -> tuple[dict, int]:
         """`forward_micro` on the packed path (sequence-parallel inside `self._sp()`)."""
         from hyflow.models.packing import packed_response_logprobs, packed_values
 
@@ -494,10 +501,14 @@ class TrainEngine:
             if self.head == "value":
                 return {"values": packed_values(self.model, ids, mask, R, share_prompts=self.share_prompts,
                                                 **vision)}, R
-            logp, entropy = packed_response_logprobs(self.model, ids, mask, R, temperature=temperature,
-                                                     calculate_entropy=with_entropy,
-                                                     share_prompts=self.share_prompts, **vision)
-        return {"log_probs": logp, "entropy": entropy}, R
+            topk = {} if topk_column is None else {"topk_ids": micro[topk_column].to(self.device)}
+            logp, entropy, *gathered = packed_response_logprobs(self.model, ids, mask, R, temperature=temperature,
+                                                                calculate_entropy=with_entropy,
+                                                                share_prompts=self.share_prompts, **topk, **vision)
+        out = {"log_probs": logp, "entropy": entropy}
+        if gathered:
+            out["topk_log_probs"], out["own_topk_ids"] = gathered
+        return out, R
 
     def _images(self, micro: Batch) -> dict[str, torch.Tensor]:
         """The micro-batch's image inputs for the model call (`pixel_values`, `image_grid_thw`), {} without."""
@@ -544,7 +555,8 @@ class TrainEngine:
     # ------------------------------------------------------------------------------------------ training
 
     def forward_backward(self, batch: Batch, sizes, loss_fn: LossFn, *, columns: Sequence[str], norms: dict,
-                         temperature: float = 1.0, with_entropy: bool = False) -> dict[str, float]:
+                         temperature: float = 1.0, with_entropy: bool = False,
+                         topk_column: str | None = None) -> dict[str, float]:
         """Forward and backward every micro-batch of `batch` (one mini-batch of this rank) with `loss_fn`;
         gradients accumulate in `.grad`. Returns this rank's metric parts, summed over the micro-batches."""
         R = batch["responses"].shape[1]
@@ -554,7 +566,8 @@ class TrainEngine:
         sums: defaultdict[str, float] = defaultdict(float)
         for done, (micro, _) in enumerate(micros, 1):
             with self.passes():  # forward and backward: a checkpointed layer re-runs its attention in backward
-                out, r = self.forward_micro(micro, R, temperature=temperature, with_entropy=with_entropy)
+                out, r = self.forward_micro(micro, R, temperature=temperature, with_entropy=with_entropy,
+                                            topk_column=topk_column)
                 cols = {key: micro[key][:, :r].to(self.device) for key in columns if key in micro}
                 loss, parts = loss_fn(out, cols, ctx)
                 if loss.requires_grad:  # DDP/FSDP average gradients over the ranks; the losses are global sums.
@@ -591,7 +604,8 @@ class TrainEngine:
         return device_peak_flops(torch.cuda.get_device_name(self.device))
 
     def update(self, batch: Batch, plan: UpdatePlan, loss_fn: LossFn, *, columns: Sequence[str],
-               temperature: float = 1.0, with_entropy: bool = False) -> dict[str, list[float]]:
+               temperature: float = 1.0, with_entropy: bool = False,
+               topk_column: str | None = None) -> dict[str, list[float]]:
         """`plan.epochs` passes over this rank's `batch` in mini-batches, one optimizer step each; returns every
         mini-batch's global metric values (all-reduced, the same on every rank), plus `<prefix>/grad_norm`,
         `<prefix>/lr` and `<prefix>/grad_norm_skipped`."""
@@ -610,7 +624,8 @@ class TrainEngine:
                 local = {key: torch.zeros_like(value) for key, value in local.items()}
             norms = all_reduce_sum(local)
             sums = self.forward_backward(mini, plan.sizes, loss_fn, columns=columns, norms=norms,
-                                         temperature=temperature, with_entropy=with_entropy)
+                                         temperature=temperature, with_entropy=with_entropy,
+                                         topk_column=topk_column)
             sums = all_reduce_metrics({key: 0.0 if self.group_rank else value for key, value in sums.items()})
             stepped = self.step()
             for key, value in {**sums, **{f"{plan.metric_prefix}/{k}": v for k, v in stepped.items()}}.items():

@@ -74,6 +74,10 @@ from hyflow.config.schema.data import (
     CustomClassConfig,
     DataConfig,
 )
+from hyflow.config.schema.distillation import (
+    DistillationConfig,
+    DistillationLossConfig,
+)
 from hyflow.config.schema.reward import (
     CustomRewardFunctionConfig,
     OverlongBufferConfig,
@@ -111,6 +115,7 @@ class HyflowConfig:
     async_training: AsyncTrainingConfig = section(
         AsyncTrainingConfig, "Asynchronous training: one-step off-policy, fully async with partial rollouts.")
     rollout: RolloutPoolConfig = section(RolloutPoolConfig, "The rollout pool of the asynchronous modes.")
+    distillation: DistillationConfig = section(DistillationConfig, "On-policy distillation from frozen teachers.")
 
     def __post_init__(self) -> None:
         # Built directly (not by load_config), the `${...}` defaults are still strings: OmegaConf resolves them.
@@ -134,6 +139,8 @@ __all__ = [
     "CustomClassConfig",
     "CustomRewardFunctionConfig",
     "DataConfig",
+    "DistillationConfig",
+    "DistillationLossConfig",
     "FSDPConfig",
     "FilterGroupsConfig",
     "HyflowConfig",
