@@ -239,6 +239,24 @@ def teacher_spec(cfg: HyflowConfig) -> TeacherSpec:
                        rollout=rollout)
 
 
+def teacher_performance_notes(cfg: HyflowConfig) -> list[str]:
+    """One line per teacher whose `inference` sets keys that change only the teacher engine's speed or memory
+    (`INFERENCE_PERFORMANCE_ONLY`: how vLLM batches, caches, splits or loads; the scores are the same), printed
+    at start so that no key is taken silently."""
+    from hyflow.config.schema.distillation import INFERENCE_PERFORMANCE_ONLY
+
+    if not cfg.distillation.enabled:
+        return []
+    lines = []
+    for name, entry in teacher_models(cfg).items():
+        given = sorted(set(dict(entry.get("inference") or {})) & set(INFERENCE_PERFORMANCE_ONLY))
+        if given:
+            lines.append(f"hyflow: distillation.teacher_models.{name}.inference.{{{', '.join(given)}}} only change "
+                         "the teacher engine's speed or memory (the teacher's scores are the same); accepted as "
+                         "performance hints")
+    return lines
+
+
 def distillation_loss_spec(cfg: HyflowConfig) -> DistillationLossSpec | None:
     """The actor's distillation term (`hyflow.specs.DistillationLossSpec`), None without distillation."""
     if not cfg.distillation.enabled:

@@ -149,6 +149,10 @@ def _check_distillation(cfg: HyflowConfig) -> list[str]:
         if unknown:
             problems.append(f"{prefix}.{name}.inference has unknown key(s) {unknown}; known: "
                             f"{', '.join(sorted(known_inference))}")
+        if inference.get("load_format") == "dummy":
+            problems.append(f"{prefix}.{name}.inference.load_format=dummy would give the teacher random weights (the "
+                            "rollout's dummy format waits for the trainer's weights, which a teacher never gets); "
+                            "drop it (a teacher always loads its model's weights)")
         engine = inference.get("name") or cfg.actor_rollout_ref.rollout.name
         if engine not in ("hf", "vllm"):
             problems.append(f"{prefix}.{name}.inference.name={engine!r}: a teacher is served by the hf or the vllm "

@@ -375,6 +375,43 @@ class VLLMRolloutEngine:
                         [step[token].logprob for token, step in zip(ids, sample.logprobs)], dtype=torch.float32)
         return assemble_rollout(prompts, input_ids, prompt_mask, responses, logprobs, lengths, params)
 
+    def prompt_log_probs(self, sequences: Batch, response_length: int, topk: int = 0) -> dict[str, torch.Tensor]:
+        """The engine's model scoring given sequences (a teacher scoring a student's samples, verl's teacher
+        loop): each row's real tokens (`input_ids` where `attention_mask`) as one prompt, generating one token,
+        with vLLM's prompt log-probs (`prompt_logprobs=topk`; log_softmax of the logits at T = 1). Returns
+        `log_probs` [N, R] of the last R columns' real tokens (responses right-padded) and with `topk` the
+        model's own `topk_log_probs` / `topk_ids` [N, R, K] by rank; zeros at padding. `topk` above the engine's
+        `max_logprobs` (vLLM's default 20) needs engine_kwargs.vllm.max_logprobs >= topk."""
+        self._check_ready()
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        ids, mask = sequences["input_ids"].cpu(), sequences["attention_mask"].cpu().bool()
+        rows, R = len(ids), response_length
+        token_lists = [row[m].tolist() for row, m in zip(ids, mask)]
+        n_response = mask[:, -R:].sum(-1).tolist()
+        if any(n >= len(t) for n, t in zip(n_response, token_lists)):
+            raise ValueError("prompt_log_probs: every row needs at least one real token before its response")
+        if max(map(len, token_lists), default=0) + 1 > self.max_model_len:
+            raise ValueError(f"a sequence of {max(map(len, token_lists))} tokens exceeds the vllm engine's "
+                             f"max_model_len={self.max_model_len}; raise the teacher's inference.max_model_len")
+        sampling = VLLMSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=int(topk), detokenize=False)
+        outputs = self.llm.generate([self._prompt(t, None) for t in token_lists], sampling, use_tqdm=False)
+        out = {"log_probs": torch.zeros(rows, R)}
+        if topk:
+            out["topk_log_probs"] = torch.zeros(rows, R, topk)
+            out["topk_ids"] = torch.zeros(rows, R, topk, dtype=torch.long)
+        for row, (output, tokens, n) in enumerate(zip(outputs, token_lists, n_response)):
+            positions = output.prompt_logprobs[len(tokens) - n :]  # entry j: the distribution of token j
+            for i, (token, step) in enumerate(zip(tokens[len(tokens) - n :], positions)):
+                out["log_probs"][row, i] = step[token].logprob
+                if topk:
+                    ranked = sorted(((lp.rank, t, lp.logprob) for t, lp in step.items() if lp.rank <= topk))
+                    if len(ranked) < topk:
+                        raise VLLMEngineError(f"vLLM returned {len(ranked)} of the top {topk} prompt log-probs")
+                    out["topk_ids"][row, i] = torch.tensor([t for _, t, _ in ranked[:topk]])
+                    out["topk_log_probs"][row, i] = torch.tensor([lp for _, _, lp in ranked[:topk]])
+        return out
+
     def open_stream(self, params: SamplingParams) -> VLLMTokenStream:
         """The token-level protocol (see `hyflow.rollout.base.RolloutEngine`): requests go into vLLM's engine as
         they come and come back as they finish (continuous batching), sampled with `params` (its `n` is ignored:

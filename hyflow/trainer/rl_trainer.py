@@ -125,10 +125,12 @@ class RLTrainer:
                                                      trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code
                                                      or cfg.data.trust_remote_code)
         if cfg.distillation.enabled:  # the teachers must read the student's token ids as the same text
-            from hyflow.config.roles import teacher_spec
+            from hyflow.config.roles import teacher_performance_notes, teacher_spec
             from hyflow.workers.teacher import check_teacher_tokenizers
 
             check_teacher_tokenizers(teacher_spec(cfg), self.tokenizer)
+            for note in teacher_performance_notes(cfg):
+                print(note)
         # a vision-language model's image processor: image rows are expanded into the image's tokens
         self.processor = prompt_processor(cfg.actor_rollout_ref.model.path, self.tokenizer,
                                           trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,

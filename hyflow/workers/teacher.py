@@ -67,6 +67,14 @@ class TeacherWorker(Worker):
         overrides = {key: teacher.inference[key] for key in ("dtype", "max_num_seqs", "gpu_memory_utilization",
                                                              "enforce_eager", "max_model_len", "engine_kwargs")
                      if teacher.inference.get(key) is not None and hasattr(rollout, key)}
+        # a teacher loads its own weights (the rollout's "dummy" waits for the trainer's), and a sequence of
+        # prompt_length + response_length tokens plus the one token vLLM generates must fit
+        overrides["load_format"] = "auto"
+        overrides.setdefault("max_model_len", rollout.prompt_length + rollout.response_length + 1)
+        if self.spec.topk > 20:  # vLLM's default max_logprobs is 20 (verl raises it the same way)
+            kwargs = dict(overrides.get("engine_kwargs", rollout.engine_kwargs) or {})
+            kwargs["vllm"] = {"max_logprobs": self.spec.topk, **dict(kwargs.get("vllm") or {})}
+            overrides["engine_kwargs"] = kwargs
         if overrides:
             rollout = dataclasses.replace(rollout, **overrides)
         return make_engine(teacher.engine, EngineSpec(model_path=teacher.model.path, device=self.model_device,
