@@ -9,6 +9,14 @@ returned by a scorer (a dict with `score` plus e.g. `acc`, `pred`) become per-sa
   returning a list of scores (or dicts).
 - `dapo`: `naive` plus DAPO's overlong penalty (arXiv 2503.14476): with buffer L and maximum length Lmax,
   `penalty = min(0, -(len - (Lmax - L)) / L * factor)`, 0 inside the budget and -factor at Lmax.
+- `prime` (verl's PrimeRewardManager): `naive` without reward_kwargs, a tuple result scoring its first element,
+  the score also the `acc` column.
+- `gdpo` (verl's GDPO manager): `naive` with `extra_info["experiment_name"]`, a plain-number score also `acc`.
+- `rate_limited` / `limited` (verl's RateLimitedRewardManager, for scorers behind an API): calls on threads, let
+  through by token buckets of `max_rpm` requests and `max_tpm` tokens a minute and at most `max_concurrent` at once.
+
+Every manager but `batch` scores one sample per call (`sample_call` -> `score_calls` -> `finish`), which is what
+the reward loop (`hyflow.rewards.reward_loop`) calls on each trajectory as it finishes; both paths share them.
 
 A scorer that fails on a sample (raises, returns None / a string / NaN / inf, times out, or kills its
 process) gives that sample a score of 0; it is counted in `reward/errors` (every failure) and
@@ -20,6 +28,8 @@ function, the first failure and the fix, and the run stops instead of training o
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -74,8 +84,9 @@ class _BaseManager:
     def __init__(self, tokenizer, compute_score: Callable | None = None, *, num_workers: int = 1,
                  timeout_s: float = 30.0, reward_kwargs: dict | None = None, num_examine: int = 0,
                  max_response_length: int | None = None, overlong_buffer: dict | None = None,
-                 max_error_fraction: float = 0.5) -> None:
+                 max_error_fraction: float = 0.5, experiment_name: str | None = None) -> None:
         self.tokenizer = tokenizer
+        self.experiment_name = experiment_name
         self.compute_score = compute_score or default_compute_score
         self.max_error_fraction = max_error_fraction
         self.num_workers, self.timeout_s = num_workers, timeout_s
@@ -137,12 +148,56 @@ class _BaseManager:
         logger.warning("reward function %s on sample %r; it scores 0 and the run goes on. %s",
                        "timed out" if outcome.timed_out else "raised", sample, detail)
 
+    # ---- one sample at a time: what the batch path and the reward loop (hyflow.rewards.reward_loop) share
+    streams = True  # one call per sample: the reward loop may score each sample as soon as it finishes
+
+    def sample_call(self, data_source, solution_str: str, ground_truth, extra_info) -> dict:
+        """The keyword arguments of the scorer's call for one sample (verl's signature, + reward_kwargs)."""
+        return {"data_source": data_source, "solution_str": solution_str, "ground_truth": ground_truth,
+                "extra_info": extra_info, **self.reward_kwargs}
+
+    def sample_calls(self, batch: Batch, texts: list[str]) -> list[dict]:
+        """`sample_call` for every row of `batch`, whose decoded responses are `texts`."""
+        return [self.sample_call(ds, text, gt, info)
+                for ds, text, gt, info in zip(self._column(batch, "data_source"), texts, self._ground_truths(batch),
+                                              self._column(batch, "extra_info", {}))]
+
+    def score_calls(self, calls: list[dict]) -> list[Outcome]:
+        """The scorer on `calls`, each bounded by `timeout_s`, in `num_workers` processes (hyflow.rewards.pool)."""
+        return run_calls(self.compute_score, calls, num_workers=self.num_workers, timeout_s=self.timeout_s)
+
+    def _refuse_reward_kwargs(self, name: str, verl_name: str) -> None:
+        """A manager whose verl original passes the scorer no keyword arguments refuses reward_kwargs by name."""
+        if self.reward_kwargs:
+            raise ValueError(f"reward_model.reward_manager={name} calls compute_score(data_source, solution_str, "
+                             f"ground_truth, extra_info) without keyword arguments ({verl_name}), but "
+                             f"reward_model.reward_kwargs sets {sorted(self.reward_kwargs)}; drop them or use "
+                             "reward_manager=naive")
+
+    def normalize(self, value) -> tuple[float, dict]:
+        """(score, extra columns) from what the scorer returned; TypeError / ValueError for a value that is none."""
+        return normalize_score(value)
+
+    def finish(self, batch: Batch, outcomes: list[Outcome], calls: list[dict],
+               lengths: torch.Tensor | None = None) -> RewardResult:
+        """The batch's RewardResult from every sample's Outcome (failures counted, `max_error_fraction` checked)."""
+        if lengths is None:
+            lengths = response_lengths(batch)
+        for i in range(min(self.num_examine, len(calls))):
+            logger.info("[sample %d] %s -> %s", i, calls[i].get("solution_str"), outcomes[i].value)
+        return self._finish(batch, outcomes, calls, lengths)
+
+    def __call__(self, batch: Batch) -> RewardResult:
+        texts, lengths = self.decode_responses(batch)
+        calls = self.sample_calls(batch, texts)
+        return self.finish(batch, self.score_calls(calls), calls, lengths)
+
     def _finish(self, batch: Batch, outcomes: list[Outcome], calls: list[dict], lengths: torch.Tensor) -> RewardResult:
         scores, extras, errors, timeouts, first = [], [], 0, 0, None
         for index, (outcome, call) in enumerate(zip(outcomes, calls)):
             if outcome.ok:
                 try:
-                    score, extra = normalize_score(outcome.value)
+                    score, extra = self.normalize(outcome.value)
                 except (TypeError, ValueError) as exc:
                     outcome = Outcome(error=str(exc))
             if not outcome.ok:
@@ -225,18 +280,6 @@ def last_model_token(batch: Batch, lengths: torch.Tensor) -> torch.Tensor:
 class NaiveRewardManager(_BaseManager):
     """One scorer call per sample: `compute_score(data_source, solution_str, ground_truth, extra_info, **kw)`."""
 
-    def __call__(self, batch: Batch) -> RewardResult:
-        texts, lengths = self.decode_responses(batch)
-        calls = [
-            {"data_source": ds, "solution_str": text, "ground_truth": gt, "extra_info": info, **self.reward_kwargs}
-            for ds, text, gt, info in zip(self._column(batch, "data_source"), texts, self._ground_truths(batch),
-                                          self._column(batch, "extra_info", {}))
-        ]
-        outcomes = run_calls(self.compute_score, calls, num_workers=self.num_workers, timeout_s=self.timeout_s)
-        for i in range(min(self.num_examine, len(calls))):
-            logger.info("[sample %d] %s -> %s", i, calls[i]["solution_str"], outcomes[i].value)
-        return self._finish(batch, outcomes, calls, lengths)
-
 
 @register_reward_manager("dapo")
 class DAPORewardManager(NaiveRewardManager):
@@ -250,6 +293,8 @@ class DAPORewardManager(NaiveRewardManager):
 @register_reward_manager("batch")
 class BatchRewardManager(_BaseManager):
     """One scorer call for the whole batch; the function returns one score (or dict) per sample."""
+
+    streams = False  # the function wants the whole batch at once: the reward loop falls back to the batch path
 
     def __call__(self, batch: Batch) -> RewardResult:
         texts, lengths = self.decode_responses(batch)
@@ -266,20 +311,183 @@ class BatchRewardManager(_BaseManager):
         return self._finish(batch, outcomes, calls, lengths)
 
 
+@register_reward_manager("prime")
+class PrimeRewardManager(_BaseManager):
+    """verl's PrimeRewardManager (the PRIME recipe, verl.workers.reward_manager.prime): every sample scored by
+    `compute_score(data_source, solution_str, ground_truth, extra_info)` in a pool of processes
+    (reward_model.num_workers; verl hard-codes 64), each call bounded by reward_model.timeout_s (verl: 300 s).
+    A tuple or list result scores its first element (PRIME's scorers return `(score, ...)`); the score is also
+    the `acc` column (verl's `batch["acc"]`). As in verl the scorer gets no reward_kwargs. A failed or timed-out
+    sample scores 0 as in verl, and is also counted (reward/errors) and bounded by max_error_fraction."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._refuse_reward_kwargs("prime", "verl's PrimeRewardManager")
+
+    def normalize(self, value) -> tuple[float, dict]:
+        if isinstance(value, (tuple, list)):
+            if not value:
+                raise TypeError("the reward function returned an empty sequence; prime scores its first element")
+            value = value[0]
+        score, extra = normalize_score(value)
+        return score, {**extra, "acc": score}
+
+
+@register_reward_manager("gdpo")
+class GDPORewardManager(_BaseManager):
+    """verl's GDPO reward manager (verl.experimental.reward_loop.reward_manager.gdpo; its GDPO example sets
+    `reward_manager.name=gdpo` beside `algorithm.adv_estimator=gdpo`): one call per sample, `extra_info` gains
+    `experiment_name` (trainer.experiment_name), and a scorer that returns a plain number gets it as the `acc`
+    column too; a dict's keys become columns, which `algorithm.gdpo_reward_keys` names for the GDPO estimator
+    (hyflow.algos.advantages.gdpo). As in verl the scorer gets no reward_kwargs."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._refuse_reward_kwargs("gdpo", "verl's GDPO manager")
+
+    def sample_call(self, data_source, solution_str: str, ground_truth, extra_info) -> dict:
+        return {"data_source": data_source, "solution_str": solution_str, "ground_truth": ground_truth,
+                "extra_info": {**dict(extra_info or {}), "experiment_name": self.experiment_name}}
+
+    def normalize(self, value) -> tuple[float, dict]:
+        score, extra = normalize_score(value)
+        return score, (extra if isinstance(value, dict) else {"acc": score})
+
+
+class TokenBucket:
+    """verl's AsyncTokenBucket, synchronous: `rate` tokens a second refill a bucket of `capacity` (default `rate`)
+    that starts full; `acquire(k)` takes k tokens, sleeping until they are there. A request larger than the
+    capacity takes what is there, leaves the bucket negative and sleeps for the rest (verl's rule). `clock` and
+    `sleep` are injectable (tests drive the bucket on a simulated clock)."""
+
+    def __init__(self, rate: float, capacity: float | None = None, *, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        if rate <= 0:
+            raise ValueError(f"a token bucket needs a rate > 0, got {rate}")
+        self.rate, self.capacity = float(rate), float(capacity or rate)
+        self.tokens, self.last = self.capacity, None
+        self.clock, self.sleep = clock, sleep
+        self.lock = threading.Lock()
+
+    def _refill(self) -> float:
+        now = self.clock()
+        if self.last is None:
+            self.last = now
+        self.tokens = min(self.capacity, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        return now
+
+    def acquire(self, amount: float = 1.0) -> None:
+        """Take `amount` tokens, sleeping until the bucket holds them."""
+        if amount > self.capacity:
+            with self.lock:
+                self._refill()
+                wait_s = max(0.0, (amount - self.tokens) / self.rate)
+                self.tokens -= amount
+            if wait_s > 0:
+                self.sleep(wait_s)
+            return
+        while True:
+            with self.lock:
+                self._refill()
+                if self.tokens >= amount:
+                    self.tokens -= amount
+                    return
+                wait_s = (amount - self.tokens) / self.rate
+            self.sleep(wait_s)
+
+
+@register_reward_manager("rate_limited")
+class RateLimitedRewardManager(_BaseManager):
+    """verl's RateLimitedRewardManager (`rate_limited`; hyflow also accepts `limited`), for scorers that call a
+    rate-limited API: each sample's call waits for a request token (`max_rpm` requests a minute, a bucket of
+    max_rpm / 60), then for `estimated_tokens_per_request` tokens (`max_tpm` tokens a minute, a bucket of
+    max_tpm / 60), then for one of `max_concurrent` slots (default 1), and runs on a thread (an API call waits on
+    the network; verl runs it in its event loop's executor) bounded by reward_model.timeout_s. The limits are verl's
+    `reward.{max_concurrent,max_rpm,max_tpm,estimated_tokens_per_request}`, given here as reward_model.reward_kwargs
+    of those names (they are not passed to the scorer). The buckets live as long as the manager, so consecutive
+    batches share them. A timed-out call is abandoned (a thread cannot be killed) and its slot freed, as verl's
+    `asyncio.wait_for` does."""
+
+    LIMIT_KEYS = ("max_concurrent", "max_rpm", "max_tpm", "estimated_tokens_per_request")
+
+    def __init__(self, *args, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        limits = {key: self.reward_kwargs.pop(key) for key in self.LIMIT_KEYS if key in self.reward_kwargs}
+        self.max_concurrent = int(limits.get("max_concurrent") or 1)
+        if self.max_concurrent < 1:
+            raise ValueError(f"reward_model.reward_kwargs.max_concurrent must be >= 1, got {self.max_concurrent}")
+        self.max_rpm, self.max_tpm = limits.get("max_rpm"), limits.get("max_tpm")
+        self.tokens_per_request = float(limits.get("estimated_tokens_per_request") or 2000)
+        self.clock = clock
+        self.rpm_limiter = TokenBucket(self.max_rpm / 60.0, clock=clock, sleep=sleep) if self.max_rpm else None
+        self.tpm_limiter = TokenBucket(self.max_tpm / 60.0, clock=clock, sleep=sleep) if self.max_tpm else None
+        self.admitted_at: list[float] = []  # the limiter clock when each call of the last score_calls was let through
+
+    def score_calls(self, calls: list[dict]) -> list[Outcome]:
+        from concurrent.futures import FIRST_COMPLETED, Future, wait
+
+        from hyflow.rewards.pool import _call, guard_process_exit
+
+        outcomes: list[Outcome | None] = [None] * len(calls)
+        running: dict = {}  # future -> (index, start time)
+        self.admitted_at = []
+
+        def start(call: dict) -> Future:  # a daemon thread of its own: one abandoned at its timeout holds no exit
+            future: Future = Future()
+            threading.Thread(target=lambda: future.set_result(_call(self.compute_score, call)), daemon=True,
+                             name="hyflow-reward-call").start()
+            return future
+
+        def reap() -> None:  # wait for a call to end or time out; record what ended
+            deadline = min(start for _, start in running.values()) + self.timeout_s if self.timeout_s else None
+            done, _ = wait(list(running), timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
+                           return_when=FIRST_COMPLETED)
+            for future in done:
+                outcomes[running.pop(future)[0]] = future.result()
+            now = time.monotonic()
+            for future, (index, start) in list(running.items()):
+                if self.timeout_s and now - start >= self.timeout_s:
+                    outcomes[index] = Outcome(timed_out=True)
+                    del running[future]
+
+        with guard_process_exit():
+            for index, call in enumerate(calls):
+                if self.rpm_limiter is not None:
+                    self.rpm_limiter.acquire(1.0)
+                if self.tpm_limiter is not None:
+                    self.tpm_limiter.acquire(self.tokens_per_request)
+                while len(running) >= self.max_concurrent:
+                    reap()
+                self.admitted_at.append(self.clock())
+                running[start(call)] = (index, time.monotonic())
+            while running:
+                reap()
+        return outcomes
+
+
+REWARD_MANAGERS.register("limited", RateLimitedRewardManager)
+
+
 def make_reward_manager(name: str, tokenizer, **kwargs):
     """The reward manager registered as `name` (reward_model.reward_manager; an unknown name is a ValueError
     naming the closest)."""
     return REWARD_MANAGERS.get(name)(tokenizer, **kwargs)
 
 
-def score_with_agent_rewards(manager, batch: Batch) -> RewardResult:
+def score_with_agent_rewards(manager, batch: Batch,
+                             score: Callable[[Batch, np.ndarray], RewardResult] | None = None) -> RewardResult:
     """`manager(batch)`, except for the rows whose agent loop scored its own trajectory (the `agent_reward` column,
     `AgentLoopOutput.reward_score`, verl's field): their score is that value, on the last model token as every
-    score is, and the reward function is not called for them (a batch where every loop scored needs none)."""
+    score is, and the reward function is not called for them (a batch where every loop scored needs none).
+    `score(rows_batch, rows)` scores the other rows (default `manager(rows_batch)`; the reward loop passes the
+    outcomes it already has)."""
+    score = score or (lambda rows_batch, rows: manager(rows_batch))
     agent = list(batch["agent_reward"]) if "agent_reward" in batch else [None] * len(batch)
     given = np.array([value is not None for value in agent], dtype=bool)
     if not given.any():
-        return manager(batch)
+        return score(batch, np.arange(len(batch)))
     lengths = response_lengths(batch)
     token_level = torch.zeros(batch["responses"].shape, dtype=torch.float32)
     scores: list = [None] * len(batch)
@@ -287,7 +495,7 @@ def score_with_agent_rewards(manager, batch: Batch) -> RewardResult:
     metrics: dict[str, float] = {"reward/errors": 0.0, "reward/timeouts": 0.0}
     if not given.all():  # the other rows go through the reward function
         rest = np.flatnonzero(~given)
-        result = manager(batch[~given])
+        result = score(batch[~given], rest)
         token_level[torch.as_tensor(rest)] = result.token_level_scores
         for i, row in enumerate(rest):
             scores[row] = result.scores[i]

@@ -74,14 +74,17 @@ class AgentLoopManager:
                              "agent_name to roll them out single-turn")
         return names
 
-    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+    def generate(self, prompts: Batch, params: SamplingParams,
+                 on_finished: Callable[[int, int, AgentLoopOutput], None] | None = None) -> Batch:
         """The rollout of `prompts`: the degenerate case of the asynchronous stream (`hyflow.rollout.stream`), one
         driver for every mode: submit every prompt, advance until all are finished, close. Row i of the Batch is
-        sample i % n of prompt i // n."""
+        sample i % n of prompt i // n. `on_finished(prompt row, sample, output)` is called as each trajectory
+        ends (`RolloutStream`'s on_finished)."""
         if len(prompts) == 0:
             raise ValueError("AgentLoopManager.generate got an empty prompt batch")
         stream = RolloutStream(self, params, prompt_width=prompts["input_ids"].shape[1], prompts=prompts,
-                               response_length=int(self.config.response_length), progress=self.progress)
+                               response_length=int(self.config.response_length), progress=self.progress,
+                               on_finished=on_finished)
         self.last_server = stream.server
         try:
             stream.submit(prompts, range(len(prompts)))
@@ -169,12 +172,18 @@ class AgentLoopManager:
         if self.multi_turn:
             out_batch["__num_turns__"] = np.array([o.num_turns for o in outputs], dtype=np.int64)
             infos = list(out_batch["extra_info"]) if "extra_info" in out_batch else [{} for _ in outputs]
-            out_batch["extra_info"] = [
-                {**(info or {}), **o.extra_fields, "num_turns": o.num_turns} for info, o in zip(infos, outputs)]
+            out_batch["extra_info"] = [self.trajectory_extra_info(info, o) for info, o in zip(infos, outputs)]
         if any(o.reward_score is not None for o in outputs):  # the loop scored its trajectory (verl's reward_score)
             out_batch["agent_reward"] = [None if o.reward_score is None else float(o.reward_score) for o in outputs]
         out_batch.meta.setdefault("metrics", {}).update(self._metrics(outputs, server))
         return out_batch
+
+    def trajectory_extra_info(self, info, output: AgentLoopOutput):
+        """The `extra_info` of a trajectory's row in the rollout Batch: the prompt's, and multi-turn also the
+        loop's `extra_fields` and `num_turns` (what the reward function sees)."""
+        if not self.multi_turn:
+            return info
+        return {**(info or {}), **output.extra_fields, "num_turns": output.num_turns}
 
     def _trajectory_images(self, batch: Batch, outputs: list[AgentLoopOutput]) -> None:
         """Rows whose trajectory gained images after the prompt (a tool returned one) take the trajectory's

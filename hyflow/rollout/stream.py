@@ -339,12 +339,17 @@ class RolloutStream:
     chunk_tokens: the segment length of the barrier server (None: whole requests, no segments).
     prompts: the whole prompt batch of a synchronous rollout (its tags are its row numbers): first turns reuse its
     padded rows and the rollout Batch is assembled on it. response_length: a trajectory's token budget (default
-    `params.max_new_tokens`). progress(stage, done, total, unit, detail): called as trajectories finish."""
+    `params.max_new_tokens`). progress(stage, done, total, unit, detail): called as trajectories finish.
+    on_finished(tag, sample, output): called with each trajectory's AgentLoopOutput the moment it ends, inside the
+    stream's event loop (the reward loop, `hyflow.rewards.reward_loop`, scores it while the others still run); it
+    must return quickly and change nothing."""
 
     def __init__(self, manager, params: SamplingParams, *, chunk_tokens: int | None = None,
                  prompt_width: int, prompts: Batch | None = None, response_length: int | None = None,
-                 progress: Callable[..., None] | None = None) -> None:
+                 progress: Callable[..., None] | None = None,
+                 on_finished: Callable[[int, int, AgentLoopOutput], None] | None = None) -> None:
         self.manager, self.params = manager, params
+        self._on_finished = on_finished  # (prompt tag, sample, output) as each trajectory ends (the reward loop)
         self.prompt_width = int(prompt_width)
         self.response_length = int(params.max_new_tokens if response_length is None else response_length)
         self.loop = asyncio.new_event_loop()
@@ -451,6 +456,8 @@ class RolloutStream:
             handle = ServerHandle(self.server, index, group.tag, self.response_length, media)
             agent = self.manager.make_agent(group.name, handle, await self._started_loop_kwargs(group.name))
             group.outputs[sample] = await agent.run(sampling, **row)
+            if self._on_finished is not None:
+                self._on_finished(group.tag, sample, group.outputs[sample])
         finally:
             self.server.finished_one()
             self._finished += 1

@@ -164,6 +164,14 @@ class RLTrainer:
                                                          dict(cfg.custom_reward_function.reward_kwargs or {}))
         if self.reward_fn is None and not cfg.reward_model.enable:  # the built-in scorers must cover the data
             check_scorers_exist(self._data_sources())
+        # verl's reward_model.use_reward_loop: score each trajectory as it finishes (hyflow.rewards.reward_loop)
+        self.use_reward_loop = bool(getattr(cfg.reward_model, "use_reward_loop", False))
+        if self.use_reward_loop and self.async_mode:
+            from hyflow.rewards.reward_loop import reward_loop_unsupported
+
+            print(f"reward_model.use_reward_loop: {reward_loop_unsupported(None, async_mode=True)}; scoring each "
+                  "batch after its rollout instead")
+            self.use_reward_loop = False
         for note in derived_default_notes(cfg):  # e.g. the off-policy correction an asynchronous mode runs with
             print(note)
         self.run_dir = Path(cfg.trainer.default_local_dir)
@@ -200,7 +208,8 @@ class RLTrainer:
                                    reward_kwargs=dict(rm.reward_kwargs or {}), num_examine=num_examine,
                                    max_response_length=self.config.actor_rollout_ref.rollout.response_length,
                                    overlong_buffer=config_to_dict(self.config)["reward_model"]["overlong_buffer"],
-                                   max_error_fraction=rm.max_error_fraction)
+                                   max_error_fraction=rm.max_error_fraction,
+                                   experiment_name=self.config.trainer.experiment_name)
 
     def setup(self) -> None:
         """Workers, data loader, reward managers, tracker; resume from a checkpoint when one applies."""
@@ -494,11 +503,13 @@ class RLTrainer:
                 return order
         return balanced_order(lengths, world)
 
-    def score(self, batch: Batch, manager) -> dict[str, float]:
+    def score(self, batch: Batch, manager, loop_scores=None) -> dict[str, float]:
         """Write `token_level_scores` (and the scorer's extra columns) into `batch`; return reward metrics.
 
         verl's priority: a custom reward function, else the reward model (`reward_model.enable`), else the
-        built-in scorer of each sample's data_source.
+        built-in scorer of each sample's data_source. `loop_scores`: what the reward loop scored during the rollout
+        (`hyflow.rewards.reward_loop`), which gives the same result as scoring now; `timing_s/reward` is the time
+        spent scoring either way.
         """
         if self.reward_model is not None:
             rm_scores = self.reward_model.compute_rm_score(batch)["rm_scores"]
@@ -506,7 +517,12 @@ class RLTrainer:
             if self.reward_fn is None:
                 batch["token_level_scores"] = rm_scores
                 return {"reward/rm_score/mean": float(rm_scores.sum(-1).mean())}
-        result = score_with_agent_rewards(manager, batch)  # rows an agent loop scored keep that score
+        if loop_scores is not None:
+            result = loop_scores.result(batch)
+        else:
+            start = time.perf_counter()
+            result = score_with_agent_rewards(manager, batch)  # rows an agent loop scored keep that score
+            result.metrics["timing_s/reward"] = time.perf_counter() - start
         batch["token_level_scores"] = result.token_level_scores
         for key, values in result.extra.items():
             batch[f"reward_extra/{key}"] = values
@@ -538,9 +554,22 @@ class RLTrainer:
             rounds += 1
             prompts["uid"] = [f"step{self.global_step}-round{rounds}-{i}" for i in range(len(prompts))]
             seed = (cfg.trainer.seed * 1_000_003 + self.global_step) * 101 + rounds
-            batch = self.actor.generate_sequences(prompts, self.sampling_params(seed=seed))
+            if self.use_reward_loop:  # each trajectory scored as it finishes, while the rest generate
+                from hyflow.rewards.reward_loop import generate_and_score, reward_loop_unsupported
+
+                why = reward_loop_unsupported(self.reward_manager,
+                                              rule_scores=self.reward_model is None or self.reward_fn is not None)
+                if why is not None:
+                    print(f"reward_model.use_reward_loop: {why}; scoring after the rollout instead")
+                    self.use_reward_loop = False
+            loop_scores = None
+            if self.use_reward_loop:
+                batch, loop_scores = generate_and_score(self.reward_manager, self.actor, prompts,
+                                                        self.sampling_params(seed=seed), executor=self.executor)
+            else:
+                batch = self.actor.generate_sequences(prompts, self.sampling_params(seed=seed))
             metrics.update(reduce_metrics(batch.meta.pop("metrics", {})))  # the agent loop's and the engine's
-            metrics.update(self.score(batch, self.reward_manager))
+            metrics.update(self.score(batch, self.reward_manager, loop_scores))
             if "reward_baselines" in self.estimator.requires:
                 greedy_params = SamplingParams(n=1, max_new_tokens=cfg.actor_rollout_ref.rollout.response_length,
                                                do_sample=False)

@@ -181,14 +181,19 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
 
     # ------------------------------------------------------------------ rollout
     @register(Dispatch.DP_SPLIT)
-    def generate_sequences(self, prompts: Batch, params: SamplingParams) -> Batch:
-        """Sample `params.n` responses for each of this rank's prompts (the driver pads prompts to the DP size)."""
+    def generate_sequences(self, prompts: Batch, params: SamplingParams, reward_channel=None) -> Batch:
+        """Sample `params.n` responses for each of this rank's prompts (the driver pads prompts to the DP size).
+
+        `reward_channel` (the reward loop's, `hyflow.rewards.reward_loop.RewardChannel`): each trajectory is put
+        into it the moment it finishes, so the driver scores it while the rest of the rollout runs."""
         if params.seed is not None:  # each rank draws its own samples
             params = dataclasses.replace(params, seed=params.seed + 1_000_003 * self.rank)
+        on_finished = (None if reward_channel is None else
+                       reward_channel.on_finished(prompts, params, self.agent_loops.trajectory_extra_info))
         start = time.perf_counter()
         self.rollout.wake()
         try:
-            out = self.agent_loops.generate(prompts, params)  # single-turn rows: one engine call, as before
+            out = self.agent_loops.generate(prompts, params, on_finished)  # single-turn: one engine call, as before
         finally:
             if self.spec.rollout.section.free_cache_engine:
                 self.rollout.sleep()  # free the engine's memory while the actor trains
