@@ -105,6 +105,26 @@ def test_loop_gives_the_batch_paths_scores_failures_and_timeouts(tiny_model_dir,
     assert ("reward/overlong_penalty/mean" in got_metrics) == (manager == "dapo")
 
 
+def one_in_three(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """1 for about a third of the responses: a group of 4 is all 0 or all 1 about one time in five."""
+    return {"score": float(sum(map(ord, solution_str)) % 3 == 0), "chars": len(solution_str)}
+
+
+def test_dynamic_sampling_keeps_the_same_groups_with_the_loop(tiny_model_dir, data_dirs, tmp_path):
+    """DAPO's filter_groups: every generation round is scored by the loop, and the kept groups are the same."""
+    trainer = make_trainer(tiny_model_dir, data_dirs / "arith", tmp_path, one_in_three,
+                           "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score",
+                           "algorithm.filter_groups.max_num_gen_batches=4", "data.gen_batch_size=4")
+    prompts = trainer.loader.next_batch()
+    state = trainer.loader.state_dict()
+    want, want_metrics = rollout(trainer, prompts, loop=False)
+    trainer.loader.load_state_dict(state)  # the later rounds draw the same prompts again
+    got, got_metrics = rollout(trainer, prompts, loop=True)
+    assert got_metrics["train/num_gen_batches"] == want_metrics["train/num_gen_batches"] >= 2  # a group was dropped
+    assert list(got["uid"]) == list(want["uid"])
+    assert_same_scores(got, got_metrics, want, want_metrics)
+
+
 def test_loop_stops_on_too_many_failures_like_the_batch_path(tiny_model_dir, data_dirs, tmp_path):
     trainer = make_trainer(tiny_model_dir, data_dirs / "arith", tmp_path, failing_scorer)
     prompts = trainer.loader.next_batch()
