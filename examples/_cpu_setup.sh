@@ -64,6 +64,9 @@ _cpu_task() {
             arithmetic)  # 1-digit a + b / a - b: 184 of the 200 such problems to train on, 16 held out
                 _cpu_log "$tmp" "$tmp.log" "${HYFLOW[@]}" data make arithmetic --out "$tmp" --n-train 184 --n-test 16 \
                     --option digits=1 --option n_operands=2 --option operators=+- ;;
+            arithmetic_pairs)  # the arithmetic task as preference pairs: chosen = worked answer, rejected = wrong value
+                _cpu_log "$tmp" "$tmp.log" "${HYFLOW[@]}" data make arithmetic --out "$tmp" --n-train 184 --n-test 16 \
+                    --option digits=1 --option n_operands=2 --option operators=+- --option preference_pairs=true ;;
             calculator)  # 4-digit additions and subtractions meant to be done with the calculator tool
                 _cpu_log "$tmp" "$tmp.log" "${HYFLOW[@]}" data make calculator --out "$tmp" --n-train 64 --n-test 8 ;;
             *)

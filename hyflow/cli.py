@@ -2,6 +2,7 @@
 
     hyflow train [overrides...]             RL training in one process (verl's key names)
     hyflow sft [overrides...]               supervised fine-tuning (chat template, assistant-only loss)
+    hyflow dpo [overrides...]               offline preference optimisation (DPO, IPO, CPO, SimPO, ORPO, KTO)
     hyflow config [overrides...]            resolved config with help text and the batch arithmetic
     hyflow init-model --preset tiny --out D  random-weight model + locally trained tokenizer
     hyflow data make TASK --out D            write a built-in task's train/test files
@@ -62,6 +63,16 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     history = run_sft(args.overrides, config_file=_config_file(args))
     if history:
         print("final: " + ", ".join(f"{k}={v:.4g}" for k, v in history[-1].items() if k.endswith("loss")))
+    return 0
+
+
+def _cmd_dpo(args: argparse.Namespace) -> int:
+    from hyflow.trainer.dpo_trainer import run_dpo
+
+    history = run_dpo(args.overrides, config_file=_config_file(args))
+    if history:
+        keys = ("train/loss", "rewards/accuracies", "rewards/margins", "val/loss", "val/rewards/accuracies")
+        print("final: " + ", ".join(f"{k}={history[-1][k]:.4g}" for k in keys if k in history[-1]))
     return 0
 
 
@@ -230,6 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="e.g. data.train_files=D/train.parquet model.path=M")
     _add_config_flags(p)
     p.set_defaults(fn=_cmd_sft)
+
+    p = sub.add_parser("dpo", help="offline preference optimisation: DPO, IPO, hinge, CPO, SimPO, ORPO, KTO (TRL's "
+                       "algorithm keys)")
+    p.add_argument("overrides", nargs="*", help="e.g. data.train_files=D/train.parquet model.partial_pretrain=M "
+                   "algorithm.loss_type=sigmoid algorithm.beta=0.1")
+    _add_config_flags(p)
+    p.set_defaults(fn=_cmd_dpo)
 
     p = sub.add_parser("config", help="print the resolved config with help text and the batch arithmetic")
     p.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. data.train_batch_size=32")

@@ -28,6 +28,7 @@ SCRIPTS = [p for p in SHELL_FILES if not p.name.startswith("_")]
 DATA_SCRIPTS = {"data_preprocess/gsm8k.sh", "data_preprocess/geo3k.sh"}
 VLLM_SCRIPTS = {"vllm/run_qwen2_5_0_5b_grpo_vllm.sh"}
 SFT_SCRIPTS = {"sft/gsm8k/run_qwen2_5_0_5b_sft.sh"}
+DPO_SCRIPTS = {"dpo_trainer/run_qwen2_5_0_5b_dpo.sh"}
 
 
 def rel(path: Path) -> str:
@@ -45,6 +46,7 @@ def test_the_examples_follow_verls_layout():
         "reinforce_plus_plus_trainer/run_qwen2_5_0_5b_gsm8k.sh",
         "gspo_trainer/run_qwen2_5_0_5b_gsm8k.sh",
         "sft/gsm8k/run_qwen2_5_0_5b_sft.sh",
+        "dpo_trainer/run_qwen2_5_0_5b_dpo.sh",
         "lora/run_qwen2_5_0_5b_grpo_lora.sh",
         "vllm/run_qwen2_5_0_5b_grpo_vllm.sh",
         "multi_turn/run_qwen2_5_0_5b_calculator.sh",
@@ -113,6 +115,8 @@ def test_gpu_variant_builds_a_valid_config(path, tmp_path):
         "GEO3K_TRAIN_FILE": str(data / "train.parquet"),
         "GEO3K_TEST_FILE": str(data / "test.parquet"),
         "GEO3K_RAW_DIR": str(data),
+        "PREF_TRAIN_FILE": str(data / "train.parquet"),
+        "PREF_TEST_FILE": str(data / "test.parquet"),
         "OUT_DIR": str(tmp_path / "out"),
     }
     proc = subprocess.run(
@@ -139,6 +143,14 @@ def test_gpu_variant_builds_a_valid_config(path, tmp_path):
 
         assert command == "sft"
         cfg = load_sft_config(overrides)  # unknown keys and invalid values raise
+        assert cfg.model.partial_pretrain == "Qwen/Qwen2.5-0.5B-Instruct"
+        return
+
+    if rel(path) in DPO_SCRIPTS:
+        from hyflow.config.dpo_schema import load_dpo_config
+
+        assert command == "dpo"
+        cfg = load_dpo_config(overrides)  # unknown keys, knobs of another loss and invalid values raise
         assert cfg.model.partial_pretrain == "Qwen/Qwen2.5-0.5B-Instruct"
         return
 

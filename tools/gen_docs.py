@@ -89,11 +89,25 @@ def first_paragraph(doc: str | None) -> str:
 SCHEMAS = (("rl", "RL trainer (`hyflow train`)"), ("sft", "SFT trainer (`hyflow sft`)"))
 
 
+# the config reference also lists the preference trainer's own sections (its others are the SFT trainer's)
+REFERENCE_SCHEMAS = (*SCHEMAS, ("dpo", "Preference trainer (`hyflow dpo`)"))
+
+
 def _schema_class(name: str) -> type:
+    from hyflow.config.dpo_schema import DPOConfig
     from hyflow.config.schema import HyflowConfig
     from hyflow.config.sft_schema import SFTConfig
 
-    return SFTConfig if name == "sft" else HyflowConfig
+    return {"sft": SFTConfig, "dpo": DPOConfig}.get(name, HyflowConfig)
+
+
+def _shared_with_sft(root: type, field) -> bool:
+    """A section of the preference schema that is the SFT schema's own class (documented there once)."""
+    from hyflow.config.sft_schema import SFTConfig
+
+    sft = {f.name: f for f in dataclasses.fields(SFTConfig)}
+    return (root.__name__ == "DPOConfig" and field.name in sft
+            and type(field.default_factory()) is type(sft[field.name].default_factory()))
 
 
 def grouped_by_reason(entries) -> list[tuple[str, list[str]]]:
@@ -272,7 +286,7 @@ def config_reference() -> str:
     parts = [header("the help texts of hyflow/config/schema/ and hyflow/config/sft_schema.py"), """\
 # Config reference
 
-Every key of the two trainers, one table per section, with the help text `hyflow config` prints next to each
+Every key of the three trainers, one table per section, with the help text `hyflow config` prints next to each
 key. Names follow verl; where hyflow's default differs from verl's, the help says so ("verl: ...").
 
 - Defaults written `${other.key}` follow that key (OmegaConf interpolation, resolved when the config loads);
@@ -284,11 +298,16 @@ key. Names follow verl; where hyflow's default differs from verl's, the help say
   supported** is refused when set (see [Coming from verl](coming-from-verl.md) for the reasons).
 - `hyflow config KEY=VALUE ...` prints the resolved config with this help and the batch arithmetic in words.
 """]
-    for schema_name, title in SCHEMAS:
+    for schema_name, title in REFERENCE_SCHEMAS:
         root = _schema_class(schema_name)
         parts.append(f"\n## {title}\n\n{md(first_paragraph(root.__doc__))}\n")
+        shared = [f.name for f in dataclasses.fields(root) if _shared_with_sft(root, f)]
+        if shared:
+            parts.append(f"\nIts sections {', '.join(code(n) for n in shared)} are the SFT trainer's (above).\n")
         root_meta = field_metadata(root)
         for field in dataclasses.fields(root):
+            if _shared_with_sft(root, field):
+                continue
             sections: list[tuple[str, str, Any]] = []
             # each root section built by its own factory: the root's __post_init__ would resolve the `${...}`
             # defaults, which the reference shows as written
@@ -305,7 +324,7 @@ key. Names follow verl; where hyflow's default differs from verl's, the help say
                     text = md(meta[name].get("help", ""))
                     if "choices" in meta[name]:
                         text += " Choices: " + ", ".join(code(format_value(c)) for c in meta[name]["choices"]) + "."
-                    kind = kinds.get((schema_name, key))
+                    kind = kinds.get(("sft" if schema_name == "dpo" else schema_name, key))
                     if kind is not None:
                         label, anchor = (("not supported", "not-supported-keys") if kind == NOT_SUPPORTED
                                          else ("performance-only", "performance-only-keys"))

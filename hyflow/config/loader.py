@@ -84,6 +84,8 @@ def load_config(
     vars(result)[DECLARED] = _resolve_declared(cfg, declared)
     if schema.__name__ == "SFTConfig":
         return fold_sft_dict_keys(result)
+    if schema.__name__ == "DPOConfig":  # the preference trainer: SFT sections, no derived defaults or dict keys
+        return result
     resolve_derived_defaults(result)
     return result
 

@@ -257,14 +257,8 @@ def validate_sft_config(cfg: SFTConfig) -> None:
     rules with W = trainer.nnodes x trainer.n_gpus_per_node devices: `train_batch_size % W == 0` (every device
     gets an equal share) and, without use_dynamic_bsz, `train_batch_size % (micro_batch_size_per_gpu x W) == 0`
     (whole micro-batches on every device)."""
-    problems = check_choices(cfg) + not_supported_problems(cfg)
+    problems = check_choices(cfg) + not_supported_problems(cfg) + size_problems(cfg)
     data, t = cfg.data, cfg.trainer
-    for key, value in (("data.train_batch_size", data.train_batch_size),
-                       ("data.micro_batch_size_per_gpu", data.micro_batch_size_per_gpu),
-                       ("data.max_length", data.max_length), ("trainer.nnodes", t.nnodes),
-                       ("trainer.n_gpus_per_node", t.n_gpus_per_node)):
-        if value < 1:
-            problems.append(f"{key}={value} must be >= 1.")
     devices = t.nnodes * t.n_gpus_per_node
     sp = cfg.engine.ulysses_sequence_parallel_size
     if sp < 1 or (devices >= 1 and devices % sp):
@@ -297,9 +291,26 @@ def validate_sft_config(cfg: SFTConfig) -> None:
             f"data.max_token_len_per_gpu={data.max_token_len_per_gpu} tokens is less than data.max_length="
             f"{data.max_length}: with data.use_dynamic_bsz a micro-batch must hold the longest sample. Raise "
             f"data.max_token_len_per_gpu to at least {data.max_length} (or lower data.max_length).")
+    raise_problems(problems + run_problems(cfg), "SFT")
+
+
+def size_problems(cfg) -> list[str]:
+    """Batch sizes, max_length and device counts below 1 (the SFT and preference configs share these keys)."""
+    data, t = cfg.data, cfg.trainer
+    return [f"{key}={value} must be >= 1." for key, value in (
+        ("data.train_batch_size", data.train_batch_size), ("data.micro_batch_size_per_gpu", data.micro_batch_size_per_gpu),
+        ("data.max_length", data.max_length), ("trainer.nnodes", t.nnodes), ("trainer.n_gpus_per_node", t.n_gpus_per_node),
+    ) if value < 1]
+
+
+def run_problems(cfg) -> list[str]:
+    """The executor against the devices, the LoRA keys and the run length (shared with the preference config)."""
+    t, problems = cfg.trainer, []
+    devices = t.nnodes * t.n_gpus_per_node
     if t.executor == "local" and devices > 1:
         problems.append(
-            f"trainer.executor=local runs one worker in this process, but {where}; use trainer.executor=ray (or "
+            f"trainer.executor=local runs one worker in this process, but trainer.nnodes={t.nnodes} x "
+            f"trainer.n_gpus_per_node={t.n_gpus_per_node} = {devices} device(s); use trainer.executor=ray (or "
             "auto) to train on several devices, or set trainer.nnodes=1 trainer.n_gpus_per_node=1.")
     try:
         lora_settings(cfg.model, config_key="model")
@@ -309,10 +320,15 @@ def validate_sft_config(cfg: SFTConfig) -> None:
         problems.append(f"trainer.total_epochs={t.total_epochs} must be >= 1 (or set trainer.total_training_steps).")
     if t.total_training_steps is not None and t.total_training_steps < 1:
         problems.append(f"trainer.total_training_steps={t.total_training_steps} must be >= 1 or null.")
+    return problems
+
+
+def raise_problems(problems: list[str], what: str) -> None:
+    """One ConfigError naming every problem (the message itself when there is one)."""
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:
-        raise ConfigError(f"{len(problems)} problems in the SFT config:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise ConfigError(f"{len(problems)} problems in the {what} config:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 def _neighbours(value: int, step: int) -> str:

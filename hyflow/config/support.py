@@ -475,7 +475,8 @@ def _default(root: type) -> Any:
 
 
 def _name_of(root: type) -> str:
-    return SFT if root.__name__ == "SFTConfig" else RL
+    # the preference trainer's schema (DPOConfig) is built from the SFT schema's sections: SFT's entries apply
+    return SFT if root.__name__ in ("SFTConfig", "DPOConfig") else RL
 
 
 def schema_name(cfg: Any) -> str:

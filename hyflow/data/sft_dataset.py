@@ -151,12 +151,22 @@ class SFTDataset:
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         messages, tools, where = self.examples[i]
+        if self.processor is not None:
+            ids, loss_mask = self._tokens(messages, tools)
+            return self._with_images(i, ids, loss_mask, where)
+        return self.encode(messages, tools, where)
+
+    def _tokens(self, messages: list[dict], tools) -> tuple[list[int], list[int]]:
+        """The rendered conversation's token ids and loss mask (1 on the tokens of `assistant_spans`)."""
         text, spans = self.assistant_spans(messages, tools)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = enc["input_ids"], enc["offset_mapping"]
-        loss_mask = [int(any(s <= a < e for s, e in spans)) for a, _ in offsets]
-        if self.processor is not None:
-            return self._with_images(i, ids, loss_mask, where)
+        return ids, [int(any(s <= a < e for s, e in spans)) for a, _ in offsets]
+
+    def encode(self, messages: list[dict], tools=None, where: str = "a conversation") -> dict[str, torch.Tensor]:
+        """One text conversation as an item (input_ids, attention_mask, position_ids, loss_mask), truncated as
+        data.truncation says; `where` names it in errors."""
+        ids, loss_mask = self._tokens(messages, tools)
         if len(ids) > self.max_length:
             if self.truncation == "error":
                 raise DataError(f"{where}: the conversation has {len(ids)} tokens, more than max_length="

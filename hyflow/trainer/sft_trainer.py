@@ -167,15 +167,26 @@ class SFTTrainer:
     """Fine-tune `model.partial_pretrain` on `data.train_files` (or the objects passed in); `fit()` runs it.
 
     `model=`: a model object trained in place instead of loading `model.partial_pretrain`; one device only (the
-    local executor). `tokenizer=`, `train_dataset=`, `val_dataset=`: objects used instead of the config's."""
+    local executor). `tokenizer=`, `train_dataset=`, `val_dataset=`: objects used instead of the config's.
+
+    A trainer with another loss over the same loop (`hyflow.trainer.dpo_trainer`) sets the class attributes below
+    and overrides `_dataset`, `train_step`, `validate` and `describe`."""
+
+    config_class = SFTConfig
+    load_config = staticmethod(load_sft_config)
+    validate_config = staticmethod(validate_sft_config)
+    batch_arithmetic = staticmethod(sft_batch_arithmetic)
+    worker_spec = staticmethod(sft_spec)
+    worker_class = SFTWorker
+    pool_name = "hyflow-sft"
 
     def __init__(self, config: SFTConfig | Sequence[str] | None = None, *, train_dataset=None,
                  val_dataset=None, tokenizer=None, model: torch.nn.Module | None = None):
-        if isinstance(config, SFTConfig):
-            validate_sft_config(config)
+        if isinstance(config, self.config_class):
+            self.validate_config(config)
             self.config = config
         else:
-            self.config = load_sft_config(list(config or ()))
+            self.config = self.load_config(list(config or ()))
         cfg = self.config
         _check_keys_and_names(cfg)
         _seed_everything(cfg.trainer.seed)
@@ -216,8 +227,8 @@ class SFTTrainer:
                                    seed=seed)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(self.loader)
         # One source of batch arithmetic: this object is what `describe` prints and what every worker runs.
-        self.batches = sft_batch_arithmetic(cfg)
-        self.spec = sft_spec(cfg, self.batches, self.total_steps)  # what every worker is built from
+        self.batches = self.batch_arithmetic(cfg)
+        self.spec = self.worker_spec(cfg, self.batches, self.total_steps)  # what every worker is built from
         self.run_dir = Path(cfg.trainer.default_local_dir).expanduser()
         self.checkpoints = CheckpointManager(self.run_dir, cfg.trainer.max_ckpt_to_keep)
         self.step = 0
@@ -251,7 +262,7 @@ class SFTTrainer:
         # torch threads of this process: all usable cores in-process, a share of them beside Ray workers
         configure_threads(1 if self.executor == "local" else max(1, self.n_devices // max(1, cfg.trainer.nnodes)))
         if self.executor == "local":
-            self.workers = make_worker_group("local", SFTWorker, world_size=1, spec=self.spec,
+            self.workers = make_worker_group("local", self.worker_class, world_size=1, spec=self.spec,
                                              model=self.given_model)
         else:
             from hyflow.controller.resources import RayResourcePool, ensure_ray
@@ -261,8 +272,8 @@ class SFTTrainer:
             t = cfg.trainer
             self._pool = RayResourcePool(t.nnodes, t.n_gpus_per_node, use_gpu=self.device.type == "cuda",
                                          cpus_per_worker=1.0, ready_timeout_s=RAY_READY_TIMEOUT_S,
-                                         name="hyflow-sft")
-            self.workers = make_worker_group("ray", SFTWorker, world_size=self.n_devices, pool=self._pool,
+                                         name=self.pool_name)
+            self.workers = make_worker_group("ray", self.worker_class, world_size=self.n_devices, pool=self._pool,
                                              spec=self.spec)
         self.workers.init_model()
         self.hf_config, self.generation_config = self.workers.model_configs()

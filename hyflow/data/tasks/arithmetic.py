@@ -86,8 +86,13 @@ def generate(
     operators: str = "+-",
     show_work: bool = True,
     answer_line_rate: float = 1.0,
+    preference_pairs: bool = False,
 ) -> dict[str, list[dict]]:
     """Rows of both splits in memory: {"train": [...], "test": [...]} (see the module docstring).
+
+    `preference_pairs` adds TRL's preference columns for `hyflow dpo`: `chosen` = the worked answer, `rejected` =
+    the same work ending in a wrong value (the true one plus a nonzero offset in [-3, 3], drawn with the seed), both
+    with the answer line.
 
     `answer_line_rate` < 1 makes the SFT demonstrations of the train split imperfect: that fraction of worked
     answers (chosen with the seed) ends with the `#### value` line the scorer reads, the rest stop after the
@@ -97,12 +102,29 @@ def generate(
         raise ValueError(f"answer_line_rate must be in [0, 1], got {answer_line_rate}")
     if answer_line_rate < 1.0 and not show_work:
         raise ValueError("answer_line_rate < 1 needs show_work=True (an answer without work or answer line is empty)")
-    line_rng = Random(request.seed + 1)
+    line_rng, wrong_rng = Random(request.seed + 1), Random(request.seed + 2)
     problems = draw_expressions(request, n_operands, digits, operators)
-    return request.rows(problems, lambda problem, split, i: _row(
-        *problem, split, i, show_work, request.instruction, request.system_prompt,
-        answer_line=split != "train" or line_rng.random() < answer_line_rate,
-    ))
+
+    def row(problem, split, i):
+        out = _row(*problem, split, i, show_work, request.instruction, request.system_prompt,
+                   answer_line=split != "train" or line_rng.random() < answer_line_rate)
+        if preference_pairs:
+            out.update(_pair(*problem, show_work, wrong_rng.choice((-3, -2, -1, 1, 2, 3))))
+        return out
+
+    return request.rows(problems, row)
+
+
+def _pair(numbers, ops, show_work: bool, offset: int) -> dict:
+    """TRL's preference columns: the worked answer and the same work ending in the value + `offset`."""
+    expression, steps = render(numbers, ops), evaluate_steps(numbers, ops)
+    wrong = str(int(steps[-1]) + offset)
+
+    def answer(last: str) -> str:
+        work = " = ".join([expression, *steps[:-1], last]) if show_work else ""
+        return f"{work}\n#### {last}" if work else f"#### {last}"
+
+    return {"chosen": answer(steps[-1]), "rejected": answer(wrong)}
 
 
 def _row(numbers, ops, split, index, show_work, instruction, system_prompt, answer_line=True) -> dict:
