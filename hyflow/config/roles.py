@@ -211,10 +211,13 @@ def reward_model_spec(cfg: HyflowConfig, *, n_devices: int | None = None) -> Rew
 def teacher_models(cfg: HyflowConfig) -> dict[str, dict]:
     """distillation.teacher_models with every entry's defaults filled in (`TEACHER_DEFAULTS`); the default
     `teacher_model` entry is dropped when other entries are given and it has no model_path (verl's rule)."""
-    from hyflow.config.schema.distillation import TEACHER_DEFAULTS
+    from hyflow.config.schema.distillation import INFERENCE_DEFAULTS, TEACHER_DEFAULTS
 
-    entries = {name: {**TEACHER_DEFAULTS, **dict(entry or {})}
-               for name, entry in dict(cfg.distillation.teacher_models or {}).items()}
+    entries = {}
+    for name, entry in dict(cfg.distillation.teacher_models or {}).items():
+        entry = {**TEACHER_DEFAULTS, **dict(entry or {})}
+        entry["inference"] = {**INFERENCE_DEFAULTS, **dict(entry.get("inference") or {})}
+        entries[name] = entry
     if len(entries) > 1 and not entries.get("teacher_model", {"model_path": "kept"}).get("model_path"):
         entries.pop("teacher_model")
     return entries
@@ -243,13 +246,14 @@ def teacher_performance_notes(cfg: HyflowConfig) -> list[str]:
     """One line per teacher whose `inference` sets keys that change only the teacher engine's speed or memory
     (`INFERENCE_PERFORMANCE_ONLY`: how vLLM batches, caches, splits or loads; the scores are the same), printed
     at start so that no key is taken silently."""
-    from hyflow.config.schema.distillation import INFERENCE_PERFORMANCE_ONLY
+    from hyflow.config.schema.distillation import INFERENCE_DEFAULTS, INFERENCE_PERFORMANCE_ONLY
 
     if not cfg.distillation.enabled:
         return []
     lines = []
     for name, entry in teacher_models(cfg).items():
-        given = sorted(set(dict(entry.get("inference") or {})) & set(INFERENCE_PERFORMANCE_ONLY))
+        inference = entry["inference"]
+        given = sorted(key for key in INFERENCE_PERFORMANCE_ONLY if inference.get(key) != INFERENCE_DEFAULTS.get(key))
         if given:
             lines.append(f"hyflow: distillation.teacher_models.{name}.inference.{{{', '.join(given)}}} only change "
                          "the teacher engine's speed or memory (the teacher's scores are the same); accepted as "

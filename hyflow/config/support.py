@@ -395,7 +395,7 @@ _VERL_DEFAULTS: dict[str, Any] = {
         "class_name", "class_path", "custom_backend_module", "default_hdfs_dir", "external_lib",
         "finish_hook_cmd", "function_tool_path", "hf_config_path", "name", "num_repeat_rollouts", "path",
         "reward_loop_module_path", "save_path", "steps", "tokenizer", "tokenizer_path", "tool",
-        "tool_config_path", "torch_dtype", "url", "use_reward_loop"), None),
+        "tool_config_path", "torch_dtype", "url"), None),
     **dict.fromkeys((
         "return_multi_modal_inputs", "return_raw_chat", "skip_tokenizer_init", "strict",
         "use_torch_compile", "zero_indexed_step"), True),

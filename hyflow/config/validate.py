@@ -149,6 +149,10 @@ def _check_distillation(cfg: HyflowConfig) -> list[str]:
         if unknown:
             problems.append(f"{prefix}.{name}.inference has unknown key(s) {unknown}; known: "
                             f"{', '.join(sorted(known_inference))}")
+        if inference.get("temperature") not in (None, 1, 1.0):
+            problems.append(f"{prefix}.{name}.inference.temperature={inference['temperature']}: the teacher's "
+                            "log-probs are taken at temperature 1 (verl warns and uses 1.0 too: a temperature does "
+                            "not apply to prompt log-probs); remove it")
         if inference.get("load_format") == "dummy":
             problems.append(f"{prefix}.{name}.inference.load_format=dummy would give the teacher random weights (the "
                             "rollout's dummy format waits for the trainer's weights, which a teacher never gets); "

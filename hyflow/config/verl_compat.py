@@ -166,8 +166,6 @@ PERFORMANCE_ONLY_KEYS: dict[str, str] = {
     "which hyflow does not have; the naive in-process transfer moves the same weights",
     f"{ARR}.model.torch_dtype": "hyflow loads the actor's weights as fp32 masters and trains with mixed precision "
     "from fsdp_config.dtype, as verl's FSDP workers do whatever the load dtype",
-    "reward_model.use_reward_loop": "hyflow has one reward path (its reward managers); verl's switch between its "
-    "reward-loop and legacy implementations changes how scoring is scheduled, not the scores",
     f"{ARR}.ref.entropy_from_logits_with_chunking": "the reference computes log-probs, not entropy; chunking "
     "only saves memory",
     f"{ARR}.ref.entropy_checkpointing": "the reference computes log-probs, not entropy; recomputation only saves "

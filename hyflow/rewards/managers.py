@@ -44,7 +44,7 @@ from hyflow.rewards.registry import default_compute_score
 
 logger = logging.getLogger(__name__)
 
-REWARD_MANAGERS = Registry("reward manager")
+REWARD_MANAGERS = Registry("reward manager", lazy={"http": "hyflow.rewards.remote:RemoteRewardManager"})
 
 
 def register_reward_manager(name: str):
@@ -414,12 +414,12 @@ class RateLimitedRewardManager(_BaseManager):
     def __init__(self, *args, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        limits = {key: self.reward_kwargs.pop(key) for key in self.LIMIT_KEYS if key in self.reward_kwargs}
-        self.max_concurrent = int(limits.get("max_concurrent") or 1)
-        if self.max_concurrent < 1:
-            raise ValueError(f"reward_model.reward_kwargs.max_concurrent must be >= 1, got {self.max_concurrent}")
-        self.max_rpm, self.max_tpm = limits.get("max_rpm"), limits.get("max_tpm")
-        self.tokens_per_request = float(limits.get("estimated_tokens_per_request") or 2000)
+        max_concurrent, self.max_rpm, self.max_tpm, per_request = (self.reward_kwargs.pop(key, None)
+                                                                   for key in self.LIMIT_KEYS)
+        self.concurrency = int(max_concurrent or 1)
+        if self.concurrency < 1:
+            raise ValueError(f"reward_model.reward_kwargs.max_concurrent must be >= 1, got {self.concurrency}")
+        self.tokens_per_request = float(per_request or 2000)
         self.clock = clock
         self.rpm_limiter = TokenBucket(self.max_rpm / 60.0, clock=clock, sleep=sleep) if self.max_rpm else None
         self.tpm_limiter = TokenBucket(self.max_tpm / 60.0, clock=clock, sleep=sleep) if self.max_tpm else None
@@ -458,7 +458,7 @@ class RateLimitedRewardManager(_BaseManager):
                     self.rpm_limiter.acquire(1.0)
                 if self.tpm_limiter is not None:
                     self.tpm_limiter.acquire(self.tokens_per_request)
-                while len(running) >= self.max_concurrent:
+                while len(running) >= self.concurrency:
                     reap()
                 self.admitted_at.append(self.clock())
                 running[start(call)] = (index, time.monotonic())

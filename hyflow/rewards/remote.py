@@ -68,14 +68,15 @@ def _jsonable(value):
 
 @dataclass
 class RemoteRewardClient:
-    """POSTs samples to `url` and returns their scores as Outcomes (see the module docstring for the format).
+    """POSTs samples to `endpoint` (the URL) and returns their scores as Outcomes (see the module docstring for the
+    format).
 
     `timeout_s`: seconds per attempt, connect to last byte; `max_retries`: extra attempts after a connection
     error, timeout or 5xx; `backoff_s` / `max_backoff_s`: the exponential wait between attempts; `max_concurrency`:
     requests in flight at once; `batch_size`: samples per request (1 = one request per sample); `headers`: sent
     with every request (e.g. ``{"Authorization": "Bearer ..."}``)."""
 
-    url: str
+    endpoint: str
     timeout_s: float = 30.0
     max_retries: int = 2
     max_concurrency: int = 8
@@ -85,9 +86,9 @@ class RemoteRewardClient:
     headers: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        parts = urlsplit(self.url)
+        parts = urlsplit(self.endpoint)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"remote reward url {self.url!r} must be http://HOST[:PORT]/PATH or https://...")
+            raise ValueError(f"remote reward url {self.endpoint!r} must be http://HOST[:PORT]/PATH or https://...")
         if not (math.isfinite(float(self.timeout_s)) and self.timeout_s > 0):
             raise ValueError(f"remote reward timeout_s must be a finite number of seconds > 0, got {self.timeout_s}")
         for name in ("backoff_s", "max_backoff_s"):
@@ -100,7 +101,7 @@ class RemoteRewardClient:
         if int(self.max_retries) < 0:
             raise ValueError(f"remote reward max_retries must be >= 0, got {self.max_retries}")
         self._parts = parts
-        self.__qualname__ = f"RemoteRewardClient(url={self.url!r})"  # how the reward manager's errors name it
+        self.__qualname__ = f"RemoteRewardClient(url={self.endpoint!r})"  # how the reward manager's errors name it
         self._in_flight = threading.BoundedSemaphore(int(self.max_concurrency))
 
     # ------------------------------------------------------------------ one attempt
@@ -163,19 +164,19 @@ class RemoteRewardClient:
         try:
             body = json.dumps(payload, default=_jsonable).encode()
         except (TypeError, ValueError) as exc:
-            raise RemoteRewardError(f"POST {self.url}: the sample cannot be sent as JSON: {exc}") from None
+            raise RemoteRewardError(f"POST {self.endpoint}: the sample cannot be sent as JSON: {exc}") from None
         attempts = int(self.max_retries) + 1
         for attempt in range(attempts):
             try:
                 with self._in_flight:
                     return self._post_once(body)
             except RemoteRewardError as exc:
-                raise RemoteRewardError(f"POST {self.url} failed (not retried): {exc}") from None
+                raise RemoteRewardError(f"POST {self.endpoint} failed (not retried): {exc}") from None
             except _Retryable as exc:
                 last = exc
             if attempt + 1 < attempts:
                 time.sleep(min(float(self.max_backoff_s), float(self.backoff_s) * 2**attempt))
-        raise RemoteRewardError(f"POST {self.url} failed after {attempts} attempt(s) (1 + max_retries="
+        raise RemoteRewardError(f"POST {self.endpoint} failed after {attempts} attempt(s) (1 + max_retries="
                                 f"{self.max_retries}): {last}")
 
     # ------------------------------------------------------------------ many samples
@@ -183,7 +184,7 @@ class RemoteRewardClient:
         try:
             normalize_score(result)
         except (TypeError, ValueError) as exc:
-            return Outcome(error=f"POST {self.url} answered something that is not a score: {exc}")
+            return Outcome(error=f"POST {self.endpoint} answered something that is not a score: {exc}")
         return Outcome(value=result)
 
     def _score_chunk(self, chunk: Sequence[dict]) -> list[Outcome]:
@@ -196,7 +197,7 @@ class RemoteRewardClient:
             return [self._checked(answer)]
         if not isinstance(answer, list) or len(answer) != len(chunk):
             got = f"a list of {len(answer)}" if isinstance(answer, list) else type(answer).__name__
-            return [Outcome(error=f"POST {self.url} with {len(chunk)} samples (batch_size={self.batch_size}) must "
+            return [Outcome(error=f"POST {self.endpoint} with {len(chunk)} samples (batch_size={self.batch_size}) must "
                                   f"answer a JSON array of {len(chunk)} scores, got {got}")] * len(chunk)
         return [self._checked(result) for result in answer]
 
@@ -244,7 +245,7 @@ class RemoteRewardManager(_BaseManager):
             if "url" not in settings:
                 raise ValueError("reward_model.reward_manager=http needs the endpoint's address: "
                                  "+reward_model.reward_kwargs.url=http://HOST:PORT/PATH")
-            client = RemoteRewardClient(timeout_s=self.timeout_s, **settings)
+            client = RemoteRewardClient(settings.pop("url"), timeout_s=self.timeout_s, **settings)
         elif settings:
             raise ValueError(f"RemoteRewardManager got a client and client settings {sorted(settings)}; give one")
         self.client = client

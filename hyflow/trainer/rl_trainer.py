@@ -165,7 +165,7 @@ class RLTrainer:
         if self.reward_fn is None and not cfg.reward_model.enable:  # the built-in scorers must cover the data
             check_scorers_exist(self._data_sources())
         # verl's reward_model.use_reward_loop: score each trajectory as it finishes (hyflow.rewards.reward_loop)
-        self.use_reward_loop = bool(getattr(cfg.reward_model, "use_reward_loop", False))
+        self.use_reward_loop = cfg.reward_model.use_reward_loop
         if self.use_reward_loop and self.async_mode:
             from hyflow.rewards.reward_loop import reward_loop_unsupported
 

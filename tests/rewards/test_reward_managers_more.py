@@ -194,7 +194,7 @@ def test_rate_limited_timeout_frees_the_slot_and_is_counted(tiny_tokenizer):
 
     manager = make_reward_manager("limited", tiny_tokenizer, compute_score=scorer, timeout_s=0.3,
                                   max_error_fraction=1.0)
-    assert isinstance(manager, RateLimitedRewardManager) and manager.max_concurrent == 1
+    assert isinstance(manager, RateLimitedRewardManager) and manager.concurrency == 1
     result = manager(make_batch(tiny_tokenizer, ["a", "b", "c"]))
     assert result.scores == [0.0, 2.0, 2.0]
     assert result.metrics["reward/timeouts"] == 1

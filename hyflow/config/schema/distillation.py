@@ -21,7 +21,18 @@ DISTILLATION_LOSS_MODES = TOPK_LOSS_MODES + KL_ESTIMATORS
 
 # One teacher's keys (verl's DistillationTeacherModelConfig) and its `inference` keys (verl's RolloutConfig subset
 # in distillation.yaml); validate_config checks each entry of distillation.teacher_models against them.
-TEACHER_DEFAULTS: dict[str, Any] = {"key": None, "model_path": None, "num_replicas": 0, "inference": {}}
+# verl's defaults of a teacher's inference keys (distillation.yaml), so that verl's command lines set them without a
+# '+'; None = the rollout's value (verl interpolates ${actor_rollout_ref.rollout.*}).
+INFERENCE_DEFAULTS: dict[str, Any] = {
+    "name": None, "dtype": None, "gpu_memory_utilization": 0.5, "enforce_eager": True,
+    "cudagraph_capture_sizes": None, "free_cache_engine": True, "data_parallel_size": 1, "expert_parallel_size": 1,
+    "tensor_model_parallel_size": 2, "max_num_batched_tokens": 8192, "max_model_len": None, "max_num_seqs": 1024,
+    "load_format": "auto", "engine_kwargs": {}, "limit_images": None, "enable_chunked_prefill": True,
+    "enable_prefix_caching": True, "disable_log_stats": True, "skip_tokenizer_init": True, "prompt_length": None,
+    "response_length": None, "temperature": None,
+}
+TEACHER_DEFAULTS: dict[str, Any] = {"key": None, "model_path": None, "num_replicas": 0,
+                                    "inference": dict(INFERENCE_DEFAULTS)}
 INFERENCE_ACTED_ON = ("name", "dtype", "max_num_seqs", "temperature", "gpu_memory_utilization", "enforce_eager",
                       "max_model_len", "engine_kwargs")
 INFERENCE_PERFORMANCE_ONLY = ("cudagraph_capture_sizes", "free_cache_engine", "data_parallel_size",

@@ -79,9 +79,21 @@ class RewardModelConfig:
     )
     reward_manager: str = option(
         "naive",
-        "Registered reward manager: naive (one scorer call per sample), batch, dapo (with overlong_buffer); checked at "
-        "start against hyflow.rewards.managers.REWARD_MANAGERS.",
+        "Registered reward manager: naive (one scorer call per sample), batch (one call per batch), dapo (with "
+        "overlong_buffer), prime (verl's PRIME manager: a tuple's first element, also as `acc`), gdpo "
+        "(extra_info.experiment_name, `acc`), rate_limited / limited (reward_kwargs max_rpm, max_tpm, "
+        "estimated_tokens_per_request, max_concurrent: for scorers behind an API), http (a remote endpoint: "
+        "reward_kwargs url, max_retries, max_concurrency, batch_size, headers); checked at start against "
+        "hyflow.rewards.managers.REWARD_MANAGERS.",
     )
+    use_reward_loop: bool = option(
+        False, "verl's reward loop: score each trajectory the moment it finishes, on the driver, while the rest of "
+        "the rollout still generates, so scoring overlaps generation; the same scores, extra columns, metrics and "
+        "failure accounting (reward/errors, max_error_fraction) as scoring after the rollout. Reports "
+        "timing_s/reward and reward/overlap_share. Overlap needs trajectories that end at different times "
+        "(multi-turn, rollout.agent.batching=continuous, several engine batches or ranks). Managers that score "
+        "whole batches (batch, http, a generative judge's), a reward model without a reward function and the "
+        "async_training modes score after the rollout instead, said once at start (hyflow.rewards.reward_loop).")
     timeout_s: float = option(
         30.0, "Per-sample scorer time limit, in seconds; a sample that runs over scores 0 (hyflow)."
     )
