@@ -397,3 +397,19 @@ class TeacherSpec:
     topk: int = 0
     device: str = "auto"
     rollout: Any = None
+
+
+@dataclass(frozen=True)
+class JudgeSpec:
+    """The generative reward model's worker (`hyflow.config.roles.judge_spec`): the judge's model, the engine
+    serving it (`reward_model.rollout.name`: hf or vllm), its dtype on an accelerator, rows per engine batch, the
+    vllm settings (`overrides`: gpu_memory_utilization, enforce_eager, max_model_len, engine_kwargs, seed), the
+    device setting and the rollout section the vllm engine's other defaults come from."""
+
+    model: ModelSpec
+    engine: str = "hf"
+    dtype: str = "bfloat16"
+    max_num_seqs: int = 1024
+    overrides: dict = field(default_factory=dict)
+    device: str = "auto"
+    rollout: Any = None

@@ -22,6 +22,7 @@ from hyflow.specs import (
     CriticSpec,
     DistillationLossSpec,
     FsdpSettings,
+    JudgeSpec,
     ModelSpec,
     OptimizerSpec,
     RewardModelSpec,
@@ -273,3 +274,24 @@ def distillation_loss_spec(cfg: HyflowConfig) -> DistillationLossSpec | None:
         policy_loss_mode=loss.policy_loss_mode,
         policy_loss_kwargs={"clip_ratio": loss.clip_ratio, "clip_ratio_low": loss.clip_ratio_low,
                             "clip_ratio_high": loss.clip_ratio_high})
+
+
+def uses_judge(cfg: HyflowConfig) -> bool:
+    """Whether the reward model is generative (a judge served by `reward_model.rollout.name`)."""
+    return bool(cfg.reward_model.enable and cfg.reward_model.rollout.name)
+
+
+def judge_spec(cfg: HyflowConfig) -> JudgeSpec:
+    """The judge worker's spec (`hyflow.specs.JudgeSpec`) from `reward_model.model.path` and `reward_model.rollout`."""
+    rm, r = cfg.reward_model, cfg.reward_model.rollout
+    overrides = {"dtype": r.dtype, "gpu_memory_utilization": r.gpu_memory_utilization,
+                 "enforce_eager": r.enforce_eager, "max_model_len": r.max_model_len or r.prompt_length + r.response_length,
+                 "engine_kwargs": dict(r.engine_kwargs or {}), "seed": r.seed, "prompt_length": r.prompt_length,
+                 "response_length": r.response_length, "max_num_batched_tokens": r.max_num_batched_tokens,
+                 "enable_chunked_prefill": r.enable_chunked_prefill, "enable_prefix_caching": r.enable_prefix_caching,
+                 "disable_log_stats": r.disable_log_stats, "cudagraph_capture_sizes": r.cudagraph_capture_sizes,
+                 "tensor_model_parallel_size": 1}  # a whole judge per device
+    return JudgeSpec(model=ModelSpec(rm.model.path, trust_remote_code=rm.model.trust_remote_code,
+                                     config_key="reward_model.model.path"),
+                     engine=r.name, dtype=r.dtype, max_num_seqs=r.max_num_seqs, overrides=overrides,
+                     device=cfg.trainer.device, rollout=cfg.actor_rollout_ref.rollout)

@@ -262,6 +262,9 @@ _TABLE: list[KeySupport] = [
                  "in one call either way and single-turn samples are the same"),
     _performance(f"{R}.tensor_model_parallel_size", "the hf engine runs one full copy per device",
                  lambda cfg: _hf_engine(cfg) and lookup(cfg, f"{R}.tensor_model_parallel_size") != 1),
+    _performance("reward_model.rollout.tensor_model_parallel_size", "hyflow runs a whole judge on each of its "
+                 "devices; splitting it changes memory and speed, not its answers",
+                 lambda cfg: cfg.reward_model.rollout.tensor_model_parallel_size != 1),
     *(_vllm_knob(k) for k in ("gpu_memory_utilization", "enforce_eager", "data_parallel_size",
                               "expert_parallel_size", "pipeline_model_parallel_size", "max_num_batched_tokens",
                               "max_model_len", "enable_chunked_prefill", "enable_prefix_caching", "load_format")),
@@ -408,7 +411,19 @@ _VERL_DEFAULTS: dict[str, Any] = {
     "register", "scheduling_policy": "fcfs", "seed": 42, "use_legacy_worker_impl": "auto",
     "tool_config": _PROFILER_TOOL_CONFIG, "global_tool_config": _GLOBAL_TOOL_CONFIG,
 }
-_VERL_DEFAULTS_BY_KEY: dict[str, Any] = {"global_profiler.save_path": "outputs/profile"}
+_VERL_DEFAULTS_BY_KEY: dict[str, Any] = {
+    "global_profiler.save_path": "outputs/profile",
+    # verl's reward.yaml: the judge engine's keys hyflow does not hold (their leaf names are the actor rollout's)
+    **{f"reward_model.rollout.{leaf}": value for leaf, value in {
+        "free_cache_engine": True, "data_parallel_size": 1, "expert_parallel_size": 1,
+        "pipeline_model_parallel_size": 1, "layered_summon": False, "scheduling_policy": "fcfs",
+        "multi_stage_wake_up": False, "limit_images": None, "skip_tokenizer_init": False,
+        "full_determinism": False, "ignore_eos": False, "quantization": None, "quantization_config_file": None,
+        "mtp": None, "disaggregation.enabled": False, "disaggregation.prefill_replicas": 1,
+        "disaggregation.decode_replicas": 1, "disaggregation.decode_tensor_model_parallel_size": None,
+        "disaggregation.transfer_backend": "nixl", "disaggregation.bootstrap_port": None,
+        "disaggregation.ib_device": None}.items()},
+}
 
 DECLARED = "_declared_keys"  # the config's instance attribute (not a field) that holds declared_values(cfg)
 

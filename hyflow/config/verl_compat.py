@@ -37,6 +37,8 @@ RL_ALIASES: dict[str, str] = {
     "reward.reward_model.n_gpus_per_node": "reward_model.n_gpus_per_node",
     "reward.reward_model.nnodes": "reward_model.nnodes",
     "reward.reward_model.model_path": "reward_model.model.path",
+    "reward.reward_model.rollout": "reward_model.rollout",
+    "reward_model.model_path": "reward_model.model.path",
     "reward.sandbox_fusion": "reward_model.sandbox_fusion",
     "reward.reward_manager.source": "reward_model.reward_loop_source",
     "reward.reward_manager.module.path": "reward_model.reward_loop_module_path",
@@ -182,6 +184,10 @@ PERFORMANCE_ONLY_KEYS: dict[str, str] = {
     "right-padded batch; packing the sequences (verl's remove-padding path) gives the same scores",
     "trainer.use_legacy_worker_impl": "hyflow has one worker implementation; verl's switch picks between two "
     "implementations of the same computation",
+    **{f"reward_model.rollout.{leaf}": "how the judge's engine is split, batched, cached or captured changes its "
+       "speed and memory, not its answers" for leaf in (
+           "free_cache_engine", "data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size",
+           "layered_summon", "scheduling_policy", "multi_stage_wake_up", "limit_images", "skip_tokenizer_init")},
 }
 
 # The same for the SFT trainer (verl's sft_trainer_engine.yaml names).
@@ -219,6 +225,19 @@ NOT_SUPPORTED_KEYS: dict[str, str] = {
        "default); the 1-indexed count of verl's torchtitan engine is not built; use true"
        for role in (f"{ARR}.actor", "critic")},
 }
+
+NOT_SUPPORTED_KEYS.update({
+    "reward_model.rollout.full_determinism": "batch-invariant kernels are not wired into the judge's engine; leave it "
+    "false",
+    "reward_model.rollout.ignore_eos": "the judge stops at its end-of-sequence token; leave it false",
+    "reward_model.rollout.quantization": "a quantized judge engine is not built yet; leave it null",
+    "reward_model.rollout.quantization_config_file": "a quantized judge engine is not built yet; leave it null",
+    "reward_model.rollout.mtp": "multi-token prediction in the judge's engine is not built yet; leave it null",
+    **{f"reward_model.rollout.disaggregation.{leaf}": "prefill/decode disaggregation of the judge's engine is not "
+       "built yet; leave reward_model.rollout.disaggregation at its defaults" for leaf in (
+           "enabled", "prefill_replicas", "decode_replicas", "decode_tensor_model_parallel_size", "transfer_backend",
+           "bootstrap_port", "ib_device")},
+})
 
 SFT_NOT_SUPPORTED_KEYS: dict[str, str] = {
     "engine.model_dtype": "hyflow's SFT trainer keeps fp32 master weights; use fp32",

@@ -55,7 +55,7 @@ from hyflow.config.arithmetic import (
     uses_reference,
 )
 from hyflow.config.loader import derived_default_notes
-from hyflow.config.roles import role_specs
+from hyflow.config.roles import role_specs, uses_judge
 from hyflow.config.support import performance_only_warning
 from hyflow.controller import LocalWorkerGroup, describe_placement
 from hyflow.controller.dispatch import with_mini_batch_rows
@@ -162,8 +162,10 @@ class RLTrainer:
             self.reward_fn = load_custom_reward_function(cfg.custom_reward_function.path,
                                                          cfg.custom_reward_function.name,
                                                          dict(cfg.custom_reward_function.reward_kwargs or {}))
-        if self.reward_fn is None and not cfg.reward_model.enable:  # the built-in scorers must cover the data
-            check_scorers_exist(self._data_sources())
+        self.judged = uses_judge(cfg)  # a generative reward model (a judge on its engine) scores the samples
+        rule_scored = not cfg.reward_model.enable or (self.judged and cfg.reward_model.judge.rule_weight != 0)
+        if self.reward_fn is None and rule_scored and cfg.reward_model.reward_manager != "http":
+            check_scorers_exist(self._data_sources())  # the built-in scorers must cover the data
         # verl's reward_model.use_reward_loop: score each trajectory as it finishes (hyflow.rewards.reward_loop)
         self.use_reward_loop = cfg.reward_model.use_reward_loop
         if self.use_reward_loop and self.async_mode:
@@ -203,13 +205,34 @@ class RLTrainer:
 
     def _reward_manager(self, num_examine: int):
         rm = self.config.reward_model
-        return make_reward_manager(rm.reward_manager, self.tokenizer, compute_score=self.reward_fn,
-                                   num_workers=rm.num_workers, timeout_s=rm.timeout_s,
-                                   reward_kwargs=dict(rm.reward_kwargs or {}), num_examine=num_examine,
-                                   max_response_length=self.config.actor_rollout_ref.rollout.response_length,
-                                   overlong_buffer=config_to_dict(self.config)["reward_model"]["overlong_buffer"],
-                                   max_error_fraction=rm.max_error_fraction,
+        kwargs = dict(num_workers=rm.num_workers, timeout_s=rm.timeout_s, reward_kwargs=dict(rm.reward_kwargs or {}),
+                      num_examine=num_examine, max_response_length=self.config.actor_rollout_ref.rollout.response_length,
+                      overlong_buffer=config_to_dict(self.config)["reward_model"]["overlong_buffer"],
+                      max_error_fraction=rm.max_error_fraction)
+        if self.judged:  # the judge's score (mixed with the rule scorer's by weight), hyflow.rewards.judge
+            from hyflow.rewards.judge import JudgeRewardManager
+
+            return JudgeRewardManager(self.tokenizer, compute_score=self.reward_fn, judge=self._judge(),
+                                      judge_weight=rm.judge.weight, rule_weight=rm.judge.rule_weight, **kwargs)
+        return make_reward_manager(rm.reward_manager, self.tokenizer, compute_score=self.reward_fn, **kwargs,
                                    experiment_name=self.config.trainer.experiment_name)
+
+    def _judge(self):
+        """The generative reward model: prompts from `reward_model.judge`, answers from the judge's worker group
+        (`generate`, the engine's call), sampled with `reward_model.rollout`'s settings."""
+        from hyflow.rewards.judge import GenerativeJudge, JudgeSampling, engine_generate
+
+        rm = self.config.reward_model
+        r, j = rm.rollout, rm.judge
+        tokenizer = load_tokenizer(rm.model.path, trust_remote_code=rm.model.trust_remote_code,
+                                   config_key="reward_model.model.path")
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        sampling = JudgeSampling(max_new_tokens=r.response_length, temperature=r.temperature, top_p=r.top_p,
+                                 top_k=r.top_k, do_sample=r.do_sample, seed=r.seed)
+        return GenerativeJudge(tokenizer, engine_generate(self.reward_model, pad, SamplingParams), template=j.template,
+                               template_path=j.template_path, sampling=sampling, score_pattern=j.score_pattern,
+                               score_range=tuple(j.score_range) if j.score_range else None, normalize=j.normalize,
+                               system_prompt=j.system_prompt, max_prompt_length=r.prompt_length)
 
     def setup(self) -> None:
         """Workers, data loader, reward managers, tracker; resume from a checkpoint when one applies."""
@@ -511,7 +534,7 @@ class RLTrainer:
         (`hyflow.rewards.reward_loop`), which gives the same result as scoring now; `timing_s/reward` is the time
         spent scoring either way.
         """
-        if self.reward_model is not None:
+        if self.reward_model is not None and not self.judged:  # a discriminative reward model
             rm_scores = self.reward_model.compute_rm_score(batch)["rm_scores"]
             batch["rm_scores"] = rm_scores
             if self.reward_fn is None:

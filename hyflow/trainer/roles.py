@@ -24,12 +24,13 @@ from typing import Any
 import torch
 
 from hyflow.config.arithmetic import own_pool_roles, role_pool_shape
-from hyflow.config.roles import reward_model_spec, teacher_spec
+from hyflow.config.roles import judge_spec, reward_model_spec, teacher_spec, uses_judge
 from hyflow.config.schema import HyflowConfig
 from hyflow.controller import make_colocated_class, make_worker_group
 from hyflow.specs import RoleSpecs
 from hyflow.workers.actor import ActorRolloutRefWorker
 from hyflow.workers.critic import CriticWorker
+from hyflow.workers.judge import JudgeWorker
 from hyflow.workers.reward_model import RewardModelWorker
 from hyflow.workers.teacher import TeacherWorker
 
@@ -84,7 +85,9 @@ def _start(roles: Roles, cfg: HyflowConfig, specs: RoleSpecs, executor: str, tok
     role_kwargs = {"actor": {"spec": specs.actor, "tokenizer": tokenizer}}
     if specs.critic is not None:
         classes["critic"], role_kwargs["critic"] = CriticWorker, {"spec": specs.critic}
-    if cfg.reward_model.enable:  # the reward model's spec is derived here (`reward_model_spec`)
+    if uses_judge(cfg):  # a generative reward model: a judge on an engine of its own (hyflow.workers.judge)
+        classes["rm"], role_kwargs["rm"] = JudgeWorker, {"spec": judge_spec(cfg)}
+    elif cfg.reward_model.enable:  # the reward model's spec is derived here (`reward_model_spec`)
         rm_spec = reward_model_spec(cfg, n_devices=specs.batches.n_devices)
         classes["rm"], role_kwargs["rm"] = RewardModelWorker, {"spec": rm_spec, "tokenizer": tokenizer}
     if cfg.distillation.enabled:  # on-policy distillation's teachers (hyflow.workers.teacher)

@@ -28,10 +28,36 @@ from hyflow.controller import Dispatch, Worker, register
 from hyflow.models.loading import load_causal_lm, load_tokenizer
 from hyflow.rollout.base import EngineSpec, make_engine
 from hyflow.rollout.build import eos_token_ids
-from hyflow.specs import TeacherModelSpec, TeacherSpec
+from hyflow.specs import ModelSpec, TeacherModelSpec, TeacherSpec
 from hyflow.workers.train_engine import resolve_device
 
 TEACHER_COLUMNS = ("teacher_log_probs", "teacher_topk_log_probs", "teacher_topk_ids")
+
+
+def serve_model(engine: str, model: ModelSpec, *, device: torch.device, dtype: str, max_num_seqs: int, rollout,
+                overrides: dict | None = None):
+    """A frozen model (a teacher, a judge) served by engine `engine` on `device`, loading its own weights.
+
+    hf: the model in eval mode (fp32 on CPU, `dtype` on an accelerator), generating `max_num_seqs` rows per call;
+    vllm: its own runtime, configured by the rollout section `rollout` with `overrides` (the model's own inference
+    settings: dtype, max_model_len, engine_kwargs, ...) and `load_format=auto` (the rollout's "dummy" waits for the
+    trainer's weights, which a frozen model never gets)."""
+    tokenizer = load_tokenizer(model.path, trust_remote_code=model.trust_remote_code, config_key=model.config_key)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if engine == "hf":
+        module = load_causal_lm(model.path, dtype="float32" if device.type == "cpu" else dtype,
+                                trust_remote_code=model.trust_remote_code, device=device, config_key=model.config_key)
+        module.requires_grad_(False)
+        module.eval()
+        rows = type("Rows", (), {"max_num_seqs": max_num_seqs})()
+        return make_engine("hf", EngineSpec(model_path=model.path, device=device, rollout=rows,
+                                            eos_token_ids=eos_token_ids(tokenizer, module), pad_token_id=pad,
+                                            module=module, share_module=True))
+    settings = {key: value for key, value in (overrides or {}).items() if hasattr(rollout, key)}
+    rollout = dataclasses.replace(rollout, **{"max_num_seqs": max_num_seqs, **settings, "load_format": "auto"})
+    return make_engine(engine, EngineSpec(model_path=model.path, device=device, rollout=rollout,
+                                          eos_token_ids=eos_token_ids(tokenizer), pad_token_id=pad,
+                                          trust_remote_code=model.trust_remote_code))
 
 
 class TeacherWorker(Worker):
@@ -50,37 +76,18 @@ class TeacherWorker(Worker):
             self.engines[teacher.name] = self._engine(teacher)
 
     def _engine(self, teacher: TeacherModelSpec):
-        tokenizer = load_tokenizer(teacher.model.path, trust_remote_code=teacher.model.trust_remote_code,
-                                   config_key=teacher.model.config_key)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if teacher.engine == "hf":
-            dtype = "float32" if self.model_device.type == "cpu" else teacher.dtype
-            model = load_causal_lm(teacher.model.path, dtype=dtype, trust_remote_code=teacher.model.trust_remote_code,
-                                   device=self.model_device, config_key=teacher.model.config_key)
-            model.requires_grad_(False)
-            model.eval()
-            rows = type("Rows", (), {"max_num_seqs": teacher.max_num_seqs})()
-            return make_engine("hf", EngineSpec(model_path=teacher.model.path, device=self.model_device, rollout=rows,
-                                                eos_token_ids=eos_token_ids(tokenizer, model), pad_token_id=pad,
-                                                module=model, share_module=True))
         rollout = self.spec.rollout
         overrides = {key: teacher.inference[key] for key in ("dtype", "max_num_seqs", "gpu_memory_utilization",
                                                              "enforce_eager", "max_model_len", "engine_kwargs")
-                     if teacher.inference.get(key) is not None and hasattr(rollout, key)}
-        # a teacher loads its own weights (the rollout's "dummy" waits for the trainer's), and a sequence of
-        # prompt_length + response_length tokens plus the one token vLLM generates must fit
-        overrides["load_format"] = "auto"
+                     if teacher.inference.get(key) is not None}
+        # a sequence of prompt_length + response_length tokens plus the one token vLLM generates must fit
         overrides.setdefault("max_model_len", rollout.prompt_length + rollout.response_length + 1)
         if self.spec.topk > 20:  # vLLM's default max_logprobs is 20 (verl raises it the same way)
             kwargs = dict(overrides.get("engine_kwargs", rollout.engine_kwargs) or {})
             kwargs["vllm"] = {"max_logprobs": self.spec.topk, **dict(kwargs.get("vllm") or {})}
             overrides["engine_kwargs"] = kwargs
-        if overrides:
-            rollout = dataclasses.replace(rollout, **overrides)
-        return make_engine(teacher.engine, EngineSpec(model_path=teacher.model.path, device=self.model_device,
-                                                      rollout=rollout, eos_token_ids=eos_token_ids(tokenizer),
-                                                      pad_token_id=pad,
-                                                      trust_remote_code=teacher.model.trust_remote_code))
+        return serve_model(teacher.engine, teacher.model, device=self.model_device, dtype=teacher.dtype,
+                           max_num_seqs=teacher.max_num_seqs, rollout=rollout, overrides=overrides)
 
     def route(self, batch: Batch) -> dict[str, torch.Tensor]:
         """teacher name -> the row indices of `batch` it scores (`spec.teacher_key`; one teacher: every row)."""

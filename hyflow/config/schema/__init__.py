@@ -80,9 +80,11 @@ from hyflow.config.schema.distillation import (
 )
 from hyflow.config.schema.reward import (
     CustomRewardFunctionConfig,
+    JudgeConfig,
     OverlongBufferConfig,
     RewardModelConfig,
     RewardModelModelConfig,
+    RewardModelRolloutConfig,
 )
 from hyflow.config.schema.rollout import (
     AgentConfig,
@@ -144,6 +146,7 @@ __all__ = [
     "FSDPConfig",
     "FilterGroupsConfig",
     "HyflowConfig",
+    "JudgeConfig",
     "KLControlConfig",
     "ModelConfig",
     "MultiTurnConfig",
@@ -156,6 +159,7 @@ __all__ = [
     "RefModelConfig",
     "RewardModelConfig",
     "RewardModelModelConfig",
+    "RewardModelRolloutConfig",
     "RolloutConfig",
     "RolloutCorrectionConfig",
     "RolloutPoolConfig",

@@ -41,6 +41,63 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class RewardModelRolloutConfig:
+    """verl's `reward_model.rollout` (`reward.reward_model.rollout`): the engine that serves a generative reward
+    model (a judge). Setting `name` makes the reward model generative: reward_model.model.path is then a causal LM
+    that writes a score (`reward_model.judge`); without it the reward model is a discriminative sequence
+    classifier scored by hyflow's forward."""
+
+    name: str | None = option(
+        None, "Engine serving the judge: hf or vllm (null: the reward model is discriminative, no engine).",
+        choices=(None, "hf", "vllm"))
+    dtype: str = option("bfloat16", "The judge's weights dtype on an accelerator (fp32 on CPU).")
+    gpu_memory_utilization: float = option(0.5, "vllm: share of the device memory the judge's engine may use.")
+    enforce_eager: bool = option(True, "vllm: no CUDA graphs for the judge's engine.")
+    max_model_len: int | None = option(
+        None, "vllm: longest judge sequence, in tokens (null: prompt_length + response_length).")
+    max_num_seqs: int = option(1024, "Judge requests per engine batch (hf: rows per generate call).")
+    load_format: str = option("auto", "vllm: how the judge's weights load (auto, safetensors, pt; not dummy).")
+    tensor_model_parallel_size: int = option(
+        1, "Devices per judge engine; hyflow runs a whole judge on each of its devices (verl: 2; another value is "
+        "accepted as a performance hint: the answers are the same).")
+    max_num_batched_tokens: int = option(8192, "vllm: tokens per engine step of the judge.")
+    enable_chunked_prefill: bool = option(True, "vllm: chunked prefill in the judge's engine.")
+    enable_prefix_caching: bool = option(True, "vllm: prefix caching in the judge's engine.")
+    disable_log_stats: bool = option(True, "vllm: no periodic statistics from the judge's engine.")
+    cudagraph_capture_sizes: list[int] | None = option(None, "vllm on CUDA: the batch sizes to capture graphs for.")
+    engine_kwargs: dict[str, Any] = option({}, "Extra engine arguments by engine name, e.g. {vllm: {...}}.")
+    temperature: float = option(1.0, "The judge's sampling temperature.")
+    top_k: int = option(-1, "The judge's top-k (-1: off).")
+    top_p: float = option(1.0, "The judge's nucleus mass (1.0: off).")
+    do_sample: bool = option(True, "Sample the judge's answer (false: greedy).")
+    n: int = option(1, "Judge answers per sample; hyflow scores one (1).", choices=(1,))
+    prompt_length: int = option(2048, "Longest judge prompt, in tokens; a longer one fails that sample.")
+    response_length: int = option(2048, "Longest judge answer, in new tokens.")
+    seed: int = option(42, "Seed of the judge's sampling.")
+
+
+@dataclass
+class JudgeConfig:
+    """How a generative reward model's answer becomes a score (hyflow; `hyflow.rewards.judge`)."""
+
+    template: str | None = option(
+        None, "The judge's prompt, a str.format template with {problem} / {question} / {prompt}, {solution} / "
+        "{response}, {ground_truth}, {data_source}, {extra_info[KEY]} (null: verl's GRM_PROMPT_TEMPLATE).")
+    template_path: str | None = option(None, "A file holding the template (instead of template).")
+    system_prompt: str | None = option(None, "A system message before the judge's prompt.")
+    score_pattern: str | None = option(
+        None, "A regex whose last match (its first group, if any) is the score (null: verl's rule, the integer "
+        "after the last blank line).")
+    score_range: list[float] | None = option(
+        None, "[low, high]: a score outside fails the sample (counted in reward/errors).")
+    normalize: bool = option(False, "Map score_range onto [0, 1] (needs score_range).")
+    weight: float = option(1.0, "Weight of the judge's score in the reward.")
+    rule_weight: float = option(
+        0.0, "Weight of the rule scorer's (or custom reward function's) score added to the judge's (0: the judge "
+        "alone, no scorer is called).")
+
+
+@dataclass
 class RewardModelConfig:
     """Reward computation: model-based reward model and/or rule-based scorers, and the reward manager."""
 
@@ -62,6 +119,9 @@ class RewardModelConfig:
         choices=("fsdp", "fsdp2", "ddp"),
     )
     model: RewardModelModelConfig = section(RewardModelModelConfig, "The reward model network.")
+    rollout: RewardModelRolloutConfig = section(
+        RewardModelRolloutConfig, "The engine of a generative reward model (a judge; verl's reward_model.rollout).")
+    judge: JudgeConfig = section(JudgeConfig, "How a generative reward model's answer is read as a score.")
     micro_batch_size: int | None = option(
         None, "Deprecated (verl): samples per reward-model forward over all devices."
     )
