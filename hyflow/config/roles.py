@@ -277,7 +277,10 @@ def distillation_loss_spec(cfg: HyflowConfig) -> DistillationLossSpec | None:
 
 
 def uses_judge(cfg: HyflowConfig) -> bool:
-    """Whether the reward model is generative (a judge served by `reward_model.rollout.name`)."""
+    """Whether the config asks for a reward-model engine (`reward_model.rollout.name` with reward_model.enable).
+    verl serves discriminative and generative reward models alike through it; the trainer tells them apart by the
+    model's architecture (`hyflow.models.loading.is_score_model`): a causal LM becomes a judge, a classifier is
+    scored by hyflow's own forward."""
     return bool(cfg.reward_model.enable and cfg.reward_model.rollout.name)
 
 

@@ -191,12 +191,9 @@ def _check_judge(cfg: HyflowConfig) -> list[str]:
                         "reward_model.enable is false; set reward_model.enable=true (or drop reward_model.rollout)")
         return problems
     if not rm.model.path:
-        problems.append("a generative reward model needs its model: set reward_model.model.path (verl: "
-                        "reward.reward_model.model_path) to a causal LM that writes a score")
-    if rm.reward_manager not in ("naive", "dapo"):
-        problems.append(f"reward_model.reward_manager={rm.reward_manager} with a generative reward model: the "
-                        "judge's manager scores like naive (with dapo's overlong penalty when enabled); use naive or "
-                        "dapo, and mix in a rule scorer with reward_model.judge.rule_weight")
+        problems.append(f"reward_model.rollout.name={rm.rollout.name} serves the reward model: set "
+                        "reward_model.model.path (verl: reward.reward_model.model_path) to it (a causal LM that "
+                        "writes a score, or a sequence classifier)")
     if rm.rollout.load_format == "dummy":
         problems.append("reward_model.rollout.load_format=dummy would give the judge random weights; drop it")
     if rm.judge.template is not None and rm.judge.template_path is not None:

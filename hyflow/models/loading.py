@@ -585,6 +585,20 @@ def is_vision_model(model_path: str | Path, *, trust_remote_code: bool = False) 
     return _vision_config(resolve_model_path(str(model_path)), trust_remote_code) is not None
 
 
+def is_score_model(model_path: str | Path, *, trust_remote_code: bool = False) -> bool:
+    """Whether the model at `model_path` is a discriminative reward model: its config names a sequence or token
+    classification architecture (`*ForSequenceClassification`, `*ForTokenClassification`); False for a causal LM
+    (a generative reward model) and for a path without a model config."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(str(model_path)), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return False
+    return any(name.endswith(("ForSequenceClassification", "ForTokenClassification"))
+               for name in getattr(config, "architectures", None) or ())
+
+
 def _vision_config(resolved: str, trust_remote_code: bool):
     from transformers import AutoConfig
 

@@ -60,7 +60,7 @@ from hyflow.config.support import performance_only_warning
 from hyflow.controller import LocalWorkerGroup, describe_placement
 from hyflow.controller.dispatch import with_mini_batch_rows
 from hyflow.data.rl_dataset import PromptLoader
-from hyflow.models.loading import is_vision_model, load_tokenizer
+from hyflow.models.loading import is_score_model, is_vision_model, load_tokenizer
 from hyflow.models.packing import prompt_group_ids
 from hyflow.rewards.custom import combine_reward_functions, load_custom_reward_function
 from hyflow.rewards.managers import make_reward_manager, score_with_agent_rewards
@@ -162,7 +162,20 @@ class RLTrainer:
             self.reward_fn = load_custom_reward_function(cfg.custom_reward_function.path,
                                                          cfg.custom_reward_function.name,
                                                          dict(cfg.custom_reward_function.reward_kwargs or {}))
-        self.judged = uses_judge(cfg)  # a generative reward model (a judge on its engine) scores the samples
+        # a generative reward model (a causal LM behind reward_model.rollout.name) judges the samples; a classifier
+        # there is scored by hyflow's forward, as verl's discriminative reward model served by its engine
+        rm = cfg.reward_model
+        self.judged = uses_judge(cfg) and not is_score_model(rm.model.path,
+                                                             trust_remote_code=rm.model.trust_remote_code)
+        if self.judged and rm.reward_manager not in ("naive", "dapo"):
+            raise ValueError(f"reward_model.reward_manager={rm.reward_manager} with a generative reward model "
+                             f"({rm.model.path} is a causal LM): the judge's manager scores like naive (with dapo's "
+                             "overlong penalty when enabled); use naive or dapo, and mix in a rule scorer with "
+                             "reward_model.judge.rule_weight")
+        if uses_judge(cfg) and not self.judged:
+            print(f"hyflow: reward_model.model.path={rm.model.path} is a sequence classifier: hyflow scores it with "
+                  "its own forward (reward_model.micro_batch_size_per_gpu, ...); reward_model.rollout.* (how verl's "
+                  "engine serves it) only change speed and memory here")
         rule_scored = not cfg.reward_model.enable or (self.judged and cfg.reward_model.judge.rule_weight != 0)
         if self.reward_fn is None and rule_scored and cfg.reward_model.reward_manager != "http":
             check_scorers_exist(self._data_sources())  # the built-in scorers must cover the data
@@ -263,7 +276,8 @@ class RLTrainer:
             ray_init = {k: v for k, v in dict(cfg.ray_kwargs.ray_init or {}).items() if v is not None}
             self.started_ray = ensure_ray(cfg.ray_kwargs.address, ray_init=ray_init)
         # The worker groups and pools (hyflow.trainer.roles): the trainer talks to one view per role.
-        self.roles = build_roles(cfg, self.specs, executor=self.executor, tokenizer=self.tokenizer)
+        self.roles = build_roles(cfg, self.specs, executor=self.executor, tokenizer=self.tokenizer,
+                                 judge=self.judged)
         self.workers, self.groups = self.roles.workers, self.roles.groups
         if (placement := describe_placement(self.groups)) is not None:
             print(placement)  # which node each rank landed on, when the ranks span several nodes

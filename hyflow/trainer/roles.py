@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from hyflow.config.arithmetic import own_pool_roles, role_pool_shape
-from hyflow.config.roles import judge_spec, reward_model_spec, teacher_spec, uses_judge
+from hyflow.config.roles import judge_spec, reward_model_spec, teacher_spec
 from hyflow.config.schema import HyflowConfig
 from hyflow.controller import make_colocated_class, make_worker_group
 from hyflow.specs import RoleSpecs
@@ -67,25 +67,26 @@ class Roles:
         self.pools = []
 
 
-def build_roles(cfg: HyflowConfig, specs: RoleSpecs, *, executor: str, tokenizer=None) -> Roles:
+def build_roles(cfg: HyflowConfig, specs: RoleSpecs, *, executor: str, tokenizer=None, judge: bool = False) -> Roles:
     """Start the worker groups of `cfg`'s roles on `executor` (local or ray), hand each worker its spec from
     `specs`, load every model (`init_model`) and return the `Roles`. `tokenizer`: the policy's, handed to the
-    workers that need it. A failure part-way stops what was started before it is raised."""
+    workers that need it; `judge`: the reward model is generative (a `JudgeWorker` instead of the classifier's
+    worker). A failure part-way stops what was started before it is raised."""
     roles = Roles()
     try:
-        _start(roles, cfg, specs, executor, tokenizer)
+        _start(roles, cfg, specs, executor, tokenizer, judge)
     except BaseException:
         roles.shutdown()
         raise
     return roles
 
 
-def _start(roles: Roles, cfg: HyflowConfig, specs: RoleSpecs, executor: str, tokenizer) -> None:
+def _start(roles: Roles, cfg: HyflowConfig, specs: RoleSpecs, executor: str, tokenizer, judge: bool) -> None:
     classes = {"actor": ActorRolloutRefWorker}
     role_kwargs = {"actor": {"spec": specs.actor, "tokenizer": tokenizer}}
     if specs.critic is not None:
         classes["critic"], role_kwargs["critic"] = CriticWorker, {"spec": specs.critic}
-    if uses_judge(cfg):  # a generative reward model: a judge on an engine of its own (hyflow.workers.judge)
+    if judge:  # a generative reward model: a judge on an engine of its own (hyflow.workers.judge)
         classes["rm"], role_kwargs["rm"] = JudgeWorker, {"spec": judge_spec(cfg)}
     elif cfg.reward_model.enable:  # the reward model's spec is derived here (`reward_model_spec`)
         rm_spec = reward_model_spec(cfg, n_devices=specs.batches.n_devices)

@@ -76,7 +76,6 @@ def test_a_judge_that_never_parses_stops_the_run(tiny_model_dir, task_dir, tmp_p
 
 @pytest.mark.parametrize(("extra", "message"), [
     (["reward_model.enable=false"], "reward_model.enable is false"),
-    (["reward_model.reward_manager=batch"], "use naive or dapo"),
     (["reward_model.judge.normalize=true"], "set reward_model.judge.score_range"),
     (["reward_model.rollout.name=null", "reward_model.judge.rule_weight=1"], "the reward model is not generative"),
     (["reward_model.rollout.n=2"], "reward_model.rollout.n"),
@@ -84,6 +83,29 @@ def test_a_judge_that_never_parses_stops_the_run(tiny_model_dir, task_dir, tmp_p
 def test_judge_config_errors(tiny_model_dir, task_dir, tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message):
         validate_config(load_config(overrides(tiny_model_dir, task_dir, tmp_path, *extra)))
+
+
+def test_a_judge_needs_a_manager_that_mixes_like_naive(tiny_model_dir, task_dir, tmp_path):
+    with pytest.raises(ValueError, match="use naive or dapo"):
+        RLTrainer(overrides(tiny_model_dir, task_dir, tmp_path / "run", "reward_model.reward_manager=batch"))
+
+
+def test_a_sequence_classifier_behind_the_engine_keys_is_scored_by_hyflows_forward(tiny_model_dir, task_dir,
+                                                                                     tmp_path, capsys):
+    """verl serves a discriminative reward model through reward_model.rollout too (its Skywork-RM example): a
+    classifier there is scored by hyflow's forward, and the engine keys are said to change speed only."""
+    from hyflow.models.loading import load_reward_model
+
+    rm_dir = tmp_path / "rm"
+    load_reward_model(tiny_model_dir, allow_fresh_head=True).save_pretrained(rm_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_model_dir / name).exists():
+            (rm_dir / name).write_bytes((tiny_model_dir / name).read_bytes())
+    run = tmp_path / "run"
+    RLTrainer(overrides(tiny_model_dir, task_dir, run, f"reward_model.model.path={rm_dir}")).fit()
+    assert "is a sequence classifier: hyflow scores it with its own forward" in capsys.readouterr().out
+    row = next(r for r in read_metrics(run) if r["step"] == 1)
+    assert "reward/rm_score/mean" in row and "reward/judge/mean" not in row
 
 
 def test_verl_spelling_of_the_judge_keys(tiny_model_dir, task_dir, tmp_path):
