@@ -16,6 +16,7 @@ committed in `benchmarks/results/`; every one was written by a run, never typed 
 | `packing_wide.json` | `benchmarks/bench_train.py --warmup 2 --json runs/bench/packing_wide.json` |
 | `packing_grpo.json` | `benchmarks/bench_train.py --warmup 2 --preset tiny --batch-size 64 --min-len 40 --max-len 88 --prompt-max 24 --json runs/bench/packing_grpo.json` |
 | `async_seed<N>.json` | `benchmarks/bench_async.py --seed N --json runs/bench/async_seed<N>.json` (one file per seed) |
+| `distillation.json` | `examples/on_policy_distillation_trainer/compare.py` (`runs/distillation/summary.json`; its figure: `--figure docs/figures/distillation_vs_grpo.png`) |
 
 `--collect` first copies the newest of these from `runs/` (the paths above) into `benchmarks/results/`; then
 every block whose artefacts exist is rewritten. A block whose artefact is missing is never written: the script
@@ -57,6 +58,9 @@ SOURCES = {
     "async_seed*.json": ("runs/bench/async_seed*.json",
                          "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_async.py --seed N "
                          "--json runs/bench/async_seedN.json"),
+    "distillation.json": ("runs/distillation/summary.json",
+                          "OMP_NUM_THREADS=1 .venv/bin/python examples/on_policy_distillation_trainer/compare.py "
+                          "--figure docs/figures/distillation_vs_grpo.png"),
 }
 
 
@@ -264,6 +268,22 @@ def async_speed(results: Path) -> str:
     )
 
 
+def distillation(results: Path) -> str:
+    s = load(results, "distillation.json")
+    grpo, dist = s["runs"]["grpo"]["val_acc"], s["runs"]["distillation"]["val_acc"]
+    best_step, best = max(dist, key=lambda point: point[1])
+    return (
+        f"Measured by `{s.get('command', 'compare.py')}` (seed {s['seed']}, wall time {minutes(s['wall_time_s'])}, "
+        f"{load_words(s.get('load_average_before'), s.get('load_average_after'))}; artefact: "
+        "`benchmarks/results/distillation.json`, figure `docs/figures/distillation_vs_grpo.png`): from a student that "
+        "adds but never writes the `#### value` line (greedy accuracy on the 200 held-out prompts "
+        f"{pct(grpo[0][1])}), **GRPO alone ends at {pct(grpo[-1][1])} after {grpo[-1][0]} steps, on-policy "
+        f"distillation at {pct(dist[-1][1])}** (teacher: {pct(s['teacher_val_acc'])}, the SFT warm start after "
+        f"{s['teacher_steps']} GRPO steps; distillation's best: {pct(best)} at step {best_step}). GRPO's groups all "
+        "score 0 (no advantage to learn from); the teacher's per-token signal needs no reward."
+    )
+
+
 RENDERERS: dict[str, Callable[[Path], str]] = {
     "quickstart": quickstart,
     "multimodal": multimodal,
@@ -272,6 +292,7 @@ RENDERERS: dict[str, Callable[[Path], str]] = {
     "packing": packing,
     "packing-status": packing_status,
     "async": async_speed,
+    "distillation": distillation,
 }
 
 

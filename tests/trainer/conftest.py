@@ -43,3 +43,28 @@ def warm(tiny_model_dir, tmp_path_factory):
     assert_sft_premise(root / "sft", WARM_LOSS_PREMISE)
     return export_checkpoint(root / "sft" / "global_step_600", root / "sft_model"), root / "data"
 
+
+
+@pytest.fixture(scope="module")
+def unformatted(warm, tmp_path_factory):
+    """(student model dir, data dir): the warm start after 40 more SFT steps (lr 1e-3) on the same problems with
+    demonstrations that stop after the work, without the `#### value` line the scorer reads (about 20 s). It still
+    adds correctly but almost never writes the answer line, so nearly every sample scores 0: the sparse-reward
+    student of the on-policy distillation test (the warm start, which writes the line half the time, teaches it)."""
+    from hyflow.config.sft_schema import load_sft_config
+    from hyflow.data.tasks import make_task
+    from hyflow.trainer.export import export_checkpoint
+    from hyflow.trainer.sft_trainer import SFTTrainer
+
+    model, data = warm
+    root = tmp_path_factory.mktemp("unformatted")
+    make_task("arithmetic", root / "data", n_train=3000, n_test=32, seed=0, digits=1, n_operands=3, operators="+-",
+              answer_line_rate=0.0)
+    SFTTrainer(load_sft_config([
+        f"model.partial_pretrain={model}", f"data.train_files={root}/data/train.parquet",
+        "data.response_key=extra_info.answer", "data.max_length=96", "data.train_batch_size=32",
+        "data.micro_batch_size_per_gpu=32", "optim.lr=1e-3", "optim.lr_scheduler=cosine",
+        "optim.lr_warmup_steps_ratio=0.05", "trainer.total_training_steps=40", "trainer.logger=[file]",
+        f"trainer.default_local_dir={root}/sft", "model.enable_gradient_checkpointing=false", f"trainer.seed={SEED}",
+    ])).fit()
+    return export_checkpoint(root / "sft" / "global_step_40", root / "sft_model"), data
