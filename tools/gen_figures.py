@@ -38,7 +38,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path("benchmarks/results")
-DOCS = ("README.md", "docs/quickstart.md", "docs/multi-turn.md", "docs/async.md", "docs/multimodal.md")
+DOCS = ("README.md", "docs/quickstart.md", "docs/multi-turn.md", "docs/async.md", "docs/multimodal.md",
+        "docs/distillation.md")
 WIDTH = 115  # the docs' line width
 BLOCK = re.compile(r"(<!-- figures:(?P<name>[a-z0-9_-]+) -->)(?P<body>.*?)(<!-- /figures -->)", re.S)
 

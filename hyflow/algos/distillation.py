@@ -20,10 +20,12 @@ clamps d_t to [-c, c] after the loss range is logged (`distillation/loss_min|max
 
 Combined with the task's policy loss (verl's `distillation_ppo_loss`): with `use_task_rewards` the actor's whole
 loss L_ppo (policy loss, entropy bonus, KL loss) plus `distillation_loss_coef` * L_d; without it L_d alone
-(coefficient 1). Metrics are verl's: `distillation/loss`, `distillation/loss_min|max`, `distillation/abs_loss`
-(estimators), `distillation/student_mass|teacher_mass` (+ `_min|_max`, top-k), `distillation/overlap_ratio` and
+(coefficient 1). Metrics are verl's: `distillation/loss`, `distillation/abs_loss` (estimators),
+`distillation/student_mass|teacher_mass` (top-k), `distillation/overlap_ratio` and
 `distillation/overlap_token_advantage` (top-k, arXiv 2604.13016), and the policy loss's own metrics under
-`distillation/` with `use_policy_gradient`.
+`distillation/` with `use_policy_gradient`. `distillation_loss` also returns the call's `distillation/loss_min|max`,
+which the actor does not log (its metric parts are summed over micro-batches and ranks; verl's per-batch minima and
+maxima, and its `_min|_max` of the masses, are not reproduced).
 """
 
 from __future__ import annotations

@@ -881,7 +881,9 @@ def _warn_advisories(cfg: HyflowConfig) -> None:
     catalog = algorithm_catalog()
     # A group estimator compares each sample with the others of its prompt: it declares requires=("index", ...).
     groups = catalog is not None and "index" in catalog.estimator_requires(algo.adv_estimator)
-    if groups and n == 1:
+    distill = cfg.distillation
+    task_advantages = not (distill.enabled and not distill.distillation_loss.use_task_rewards)  # else unused
+    if groups and n == 1 and task_advantages:
         warnings.warn(
             f"algorithm.adv_estimator={algo.adv_estimator} compares each sample with the other samples of its "
             f"prompt, but {R}.n=1: every group is a singleton and advantages carry no signal. "
