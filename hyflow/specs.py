@@ -230,6 +230,16 @@ class DistillationLossSpec:
 
 
 @dataclass(frozen=True)
+class PairPreferenceSpec:
+    """Online DPO's term (`hyflow.algos.online_preference.pair_preference_loss`), which takes the policy loss's
+    place: the DPO `loss_type` (sigmoid, ipo, hinge, robust), `beta` and cDPO's `label_smoothing`."""
+
+    loss_type: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+
+
+@dataclass(frozen=True)
 class ActorLossSpec:
     """The actor's loss knobs: loss = policy loss (`loss_mode`, called with `policy_loss_kwargs`) -
     entropy_coeff * entropy + kl_loss_coef * KL(pi || ref) (when `use_kl_loss`, estimator `kl_loss_type`), each
@@ -244,6 +254,7 @@ class ActorLossSpec:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     distillation: DistillationLossSpec | None = None  # on-policy distillation's term (None: none)
+    pair_preference: PairPreferenceSpec | None = None  # online DPO's term in the policy loss's place (None: none)
 
 
 @dataclass(frozen=True)

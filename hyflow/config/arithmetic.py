@@ -36,8 +36,12 @@ def uses_critic(cfg: HyflowConfig) -> bool:
 
 
 def uses_reference(cfg: HyflowConfig) -> bool:
-    """A reference policy is needed for a KL term: actor.use_kl_loss or algorithm.use_kl_in_reward."""
-    return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    """A reference policy is needed for a KL term (actor.use_kl_loss or algorithm.use_kl_in_reward), or by an
+    advantage estimator that declares `ref_log_prob` among its inputs (online DPO)."""
+    if cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        return True
+    catalog = algorithm_catalog()
+    return catalog is not None and "ref_log_prob" in catalog.estimator_requires(cfg.algorithm.adv_estimator)
 
 
 def total_devices(cfg: HyflowConfig, n_devices: int | None = None) -> int:

@@ -25,6 +25,7 @@ from hyflow.specs import (
     JudgeSpec,
     ModelSpec,
     OptimizerSpec,
+    PairPreferenceSpec,
     RewardModelSpec,
     RoleSpecs,
     RolloutSpec,
@@ -115,16 +116,29 @@ def actor_spec(cfg: HyflowConfig, batches: BatchArithmetic, total_steps: int) ->
             "clip_ratio": actor.clip_ratio, "clip_ratio_low": actor.clip_ratio_low,
             "clip_ratio_high": actor.clip_ratio_high, "clip_ratio_c": actor.clip_ratio_c,
             "tau_pos": actor.tau_pos, "tau_neg": actor.tau_neg, "loss_scale_factor": actor.loss_scale_factor,
-            **{k: v for k, v in vars(actor.policy_loss).items() if k != "loss_mode"},
+            "sppo_eta": actor.sppo_eta, **{k: v for k, v in vars(actor.policy_loss).items() if k != "loss_mode"},
         },
         loss_agg_mode=actor.loss_agg_mode, loss_scale_factor=actor.loss_scale_factor,
         entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
-        kl_loss_type=actor.kl_loss_type, distillation=distillation_loss_spec(cfg))
+        kl_loss_type=actor.kl_loss_type, distillation=distillation_loss_spec(cfg),
+        pair_preference=pair_preference_spec(cfg))
     return ActorSpec(model=policy_model_spec(cfg), engine=engine, ref=ref_engine, ref_model_path=ref.model.path or None,
                      loss=loss, batches=batches.actor, old_log_prob=batches.old_log_prob,
                      ref_log_prob=batches.ref_log_prob, rollout=rollout_spec(cfg), seed=cfg.trainer.seed,
                      full_determinism=actor.fsdp_config.full_determinism or ref.fsdp_config.full_determinism,
                      shuffle=actor.shuffle, data_loader_seed=actor.data_loader_seed)
+
+
+PAIR_ESTIMATORS = ("online_dpo",)  # estimators whose pairs the actor trains with the DPO loss
+
+
+def pair_preference_spec(cfg: HyflowConfig) -> PairPreferenceSpec | None:
+    """Online DPO's actor term (algorithm.adv_estimator=online_dpo), else None."""
+    if cfg.algorithm.adv_estimator not in PAIR_ESTIMATORS:
+        return None
+    algo = cfg.algorithm
+    return PairPreferenceSpec(loss_type=algo.dpo_loss_type, beta=cfg.actor_rollout_ref.actor.dpo_beta,
+                              label_smoothing=algo.dpo_label_smoothing)
 
 
 def critic_spec(cfg: HyflowConfig, batches: BatchArithmetic, total_steps: int) -> CriticSpec:

@@ -853,6 +853,24 @@ def _check_algorithm(cfg: HyflowConfig) -> list[str]:
         problems.append(f"{A}.policy_loss.loss_mode=bypass_mode is the PPO-clip loss against the rollout's log-probs "
                         "(verl selects it itself in bypass mode); it needs algorithm.rollout_correction.bypass_mode="
                         "true, which makes the rollout log-probs the old ones. Set that, or use loss_mode=vanilla")
+    if (algo.adv_estimator == "sppo") != (policy_loss.loss_mode == "sppo"):
+        problems.append(f"SPPO is algorithm.adv_estimator=sppo (the soft-mean-centred scores) with {A}.policy_loss."
+                        f"loss_mode=sppo (the square loss on the log-ratio), together (got adv_estimator="
+                        f"{algo.adv_estimator}, loss_mode={policy_loss.loss_mode}); set both")
+    if algo.adv_estimator == "online_dpo":
+        if policy_loss.loss_mode != "vanilla":
+            problems.append(f"algorithm.adv_estimator=online_dpo trains the pairs with the DPO loss in the policy "
+                            f"loss's place, so {A}.policy_loss.loss_mode={policy_loss.loss_mode} would not run; "
+                            "leave loss_mode at its default")
+        if cfg.critic.enable:
+            problems.append("algorithm.adv_estimator=online_dpo has no advantages for a critic to help with; "
+                            "set critic.enable=false")
+    if algo.dpo_label_smoothing and (algo.adv_estimator != "online_dpo"
+                                     or algo.dpo_loss_type not in ("sigmoid", "robust")):
+        problems.append("algorithm.dpo_label_smoothing is read by online_dpo's sigmoid and robust losses only "
+                        f"(adv_estimator={algo.adv_estimator}, dpo_loss_type={algo.dpo_loss_type})")
+    if not 0 <= algo.dpo_label_smoothing < 0.5:
+        problems.append(f"algorithm.dpo_label_smoothing={algo.dpo_label_smoothing} must be in [0, 0.5)")
     if policy_loss.loss_mode == "dro" and (policy_loss.dro_beta is None or policy_loss.dro_beta <= 0):
         problems.append(f"{A}.policy_loss.loss_mode=dro needs {A}.policy_loss.dro_beta > 0 (the weight of its "
                         f"quadratic log-ratio penalty; got {policy_loss.dro_beta}); e.g. dro_beta=0.1")

@@ -668,23 +668,26 @@ class RLTrainer:
 
     def compute_advantages(self, batch: Batch) -> None:
         """advantages, returns = the configured estimator over the inputs it declares it needs, with the
-        `algorithm` knobs it reads (`hyflow.algos.registry.estimator_knobs`)."""
+        `algorithm` knobs it reads (`hyflow.algos.registry.estimator_knobs`); the per-row columns an estimator
+        returns beside them (online DPO's pairs) join the batch."""
         from hyflow.algos.registry import estimator_knobs
 
         algo = self.config.algorithm
         available = {"values": "values", "index": "uid", "reward_baselines": "reward_baselines",
                      "old_log_prob": "old_log_probs", "sum_pi_squared": "sum_pi_squared",
-                     "rollout_is_weights": "rollout_is_weights"}
+                     "rollout_is_weights": "rollout_is_weights", "ref_log_prob": "ref_log_prob"}
         inputs = {name: batch[column] for name, column in available.items() if column in batch}
         inputs["reward_extras"] = numeric_reward_extras(batch)  # the reward function's per-sample components
         missing = [name for name in self.estimator.requires if name not in inputs]
         if missing:
             raise ValueError(f"algorithm.adv_estimator={algo.adv_estimator!r} needs {missing}, which this run does "
                              "not produce (a critic gives `values`: critic.enable=True)")
-        advantages, returns = self.estimator(token_level_rewards=batch["token_level_rewards"],
-                                             response_mask=batch["response_mask"],
-                                             **estimator_knobs(vars(algo), self.estimator), **inputs)
+        advantages, returns, *columns = self.estimator(token_level_rewards=batch["token_level_rewards"],
+                                                       response_mask=batch["response_mask"],
+                                                       **estimator_knobs(vars(algo), self.estimator), **inputs)
         batch["advantages"], batch["returns"] = advantages, returns
+        for name, column in (columns[0] if columns else {}).items():
+            batch[name] = column
 
     def filter_policy(self, batch: Batch, metrics: dict) -> Batch:
         """PF-PPO (algorithm.use_pf_ppo, arXiv 2409.06957): the batch resampled, same size, with replacement, with

@@ -47,6 +47,7 @@ from hyflow.algos.distillation import (
     topk_overlap,
     uses_topk,
 )
+from hyflow.algos.online_preference import PAIR_COLUMNS, pair_preference_loss
 from hyflow.batch import Batch
 from hyflow.controller import Collect, Dispatch, Worker, register
 from hyflow.models.forward import unwrap_model
@@ -73,7 +74,7 @@ from hyflow.workers.train_engine import (
 )
 
 RESPONSE_KEYS = ("response_mask", "old_log_probs", "advantages", "ref_log_prob", "rollout_is_weights",
-                 "rollout_log_probs", "teacher_log_probs", "teacher_topk_log_probs", "teacher_topk_ids")
+                 "rollout_log_probs", "teacher_log_probs", "teacher_topk_log_probs", "teacher_topk_ids", *PAIR_COLUMNS)
 
 
 class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
@@ -282,7 +283,8 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
         plan = UpdatePlan(mini_batch_size=max(1, int(sizes.samples_per_device)), epochs=sizes.ppo_epochs,
                           shuffle=self.spec.shuffle, sizes=sizes,
                           seed=self.spec.data_loader_seed + int(batch.meta.get("global_step", 0)) * 7919,
-                          loss_agg_mode=loss.loss_agg_mode, metric_prefix="actor")
+                          loss_agg_mode=loss.loss_agg_mode, metric_prefix="actor",
+                          count_rows=("pair_sign",) if loss.pair_preference is not None else ())
         topk = loss.distillation is not None and uses_topk(loss.distillation.loss_mode)
         with self.engine.on_device(optimizer=True):
             metrics = self.engine.update(batch, plan, actor_loss_fn(loss, on_policy), columns=RESPONSE_KEYS,
@@ -340,10 +342,13 @@ def actor_loss_fn(loss: ActorLossSpec, on_policy: bool) -> LossFn:
             parts["actor/entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1)) * weight
         total = None
         if task_loss:
-            pg_loss, pg_metrics = policy_loss(old_log_prob=old, log_prob=logp, advantages=cols["advantages"],
-                                              response_mask=mask, rollout_is_weights=cols.get("rollout_is_weights"),
-                                              loss_agg_mode=loss.loss_agg_mode, **ctx.norms,
-                                              **loss.policy_loss_kwargs)
+            if loss.pair_preference is not None:  # online DPO: the pairs' DPO loss in the policy loss's place
+                pg_loss, pg_metrics = _pair_preference_term(loss, logp, cols, mask, ctx, parts)
+            else:
+                pg_loss, pg_metrics = policy_loss(
+                    old_log_prob=old, log_prob=logp, advantages=cols["advantages"], response_mask=mask,
+                    rollout_is_weights=cols.get("rollout_is_weights"), loss_agg_mode=loss.loss_agg_mode,
+                    **ctx.norms, **loss.policy_loss_kwargs)
             total, terms = actor_loss(pg_loss, log_prob=logp, entropy=entropy,
                                       ref_log_prob=cols.get("ref_log_prob"), response_mask=mask,
                                       entropy_coeff=loss.entropy_coeff, use_kl_loss=loss.use_kl_loss,
@@ -361,6 +366,20 @@ def actor_loss_fn(loss: ActorLossSpec, on_policy: bool) -> LossFn:
         return total, parts
 
     return loss_fn
+
+
+def _pair_preference_term(loss: ActorLossSpec, logp: torch.Tensor, cols: dict, mask: torch.Tensor,
+                          ctx: MicroContext, parts: dict) -> tuple[torch.Tensor, dict]:
+    """Online DPO's term of one micro-batch (`hyflow.algos.online_preference.pair_preference_loss`); its `dpo/*`
+    metrics join `parts` (their sums over micro-batches and ranks are the mini-batch's values). Returns (the
+    term, no policy-loss metrics)."""
+    spec = loss.pair_preference
+    term, metrics = pair_preference_loss(logp, cols["ref_log_prob"], mask, cols, beta=spec.beta,
+                                         loss_type=spec.loss_type, label_smoothing=spec.label_smoothing,
+                                         global_seq_count=ctx.norms["global_seq_count"],
+                                         global_paired_rows=ctx.counts["pair_sign"])
+    parts.update(metrics)
+    return term, {}
 
 
 def _with_distillation(distill: DistillationLossSpec, total: torch.Tensor | None, out: dict, cols: dict,

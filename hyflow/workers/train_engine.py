@@ -53,7 +53,7 @@ import itertools
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -139,7 +139,9 @@ def autocast(device: torch.device, dtype_name: str):
 class UpdatePlan:
     """How one `update` call walks its batch: `epochs` passes in mini-batches of `mini_batch_size` samples (this
     rank's share), shuffled per epoch with `seed` when `shuffle`, each cut into micro-batches as `sizes` says
-    (`RoleBatches` of `batch_arithmetic`); the loss normalisers follow `loss_agg_mode`."""
+    (`RoleBatches` of `batch_arithmetic`); the loss normalisers follow `loss_agg_mode`. `count_rows`: columns
+    whose rows with a nonzero first entry are counted over each mini-batch on all ranks (`MicroContext.counts`,
+    e.g. the rows of online DPO's pairs)."""
 
     mini_batch_size: int
     epochs: int
@@ -148,6 +150,7 @@ class UpdatePlan:
     sizes: object
     loss_agg_mode: str
     metric_prefix: str
+    count_rows: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,7 @@ class MicroContext:
     global_tokens: float
     n_micro: int
     world_size: int
+    counts: dict = field(default_factory=dict)  # UpdatePlan.count_rows: column -> its counted rows, all ranks
 
     def token_weight(self, mask: torch.Tensor) -> float:
         """The micro-batch's share of the mini-batch's tokens: weight of a per-token mean metric."""
@@ -556,13 +560,13 @@ class TrainEngine:
 
     def forward_backward(self, batch: Batch, sizes, loss_fn: LossFn, *, columns: Sequence[str], norms: dict,
                          temperature: float = 1.0, with_entropy: bool = False,
-                         topk_column: str | None = None) -> dict[str, float]:
+                         topk_column: str | None = None, counts: dict | None = None) -> dict[str, float]:
         """Forward and backward every micro-batch of `batch` (one mini-batch of this rank) with `loss_fn`;
         gradients accumulate in `.grad`. Returns this rank's metric parts, summed over the micro-batches."""
         R = batch["responses"].shape[1]
         micros = micro_batches_as_derived(batch, sizes, share_prompts=self.share_prompts, token_scale=self.sp_size)
         ctx = MicroContext(norms=norms, global_tokens=max(float(norms["global_token_count"]), 1.0),
-                           n_micro=len(micros), world_size=self.dp_size)
+                           n_micro=len(micros), world_size=self.dp_size, counts=dict(counts or {}))
         sums: defaultdict[str, float] = defaultdict(float)
         for done, (micro, _) in enumerate(micros, 1):
             with self.passes():  # forward and backward: a checkpointed layer re-runs its attention in backward
@@ -620,12 +624,16 @@ class TrainEngine:
                                                    shuffle=plan.shuffle, seed=plan.seed), 1):
             self._mini = (j, n_mini)
             local = loss_normalisers(mini["response_mask"], plan.loss_agg_mode)
+            for column in plan.count_rows:
+                local[f"rows:{column}"] = ((mini[column][:, 0] != 0).sum() if column in mini
+                                           else torch.zeros((), dtype=torch.long))
             if self.group_rank:  # the group's rows are counted (and its metrics summed) once, by its first rank
                 local = {key: torch.zeros_like(value) for key, value in local.items()}
             norms = all_reduce_sum(local)
+            counts = {key.removeprefix("rows:"): norms.pop(key) for key in [k for k in norms if k.startswith("rows:")]}
             sums = self.forward_backward(mini, plan.sizes, loss_fn, columns=columns, norms=norms,
                                          temperature=temperature, with_entropy=with_entropy,
-                                         topk_column=topk_column)
+                                         topk_column=topk_column, counts=counts)
             sums = all_reduce_metrics({key: 0.0 if self.group_rank else value for key, value in sums.items()})
             stepped = self.step()
             for key, value in {**sums, **{f"{plan.metric_prefix}/{k}": v for k, v in stepped.items()}}.items():

@@ -18,7 +18,7 @@ class PolicyLossConfig:
 
     loss_mode: str = option(
         "vanilla",
-        "Registered policy loss: vanilla (PPO clip, Schulman et al. 2017, arXiv 1707.06347), gspo (arXiv 2507.18071), sapo (arXiv 2511.20347), gpg, clip_cov, kl_cov (arXiv 2505.22617), geo_mean (GMPO, arXiv 2507.20673), cispo (arXiv 2506.13585), dppo_tv / dppo_kl (arXiv 2602.04879), dro (needs dro_beta), reinforce, bypass_mode (PPO clip against the rollout log-probs, with algorithm.rollout_correction.bypass_mode=true); see hyflow.algos.POLICY_LOSSES.",
+        "Registered policy loss: vanilla (PPO clip, Schulman et al. 2017, arXiv 1707.06347), gspo (arXiv 2507.18071), sapo (arXiv 2511.20347), gpg, clip_cov, kl_cov (arXiv 2505.22617), geo_mean (GMPO, arXiv 2507.20673), cispo (arXiv 2506.13585), dppo_tv / dppo_kl (arXiv 2602.04879), dro (needs dro_beta), reinforce, bypass_mode (PPO clip against the rollout log-probs, with algorithm.rollout_correction.bypass_mode=true), sppo (SPPO's square loss, with algorithm.adv_estimator=sppo, arXiv 2405.00675); see hyflow.algos.POLICY_LOSSES.",
     )
     clip_cov_ratio: float = option(
         0.0002, "clip_cov: fraction of tokens whose gradient is dropped (arXiv 2505.22617)."
@@ -105,6 +105,13 @@ class ActorConfig:
         "KL estimator of the loss: kl/k1, abs, mse/k2, low_var_kl/k3 (Schulman 2020, 'Approximating KL divergence'); a trailing '+' uses k2's gradient (straight-through); full: verl's full-vocabulary KL, not supported yet.",
         choices=(*KL_PENALTY_NAMES, "full"),
     )
+    dpo_beta: float = option(
+        0.1, "algorithm.adv_estimator=online_dpo: beta of the DPO loss on the best- and worst-scored samples of "
+        "each prompt, the strength of the implicit KL toward the reference policy (Rafailov et al. 2023, arXiv "
+        "2305.18290; verl-recipe spin's actor.dpo_beta).")
+    sppo_eta: float = option(
+        1.0, "policy_loss.loss_mode=sppo: eta of SPPO's square loss (log pi(y) - log pi_old(y) - eta x A)^2, A the "
+        "sample's centred score (Wu et al. 2024, arXiv 2405.00675; verl-recipe sppo's actor.sppo_eta).")
     grad_clip: float = option(1.0, "Clip the global gradient norm to this value before each optimizer step.")
     ulysses_sequence_parallel_size: int = option(
         1,
