@@ -24,6 +24,11 @@ with more samples per group (or groups without a pair) the other rows count as z
 zero-advantage samples do in GRPO's token mean. The split keeps the loss invariant to how the
 mini-batch is cut into micro-batches and ranks, and the two rows of a pair need not meet.
 
+SPIN (Chen et al. 2024, "Self-Play Fine-Tuning Converts Weak Language Models to Strong Language Models", arXiv
+2401.01335): the same DPO loss on pairs of the data's reference answer (chosen) and the policy's own sample
+(rejected) of each prompt; the trainer puts the reference answer in place of the last sample of each group
+(`spin`'s `reference_answer` input), so rollout.n = 2 is the paper's one sample per prompt.
+
 SPPO (Wu et al. 2024, arXiv 2405.00675; verl-recipe `sppo`: `compute_advantage` in sppo_ray_trainer.py and
 `compute_sppo_loss` in dp_actor.py). The estimated win rate's stand-in is the score centred by a soft mean over
 the batch (verl's recipe centres over the whole batch, not per prompt):
@@ -84,15 +89,50 @@ def online_dpo_pairs(token_level_rewards: torch.Tensor, response_mask: torch.Ten
         chosen, rejected = best_worst_pairs(scores_B, index)
         old_B, ref_B = _seq_sum(old_log_prob.float(), mask), _seq_sum(ref_log_prob.float(), mask)
         length_B = mask.sum(-1).float()
-        B, T = response_mask.shape
-        sign, partner = torch.zeros(B), torch.arange(B)
-        sign[chosen], sign[rejected] = 1.0, -1.0
-        partner[chosen], partner[rejected] = rejected, chosen
-        columns_B = {"pair_sign": sign, "pair_partner_log_prob": old_B[partner],
-                     "pair_partner_ref_log_prob": ref_B[partner], "pair_partner_length": length_B[partner]}
-        columns = {name: value.unsqueeze(-1).expand(B, T).contiguous() for name, value in columns_B.items()}
-        zeros = torch.zeros_like(token_level_rewards, dtype=torch.float32)
+        return _pair_columns(chosen, rejected, old_B, ref_B, length_B, response_mask.shape)
+
+
+def _pair_columns(chosen: torch.Tensor, rejected: torch.Tensor, old_B: torch.Tensor, ref_B: torch.Tensor,
+                  length_B: torch.Tensor, shape: torch.Size):
+    """(zero advantages, zero returns, the `PAIR_COLUMNS` [B, T]) of the pairs (chosen[p], rejected[p])."""
+    B, T = shape
+    sign, partner = torch.zeros(B), torch.arange(B)
+    sign[chosen], sign[rejected] = 1.0, -1.0
+    partner[chosen], partner[rejected] = rejected, chosen
+    columns_B = {"pair_sign": sign, "pair_partner_log_prob": old_B[partner],
+                 "pair_partner_ref_log_prob": ref_B[partner], "pair_partner_length": length_B[partner]}
+    columns = {name: value.unsqueeze(-1).expand(B, T).contiguous() for name, value in columns_B.items()}
+    zeros = torch.zeros(B, T)
     return zeros, zeros.clone(), columns
+
+
+@register_advantage_estimator("spin", requires=("index", "old_log_prob", "ref_log_prob", "reference_answer"),
+                              knobs=())
+def spin_pairs(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, *, index=None,
+               old_log_prob: torch.Tensor | None = None, ref_log_prob: torch.Tensor | None = None,
+               reference_answer: torch.Tensor | None = None, **_):
+    """SPIN (arXiv 2401.01335): the data's reference answer (chosen) against the policy's own sample (rejected)
+    of each prompt, trained with the DPO loss against the reference policy.
+
+    `reference_answer` [B] marks the rows whose response the trainer replaced by the data's answer (one per
+    group); each is paired with its group's first other row. The scores play no part. Returns (advantages,
+    returns, columns) as `online_dpo`."""
+    if index is None or old_log_prob is None or ref_log_prob is None or reference_answer is None:
+        raise ValueError("spin needs `index` (uid), `old_log_prob`, `ref_log_prob` and `reference_answer`")
+    with torch.no_grad():
+        mask = response_mask.bool()
+        gid_B = group_ids(index)
+        is_answer = torch.as_tensor(reference_answer).bool()
+        chosen, rejected = [], []
+        for g in range(int(gid_B.max()) + 1 if gid_B.numel() else 0):
+            rows = (gid_B == g).nonzero().squeeze(-1)
+            answers, samples = rows[is_answer[rows]], rows[~is_answer[rows]]
+            if len(answers) and len(samples):
+                chosen.append(int(answers[0]))
+                rejected.append(int(samples[0]))
+        return _pair_columns(torch.tensor(chosen, dtype=torch.long), torch.tensor(rejected, dtype=torch.long),
+                             _seq_sum(old_log_prob.float(), mask), _seq_sum(ref_log_prob.float(), mask),
+                             mask.sum(-1).float(), response_mask.shape)
 
 
 def pair_preference_loss(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, response_mask: torch.Tensor,

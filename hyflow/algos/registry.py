@@ -27,7 +27,7 @@ POLICY_LOSSES = Registry("policy loss")
 # The estimator's data inputs (produced by the trainer per batch), never knobs.
 _ESTIMATOR_INPUTS = frozenset({"token_level_rewards", "response_mask", "values", "index", "reward_baselines",
                                "old_log_prob", "sum_pi_squared", "rollout_is_weights", "reward_extras",
-                               "ref_log_prob"})
+                               "ref_log_prob", "reference_answer"})
 
 
 def _register(registry: Registry, name: str, requires: tuple[str, ...], knobs: tuple[str, ...] | None
@@ -49,7 +49,8 @@ def register_advantage_estimator(name: str, requires: tuple[str, ...] = (),
 
     `requires` names the inputs the trainer must produce for it, by their keyword: `values` (a critic),
     `index` (groups of samples per prompt), `reward_baselines` (a greedy rollout's reward, ReMax),
-    `old_log_prob` and `sum_pi_squared` (the actor's forward pass), `ref_log_prob` (the reference policy's). `knobs` names the `algorithm` keys it
+    `old_log_prob` and `sum_pi_squared` (the actor's forward pass), `ref_log_prob` (the reference policy's),
+    `reference_answer` (rows whose response is the data's reference answer, SPIN). `knobs` names the `algorithm` keys it
     reads (None: its keyword parameters that are keys of that section; see `estimator_knobs`). The trainer
     reads these declarations and never branches on the estimator's name.
     """

@@ -129,11 +129,11 @@ def actor_spec(cfg: HyflowConfig, batches: BatchArithmetic, total_steps: int) ->
                      shuffle=actor.shuffle, data_loader_seed=actor.data_loader_seed)
 
 
-PAIR_ESTIMATORS = ("online_dpo",)  # estimators whose pairs the actor trains with the DPO loss
+PAIR_ESTIMATORS = ("online_dpo", "spin")  # estimators whose pairs the actor trains with the DPO loss
 
 
 def pair_preference_spec(cfg: HyflowConfig) -> PairPreferenceSpec | None:
-    """Online DPO's actor term (algorithm.adv_estimator=online_dpo), else None."""
+    """Online DPO's actor term (algorithm.adv_estimator=online_dpo or spin), else None."""
     if cfg.algorithm.adv_estimator not in PAIR_ESTIMATORS:
         return None
     algo = cfg.algorithm

@@ -857,15 +857,26 @@ def _check_algorithm(cfg: HyflowConfig) -> list[str]:
         problems.append(f"SPPO is algorithm.adv_estimator=sppo (the soft-mean-centred scores) with {A}.policy_loss."
                         f"loss_mode=sppo (the square loss on the log-ratio), together (got adv_estimator="
                         f"{algo.adv_estimator}, loss_mode={policy_loss.loss_mode}); set both")
-    if algo.adv_estimator == "online_dpo":
+    if algo.adv_estimator == "spin":
+        if cfg.actor_rollout_ref.rollout.n < 2:
+            problems.append(f"algorithm.adv_estimator=spin pairs the data's answer with the policy's sample of each "
+                            f"prompt in the place of the last of {R}.n samples: set {R}.n=2 (the paper's one sample)")
+        rc = algo.rollout_correction
+        if rc.rollout_is or rc.rollout_rs or rc.bypass_mode:
+            problems.append("algorithm.adv_estimator=spin: the reference answers were not sampled by the rollout "
+                            "engine, so algorithm.rollout_correction has no rollout log-probs for them; turn it off")
+    if cfg.data.reference_answer_key != "extra_info.answer" and algo.adv_estimator != "spin":
+        problems.append("data.reference_answer_key is read by algorithm.adv_estimator=spin only "
+                        f"(adv_estimator={algo.adv_estimator})")
+    if algo.adv_estimator in ("online_dpo", "spin"):
         if policy_loss.loss_mode != "vanilla":
-            problems.append(f"algorithm.adv_estimator=online_dpo trains the pairs with the DPO loss in the policy "
+            problems.append(f"algorithm.adv_estimator={algo.adv_estimator} trains the pairs with the DPO loss in the policy "
                             f"loss's place, so {A}.policy_loss.loss_mode={policy_loss.loss_mode} would not run; "
                             "leave loss_mode at its default")
         if cfg.critic.enable:
-            problems.append("algorithm.adv_estimator=online_dpo has no advantages for a critic to help with; "
+            problems.append(f"algorithm.adv_estimator={algo.adv_estimator} has no advantages for a critic to help with; "
                             "set critic.enable=false")
-    if algo.dpo_label_smoothing and (algo.adv_estimator != "online_dpo"
+    if algo.dpo_label_smoothing and (algo.adv_estimator not in ("online_dpo", "spin")
                                      or algo.dpo_loss_type not in ("sigmoid", "robust")):
         problems.append("algorithm.dpo_label_smoothing is read by online_dpo's sigmoid and robust losses only "
                         f"(adv_estimator={algo.adv_estimator}, dpo_loss_type={algo.dpo_loss_type})")

@@ -88,3 +88,35 @@ def assemble_rollout(prompts: Batch, input_ids: torch.Tensor, prompt_mask: torch
         out[key] = value.cpu()
     out.meta["temperature"] = 1.0 if params.greedy else params.temperature
     return out
+
+
+def replace_responses(batch: Batch, rows: list[int], responses: list[list[int]], pad_token_id: int) -> Batch:
+    """`batch` (a text rollout) with the responses of `rows` replaced by the given token ids (each cut to the
+    batch's response width): `responses`, `response_mask`, `input_ids`, `attention_mask` and `position_ids` of
+    those rows rebuilt as `assemble_rollout` builds them, `rollout_log_probs` 0 there (no engine sampled them).
+    The other rows and columns are unchanged; a new Batch is returned."""
+    if batch["position_ids"].dim() != 2:
+        raise ValueError("replacing responses needs a text rollout (2-D position_ids), not a vision-language one")
+    out = batch.clone()
+    R = out["responses"].shape[1]
+    new = torch.full((len(rows), R), pad_token_id, dtype=out["responses"].dtype)
+    lengths = torch.zeros(len(rows), dtype=torch.long)
+    for i, tokens in enumerate(responses):
+        tokens = list(tokens)[:R]
+        new[i, : len(tokens)] = torch.tensor(tokens, dtype=new.dtype)
+        lengths[i] = len(tokens)
+    index = torch.tensor(rows, dtype=torch.long)
+    within = (torch.arange(R)[None] < lengths[:, None]).long()
+    prompt_mask = out["attention_mask"][index, : out["prompts"].shape[1]].long()
+    attention_mask = torch.cat([prompt_mask, within], dim=-1)
+    columns = {"responses": new, "response_mask": within, "attention_mask": attention_mask,
+               "input_ids": torch.cat([out["prompts"][index], new], dim=-1),
+               "position_ids": position_ids_from_mask(attention_mask)}
+    if "rollout_log_probs" in out:
+        columns["rollout_log_probs"] = torch.zeros(len(rows), R)
+    for key, value in columns.items():
+        column = out[key].clone()
+        column[index] = value.to(column.dtype)
+        out[key] = column
+    return out
+

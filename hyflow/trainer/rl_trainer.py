@@ -66,6 +66,7 @@ from hyflow.rewards.custom import combine_reward_functions, load_custom_reward_f
 from hyflow.rewards.managers import make_reward_manager, score_with_agent_rewards
 from hyflow.rewards.registry import check_scorers_exist
 from hyflow.rollout.base import SamplingParams
+from hyflow.rollout.output import replace_responses
 from hyflow.threads import configure_threads
 from hyflow.trainer.balance import balanced_group_order, balanced_order
 from hyflow.trainer.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
@@ -606,6 +607,8 @@ class RLTrainer:
             else:
                 batch = self.actor.generate_sequences(prompts, self.sampling_params(seed=seed))
             metrics.update(reduce_metrics(batch.meta.pop("metrics", {})))  # the agent loop's and the engine's
+            if "reference_answer" in self.estimator.requires:  # SPIN: the data's answer in the last sample's place
+                batch, loop_scores = self.with_reference_answers(batch), None
             metrics.update(self.score(batch, self.reward_manager, loop_scores))
             if "reward_baselines" in self.estimator.requires:
                 greedy_params = SamplingParams(n=1, max_new_tokens=cfg.actor_rollout_ref.rollout.response_length,
@@ -626,6 +629,29 @@ class RLTrainer:
                                    "rounds (algorithm.filter_groups.max_num_gen_batches); the task is too easy or too "
                                    "hard for the policy: raise max_num_gen_batches or check the reward")
             prompts = self.loader.next_batch()
+
+    def with_reference_answers(self, batch: Batch) -> Batch:
+        """The rollout with each group's last sample replaced by the row's reference answer (data.reference_answer_key,
+        tokenized and ended with the end-of-sequence token, cut to the response length) and a `reference_answer`
+        column marking those rows (the estimators that declare it, SPIN)."""
+        key, *path = self.config.data.reference_answer_key.split(".")
+        uids = list(batch["uid"])
+        last = [i for i in range(len(uids)) if i + 1 == len(uids) or uids[i + 1] != uids[i]]
+        answers = []
+        for i in last:
+            value = batch[key][i] if key in batch else None
+            for part in path:
+                value = value.get(part) if isinstance(value, dict) else None
+            if not isinstance(value, str):
+                raise ValueError(f"data.reference_answer_key={self.config.data.reference_answer_key}: row {i} has no "
+                                 "reference answer there (a string); point it at the data's response")
+            answers.append(self.tokenizer(value, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id])
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        out = replace_responses(batch, last, answers, pad)
+        marks = torch.zeros(len(out))
+        marks[last] = 1.0
+        out["reference_answer"] = marks
+        return out
 
     @staticmethod
     def keep_varied_groups(batch: Batch, metric: str | None) -> Batch:
@@ -675,7 +701,8 @@ class RLTrainer:
         algo = self.config.algorithm
         available = {"values": "values", "index": "uid", "reward_baselines": "reward_baselines",
                      "old_log_prob": "old_log_probs", "sum_pi_squared": "sum_pi_squared",
-                     "rollout_is_weights": "rollout_is_weights", "ref_log_prob": "ref_log_prob"}
+                     "rollout_is_weights": "rollout_is_weights", "ref_log_prob": "ref_log_prob",
+                     "reference_answer": "reference_answer"}
         inputs = {name: batch[column] for name, column in available.items() if column in batch}
         inputs["reward_extras"] = numeric_reward_extras(batch)  # the reward function's per-sample components
         missing = [name for name in self.estimator.requires if name not in inputs]

@@ -135,3 +135,13 @@ def test_sppo_loss_is_the_recipes_square_loss():
     assert metrics["log_ratio_mean"] == pytest.approx(float(ratios[:3].mean().detach()), rel=1e-5)
     global_loss, _ = compute_policy_loss_sppo(old, logp, adv, mask, sppo_eta=eta, global_seq_count=torch.tensor(6))
     assert float(global_loss.detach()) == pytest.approx(float(per_seq[:3].sum().detach() / 6), rel=1e-6)
+
+
+def test_spin_pairs_each_reference_answer_with_its_groups_first_sample():
+    mask = torch.ones(6, 2)
+    old = torch.arange(12, dtype=torch.float32).reshape(6, 2) * -0.1
+    _, _, cols = get_advantage_estimator("spin")(torch.zeros(6, 2), mask, index=["a", "a", "a", "b", "b", "c"],
+                                                 old_log_prob=old, ref_log_prob=old - 1,
+                                                 reference_answer=torch.tensor([0, 0, 1, 0, 1, 0.0]))
+    assert cols["pair_sign"][:, 0].tolist() == [-1.0, 0.0, 1.0, -1.0, 1.0, 0.0]  # c has no answer row: no pair
+    assert cols["pair_partner_log_prob"][[0, 2], 0].tolist() == pytest.approx([-0.9, -0.1])

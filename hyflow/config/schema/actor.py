@@ -106,9 +106,9 @@ class ActorConfig:
         choices=(*KL_PENALTY_NAMES, "full"),
     )
     dpo_beta: float = option(
-        0.1, "algorithm.adv_estimator=online_dpo: beta of the DPO loss on the best- and worst-scored samples of "
-        "each prompt, the strength of the implicit KL toward the reference policy (Rafailov et al. 2023, arXiv "
-        "2305.18290; verl-recipe spin's actor.dpo_beta).")
+        0.1, "algorithm.adv_estimator=online_dpo or spin: beta of the DPO loss on each prompt's pair, the strength "
+        "of the implicit KL toward the reference policy (Rafailov et al. 2023, arXiv 2305.18290; verl-recipe spin's "
+        "actor.dpo_beta).")
     sppo_eta: float = option(
         1.0, "policy_loss.loss_mode=sppo: eta of SPPO's square loss (log pi(y) - log pi_old(y) - eta x A)^2, A the "
         "sample's centred score (Wu et al. 2024, arXiv 2405.00675; verl-recipe sppo's actor.sppo_eta).")

@@ -91,7 +91,7 @@ class AlgorithmConfig:
     lam: float = option(1.0, "GAE lambda: bias-variance trade-off (Schulman et al. 2016, arXiv 1506.02438).")
     adv_estimator: str = option(
         "gae",
-        "Registered advantage estimator: gae (PPO with critic), grpo (DeepSeekMath, arXiv 2402.03300), rloo (arXiv 2402.14740), reinforce_plus_plus(_baseline) (arXiv 2501.03262), remax (arXiv 2310.10505), opo, gpg, grpo_passk, optimal_token_baseline, tir_optimal_token_baseline (multi-turn), gdpo (needs gdpo_reward_keys, arXiv 2601.05242), grpo_vectorized / rloo_vectorized (verl's names for grpo / rloo), online_dpo (DPO on each prompt's best- and worst-scored samples, arXiv 2402.04792), sppo (with policy_loss.loss_mode=sppo, arXiv 2405.00675); see hyflow.algos.ADVANTAGE_ESTIMATORS.",
+        "Registered advantage estimator: gae (PPO with critic), grpo (DeepSeekMath, arXiv 2402.03300), rloo (arXiv 2402.14740), reinforce_plus_plus(_baseline) (arXiv 2501.03262), remax (arXiv 2310.10505), opo, gpg, grpo_passk, optimal_token_baseline, tir_optimal_token_baseline (multi-turn), gdpo (needs gdpo_reward_keys, arXiv 2601.05242), grpo_vectorized / rloo_vectorized (verl's names for grpo / rloo), online_dpo (DPO on each prompt's best- and worst-scored samples, arXiv 2402.04792), spin (DPO of the data's answer over the policy's, arXiv 2401.01335), sppo (with policy_loss.loss_mode=sppo, arXiv 2405.00675); see hyflow.algos.ADVANTAGE_ESTIMATORS.",
     )
     norm_adv_by_std_in_grpo: bool = option(
         True, "GRPO: divide group-centred rewards by the group std (False = Dr. GRPO, arXiv 2503.20783)."
@@ -112,11 +112,11 @@ class AlgorithmConfig:
     gdpo_reward_weights: list[float] | None = option(
         None, "gdpo: one weight per gdpo_reward_keys entry in the combination (None = 1 each).")
     dpo_loss_type: str = option(
-        "sigmoid", "online_dpo: the DPO loss of each pair (hyflow.algos.preference): sigmoid (DPO), ipo (arXiv "
+        "sigmoid", "online_dpo, spin: the DPO loss of each pair (hyflow.algos.preference): sigmoid (DPO), ipo (arXiv "
         "2310.12036), hinge (SLiC, arXiv 2305.10425) or robust (arXiv 2403.00409) (verl-recipe spin's "
         "algorithm.dpo_loss_type).", choices=("sigmoid", "ipo", "hinge", "robust"))
     dpo_label_smoothing: float = option(
-        0.0, "online_dpo: probability that a pair's preference is flipped (cDPO; sigmoid and robust losses; "
+        0.0, "online_dpo, spin: probability that a pair's preference is flipped (cDPO; sigmoid and robust losses; "
         "verl-recipe spin's algorithm.dpo_label_smoothing).")
     sppo_eta: float = option(
         1.0, "sppo: beta of the soft mean that centres the scores, A = r - (1/beta) log mean exp(beta r) over the "

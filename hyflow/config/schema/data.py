@@ -35,6 +35,9 @@ class DataConfig:
     reward_fn_key: str = option(
         "data_source", "Column whose value picks the reward function (scorer) for a row."
     )
+    reference_answer_key: str = option(
+        "extra_info.answer", "algorithm.adv_estimator=spin: where a row's reference answer (the data's response, "
+        "SPIN's chosen side) is: a column, or a dotted path into one (extra_info.answer).")
     max_prompt_length: int = option(512, "Longest prompt, in tokens; longer prompts follow data.truncation.")
     max_response_length: int = option(
         512, "Longest generated response, in tokens (multi-turn: the whole episode's budget)."
