@@ -865,6 +865,20 @@ def _check_algorithm(cfg: HyflowConfig) -> list[str]:
         if rc.rollout_is or rc.rollout_rs or rc.bypass_mode:
             problems.append("algorithm.adv_estimator=spin: the reference answers were not sampled by the rollout "
                             "engine, so algorithm.rollout_correction has no rollout log-probs for them; turn it off")
+    freq = cfg.trainer.ref_update_freq
+    if freq >= 0:
+        if freq == 0:
+            problems.append("trainer.ref_update_freq=0: give a number of steps > 0, or -1 (never)")
+        elif not uses_reference(cfg):
+            problems.append(f"trainer.ref_update_freq={freq} updates the reference policy, but this run has none (it "
+                            "is loaded for online_dpo / spin, a KL loss or KL in the reward)")
+        elif cfg.actor_rollout_ref.model.lora_rank > 0 and not cfg.actor_rollout_ref.ref.model.path:
+            problems.append(f"trainer.ref_update_freq={freq} with LoRA: the reference is the actor with its adapter "
+                            "off, which cannot take the actor's weights; drop one")
+        elif cfg.trainer.save_freq > 0 and cfg.trainer.save_freq % freq:
+            problems.append(f"trainer.save_freq={cfg.trainer.save_freq} is not a multiple of trainer.ref_update_freq="
+                            f"{freq}: a resume rebuilds the reference from the checkpoint's actor, which is the "
+                            "reference only at a multiple")
     if cfg.data.reference_answer_key != "extra_info.answer" and algo.adv_estimator != "spin":
         problems.append("data.reference_answer_key is read by algorithm.adv_estimator=spin only "
                         f"(adv_estimator={algo.adv_estimator})")

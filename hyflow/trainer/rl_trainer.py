@@ -505,6 +505,10 @@ class RLTrainer:
                 metrics.update(reduce_metrics(out.meta["metrics"]))
             with self._timed("update_weights", timing):
                 self.actor.sync_rollout_weights()  # timed per rank too: the slowest bounds the step
+            freq = self.config.trainer.ref_update_freq
+            if freq > 0 and self.global_step % freq == 0:  # the reference plays the last iteration's policy
+                with self._timed("update_ref", timing):
+                    self.actor.update_reference()
         return batch
 
     def step_metrics(self, batch: Batch, metrics: dict, timing: dict) -> dict[str, float]:
@@ -815,6 +819,14 @@ class RLTrainer:
             self.scheduler.load_state_dict(state["async"], step=self.global_step)
         if "rng" in state and "extra" in self.config.actor_rollout_ref.actor.checkpoint.load_contents:
             restore_rng_state(state["rng"])
+        freq = self.config.trainer.ref_update_freq
+        if freq > 0 and self.global_step >= freq:  # the reference took the actor's weights at the last multiple
+            if self.global_step % freq:
+                raise ValueError(f"checkpoint {path} is of step {self.global_step}, not a multiple of "
+                                 f"trainer.ref_update_freq={freq}: the reference policy of that step (the actor of "
+                                 f"step {self.global_step - self.global_step % freq}) is not in it; resume from a "
+                                 "checkpoint of a multiple")
+            self.actor.update_reference()
         print(f"resumed from {path} at step {self.global_step}")
 
 

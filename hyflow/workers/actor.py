@@ -268,6 +268,17 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
                                  adapter=self.ref is not self.engine)
         return Batch({"ref_log_prob": out["log_probs"]})
 
+    @register(Dispatch.REPLICATE)
+    def update_reference(self) -> None:
+        """The frozen reference policy takes the actor's current weights (trainer.ref_update_freq): each rank copies
+        its own parameters and buffers (both models are sharded alike), no communication."""
+        if self.ref is None or self.ref is self.engine:
+            raise RuntimeError("update_reference needs a reference policy of its own (not the LoRA actor's base)")
+        ref_tensors = {**dict(self.ref.module.named_parameters()), **dict(self.ref.module.named_buffers())}
+        with torch.no_grad(), self.engine.on_device(), self.ref.on_device():
+            for name, tensor in [*self.engine.module.named_parameters(), *self.engine.module.named_buffers()]:
+                ref_tensors[name].data.copy_(tensor.data)
+
     # ------------------------------------------------------------------ training
     def _temperature(self, batch: Batch) -> float:
         """The sampling temperature the batch was generated at (the rollout's unless the driver says)."""

@@ -27,16 +27,19 @@ LOSS_KEYS = {"online_dpo": ("actor/pg_loss", "dpo/loss", "dpo/rewards_margins"),
              "sppo": ("actor/pg_loss", "actor/log_ratio_mean", "actor/preference_mean")}
 
 
-@pytest.mark.parametrize("name", list(ALGORITHMS))
+@pytest.mark.parametrize("name", [*ALGORITHMS, "spin+ref_update_freq"])
 def test_resume_is_exact(tiny_model_dir, task_dir, tmp_path, name):
     """4 steps in one go = 2 steps, a checkpoint, a resume and 2 more steps (the pairs, the reference, the
-    optimizer and the data order all come back)."""
+    optimizer and the data order all come back); +ref_update_freq: the reference takes the actor's weights every
+    2 steps (SPIN's iterations), and a resume rebuilds it from the checkpoint's actor."""
+    name, *option = name.split("+")
+    args = (*ALGORITHMS[name], *(["trainer.ref_update_freq=2"] if option else []))
     full = tmp_path / "full"
-    RLTrainer(overrides(tiny_model_dir, task_dir, full, *ALGORITHMS[name]), reward_fn=digit_reward).fit()
+    RLTrainer(overrides(tiny_model_dir, task_dir, full, *args), reward_fn=digit_reward).fit()
     part = tmp_path / "part"
-    RLTrainer(overrides(tiny_model_dir, task_dir, part, *ALGORITHMS[name], "trainer.total_training_steps=2"),
+    RLTrainer(overrides(tiny_model_dir, task_dir, part, *args, "trainer.total_training_steps=2"),
               reward_fn=digit_reward).fit()
-    RLTrainer(overrides(tiny_model_dir, task_dir, part, *ALGORITHMS[name], "trainer.total_training_steps=4"),
+    RLTrainer(overrides(tiny_model_dir, task_dir, part, *args, "trainer.total_training_steps=4"),
               reward_fn=digit_reward).fit()
     full_rows, part_rows = comparable(read_metrics(full)), comparable(read_metrics(part))
     assert [r["step"] for r in part_rows] == [0, 1, 2, 3, 4]
@@ -49,6 +52,12 @@ def test_resume_is_exact(tiny_model_dir, task_dir, tmp_path, name):
     if name in ("online_dpo", "spin"):
         assert all(row["dpo/pairs"] > 0 for row in full_rows[1:])
     assert full_rows[-1]["actor/pg_loss"] != full_rows[1]["actor/pg_loss"]  # it did train
+    if option:  # the reference moved: step 3's rewards differ from a run whose reference stays the initial model
+        assert "timing_s/update_ref" in read_metrics(full)[2]
+        fixed = tmp_path / "fixed"
+        RLTrainer(overrides(tiny_model_dir, task_dir, fixed, *ALGORITHMS[name], "trainer.total_training_steps=3"),
+                  reward_fn=digit_reward).fit()
+        assert comparable(read_metrics(fixed))[3]["dpo/rewards_chosen"] != full_rows[3]["dpo/rewards_chosen"]
 
 
 def prepared_batch(trainer: RLTrainer):
@@ -111,3 +120,24 @@ def test_spin_makes_the_reference_answers_more_likely(tiny_model_dir, task_dir, 
     print(f"spin: mean dpo/rewards_chosen over steps 4-6 {chosen:.3f}")
     assert chosen > 0.3
     assert all(row["dpo/rewards_accuracies"] == 1.0 for row in rows)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_update_reference_gives_the_reference_the_actors_weights(tiny_model_dir, task_dir, tmp_path, workers):
+    """After an update the actor's and the reference's log-probs differ; after `update_reference` they are the
+    same (one process, and 2 Ray workers whose FSDP2 shards are copied rank by rank)."""
+    args = ray_overrides(tiny_model_dir, task_dir, tmp_path / "x", *ALGORITHMS["spin"], "trainer.resume_mode=disable",
+                         "trainer.balance_batch=false", *SGD, *(on_ray(2) if workers == 2 else []))
+    trainer = RLTrainer(args, reward_fn=ray_digit_reward)
+    trainer.setup()
+    try:
+        batch = prepared_batch(trainer)
+        trainer.actor.update_actor(in_mini_batches(trainer, batch.clone(), 2))
+        actor = trainer.actor.compute_log_prob(batch.clone())["old_log_probs"]
+        before = trainer.actor.compute_ref_log_prob(batch.clone())["ref_log_prob"]
+        trainer.actor.update_reference()
+        after = trainer.actor.compute_ref_log_prob(batch.clone())["ref_log_prob"]
+    finally:
+        trainer.shutdown()
+    assert float((before - actor).abs().max()) > 1e-3
+    assert float((after - actor).abs().max()) < 1e-5

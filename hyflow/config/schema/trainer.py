@@ -52,6 +52,11 @@ class TrainerConfig:
         -1, "Save a checkpoint every this many steps (-1 = never; with > 0 the last step is saved too)."
     )
     test_freq: int = option(-1, "Validate every this many steps (-1 = never during training).")
+    ref_update_freq: int = option(
+        -1, "Every this many steps (after the actor's update) the reference policy takes the actor's weights, so "
+        "that online DPO / SPIN play against the last iteration's policy (SPIN's iterations; verl-recipe spin's "
+        "trainer.ref_update_freq); -1 = never, the reference stays the initial model. With save_freq > 0 it must "
+        "divide save_freq (a resume rebuilds the reference from the checkpoint's actor).")
     val_before_train: bool = option(True, "Validate once before the first step.")
     val_only: bool = option(False, "Only validate, then exit.")
     critic_warmup: int = option(0, "Steps that train only the critic before the actor starts.")
