@@ -861,6 +861,9 @@ def _check_algorithm(cfg: HyflowConfig) -> list[str]:
         if cfg.actor_rollout_ref.rollout.n < 2:
             problems.append(f"algorithm.adv_estimator=spin pairs the data's answer with the policy's sample of each "
                             f"prompt in the place of the last of {R}.n samples: set {R}.n=2 (the paper's one sample)")
+        if cfg.async_training.mode != "sync":
+            problems.append(f"algorithm.adv_estimator=spin with async_training.mode={cfg.async_training.mode}: the "
+                            "reference answers are put into the synchronous rollout only; use async_training.mode=sync")
         rc = algo.rollout_correction
         if rc.rollout_is or rc.rollout_rs or rc.bypass_mode:
             problems.append("algorithm.adv_estimator=spin: the reference answers were not sampled by the rollout "
