@@ -112,3 +112,25 @@ def test_on_policy_distillation_learns_where_grpo_cannot(warm, unformatted, tmp_
     report_margin("test_on_policy_distillation_learns_where_grpo_cannot",
                   "score of distillation - GRPO (last 8 of 15 steps)", last_distill - last_grpo, 0.05)
     assert last_distill > last_grpo + 0.05
+
+
+PREFERENCE_ALGORITHMS = {
+    "online_dpo": ["algorithm.adv_estimator=online_dpo", "actor_rollout_ref.actor.dpo_beta=0.1"],
+    "sppo": ["algorithm.adv_estimator=sppo", "actor_rollout_ref.actor.policy_loss.loss_mode=sppo"],
+}
+
+
+@pytest.mark.parametrize("name", list(PREFERENCE_ALGORITHMS))
+def test_preference_reward_rises(warm, tmp_path, name):
+    """Online preference optimisation inside the RL step (online DPO: pairs of each prompt's best- and worst-scored
+    samples; SPPO: square loss toward the centred score): the mean training reward of the last 6 of 24 steps exceeds
+    that of the first 6 by more than 0.025. Rises measured (last - first; seed 0, AMD EPYC): ATEN_CPU_CAPABILITY=
+    default online_dpo 0.113, sppo 0.132; avx2 online_dpo 0.120, sppo 0.119 (issue 28's session); avx512 (native)
+    online_dpo 0.076, sppo 0.063 (the threshold was 0.05 until these thin native margins; 0.025 keeps every measured
+    rise at least 0.037 above it)."""
+    history = rl(warm, tmp_path / name, 24, *PREFERENCE_ALGORITHMS[name])  # 16 prompts x 8 samples, lr 1e-4
+    first, last = mean_reward(history, lambda h: h[:6]), mean_reward(history, lambda h: h[-6:])
+    print(f"{name}: mean reward first 6 steps {first:.3f}, last 6 steps {last:.3f}")
+    report_margin(f"test_preference_reward_rises[{name}]", "reward rise (last 6 - first 6 steps)", last - first,
+                  0.025)
+    assert last > first + 0.025
