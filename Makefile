@@ -102,9 +102,11 @@ ROUNDING_TESTS := tests/algos tests/models tests/workers tests/rollout/test_hf_e
 	tests/trainer/test_sft_distributed.py tests/trainer/test_sft_trainer.py tests/trainer/test_rl_trainer_e2e.py \
 	tests/trainer/test_checkpoint.py tests/trainer/test_speed_options.py tests/rollout/test_hf_vision.py \
 	tests/rollout/test_tool_images.py \
-	tests/trainer/test_vl_rl.py tests/trainer/test_tensor_parallel.py tests/trainer/test_sequence_parallel.py
+	tests/trainer/test_vl_rl.py tests/trainer/test_tensor_parallel.py tests/trainer/test_sequence_parallel.py \
+	tests/trainer/test_distillation_ray.py tests/trainer/test_judge_trainer.py tests/trainer/test_dpo_trainer.py \
+	tests/trainer/test_online_preference_rl.py tests/rewards/test_reward_loop.py
 ROUNDING_VLLM_TESTS := tests/trainer/test_vllm_trainer.py tests/rollout/test_vllm_engine.py \
-	tests/rollout/test_vllm_vision.py
+	tests/rollout/test_vllm_vision.py tests/rollout/test_vllm_teacher.py
 test-rounding: venv venv-vllm
 	@start=$$(date +%s); for cap in $(ROUNDING_CAPABILITIES); do \
 		got=$$(ATEN_CPU_CAPABILITY=$$cap $(PY) -c "import torch; print(torch.backends.cpu.get_cpu_capability())"); \
