@@ -66,6 +66,7 @@ from hyflow.rewards.custom import combine_reward_functions, load_custom_reward_f
 from hyflow.rewards.managers import make_reward_manager, score_with_agent_rewards
 from hyflow.rewards.registry import check_scorers_exist
 from hyflow.rollout.base import SamplingParams
+from hyflow.rollout.build import pad_token_id
 from hyflow.rollout.output import replace_responses
 from hyflow.threads import configure_threads
 from hyflow.trainer.balance import balanced_group_order, balanced_order
@@ -240,7 +241,7 @@ class RLTrainer:
         r, j = rm.rollout, rm.judge
         tokenizer = load_tokenizer(rm.model.path, trust_remote_code=rm.model.trust_remote_code,
                                    config_key="reward_model.model.path")
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        pad = pad_token_id(tokenizer)
         sampling = JudgeSampling(max_new_tokens=r.response_length, temperature=r.temperature, top_p=r.top_p,
                                  top_k=r.top_k, do_sample=r.do_sample, seed=r.seed)
         return GenerativeJudge(tokenizer, engine_generate(self.reward_model, pad, SamplingParams), template=j.template,
@@ -650,7 +651,7 @@ class RLTrainer:
                 raise ValueError(f"data.reference_answer_key={self.config.data.reference_answer_key}: row {i} has no "
                                  "reference answer there (a string); point it at the data's response")
             answers.append(self.tokenizer(value, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id])
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        pad = pad_token_id(self.tokenizer)
         out = replace_responses(batch, last, answers, pad)
         marks = torch.zeros(len(out))
         marks[last] = 1.0

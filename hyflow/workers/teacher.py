@@ -27,7 +27,7 @@ from hyflow.batch import Batch
 from hyflow.controller import Dispatch, Worker, register
 from hyflow.models.loading import load_causal_lm, load_tokenizer
 from hyflow.rollout.base import EngineSpec, make_engine
-from hyflow.rollout.build import eos_token_ids
+from hyflow.rollout.build import eos_token_ids, pad_token_id
 from hyflow.specs import ModelSpec, TeacherModelSpec, TeacherSpec
 from hyflow.workers.train_engine import resolve_device
 
@@ -43,7 +43,7 @@ def serve_model(engine: str, model: ModelSpec, *, device: torch.device, dtype: s
     settings: dtype, max_model_len, engine_kwargs, ...) and `load_format=auto` (the rollout's "dummy" waits for the
     trainer's weights, which a frozen model never gets)."""
     tokenizer = load_tokenizer(model.path, trust_remote_code=model.trust_remote_code, config_key=model.config_key)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id(tokenizer)
     if engine == "hf":
         module = load_causal_lm(model.path, dtype="float32" if device.type == "cpu" else dtype,
                                 trust_remote_code=model.trust_remote_code, device=device, config_key=model.config_key)
