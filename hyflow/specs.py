@@ -316,6 +316,24 @@ class CriticSpec:
 
 
 @dataclass(frozen=True)
+class PRMSpec:
+    """PRIME's implicit process reward model (`hyflow.workers.prm`, `hyflow.config.roles.prm_spec`): a causal LM
+    trained online (`engine`, head "lm" with its optimizer) beside a frozen reference (`ref_engine`, loaded from
+    `ref_model`); `batches`: its update's mini-batches (counted in samples) and micro-batches, `forward`: the
+    micro-batches of its scoring pass; `beta`: beta_train of the implicit reward and of the cross-entropy loss."""
+
+    model: ModelSpec
+    ref_model: ModelSpec
+    engine: TrainEngineSpec
+    ref_engine: TrainEngineSpec
+    batches: RoleBatches
+    forward: ForwardBatches
+    beta: float = 0.05
+    seed: int = 0
+    full_determinism: bool = False
+
+
+@dataclass(frozen=True)
 class SFTSpec:
     """The SFT worker: the model (`model.partial_pretrain`), its engine and the step's batch sizes."""
 

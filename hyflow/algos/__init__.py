@@ -18,6 +18,7 @@ reads (`estimator_knobs`), and is blind to which one runs.
 from hyflow.algos import advantages as advantages  # (importing registers the advantage estimators)
 from hyflow.algos import online_preference as online_preference  # (registers online_dpo and sppo)
 from hyflow.algos import policy_losses as policy_losses  # (importing registers the policy losses)
+from hyflow.algos import prime as prime  # (registers PRIME's advantage estimator)
 from hyflow.algos.actor_loss import actor_loss
 from hyflow.algos.agg import LOSS_AGG_MODES, agg_loss, loss_normalisers
 from hyflow.algos.kl import (

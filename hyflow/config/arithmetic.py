@@ -19,6 +19,7 @@ are kept as floats so a description can show them; `validate_config` rejects suc
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from hyflow.config.catalog import algorithm_catalog
@@ -156,6 +157,31 @@ def batch_arithmetic(cfg: HyflowConfig, n_devices: int | None = None) -> BatchAr
         critic=critic_batches,
         critic_values=critic_values,
     )
+
+
+def uses_prm(cfg: HyflowConfig) -> bool:
+    """Whether the run trains PRIME's implicit process reward model (algorithm.adv_estimator=prime): the reward
+    model section then describes that PRM."""
+    return cfg.algorithm.adv_estimator == "prime"
+
+
+def prm_batches(cfg: HyflowConfig, n_devices: int | None = None) -> tuple[RoleBatches, ForwardBatches]:
+    """PRIME's implicit PRM on its devices (`role_devices(cfg, "reward_model")`): its update walks the step's
+    samples in mini-batches of reward_model.mini_batch_size samples (verl-recipe prime counts rows there; default
+    the actor's ppo_mini_batch_size), one epoch, micro-batched by reward_model.micro_batch_size_per_gpu (or the
+    token budget reward_model.forward_max_token_len_per_gpu with use_dynamic_bsz); its scoring pass the same."""
+    rm, arr = cfg.reward_model, cfg.actor_rollout_ref
+    devices = role_devices(cfg, "reward_model", n_devices)
+    samples = cfg.data.train_batch_size * arr.rollout.n
+    knobs = SimpleNamespace(
+        ppo_mini_batch_size=rm.mini_batch_size or arr.actor.ppo_mini_batch_size, ppo_epochs=1,
+        use_dynamic_bsz=rm.use_dynamic_bsz, ppo_max_token_len_per_gpu=rm.forward_max_token_len_per_gpu,
+        ppo_micro_batch_size_per_gpu=rm.micro_batch_size_per_gpu, ppo_micro_batch_size=rm.micro_batch_size,
+        ulysses_sequence_parallel_size=1, tensor_parallel_size=1)
+    update = _role_batches(knobs, devices, samples, 1, arr.rollout.prompt_length + arr.rollout.response_length)
+    forward = _forward_batches(ratio(samples, update.dp_size), update.micro_batch_size_per_device,
+                               rm.use_dynamic_bsz, rm.forward_max_token_len_per_gpu)
+    return update, forward
 
 
 def micro_per_device(per_gpu: int | None, global_size: int | None, dp: int) -> float | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from hyflow.config.arithmetic import (
     batch_arithmetic,
     micro_per_device,
+    prm_batches,
     role_devices,
     uses_critic,
     uses_reference,
@@ -26,6 +27,7 @@ from hyflow.specs import (
     ModelSpec,
     OptimizerSpec,
     PairPreferenceSpec,
+    PRMSpec,
     RewardModelSpec,
     RoleSpecs,
     RolloutSpec,
@@ -221,6 +223,32 @@ def reward_model_spec(cfg: HyflowConfig, *, n_devices: int | None = None) -> Rew
         use_dynamic_bsz=rm.use_dynamic_bsz,
         max_token_len_per_device=rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None,
     )
+
+
+def prm_spec(cfg: HyflowConfig, *, n_devices: int | None = None, total_steps: int = 1) -> PRMSpec:
+    """PRIME's implicit PRM (`hyflow.specs.PRMSpec`): reward_model.model.path (else the policy's) trained with
+    reward_model.model.optim, the frozen reference from reward_model.model.ref_path (else the PRM's own path);
+    both compute like the actor (its use_remove_padding and gradient checkpointing, reward_model.model.fsdp_config's
+    dtype and offload) on the reward model's devices (`prm_batches`)."""
+    rm, arr = cfg.reward_model, cfg.actor_rollout_ref
+    m = rm.model
+    batches, forward = prm_batches(cfg, n_devices)
+    path = m.path or arr.model.path
+    fsdp = fsdp_settings(m.fsdp_config)
+    common = {"head": "lm", "strategy": rm.strategy, "fsdp": fsdp, "compute_dtype": m.fsdp_config.dtype,
+              "device": cfg.trainer.device, "use_remove_padding": arr.model.use_remove_padding}
+    engine = TrainEngineSpec(name="prm", optim=optimizer_spec(m.optim), grad_clip=m.optim.grad_clip,
+                             total_optimizer_steps=total_steps * max(1, int(batches.optimizer_steps)), **common)
+    ref_engine = TrainEngineSpec(name="prm_ref", **common)
+    model = ModelSpec(path, trust_remote_code=m.trust_remote_code, override_config=dict(m.override_config or {}),
+                      enable_gradient_checkpointing=arr.model.enable_gradient_checkpointing,
+                      config_key="reward_model.model.path" if m.path else "actor_rollout_ref.model.path")
+    ref_model = ModelSpec(m.ref_path or path, trust_remote_code=m.trust_remote_code,
+                          override_config=dict(m.override_config or {}),
+                          config_key="reward_model.model.ref_path" if m.ref_path else model.config_key)
+    return PRMSpec(model=model, ref_model=ref_model, engine=engine, ref_engine=ref_engine, batches=batches,
+                   forward=forward, beta=m.beta_train, seed=cfg.trainer.seed,
+                   full_determinism=m.fsdp_config.full_determinism)
 
 
 def teacher_models(cfg: HyflowConfig) -> dict[str, dict]:

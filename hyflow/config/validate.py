@@ -85,6 +85,7 @@ def validate_config(cfg: HyflowConfig, n_devices: int | None = None) -> None:
     problems += _check_async(cfg)
     problems += _check_distillation(cfg)
     problems += _check_judge(cfg)
+    problems += _check_prime(cfg, n_devices)
     problems += _check_exclusive("reward_model.micro_batch_size", cfg.reward_model.micro_batch_size,
                                  cfg.reward_model.micro_batch_size_per_gpu)
     _warn_advisories(cfg)
@@ -168,6 +169,75 @@ def _check_distillation(cfg: HyflowConfig) -> list[str]:
             problems.append(f"{len(teachers)} teachers in {prefix}: each needs its own `key` (the value of "
                             f"distillation.teacher_key={d.teacher_key!r} its samples carry), e.g. "
                             f"+{prefix}.NAME.key=openai/gsm8k; got keys {keys}")
+    return problems
+
+
+def _prime_keys_set(cfg: HyflowConfig) -> list[str]:
+    """PRIME's own keys (the implicit PRM's and the advantage's) that differ from their defaults."""
+    from hyflow.config.schema.algorithm import AlgorithmConfig
+    from hyflow.config.schema.reward import PRMOptimConfig, RewardModelConfig, RewardModelModelConfig
+
+    rm, model_defaults, rm_defaults = cfg.reward_model, RewardModelModelConfig(), RewardModelConfig()
+    keys = [f"reward_model.model.{k}" for k in ("ref_path", "ref_type", "update", "beta_train", "loss_type")
+            if getattr(rm.model, k) != getattr(model_defaults, k)]
+    optim_default = PRMOptimConfig(lr=1e-6, weight_decay=0.0)
+    keys += [f"reward_model.model.optim.{f.name}" for f in dataclasses.fields(PRMOptimConfig)
+             if getattr(rm.model.optim, f.name) != getattr(optim_default, f.name)]
+    keys += [f"reward_model.{k}" for k in ("prime_granularity", "prime_norm", "mini_batch_size")
+             if getattr(rm, k) != getattr(rm_defaults, k)]
+    keys += [f"algorithm.{k}" for k in ("reward_gt_coef", "reward_dpo_coef")
+             if getattr(cfg.algorithm, k) != getattr(AlgorithmConfig(), k)]
+    return keys
+
+
+def _check_prime(cfg: HyflowConfig, n_devices: int | None) -> list[str]:
+    """PRIME (algorithm.adv_estimator=prime): the reward model section is its implicit PRM (a causal LM, trained),
+    the outcome comes from the rule scorer, groups of >= 2 samples, mini-batches that divide; PRIME's keys without
+    PRIME are refused by name."""
+    from hyflow.config.arithmetic import prm_batches, uses_prm
+
+    rm, algo = cfg.reward_model, cfg.algorithm
+    if not uses_prm(cfg):
+        keys = _prime_keys_set(cfg)
+        return [f"{', '.join(keys)} set, but they are PRIME's (its implicit process reward model and advantage): "
+                "set algorithm.adv_estimator=prime (with reward_model.enable=true) or drop them"] if keys else []
+    problems = []
+    if not rm.enable:
+        problems.append("algorithm.adv_estimator=prime trains an implicit process reward model in the reward model's "
+                        "role: set reward_model.enable=true (reward_model.model.path: the PRM's start, default the "
+                        "policy's path; verl-recipe prime's config enables it too), or use algorithm.adv_estimator="
+                        "rloo for the outcome alone")
+    if rm.rollout.name:
+        problems.append(f"reward_model.rollout.name={rm.rollout.name} serves a judge, but with algorithm.adv_estimator="
+                        "prime the reward model is PRIME's implicit PRM, which hyflow trains and runs itself: drop "
+                        "reward_model.rollout.*")
+    if algo.use_kl_in_reward:
+        problems.append("algorithm.use_kl_in_reward=true with algorithm.adv_estimator=prime: PRIME's advantage reads "
+                        "the outcome and the implicit rewards only (verl-recipe prime's trainer accepts the key and "
+                        "never applies the penalty); set it to false, and use actor_rollout_ref.actor.use_kl_loss=true "
+                        "for a KL term")
+    if cfg.actor_rollout_ref.rollout.n < 2:
+        problems.append(f"actor_rollout_ref.rollout.n={cfg.actor_rollout_ref.rollout.n}: PRIME's RLOO baseline "
+                        "scores each sample against its prompt's other samples; use rollout.n >= 2 (the recipe's 4)")
+    if rm.model.beta_train <= 0:
+        problems.append(f"reward_model.model.beta_train={rm.model.beta_train} must be > 0 (the implicit reward's "
+                        "scale; verl-recipe prime's 0.05)")
+    if problems:
+        return problems
+    update, _ = prm_batches(cfg, n_devices)
+    samples = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
+    mini = rm.mini_batch_size or cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+    key = "reward_model.mini_batch_size" if rm.mini_batch_size else "actor_rollout_ref.actor.ppo_mini_batch_size"
+    if samples % mini:
+        problems.append(f"{key}={mini} (the implicit PRM's mini-batch, in samples) must divide the step's {samples} "
+                        "samples (data.train_batch_size x rollout.n); set reward_model.mini_batch_size to a divisor")
+    elif mini % update.dp_size:
+        problems.append(f"{key}={mini} samples per PRM mini-batch do not split over the reward model's "
+                        f"{update.dp_size} devices; make it a multiple of {update.dp_size}")
+    elif not update.use_dynamic_bsz and update.micro_batch_size_per_device is not None and (
+            update.samples_per_device % update.micro_batch_size_per_device):
+        problems.append(f"reward_model.micro_batch_size_per_gpu={rm.micro_batch_size_per_gpu} must divide the PRM's "
+                        f"{update.samples_per_device:g} samples per device per mini-batch")
     return problems
 
 

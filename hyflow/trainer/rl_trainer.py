@@ -52,6 +52,7 @@ from hyflow.config.arithmetic import (
     own_pool_roles,
     role_devices,
     uses_critic,
+    uses_prm,
     uses_reference,
 )
 from hyflow.config.loader import derived_default_notes
@@ -178,7 +179,8 @@ class RLTrainer:
             print(f"hyflow: reward_model.model.path={rm.model.path} is a sequence classifier: hyflow scores it with "
                   "its own forward (reward_model.micro_batch_size_per_gpu, ...); reward_model.rollout.* (how verl's "
                   "engine serves it) only change speed and memory here")
-        rule_scored = not cfg.reward_model.enable or (self.judged and cfg.reward_model.judge.rule_weight != 0)
+        rule_scored = (not cfg.reward_model.enable or uses_prm(cfg)  # PRIME's outcome is the rule score
+                       or (self.judged and cfg.reward_model.judge.rule_weight != 0))
         if self.reward_fn is None and rule_scored and cfg.reward_model.reward_manager != "http":
             check_scorers_exist(self._data_sources())  # the built-in scorers must cover the data
         # verl's reward_model.use_reward_loop: score each trajectory as it finishes (hyflow.rewards.reward_loop)
@@ -279,12 +281,12 @@ class RLTrainer:
             self.started_ray = ensure_ray(cfg.ray_kwargs.address, ray_init=ray_init)
         # The worker groups and pools (hyflow.trainer.roles): the trainer talks to one view per role.
         self.roles = build_roles(cfg, self.specs, executor=self.executor, tokenizer=self.tokenizer,
-                                 judge=self.judged)
+                                 judge=self.judged, total_steps=self.total_steps)
         self.workers, self.groups = self.roles.workers, self.roles.groups
         if (placement := describe_placement(self.groups)) is not None:
             print(placement)  # which node each rank landed on, when the ranks span several nodes
         self.actor, self.critic, self.reward_model = self.roles.actor, self.roles.critic, self.roles.reward_model
-        self.teacher = self.roles.teacher
+        self.teacher, self.prm = self.roles.teacher, self.roles.prm
         self.scheduler = self._async_scheduler() if self.async_mode else None
         self.use_reference = uses_reference(cfg)
         self.needs_old_log_probs = self._needs_old_log_probs()
@@ -485,6 +487,9 @@ class RLTrainer:
         if self.critic is not None:
             with self._timed("values", timing):
                 batch.union(self.critic.compute_values(batch))
+        if "prm_scores" in self.estimator.requires:  # PRIME: the implicit PRM trains on the samples and scores them
+            with self._timed("prm", timing):
+                metrics.update(self.implicit_process_rewards(batch))
         with self._timed("adv", timing):
             self.apply_token_level_rewards(batch, metrics)
             self.apply_rollout_correction(batch, metrics)
@@ -670,6 +675,44 @@ class RLTrainer:
         varied = {uid for uid, vals in by_uid.items() if np.std(vals) > 0 or len(vals) == 1}
         return batch[np.array([uid in varied for uid in uids], dtype=bool)]
 
+    def implicit_process_rewards(self, batch: Batch) -> dict[str, float]:
+        """PRIME's PRM stage (`hyflow.workers.prm`, `hyflow.algos.prime`): the reference's log-probs once, the PRM's
+        update on the step's outcomes (reward_model.model.update=before), its q with the updated weights, then the
+        implicit token rewards (`prm_scores`) normalised over the whole batch. Returns verl's reward_model/*
+        metrics."""
+        from hyflow.algos.prime import (
+            check_outcome_range,
+            implicit_process_rewards,
+            prime_dpo_abs_accuracy,
+            prime_dpo_accuracy,
+        )
+
+        rm = self.config.reward_model
+        mask = batch["response_mask"]
+        acc = torch.where(mask.bool(), batch["token_level_scores"], torch.zeros_like(batch["token_level_scores"])).sum(-1)
+        check_outcome_range(acc)
+        batch.union(self.prm.compute_prm_ref_log_probs(batch))
+        metrics: dict[str, float] = {}
+        if rm.model.update == "before":
+            batch["prm_acc"] = acc.unsqueeze(-1).expand_as(mask).contiguous().float()
+            out = self.prm.update_prm(with_mini_batch_rows(batch, self.prm_mini_batch_rows()))
+            metrics.update(reduce_metrics(out.meta["metrics"]))
+        q = self.prm.compute_prm_q(batch)["prm_q"]
+        scores = implicit_process_rewards(q, mask, beta=rm.model.beta_train, granularity=rm.prime_granularity,
+                                          norm=rm.prime_norm)
+        batch["prm_scores"] = scores
+        metrics.update({
+            "reward_model/reward": float(scores.sum(-1).mean()), "reward_model/raw_reward": float(q.sum(-1).mean()),
+            "reward_model/dpo_acc": prime_dpo_accuracy(scores, acc, mask, batch["uid"]),
+            "reward_model/dpo_acc_abs": prime_dpo_abs_accuracy(scores, acc, mask)})
+        return metrics
+
+    def prm_mini_batch_rows(self) -> int:
+        """The implicit PRM's global mini-batch, in samples (reward_model.mini_batch_size, else the actor's
+        ppo_mini_batch_size: verl-recipe prime counts rows there)."""
+        cfg = self.config
+        return cfg.reward_model.mini_batch_size or cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+
     def apply_token_level_rewards(self, batch: Batch, metrics: dict) -> None:
         """token_level_rewards = scores, minus beta * KL(old || ref) per token when use_kl_in_reward."""
         algo = self.config.algorithm
@@ -707,7 +750,7 @@ class RLTrainer:
         available = {"values": "values", "index": "uid", "reward_baselines": "reward_baselines",
                      "old_log_prob": "old_log_probs", "sum_pi_squared": "sum_pi_squared",
                      "rollout_is_weights": "rollout_is_weights", "ref_log_prob": "ref_log_prob",
-                     "reference_answer": "reference_answer"}
+                     "reference_answer": "reference_answer", "prm_scores": "prm_scores"}
         inputs = {name: batch[column] for name, column in available.items() if column in batch}
         inputs["reward_extras"] = numeric_reward_extras(batch)  # the reward function's per-sample components
         missing = [name for name in self.estimator.requires if name not in inputs]
@@ -785,6 +828,8 @@ class RLTrainer:
             roles = {"actor": (self.actor, cfg.actor_rollout_ref.actor.checkpoint)}
             if self.critic is not None:
                 roles["critic"] = (self.critic, cfg.critic.checkpoint)
+            if self.prm is not None:  # PRIME's implicit PRM trains too: saved with the actor's contents
+                roles["prm"] = (self.prm, cfg.actor_rollout_ref.actor.checkpoint)
             self._role_checkpoints = RoleCheckpoints(
                 self.checkpoints, {name: RoleState(group, tuple(ckpt.save_contents), tuple(ckpt.load_contents))
                                    for name, (group, ckpt) in roles.items()},

@@ -5,6 +5,8 @@ HybridFlow's placement, as the trainer runs it:
 - one process per device (`trainer.nnodes` x `trainer.n_gpus_per_node`) hosts every colocated role: the actor
   (+ its rollout engine and reference policy), the critic and the reward model unless they have pools of their
   own (one colocated Worker class, `make_colocated_class`, the trainer talks to one view per role);
+- PRIME's implicit process reward model (algorithm.adv_estimator=prime) is the reward model's role: colocated,
+  or in the reward model's own pool with reward_model.enable_resource_pool;
 - a critic or reward model with `<role>.enable_resource_pool` runs in worker processes of its own, on its own
   `<role>.nnodes` x `<role>.n_gpus_per_node` devices; so does on-policy distillation's teacher with
   `distillation.nnodes` > 0 (else it is colocated);
@@ -23,18 +25,19 @@ from typing import Any
 
 import torch
 
-from hyflow.config.arithmetic import own_pool_roles, role_pool_shape
-from hyflow.config.roles import judge_spec, reward_model_spec, teacher_spec
+from hyflow.config.arithmetic import own_pool_roles, role_pool_shape, uses_prm
+from hyflow.config.roles import judge_spec, prm_spec, reward_model_spec, teacher_spec
 from hyflow.config.schema import HyflowConfig
 from hyflow.controller import make_colocated_class, make_worker_group
 from hyflow.specs import RoleSpecs
 from hyflow.workers.actor import ActorRolloutRefWorker
 from hyflow.workers.critic import CriticWorker
 from hyflow.workers.judge import JudgeWorker
+from hyflow.workers.prm import ImplicitPRMWorker
 from hyflow.workers.reward_model import RewardModelWorker
 from hyflow.workers.teacher import TeacherWorker
 
-SECTIONS = {"critic": "critic", "rm": "reward_model", "teacher": "distillation"}  # worker role -> its config section (own pools)
+SECTIONS = {"critic": "critic", "rm": "reward_model", "prm": "reward_model", "teacher": "distillation"}  # worker role -> its config section (own pools)
 
 
 def has_rollout_pool(cfg: HyflowConfig) -> bool:
@@ -51,6 +54,7 @@ class Roles:
     actor: Any = None
     critic: Any = None
     reward_model: Any = None
+    prm: Any = None
     teacher: Any = None
     rollout: Any = None
     workers: Any = None
@@ -67,26 +71,32 @@ class Roles:
         self.pools = []
 
 
-def build_roles(cfg: HyflowConfig, specs: RoleSpecs, *, executor: str, tokenizer=None, judge: bool = False) -> Roles:
+def build_roles(cfg: HyflowConfig, specs: RoleSpecs, *, executor: str, tokenizer=None, judge: bool = False,
+                total_steps: int = 1) -> Roles:
     """Start the worker groups of `cfg`'s roles on `executor` (local or ray), hand each worker its spec from
     `specs`, load every model (`init_model`) and return the `Roles`. `tokenizer`: the policy's, handed to the
     workers that need it; `judge`: the reward model is generative (a `JudgeWorker` instead of the classifier's
-    worker). A failure part-way stops what was started before it is raised."""
+    worker); `total_steps`: the run's training steps (the implicit PRM's LR schedule). A failure part-way stops
+    what was started before it is raised."""
     roles = Roles()
     try:
-        _start(roles, cfg, specs, executor, tokenizer, judge)
+        _start(roles, cfg, specs, executor, tokenizer, judge, total_steps)
     except BaseException:
         roles.shutdown()
         raise
     return roles
 
 
-def _start(roles: Roles, cfg: HyflowConfig, specs: RoleSpecs, executor: str, tokenizer, judge: bool) -> None:
+def _start(roles: Roles, cfg: HyflowConfig, specs: RoleSpecs, executor: str, tokenizer, judge: bool,
+           total_steps: int) -> None:
     classes = {"actor": ActorRolloutRefWorker}
     role_kwargs = {"actor": {"spec": specs.actor, "tokenizer": tokenizer}}
     if specs.critic is not None:
         classes["critic"], role_kwargs["critic"] = CriticWorker, {"spec": specs.critic}
-    if judge:  # a generative reward model: a judge on an engine of its own (hyflow.workers.judge)
+    if uses_prm(cfg):  # PRIME: the reward model section is the implicit PRM, trained beside the actor
+        classes["prm"], role_kwargs["prm"] = ImplicitPRMWorker, {
+            "spec": prm_spec(cfg, n_devices=specs.batches.n_devices, total_steps=total_steps)}
+    elif judge:  # a generative reward model: a judge on an engine of its own (hyflow.workers.judge)
         classes["rm"], role_kwargs["rm"] = JudgeWorker, {"spec": judge_spec(cfg)}
     elif cfg.reward_model.enable:  # the reward model's spec is derived here (`reward_model_spec`)
         rm_spec = reward_model_spec(cfg, n_devices=specs.batches.n_devices)
@@ -105,12 +115,14 @@ def _start(roles: Roles, cfg: HyflowConfig, specs: RoleSpecs, executor: str, tok
                        *role_pool_shape(cfg, SECTIONS[role]), **{role: role_kwargs[role]})
         views[role] = group.role(role)
     roles.actor, roles.critic, roles.reward_model = views["actor"], views.get("critic"), views.get("rm")
-    roles.teacher = views.get("teacher")
+    roles.teacher, roles.prm = views.get("teacher"), views.get("prm")
     roles.actor.init_model()
     if roles.critic is not None:
         roles.critic.init_model()
     if roles.reward_model is not None:
         roles.reward_model.init_model()
+    if roles.prm is not None:
+        roles.prm.init_model()
     if roles.teacher is not None:
         roles.teacher.init_model()
     if has_rollout_pool(cfg):

@@ -91,7 +91,7 @@ class AlgorithmConfig:
     lam: float = option(1.0, "GAE lambda: bias-variance trade-off (Schulman et al. 2016, arXiv 1506.02438).")
     adv_estimator: str = option(
         "gae",
-        "Registered advantage estimator: gae (PPO with critic), grpo (DeepSeekMath, arXiv 2402.03300), rloo (arXiv 2402.14740), reinforce_plus_plus(_baseline) (arXiv 2501.03262), remax (arXiv 2310.10505), opo, gpg, grpo_passk, optimal_token_baseline, tir_optimal_token_baseline (multi-turn), gdpo (needs gdpo_reward_keys, arXiv 2601.05242), grpo_vectorized / rloo_vectorized (verl's names for grpo / rloo), online_dpo (DPO on each prompt's best- and worst-scored samples, arXiv 2402.04792), spin (DPO of the data's answer over the policy's, arXiv 2401.01335), sppo (with policy_loss.loss_mode=sppo, arXiv 2405.00675); see hyflow.algos.ADVANTAGE_ESTIMATORS.",
+        "Registered advantage estimator: gae (PPO with critic), grpo (DeepSeekMath, arXiv 2402.03300), rloo (arXiv 2402.14740), reinforce_plus_plus(_baseline) (arXiv 2501.03262), remax (arXiv 2310.10505), opo, gpg, grpo_passk, optimal_token_baseline, tir_optimal_token_baseline (multi-turn), gdpo (needs gdpo_reward_keys, arXiv 2601.05242), grpo_vectorized / rloo_vectorized (verl's names for grpo / rloo), online_dpo (DPO on each prompt's best- and worst-scored samples, arXiv 2402.04792), spin (DPO of the data's answer over the policy's, arXiv 2401.01335), sppo (with policy_loss.loss_mode=sppo, arXiv 2405.00675), prime (RLOO on an implicit process reward model's token rewards and on the outcome, with reward_model.enable=True, arXiv 2502.01456); see hyflow.algos.ADVANTAGE_ESTIMATORS.",
     )
     norm_adv_by_std_in_grpo: bool = option(
         True, "GRPO: divide group-centred rewards by the group std (False = Dr. GRPO, arXiv 2503.20783)."
@@ -121,6 +121,11 @@ class AlgorithmConfig:
     sppo_eta: float = option(
         1.0, "sppo: beta of the soft mean that centres the scores, A = r - (1/beta) log mean exp(beta r) over the "
         "batch (0 = the plain mean; verl-recipe sppo's algorithm.sppo_eta).")
+    reward_gt_coef: float = option(
+        5.0, "prime: weight of the outcome's RLOO advantage (verl-recipe prime's algorithm.reward_gt_coef).")
+    reward_dpo_coef: float = option(
+        5.0, "prime: weight of the implicit process rewards' RLOO advantage (verl-recipe prime's "
+        "algorithm.reward_dpo_coef).")
     use_pf_ppo: bool = option(False, "Resample the batch by reward (PF-PPO, arXiv 2409.06957) after GAE.")
     pf_ppo: PFPPOConfig = section(PFPPOConfig, "PF-PPO resampling.")
     filter_groups: FilterGroupsConfig = section(FilterGroupsConfig, "DAPO dynamic sampling.")

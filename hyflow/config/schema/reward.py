@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyflow.config.schema.base import option, section
-from hyflow.config.schema.common import FSDPConfig
+from hyflow.config.schema.common import FSDPConfig, OptimConfig
+
+
+@dataclass
+class PRMOptimConfig(OptimConfig):
+    """PRIME's implicit PRM optimizer (verl-recipe prime's reward_model.model.optim)."""
+
+    grad_clip: float = option(10.0, "PRIME: the implicit PRM's gradient-norm clipping threshold.")
 
 
 @dataclass
@@ -24,6 +31,27 @@ class RewardModelModelConfig:
     trust_remote_code: bool = option(False, "Allow custom modelling code from the reward model's repository.")
     override_config: dict[str, Any] = option({}, "Overrides of the reward model's config.json.")
     fsdp_config: FSDPConfig = section(FSDPConfig, "FSDP settings of the reward model.")
+    # PRIME's implicit process reward model (algorithm.adv_estimator=prime; verl-recipe prime's keys)
+    ref_path: str | None = option(
+        None, "PRIME: the implicit PRM's frozen reference pi_ref (None = reward_model.model.path, the PRM's own "
+        "start; verl-recipe prime's ${reward_model.model.path}).")
+    ref_type: str = option(
+        "freeze", "PRIME: the reference is a frozen copy loaded from ref_path (verl-recipe prime's only kind).",
+        choices=("freeze",))
+    update: str = option(
+        "before", "PRIME: when the implicit PRM trains in a step: before (update on the step's samples, then score "
+        "them with the updated PRM; verl's double forward, the recipe's default) or none (a frozen PRM scores "
+        "them). verl's after (the scores of the update's own forward) and reverse (for the dpo loss types) are "
+        "not built.", choices=("before", "none"))
+    beta_train: float = option(
+        0.05, "PRIME: beta of the implicit reward r_t = beta (log pi_phi(y_t) - log pi_ref(y_t)) and of the PRM's "
+        "cross-entropy loss BCE(sigmoid(beta sum_t q_t), acc).")
+    loss_type: str = option(
+        "ce", "PRIME: the implicit PRM's loss: ce (cross-entropy of the outcome; verl-recipe's dpo / bon_acc / "
+        "bon_rm are not built, as the recipe's config notes only ce is supported).", choices=("ce",))
+    optim: PRMOptimConfig = section(
+        lambda: PRMOptimConfig(lr=1e-6, weight_decay=0.0),
+        "PRIME: the implicit PRM's optimizer (lr 1e-6, no weight decay, grad_clip 10: verl-recipe prime's).")
 
 
 @dataclass
@@ -168,6 +196,16 @@ class RewardModelConfig:
         {}, "Extra keyword arguments for the reward manager (add with +reward_model.reward_kwargs.KEY=VALUE)."
     )
     overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig, "DAPO overlong penalty.")
+    prime_granularity: str = option(
+        "token", "PRIME: where the implicit rewards go: token (beta q_t on every response token but the last) or "
+        "whole (their sum on the last token).", choices=("token", "whole"))
+    prime_norm: str = option(
+        "batch_norm", "PRIME: batch_norm divides the implicit rewards by the largest |reverse cumulative sum| in the "
+        "batch (+1e-6), over the whole batch (verl: per data-parallel rank); none leaves them.",
+        choices=("batch_norm", "none"))
+    mini_batch_size: int | None = option(
+        None, "PRIME: samples (not prompts: verl-recipe prime counts rows here) per implicit-PRM optimizer step, "
+        "over all devices (None = actor_rollout_ref.actor.ppo_mini_batch_size, the recipe's default).")
 
 
 @dataclass
