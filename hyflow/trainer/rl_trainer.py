@@ -255,8 +255,9 @@ class RLTrainer:
         """Workers, data loader, reward managers, tracker; resume from a checkpoint when one applies."""
         cfg = self.config
         # With dynamic sampling every generation round draws data.gen_batch_size prompts (verl's DAPO recipe).
+        # With data.oversample_factor (PRIME's prompt filter) each step draws train_batch_size x the factor.
         prompts_per_round = ((cfg.data.gen_batch_size or cfg.data.train_batch_size) if cfg.algorithm.filter_groups.enable
-                             else cfg.data.train_batch_size)
+                             else int(cfg.data.train_batch_size * cfg.data.oversample_factor))
         self.loader = PromptLoader(self.train_dataset, prompts_per_round, shuffle=cfg.data.shuffle,
                                    seed=cfg.data.seed or cfg.trainer.seed)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(self.loader)
@@ -626,6 +627,8 @@ class RLTrainer:
                 greedy = self.actor.generate_sequences(prompts, greedy_params)
                 baseline = self.reward_manager(greedy).token_level_scores.sum(-1)
                 batch["reward_baselines"] = baseline.repeat_interleave(n)
+            if cfg.data.oversample_factor != 1:
+                return self.prioritised_prompts(batch, metrics)
             if not fg.enable:
                 return batch
             batch = self.keep_varied_groups(batch, fg.metric)
@@ -662,6 +665,37 @@ class RLTrainer:
         marks[last] = 1.0
         out["reference_answer"] = marks
         return out
+
+    def prioritised_prompts(self, batch: Batch, metrics: dict) -> Batch:
+        """verl-recipe prime's `filter_and_downsample`: of the oversampled prompts keep data.train_batch_size, those
+        passing the filters first (data.filter_accuracy: mean score in [accuracy_lower_bound, accuracy_upper_bound];
+        data.filter_truncate: no sample reached max_response_length - 1 tokens), each part in generation order.
+        Metrics: `acc` (verl's: the mean score of every generated sample) and `train/filter_pass_share`."""
+        d, n = self.config.data, self.config.actor_rollout_ref.rollout.n
+        scores = torch.where(batch["response_mask"].bool(), batch["token_level_scores"],
+                             torch.zeros_like(batch["token_level_scores"])).sum(-1)
+        uids = list(batch["uid"])
+        order = list(dict.fromkeys(uids))
+        rows = {uid: [i for i, u in enumerate(uids) if u == uid] for uid in order}
+        lengths = batch["response_mask"].sum(-1)
+        passes = {}
+        for uid in order:
+            ok = True
+            if d.filter_accuracy:
+                mean = float(scores[rows[uid]].mean())
+                ok = d.accuracy_lower_bound <= mean <= d.accuracy_upper_bound
+            if d.filter_truncate:
+                ok = ok and int(lengths[rows[uid]].max()) < self.config.actor_rollout_ref.rollout.response_length - 1
+            passes[uid] = ok
+        chosen = ([uid for uid in order if passes[uid]] + [uid for uid in order if not passes[uid]])
+        chosen = chosen[: self.config.data.train_batch_size]
+        metrics["acc"] = float(scores.mean())
+        metrics["train/filter_pass_share"] = sum(passes.values()) / max(len(order), 1)
+        keep = torch.tensor([i for uid in chosen for i in rows[uid]], dtype=torch.long)
+        if len(keep) != self.config.data.train_batch_size * n:
+            raise RuntimeError(f"data.oversample_factor: {len(order)} prompts of {n} samples were generated, fewer "
+                               f"than data.train_batch_size={self.config.data.train_batch_size}")
+        return batch[keep]
 
     @staticmethod
     def keep_varied_groups(batch: Batch, metric: str | None) -> Batch:

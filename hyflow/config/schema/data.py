@@ -49,6 +49,20 @@ class DataConfig:
         None,
         "Prompts per generation round when it differs from train_batch_size (DAPO dynamic sampling generates more and keeps train_batch_size); None = train_batch_size.",
     )
+    oversample_factor: float = option(
+        1.0, "Prompts generated per step = data.train_batch_size x this; the step trains on data.train_batch_size of "
+        "them, those passing data.filter_accuracy / data.filter_truncate first (verl-recipe prime's online prompt "
+        "filter; 1.0 = no oversampling).")
+    filter_accuracy: bool = option(
+        False, "Prefer prompts whose samples' mean score lies in [accuracy_lower_bound, accuracy_upper_bound] when "
+        "choosing a step's prompts from the oversampled ones (verl-recipe prime; needs oversample_factor > 1 to "
+        "choose among more).")
+    accuracy_lower_bound: float = option(
+        0.0, "data.filter_accuracy: lowest mean score of a preferred prompt (verl-recipe prime's 0.2).")
+    accuracy_upper_bound: float = option(
+        1.0, "data.filter_accuracy: highest mean score of a preferred prompt (verl-recipe prime's 0.8).")
+    filter_truncate: bool = option(
+        False, "Prefer prompts none of whose samples reached max_response_length - 1 tokens (verl-recipe prime).")
     val_batch_size: int | None = option(
         None,
         "Deprecated in verl: the whole validation set is one batch. Prompts per validation batch if set.",
