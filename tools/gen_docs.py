@@ -412,6 +412,12 @@ RECIPES: list[tuple[str, str, list[str]]] = [
      "Wu et al. 2024, arXiv 2405.00675; verl-recipe sppo",
      ["algorithm.adv_estimator=sppo", "actor_rollout_ref.actor.policy_loss.loss_mode=sppo",
       "algorithm.sppo_eta=1.0", "actor_rollout_ref.actor.sppo_eta=1.0"]),
+    ("PRIME: RLOO on an implicit process reward model (trained online by cross-entropy on the outcome) and on the "
+     "outcome (docs/preference.md)", "Cui et al. 2025, arXiv 2502.01456; verl-recipe prime",
+     ["algorithm.adv_estimator=prime", "reward_model.enable=true", "actor_rollout_ref.rollout.n=4",
+      "reward_model.model.beta_train=0.05", "algorithm.reward_gt_coef=5", "algorithm.reward_dpo_coef=5",
+      "data.oversample_factor=4", "data.filter_accuracy=true", "data.accuracy_lower_bound=0.2",
+      "data.accuracy_upper_bound=0.8"]),
     ("PF-PPO (policy filtration)", "Zhang et al. 2024, arXiv 2409.06957",
      ["algorithm.adv_estimator=gae", "algorithm.use_pf_ppo=true", "algorithm.pf_ppo.reweight_method=pow"]),
     ("Truncated importance sampling against the rollout engine's log-probs",
@@ -465,6 +471,51 @@ def _registry_rows(registry: dict[str, Callable], key: str) -> list[list[str]]:
     return rows
 
 
+# The preference losses of `hyflow dpo` (hyflow.algos.preference.PREFERENCE_LOSSES, by algorithm.loss_type) and the
+# losses of the RL trainer's preference and PRIME roles: (config, what it computes, source). The names are checked
+# against the registry at generation, so a new loss without a row (or a row without a loss) stops the generator.
+PREFERENCE_LOSS_ROWS: list[tuple[str, str, str]] = [
+    ("sigmoid", "DPO: -log sigma(h), h = beta [(log pi(w) - log pi_ref(w)) - (log pi(l) - log pi_ref(l))]; with "
+     "label_smoothing eps the cDPO mixture -(1 - eps) log sigma(h) - eps log sigma(-h)",
+     "Rafailov et al. 2023, arXiv 2305.18290; TRL DPOTrainer"),
+    ("robust", "Robust DPO: [-(1 - eps) log sigma(h) + eps log sigma(-h)] / (1 - 2 eps)",
+     "Chowdhury et al. 2024, arXiv 2403.00409; TRL"),
+    ("hinge", "SLiC: max(0, 1 - h)", "Zhao et al. 2023, arXiv 2305.10425; TRL"),
+    ("ipo", "IPO: (h_avg / beta - 1 / (2 beta))^2 with length-averaged log-ratios", "Azar et al. 2023, arXiv "
+     "2310.12036; TRL"),
+    ("cpo", "CPO (reference-free): -log sigma(beta (log pi(w) - log pi(l))) + cpo_alpha NLL(w)",
+     "Xu et al. 2024, arXiv 2401.08417; TRL CPOTrainer"),
+    ("simpo", "SimPO (reference-free): -log sigma(beta (avg log pi(w) - avg log pi(l)) - gamma) (+ cpo_alpha NLL(w): "
+     "CPO-SimPO)", "Meng et al. 2024, arXiv 2405.14734; TRL CPOTrainer"),
+    ("orpo", "ORPO (reference-free): NLL(w) - beta log sigma(log odds(w) - log odds(l))",
+     "Hong et al. 2024, arXiv 2403.07691; TRL ORPOTrainer"),
+    ("kto", "KTO (unpaired): desirable_weight (1 - sigma(beta (log-ratio - z))) / undesirable_weight (1 - sigma(beta "
+     "(z - log-ratio))), z the batch KL estimate", "Ethayarajh et al. 2024, arXiv 2402.01306; TRL KTOTrainer"),
+]
+RL_PREFERENCE_LOSS_ROWS: list[tuple[str, str, str]] = [
+    ("algorithm.adv_estimator=online_dpo", "the DPO loss (algorithm.dpo_loss_type: sigmoid, ipo, hinge, robust) on "
+     "each prompt's best- and worst-scored samples, against the reference policy, in the actor's step",
+     "Guo et al. 2024, arXiv 2402.04792; verl-recipe spin"),
+    ("algorithm.adv_estimator=spin", "the DPO loss on the data's reference answer (chosen) against the policy's "
+     "sample (rejected)", "Chen et al. 2024, arXiv 2401.01335"),
+    ("actor_rollout_ref.actor.policy_loss.loss_mode=sppo", "SPPO: mean over samples of (log pi(y) - log pi_old(y) - "
+     "eta A)^2", "Wu et al. 2024, arXiv 2405.00675; verl-recipe sppo"),
+    ("algorithm.adv_estimator=prime (reward_model.model.loss_type=ce)", "PRIME's implicit PRM: BCE(sigma(beta_train "
+     "sum_t q_t), acc), q_t = log pi_phi(y_t) - log pi_ref(y_t), trained every step on the outcome; the policy gets "
+     "RLOO on beta q_t and on the outcome", "Cui et al. 2025, arXiv 2502.01456; verl-recipe prime"),
+]
+
+
+def _preference_rows() -> list[list[str]]:
+    from hyflow.algos.preference import PREFERENCE_LOSSES
+
+    names = [name for name, _, _ in PREFERENCE_LOSS_ROWS]
+    if sorted(names) != sorted(PREFERENCE_LOSSES):
+        raise SystemExit(f"gen_docs: PREFERENCE_LOSS_ROWS names {sorted(names)}, but hyflow.algos.preference registers "
+                         f"{sorted(PREFERENCE_LOSSES)}: give every registered loss one row")
+    return [[code(f"algorithm.loss_type={name}"), md(what), md(source)] for name, what, source in PREFERENCE_LOSS_ROWS]
+
+
 def algorithms() -> str:
     import hyflow.algos  # noqa: F401
     from hyflow.algos.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
@@ -475,7 +526,7 @@ def algorithms() -> str:
     check_recipes()
     kl_choices = dataclasses.fields(ActorConfig)[[f.name for f in dataclasses.fields(ActorConfig)]
                                                  .index("kl_loss_type")].metadata["choices"]
-    parts = [header("the registries of hyflow/algos (advantages.py, policy_losses.py) and the recipe table in "
+    parts = [header("the registries of hyflow/algos (advantages.py, policy_losses.py, preference.py) and the tables in "
                     "tools/gen_docs.py"), """\
 # Algorithms
 
@@ -505,6 +556,12 @@ are the papers' or verl's examples, not tuned for any model.
                  "`actor_rollout_ref.actor.policy_loss`.\n\n")
     parts.append(table(["config", "what it computes", "needs"],
                        _registry_rows(POLICY_LOSSES, "actor_rollout_ref.actor.policy_loss.loss_mode")))
+    parts.append("\n## Preference losses\n\nOffline (`hyflow dpo`, docs/preference.md): `algorithm.loss_type` of the "
+                 "DPO trainer's config, every name registered in `hyflow.algos.preference.PREFERENCE_LOSSES`.\n\n")
+    parts.append(table(["config", "loss", "source"], _preference_rows()))
+    parts.append("\nInside the RL trainer's step (docs/preference.md):\n\n")
+    parts.append(table(["config", "loss", "source"], [[code(c), md(w), md(src)] for c, w, src in
+                                                       RL_PREFERENCE_LOSS_ROWS]))
     parts.append("\n## Loss aggregation\n\n`actor_rollout_ref.actor.loss_agg_mode` (and `critic.loss_agg_mode`). "
                  "The normalisers are counted over the whole mini-batch on all devices, so the gradient does not "
                  "depend on the micro-batch size or the number of devices.\n\n")

@@ -13,7 +13,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from hyflow.config.arithmetic import BatchArithmetic, ForwardBatches, RoleBatches, batch_arithmetic
+from hyflow.config.arithmetic import (
+    BatchArithmetic,
+    ForwardBatches,
+    RoleBatches,
+    batch_arithmetic,
+    prm_batches,
+    uses_prm,
+)
 from hyflow.config.keys import format_value
 from hyflow.config.schema import HyflowConfig
 from hyflow.specs import RoleSpecs, SFTBatches
@@ -95,6 +102,8 @@ def describe_batch_arithmetic(cfg: HyflowConfig, n_devices: int | None = None,
                 b,
             )
         )
+    if uses_prm(cfg):
+        lines.append(_prm_line(cfg, n_devices))
     words = LOSS_AGG_WORDS.get(actor.loss_agg_mode, actor.loss_agg_mode)
     lines.append(
         f"Loss (actor_rollout_ref.actor.loss_agg_mode) {words}, so gradients do not depend on micro-batch "
@@ -174,6 +183,21 @@ def _rollout_line(cfg: HyflowConfig, b: BatchArithmetic) -> str:
         f"at temperature {rollout.temperature}; validation: {val.n} sample{'s' if val.n != 1 else ''} per prompt "
         f"({R}.val_kwargs.n), {val_mode}."
     )
+
+
+def _prm_line(cfg: HyflowConfig, n_devices: int | None) -> str:
+    """PRIME's implicit PRM: its optimizer steps per step (mini-batches of samples) and micro-batches."""
+    update, _ = prm_batches(cfg, n_devices)
+    key = "reward_model.mini_batch_size" if cfg.reward_model.mini_batch_size else (
+        "reward_model.mini_batch_size unset: actor_rollout_ref.actor.ppo_mini_batch_size, counted in samples as in "
+        "verl-recipe prime")
+    micro = ("packed by reward_model.forward_max_token_len_per_gpu (use_dynamic_bsz)" if update.use_dynamic_bsz else
+             f"in {_count(update.micro_batches, 'micro-batch')} of {_num(update.micro_batch_size_per_device)} samples "
+             "(reward_model.micro_batch_size_per_gpu)")
+    return (f"PRIME implicit PRM (reward_model.model.update={cfg.reward_model.model.update}): "
+            f"{_count(update.optimizer_steps, 'optimizer step')} per step (mini-batches of "
+            f"{update.mini_batch_samples} samples; {key}); per device {_num(update.samples_per_device)} samples per "
+            f"mini-batch, {micro}; then one scoring pass, and the frozen reference's forward once.")
 
 
 def _role_line(role: RoleBatches, key: str, knobs: Any, b: BatchArithmetic) -> str:
