@@ -82,6 +82,7 @@ def load_config(
     _raise_unknown(unknown)
     result = _to_dataclass(cfg, schema)
     vars(result)[DECLARED] = _resolve_declared(cfg, declared)
+    vars(result)[GIVEN] = frozenset(seen)  # the schema keys the command line set, whatever their value
     if schema.__name__ == "SFTConfig":
         return fold_sft_dict_keys(result)
     if schema.__name__ == "DPOConfig":  # the preference trainer: SFT sections, no derived defaults or dict keys
@@ -90,6 +91,7 @@ def load_config(
     return result
 
 
+GIVEN = "_given_keys"  # an instance attribute, not a field: the schema keys the overrides set (any value)
 _DERIVED_NOTES = "_derived_default_notes"  # an instance attribute, not a field: config.yaml holds the values only
 
 

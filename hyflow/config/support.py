@@ -198,6 +198,9 @@ _TABLE: list[KeySupport] = [
                    lambda cfg, role=role: _non_default(cfg, f"{role}.optim.clip_grad")
                    and lookup(cfg, f"{role}.optim.clip_grad") != lookup(cfg, f"{role}.grad_clip"))
       for role in (A, "critic")),
+    _unsupported("reward_model.model.optim.clip_grad", "PRIME's implicit PRM clips gradients at "
+                 "reward_model.model.optim.grad_clip (verl-recipe prime's key); set that instead",
+                 lambda cfg: _non_default(cfg, "reward_model.model.optim.clip_grad")),
     _unsupported(f"{M}.use_liger", "Liger kernels are not wired; " + LEAVE),
     _unsupported(f"{M}.enable_activation_offload", "activation offload is not built yet; " + LEAVE),
     _unsupported("critic.model.enable_activation_offload", "activation offload is not built yet; " + LEAVE),

@@ -31,7 +31,7 @@ from hyflow.config.arithmetic import (
 )
 from hyflow.config.catalog import algorithm_catalog, component_catalog
 from hyflow.config.keys import ConfigError, check_choices, not_one_of
-from hyflow.config.loader import resolve_derived_defaults
+from hyflow.config.loader import GIVEN, resolve_derived_defaults
 from hyflow.config.lora import lora_settings
 from hyflow.config.schema import HyflowConfig
 from hyflow.config.support import not_supported_problems
@@ -187,7 +187,13 @@ def _prime_keys_set(cfg: HyflowConfig) -> list[str]:
              if getattr(rm, k) != getattr(rm_defaults, k)]
     keys += [f"algorithm.{k}" for k in ("reward_gt_coef", "reward_dpo_coef")
              if getattr(cfg.algorithm, k) != getattr(AlgorithmConfig(), k)]
-    return keys
+    # a key the command line set to its default value asks for PRIME as much as another value does
+    prime_keys = [f"reward_model.model.{k}" for k in ("ref_path", "ref_type", "update", "beta_train", "loss_type")]
+    prime_keys += [f"reward_model.model.optim.{f.name}" for f in dataclasses.fields(PRMOptimConfig)]
+    prime_keys += [f"reward_model.{k}" for k in ("prime_granularity", "prime_norm", "mini_batch_size")]
+    prime_keys += ["algorithm.reward_gt_coef", "algorithm.reward_dpo_coef"]
+    given = vars(cfg).get(GIVEN, frozenset())
+    return keys + [k for k in prime_keys if k in given and k not in keys]
 
 
 def _check_prime(cfg: HyflowConfig, n_devices: int | None) -> list[str]:
@@ -199,8 +205,10 @@ def _check_prime(cfg: HyflowConfig, n_devices: int | None) -> list[str]:
     rm, algo = cfg.reward_model, cfg.algorithm
     if not uses_prm(cfg):
         keys = _prime_keys_set(cfg)
+        recipe = (" (verl-recipe prime's run script says algorithm.adv_estimator=rloo, which its own trainer runs as "
+                  "PRIME's estimator; hyflow's rloo is plain RLOO without a PRM)" if algo.adv_estimator == "rloo" else "")
         return [f"{', '.join(keys)} set, but they are PRIME's (its implicit process reward model and advantage): "
-                "set algorithm.adv_estimator=prime (with reward_model.enable=true) or drop them"] if keys else []
+                f"set algorithm.adv_estimator=prime (with reward_model.enable=true) or drop them{recipe}"] if keys else []
     problems = []
     if not rm.enable:
         problems.append("algorithm.adv_estimator=prime trains an implicit process reward model in the reward model's "

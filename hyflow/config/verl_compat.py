@@ -181,7 +181,8 @@ PERFORMANCE_ONLY_KEYS: dict[str, str] = {
     f"{ARR}.model.lora.merge": "hyflow always hands the rollout engine merged weights W + (alpha / r) B A (verl's "
     "merge=true); an engine applying the adapter unmerged (false) computes the same model",
     "reward_model.model.use_remove_padding": "hyflow's reward model scores each sample's last real token in a "
-    "right-padded batch; packing the sequences (verl's remove-padding path) gives the same scores",
+    "right-padded batch, and PRIME's implicit PRM packs or pads as the actor does (actor_rollout_ref.model."
+    "use_remove_padding); packing or not (verl's remove-padding path) gives the same scores",
     "trainer.use_legacy_worker_impl": "hyflow has one worker implementation; verl's switch picks between two "
     "implementations of the same computation",
     **{f"reward_model.rollout.{leaf}": "how the judge's engine is split, batched, cached or captured changes its "

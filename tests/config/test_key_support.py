@@ -51,7 +51,7 @@ READ_WITHOUT_ATTRIBUTE = {
     # estimator_knobs(vars(algo), estimator) (hyflow.algos.registry), e.g. gae's gamma/lam, grpo's
     # norm_adv_by_std_in_grpo, gdpo's reward keys and weights
     **dict.fromkeys(f"algorithm.{k}" for k in ("gamma", "lam", "norm_adv_by_std_in_grpo", "gdpo_reward_keys",
-                                                "gdpo_reward_weights")),
+                                                "gdpo_reward_weights", "reward_gt_coef", "reward_dpo_coef")),
     # SFT: config/verl_compat.py's fold_sft_dict_keys reads getattr(data, f"{kind}_dict_keys") (a support module,
     # so not searched)
     "data.prompt_dict_keys": None, "data.response_dict_keys": None,
@@ -65,7 +65,9 @@ READ_WITHOUT_ATTRIBUTE = {
 DECIDED_BY_VALIDATE = {
     # bypass mode trains with the PPO clip loss; loss_type=reinforce there is "not supported" (validate.py,
     # _check_algorithm), and without bypass_mode verl does not use it either.
-    "rl": {"algorithm.rollout_correction.loss_type"},
+    # PRIME's reward_model.model.ref_type has one choice, freeze, which is what hyflow.workers.prm does (a frozen
+    # copy from ref_path); the schema's choices refuse any other value.
+    "rl": {"algorithm.rollout_correction.loss_type", "reward_model.model.ref_type"},
     "sft": set(),
 }
 # Keys implemented by a change in flight (none now: data.custom_cls is read by hyflow/trainer/rl_trainer.py).
