@@ -154,3 +154,16 @@ def test_an_outcome_outside_0_1_stops_the_run(tiny_model_dir, task_dir, tmp_path
 
     with pytest.raises(ValueError, match=r"must lie in \[0, 1\]"):
         RLTrainer(overrides(tiny_model_dir, task_dir, tmp_path / "run", *PRIME), reward_fn=reward).fit()
+
+
+def test_the_prm_in_a_pool_of_its_own(tiny_model_dir, task_dir, tmp_path):
+    """reward_model.enable_resource_pool: the PRM runs in its own Ray worker beside the actor's; a step trains it and
+    the checkpoint holds its state."""
+    run = tmp_path / "run"
+    rows = RLTrainer(ray_overrides(tiny_model_dir, task_dir, run, *PRIME, "trainer.executor=ray",
+                                   "reward_model.enable_resource_pool=true", "trainer.total_training_steps=1",
+                                   "trainer.save_freq=1", "trainer.test_freq=-1"),
+                     reward_fn=ray_digit_reward).fit()
+    assert rows[-1]["step"] == 1 and abs(rows[-1]["reward_model/raw_reward"]) > 1e-3
+    manifest = json.loads((run / "global_step_1" / "manifest.json").read_text())
+    assert "prm_model" in manifest["components"]
