@@ -711,9 +711,9 @@ class RLTrainer:
 
     def implicit_process_rewards(self, batch: Batch) -> dict[str, float]:
         """PRIME's PRM stage (`hyflow.workers.prm`, `hyflow.algos.prime`): the reference's log-probs once, the PRM's
-        update on the step's outcomes (reward_model.model.update=before), its q with the updated weights, then the
-        implicit token rewards (`prm_scores`) normalised over the whole batch. Returns verl's reward_model/*
-        metrics."""
+        update on the step's outcomes (reward_model.model.update=before or after), its q (before: a forward with
+        the updated weights; after: the update's own forwards; none: the frozen PRM's forward), then the implicit
+        token rewards (`prm_scores`) normalised over the whole batch. Returns verl's reward_model/* metrics."""
         from hyflow.algos.prime import (
             check_outcome_range,
             implicit_process_rewards,
@@ -727,13 +727,25 @@ class RLTrainer:
         check_outcome_range(acc)
         batch.union(self.prm.compute_prm_ref_log_probs(batch))
         metrics: dict[str, float] = {}
-        if rm.model.update == "before":
+
+        def token_scores(q: torch.Tensor) -> torch.Tensor:
+            return implicit_process_rewards(q, mask, beta=rm.model.beta_train, granularity=rm.prime_granularity,
+                                            norm=rm.prime_norm)
+
+        q = None
+        if rm.model.update in ("before", "after"):
             batch["prm_acc"] = acc.unsqueeze(-1).expand_as(mask).contiguous().float()
+            batch["prm_row"] = torch.arange(len(batch), dtype=torch.float32).unsqueeze(-1).expand_as(mask).contiguous()
             out = self.prm.update_prm(with_mini_batch_rows(batch, self.prm_mini_batch_rows()))
             metrics.update(reduce_metrics(out.meta["metrics"]))
-        q = self.prm.compute_prm_q(batch)["prm_q"]
-        scores = implicit_process_rewards(q, mask, beta=rm.model.beta_train, granularity=rm.prime_granularity,
-                                          norm=rm.prime_norm)
+            q = torch.zeros_like(mask, dtype=torch.float32)
+            q[out["prm_row"].long()] = out["prm_q"]  # the update's own forwards, each before its mini-batch's step
+            before = token_scores(q)
+            metrics["reward_model/dpo_acc_before"] = prime_dpo_accuracy(before, acc, mask, batch["uid"])
+            metrics["reward_model/dpo_acc_abs_before"] = prime_dpo_abs_accuracy(before, acc, mask)
+        if rm.model.update != "after":  # before: score with the updated PRM; none: with the frozen one
+            q = self.prm.compute_prm_q(batch)["prm_q"]
+        scores = token_scores(q)
         batch["prm_scores"] = scores
         metrics.update({
             "reward_model/reward": float(scores.sum(-1).mean()), "reward_model/raw_reward": float(q.sum(-1).mean()),

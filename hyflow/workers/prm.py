@@ -4,11 +4,14 @@
 is the model.) Per step the trainer calls, on the step's samples:
 
 1. `compute_prm_ref_log_probs`: log pi_ref of every response token (the frozen reference, no grad), once;
-2. `update_prm` (reward_model.model.update=before): mini-batches of the samples, each one optimizer step on the
-   cross-entropy of the outcome, BCE(sigmoid(beta sum_t q_t), acc), q_t = log pi_phi - log pi_ref (the
+2. `update_prm` (reward_model.model.update=before or after): mini-batches of the samples, each one optimizer step
+   on the cross-entropy of the outcome, BCE(sigmoid(beta sum_t q_t), acc), q_t = log pi_phi - log pi_ref (the
    reference's log-probs are the column from 1.), normalised over the whole mini-batch on all ranks (micro-batch
-   and data-parallel invariant, like the actor's loss);
-3. `compute_prm_q`: q_t with the (updated) PRM, which the trainer turns into the policy's implicit token rewards.
+   and data-parallel invariant, like the actor's loss). It returns the q of its own forwards (each mini-batch's,
+   before that mini-batch's step): verl's scores with `update=after` (its single forward) and the source of its
+   `reward_model/dpo_acc_before` metrics;
+3. `compute_prm_q` (update=before or none): q_t with the PRM as it is now (after the update), which the trainer
+   turns into the policy's implicit token rewards.
 
 verl runs the reference's forward again in 2. and 3.; its values are the same each time (a frozen model on the
 same tokens), so hyflow runs it once. Log-probs are at temperature 1 (the PRM scores the tokens, it does not
@@ -27,11 +30,11 @@ from hyflow.batch import Batch
 from hyflow.controller import Dispatch, Worker, register
 from hyflow.models.loading import load_causal_lm
 from hyflow.specs import PRMSpec
-from hyflow.workers.engine import apply_full_determinism
+from hyflow.workers.engine import apply_full_determinism, pad_response
 from hyflow.workers.fsdp import maybe_init_distributed
 from hyflow.workers.train_engine import EngineCheckpoints, TrainEngine, UpdatePlan, resolve_device
 
-PRM_COLUMNS = ("prm_ref_log_probs", "prm_acc", "response_mask")
+PRM_COLUMNS = ("prm_ref_log_probs", "prm_acc", "prm_row", "response_mask")
 
 
 class ImplicitPRMWorker(EngineCheckpoints, Worker):
@@ -87,13 +90,18 @@ class ImplicitPRMWorker(EngineCheckpoints, Worker):
     @register(Dispatch.DP_MINI_BATCHES, pad=False)
     def update_prm(self, batch: Batch) -> Batch:
         """One pass over this rank's samples in mini-batches, one optimizer step each, on the outcome's cross-entropy
-        (`prm_acc`: the outcome broadcast over the response columns; `prm_ref_log_probs`). A row-less Batch with
-        verl's `reward_model/dpo_loss`, `reward_model/grad_norm` and `rm/lr` metrics."""
+        (`prm_acc`: the outcome broadcast over the response columns; `prm_ref_log_probs`; `prm_row`: each row's
+        number, broadcast likewise). Returns this rank's rows with the q of the update's own forward (`prm_q` [n, R],
+        0 off the mask) and their numbers (`prm_row` [n]), sorted by number, and verl's `reward_model/dpo_loss`,
+        `reward_model/grad_norm` and `rm/lr` metrics."""
         beta = self.spec.beta
+        R = batch["responses"].shape[1]
+        seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (row numbers, q) of each micro-batch's forward
 
         def loss_fn(out: dict, cols: dict, ctx) -> tuple[torch.Tensor, dict]:
             mask = cols["response_mask"].bool()
             q = torch.where(mask, out["log_probs"] - cols["prm_ref_log_probs"], torch.zeros_like(out["log_probs"]))
+            seen.append((cols["prm_row"][:, 0].long().cpu(), pad_response(q.detach().float().cpu(), R)))
             per_row = prime_ce_loss_per_sample(q, cols["prm_acc"][:, 0], mask, beta=beta)
             seqs = max(float(ctx.norms["global_seq_count"]), 1.0)
             loss = (per_row * mask.any(-1)).sum() / seqs
@@ -105,4 +113,7 @@ class ImplicitPRMWorker(EngineCheckpoints, Worker):
         with self.engine.on_device(optimizer=True):
             metrics = self.engine.update(batch, plan, loss_fn, columns=PRM_COLUMNS)
         metrics["rm/lr"] = metrics.pop("reward_model/lr")
-        return Batch(meta={"metrics": metrics})
+        rows = torch.cat([r for r, _ in seen])
+        q = torch.cat([v for _, v in seen])
+        order = torch.argsort(rows)
+        return Batch({"prm_q": q[order], "prm_row": rows[order]}, meta={"metrics": metrics})

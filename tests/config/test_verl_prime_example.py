@@ -215,7 +215,7 @@ def test_filter_truncate_without_oversampling_is_refused(tmp_path):
     assert "data.filter_truncate" in message and "data.oversample_factor" in message
 
 
-@pytest.mark.parametrize("key", ["reward_model.model.update=after", "reward_model.model.update=reverse",
+@pytest.mark.parametrize("key", ["reward_model.model.update=reverse",
                                  "reward_model.model.loss_type=dpo", "reward_model.model.loss_type=bon_acc",
                                  "reward_model.model.loss_type=bon_rm", "reward_model.model.ref_type=policy"])
 def test_verls_unbuilt_prm_modes_are_refused_by_name(tmp_path, key):

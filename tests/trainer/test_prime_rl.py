@@ -66,8 +66,16 @@ def prm_batch(trainer: RLTrainer):
     mask = batch["response_mask"]
     acc = (batch["token_level_scores"] * mask).sum(-1)
     batch["prm_acc"] = acc.unsqueeze(-1).expand_as(mask).contiguous().float()
+    batch["prm_row"] = torch.arange(len(batch), dtype=torch.float32).unsqueeze(-1).expand_as(mask).contiguous()
     batch.union(trainer.prm.compute_prm_ref_log_probs(batch))
     return batch
+
+
+def update_q(out, like):
+    """The q of `update_prm`'s own forwards in the batch's row order (each rank returns its rows by number)."""
+    q = torch.zeros_like(like, dtype=torch.float32)
+    q[out["prm_row"].long()] = out["prm_q"]
+    return q
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
@@ -82,7 +90,8 @@ def test_two_ray_workers_match_one_process(tiny_model_dir, task_dir, tmp_path, s
     try:
         batch = prm_batch(local)
         before = local.prm.compute_prm_q(batch.clone())["prm_q"]
-        want = local.prm.update_prm(with_mini_batch_rows(batch.clone(), 8)).meta["metrics"]
+        want_out = local.prm.update_prm(with_mini_batch_rows(batch.clone(), 8))
+        want = want_out.meta["metrics"]
         want_q = local.prm.compute_prm_q(batch.clone())["prm_q"]
         want_weights = local.prm.state_dict()["prm_model"]
     finally:
@@ -94,7 +103,8 @@ def test_two_ray_workers_match_one_process(tiny_model_dir, task_dir, tmp_path, s
         assert dist.prm.world_size == 2
         ref = dist.prm.compute_prm_ref_log_probs(batch.clone())["prm_ref_log_probs"]
         torch.testing.assert_close(ref, batch["prm_ref_log_probs"], atol=1e-5, rtol=0)
-        got = dist.prm.update_prm(with_mini_batch_rows(batch.clone(), 8)).meta["metrics"]
+        got_out = dist.prm.update_prm(with_mini_batch_rows(batch.clone(), 8))
+        got = got_out.meta["metrics"]
         got_q = dist.prm.compute_prm_q(batch.clone())["prm_q"]
         got_weights = dist.prm.state_dict()["prm_model"]
     finally:
@@ -103,6 +113,9 @@ def test_two_ray_workers_match_one_process(tiny_model_dir, task_dir, tmp_path, s
         assert reduce_metrics(got)[key] == pytest.approx(reduce_metrics(want)[key], rel=1e-4), key
     assert float(want_q.abs().max()) > 1e-3  # the update moved the PRM
     torch.testing.assert_close(got_q, want_q, atol=1e-5, rtol=0)
+    # the update's own forwards (update=after's scores): the same rows' q on 2 ranks as in one process
+    mask = batch["response_mask"]
+    torch.testing.assert_close(update_q(got_out, mask), update_q(want_out, mask), atol=1e-5, rtol=0)
     for name, tensor in want_weights.items():
         torch.testing.assert_close(got_weights[name], tensor, atol=1e-5, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -119,6 +132,40 @@ def test_the_update_lowers_the_prm_loss_on_its_batch(tiny_model_dir, task_dir, t
     finally:
         trainer.shutdown()
     assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_the_updates_own_forward_is_each_mini_batchs_q_before_its_step(tiny_model_dir, task_dir, tmp_path):
+    """update=after's scores: the first mini-batch's q is the PRM's q before the update, the second's the q after the
+    first step (so it differs)."""
+    args = overrides(tiny_model_dir, task_dir, tmp_path / "x", *PRIME, "trainer.resume_mode=disable")
+    trainer = RLTrainer(args, reward_fn=digit_reward)
+    trainer.setup()
+    try:
+        batch = prm_batch(trainer)
+        trainer.prm.update_prm(with_mini_batch_rows(batch.clone(), 8))  # move the PRM away from its reference
+        q0 = trainer.prm.compute_prm_q(batch.clone())["prm_q"]
+        q = update_q(trainer.prm.update_prm(with_mini_batch_rows(batch.clone(), 8)), batch["response_mask"])
+    finally:
+        trainer.shutdown()
+    assert float(q0.abs().max()) > 1e-3
+    torch.testing.assert_close(q[:8], q0[:8], atol=1e-5, rtol=0)
+    assert float((q[8:] - q0[8:]).abs().max()) > 1e-4
+
+
+@pytest.mark.parametrize("update", ["after", "none"])
+def test_update_after_and_none(tiny_model_dir, task_dir, tmp_path, update):
+    """after: the PRM trains and the scores come from its update (dpo_acc_before logged); none: the PRM never
+    trains, so it stays its reference and every implicit reward is 0."""
+    run = tmp_path / update
+    RLTrainer(overrides(tiny_model_dir, task_dir, run, *PRIME, f"reward_model.model.update={update}",
+                        "trainer.total_training_steps=2", "trainer.save_freq=-1"), reward_fn=digit_reward).fit()
+    rows = read_metrics(run)[1:]
+    if update == "after":
+        assert all("reward_model/dpo_loss" in r and "reward_model/dpo_acc_before" in r for r in rows)
+        assert abs(rows[-1]["reward_model/raw_reward"]) > 1e-3
+    else:
+        assert not any("reward_model/dpo_loss" in r for r in rows)
+        assert all(r["reward_model/raw_reward"] == 0.0 and r["reward_model/reward"] == 0.0 for r in rows)
 
 
 def test_oversampled_prompts_prefer_the_filtered_ones(tiny_model_dir, task_dir, tmp_path):

@@ -40,9 +40,9 @@ class RewardModelModelConfig:
         choices=("freeze",))
     update: str = option(
         "before", "PRIME: when the implicit PRM trains in a step: before (update on the step's samples, then score "
-        "them with the updated PRM; verl's double forward, the recipe's default) or none (a frozen PRM scores "
-        "them). verl's after (the scores of the update's own forward) and reverse (for the dpo loss types) are "
-        "not built.", choices=("before", "none"))
+        "them with the updated PRM; verl's double forward, the recipe's default), after (the scores are the "
+        "update's own forward of each mini-batch, before its step; verl's single forward) or none (a frozen PRM "
+        "scores them). verl's reverse (for the dpo loss types) is not built.", choices=("before", "after", "none"))
     beta_train: float = option(
         0.05, "PRIME: beta of the implicit reward r_t = beta (log pi_phi(y_t) - log pi_ref(y_t)) and of the PRM's "
         "cross-entropy loss BCE(sigmoid(beta sum_t q_t), acc).")
