@@ -252,3 +252,31 @@ def test_grpo_with_a_tool_that_returns_images(vl_task, tmp_path):
     assert len(vision.SHOWN) >= 8, "too few pictures shown to test anything"
     assert row["tool/calls_per_sample/mean"] >= 1
     assert row["rollout_corr/log_ppl_abs_diff"] < 1e-4, row
+
+
+def test_prime_on_a_vision_language_model(vl_task, tmp_path):
+    """PRIME's implicit PRM of a vision-language policy is a copy of it that reads the prompts' images: its q of a
+    sample changes when the sample's image is swapped for another row's, and a step trains it."""
+    from hyflow.controller.dispatch import with_mini_batch_rows
+
+    model, data = vl_task
+    trainer = RLTrainer(overrides(model, data, tmp_path / "run", "algorithm.adv_estimator=prime",
+                                  "reward_model.enable=true", "reward_model.model.optim.lr=1e-2",
+                                  "trainer.resume_mode=disable", "trainer.logger=[file]"))
+    trainer.setup()
+    try:
+        batch = trainer.rollout_and_score(trainer.loader.next_batch(), {})
+        mask = batch["response_mask"]
+        batch["prm_acc"] = torch.arange(len(batch)).remainder(2).float().unsqueeze(-1).expand_as(mask).contiguous()
+        batch["prm_row"] = torch.arange(len(batch), dtype=torch.float32).unsqueeze(-1).expand_as(mask).contiguous()
+        batch.union(trainer.prm.compute_prm_ref_log_probs(batch))
+        trainer.prm.update_prm(with_mini_batch_rows(batch.clone(), 8))
+        q = trainer.prm.compute_prm_q(batch.clone())["prm_q"]
+        swapped = batch.clone()
+        images = list(swapped["multi_modal_inputs"])
+        swapped["multi_modal_inputs"] = images[4:] + images[:4]  # every sample gets another prompt's image
+        q_swapped = trainer.prm.compute_prm_q(swapped)["prm_q"]
+    finally:
+        trainer.shutdown()
+    assert float(q.abs().max()) > 1e-3  # the PRM trained away from its reference
+    assert float((q - q_swapped).abs().max()) > 1e-4  # and it sees the images
