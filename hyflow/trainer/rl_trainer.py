@@ -4,10 +4,12 @@ Every step does, in this order (docs/architecture.md's dataflow; each stage a na
 
 1. rollout: sample `rollout.n` responses per prompt, score them (rule functions, a custom function, or a
    reward model); with `algorithm.filter_groups` keep generating until the batch holds `train_batch_size`
-   prompts whose samples disagree (DAPO's dynamic sampling); estimators that need a greedy baseline (ReMax)
-   get one more, greedy rollout;
-2. the actor's log-probs of its own samples (`old_log_probs`, entropy), the reference policy's, the critic's
-   values — each only when something downstream needs it;
+   prompts whose samples disagree (DAPO's dynamic sampling); with `data.oversample_factor` generate more and
+   keep `train_batch_size` prompts, those passing PRIME's accuracy / truncation filter first; estimators that need
+   a greedy baseline (ReMax) get one more, greedy rollout;
+2. the actor's log-probs of its own samples (`old_log_probs`, entropy), the reference policy's, a distillation
+   teacher's, the critic's values, PRIME's implicit PRM (trained on the outcomes, then its token rewards) — each
+   only when something downstream needs it;
 3. token-level rewards: the scores, minus a KL penalty when `algorithm.use_kl_in_reward`;
 4. rollout correction (truncated importance weights / rejection) when configured;
 5. advantages and returns from the estimator named by `algorithm.adv_estimator`;
