@@ -45,23 +45,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hyflow.algos.masked import group_ids, group_sum, masked_whiten
+from hyflow.algos.advantages import _broadcast, _reverse_cumsum, _zero_masked
+from hyflow.algos.masked import group_ids, group_sum, masked_sum, masked_whiten
 from hyflow.algos.registry import register_advantage_estimator
 
 PRIME_GRANULARITIES = ("token", "whole")
 PRIME_NORMS = ("batch_norm", "none")
 
 
-def _last_valid(mask_BT: torch.Tensor) -> torch.Tensor:
-    """Per row, the index of its last response token on the mask (-1 for a row without one) [B]."""
-    T = mask_BT.shape[-1]
-    positions = torch.arange(T, device=mask_BT.device).expand_as(mask_BT)
-    return torch.where(mask_BT.bool(), positions, torch.full_like(positions, -1)).max(dim=-1).values
-
-
 def _last_token_mask(mask_BT: torch.Tensor) -> torch.Tensor:
-    """A [B, T] bool mask holding only each row's last valid response token."""
-    last_B = _last_valid(mask_BT)
+    """A [B, T] bool mask holding only each row's last valid response token (none for a row without one)."""
+    positions = torch.arange(mask_BT.shape[-1], device=mask_BT.device).expand_as(mask_BT)
+    last_B = torch.where(mask_BT.bool(), positions, torch.full_like(positions, -1)).max(dim=-1).values
     out = torch.zeros_like(mask_BT, dtype=torch.bool)
     rows = (last_B >= 0).nonzero().squeeze(-1)
     out[rows, last_B[rows]] = True
@@ -70,13 +65,13 @@ def _last_token_mask(mask_BT: torch.Tensor) -> torch.Tensor:
 
 def implicit_q(rm_log_probs: torch.Tensor, ref_log_probs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """q_t = log pi_phi - log pi_ref per response token [B, T], 0 off the mask."""
-    return torch.where(response_mask.bool(), rm_log_probs - ref_log_probs, torch.zeros_like(rm_log_probs))
+    return _zero_masked(rm_log_probs - ref_log_probs, response_mask.bool())
 
 
 def prime_ce_loss_per_sample(q_BT: torch.Tensor, acc_B: torch.Tensor, response_mask: torch.Tensor, *,
                              beta: float) -> torch.Tensor:
     """BCE(sigmoid(beta * sum_t q_t), acc) per sample [B] (the PRM's cross-entropy loss, before the mean)."""
-    logits_B = torch.where(response_mask.bool(), q_BT, torch.zeros_like(q_BT)).sum(-1) * beta
+    logits_B = masked_sum(q_BT, response_mask, dim=-1) * beta
     return F.binary_cross_entropy_with_logits(logits_B, acc_B.to(logits_B.dtype), reduction="none")
 
 
@@ -98,8 +93,7 @@ def check_outcome_range(acc_B: torch.Tensor) -> None:
 
 def prime_batch_norm(scores_BT: torch.Tensor) -> torch.Tensor:
     """verl's `prime_norm=batch_norm`: scores / (max over the batch of |reverse cumulative sum| + 1e-6)."""
-    reverse_cumsum = torch.cumsum(scores_BT.flip(dims=[1]), dim=-1).flip(dims=[1])
-    return scores_BT / (reverse_cumsum.abs().max() + 1e-6)
+    return scores_BT / (_reverse_cumsum(scores_BT).abs().max() + 1e-6)
 
 
 def implicit_process_rewards(q_BT: torch.Tensor, response_mask: torch.Tensor, *, beta: float,
@@ -111,12 +105,12 @@ def implicit_process_rewards(q_BT: torch.Tensor, response_mask: torch.Tensor, *,
     if norm not in PRIME_NORMS:
         raise ValueError(f"prime_norm={norm!r}; use one of {PRIME_NORMS}")
     mask = response_mask.bool()
-    r_BT = torch.where(mask, q_BT * beta, torch.zeros_like(q_BT))
+    r_BT = _zero_masked(q_BT * beta, mask)
     last = _last_token_mask(mask)
     if granularity == "token":
-        scores = torch.where(last, torch.zeros_like(r_BT), r_BT)
+        scores = _zero_masked(r_BT, ~last)
     else:
-        scores = torch.where(last, r_BT.sum(-1, keepdim=True).expand_as(r_BT), torch.zeros_like(r_BT))
+        scores = _broadcast(r_BT.sum(-1), last)
     return prime_batch_norm(scores) if norm == "batch_norm" else scores
 
 
@@ -129,13 +123,13 @@ def masked_rloo(rewards_BT: torch.Tensor, mask_BT: torch.Tensor, index) -> torch
     if bool((counts_G < 2).any()):
         raise ValueError("PRIME's RLOO baseline needs at least 2 samples per prompt (actor_rollout_ref.rollout.n "
                          ">= 2): a prompt's sample is scored against the mean of its group's other samples")
-    values = torch.where(mask, rewards_BT, torch.zeros_like(rewards_BT))
+    values = _zero_masked(rewards_BT, mask)
     tokens_B = mask.sum(-1).to(rewards_BT.dtype)
     mean_B = values.sum(-1) / tokens_B.clamp(min=1)
     n_B = counts_G[gid_B]
     baseline_B = group_sum(mean_B, gid_B, len(counts_G))[gid_B] / (n_B - 1)
     out = values * (n_B / (n_B - 1)).unsqueeze(-1) - baseline_B.unsqueeze(-1)
-    return torch.where(mask, out, torch.zeros_like(out))
+    return _zero_masked(out, mask)
 
 
 @register_advantage_estimator("prime", requires=("index", "prm_scores"), knobs=("reward_gt_coef", "reward_dpo_coef"))
@@ -154,10 +148,10 @@ def prime_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tens
         final = final + masked_rloo(prm_scores.float(), mask, index) * reward_dpo_coef
     if reward_gt_coef != 0.0:
         last = _last_token_mask(mask)
-        acc_B = torch.where(mask, token_level_rewards, torch.zeros_like(token_level_rewards)).sum(-1).float()
-        outcome = torch.where(last, acc_B.unsqueeze(-1).expand_as(final), torch.zeros_like(final))
+        acc_B = masked_sum(token_level_rewards, mask, dim=-1).float()
+        outcome = _broadcast(acc_B, last)
         final = final + masked_rloo(outcome, last, index) * reward_gt_coef
-    returns = (final * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+    returns = _reverse_cumsum(final * mask)
     advantages = masked_whiten(returns, mask.float())
     return advantages * mask, returns * mask
 
@@ -165,7 +159,7 @@ def prime_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tens
 def prime_dpo_accuracy(scores_BT: torch.Tensor, acc_B: torch.Tensor, response_mask: torch.Tensor, index) -> float:
     """verl's `compute_dpo_accuracy` over groups of `index`: per group, the |acc difference|-weighted share of
     pairs the summed scores order like the outcome (0.5 when every outcome is equal), averaged over groups."""
-    totals_B = torch.where(response_mask.bool(), scores_BT, torch.zeros_like(scores_BT)).sum(-1)
+    totals_B = masked_sum(scores_BT, response_mask, dim=-1)
     gid_B = group_ids(index)
     accuracies = []
     for g in range(int(gid_B.max()) + 1 if gid_B.numel() else 0):
@@ -184,5 +178,25 @@ def prime_dpo_accuracy(scores_BT: torch.Tensor, acc_B: torch.Tensor, response_ma
 
 def prime_dpo_abs_accuracy(scores_BT: torch.Tensor, acc_B: torch.Tensor, response_mask: torch.Tensor) -> float:
     """verl's `compute_dpo_abs_accuracy`: the share of samples with sign(sum of scores) = sign(2 acc - 1)."""
-    totals_B = torch.where(response_mask.bool(), scores_BT, torch.zeros_like(scores_BT)).sum(-1)
+    totals_B = masked_sum(scores_BT, response_mask, dim=-1)
     return float((torch.sign(totals_B) == torch.sign(acc_B * 2 - 1)).float().mean()) if len(acc_B) else 0.0
+
+
+def prime_process_rewards(q_BT: torch.Tensor, acc_B: torch.Tensor, response_mask: torch.Tensor, index, *,
+                          beta: float, granularity: str, norm: str,
+                          update_q_BT: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The policy's implicit token rewards from the PRM's q (`implicit_process_rewards`) and verl's metrics:
+    reward_model/reward (mean of each sample's summed scores), raw_reward (mean of summed q), dpo_acc, dpo_acc_abs;
+    with `update_q_BT` (the q of the PRM update's own forwards) also dpo_acc_before and dpo_acc_abs_before."""
+    def scores_of(q: torch.Tensor) -> torch.Tensor:
+        return implicit_process_rewards(q, response_mask, beta=beta, granularity=granularity, norm=norm)
+
+    scores = scores_of(q_BT)
+    metrics = {"reward_model/reward": float(scores.sum(-1).mean()), "reward_model/raw_reward": float(q_BT.sum(-1).mean()),
+               "reward_model/dpo_acc": prime_dpo_accuracy(scores, acc_B, response_mask, index),
+               "reward_model/dpo_acc_abs": prime_dpo_abs_accuracy(scores, acc_B, response_mask)}
+    if update_q_BT is not None:
+        before = scores_of(update_q_BT)
+        metrics["reward_model/dpo_acc_before"] = prime_dpo_accuracy(before, acc_B, response_mask, index)
+        metrics["reward_model/dpo_acc_abs_before"] = prime_dpo_abs_accuracy(before, acc_B, response_mask)
+    return scores, metrics

@@ -165,6 +165,12 @@ def uses_prm(cfg: HyflowConfig) -> bool:
     return cfg.algorithm.adv_estimator == "prime"
 
 
+def prm_mini_batch_size(cfg: HyflowConfig) -> int:
+    """The implicit PRM's global mini-batch, in samples: reward_model.mini_batch_size, else the actor's
+    ppo_mini_batch_size (verl-recipe prime's default, which it counts in rows there)."""
+    return cfg.reward_model.mini_batch_size or cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+
+
 def prm_batches(cfg: HyflowConfig, n_devices: int | None = None) -> tuple[RoleBatches, ForwardBatches]:
     """PRIME's implicit PRM on its devices (`role_devices(cfg, "reward_model")`): its update walks the step's
     samples in mini-batches of reward_model.mini_batch_size samples (verl-recipe prime counts rows there; default
@@ -174,7 +180,7 @@ def prm_batches(cfg: HyflowConfig, n_devices: int | None = None) -> tuple[RoleBa
     devices = role_devices(cfg, "reward_model", n_devices)
     samples = cfg.data.train_batch_size * arr.rollout.n
     knobs = SimpleNamespace(
-        ppo_mini_batch_size=rm.mini_batch_size or arr.actor.ppo_mini_batch_size, ppo_epochs=1,
+        ppo_mini_batch_size=prm_mini_batch_size(cfg), ppo_epochs=1,
         use_dynamic_bsz=rm.use_dynamic_bsz, ppo_max_token_len_per_gpu=rm.forward_max_token_len_per_gpu,
         ppo_micro_batch_size_per_gpu=rm.micro_batch_size_per_gpu, ppo_micro_batch_size=rm.micro_batch_size,
         ulysses_sequence_parallel_size=1, tensor_parallel_size=1)

@@ -79,7 +79,7 @@ def _lora_off(section: str, key: str) -> Callable[[Any], bool]:
     """True when `section.key` was changed from its default while the section trains without LoRA."""
     def off(cfg: Any) -> bool:
         return (not lookup(cfg, f"{section}.lora_rank") and not lookup(cfg, f"{section}.lora_adapter_path")
-                and _non_default(cfg, f"{section}.{key}"))
+                and non_default(cfg, f"{section}.{key}"))
     return off
 
 
@@ -167,7 +167,7 @@ def _hf_engine(cfg: Any) -> bool:
 def _vllm_knob(key: str) -> KeySupport:
     """A vllm engine setting: the vllm engine reads it; the hf engine does not (speed/memory of vllm only)."""
     return _performance(f"{ARR}.rollout.{key}", VLLM_ONLY,
-                        lambda cfg: _non_default(cfg, f"{ARR}.rollout.{key}") and _hf_engine(cfg))
+                        lambda cfg: non_default(cfg, f"{ARR}.rollout.{key}") and _hf_engine(cfg))
 
 
 def _vllm_engine(cfg: Any) -> bool:
@@ -195,12 +195,12 @@ R, A, M = f"{ARR}.rollout", f"{ARR}.actor", f"{ARR}.model"
 _TABLE: list[KeySupport] = [
     # ------------------------------------------------------------------ features not built yet
     *(_unsupported(f"{role}.optim.clip_grad", f"hyflow clips gradients at {role}.grad_clip; set that instead",
-                   lambda cfg, role=role: _non_default(cfg, f"{role}.optim.clip_grad")
+                   lambda cfg, role=role: non_default(cfg, f"{role}.optim.clip_grad")
                    and lookup(cfg, f"{role}.optim.clip_grad") != lookup(cfg, f"{role}.grad_clip"))
       for role in (A, "critic")),
     _unsupported("reward_model.model.optim.clip_grad", "PRIME's implicit PRM clips gradients at "
                  "reward_model.model.optim.grad_clip (verl-recipe prime's key); set that instead",
-                 lambda cfg: _non_default(cfg, "reward_model.model.optim.clip_grad")),
+                 lambda cfg: non_default(cfg, "reward_model.model.optim.clip_grad")),
     _unsupported(f"{M}.use_liger", "Liger kernels are not wired; " + LEAVE),
     _unsupported(f"{M}.enable_activation_offload", "activation offload is not built yet; " + LEAVE),
     _unsupported("critic.model.enable_activation_offload", "activation offload is not built yet; " + LEAVE),
@@ -272,9 +272,9 @@ _TABLE: list[KeySupport] = [
                               "expert_parallel_size", "pipeline_model_parallel_size", "max_num_batched_tokens",
                               "max_model_len", "enable_chunked_prefill", "enable_prefix_caching", "load_format")),
     _performance(f"{R}.disable_log_stats", "a vllm logging knob; the hf engine has no statistics log",
-                 lambda cfg: _hf_engine(cfg) and _non_default(cfg, f"{R}.disable_log_stats")),
+                 lambda cfg: _hf_engine(cfg) and non_default(cfg, f"{R}.disable_log_stats")),
     _performance(f"{R}.cudagraph_capture_sizes", "a vllm CUDA-graph knob (speed only); the hf engine has none",
-                 lambda cfg: _hf_engine(cfg) and _non_default(cfg, f"{R}.cudagraph_capture_sizes")),
+                 lambda cfg: _hf_engine(cfg) and non_default(cfg, f"{R}.cudagraph_capture_sizes")),
     _performance("reward_model.strategy", "hyflow runs a full copy of the reward model on each of its ranks "
                  "(inference only: the same scores as sharded)",
                  lambda cfg: cfg.reward_model.strategy != cfg.actor_rollout_ref.actor.strategy),
@@ -331,7 +331,7 @@ _TABLE: list[KeySupport] = [
                  "images in the batch (the rollout and the trainer's forward need them); the same samples either way"),
     *(_performance(f"{R}.multi_turn.{k}", "only read by the tool agent loop, which runs with multi_turn.enable=true",
                    lambda cfg, k=k: not cfg.actor_rollout_ref.rollout.multi_turn.enable
-                   and _non_default(cfg, f"{R}.multi_turn.{k}"))
+                   and non_default(cfg, f"{R}.multi_turn.{k}"))
       for k in ("max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_length",
                 "tool_response_truncate_side", "interaction_config_path", "format", "tool_timeout")),
     *(_performance(f"reward_model.sandbox_fusion.{k}", "only used with sandbox_fusion.url, which is not "
@@ -518,7 +518,8 @@ def _resolves(cfg: Any, key: str) -> bool:
     return True
 
 
-def _non_default(cfg: Any, key: str) -> bool:
+def non_default(cfg: Any, key: str) -> bool:
+    """Whether `cfg`'s value of the schema key `key` differs from the schema's default."""
     value, default = lookup(cfg, key), lookup(_default(type(cfg)), key)
     if dataclasses.is_dataclass(value):
         return dataclasses.asdict(value) != dataclasses.asdict(default)
@@ -532,7 +533,7 @@ def is_asked(entry: KeySupport, cfg: Any) -> bool:
     if not _resolves(cfg, entry.key):  # a key the schema does not hold: a value other than verl's default asks
         declared = declared_values(cfg)
         return entry.key in declared and declared[entry.key] != verl_default(entry.key)
-    return bool(entry.asked(cfg)) if entry.asked is not None else _non_default(cfg, entry.key)
+    return bool(entry.asked(cfg)) if entry.asked is not None else non_default(cfg, entry.key)
 
 
 def _entries(cfg: Any, kind: str) -> Iterable[KeySupport]:

@@ -34,7 +34,7 @@ from hyflow.config.keys import ConfigError, check_choices, not_one_of
 from hyflow.config.loader import GIVEN, resolve_derived_defaults
 from hyflow.config.lora import lora_settings
 from hyflow.config.schema import HyflowConfig
-from hyflow.config.support import not_supported_problems
+from hyflow.config.support import non_default, not_supported_problems
 
 A = "actor_rollout_ref.actor"
 R = "actor_rollout_ref.rollout"
@@ -172,28 +172,21 @@ def _check_distillation(cfg: HyflowConfig) -> list[str]:
     return problems
 
 
-def _prime_keys_set(cfg: HyflowConfig) -> list[str]:
-    """PRIME's own keys (the implicit PRM's and the advantage's) that differ from their defaults."""
-    from hyflow.config.schema.algorithm import AlgorithmConfig
-    from hyflow.config.schema.reward import PRMOptimConfig, RewardModelConfig, RewardModelModelConfig
+def _prime_keys() -> list[str]:
+    """PRIME's own keys: the implicit PRM's and the advantage's."""
+    from hyflow.config.schema.reward import PRMOptimConfig
 
-    rm, model_defaults, rm_defaults = cfg.reward_model, RewardModelModelConfig(), RewardModelConfig()
-    keys = [f"reward_model.model.{k}" for k in ("ref_path", "ref_type", "update", "beta_train", "loss_type")
-            if getattr(rm.model, k) != getattr(model_defaults, k)]
-    optim_default = PRMOptimConfig(lr=1e-6, weight_decay=0.0)
-    keys += [f"reward_model.model.optim.{f.name}" for f in dataclasses.fields(PRMOptimConfig)
-             if getattr(rm.model.optim, f.name) != getattr(optim_default, f.name)]
-    keys += [f"reward_model.{k}" for k in ("prime_granularity", "prime_norm", "mini_batch_size")
-             if getattr(rm, k) != getattr(rm_defaults, k)]
-    keys += [f"algorithm.{k}" for k in ("reward_gt_coef", "reward_dpo_coef")
-             if getattr(cfg.algorithm, k) != getattr(AlgorithmConfig(), k)]
-    # a key the command line set to its default value asks for PRIME as much as another value does
-    prime_keys = [f"reward_model.model.{k}" for k in ("ref_path", "ref_type", "update", "beta_train", "loss_type")]
-    prime_keys += [f"reward_model.model.optim.{f.name}" for f in dataclasses.fields(PRMOptimConfig)]
-    prime_keys += [f"reward_model.{k}" for k in ("prime_granularity", "prime_norm", "mini_batch_size")]
-    prime_keys += ["algorithm.reward_gt_coef", "algorithm.reward_dpo_coef"]
+    return [*(f"reward_model.model.{k}" for k in ("ref_path", "ref_type", "update", "beta_train", "loss_type")),
+            *(f"reward_model.model.optim.{f.name}" for f in dataclasses.fields(PRMOptimConfig)),
+            *(f"reward_model.{k}" for k in ("prime_granularity", "prime_norm", "mini_batch_size")),
+            "algorithm.reward_gt_coef", "algorithm.reward_dpo_coef"]
+
+
+def _prime_keys_set(cfg: HyflowConfig) -> list[str]:
+    """PRIME's keys that differ from their defaults or that the command line set (to any value: a key set to its
+    default value asks for PRIME as much as another value does)."""
     given = vars(cfg).get(GIVEN, frozenset())
-    return keys + [k for k in prime_keys if k in given and k not in keys]
+    return [key for key in _prime_keys() if key in given or non_default(cfg, key)]
 
 
 def _check_prime(cfg: HyflowConfig, n_devices: int | None) -> list[str]:
@@ -234,7 +227,7 @@ def _check_prime(cfg: HyflowConfig, n_devices: int | None) -> list[str]:
         return problems
     update, _ = prm_batches(cfg, n_devices)
     samples = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
-    mini = rm.mini_batch_size or cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+    mini = update.mini_batch_samples
     key = "reward_model.mini_batch_size" if rm.mini_batch_size else "actor_rollout_ref.actor.ppo_mini_batch_size"
     if samples % mini:
         problems.append(f"{key}={mini} (the implicit PRM's mini-batch, in samples) must divide the step's {samples} "

@@ -36,6 +36,7 @@ from hyflow.algos import (
     apply_kl_penalty,
     compute_rollout_correction,
     compute_validation_metrics,
+    masked_sum,
     pf_ppo_resample_indices,
     reduce_metrics,
 )
@@ -52,6 +53,7 @@ from hyflow.config import (
 )
 from hyflow.config.arithmetic import (
     own_pool_roles,
+    prm_mini_batch_size,
     role_devices,
     uses_critic,
     uses_prm,
@@ -674,8 +676,7 @@ class RLTrainer:
         data.filter_truncate: no sample reached max_response_length - 1 tokens), each part in generation order.
         Metrics: `acc` (verl's: the mean score of every generated sample) and `train/filter_pass_share`."""
         d, n = self.config.data, self.config.actor_rollout_ref.rollout.n
-        scores = torch.where(batch["response_mask"].bool(), batch["token_level_scores"],
-                             torch.zeros_like(batch["token_level_scores"])).sum(-1)
+        scores = masked_sum(batch["token_level_scores"], batch["response_mask"], dim=-1)
         uids = list(batch["uid"])
         order = list(dict.fromkeys(uids))
         rows = {uid: [i for i, u in enumerate(uids) if u == uid] for uid in order}
@@ -716,50 +717,28 @@ class RLTrainer:
         update on the step's outcomes (reward_model.model.update=before or after), its q (before: a forward with
         the updated weights; after: the update's own forwards; none: the frozen PRM's forward), then the implicit
         token rewards (`prm_scores`) normalised over the whole batch. Returns verl's reward_model/* metrics."""
-        from hyflow.algos.prime import (
-            check_outcome_range,
-            implicit_process_rewards,
-            prime_dpo_abs_accuracy,
-            prime_dpo_accuracy,
-        )
+        from hyflow.algos.prime import check_outcome_range, prime_process_rewards
 
         rm = self.config.reward_model
         mask = batch["response_mask"]
-        acc = torch.where(mask.bool(), batch["token_level_scores"], torch.zeros_like(batch["token_level_scores"])).sum(-1)
+        acc = masked_sum(batch["token_level_scores"], mask, dim=-1)
         check_outcome_range(acc)
         batch.union(self.prm.compute_prm_ref_log_probs(batch))
         metrics: dict[str, float] = {}
-
-        def token_scores(q: torch.Tensor) -> torch.Tensor:
-            return implicit_process_rewards(q, mask, beta=rm.model.beta_train, granularity=rm.prime_granularity,
-                                            norm=rm.prime_norm)
-
-        q = None
+        update_q = None
         if rm.model.update in ("before", "after"):
             batch["prm_acc"] = acc.unsqueeze(-1).expand_as(mask).contiguous().float()
             batch["prm_row"] = torch.arange(len(batch), dtype=torch.float32).unsqueeze(-1).expand_as(mask).contiguous()
-            out = self.prm.update_prm(with_mini_batch_rows(batch, self.prm_mini_batch_rows()))
+            out = self.prm.update_prm(with_mini_batch_rows(batch, prm_mini_batch_size(self.config)))
             metrics.update(reduce_metrics(out.meta["metrics"]))
-            q = torch.zeros_like(mask, dtype=torch.float32)
-            q[out["prm_row"].long()] = out["prm_q"]  # the update's own forwards, each before its mini-batch's step
-            before = token_scores(q)
-            metrics["reward_model/dpo_acc_before"] = prime_dpo_accuracy(before, acc, mask, batch["uid"])
-            metrics["reward_model/dpo_acc_abs_before"] = prime_dpo_abs_accuracy(before, acc, mask)
-        if rm.model.update != "after":  # before: score with the updated PRM; none: with the frozen one
-            q = self.prm.compute_prm_q(batch)["prm_q"]
-        scores = token_scores(q)
-        batch["prm_scores"] = scores
-        metrics.update({
-            "reward_model/reward": float(scores.sum(-1).mean()), "reward_model/raw_reward": float(q.sum(-1).mean()),
-            "reward_model/dpo_acc": prime_dpo_accuracy(scores, acc, mask, batch["uid"]),
-            "reward_model/dpo_acc_abs": prime_dpo_abs_accuracy(scores, acc, mask)})
-        return metrics
-
-    def prm_mini_batch_rows(self) -> int:
-        """The implicit PRM's global mini-batch, in samples (reward_model.mini_batch_size, else the actor's
-        ppo_mini_batch_size: verl-recipe prime counts rows there)."""
-        cfg = self.config
-        return cfg.reward_model.mini_batch_size or cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+            update_q = torch.zeros_like(mask, dtype=torch.float32)
+            update_q[out["prm_row"].long()] = out["prm_q"]  # the update's own forwards, each before its step
+        # after: the update's forwards are the scores; before: a forward of the updated PRM; none: of the frozen one
+        q = update_q if rm.model.update == "after" else self.prm.compute_prm_q(batch)["prm_q"]
+        batch["prm_scores"], prm_metrics = prime_process_rewards(
+            q, acc, mask, batch["uid"], beta=rm.model.beta_train, granularity=rm.prime_granularity,
+            norm=rm.prime_norm, update_q_BT=update_q)
+        return {**metrics, **prm_metrics}
 
     def apply_token_level_rewards(self, batch: Batch, metrics: dict) -> None:
         """token_level_rewards = scores, minus beta * KL(old || ref) per token when use_kl_in_reward."""

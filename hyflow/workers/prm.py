@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from hyflow.algos.prime import prime_ce_loss_per_sample
+from hyflow.algos.prime import implicit_q, prime_ce_loss_per_sample
 from hyflow.batch import Batch
 from hyflow.controller import Dispatch, Worker, register
 from hyflow.models.loading import load_causal_lm
@@ -83,9 +83,7 @@ class ImplicitPRMWorker(EngineCheckpoints, Worker):
         now; needs the `prm_ref_log_probs` column."""
         with self.engine.on_device():
             log_probs = self.engine.infer(batch, self.spec.forward)["log_probs"]
-        mask = batch["response_mask"].bool()
-        q = torch.where(mask, log_probs - batch["prm_ref_log_probs"], torch.zeros_like(log_probs))
-        return Batch({"prm_q": q})
+        return Batch({"prm_q": implicit_q(log_probs, batch["prm_ref_log_probs"], batch["response_mask"])})
 
     @register(Dispatch.DP_MINI_BATCHES, pad=False)
     def update_prm(self, batch: Batch) -> Batch:
@@ -100,7 +98,7 @@ class ImplicitPRMWorker(EngineCheckpoints, Worker):
 
         def loss_fn(out: dict, cols: dict, ctx) -> tuple[torch.Tensor, dict]:
             mask = cols["response_mask"].bool()
-            q = torch.where(mask, out["log_probs"] - cols["prm_ref_log_probs"], torch.zeros_like(out["log_probs"]))
+            q = implicit_q(out["log_probs"], cols["prm_ref_log_probs"], mask)
             seen.append((cols["prm_row"][:, 0].long().cpu(), pad_response(q.detach().float().cpu(), R)))
             per_row = prime_ce_loss_per_sample(q, cols["prm_acc"][:, 0], mask, beta=beta)
             seqs = max(float(ctx.norms["global_seq_count"]), 1.0)
