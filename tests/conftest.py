@@ -21,6 +21,7 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_enable_metrics_collection", "0")  # as hyflow's loopback clusters (controller.resources)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

@@ -37,6 +37,7 @@ from pathlib import Path
 LOOPBACK = "127.0.0.1"
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before `import ray`: every node process inherits it
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_enable_metrics_collection", "0")  # no dashboard here; see hyflow.controller.resources
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a throwaway loopback cluster: no token for nodes and drivers
 
 

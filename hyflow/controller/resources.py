@@ -65,9 +65,16 @@ def _resolve_auto(address: str) -> str:
 
 
 def _pin_loopback() -> None:
-    """Keep Ray on 127.0.0.1 in this process and in every process it starts (see the module docstring)."""
+    """Keep Ray on 127.0.0.1 in this process and in every process it starts (see the module docstring).
+
+    Also turns Ray's metrics collection off for a loopback cluster unless `RAY_enable_metrics_collection` is set:
+    a cluster on 127.0.0.1 has no dashboard to show them (hyflow starts its own without one), and Ray 2.60's
+    OpenTelemetry reader thread crashed a CPU example's driver with SIGSEGV (`TemporalMetricStorage::buildMetrics`,
+    once in CI). Export RAY_enable_metrics_collection=1 to keep them.
+    """
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_enable_metrics_collection", "0")
     import ray._private.ray_constants as ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = False

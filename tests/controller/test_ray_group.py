@@ -288,6 +288,12 @@ ATTACH_DRIVER = textwrap.dedent("""
             return Batch({"y": batch["x"] * 2})
 
     assert ensure_ray(address=sys.argv[1]) is False
+    import glob, os, ray
+    # a loopback cluster: the driver's metrics collection is off (Ray 2.60's OpenTelemetry reader thread crashed a
+    # run with SIGSEGV); the core worker says so in its log
+    assert os.environ["RAY_enable_metrics_collection"] == "0"
+    logs = glob.glob(f"{ray._private.worker.global_worker.node.get_logs_dir_path()}/python-core-driver-*_{os.getpid()}.log")
+    assert logs and any("Disabled stats." in open(f).read() for f in logs), logs
     pool = RayResourcePool(1, 2, use_gpu=False, cpus_per_worker=0.5)
     group = make_worker_group("ray", Doubler, world_size=2, pool=pool)
     out = group.double(Batch({"x": torch.arange(4.0)}))
@@ -314,6 +320,7 @@ def test_attach_to_a_separately_started_cluster(tmp_path):
     which would stop every Ray cluster of this user), so the module's cluster is untouched."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
            "RAY_AUTH_MODE": "disabled"}  # a throwaway loopback cluster: no token auth for head or driver
+    env.pop("RAY_enable_metrics_collection", None)  # hyflow's driver turns it off itself (tests/conftest.py sets it)
     port = free_port()
     ray_cli = Path(sys.executable).with_name("ray")
     head = subprocess.Popen(
