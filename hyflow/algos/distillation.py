@@ -23,9 +23,9 @@ loss L_ppo (policy loss, entropy bonus, KL loss) plus `distillation_loss_coef` *
 (coefficient 1). Metrics are verl's: `distillation/loss`, `distillation/abs_loss` (estimators),
 `distillation/student_mass|teacher_mass` (top-k), `distillation/overlap_ratio` and
 `distillation/overlap_token_advantage` (top-k, arXiv 2604.13016), and the policy loss's own metrics under
-`distillation/` with `use_policy_gradient`. `distillation_loss` also returns the call's `distillation/loss_min|max`,
-which the actor does not log (its metric parts are summed over micro-batches and ranks; verl's per-batch minima and
-maxima, and its `_min|_max` of the masses, are not reproduced).
+`distillation/` with `use_policy_gradient`; `distillation/loss_min|max` (before `loss_max_clamp`) and, top-k,
+`distillation/student_mass_min|max`, `teacher_mass_min|max`: the range over the mini-batch's response tokens (verl's
+AggregationType.MIN / MAX; the actor's metric parts reduce names ending in `_min` / `_max` that way).
 """
 
 from __future__ import annotations
@@ -91,9 +91,11 @@ def distillation_token_losses(loss_mode: str, *, log_prob: torch.Tensor | None =
     return kl_penalty(log_prob, teacher_log_prob.to(log_prob.dtype), loss_mode), {}
 
 
-def _masked_range(values: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+def masked_range(values: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """(least, greatest) of `values` where `mask` is set; (inf, -inf) when nothing is."""
     chosen = values.detach()[mask.bool()]
-    return (float(chosen.min()), float(chosen.max())) if chosen.numel() else (0.0, 0.0)
+    # no valid token: the neutral elements of a minimum and a maximum (another micro-batch's or rank's range wins)
+    return (float(chosen.min()), float(chosen.max())) if chosen.numel() else (float("inf"), float("-inf"))
 
 
 def distillation_loss(losses: torch.Tensor, response_mask: torch.Tensor, *, loss_agg_mode: str = "token-mean",
@@ -106,7 +108,7 @@ def distillation_loss(losses: torch.Tensor, response_mask: torch.Tensor, *, loss
     agg(d) (`loss_agg_mode` with the mini-batch's global counts) or `policy_loss` (a registered policy loss
     function) with advantages -sg(d), called with `policy_loss_kwargs` (clip ratios)."""
     mask = response_mask.float()
-    low, high = _masked_range(losses, mask)
+    low, high = masked_range(losses, mask)
     metrics = {"distillation/loss_min": low, "distillation/loss_max": high}
     if loss_max_clamp is not None:
         losses = losses.clamp(min=-loss_max_clamp, max=loss_max_clamp)

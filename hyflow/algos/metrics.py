@@ -198,11 +198,16 @@ def _flatten_floats(value: Any) -> list[float]:
     raise ValueError(f"metric value {value!r} is not numeric; log numbers, arrays or tensors only.")
 
 
+MIN_SUFFIXES = ("/min", "_min")  # a metric named so is a minimum: reduced by min (verl's AggregationType.MIN)
+MAX_SUFFIXES = ("/max", "_max")
+
+
 def reduce_metrics(metrics: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> dict[str, float]:
     """Reduce per-micro-batch / per-worker metrics to one float per key.
 
     Accepts a list of metric dicts or a dict of value lists (values may be numbers, arrays, tensors or lists
-    of them). Keys ending in `/max` reduce by max, `/min` by min, every other key by the mean of all values.
+    of them). Keys ending in `/max` or `_max` reduce by max, `/min` or `_min` by min (verl's rule is any "max" /
+    "min" in the name; the suffix alone keeps names such as `max_min` weights out), every other key by the mean.
     Keys without values are dropped.
     """
     gathered: dict[str, list[float]] = {}
@@ -217,9 +222,9 @@ def reduce_metrics(metrics: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> 
     for key, values in gathered.items():
         if not values:
             continue
-        if key.endswith("/max"):
+        if key.endswith(MAX_SUFFIXES):
             reduced[key] = float(np.max(values))
-        elif key.endswith("/min"):
+        elif key.endswith(MIN_SUFFIXES):
             reduced[key] = float(np.min(values))
         else:
             reduced[key] = float(np.mean(values))

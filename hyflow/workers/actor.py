@@ -44,6 +44,7 @@ from hyflow.algos.distillation import (
     combine_with_policy_loss,
     distillation_loss,
     distillation_token_losses,
+    masked_range,
     topk_overlap,
     uses_topk,
 )
@@ -55,7 +56,7 @@ from hyflow.models.loading import load_causal_lm, load_tokenizer
 from hyflow.rollout.base import RolloutEngineError, SamplingParams
 from hyflow.rollout.build import build_rollout
 from hyflow.specs import ActorLossSpec, ActorSpec, DistillationLossSpec
-from hyflow.workers.engine import apply_full_determinism
+from hyflow.workers.engine import EXTREME_SUFFIXES, apply_full_determinism
 from hyflow.workers.fsdp import (
     DIST_TIMEOUT_S,
     is_distributed,
@@ -398,7 +399,7 @@ def _with_distillation(distill: DistillationLossSpec, total: torch.Tensor | None
                        loss_agg_mode: str, loss_scale_factor: float | None) -> torch.Tensor:
     """The actor's loss with on-policy distillation's term (`hyflow.algos.distillation`, verl's
     `distillation_ppo_loss`); its metric parts join `parts` (token-weighted means; `distillation/loss` as this
-    micro-batch's share of the mini-batch's L_d, like `actor/pg_loss`)."""
+    micro-batch's share of the mini-batch's L_d, like `actor/pg_loss`; the `_min` / `_max` ranges as they are)."""
     logp = out["log_probs"]
     losses, diagnostics = distillation_token_losses(
         distill.loss_mode, log_prob=logp, teacher_log_prob=cols.get("teacher_log_probs"),
@@ -417,13 +418,16 @@ def _with_distillation(distill: DistillationLossSpec, total: torch.Tensor | None
     denominator = mask.sum().clamp(min=1)
     for name, values in diagnostics.items():
         parts[f"distillation/{name}"] = float((values.detach().float() * mask).sum() / denominator) * weight
+        if name.endswith("_mass"):  # verl's student_mass_min|max, teacher_mass_min|max
+            parts[f"distillation/{name}_min"], parts[f"distillation/{name}_max"] = masked_range(values, mask)
     distill_loss, metrics = distillation_loss(
         losses, mask, loss_agg_mode=loss_agg_mode, loss_max_clamp=distill.loss_max_clamp,
         use_policy_gradient=distill.use_policy_gradient,
         policy_loss=get_policy_loss(distill.policy_loss_mode) if distill.use_policy_gradient else None,
         policy_loss_kwargs=distill.policy_loss_kwargs, log_prob=logp, old_log_prob=old,
         rollout_is_weights=cols.get("rollout_is_weights"), loss_scale_factor=loss_scale_factor, **ctx.norms)
-    parts.update({name: value * weight for name, value in metrics.items() if not name.endswith(("_min", "_max"))})
+    # the range over the mini-batch's tokens (engine.merge_metric: least / greatest over micro-batches and ranks)
+    parts.update({name: value if name.endswith(EXTREME_SUFFIXES) else value * weight for name, value in metrics.items()})
     parts["distillation/loss"] = float(distill_loss.detach())
     return combine_with_policy_loss(total, distill_loss, use_task_rewards=distill.use_task_rewards,
                                     distillation_loss_coef=distill.distillation_loss_coef)

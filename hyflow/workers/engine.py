@@ -29,6 +29,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from hyflow.algos.metrics import MAX_SUFFIXES, MIN_SUFFIXES
 from hyflow.batch import Batch
 
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -249,18 +250,45 @@ def all_reduce_sum(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def all_reduce_metrics(values: dict[str, float]) -> dict[str, float]:
-    """Sum scalar metric contributions over the data-parallel group: every rank gets the same global values.
+EXTREME_SUFFIXES = MIN_SUFFIXES + MAX_SUFFIXES
 
-    One float64 all-reduce over the values in sorted-name order, so every rank must hold the same names (they
-    follow from the config and the batch columns, which all ranks share). Identity in one process.
+
+def merge_metric(name: str, total: float | None, value: float) -> float:
+    """One more contribution `value` to the metric `name`: the smaller for a name ending in `_min` or `/min`, the
+    larger for `_max` or `/max` (verl's AggregationType.MIN / MAX, e.g. `distillation/loss_min`; the names
+    `hyflow.algos.reduce_metrics` reduces so), else the sum (`total` None: none yet)."""
+    if total is None:
+        return float(value)
+    if name.endswith(MIN_SUFFIXES):
+        return min(total, float(value))
+    if name.endswith(MAX_SUFFIXES):
+        return max(total, float(value))
+    return total + float(value)
+
+
+def all_reduce_metrics(values: dict[str, float]) -> dict[str, float]:
+    """Reduce scalar metric contributions over the data-parallel group: every rank gets the same global values.
+
+    Sums, but the group's minimum / maximum of a name ending in `_min` or `/min` / `_max` or `/max`, as
+    `merge_metric`. One float64 all-reduce of the sums and one of the extremes (the minima negated into a MAX), in
+    sorted-name order, so every rank must hold the same names (they follow from the config and the batch columns,
+    which all ranks share). Identity in one process.
     """
     if not _is_distributed() or not values:
         return dict(values)
-    names = sorted(values)
-    packed = torch.tensor([float(values[name]) for name in names], dtype=torch.float64, device=_collective_device())
-    dist.all_reduce(packed, op=dist.ReduceOp.SUM)
-    return dict(zip(names, packed.tolist(), strict=True))
+    out = {}
+    device = _collective_device()
+    extremes = sorted(name for name in values if name.endswith(EXTREME_SUFFIXES))
+    sums = sorted(name for name in values if not name.endswith(EXTREME_SUFFIXES))
+    for names, op in ((sums, dist.ReduceOp.SUM), (extremes, dist.ReduceOp.MAX)):
+        if not names:
+            continue
+        signs = [-1.0 if name.endswith(MIN_SUFFIXES) else 1.0 for name in names]
+        packed = torch.tensor([sign * float(values[name]) for sign, name in zip(signs, names, strict=True)],
+                              dtype=torch.float64, device=device)
+        dist.all_reduce(packed, op=op)
+        out.update({name: sign * v for sign, name, v in zip(signs, names, packed.tolist(), strict=True)})
+    return out
 
 
 def all_reduce_max(value: int) -> int:

@@ -51,7 +51,7 @@ import contextlib
 import dataclasses
 import itertools
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -81,12 +81,14 @@ from hyflow.models.vision import (
 )
 from hyflow.specs import TrainEngineSpec
 from hyflow.workers.engine import (
+    EXTREME_SUFFIXES,
     SEQUENCE_KEYS,
     all_reduce_metrics,
     all_reduce_sum,
     build_optimizer,
     build_scheduler,
     clip_and_step,
+    merge_metric,
     micro_batches_as_derived,
     mini_batches,
     pad_response,
@@ -562,12 +564,13 @@ class TrainEngine:
                          temperature: float = 1.0, with_entropy: bool = False,
                          topk_column: str | None = None, counts: dict | None = None) -> dict[str, float]:
         """Forward and backward every micro-batch of `batch` (one mini-batch of this rank) with `loss_fn`;
-        gradients accumulate in `.grad`. Returns this rank's metric parts, summed over the micro-batches."""
+        gradients accumulate in `.grad`. Returns this rank's metric parts, summed over the micro-batches (the least
+        / greatest of a name ending in `_min` / `_max`: `merge_metric`)."""
         R = batch["responses"].shape[1]
         micros = micro_batches_as_derived(batch, sizes, share_prompts=self.share_prompts, token_scale=self.sp_size)
         ctx = MicroContext(norms=norms, global_tokens=max(float(norms["global_token_count"]), 1.0),
                            n_micro=len(micros), world_size=self.dp_size, counts=dict(counts or {}))
-        sums: defaultdict[str, float] = defaultdict(float)
+        sums: dict[str, float] = {}
         for done, (micro, _) in enumerate(micros, 1):
             with self.passes():  # forward and backward: a checkpointed layer re-runs its attention in backward
                 out, r = self.forward_micro(micro, R, temperature=temperature, with_entropy=with_entropy,
@@ -580,7 +583,7 @@ class TrainEngine:
                     # the data-parallel size (world / S), not the world size
                     (loss * self.dp_size).backward()
             for key, value in parts.items():
-                sums[key] += float(value)
+                sums[key] = merge_metric(key, sums.get(key), value)
             if self.progress is not None:
                 mini = f"mini-batch {self._mini[0]}/{self._mini[1]}" if self._mini and self._mini[1] > 1 else ""
                 self.progress(f"update_{self.name}", done, len(micros), "micro-batches", mini)
@@ -634,7 +637,9 @@ class TrainEngine:
             sums = self.forward_backward(mini, plan.sizes, loss_fn, columns=columns, norms=norms,
                                          temperature=temperature, with_entropy=with_entropy,
                                          topk_column=topk_column, counts=counts)
-            sums = all_reduce_metrics({key: 0.0 if self.group_rank else value for key, value in sums.items()})
+            # a sequence-parallel group's sums count once (its first rank's); its extremes are every rank's alike
+            sums = all_reduce_metrics({key: 0.0 if self.group_rank and not key.endswith(EXTREME_SUFFIXES) else value
+                                       for key, value in sums.items()})
             stepped = self.step()
             for key, value in {**sums, **{f"{plan.metric_prefix}/{k}": v for k, v in stepped.items()}}.items():
                 metrics.setdefault(key, []).append(value)

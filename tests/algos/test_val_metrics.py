@@ -187,7 +187,10 @@ def test_reduce_metrics_list_of_dicts_and_dict_of_lists():
         "empty": [],
     }
     assert reduce_metrics(lists) == {"a": 2.0, "b/max": 5.0, "c/min": -1.0}
-    assert reduce_metrics({"x_max": [1.0, 3.0]}) == {"x_max": 2.0}  # only a '/max' suffix means max
+    # verl's AggregationType.MIN / MAX names (distillation/loss_min|max) reduce the same way; "max" elsewhere in a
+    # name is not a reduction
+    assert reduce_metrics({"x_max": [1.0, 3.0], "x_min": [1.0, 3.0]}) == {"x_max": 3.0, "x_min": 1.0}
+    assert reduce_metrics({"max_x": [1.0, 3.0], "x_maximal": [1.0, 3.0]}) == {"max_x": 2.0, "x_maximal": 2.0}
 
 
 def test_reduce_metrics_rejects_non_numeric_values():

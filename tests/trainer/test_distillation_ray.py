@@ -67,8 +67,10 @@ def test_two_ray_workers_distill_like_one_process(tiny_model_dir, task_dir, teac
         torch.testing.assert_close(got_teacher[key], teacher[key], atol=1e-5, rtol=0)
     assert torch.equal(got_teacher["teacher_topk_ids"], teacher["teacher_topk_ids"])
     assert_inside_the_clips(want)
+    # the ranges are each mini-batch's least / greatest over both ranks (all_reduce_metrics), as in one process
     assert_same_update(got, want, ("actor/pg_loss", "distillation/loss", "distillation/teacher_mass",
-                                   "actor/grad_norm"), got_weights, want_weights)
+                                   "distillation/loss_min", "distillation/loss_max", "distillation/teacher_mass_min",
+                                   "distillation/student_mass_max", "actor/grad_norm"), got_weights, want_weights)
 
 
 def test_a_distillation_run_logs_its_metrics(tiny_model_dir, task_dir, teacher_dir, tmp_path):
@@ -79,7 +81,13 @@ def test_a_distillation_run_logs_its_metrics(tiny_model_dir, task_dir, teacher_d
     rows = [row for row in read_metrics(run) if row["step"] > 0]
     assert len(rows) == 2
     for key in ("distillation/loss", "distillation/student_mass", "distillation/teacher_mass",
-                "distillation/overlap_ratio", "timing_s/teacher"):
+                "distillation/overlap_ratio", "timing_s/teacher", "distillation/loss_min", "distillation/loss_max",
+                "distillation/student_mass_min", "distillation/student_mass_max", "distillation/teacher_mass_min",
+                "distillation/teacher_mass_max"):
         assert all(key in row for row in rows), key
+    for row in rows:  # a range, around the mean (the loss's mean is over the clamped losses: top-k clamps at 0)
+        for name in ("student_mass", "teacher_mass"):
+            assert 0 < row[f"distillation/{name}_min"] <= row[f"distillation/{name}"] <= row[f"distillation/{name}_max"] <= 1
+        assert row["distillation/loss_min"] < row["distillation/loss_max"]
     assert "actor/pg_loss" not in rows[0]  # use_task_rewards=false: the distillation loss alone (verl's rule)
     assert rows[0]["distillation/loss"] > 0

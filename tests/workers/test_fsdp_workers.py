@@ -392,7 +392,22 @@ def test_clip_grad_norm_matches_torch():
     assert float(got) == float(want) > 0.1
     for p, c in zip(model.parameters(), clipped, strict=True):
         torch.testing.assert_close(p.grad, c, atol=0, rtol=0)
-    assert all_reduce_metrics({"a": 1.5}) == {"a": 1.5}  # one process: unchanged
+    assert all_reduce_metrics({"a": 1.5, "b_min": -1.0}) == {"a": 1.5, "b_min": -1.0}  # one process: unchanged
+
+
+def test_merge_metric_sums_but_keeps_the_least_and_greatest_of_min_and_max_names():
+    from hyflow.workers.engine import merge_metric
+
+    def merged(name, values):
+        total = None
+        for value in values:
+            total = merge_metric(name, total, value)
+        return total
+
+    assert merged("actor/pg_loss", [0.5, 0.25, -1.0]) == -0.25
+    assert merged("distillation/loss_min", [0.5, float("inf"), -1.0, 2.0]) == -1.0  # inf: a micro-batch of no token
+    assert merged("distillation/loss_max", [0.5, float("-inf"), 2.0, -1.0]) == 2.0
+    assert merged("x_maximal", [1.0, 2.0]) == 3.0
 
 
 # ------------------------------------------------------------------------------------------------ spawned ranks
@@ -460,6 +475,11 @@ def _rank_main(rank: int, world_size: int, port: int, model_dir: str, out: str) 
     result["dynamic_metrics"] = dynamic.update_actor(batch).meta["metrics"]
     result["dynamic_state"] = dynamic.state_dict()
     result["wrap_options"] = _wrap_options(model_dir, batch)
+    from hyflow.workers.engine import all_reduce_metrics
+
+    # sums, minima and maxima over the ranks in one call (distillation/loss_min|max)
+    result["reduced"] = all_reduce_metrics({"s": rank + 1.0, "x_min": [-2.0, 3.0][rank], "x_max": [-2.0, 3.0][rank],
+                                            "y_min": [5.0, 4.0][rank], "y/max": [5.0, 4.0][rank]})
     torch.save(result, out / f"rank{rank}.pt")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -586,6 +606,12 @@ def test_fsdp2_wraps_actor_and_ref_and_keeps_embeddings_tied(run):
         assert rank["tied"]
     state = run["ranks"][0]["actor_state"]["actor_model"]
     torch.testing.assert_close(state["lm_head.weight"], state["model.embed_tokens.weight"], atol=0, rtol=0)
+
+
+@pytest.mark.slow
+def test_metric_all_reduce_sums_but_takes_the_extremes_of_min_and_max_names(run):
+    for rank in run["ranks"]:
+        assert rank["reduced"] == {"s": 3.0, "x_min": -2.0, "x_max": 3.0, "y_min": 4.0, "y/max": 5.0}
 
 
 @pytest.mark.slow
