@@ -274,7 +274,8 @@ def distillation(results: Path) -> str:
     grpo, dist = s["runs"]["grpo"]["val_acc"], s["runs"]["distillation"]["val_acc"]
     best_step, best = max(dist, key=lambda point: point[1])
     return (
-        f"Measured by `{s.get('command', 'compare.py')}` (seed {s['seed']}, wall time {minutes(s['wall_time_s'])}, "
+        f"Measured by `{s.get('command', 'compare.py')}` on {machine_words(s.get('machine', {}))} "
+        f"({commit_words(s.get('machine', {}))}; seed {s['seed']}, wall time {minutes(s['wall_time_s'])}, "
         f"{load_words(s.get('load_average_before'), s.get('load_average_after'))}; artefact: "
         "`benchmarks/results/distillation.json`, figure `docs/figures/distillation_vs_grpo.png`): from a student that "
         "adds but never writes the `#### value` line (greedy accuracy on the 200 held-out prompts "

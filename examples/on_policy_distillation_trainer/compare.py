@@ -82,6 +82,19 @@ def plot(summary: dict, path: Path) -> Path:
     return path
 
 
+def provenance(load_before: list[float] | None) -> dict:
+    """The run's date, load and machine with its hyflow commit (benchmarks/machine.py's `run_provenance`), for
+    `tools/gen_figures.py`; only the load when the example was copied out of the repository."""
+    sys.path.insert(0, str(HERE.parents[1] / "benchmarks"))
+    try:
+        from machine import run_provenance
+    except ImportError:
+        return {"load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()]}
+    finally:
+        sys.path.pop(0)
+    return run_provenance(load_before)
+
+
 def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,9 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         "runs": {name: {"val_acc": val_curve(out / name), "train_score": score_curve(out / name)}
                  for name in ("grpo", "distillation")},
         "wall_time_s": round(time.perf_counter() - start, 1),
+        **provenance(load_before),
         "command": "python " + " ".join([str(Path(sys.argv[0])), *(argv if argv is not None else sys.argv[1:])]),
-        "load_average_before": load_before,
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     figure = plot(summary, out / "distillation_vs_grpo.png")
