@@ -222,6 +222,8 @@ def test_cpu_variant_runs(path, tmp_path, examples_cache):
         assert (out / "train.parquet").is_file() and (out / "test.parquet").is_file(), output[-3000:]
         return
     assert_trained_one_step(out, output)
+    # a group estimator (GRPO, RLOO, ...) at rollout.n=1 trains nothing: its advantages are all zero
+    assert "advantages carry no signal" not in output, f"{rel(path)} --cpu runs a group estimator with n=1"
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ if [ "${1:-}" = --cpu ]; then
     cpu_setup grpo_tp arithmetic warm
     RUN=(
         "${CPU_RL[@]}"
+        actor_rollout_ref.rollout.n=4
         actor_rollout_ref.actor.tensor_parallel_size=2
         trainer.executor=ray
         trainer.n_gpus_per_node=2
