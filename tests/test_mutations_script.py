@@ -6,9 +6,12 @@ checkout it copies."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -242,3 +245,44 @@ def test_unknown_ids_and_the_listing(mutations, capsys):
     assert mutations.main(["--list", "--fast"]) == 0
     out = capsys.readouterr().out
     assert "ulysses-grad-scale" in out and "dp-global-loss-normalisation" not in out
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def test_sigterm_ends_the_runs_under_way_and_removes_the_copies(project, tmp_path):
+    """The pytest runs are in sessions of their own (a timeout kills each whole), so no signal sent to the script
+    reaches them: SIGTERM (and Ctrl-C) must end them itself, and the temporary copies must go."""
+    pid_file, scratch = tmp_path / "pid", tmp_path / "scratch"
+    scratch.mkdir()
+    listing = project.parent / "list.toml"
+    listing.write_text(LIST.replace("replacement = \"return __import__('time').sleep(600)\"",
+                                    "replacement = \"return __import__('pathlib').Path(__import__('os').environ["
+                                    "'HANG_PID_FILE']).write_text(str(__import__('os').getpid())) and "
+                                    "__import__('time').sleep(600)\"").replace("timeout = 5", "timeout = 600"))
+    env = {**os.environ, "HANG_PID_FILE": str(pid_file), "TMPDIR": str(scratch)}
+    script = subprocess.Popen([sys.executable, str(SCRIPT), "--file", str(listing), "--root", str(project),
+                               "--only", "hangs"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    hung = None
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() or not pid_file.read_text():
+            assert script.poll() is None and time.monotonic() < deadline, script.communicate()
+            time.sleep(0.1)
+        hung = int(pid_file.read_text())
+        assert _alive(hung)
+        script.send_signal(signal.SIGTERM)
+        out, err = script.communicate(timeout=120)
+    finally:
+        script.kill()
+        if hung is not None and _alive(hung):  # the test failed: leave nothing sleeping behind
+            os.kill(hung, signal.SIGKILL)
+            time.sleep(0.5)
+            raise AssertionError("the hung test still ran after the script was told to stop")
+    assert script.returncode == 130 and "interrupted" in err, (out, err)
+    assert list(scratch.iterdir()) == []

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import io
 import os
@@ -48,6 +49,11 @@ PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider")
 CAUGHT, NOT_CAUGHT, ERROR = "caught", "NOT CAUGHT", "ERROR"
 REQUIRED = {"id": str, "feature": str, "file": str, "original": str, "replacement": str, "tests": list, "fast": bool}
 OPTIONAL = {"k": str, "timeout": int}
+
+
+_RUNNING: set[subprocess.Popen] = set()  # the pytest runs under way, each the leader of its own session
+_RUNNING_LOCK = threading.Lock()
+_STOPPING = threading.Event()
 
 
 class MutationError(Exception):
@@ -211,15 +217,35 @@ def run_tests(mutation: Mutation, copy: Path, python: str) -> tuple[int | None, 
     basetemp = copy.parent / f"{copy.name}-pytest"
     proc = subprocess.Popen(pytest_command(mutation, python, basetemp), cwd=copy, env=child_env(copy),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    with _RUNNING_LOCK:
+        _RUNNING.add(proc)
+        if _STOPPING.is_set():  # started while stop_all() ran
+            _kill(proc)
     try:
         output, _ = proc.communicate(timeout=mutation.timeout)
         return proc.returncode, output
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill(proc)
         output, _ = proc.communicate()
         return None, output
     finally:
+        with _RUNNING_LOCK:
+            _RUNNING.discard(proc)
         shutil.rmtree(basetemp, ignore_errors=True)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL to every process of `proc`'s session (the tests' own subprocesses, ranks and Ray included)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def stop_all() -> None:
+    """End every pytest run under way, and any that starts after (an interrupted check leaves nothing running)."""
+    _STOPPING.set()
+    with _RUNNING_LOCK:
+        for proc in _RUNNING:
+            _kill(proc)
 
 
 def run_one(mutation: Mutation, copy: Path, python: str, baseline: bool = False) -> Result:
@@ -257,6 +283,7 @@ def run_all(mutations: list[Mutation], root: Path, *, jobs: int = 1, rev: str | 
     """Every mutation in a copy of `root` (one copy per job), `echo`ing each verdict line as it comes; the results
     in list order."""
     jobs = max(1, min(jobs, len(mutations)))
+    _STOPPING.clear()
     with tempfile.TemporaryDirectory(prefix="hyflow-mutations-") as tmp:
         copies = []
         for j in range(jobs):
@@ -277,14 +304,24 @@ def run_all(mutations: list[Mutation], root: Path, *, jobs: int = 1, rev: str | 
             echo(result.line())
             return result
 
-        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-            return list(pool.map(job, mutations))
+        pool = concurrent.futures.ThreadPoolExecutor(jobs)
+        try:
+            return [future.result() for future in [pool.submit(job, m) for m in mutations]]
+        except BaseException:  # Ctrl-C, SIGTERM: the runs are in sessions of their own, no signal reaches them
+            stop_all()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def summary(results: list[Result], seconds: float) -> str:
     counts = {v: sum(r.verdict == v for r in results) for v in (CAUGHT, NOT_CAUGHT, ERROR)}
     return (f"{len(results)} mutations: {counts[CAUGHT]} caught, {counts[NOT_CAUGHT]} not caught, "
             f"{counts[ERROR]} errors in {seconds:.0f} s")
+
+
+def _interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,12 +363,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(mutations)} mutations checked: {len(problems)} problems")
         return 1 if problems else 0
     start = time.perf_counter()
+    previous = signal.signal(signal.SIGTERM, _interrupted)
     try:
         results = run_all(mutations, args.root, jobs=args.jobs, rev=args.rev, baseline=args.baseline,
                           echo=lambda line: print(line, flush=True))
     except MutationError as exc:
         print(f"mutations: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("mutations: interrupted; the pytest runs under way were ended, the copies removed", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(summary(results, time.perf_counter() - start))
     return 0 if all(r.verdict == CAUGHT for r in results) else 1
 
