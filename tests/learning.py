@@ -10,18 +10,29 @@ learning transition lands on either side of it. So every learning test
 - asserts its premise first (the warm start is past its transition), so a failure names its cause;
 - reports its measured margin with `report_margin`: printed, and appended as one JSON line to
   `HYFLOW_MARGINS_FILE` when set, which `tools/learning_margins.py` tabulates.
+
+`assert_beats_frozen` compares a rise with a control's: the same run, same seeds, with the actor's learning rate 0,
+so a policy that never moves fails however its sampling noise falls. Its margin comes from the control's measured
+noise: `tools/learning_margins.py --control-seeds 0-11 --tests ...` (`HYFLOW_CONTROL_SEEDS`) runs only the controls,
+over RL seeds, and prints their SD and each margin's false-pass rate.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Callable, Sequence
 
+import pytest
 import torch
 
 from hyflow.trainer.tracking import read_metrics
 
 SEED = int(os.environ.get("HYFLOW_TEST_SEED", "0"))
+# the frozen controls' (key, RL seed) -> per-step scores, for the whole session: with lr 0 the weights never move, so a
+# control depends only on the rollout's inputs, and the tests that share those share one control run
+_CONTROLS: dict[tuple, list[float]] = {}
 
 
 def capability() -> str:
@@ -34,12 +45,17 @@ def report_margin(test: str, what: str, value: float, threshold: float) -> float
     margin = value - threshold
     print(f"[margin] {test}: {what} = {value:.4f}, needs > {threshold:.4f}, margin {margin:+.4f} "
           f"(seed {SEED}, {capability()})")
+    _record({"test": test, "what": what, "value": value, "threshold": threshold, "margin": margin, "seed": SEED,
+             "capability": capability()})
+    return margin
+
+
+def _record(row: dict) -> None:
+    """Append `row` as one JSON line to `HYFLOW_MARGINS_FILE` when it is set."""
     path = os.environ.get("HYFLOW_MARGINS_FILE")
     if path:
         with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"test": test, "what": what, "value": value, "threshold": threshold,
-                                "margin": margin, "seed": SEED, "capability": capability()}) + "\n")
-    return margin
+            f.write(json.dumps(row) + "\n")
 
 
 def assert_sft_premise(run_dir, below: float, last: int = 50) -> float:
@@ -54,3 +70,63 @@ def assert_sft_premise(run_dir, below: float, last: int = 50) -> float:
                           f"last {len(losses)} steps, premise < {below}): the RL test after it would measure the "
                           "rounding of this CPU, not the algorithm")
     return loss
+
+
+def rise(scores: Sequence[float], k: int) -> float:
+    """Mean of the last `k` values minus mean of the first `k`."""
+    if len(scores) < 2 * k:
+        raise ValueError(f"a rise over windows of {k} needs at least {2 * k} values, got {len(scores)}")
+    return sum(scores[-k:]) / k - sum(scores[:k]) / k
+
+
+def control_seeds() -> list[int]:
+    """The RL seeds of a control sweep (`HYFLOW_CONTROL_SEEDS`, e.g. "0-11" or "0 3 5"); [] outside a sweep."""
+    spec = os.environ.get("HYFLOW_CONTROL_SEEDS", "").strip()
+    seeds = []
+    for part in spec.replace(",", " ").split():
+        low, _, high = part.partition("-")
+        if not (low.isdigit() and (not high or high.isdigit())):
+            raise ValueError(f"HYFLOW_CONTROL_SEEDS={spec!r}: give seeds and ranges of seeds, as '0-11' or '0 3 5'")
+        seeds.extend(range(int(low), int(high or low) + 1))
+    return seeds
+
+
+def frozen_scores(key: tuple, frozen: Callable[[int], list[float]], seed: int) -> list[float]:
+    """The control's per-step scores under RL seed `seed`: `frozen(seed)` (the learning run with the actor's lr 0),
+    run once per (key, seed) in the session. `key` must name every input of the rollout."""
+    if (key, seed) not in _CONTROLS:
+        _CONTROLS[(key, seed)] = list(frozen(seed))
+    return _CONTROLS[(key, seed)]
+
+
+def assert_beats_frozen(test: str, what: str, learn: Callable[[], float], frozen: Callable[[int], list[float]],
+                        statistic: Callable[[list[float]], float], key: tuple, margin: float) -> float:
+    """Assert that the learning run's rise `learn()` beats its frozen control's, `statistic(frozen(seed))`, by more
+    than `margin`.
+
+    The control is the same run with the actor's learning rate 0 under the same seeds (`frozen(seed)`: its per-step
+    scores, cached by `key`), so the decision statistic D = rise - control is 0 for a policy that never moves, and
+    its SD for one that moves at random is about sqrt(2) x the control's SD over seeds: a margin of 2.4 x that or
+    more lets under 1 % of such learners pass (D normal). In a control sweep (`HYFLOW_CONTROL_SEEDS`)
+    it records the control for every seed of the sweep and skips the test (the learning run is not run). Returns D."""
+    seeds = control_seeds()
+    if seeds:
+        for seed in seeds:
+            scores = frozen_scores(key, frozen, seed)
+            value = statistic(scores)
+            print(f"[control] {test}: {what}, frozen policy, RL seed {seed}: {value:+.4f} ({capability()})")
+            _record({"test": test, "what": what, "control": value, "rl_seed": seed, "margin_needed": margin,
+                     "scores": scores, "seed": SEED, "capability": capability()})
+        pytest.skip(f"control sweep over RL seeds {seeds}: the learning run is not run")
+    control = statistic(frozen_scores(key, frozen, SEED))
+    learned = learn()
+    if not (math.isfinite(learned) and math.isfinite(control)):
+        raise AssertionError(f"{test}: {what} is not finite (learning run {learned}, frozen control {control})")
+    print(f"[control] {test}: {what}: learning run {learned:+.4f}, frozen control (lr 0, same seeds) {control:+.4f}")
+    difference = learned - control
+    report_margin(test, f"{what}: learning run - frozen control", difference, margin)
+    assert difference > margin, (
+        f"{test}: {what} of the learning run ({learned:+.4f}) beats the frozen control's ({control:+.4f}, the same "
+        f"run with the actor's lr 0) by {difference:+.4f}, not by more than {margin}: the run did not learn more than "
+        "a policy that never moves")
+    return difference

@@ -26,14 +26,17 @@ def mean_reward(history, steps):
     return sum(row["critic/score/mean"] for row in steps(history)) / len(steps(history))
 
 
-@pytest.mark.parametrize("name, extra", [
-    ("grpo", ["algorithm.adv_estimator=grpo"]),
-    ("ppo", ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "critic.ppo_epochs=2",
-             "actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]),
-    ("prime", ["algorithm.adv_estimator=prime", "reward_model.enable=true", "reward_model.model.optim.lr=1e-4",
-               "reward_model.mini_batch_size=128", "algorithm.reward_dpo_coef=1"]),
-])
-def test_reward_rises(warm, tmp_path, name, extra):
+RISE_ALGORITHMS = {
+    "grpo": ["algorithm.adv_estimator=grpo"],
+    "ppo": ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "critic.ppo_epochs=2",
+            "actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.ppo_mini_batch_size=8"],
+    "prime": ["algorithm.adv_estimator=prime", "reward_model.enable=true", "reward_model.model.optim.lr=1e-4",
+              "reward_model.mini_batch_size=128", "algorithm.reward_dpo_coef=1"],
+}
+
+
+@pytest.mark.parametrize("name", list(RISE_ALGORITHMS))  # node ids test_reward_rises[grpo], [ppo], [prime]
+def test_reward_rises(warm, tmp_path, name):
     """The mean training reward of the last 6 of 24 steps exceeds that of the first 6 by more than 0.05.
     Margins measured (last - first - 0.05; `[margin]` lines, tools/learning_margins.py; AMD EPYC): seed 0 under
     ATEN_CPU_CAPABILITY=default: grpo +0.083, ppo +0.134 (session of issue 22); seeds 1 / 2 under default: grpo
@@ -43,7 +46,7 @@ def test_reward_rises(warm, tmp_path, name, extra):
     native +0.182 / +0.101 (issue 28's session). With the recipe's equal weights 5 / 5 the one native run rose 0.023
     (PRM lr 1e-4) to 0.074 (lr 1e-5): too close to the threshold for a test; outcome-only RLOO (reward_dpo_coef=0)
     rose 0.104 there, so on this tiny task the implicit rewards add no measurable speed."""
-    history = rl(warm, tmp_path / name, 24, *extra)
+    history = rl(warm, tmp_path / name, 24, *RISE_ALGORITHMS[name])
     first, last = mean_reward(history, lambda h: h[:6]), mean_reward(history, lambda h: h[-6:])
     print(f"{name}: mean reward first 6 steps {first:.3f}, last 6 steps {last:.3f}")
     report_margin(f"test_reward_rises[{name}]", "reward rise (last 6 - first 6 steps)", last - first, 0.05)
