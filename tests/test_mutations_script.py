@@ -104,6 +104,9 @@ def add(a, b):
 """
 
 TESTS = """\
+import subprocess
+import sys
+
 from hyflow.calc import add
 
 
@@ -113,6 +116,12 @@ def test_add():
 
 def test_add_gives_a_number():
     assert isinstance(add(2, 3), int)
+
+
+def test_add_in_a_process_with_nothing_inherited():
+    code = "from hyflow.calc import add; print(add(2, 3))"
+    out = subprocess.run([sys.executable, "-I", "-c", code], env={}, cwd="/", capture_output=True, text=True)
+    assert out.stdout.strip() == "5", out.stderr
 """
 
 LIST = """\
@@ -132,6 +141,15 @@ file = "hyflow/calc.py"
 original = "return a + b"
 replacement = "return a * b"
 tests = ["tests/test_calc.py::test_add_gives_a_number"]
+fast = true
+
+[[mutation]]
+id = "caught-in-a-clean-process"
+feature = "add adds, tested in a process that inherits no PYTHONPATH"
+file = "hyflow/calc.py"
+original = "return a + b"
+replacement = "return a - b"
+tests = ["tests/test_calc.py::test_add_in_a_process_with_nothing_inherited"]
 fast = true
 
 [[mutation]]
@@ -199,10 +217,12 @@ def test_verdicts_on_a_fake_project(mutations, project, capsys):
     assert rc == 1, out
     assert got["caught"][0] == "caught" and got["caught"][-1] == "tests/test_calc.py::test_add", out
     assert got["missed"][0] == "NOT CAUGHT", out  # runs after `caught` in the same copy: the file was restored
+    # the copy's interpreter imports the copy even where PYTHONPATH does not reach (the sandbox's tests)
+    assert got["caught-in-a-clean-process"][0] == "caught", out
     assert got["moved"][0] == "ERROR" and "occurs 0 times in hyflow/calc.py" in got["moved"][-1], out
     assert got["nothing-collected"][0] == "ERROR" and "pytest exit 5" in got["nothing-collected"][-1], out
     assert got["hangs"][0] == "ERROR" and "timed out after 5 s" in got["hangs"][-1], out
-    assert "5 mutations: 1 caught, 1 not caught, 3 errors" in out
+    assert "6 mutations: 2 caught, 1 not caught, 3 errors" in out
     assert (project / "hyflow" / "calc.py").read_text() == CALC  # the checkout itself is never mutated
 
 

@@ -189,15 +189,33 @@ def child_env(copy: Path) -> dict[str, str]:
     return env
 
 
+def copy_interpreter(copy: Path, python: str) -> str:
+    """A venv beside `copy` whose Python finds the copy's packages first and then everything `python` has: its
+    site-packages holds a .pth that puts the copy on sys.path ahead of `python`'s site-packages (whose editable
+    install of the checkout then never wins). Tests that start `sys.executable` with a scrubbed environment or -I
+    (the sandbox's tests do) so run the copy too, which PYTHONPATH alone would not reach."""
+    venv = copy.parent / f"{copy.name}-venv"
+    subprocess.run([python, "-m", "venv", "--without-pip", str(venv)], check=True, capture_output=True, timeout=300)
+    new = str(venv / "bin" / "python")
+    ask = "import site, sysconfig; print(sysconfig.get_paths()['purelib']); print(*site.getsitepackages(), sep='\\n')"
+    purelib = subprocess.run([new, "-I", "-c", ask], capture_output=True, text=True, check=True).stdout.split()[0]
+    old = subprocess.run([python, "-I", "-c", ask], capture_output=True, text=True, check=True).stdout.split()[1:]
+    lines = [str(copy)] + [f"import site; site.addsitedir({path!r})" for path in old if Path(path).is_dir()]
+    Path(purelib, "_hyflow_mutations_copy.pth").write_text("\n".join(lines) + "\n")
+    return new
+
+
 def verify_import(copy: Path, python: str, package: str = "hyflow") -> None:
-    """Errors unless `python` in `copy` imports `package` from the copy (not the editable install's checkout)."""
-    out = subprocess.run([python, "-c", f"import {package}; print({package}.__file__)"], cwd=copy,
-                         env=child_env(copy), capture_output=True, text=True, timeout=300)
-    found = out.stdout.strip()
-    if out.returncode != 0 or not Path(found).resolve().is_relative_to(copy.resolve()):
-        raise MutationError(f"in the copy {copy}, {python} imports {package} from {found or out.stderr[-500:]!r}, "
-                            "not from the copy: the mutants would not be what the tests run (is an installed "
-                            f"{package} ahead of PYTHONPATH on sys.path?)")
+    """Errors unless `python` imports `package` from `copy` (not from the editable install's checkout), both as the
+    tests run it and as a test's subprocess with an empty environment in isolated mode (-I) does."""
+    probe = f"import {package}; print({package}.__file__)"
+    for args, env, cwd in (([python, "-c", probe], child_env(copy), copy), ([python, "-I", "-c", probe], {}, "/")):
+        out = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        found = out.stdout.strip()
+        if out.returncode != 0 or not Path(found).resolve().is_relative_to(copy.resolve()):
+            raise MutationError(f"in the copy {copy}, `{' '.join(args[:-2])}` imports {package} from "
+                                f"{found or out.stderr[-500:]!r}, not from the copy: the mutants would not be what the "
+                                f"tests run (is an installed {package} ahead of the copy on sys.path?)")
 
 
 def failing_test(output: str) -> str:
@@ -263,7 +281,7 @@ def run_one(mutation: Mutation, copy: Path, python: str, baseline: bool = False)
             return Result(mutation, ERROR, time.perf_counter() - start,
                           f"the tests fail without the mutant (exit {rc}) {failing_test(output)}".rstrip())
     try:
-        path.write_text(mutated)
+        path.write_bytes(mutated.encode())
         rc, output = run_tests(mutation, copy, python)
     finally:
         path.write_bytes(original)
@@ -285,19 +303,19 @@ def run_all(mutations: list[Mutation], root: Path, *, jobs: int = 1, rev: str | 
     jobs = max(1, min(jobs, len(mutations)))
     _STOPPING.clear()
     with tempfile.TemporaryDirectory(prefix="hyflow-mutations-") as tmp:
-        copies = []
+        pythons = {}  # copy -> its interpreter
         for j in range(jobs):
             copy = Path(tmp) / f"copy{j}"
             copy_tree(root, copy, rev)
-            copies.append(copy)
-        verify_import(copies[0], python)
-        free, lock = list(copies), threading.Lock()
+            pythons[copy] = copy_interpreter(copy, python)
+            verify_import(copy, pythons[copy])
+        free, lock = list(pythons), threading.Lock()
 
         def job(mutation: Mutation) -> Result:
             with lock:
                 copy = free.pop()
             try:
-                result = run_one(mutation, copy, python, baseline)
+                result = run_one(mutation, copy, pythons[copy], baseline)
             finally:
                 with lock:
                     free.append(copy)
