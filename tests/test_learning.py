@@ -106,3 +106,44 @@ def test_the_control_table_gives_sigma_c_and_the_false_passes(margins):
     assert f"per-step score SD {math.sqrt((0.0 + 0.01 + 0.04 + 0.09) / 2 / 4):.4f}" in line
     pooled = margins.control_table(rows + [{**row, "capability": "DEFAULT"} for row in rows])
     assert len(pooled.splitlines()) == 3 and "| pooled | 8 seeds" in pooled and "6 of 24 seed pairs" in pooled
+
+
+def digits(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """A dense reward (the share of digits), so that the scores of an untrained model tell its samples apart."""
+    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
+
+
+@pytest.mark.slow
+def test_a_frozen_run_depends_only_on_the_rollout_inputs(tiny_model_dir, tmp_path):
+    """The premise of sharing one control: with the actor's lr 0 the per-step samples (score, length) are the same
+    run after run and whatever the estimator, its loss, a LoRA adapter (B starts at 0) or a validation before
+    training; they change with the RL seed and as soon as the policy moves (lr > 0, from step 2: step 1 samples the
+    same weights)."""
+    from hyflow.data.tasks import make_task
+    from hyflow.trainer.rl_trainer import RLTrainer
+
+    make_task("arithmetic", tmp_path / "task", n_train=64, n_test=8, seed=0, digits=1)
+
+    def run(name, *extra, seed=0):
+        history = RLTrainer([
+            f"actor_rollout_ref.model.path={tiny_model_dir}", f"data.train_files={tmp_path}/task/train.parquet",
+            f"trainer.default_local_dir={tmp_path / name}", "data.train_batch_size=4", "data.max_prompt_length=48",
+            "data.max_response_length=12", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.optim.lr=0", "reward_model.num_workers=0",
+            "trainer.logger=[file]", "trainer.total_training_steps=3", "trainer.val_before_train=false",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=false", f"trainer.seed={seed}",
+            "algorithm.adv_estimator=grpo", *extra], reward_fn=digits).fit()
+        return [(row["critic/score/mean"], row["response_length/mean"]) for row in history
+                if "critic/score/mean" in row]
+
+    frozen = run("grpo")
+    assert run("grpo_again") == frozen
+    assert run("online_dpo", "algorithm.adv_estimator=online_dpo", "actor_rollout_ref.actor.dpo_beta=0.1") == frozen
+    assert run("ppo", "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "critic.ppo_epochs=2",
+               "actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2") == frozen
+    assert run("lora", "actor_rollout_ref.model.lora_rank=16", "actor_rollout_ref.model.lora_alpha=32") == frozen
+    assert run("validated", f"data.val_files={tmp_path}/task/test.parquet", "trainer.val_before_train=true",
+               "actor_rollout_ref.rollout.calculate_log_probs=true") == frozen
+    moving = run("lr", "actor_rollout_ref.actor.optim.lr=1e-2")
+    assert moving[0] == frozen[0] and moving[1:] != frozen[1:]
+    assert run("seed", seed=1) != frozen
