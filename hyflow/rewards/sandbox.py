@@ -23,13 +23,15 @@ the solution itself:
 - The init then builds the solution's view of the files, in the mount namespace only: every home (``$HOME``,
   the user's home, ``/root``, ``/home``), ``/run/user``, ``/run/secrets``, ``/var/run/secrets`` and the
   credential directories named by the environment are covered by an empty tmpfs (the interpreter's standard
-  library and site-packages bound back into it when they live there), credential files named by the
+  library, site-packages and installation prefixes bound back into it when they live there), credential files named by the
   environment (``NETRC``, ``HF_TOKEN_PATH``, the Hugging Face token under ``HF_HOME``/``XDG_CACHE_HOME``, cloud
   and agent paths) by ``/dev/null``; then every mount is made read-only (``mount_setattr`` with
   ``AT_RECURSIVE``; before Linux 5.12 a read-only bind remount of each mount point); then ``/tmp``, ``/dev/shm``
   and the working directory get a fresh tmpfs each (``scratch_mb`` MiB, 4096 files, nosuid/nodev/noexec; the
   working directory is a directory of the ``/tmp`` one when it lies under ``/tmp``), which the solution file
-  is copied into. All of it disappears with the namespace. So the solution can write nowhere but its scratch
+  is copied into; the interpreter's directories and prefixes under ``/tmp`` (a venv in a checkout there) are
+  bound back into it, read-only, at their real paths, and the supervisor resolves its ``sys.path`` to real
+  paths before any of this (a venv reached through a symlink under ``/tmp`` stays importable). All of it disappears with the namespace. So the solution can write nowhere but its scratch
   space, whether it runs as a fresh uid (root) or as the user itself (user namespace), and cannot read the
   user's ``~/.netrc``, ``~/.ssh`` or Hugging Face token.
 - S0 keeps the wall clock: past `timeout_s` it SIGKILLs the init (or, without namespaces, everything below
@@ -70,7 +72,9 @@ disabled"), and ``os.system``, ``os.fork``, ``os.exec*``, ``os.spawn*``, ``os.po
 ``_posixsubprocess.fork_exec`` raise PermissionError ("starting processes is disabled"). They are not what
 holds: ``posix.fork`` or ctypes bypass them and meet the kernel's limits.
 
-Degraded modes (each missing guarantee is named once in a warning, and `sandbox_guarantees()` reports them):
+Degraded modes (each missing guarantee is named once in a warning, and `sandbox_guarantees()` reports them;
+it runs one probe program that tries what each guarantee forbids, and reports a guarantee held only when
+the probe's attempt failed too, not on the mechanisms' word alone):
 not root and unprivileged user namespaces disabled (``sysctl kernel.unprivileged_userns_clone`` /
 ``user.max_user_namespaces``, AppArmor's ``kernel.apparmor_restrict_unprivileged_userns``): no PID namespace
 and no separate uid, so the solution runs as hyflow's user: it can read ``/proc/<trainer>/environ`` and can
@@ -90,8 +94,10 @@ scale use a container/VM sandbox (SandboxFusion, gVisor, nsjail, firecracker).
 
 from __future__ import annotations
 
+import ast
 import atexit
 import contextlib
+import hashlib
 import importlib.util
 import logging
 import marshal
@@ -146,6 +152,7 @@ GUARANTEES = {
     "read-only filesystem": ("readonly_root",),
     "private size-limited /tmp, /dev/shm and working directory": ("private_scratch",),
     "home directories and credentials hidden": ("hidden_home",),
+    "the interpreter's standard library and site-packages importable": ("interpreter_visible",),
 }
 """Each guarantee and the mechanisms (any one suffices) that provide it."""
 
@@ -177,6 +184,9 @@ _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND, _MS_REC = 
 _MS_NOATIME, _MS_NODIRATIME, _MS_PRIVATE, _MS_RELATIME, _MS_STRICTATIME = 1024, 2048, 1 << 18, 1 << 21, 1 << 24
 _REPORT = _C["report_fd"]
 _LINUX = sys.platform.startswith("linux")  # elsewhere: rlimits, the wall clock and the Python guards only
+# Real paths, resolved while the host's files are still in view: the sandbox binds the interpreter's directories
+# back at their real paths, and a symlink on the way (a venv reached through a link under /tmp) is gone there.
+sys.path[:] = [os.path.realpath(entry) for entry in sys.path]
 
 def _report(*names):
     os.write(_REPORT, "".join(name + "\n" for name in names).encode())
@@ -562,6 +572,8 @@ def _solution(uid, userns):
     resource.setrlimit(resource.RLIMIT_FSIZE, (_C["fsize"], _C["fsize"]))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    if all(os.path.isdir(path) for path in _C["import_paths"]):
+        protections.append("interpreter_visible")
     if _install_seccomp():
         protections.append("seccomp")
     _report(*protections)
@@ -834,6 +846,17 @@ def _interpreter_paths() -> list[str]:
     return paths
 
 
+def _prefix_paths(hidden_dirs: list[str]) -> list[str]:
+    """The interpreter's installation prefixes (real paths: the venv's and the base interpreter's), kept readable
+    wherever they are (under /tmp included), except a prefix that holds a hidden directory (e.g. `/`, `/home`)."""
+    paths = []
+    for prefix in (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix):
+        real = os.path.realpath(prefix)
+        if os.path.isdir(real) and real not in paths and not any(_is_within(d, real) for d in hidden_dirs):
+            paths.append(real)
+    return paths
+
+
 def _is_within(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip("/") + "/")
 
@@ -963,18 +986,21 @@ def run_code(
                 os.chown(solution_path, uid, uid)
         hidden_dirs, hidden_files = _hidden_paths()
         masks = [mask for mask, _ in exposures or []] if uid is not None else []
+        import_paths = _interpreter_paths()
+        kept = import_paths + [p for p in _prefix_paths(hidden_dirs) if p not in import_paths]
         settings = {
             "solution": solution_path,
             "workdir": workdir,
-            "masks": _mask_plan(masks + hidden_dirs, _interpreter_paths()),
+            "masks": _mask_plan(masks + hidden_dirs, kept),
             "hidden_files": hidden_files,
             "scratch_bytes": scratch_mb * 1024 * 1024,
             "memory_bytes": memory_mb * 1024 * 1024,
             "cpu_s": cpu_limit_s,
             "fsize": max_output_bytes,
             "max_processes": max_processes,
-            "site_packages": _SITE_PACKAGES,
-            "interpreter": _interpreter_paths(),
+            "site_packages": [os.path.realpath(path) for path in _SITE_PACKAGES],
+            "interpreter": kept,
+            "import_paths": import_paths,
             "timeout_s": timeout_s,
             "alarm_s": math.ceil(timeout_s) + 2,
             "uid": uid,
@@ -1054,15 +1080,178 @@ def _read_report(report_r: int, notes: list[str]) -> frozenset[str]:
     return frozenset(protections)
 
 
+# Run inside the sandbox by `sandbox_guarantees`: tries what each guarantee forbids (or reads the kernel state
+# that enforces it) and prints {guarantee: held} as a literal. _P is the parent's settings, a literal.
+_GUARANTEE_PROBE = r'''
+import ctypes, hashlib, os, resource
+_P = PROBE_SETTINGS
+
+def _fails(action):
+    try:
+        action()
+    except OSError:
+        return True
+    return False
+
+def _read(path):
+    with open(path, "rb") as file:
+        return file.read()
+
+def _fork_limit():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NPROC)
+    caps = [line for line in _read("/proc/self/status").splitlines() if line.startswith(b"CapEff:")]
+    return soft != resource.RLIM_INFINITY and hard != resource.RLIM_INFINITY and int(caps[0].split()[1], 16) == 0
+
+def _outlives():  # a PID namespace whose init is the sandbox's own, or a uid of its own to kill
+    try:
+        init_is_ours = _P["prelude"].encode() in _read("/proc/1/cmdline")
+    except OSError:
+        init_is_ours = False
+    return init_is_ours or os.getuid() not in (0, _P["uid"])
+
+def _environ_unreadable():  # the same pid may exist in the sandbox's own /proc (e.g. a trainer that is pid 1)
+    try:
+        content = _read(_P["environ"])
+    except OSError:
+        return True
+    return hashlib.sha256(content).hexdigest() != _P["environ_sha256"]
+
+def _no_sockets():
+    libc = ctypes.CDLL(None, use_errno=True)
+    for family, kind in ((2, 1), (10, 2), (1, 1), (1, 2), (16, 3)):  # inet, inet6, unix stream/dgram, netlink
+        fd = libc.socket(family, kind, 0)
+        if fd >= 0:
+            os.close(fd)
+            return False
+    return True
+
+def _readonly():
+    scratch = {"/tmp", "/dev/shm", os.getcwd()}
+    for line in _read("/proc/self/mountinfo").decode("unicode_escape").splitlines():
+        point = line.split()[4]
+        try:  # the mount in view at that point (one covered by another is out of reach)
+            writable = not os.statvfs(point).f_flag & os.ST_RDONLY
+        except OSError:  # under a hidden directory
+            continue
+        if writable and point not in scratch:
+            return False
+    for directory in _P["import_paths"]:
+        target = os.path.join(directory, "hyflow_guarantee_probe.pth")
+        if not _fails(lambda: os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))):
+            os.unlink(target)
+            return False
+    return True
+
+def _scratch():
+    if any(os.path.lexists(marker) for marker in _P["markers"]):
+        return False
+    for path in ("/tmp", "/dev/shm", os.getcwd()):
+        if os.path.isdir(path):
+            info = os.statvfs(path)
+            if info.f_blocks * info.f_frsize > _P["scratch_bytes"]:
+                return False
+    return True
+
+def _hidden():
+    if any(os.path.lexists(entry) for entry in _P["home_entries"]):
+        return False
+    return all(_fails(lambda: _read(path)) or _read(path) == b"" for path in _P["hidden_files"])
+
+def _importable():
+    for path in _P["import_paths"]:
+        if _fails(lambda: os.listdir(path)) or (_P["import_listings"][path] and not os.listdir(path)):
+            return False
+    return True
+
+held = {}
+for name, check in (("fork limit", _fork_limit), ("no process outlives the call", _outlives),
+                    ("no sockets", _no_sockets),
+                    ("trainer environment unreadable", _environ_unreadable),
+                    ("read-only filesystem", _readonly),
+                    ("private size-limited /tmp, /dev/shm and working directory", _scratch),
+                    ("home directories and credentials hidden", _hidden),
+                    ("the interpreter's standard library and site-packages importable", _importable)):
+    try:
+        held[name] = bool(check())
+    except Exception as error:
+        print(f"{name}: {type(error).__name__}: {error}", file=__import__("sys").stderr)
+        held[name] = False
+print(repr(held))
+'''
+
+
+def _home_entries(hidden_dirs: list[str], needed: list[str], per_dir: int = 8) -> list[str]:
+    """A few entries of each hidden directory as the host sees them, none on the way to a `needed` path."""
+    entries: list[str] = []
+    for directory in hidden_dirs:
+        with contextlib.suppress(OSError):
+            names = sorted(os.listdir(directory))
+            entries += [
+                entry for entry in (os.path.join(directory, name) for name in names)
+                if not any(_is_within(path, entry) or _is_within(entry, path) for path in needed)
+            ][:per_dir]
+    return entries
+
+
+def _probe_guarantees() -> tuple[dict[str, bool], str]:
+    """({guarantee: held}, what went wrong) from one sandboxed call that tries what each guarantee forbids."""
+    markers = []
+    for directory in ("/tmp", "/dev/shm"):
+        if os.path.isdir(directory):
+            with contextlib.suppress(OSError):
+                handle, marker = tempfile.mkstemp(prefix="hyflow_guarantee_marker_", dir=directory)
+                os.close(handle)
+                os.chmod(marker, 0o644)
+                markers.append(marker)
+    import_paths = _interpreter_paths()
+    hidden_dirs, hidden_files = _hidden_paths()
+    listings = {}
+    for path in import_paths:
+        try:
+            listings[path] = bool(os.listdir(path))
+        except OSError:
+            listings[path] = False
+    environ = f"/proc/{os.getpid()}/environ"
+    with open(environ, "rb") as file:
+        environ_sha256 = hashlib.sha256(file.read()).hexdigest()
+    settings = {
+        "uid": os.getuid(),
+        "prelude": _prelude_file(),
+        "environ": environ,
+        "environ_sha256": environ_sha256,
+        "markers": markers,
+        "scratch_bytes": DEFAULT_SCRATCH_MB * 1024 * 1024,
+        "home_entries": _home_entries(hidden_dirs, import_paths + _prefix_paths(hidden_dirs)),
+        "hidden_files": hidden_files,
+        "import_paths": import_paths,
+        "import_listings": listings,
+    }
+    try:
+        result = run_code(_GUARANTEE_PROBE.replace("PROBE_SETTINGS", repr(settings)), timeout_s=20.0)
+    finally:
+        for marker in markers:
+            with contextlib.suppress(OSError):
+                os.unlink(marker)
+    try:
+        held = ast.literal_eval(result.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError, SyntaxError):
+        return {name: False for name in GUARANTEES}, f"the probe ended {result.status}: {result.stderr[-2000:]}"
+    mechanisms = {name: bool(result.protections.intersection(needed)) for name, needed in GUARANTEES.items()}
+    return {name: mechanisms[name] and held.get(name) is True for name in GUARANTEES}, result.stderr.strip()
+
+
 _guarantees_cache: dict[str, bool] | None = None
 
 
 def sandbox_guarantees() -> dict[str, bool]:
-    """Which of `GUARANTEES` hold on this machine for this user (probed once per process with a trivial call)."""
+    """Which of `GUARANTEES` hold on this machine for this user, probed once per process: a sandboxed program
+    tries what each guarantee forbids (opens sockets, writes beside site-packages, reads the caller's environ,
+    a marker in the host's /tmp, entries of the hidden homes) and imports nothing it cannot list; a guarantee
+    is held only when its mechanism was reported and the program's attempt failed as it should."""
     global _guarantees_cache
     if _guarantees_cache is None:
-        protections = run_code("pass").protections
-        _guarantees_cache = {
-            name: bool(protections.intersection(mechanisms)) for name, mechanisms in GUARANTEES.items()
-        }
+        held, problems = _probe_guarantees()
+        if problems and not all(held.values()):
+            logger.warning("hyflow code sandbox: the guarantee probe reported: %s", problems)
+        _guarantees_cache = held
     return dict(_guarantees_cache)
