@@ -333,7 +333,8 @@ _TABLE: list[KeySupport] = [
                    lambda cfg, k=k: not cfg.actor_rollout_ref.rollout.multi_turn.enable
                    and non_default(cfg, f"{R}.multi_turn.{k}"))
       for k in ("max_assistant_turns", "max_user_turns", "max_parallel_calls", "max_tool_response_length",
-                "tool_response_truncate_side", "interaction_config_path", "format", "tool_timeout")),
+                "tool_response_truncate_side", "interaction_config_path", "format", "tool_timeout",
+                "max_env_observation_length")),
     *(_performance(f"reward_model.sandbox_fusion.{k}", "only used with sandbox_fusion.url, which is not "
                    "supported yet") for k in ("max_concurrent", "memory_limit_mb")),
 ]

@@ -323,6 +323,7 @@ def _check_multi_turn(cfg: HyflowConfig) -> list[str]:
             problems.append(f"{key}={path}: no such file; give the path of the YAML file")
     for key, value, low in ((f"{R}.multi_turn.max_parallel_calls", mt.max_parallel_calls, 1),
                             (f"{R}.multi_turn.max_tool_response_length", mt.max_tool_response_length, 1),
+                            (f"{R}.multi_turn.max_env_observation_length", mt.max_env_observation_length, 1),
                             (f"{R}.agent.num_workers", agent.num_workers, 1)):
         if value < low:
             problems.append(f"{key}={value} must be >= {low}")

@@ -18,23 +18,33 @@ picks it with an `env_class` column (SkyRL's name), else the loop's `env` argume
 The `env_agent` loop: generate a turn, `step` it, append the observation as a user turn (token in, token out, mask
 0, rendered by the chat template as the tool agent's turns are), and repeat until `done`, the response budget, or
 `multi_turn.max_assistant_turns`. The episode's return (the sum of the step rewards) is the trajectory's score
-(`AgentLoopOutput.reward_score`): the reward function is not called for it. Each environment call runs with the
-tool calls' protection (`multi_turn.tool_timeout`, on a thread that a hung call cannot hold): an environment that
-raises or times out ends the episode with the return so far, counted in `env/errors` / `env/timeouts` and named
-in the sample's `extra_info["env_error"]`.
+(`AgentLoopOutput.reward_score`): the reward function is not called for it.
+
+An environment is user code: whatever it does costs its own episode, never the rollout. Each episode's environment
+lives in a forked process of its own (`hyflow.rollout.env_host`), built there and called there with a deadline of
+`multi_turn.tool_timeout` per call (the constructor's included), and killed when it misses one. An environment whose
+constructor, reset, step or close raises (SystemExit included), hangs, ends its process (``os._exit``,
+``posix._exit``, a signal, a crash) or whose step returns a reward that is not a finite number, an info that is not
+a dict, or another shape, ends its episode: the sample scores 0 (its return so far stays in
+`extra_info["env_return"]`), the error is named in `extra_info["env_error"]`, and it is counted in `env/errors` or
+`env/timeouts`. The model's first turn is generated even when the environment fails before it, so every row is a
+trajectory. An observation longer than `multi_turn.max_env_observation_length` characters is cut (at
+`multi_turn.tool_response_truncate_side`, with a note) in the environment's process, before it is sent or
+tokenised. A name that resolves to no environment class stops the run (a configuration error).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import uuid
 from typing import Any
 
 from hyflow.registry import Registry
 from hyflow.rollout.agent_loop import AgentLoopOutput, register
+from hyflow.rollout.env_host import EnvCallFailed, EnvHost
 from hyflow.rollout.tool_agent import ToolAgentLoop
-from hyflow.tools.runner import ToolThreadsExhausted
 
 ENVS = Registry("environment", hint="Register one with @hyflow.rollout.env_loop.register_env(name), or name a "
                                     "class as path/to/file.py:Class or package.module.Class.",
@@ -74,6 +84,7 @@ class EnvAgentLoop(ToolAgentLoop):
     def __init__(self, *, env: Any = None, env_kwargs: dict | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.env_spec, self.env_kwargs = env, dict(env_kwargs or {})
+        self.max_observation_length = int(self.rollout_config.multi_turn.max_env_observation_length)
 
     async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
         prompt_ids = list(row["raw_prompt_ids"])
@@ -87,41 +98,44 @@ class EnvAgentLoop(ToolAgentLoop):
         metrics: dict[str, Any] = {"env_errors": 0, "env_timeouts": 0, "env_seconds": 0.0}
         extra_info = row.get("extra_info") or {}
         kwargs = {**self.env_kwargs, **(extra_info.get("env_kwargs") or {}), **(row.get("env_kwargs") or {})}
-        env = resolve_env(row.get("env_class") or self.env_spec)(**kwargs)
+        env_class = resolve_env(row.get("env_class") or self.env_spec)  # a name that resolves to nothing stops the run
         request_id = uuid.uuid4().hex
+        host: EnvHost | None = None
+
+        async def generate() -> Any:
+            nonlocal turns, response_ids, mask, logprobs
+            left = self.response_length - len(response_ids)
+            out = await self.server_manager.generate(request_id, prompt_ids=prompt_ids + response_ids,
+                                                     sampling_params={**sampling_params, "max_tokens": left})
+            response_ids += out.token_ids
+            mask += [1] * len(out.token_ids)
+            logprobs += out.log_probs if out.log_probs is not None else [0.0] * len(out.token_ids)
+            turns += 1
+            return out
+
         try:
-            reset = getattr(env, "reset", None)  # optional: an environment may need no preparation
-            if reset is not None:
-                await self._call(reset, metrics, "reset", {k: v for k, v in row.items() if k != "raw_prompt_ids"})
-            while True:
-                left = self.response_length - len(response_ids)
-                if left <= 0:
-                    break
-                out = await self.server_manager.generate(request_id, prompt_ids=prompt_ids + response_ids,
-                                                         sampling_params={**sampling_params, "max_tokens": left})
-                response_ids += out.token_ids
-                mask += [1] * len(out.token_ids)
-                logprobs += out.log_probs if out.log_probs is not None else [0.0] * len(out.token_ids)
-                turns += 1
+            host = await self._start(env_class, kwargs, {k: v for k, v in row.items() if k != "raw_prompt_ids"},
+                                     metrics)
+            await self._call(host, metrics, "reset")
+            while len(response_ids) < self.response_length:
+                out = await generate()
                 action = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
                 messages.append({"role": "assistant", "content": action})
-                result = await self._call(env.step, metrics, "step", action)
-                try:
-                    observation, reward, done, info = _step_result(result)
-                except _EnvFailure:
-                    metrics["env_errors"] += 1
-                    raise
+                observation, reward, done, info = await self._call(host, metrics, "step", action)
                 steps += 1
+                if not math.isfinite(total + reward):
+                    metrics["env_errors"] += 1
+                    raise _EnvFailure(f"environment step returned the reward {reward}, which takes the episode's "
+                                      f"return {total} past a float's range")
                 total += reward
                 for key, value in info.items():
-                    if isinstance(value, (int, float)) and not isinstance(value, bool):
-                        info_numbers.setdefault(key, []).append(float(value))
+                    info_numbers.setdefault(key, []).append(value)
                 if done or not observation or len(response_ids) >= self.response_length:
                     break
                 if self.max_assistant_turns and turns >= self.max_assistant_turns:
                     break
                 ended_with_eos = bool(out.token_ids) and out.token_ids[-1] == self.tokenizer.eos_token_id
-                new = [{"role": "user", "content": str(observation)}]
+                new = [{"role": "user", "content": observation}]
                 delta = self._render_delta(messages, new, ended_with_eos=ended_with_eos)
                 if len(response_ids) + len(delta) >= self.response_length:
                     break
@@ -130,60 +144,57 @@ class EnvAgentLoop(ToolAgentLoop):
                 mask += [0] * len(delta)
                 logprobs += [0.0] * len(delta)
                 user_turns += 1
-        except ToolThreadsExhausted:
-            raise
         except _EnvFailure as failure:
             extra["env_error"] = str(failure)
+            if not response_ids:  # the environment failed before the first turn: the row still gets the model's
+                await generate()
         finally:
-            close = getattr(env, "close", None)
-            if close is not None:
-                with contextlib.suppress(_EnvFailure):  # counted in env/errors; the episode is over anyway
-                    await self._call(close, metrics, "close")
+            if host is not None:
+                try:
+                    if not host.dead:
+                        with contextlib.suppress(_EnvFailure):  # counted in env/errors; the episode is over anyway
+                            await self._call(host, metrics, "close")
+                finally:  # the rollout may be cancelled meanwhile: the child is killed whatever happens
+                    host.close()
         metrics["env_steps"] = steps
         metrics["env_info"] = {k: sum(v) / len(v) for k, v in info_numbers.items()}
         return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=response_ids[: self.response_length],
                                response_mask=mask[: self.response_length],
                                response_logprobs=logprobs[: self.response_length],
-                               num_turns=1 + turns + user_turns, reward_score=total, metrics=metrics,
+                               num_turns=1 + turns + user_turns, metrics=metrics,
+                               reward_score=0.0 if "env_error" in extra else total,
                                extra_fields={**extra, "env_return": total, "env_steps": steps})
 
-    async def _call(self, method, metrics: dict, what: str, *args):
-        """`method(*args)` (sync or async) with the tool calls' timeout; a raise or a timeout is an _EnvFailure."""
+    async def _start(self, env_class: type, kwargs: dict, sample: dict, metrics: dict) -> EnvHost:
+        """The episode's `EnvHost` (its environment built in a child process); a failure is an _EnvFailure."""
         start = time.perf_counter()
-        label = f"environment {what}"
-
-        def make():
-            return method(*args)
-
         try:
-            return await self.tool_runner.run(make, self.tool_timeout, label)  # awaits what an async method returns
-        except ToolThreadsExhausted:
-            raise
-        except TimeoutError as err:
-            metrics["env_timeouts"] += 1
-            raise _EnvFailure(f"{label} timed out after {self.tool_timeout} s (multi_turn.tool_timeout)") from err
-        except (Exception, SystemExit) as err:
-            metrics["env_errors"] += 1
-            raise _EnvFailure(f"{label} raised {type(err).__name__}: {err}") from err
+            return await EnvHost.start(env_class, kwargs, sample, timeout=self.tool_timeout,
+                                       max_observation_chars=self.max_observation_length,
+                                       truncate_side=self.truncate_side)
+        except EnvCallFailed as err:
+            raise self._failure(err, metrics, "constructor") from None
         finally:
             metrics["env_seconds"] += time.perf_counter() - start
+
+    async def _call(self, host: EnvHost, metrics: dict, what: str, *args):
+        """`host.call(what, *args)` with the tool calls' timeout; a failure is an _EnvFailure."""
+        start = time.perf_counter()
+        try:
+            return await host.call(what, *args, timeout=self.tool_timeout)
+        except EnvCallFailed as err:
+            raise self._failure(err, metrics, what) from None
+        finally:
+            metrics["env_seconds"] += time.perf_counter() - start
+
+    def _failure(self, err: EnvCallFailed, metrics: dict, what: str) -> _EnvFailure:
+        """The episode's error for a failed call, counted in env_timeouts or env_errors."""
+        if err.kind == "timeout":
+            metrics["env_timeouts"] += 1
+            return _EnvFailure(f"environment {what} timed out after {self.tool_timeout} s (multi_turn.tool_timeout)")
+        metrics["env_errors"] += 1
+        return _EnvFailure(f"environment {what} {err}")
 
 
 class _EnvFailure(Exception):
     pass
-
-
-def _step_result(result: Any) -> tuple[str | None, float, bool, dict]:
-    """(observation, reward, done, info) from what `step` returned: Gymnasium's 4-tuple, its 5-tuple (observation,
-    reward, terminated, truncated, info), or a mapping with those keys."""
-    if isinstance(result, dict):
-        done = bool(result.get("done") or result.get("terminated") or result.get("truncated"))
-        return result.get("observation"), float(result.get("reward") or 0.0), done, dict(result.get("info") or {})
-    if isinstance(result, tuple) and len(result) == 5:
-        observation, reward, terminated, truncated, info = result
-        return observation, float(reward or 0.0), bool(terminated or truncated), dict(info or {})
-    if isinstance(result, tuple) and len(result) == 4:
-        observation, reward, done, info = result
-        return observation, float(reward or 0.0), bool(done), dict(info or {})
-    raise _EnvFailure(f"environment step returned {type(result).__name__}; return (observation, reward, done, "
-                      "info) or Gymnasium's (observation, reward, terminated, truncated, info)")

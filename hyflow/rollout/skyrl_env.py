@@ -19,9 +19,14 @@ metadata as `info`. `close()` closes it.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from hyflow.rollout.env_loop import register_env
+
+with contextlib.suppress(ModuleNotFoundError):  # imported once, here: each episode's process inherits them
+    import omegaconf  # noqa: F401
+    import skyrl_gym  # noqa: F401
 
 
 @register_env("skyrl")

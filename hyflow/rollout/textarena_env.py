@@ -23,8 +23,13 @@ no network here to fetch them).
 
 from __future__ import annotations
 
+import contextlib
+
 from hyflow.data.textarena import make_game, start, text_of
 from hyflow.rollout.env_loop import register_env
+
+with contextlib.suppress(ModuleNotFoundError):  # imported once, here: each episode's process inherits it (seconds)
+    import textarena  # noqa: F401
 
 
 @register_env("textarena")

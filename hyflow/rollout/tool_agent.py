@@ -12,16 +12,24 @@ in ``async execute``, a synchronous client, a wait that never returns) holds onl
 trajectories go on, the call is answered with the timeout error at `multi_turn.tool_timeout` (counted from the
 call's start), and `generate()` returns without waiting for it. A thread still blocked after its call was
 abandoned is counted in `tool/stuck_threads` (per rollout worker) and warned about; Python cannot kill it.
+
+Tools cannot end the process with ``os._exit`` / ``posix._exit`` while a call runs (`ToolRunner` stops them: the call
+fails with an error text; the runner's docstring lists what a tool in the trainer's process can still do). What a
+call returns is read on its thread, under its deadline: the text cut to `multi_turn.max_tool_response_length`, an
+exception's text too; a step or `calc_reward` reward that is not a finite number is dropped, counted in
+`tool/errors` and named in `extra_info["tool_reward_errors"]`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from hyflow.data.images import ImageError, load_image
 from hyflow.models.vision import IMAGE_PAD, VISION_SPECIAL_TOKENS, MultiModalError, add_images
@@ -32,7 +40,17 @@ from hyflow.rollout.tool_parser import (
     check_arguments,
     make_tool_parser,
 )
-from hyflow.tools.runner import ToolThreadsExhausted, ToolTimeout
+from hyflow.tools.runner import ToolThreadsExhausted, ToolTimeout, describe, truncate_text
+
+
+class _Answer(NamedTuple):
+    """A tool call's turn: its text and images, the step reward kept, and what went wrong."""
+
+    text: str
+    images: list | tuple = ()
+    reward: float | None = None
+    failed: bool = False  # the text is an error the tool caused (counted in tool/errors)
+    reward_error: str | None = None  # why the step reward was dropped
 
 
 @dataclass
@@ -232,35 +250,51 @@ class ToolAgentLoop(AgentLoopBase):
         timeout = float((getattr(tool, "config", None) or {}).get("timeout") or self.tool_timeout)
         start = time.perf_counter()
 
-        async def create_and_execute():  # runs on a tool thread (see the module docstring)
-            instance_id = await self._instance(tool, data)
-            return await tool.execute(instance_id, arguments, agent_data=data)
+        async def create_and_execute():  # runs on a tool thread (see the module docstring), reading included
+            try:
+                instance_id = await self._instance(tool, data)
+                return self._answer(call.name, await tool.execute(instance_id, arguments, agent_data=data))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as err:  # SystemExit and a stopped os._exit included
+                return _Answer(self._truncate(f"error: tool {call.name!r} {describe(err)}"), failed=True)
 
         try:
-            result = await self.tool_runner.run(create_and_execute, timeout, f"tool {call.name!r} (execute)")
+            answer = await self.tool_runner.run(create_and_execute, timeout, f"tool {call.name!r} (execute)")
         except ToolTimeout:
             data.metrics["tool_timeouts"] += 1
             return f"error: tool {call.name!r} timed out after {timeout:g} s", []
         except ToolThreadsExhausted:
             raise
-        except (Exception, SystemExit) as err:  # the tool's own failure: the model reads it, the step goes on
+        except (Exception, SystemExit) as err:  # the runner's own failure to run the call
             data.metrics["tool_errors"] += 1
-            return f"error: tool {call.name!r} raised {type(err).__name__}: {err}", []
+            return self._truncate(f"error: tool {call.name!r} {describe(err)}"), []
         finally:
             data.metrics["tool_latencies"].append(time.perf_counter() - start)
+        if answer.failed or answer.reward_error is not None:
+            data.metrics["tool_errors"] += 1
+        if answer.reward_error is not None:
+            data.extra_fields.setdefault("tool_reward_errors", {})[call.name] = answer.reward_error
+        if answer.reward is not None:
+            data.tool_rewards.append(answer.reward)
+        return answer.text, answer.images
+
+    def _answer(self, name: str, result: Any) -> _Answer:
+        """What `execute` returned as the tool turn, made on the tool's thread (a hostile ``__str__`` or a huge text
+        costs the call, not the loop): the text cut to max_tool_response_length, the images, the step reward when
+        it is a finite number (else dropped, with the reason)."""
         response = result[0] if isinstance(result, tuple) and result else result
         if (response.get("video") if isinstance(response, dict) else getattr(response, "video", None)):
-            data.metrics["tool_errors"] += 1
-            return (f"error: tool {call.name!r} returned a video; videos are not supported yet, return images "
-                    "(ToolResponse.image)"), []
+            return _Answer(f"error: tool {name!r} returned a video; videos are not supported yet, return images "
+                           "(ToolResponse.image)", failed=True)
         text, reward, images = _tool_result(result)
         if text is None:
-            data.metrics["tool_errors"] += 1
-            return (f"error: tool {call.name!r} returned {type(result).__name__}, not (ToolResponse, reward, "
-                    "metrics)"), []
-        if reward is not None:
-            data.tool_rewards.append(reward)
-        return self._truncate(text), images
+            return _Answer(f"error: tool {name!r} returned {type(result).__name__}, not (ToolResponse, reward, "
+                           "metrics)", failed=True)
+        if reward is not None and not math.isfinite(reward):
+            return _Answer(self._truncate(text), images,
+                           reward_error=f"execute returned the step reward {reward}, not a finite number")
+        return _Answer(self._truncate(text), images, reward)
 
     def _with_images(self, data: AgentData, delta: list[int], images: list) -> tuple[list[int], tuple[dict, dict]]:
         """The tool turn's ids with each image's pad token expanded to its block, and the trajectory's images with
@@ -298,15 +332,22 @@ class ToolAgentLoop(AgentLoopBase):
             tool = self.tools[name]
             release_kwargs = dict((data.tools_kwargs.get(name) or {}).get("release_kwargs") or {})
             run = self.tool_runner.run
+
+            async def reward(tool=tool, instance_id=instance_id) -> float:  # on the tool's thread, float() included
+                value = tool.calc_reward(instance_id)
+                value = float(await value) if inspect.isawaitable(value) else float(value)
+                if not math.isfinite(value):
+                    raise ValueError(f"calc_reward returned {value}, not a finite number")
+                return value
+
             try:
                 if hasattr(tool, "calc_reward"):
-                    scores[name] = float(await run(lambda tool=tool, i=instance_id: tool.calc_reward(i),
-                                                   self.tool_timeout, f"tool {name!r} (calc_reward)"))
+                    scores[name] = await run(reward, self.tool_timeout, f"tool {name!r} (calc_reward)")
             except ToolThreadsExhausted:
                 raise
             except (Exception, SystemExit) as err:
                 data.metrics["tool_errors"] += 1
-                data.extra_fields.setdefault("tool_reward_errors", {})[name] = f"{type(err).__name__}: {err}"
+                data.extra_fields.setdefault("tool_reward_errors", {})[name] = describe(err)
             try:
                 await run(lambda tool=tool, i=instance_id, kw=release_kwargs: tool.release(i, **kw),
                           self.tool_timeout, f"tool {name!r} (release)")
@@ -318,15 +359,7 @@ class ToolAgentLoop(AgentLoopBase):
             data.extra_fields["rollout_reward_scores"] = scores
 
     def _truncate(self, text: str) -> str:
-        limit = self.max_tool_response_length
-        if len(text) <= limit:
-            return text
-        if self.truncate_side == "left":
-            return "(truncated)..." + text[-limit:]
-        if self.truncate_side == "right":
-            return text[:limit] + "...(truncated)"
-        half = limit // 2
-        return text[:half] + "...(truncated)..." + text[len(text) - (limit - half):]
+        return truncate_text(text, self.max_tool_response_length, self.truncate_side)
 
     # ------------------------------------------------------------------ templates
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:

@@ -26,6 +26,7 @@ Register it in `rollout.agent.agent_loop_config_path` (or use the name: it is bu
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from hyflow.data.verifiers import load_env
@@ -60,8 +61,13 @@ async def run_verifiers_rollout(client, sample: dict) -> dict[str, Any]:
     if out.get("error"):
         raise RuntimeError(f"the verifiers environment {spec['env_id']!r} reported its rollout failed: "
                            f"{out['error']}")
-    metrics = {k: float(v) for k, v in (out.get("metrics") or {}).items() if isinstance(v, (int, float))}
-    return {"score": float(out["reward"]), "verifiers_metrics": metrics,
+    reward = out.get("reward")
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise ValueError(f"the verifiers environment {spec['env_id']!r} scored the rollout {reward!r:.80}, not a "
+                         "finite number (its rubric's reward functions must return finite floats)")
+    metrics = {k: float(v) for k, v in (out.get("metrics") or {}).items()
+               if isinstance(v, (int, float)) and math.isfinite(v)}
+    return {"score": float(reward), "verifiers_metrics": metrics,
             "verifiers_truncated": bool(out.get("is_truncated", False))}
 
 

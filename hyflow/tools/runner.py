@@ -20,6 +20,17 @@ daemon thread, so it does not keep the process alive). When more than `max_stuck
 What this changes for a tool: its calls run on other threads than the agent loop, each in a fresh event loop.
 State a tool shares between calls must be thread-safe (a ``threading.Lock``, not an ``asyncio.Lock``, which
 belongs to one event loop).
+
+Ending the process. A tool runs in the trainer's process (one tool object serves every trajectory, its state is
+shared, its calls get the trajectory's `agent_data`: moving it to another process would change what a verl tool
+may do). While a call runs, ``os._exit`` and ``posix._exit`` (the same function under its other name) raise
+`ProcessExitCalled` instead of ending the process (`guard_exits`, built on `hyflow.rewards.pool`'s guard), and
+``SystemExit`` is the call's exception like any other, so the trajectory gets an error text and the run goes on.
+Not stopped, because nothing in one process can stop them: ``os.kill(os.getpid(), SIGKILL)`` (or any signal
+whose default action ends the process), ``os.abort()``, ``ctypes`` calls into libc's ``_exit`` / ``exit``, a
+segfault in a C extension, and ``os._exit`` from a thread the tool started that runs on after the call that
+started it has ended (the guard is lifted then). An environment (`hyflow.rollout.env_host`) runs in a process of
+its own, where all of these cost only its episode.
 """
 
 from __future__ import annotations
@@ -30,11 +41,70 @@ import concurrent.futures
 import contextlib
 import inspect
 import itertools
+import os
+import posix
+import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from hyflow.rewards.pool import ProcessExitCalled, guard_process_exit
+
 IDLE_EXIT_S = 30.0  # an idle worker thread ends after this long
+
+
+MAX_ERROR_CHARS = 2000  # of the text that describes a call's exception
+
+_POSIX_LOCK = threading.Lock()
+_POSIX_USERS = 0
+_REAL_POSIX_EXIT = posix._exit
+
+
+@contextlib.contextmanager
+def guard_exits(what: str) -> Iterator[None]:
+    """While the block runs, ``os._exit`` and ``posix._exit`` in this process raise `ProcessExitCalled` instead of
+    ending it (reference-counted across threads; a forked child still exits for real). ``os._exit`` is
+    `hyflow.rewards.pool.guard_process_exit`'s, so that the reward pool and the tools never undo each other's
+    guard; ``posix._exit`` is set to the same function while both are held."""
+    global _POSIX_USERS
+    with guard_process_exit(what):
+        with _POSIX_LOCK:
+            if _POSIX_USERS == 0:
+                posix._exit = os._exit
+            _POSIX_USERS += 1
+        try:
+            yield
+        finally:
+            with _POSIX_LOCK:
+                _POSIX_USERS -= 1
+                if _POSIX_USERS == 0:
+                    posix._exit = _REAL_POSIX_EXIT
+
+
+def describe(err: BaseException) -> str:
+    """What a tool's or an environment's exception says, after its name: ``raised Type: message``, cut to
+    `MAX_ERROR_CHARS`, or ``called os._exit(N), ...`` for an exit the guard stopped."""
+    if isinstance(err, ProcessExitCalled):
+        found = re.search(r"_exit\((.*?)\)", str(err))
+        return (f"called os._exit({found.group(1) if found else ''}), which would have ended the trainer; hyflow "
+                "stopped it (raise an exception to report a failure)")
+    try:
+        message = str(err)[:MAX_ERROR_CHARS]
+    except Exception:  # a __str__ that raises
+        message = "(its message cannot be printed)"
+    return f"raised {type(err).__name__}: {message}"[:MAX_ERROR_CHARS]
+
+
+def truncate_text(text: str, limit: int, side: str = "middle") -> str:
+    """`text` cut to `limit` characters at `side` (left, right or middle), with "(truncated)" where it was cut."""
+    if len(text) <= limit:
+        return text
+    if side == "left":
+        return "(truncated)..." + text[-limit:]
+    if side == "right":
+        return text[:limit] + "...(truncated)"
+    half = limit // 2
+    return text[:half] + "...(truncated)..." + text[len(text) - (limit - half):]
 
 
 class ToolTimeout(TimeoutError):
@@ -232,6 +302,11 @@ class ToolRunner:
 
     @staticmethod
     def _run_here(call: _Call) -> None:
+        with guard_exits(call.label):  # held until the call returns, even after it was abandoned
+            ToolRunner._run_guarded(call)
+
+    @staticmethod
+    def _run_guarded(call: _Call) -> None:
         loop = asyncio.new_event_loop()
         call.executor = DaemonExecutor()
         loop.set_default_executor(call.executor)

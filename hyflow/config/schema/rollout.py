@@ -41,9 +41,12 @@ class MultiTurnConfig:
         256, "Longest tool response kept, in characters (cut at tool_response_truncate_side).")
     tool_response_truncate_side: str = option(
         "middle",
-        "Where a long tool response is cut: left, right or middle.",
+        "Where a long tool response (or environment observation) is cut: left, right or middle.",
         choices=("left", "right", "middle"),
     )
+    max_env_observation_length: int = option(
+        8192, "hyflow: longest environment observation kept (env_agent), in characters: a longer one is cut at "
+        "tool_response_truncate_side, with a note, before it is tokenised.")
     tool_config_path: str | None = option(
         None, "YAML file declaring the tools (verl's format: a `tools:` list of class_name, config, tool_schema). "
         "Their schemas are also put into every prompt's chat template (`tools=`).")
