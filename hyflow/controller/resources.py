@@ -8,6 +8,24 @@ variable unset it binds the machine's external interface even when told `_node_i
 So the variable is exported before the cluster starts (its processes inherit it) and the constant is
 pinned in this process too, in case `ray` was imported earlier.
 
+Attaching checks the address first, in seconds, because `ray.init` does not: against a port where something
+listens that is not a Ray GCS it retries for about ten minutes (Ray 2.60: `RAY_NUM_REDIS_GET_RETRIES`=20 attempts
+of up to `py_gcs_connect_timeout_s`=30 s each) and says nothing. The check connects (nothing listening), sends a
+gRPC (HTTP/2) greeting (a silent server, or one that answers something else, such as an HTTP/1 server), then asks
+the GCS for its cluster id (another gRPC server). Each failure names the address, what answered there, and how
+to start Ray or which address to pass.
+
+A local start that times out (Ray waits a fixed 30 s for the raylet to register with the GCS, which it does only
+once its Python agents have started: on an overloaded machine it can take longer) is cleaned up and tried once
+more: `ray.init` does not record the processes of a start that raised, so `ray.shutdown()` cannot end them, and
+`ensure_ray` ends the ones this process started itself. The GCS port wait, the one start timeout Ray lets the
+environment set (`RAY_gcs_server_port_wait_time_s`, Ray's default 30 s), is raised to 120 s unless set. A second
+timeout fails with the machine's load average and core count.
+
+A started cluster is watched by `hyflow.controller.ray_reaper`: if this process dies without shutting it down
+(SIGKILL, `os._exit`), the processes Ray does not tie to the driver (the raylet's dashboard and runtime-env agents,
+which otherwise linger for 60 s, and its workers) are ended within seconds.
+
 `RayResourcePool(nnodes, devices_per_node)` reserves the devices of a training job the way HybridFlow
 (arXiv 2409.19256, verl's `RayResourcePool`) does: one Ray placement group per node, one bundle per
 device (`{"GPU": 1, "CPU": cpus_per_worker}`, or `{"CPU": cpus_per_worker}` on a CPU pool), packed onto
@@ -20,14 +38,36 @@ both naming the missing resources, instead of waiting forever.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
+import re
 import socket
+import sys
+import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from hyflow.controller.ray_reaper import children, descendants, end_processes, start_reaper, start_time
+
 LOOPBACK = "127.0.0.1"
 _STARTED_LOCAL = False
+_REAPER: tuple[Any, int] | None = None  # (reaper process, write end of its stdin) of the cluster started here
+START_ATTEMPTS = 2
+GCS_PORT_WAIT_S = 120
+_GCS_PORT_WAIT_VAR = "RAY_gcs_server_port_wait_time_s"
+# Ray's startup timeouts: node.py's raylet registration, the GCS port file, the GCS connection
+_START_TIMEOUT = re.compile(r"timed out|timeout|failed to (start|connect to) gcs|may not have started", re.I)
+ATTACH_CONNECT_TIMEOUT_S = 5.0
+ATTACH_REPLY_TIMEOUT_S = 10.0
+ATTACH_RPC_TIMEOUT_S = 15.0
+# the client connection preface of HTTP/2 (RFC 9113, 3.4) and an empty SETTINGS frame
+_HTTP2_GREETING = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_HTTP2_SETTINGS = 4
+_ATTACH_FIX = ("start Ray there first (on that machine: ray start --head --node-ip-address=<its address> "
+               "--port=6379) and pass the GCS address `ray start --head` prints (host:6379 by default; not the "
+               "dashboard's port 8265, nor the Ray Client's ray://host:10001) as ray_kwargs.address or RAY_ADDRESS")
 _FIX_HINT = ("lower trainer.n_gpus_per_node or trainer.nnodes (or the pool's cpus_per_worker), or give Ray "
              "more resources (ray_kwargs.ray_init.num_cpus / num_gpus, or more nodes)")
 
@@ -132,38 +172,260 @@ def _connect(ray, address: str, options: dict, local_instead: str) -> None:
     resolved = _resolve_auto(address)
     if _is_loopback(resolved):
         _pin_loopback()
+    where = f"{address!r}" if resolved == address else f"{address!r} ({resolved})"
     try:
-        _check_reachable(resolved)
+        _check_gcs(resolved)
+    except _NotAGcs as err:
+        raise RuntimeError(f"Ray could not connect to the cluster at {where}: {err}. Fix: {_ATTACH_FIX}, or "
+                           f"{local_instead} to start a local cluster") from None
+    try:
         ray.init(address=address, **options)
     except Exception as err:
-        raise RuntimeError(f"Ray could not connect to the cluster at {address!r}: {type(err).__name__}: "
+        raise RuntimeError(f"Ray could not connect to the cluster at {where}: {type(err).__name__}: "
                            f"{err}; start it first (ray start --head --node-ip-address=127.0.0.1 "
                            f"--port=6379) or {local_instead} to start a local cluster") from err
 
 
-def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """Fail in seconds when nothing listens at "host:port" (ray.init retries for minutes)."""
+class _NotAGcs(Exception):
+    """What was found at an attach address instead of a Ray GCS."""
+
+
+def _check_gcs(address: str) -> None:
+    """Raise _NotAGcs, within ATTACH_CONNECT_TIMEOUT_S + ATTACH_REPLY_TIMEOUT_S + ATTACH_RPC_TIMEOUT_S seconds,
+    saying what answers at "host:port" when it is not a Ray GCS; return when it is one (or the address is not
+    "host:port": ray.init judges those). With RAY_USE_TLS the plaintext greeting is skipped."""
     if "://" in address or ":" not in address:
         return
     host, port = address.rsplit(":", 1)
     if not port.isdigit():
         return
-    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+    host = host.strip("[]")
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=ATTACH_CONNECT_TIMEOUT_S)
+    except socket.gaierror as err:
+        raise _NotAGcs(f"the host name {host!r} does not resolve ({err})") from None
+    except ConnectionRefusedError:
+        raise _NotAGcs("nothing listens there (connection refused)") from None
+    except TimeoutError:
+        raise _NotAGcs(f"no answer to a TCP connection within {ATTACH_CONNECT_TIMEOUT_S:g} s (the host is down, "
+                       "or a firewall drops the connection)") from None
+    except OSError as err:
+        raise _NotAGcs(f"a TCP connection failed: {err}") from None
+    with sock:
+        if os.environ.get("RAY_USE_TLS", "0").lower() not in ("1", "true"):
+            _check_http2(sock)
+    _check_gcs_rpc(address)
+
+
+def _check_http2(sock: socket.socket) -> None:
+    """Send the HTTP/2 greeting every gRPC client sends; a gRPC server (Ray's GCS) answers with a SETTINGS frame."""
+    sock.settimeout(ATTACH_REPLY_TIMEOUT_S)
+    deadline = time.monotonic() + ATTACH_REPLY_TIMEOUT_S
+    reply = b""
+    try:
+        sock.sendall(_HTTP2_GREETING)
+        while len(reply) < 9 and time.monotonic() < deadline:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            chunk = sock.recv(256)
+            if not chunk:
+                break
+            reply += chunk
+    except TimeoutError:
         pass
+    except OSError as err:
+        raise _NotAGcs(f"something accepted a TCP connection there, then failed at a gRPC (HTTP/2) greeting "
+                       f"({err}): it is not a Ray GCS") from None
+    if len(reply) >= 9 and reply[3] == _HTTP2_SETTINGS:
+        return
+    if not reply:
+        ended = "closed the connection" if time.monotonic() < deadline else \
+            f"sent nothing back within {ATTACH_REPLY_TIMEOUT_S:g} s"
+        raise _NotAGcs(f"something accepts TCP connections there but {ended} at a gRPC (HTTP/2) greeting: it is "
+                       "not a Ray GCS")
+    hint = " (an HTTP/1 server, such as Ray's dashboard)" if reply.startswith(b"HTTP/") else ""
+    raise _NotAGcs(f"something there answered a gRPC (HTTP/2) greeting with {reply[:60]!r}{hint}: it is not a "
+                   "Ray GCS")
+
+
+def _check_gcs_rpc(address: str) -> None:
+    """Ask the gRPC server at `address` for the GCS's cluster id (Ray's own channel: TLS and token as ray.init)."""
+    try:
+        import grpc
+        from ray._private.grpc_utils import init_grpc_channel
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:  # another Ray layout: ray.init judges the address
+        return
+    channel = init_grpc_channel(address)
+    try:
+        gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+            gcs_service_pb2.GetClusterIdRequest(), timeout=ATTACH_RPC_TIMEOUT_S)
+    except grpc.RpcError as err:
+        code = err.code()
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return  # a GCS that wants a token: ray.init brings it, or says it is missing
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            raise _NotAGcs("a gRPC server answers there, but not Ray's GCS (it does not serve "
+                           "NodeInfoGcsService.GetClusterId)") from None
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise _NotAGcs(f"a gRPC server answers there but did not answer Ray's GCS request (GetClusterId) within "
+                           f"{ATTACH_RPC_TIMEOUT_S:g} s: not a Ray GCS, or one too overloaded to serve") from None
+        raise _NotAGcs(f"a gRPC server there failed Ray's GCS request (GetClusterId): {code.name}: "
+                       f"{err.details()}") from None
+    finally:
+        channel.close()
+
+
+def _load_words() -> tuple[str, bool]:
+    """("load average L over the last minute on N cores", whether L >= N)."""
+    load, cores = _machine_load()
+    if load is None:
+        return f"{cores} cores, load average unknown", False
+    return f"load average {load:.1f} over the last minute on {cores} cores", load >= cores
+
+
+def _machine_load() -> tuple[float | None, int]:
+    """(1-minute load average or None where unknown, cores this process may use)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        return os.getloadavg()[0], cores
+    except (AttributeError, OSError):
+        return None, cores
+
+
+@contextlib.contextmanager
+def _env_default(name: str, value: str):
+    """Set environment variable `name` to `value` inside the block unless it is set already."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+
+
+def _own_ray_processes() -> set[tuple[int, int]]:
+    """(pid, start time) of this process's running children (empty where /proc is missing)."""
+    if not os.path.isdir("/proc"):
+        return set()
+    return {(pid, started) for pid, started, _ in children(os.getpid())}
+
+
+def _end_failed_start(ray, before: set[tuple[int, int]]) -> None:
+    """End what a local start that raised left running: `ray.shutdown()` ends a recorded node; the processes of
+    a start that raised inside `ray.init` are recorded nowhere, so the children this process gained since `before`
+    that run Ray's programs are ended, with everything their raylet started."""
+    if ray.is_initialized():
+        ray.shutdown()
+    if not os.path.isdir("/proc"):
+        return
+    ray_dir = os.path.dirname(os.path.abspath(ray.__file__))
+    started = [(pid, start) for pid, start, command in children(os.getpid())
+               if (pid, start) not in before and ray_dir in command]
+    leftovers = list(started)
+    for pid, _ in started:
+        leftovers += descendants(pid)  # the raylet's agents and workers, listed before it is ended
+    end_processes(list(dict.fromkeys(leftovers)))
+
+
+def _start_failure(err: Exception, attempts: int, timed_out: bool, took_s: float) -> str:
+    reason = f"{type(err).__name__}: {err}".rstrip()
+    if not timed_out:
+        return f"Ray could not start a local cluster: {reason}; free CPUs or set ray_kwargs.ray_init.num_cpus"
+    said, overloaded = _load_words()
+    if overloaded:
+        verdict = (f"This machine is overloaded ({said}): Ray's Python agents did not start in time. Wait for the "
+                   "load to drop or stop other jobs on this machine and start the run again")
+    else:
+        verdict = (f"The machine does not look overloaded ({said}); Ray's logs say why (/tmp/ray/session_latest/"
+                   "logs: raylet.out, gcs_server.out, dashboard_agent.log)")
+    return (f"Ray could not start a local cluster on {LOOPBACK} ({attempts} attempts, the last after "
+            f"{took_s:.0f} s; each attempt's processes were stopped): {reason}. {verdict}; or start Ray yourself "
+            f"(ray start --head --node-ip-address={LOOPBACK} --port=6379) and attach with "
+            f"ray_kwargs.address={LOOPBACK}:6379")
 
 
 def _start_local(ray, options: dict) -> None:
+    """Start a local cluster on 127.0.0.1; a start that times out is ended and tried once more (START_ATTEMPTS)."""
     global _STARTED_LOCAL
     _pin_loopback()
+    _stop_reaper()  # one left by a cluster this process ended with ray.shutdown() instead of shutdown_ray()
     options = {"include_dashboard": False, **options}
-    try:
-        ray.init(address="local", _node_ip_address=LOOPBACK, **options)
-    except Exception as err:
-        if ray.is_initialized():
-            ray.shutdown()
-        raise RuntimeError(f"Ray could not start a local cluster: {type(err).__name__}: {err}; free CPUs "
-                           "or set ray_kwargs.ray_init.num_cpus") from err
+    for attempt in range(1, START_ATTEMPTS + 1):
+        before = _own_ray_processes()
+        began = time.monotonic()
+        try:
+            with _env_default(_GCS_PORT_WAIT_VAR, str(GCS_PORT_WAIT_S)):
+                ray.init(address="local", _node_ip_address=LOOPBACK, **options)
+            break
+        except Exception as err:
+            took_s = time.monotonic() - began
+            _end_failed_start(ray, before)
+            timed_out = isinstance(err, TimeoutError) or bool(_START_TIMEOUT.search(str(err)))
+            if not timed_out or attempt == START_ATTEMPTS:
+                raise RuntimeError(_start_failure(err, attempt, timed_out, took_s)) from err
+            warnings.warn(f"Ray's local cluster did not start within {took_s:.0f} s ({type(err).__name__}: "
+                          f"{str(err).strip()}; {_load_words()[0]}); its processes are stopped, starting it once "
+                          "more", RuntimeWarning, stacklevel=3)
     _STARTED_LOCAL = True
+    _watch_cluster(ray)
+
+
+def _watch_cluster(ray) -> None:
+    """Have hyflow.controller.ray_reaper end this cluster's leftovers when this process lets go of it."""
+    global _REAPER
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        node = ray._private.worker._global_node
+        pids = [info.process.pid for infos in node.all_processes.values() for info in infos]
+        logs = node.get_logs_dir_path()
+    except (AttributeError, TypeError) as err:
+        warnings.warn(f"hyflow cannot find the processes of the local cluster ({type(err).__name__}: {err}): if "
+                      "this process is killed, the raylet's agents may outlive it by a minute", RuntimeWarning,
+                      stacklevel=4)
+        return
+    starts = {pid: start_time(pid) for pid in pids}
+    cluster = {"logs": logs, "driver": os.getpid(),
+               "processes": [[pid, start] for pid, start in starts.items() if start is not None]}
+    _REAPER = start_reaper(cluster, os.path.join(logs, "hyflow_reaper.log"))
+    _register_fork_handler()
+
+
+def _stop_reaper(wait_s: float = 30.0) -> None:
+    """Close the reaper's pipe (it ends what of the cluster still runs, then exits) and wait for it."""
+    global _REAPER
+    if _REAPER is None:
+        return
+    proc, write_end = _REAPER
+    _REAPER = None
+    os.close(write_end)
+    with contextlib.suppress(Exception):
+        proc.wait(timeout=wait_s)
+
+
+_FORK_HANDLER = False
+
+
+def _register_fork_handler() -> None:
+    """A forked child must not hold the reaper's pipe open: the reaper would wait for the child too."""
+    global _FORK_HANDLER
+    if _FORK_HANDLER:
+        return
+
+    def close_in_child() -> None:
+        global _REAPER
+        if _REAPER is not None:
+            with contextlib.suppress(OSError):
+                os.close(_REAPER[1])
+            _REAPER = None
+
+    os.register_at_fork(after_in_child=close_in_child)
+    _FORK_HANDLER = True
 
 
 def shutdown_ray() -> bool:
@@ -172,7 +434,10 @@ def shutdown_ray() -> bool:
     if not _STARTED_LOCAL:
         return False
     _STARTED_LOCAL = False
-    import_ray().shutdown()
+    try:
+        import_ray().shutdown()
+    finally:
+        _stop_reaper()
     return True
 
 

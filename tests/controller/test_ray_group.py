@@ -263,6 +263,19 @@ def test_argument_errors(cluster):
     assert ensure_ray(num_cpus=4) is False  # already connected: nothing started
 
 
+def test_the_attach_check_takes_this_clusters_gcs_for_one(cluster):
+    """ensure_ray(address=...) checks the address before ray.init (tests/controller/test_ray_start.py: what is not
+    a GCS); the GCS of a real cluster (token authentication as Ray's default sets it) passes, in well under its
+    limits."""
+    import ray
+
+    from hyflow.controller import resources
+
+    start = time.monotonic()
+    resources._check_gcs(ray._private.worker.global_worker.node.gcs_address)
+    assert time.monotonic() - start < resources.ATTACH_RPC_TIMEOUT_S
+
+
 ATTACH_DRIVER = textwrap.dedent("""
     import sys, torch
     from hyflow.batch import Batch
