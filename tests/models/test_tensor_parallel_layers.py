@@ -1,9 +1,16 @@
 """Tensor parallelism of a Hugging Face decoder on 2 gloo ranks (hyflow.models.tensor_parallel): each rank holds
 half of every layer's heads and MLP columns, and the packed and padded log-probs, the values of a value model and
 the gradients (gathered to full tensors) equal one process's, with grouped-query heads; a model whose heads the
-group does not divide, or whose linears are wrapped (LoRA), is refused by name."""
+group does not divide, or whose linears are wrapped (LoRA), is refused by name. Every split module of every layer
+holds its rank's slice (shape and contents) and everything else stays whole; per rank the parameters and gradients
+of the benchmark's model weigh what BENCHMARKS.md states (0.52x)."""
 
 from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +19,12 @@ from ranks import init_gloo, spawn_ranks
 from hyflow.models import tensor_parallel as tp
 
 R = 5
+
+# Megatron's layout, written out here rather than read from tp.LAYER_PLAN (a module dropped from the plan must fail
+# the test): the dim of the nn.Linear weight [out, in] each rank holds a slice of; colwise biases are split likewise,
+# rowwise ones (none in Qwen2) stay whole.
+SPLIT_DIMS = {"self_attn.q_proj": 0, "self_attn.k_proj": 0, "self_attn.v_proj": 0, "self_attn.o_proj": 1,
+              "mlp.gate_proj": 0, "mlp.up_proj": 0, "mlp.down_proj": 1}
 
 
 def _batch(seed: int = 0):
@@ -64,6 +77,38 @@ def _full(tensor):
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def _assert_split(model, whole: dict, rank: int, size: int) -> None:
+    """Each parameter of a SPLIT_DIMS module of every decoder layer is a DTensor on the tp mesh, sharded on its dim
+    (a rowwise bias replicated), whose local part is this rank's slice of the unsplit tensor (`whole`); every other
+    parameter is the plain unsplit tensor."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from hyflow.workers.fsdp import decoder_layers
+
+    names = {module: name for name, module in model.named_modules()}
+    placements = {}
+    for layer in decoder_layers(model):
+        for path, dim in SPLIT_DIMS.items():
+            linear = layer.get_submodule(path)
+            placements[f"{names[linear]}.weight"] = Shard(dim)
+            if linear.bias is not None:
+                placements[f"{names[linear]}.bias"] = Shard(0) if dim == 0 else Replicate()
+    assert len(placements) >= len(SPLIT_DIMS) * model.config.num_hidden_layers
+    for name, param in model.named_parameters():
+        placement = placements.pop(name, None)
+        if placement is None:
+            assert not isinstance(param, DTensor), f"{name} is split: {param.placements}"
+            torch.testing.assert_close(param.detach(), whole[name], atol=0, rtol=0, msg=name)
+            continue
+        assert isinstance(param, DTensor) and param.placements == (placement,), (name, type(param))
+        assert param.shape == whole[name].shape, name
+        want = whole[name].chunk(size, dim=placement.dim)[rank] if placement.is_shard() else whole[name]
+        local = param.to_local()
+        assert local.shape == want.shape, (name, tuple(local.shape), tuple(want.shape))
+        torch.testing.assert_close(local.detach(), want, atol=0, rtol=0, msg=name)
+    assert not placements, f"not parameters of the model: {sorted(placements)}"
+
+
 def _rank(rank: int, init_file: str, path: str, kv_heads: int, packed: bool) -> None:
     import torch.distributed as dist
 
@@ -73,10 +118,10 @@ def _rank(rank: int, init_file: str, path: str, kv_heads: int, packed: bool) -> 
     model = _model(path, kv_heads)
     ids, mask = _batch()
     reference, reference_grads = _outputs_and_grads(model, ids, mask, packed)
+    whole = {name: p.detach().clone() for name, p in model.named_parameters()}
     mesh = tp.tp_mesh("cpu", 2, 2)
     tp.apply_tensor_parallel(model, decoder_layers(model), mesh["tp"])
-    q = decoder_layers(model)[0].self_attn.q_proj.weight
-    assert q.to_local().shape[0] == q.shape[0] // 2  # each rank holds half of the query heads
+    _assert_split(model, whole, rank, 2)
     logp, grads = _outputs_and_grads(model, ids, mask, packed)
     real = mask[:, -R:].bool()
     assert torch.allclose(logp[real], reference[real], atol=1e-5, rtol=0), (logp - reference).abs().max()
@@ -127,3 +172,32 @@ def test_models_tensor_parallelism_cannot_split_are_refused_by_name(tiny_model_d
                       task="causal_lm")
     problem = tp.tp_problem(lora, decoder_layers(lora), 2)
     assert "needs a plain nn.Linear at self_attn.q_proj" in problem and "without LoRA" in problem
+
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "BENCHMARKS.md"
+BENCH_SCRIPT = BENCHMARKS.parent / "benchmarks" / "bench_train.py"
+
+
+@pytest.mark.slow
+def test_parameters_and_gradients_per_rank_weigh_what_benchmarks_md_states(tmp_path, capsys):
+    """BENCHMARKS.md's "Parameters + gradients per rank: 0.52x (15,744,000 -> 8,138,752 bytes each)" for the small
+    preset at tp=2, recomputed by the benchmark's own code (`benchmarks/bench_train.py --tp 2`: the bytes of each
+    parameter's and gradient's local part after a packed step) on a short row: the bytes do not depend on the
+    row, so they are exact, and the ratio is the one the document prints."""
+    stated = re.search(r"Parameters \+ gradients per rank: ([0-9.]+)x\*\* \(([0-9,]+) -> ([0-9,]+) bytes each",
+                       BENCHMARKS.read_text())
+    assert stated, "BENCHMARKS.md no longer states the tp=2 parameter + gradient bytes"
+    ratio, one, two = stated.group(1), *(int(n.replace(",", "")) for n in stated.group(2, 3))
+    spec = importlib.util.spec_from_file_location("bench_train", BENCH_SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_train"] = bench  # the spawned ranks unpickle their function from it by name
+    spec.loader.exec_module(bench)
+    report = bench.main(["--tp", "2", "--preset", "small", "--batch-size", "1", "--min-len", "24", "--max-len", "24",
+                         "--prompt-max", "8", "--rounds", "1", "--steps", "1", "--warmup", "0",
+                         "--workdir", str(tmp_path / "work")])
+    capsys.readouterr()
+    paths = report["results"]["paths"]
+    for name, want in (("tp=1", one), ("tp=2", two)):
+        for kind in ("parameter", "gradient"):
+            assert paths[name][f"{kind}_mb_per_rank"] * 2**20 == want, (name, kind)
+    assert f"{report['results']['ratio_parameters_and_gradients']:.2f}" == ratio

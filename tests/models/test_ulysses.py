@@ -1,7 +1,8 @@
-"""Ulysses sequence parallelism on 2 gloo ranks (hyflow.models.ulysses): each rank runs half of the packed row, the
+"""Ulysses sequence parallelism on 2 (and 4) gloo ranks (hyflow.models.ulysses): each rank runs its slice of the row, the
 attention exchanges heads for tokens by all-to-all, and the log-probs, values and gradients equal one process's
 packed forward (with verl's grad scale, the gradients averaged over the group), with grouped-query heads,
-K/V heads fewer than the group (repeated), shared prompts, and a row whose length the group does not divide."""
+K/V heads fewer than the group (repeated; on 4 ranks with 2 K/V heads, where the order of the repeats decides which
+query heads each K/V head meets), shared prompts, and a row whose length the group does not divide."""
 
 from __future__ import annotations
 
@@ -48,15 +49,15 @@ def _logprobs_and_grads(model, ids, mask, share: bool):
     return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _rank(rank: int, init_file: str, path: str, kv_heads: int, share: bool) -> None:
+def _rank(rank: int, init_file: str, path: str, kv_heads: int, share: bool, size: int) -> None:
     import torch.distributed as dist
 
-    init_gloo(rank, 2, init_file)
+    init_gloo(rank, size, init_file)
     model = _model(path, kv_heads)
     ids, mask = _batch()
     ids, mask = ids[:, 1:], mask[:, 1:]  # 24 real tokens less the trimmed one: the group does not divide some rows
     reference, reference_grads = _logprobs_and_grads(model, ids, mask, share)
-    group = dist.new_group([0, 1])
+    group = dist.new_group(list(range(size)))
     with ulysses.sequence_parallel(group):
         logp, grads = _logprobs_and_grads(model, ids, mask, share)
     real = mask[:, -R:].bool()
@@ -69,10 +70,17 @@ def _rank(rank: int, init_file: str, path: str, kv_heads: int, share: bool) -> N
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("kv_heads", "share"), [(2, False), (1, False), (2, True)])
-def test_sequence_parallel_log_probs_and_gradients_equal_one_process(tiny_model_dir, tmp_path, kv_heads, share):
-    """kv_heads=1 < 2 ranks: the K/V head is repeated so each rank's query heads find theirs."""
-    spawn_ranks(_rank, args=(str(tmp_path / "init"), str(tiny_model_dir), kv_heads, share), timeout_s=300)
+@pytest.mark.parametrize(("kv_heads", "share", "size"), [
+    (2, False, 2), (1, False, 2), (2, True, 2),
+    pytest.param(2, False, 4, marks=pytest.mark.slow),
+])
+def test_sequence_parallel_log_probs_and_gradients_equal_one_process(tiny_model_dir, tmp_path, kv_heads, share, size):
+    """kv_heads=1 < 2 ranks: the K/V head is repeated so each rank's query heads find theirs. 2 K/V heads on 4 ranks
+    (4 query heads, one per rank): query heads 0, 1 read K/V head 0 and 2, 3 head 1, so the repeats must be
+    interleaved (k0 k0 k1 k1); repeated whole (k0 k1 k0 k1) rank 1 would attend with K/V head 1. With one K/V head
+    (or as many as the ranks) both orders are the same, which is why this case has 4 ranks."""
+    spawn_ranks(_rank, args=(str(tmp_path / "init"), str(tiny_model_dir), kv_heads, share, size), nprocs=size,
+                timeout_s=300)
 
 
 def _values_rank(rank: int, init_file: str, path: str) -> None:

@@ -126,6 +126,36 @@ def test_lora_reference_is_the_base_model(tiny_model_dir, pairs, tmp_path):
     assert "LoRA adapter off" in trainer.describe()
 
 
+def test_the_reference_stays_the_initial_policy(tiny_model_dir, pairs, tmp_path):
+    """Sigmoid DPO, validated before the first step (policy = reference: rewards 0, loss log 2) and after each of 2
+    steps. A sequence's reward is beta (log pi - log pi_ref), so val/logps - val/rewards / beta is the reference's
+    mean log-prob of the validation rows: after each step it still equals the initial policy's, while the policy's
+    own has moved (a reference that follows the policy gives rewards 0 and the current policy's log-probs)."""
+    beta = 0.5
+    trainer = DPOTrainer(overrides(tiny_model_dir, pairs, tmp_path / "run", f"algorithm.beta={beta}",
+                                   "trainer.total_training_steps=2", "trainer.test_freq=1", "trainer.save_freq=0"))
+    train_step, initial = trainer.train_step, {}
+
+    def validate_first(batch):
+        if not initial:
+            initial.update(trainer.validate())
+        return train_step(batch)
+
+    trainer.train_step = validate_first
+    history = trainer.fit()
+    log2 = 0.6931471805599453  # -log sigma(0)
+    assert initial["val/rewards/chosen"] == initial["val/rewards/rejected"] == 0.0
+    assert initial["val/loss"] == pytest.approx(log2, abs=1e-6)
+    assert history[0]["train/loss"] == pytest.approx(log2, abs=1e-6)
+    assert [r["step"] for r in history] == [1, 2]
+    for row in history:
+        for side in ("chosen", "rejected"):
+            reference = row[f"val/logps/{side}"] - row[f"val/rewards/{side}"] / beta
+            assert reference == pytest.approx(initial[f"val/logps/{side}"], rel=1e-5, abs=1e-4), (row["step"], side)
+            assert abs(row[f"val/logps/{side}"] - initial[f"val/logps/{side}"]) > 1e-3, (row["step"], side)
+    assert history[-1]["val/rewards/margins"] != 0.0 and history[-1]["rewards/chosen"] != 0.0
+
+
 # ------------------------------------------------------------------------------------------- resume, export
 
 

@@ -132,6 +132,54 @@ def test_the_engine_state_machine(tiny_model_dir, copies):
     assert "offload" not in plain.describe_parameters()
 
 
+def _optimizer_storages(engine: TrainEngine) -> dict[tuple[int, str], int]:
+    """Where each tensor of the engine's optimizer state lives: its storage's address, by (parameter, key)."""
+    return {(id(p), key): storage(value) for p, state in engine.optimizer.state.items()
+            for key, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def test_the_optimizer_state_comes_back_for_the_update_and_the_step_uses_it(tiny_model_dir, copies):
+    """Host and device are one memory here, so "on the device" is what a move changes: with `offload_copies` each
+    move copies into new storage (as a host <-> accelerator copy does). The optimizer state brought back for an
+    update is a new copy of the host one, equal to it, and is what the step updates; a parameters-only scope leaves
+    it on the host; leaving the scope moves it out again."""
+    engine = tiny_engine(tiny_model_dir)
+    ids = torch.tensor([[5, 17, 42, 9, 33, 8]])
+
+    def step() -> None:
+        engine.model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+        engine.optimizer.step()
+        engine.optimizer.zero_grad(set_to_none=True)
+
+    with engine.on_device(optimizer=True):
+        step()  # the optimizer's first state
+    host = _optimizer_storages(engine)
+    values = {(id(p), k): v.clone() for p, state in engine.optimizer.state.items() for k, v in state.items()}
+    assert len(host) == 3 * len(list(engine.model.parameters())) > 0  # exp_avg, exp_avg_sq, step
+    with engine.on_device():
+        assert _optimizer_storages(engine) == host  # the parameters' pass: the optimizer state stays on the host
+    with engine.on_device(optimizer=True):
+        assert engine.location() == {"params": "device", "optimizer": "device"}
+        device = _optimizer_storages(engine)
+        assert device.keys() == host.keys()
+        left = sorted(key for key in host if device[key] == host[key])
+        assert not left, f"{len(left)} of {len(host)} optimizer state tensors were left on the host"
+        for p, state in engine.optimizer.state.items():
+            for key, value in state.items():
+                torch.testing.assert_close(value, values[(id(p), key)], atol=0, rtol=0)
+        step()
+        assert _optimizer_storages(engine) == device  # the step updated the state that came back, in place
+        moments = {(id(p), k): v.clone() for p, state in engine.optimizer.state.items() for k, v in state.items()}
+    back = engine.offload_log[-1]
+    assert (back.part, back.to) == ("optimizer", "host")
+    after = _optimizer_storages(engine)
+    assert all(after[key] != device[key] for key in device)  # offloaded again after the update
+    assert any(not torch.equal(moments[key], values[key]) for key in moments)  # and it holds the step's update
+    for p, state in engine.optimizer.state.items():
+        for key, value in state.items():
+            torch.testing.assert_close(value, moments[(id(p), key)], atol=0, rtol=0)
+
+
 def test_the_keys_reach_the_role_specs_and_are_not_called_performance_only():
     from hyflow.config import load_config, support, validate_config
     from hyflow.config.roles import reward_model_spec, role_specs
