@@ -1,7 +1,7 @@
 """tools/mutations.py, the mutation check: its list matches the code (every original occurs exactly once, every test
-it names exists), and its machinery gives the right verdicts on a tiny fake project (a caught mutant, a mutant no
-test notices, an original that is not there, a selection that collects nothing, a hang), never touching the
-checkout it copies."""
+it names exists), and its machinery gives the right verdicts on a tiny fake project (a caught mutant, one caught only
+in a process that inherits nothing, a mutant no test notices, an original that is not there, a selection that
+collects nothing, a hang), never touching the checkout it copies, and leaves nothing running when stopped."""
 
 from __future__ import annotations
 
