@@ -267,6 +267,30 @@ def test_the_cluster_is_the_writers_of_its_raylet_log(sleepers, tmp_path):
     assert reader.poll() is None and other.poll() is None
 
 
+@linux_only
+def test_a_forked_child_does_not_hold_the_reapers_pipe_open(monkeypatch):
+    """A child forked from the driver (multiprocessing's fork, a DataLoader worker) closes its copy of the pipe's
+    write end: the reaper sees the driver let go even while the child lives."""
+    import select
+
+    read_end, write_end = os.pipe()
+    monkeypatch.setattr(resources, "_REAPER", (None, write_end))
+    resources._register_fork_handler()
+    child = os.fork()
+    if child == 0:  # the child outlives the driver's close by 30 s
+        time.sleep(30)
+        os._exit(0)
+    try:
+        resources._REAPER = None
+        os.close(write_end)
+        ready, _, _ = select.select([read_end], [], [], 10)
+        assert ready and os.read(read_end, 1) == b"", "the forked child still holds the write end"
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        os.close(read_end)
+
+
 # --------------------------------------------------------------------------------------- with a real cluster
 
 KILLED_DRIVER = textwrap.dedent("""
