@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from hyflow.batch import Batch
-from hyflow.data.images import ImageError, decode_images
+from hyflow.data.images import ImageError, decode_images, image_sizes
 from hyflow.data.io import read_rows
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
@@ -235,8 +235,9 @@ class RLDataset(torch.utils.data.Dataset):
             labels = [labels[i] for i in sorted(keep)]
         self._ids: list[list[int] | None] = [None] * len(self.rows)
         self.num_filtered = 0
+        lengths = self._prompt_lengths()
         if filter_overlong_prompts:
-            kept = [i for i in range(len(self.rows)) if len(self._prompt_ids(i)) <= max_prompt_length]
+            kept = [i for i in range(len(self.rows)) if lengths[i] <= max_prompt_length]
             self.num_filtered = len(self.rows) - len(kept)
             _report_filtered(labels, set(kept), max_prompt_length)
             self.rows = [self.rows[i] for i in kept]
@@ -244,6 +245,26 @@ class RLDataset(torch.utils.data.Dataset):
             if not self.rows:
                 raise ValueError(f"filter_overlong_prompts removed every prompt of {[lab for lab, _ in sources]}: none fits in "
                                  f"data.max_prompt_length={max_prompt_length} tokens; raise it")
+        else:
+            self._refuse_overlong(lengths)
+
+    def _refuse_overlong(self, lengths: list[int]) -> None:
+        """Raise a DataError naming every prompt (file, row, length) that `__getitem__` would refuse: longer than
+        `max_prompt_length` with `truncation="error"`, or an image prompt (never truncated) of any truncation."""
+        refused = [i for i, n in enumerate(lengths) if n > self.max_prompt_length
+                   and (self.truncation == "error" or (self.processor is not None and self.rows[i]["_images"]))]
+        if not refused:
+            return
+        listed = "; ".join(f"{self.rows[i]['_where']}: {lengths[i]} tokens" for i in refused[:5])
+        more = f" and {len(refused) - 5} more" if len(refused) > 5 else ""
+        longest = max(lengths[i] for i in refused)
+        truncation = ("" if self.truncation != "error" else
+                      ", or set data.truncation=left|right|middle (text prompts only)")
+        raise DataError(
+            f"{len(refused)} of {len(self.rows)} prompts are longer than data.max_prompt_length="
+            f"{self.max_prompt_length} tokens ({listed}{more}); found at start-up, before step 1. Raise "
+            f"data.max_prompt_length to at least {longest}, or set data.filter_overlong_prompts=True to drop "
+            f"them{truncation}")
 
     def _check_row(self, row: dict, where: str) -> dict:
         for column in (self.prompt_key, self.reward_fn_key):
@@ -291,6 +312,49 @@ class RLDataset(torch.utils.data.Dataset):
         """Prompt i as text, rendered with the chat template and the generation prompt."""
         return self.tokenizer.apply_chat_template(self.rows[i][self.prompt_key], add_generation_prompt=True,
                                                   tokenize=False, **self.template_kwargs)
+
+    def _prompt_lengths(self) -> list[int]:
+        """Every prompt's length in tokens, images expanded: one batched tokenizer call over the rendered prompts
+        (the ids of a text prompt are kept for `__getitem__`); an image counts the tokens its header's size gives
+        (the image processor's `get_number_of_image_patches`, no pixels decoded), and a prompt that this makes
+        too long, or a processor that cannot count so, is processed in full to be exact."""
+        if not self.rows:
+            return []
+        texts = [self.render(i) for i in range(len(self.rows))]
+        tokenizer = self.processor.tokenizer if self.processor is not None else self.tokenizer
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        lengths = []
+        for i, row_ids in enumerate(ids):
+            images = self.rows[i]["_images"] if self.processor is not None else []
+            if not images:
+                if self.processor is None:
+                    self._ids[i] = list(row_ids)
+                lengths.append(len(row_ids))
+                continue
+            counted = self._image_token_counts(i)
+            n = None if counted is None else len(row_ids) - len(images) + sum(counted)
+            if n is None or n > self.max_prompt_length:
+                n = len(self._prompt_ids(i))
+            lengths.append(n)
+        return lengths
+
+    def _image_token_counts(self, i: int) -> list[int] | None:
+        """The tokens each image of prompt i takes, from the image sizes in their headers; None when the image
+        processor cannot count without the pixels."""
+        count = getattr(self.processor.image_processor, "get_number_of_image_patches", None)
+        if count is None:
+            return None
+        row = self.rows[i]
+        try:
+            sizes = image_sizes(row["_images"], row["_where"])
+        except ImageError as err:
+            raise DataError(str(err)) from None
+        merge = self.processor.tokens.spatial_merge_size
+        kwargs = dict(getattr(self.processor, "image_kwargs", {}) or {})
+        try:
+            return [int(count(height, width, kwargs)) // (merge * merge) for width, height in sizes]
+        except (TypeError, ValueError, KeyError, AttributeError):
+            return None
 
     def _prompt_ids(self, i: int) -> list[int]:
         if self._ids[i] is None:

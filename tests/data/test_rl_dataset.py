@@ -86,9 +86,11 @@ def test_missing_ground_truth_and_malformed_prompt(tmp_path, tiny_tokenizer):
 def test_overlong_prompts(tmp_path, tiny_tokenizer):
     long = "word " * 200
     path = write_rows([row(0), row(1, prompt=long)], tmp_path / "x.jsonl")
-    ds = RLDataset(path, tiny_tokenizer, max_prompt_length=32)
-    with pytest.raises(DataError, match=r"x.jsonl row 1: the prompt has \d+ tokens, more than data.max_prompt_length=32"):
-        ds[1]
+    with pytest.raises(DataError, match=r"1 of 2 prompts are longer than data.max_prompt_length=32 tokens \(\S*x.jsonl "
+                                        r"row 1: \d+ tokens\); found at start-up, before step 1. Raise "
+                                        r"data.max_prompt_length to at least \d+, or set "
+                                        r"data.filter_overlong_prompts=True"):
+        RLDataset(path, tiny_tokenizer, max_prompt_length=32)
     filtered = RLDataset(path, tiny_tokenizer, max_prompt_length=32, filter_overlong_prompts=True)
     assert len(filtered) == 1 and filtered.num_filtered == 1
     for mode in ("left", "right", "middle"):
@@ -136,3 +138,33 @@ def test_loader_errors(files, tiny_tokenizer):
     loader = PromptLoader(ds, 2)
     with pytest.raises(ValueError, match="same data files"):
         loader.load_state_dict({"epoch": 0, "position": 1, "dataset_len": 99})
+
+
+def test_every_overlong_prompt_is_found_at_start_up_with_one_tokenizer_call(tmp_path, tiny_tokenizer, monkeypatch):
+    """Failed before: an overlong row was found only when the loader drew it (a 2-step run that never drew it
+    ended rc 0). Now the constructor measures every prompt of every file, in one batched tokenizer call."""
+    rows = [row(i) for i in range(40)]
+    for i in (3, 17, 31):
+        rows[i]["prompt"] = [{"role": "user", "content": "word " * (50 + i)}]
+    a = write_rows(rows[:20], tmp_path / "a.jsonl")
+    b = write_rows(rows[20:], tmp_path / "b.parquet")
+    calls = []
+    real_call = type(tiny_tokenizer).__call__
+    monkeypatch.setattr(type(tiny_tokenizer), "__call__", lambda self, *args, **kw: calls.append(args) or
+                        real_call(self, *args, **kw))
+    with pytest.raises(DataError) as caught:
+        RLDataset([a, b], tiny_tokenizer, max_prompt_length=40)
+    message = str(caught.value)
+    assert message.startswith("3 of 40 prompts are longer than data.max_prompt_length=40 tokens")
+    for where in ("a.jsonl row 3: ", "a.jsonl row 17: ", "b.parquet row 11: "):
+        assert where in message, message
+    assert "data.filter_overlong_prompts=True" in message and "data.truncation=left|right|middle" in message
+    assert len(calls) == 1 and len(calls[0][0]) == 40  # one call, every prompt
+    calls.clear()
+    ds = RLDataset([a, b], tiny_tokenizer, max_prompt_length=40, filter_overlong_prompts=True)
+    assert len(ds) == 37 and ds.num_filtered == 3 and len(calls) == 1
+    assert len(ds[5]["raw_prompt_ids"]) <= 40 and len(calls) == 1  # the ids measured at start-up are reused
+    many = [row(i, prompt=[{"role": "user", "content": "word " * 60}]) for i in range(8)]
+    with pytest.raises(DataError, match=r"8 of 8 prompts .* and 3 more\)"):
+        RLDataset(write_rows(many, tmp_path / "c.jsonl"), tiny_tokenizer, max_prompt_length=40)
+    assert len(RLDataset([a, b], tiny_tokenizer, max_prompt_length=40, truncation="left")) == 40  # chosen: no error

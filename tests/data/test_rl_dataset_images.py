@@ -76,8 +76,10 @@ def test_placeholders_must_match_the_images(processor):
 
 
 def test_an_undecodable_image_names_its_row(processor):
-    dataset = RLDataset([_row(), _row(images=[{"bytes": b"\x89PNG broken"}])], processor.tokenizer,
-                        processor=processor)
+    with pytest.raises(DataError, match=r"row 1, image 0: the image cannot be decoded"):  # its header, at start-up
+        RLDataset([_row(), _row(images=[{"bytes": b"\x89PNG broken"}])], processor.tokenizer, processor=processor)
+    good_header = _png()[:60]  # the header and part of the pixels: found when the pixels are decoded
+    dataset = RLDataset([_row(), _row(images=[{"bytes": good_header}])], processor.tokenizer, processor=processor)
     dataset[0]
     with pytest.raises(DataError, match=r"row 1, image 0: the image cannot be decoded"):
         dataset[1]
@@ -91,11 +93,9 @@ def test_videos_are_refused_by_name(processor):
 def test_an_image_prompt_too_long_after_expansion_is_an_error_or_filtered(processor, capsys):
     big = [{"bytes": _png(size=(224, 224))}]  # 64 image tokens
     rows = [_row(), _row(images=big)]
-    dataset = RLDataset(rows, processor.tokenizer, processor=processor, max_prompt_length=60, truncation="left")
-    dataset[0]
-    with pytest.raises(DataError, match=r"row 1: the prompt has \d+ tokens with its 1 image\(s\) expanded, more than "
-                                        r"data.max_prompt_length=60; an image prompt is not truncated"):
-        dataset[1]
+    with pytest.raises(DataError, match=r"1 of 2 prompts are longer than data.max_prompt_length=60 tokens \(the given "
+                                        r"list of 2 rows row 1: \d+ tokens\); found at start-up"):
+        RLDataset(rows, processor.tokenizer, processor=processor, max_prompt_length=60, truncation="left")
     filtered = RLDataset(rows, processor.tokenizer, processor=processor, max_prompt_length=60,
                          filter_overlong_prompts=True)
     assert len(filtered) == 1 and filtered.num_filtered == 1
@@ -132,3 +132,58 @@ def test_image_rows_read_from_parquet_as_hf_datasets_writes_them(processor, tmp_
     assert [item["multi_modal_inputs"]["image_grid_thw"].tolist() for item in items] == [[[1, 4, 4]]] * 2
     red, blue = (item["multi_modal_data"]["image"][0].getpixel((0, 0)) for item in items)
     assert red == (200, 30, 30) and blue == (0, 0, 255)
+
+
+def _bomb_png(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height pixels, with next to no pixel data: a decompression bomb."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def test_prompt_lengths_come_from_the_image_headers_without_decoding(processor, monkeypatch):
+    """The start-up length check reads each image's size from its header; its count equals the processor's."""
+    import hyflow.data.rl_dataset as rl_dataset
+
+    sizes = [(56, 56), (112, 112), (100, 60), (31, 250)]
+    rows = [_row(images=[{"bytes": _png(size=size)}]) for size in sizes] + [_row("text only", images=[])]
+    real_decode = rl_dataset.decode_images
+    monkeypatch.setattr(rl_dataset, "decode_images", lambda *a: pytest.fail("decoded an image at start-up"))
+    dataset = RLDataset(rows, processor.tokenizer, processor=processor, max_prompt_length=512)
+    measured = dataset._prompt_lengths()
+    monkeypatch.setattr(rl_dataset, "decode_images", real_decode)
+    exact = [len(dataset[i]["raw_prompt_ids"]) for i in range(len(rows))]
+    assert measured == exact
+    # a count from the header that says "too long" is checked on the decoded image before it is believed
+    monkeypatch.setattr(processor.image_processor, "get_number_of_image_patches", lambda h, w, kw: 10**6,
+                        raising=False)
+    assert RLDataset(rows, processor.tokenizer, processor=processor, max_prompt_length=512)._prompt_lengths() == exact
+
+
+@pytest.mark.parametrize("size, claim", [((100_000, 100_000), r"10,000,000,000 pixels"),
+                                         ((10_000, 10_000), r"10000x10000 = 100,000,000 pixels")],
+                         ids=["past-pil-error", "past-pil-warning"])
+def test_a_decompression_bomb_is_refused_by_row_size_and_limit(processor, size, claim):
+    bomb = _bomb_png(*size)
+    expected = (rf"row 1, image 0: the image is {claim} by its header, more than the limit of 89,478,485 pixels "
+                r"\(PIL.Image.MAX_IMAGE_PIXELS")
+    with pytest.raises(DataError, match=expected):
+        RLDataset([_row(), _row(images=[{"bytes": bomb}])], processor.tokenizer, processor=processor)
+    with pytest.raises(ImageError, match=rf"tool 'draw''s image 0: the image is {claim}"):  # what a tool returns
+        load_image(bomb, "tool 'draw''s image 0")
+    if size == (10_000, 10_000):  # a lazily opened PIL image handed over as is (a tool's return value)
+        with Image.open(io.BytesIO(bomb)) as lazy, pytest.raises(ImageError, match=claim):
+            load_image(lazy, "tool 'draw''s image 0")
+
+
+@pytest.mark.parametrize("url", ["http://example.com/cat.png", "https://example.com/cat.png", "s3://bucket/cat.png"])
+def test_an_image_url_is_refused_with_how_to_supply_the_image(tmp_path, url):
+    for value in (url, {"image": url}, {"path": url}):
+        with pytest.raises(ImageError, match=r"row 2, image 0: the image is a URL .*hyflow never downloads images. "
+                                             r"Download it first and give the local path"):
+            load_image(value, "row 2, image 0")
