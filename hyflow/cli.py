@@ -427,8 +427,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if hasattr(args, "overrides") and not any(word.startswith("-") for word in extra):
             args.overrides = [*args.overrides, *extra]
         else:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            chosen = _chosen_parser(parser, list(sys.argv[1:] if argv is None else argv))
+            hints = [hint for word in extra if word.startswith("-") and (hint := _option_hint(chosen, word))]
+            chosen.error(f"unrecognized arguments: {' '.join(extra)}" + "".join(f"; {hint}" for hint in hints))
     return args
+
+
+def _chosen_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The (sub)command parser that `argv` selects (`hyflow data make ...`: the `data make` one)."""
+    for word in argv:
+        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if actions and word in actions[0].choices:
+            parser = actions[0].choices[word]
+    return parser
+
+
+def _option_hint(parser: argparse.ArgumentParser, word: str) -> str | None:
+    """'did you mean --x?' for an unknown option `word` of `parser` (the closest of its options), or how to write
+    a config override when `word` is one written as an option (`--data.train_files=F`)."""
+    import difflib
+
+    name = word.split("=", 1)[0]
+    options = [option for action in parser._actions for option in action.option_strings if option.startswith("--")]
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {close[0]}?"
+    if "." in name and any(action.dest == "overrides" for action in parser._actions):
+        return f"a config override is written without dashes: {word.lstrip('-')}"
+    return f"the options of '{parser.prog}' are {', '.join(sorted(options))}" if options else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

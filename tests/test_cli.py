@@ -289,3 +289,23 @@ def test_a_reward_function_that_always_raises_stops_the_run_at_step_one(small_ru
     assert "KeyError: 'missing'" in err and "reward_model.max_error_fraction" in err
     assert (run / "config.yaml").is_file()  # what was written before the failure stays
     assert not list(run.glob("global_step_*"))  # no checkpoint of a step trained on zeros
+
+
+@pytest.mark.parametrize("argv, parser_prog, hint", [
+    (["config", "--sectoin", "data"], "hyflow config", "did you mean --section?"),
+    (["data", "make", "arithmetic", "--out", "D", "--n-trian", "3"], "hyflow data make", "did you mean --n-train?"),
+    (["export", "--ckpt", "C", "--out", "D", "--adaptr"], "hyflow export", "did you mean --adapter?"),
+    (["train", "a=1", "--data.train_files=F"], "hyflow train",
+     "a config override is written without dashes: data.train_files=F"),
+    (["train", "--zzz"], "hyflow train", "the options of 'hyflow train' are --config, --config-name"),
+], ids=["config", "data-make", "export", "override-as-option", "no-close-option"])
+def test_an_unknown_option_gets_its_subcommands_usage_and_the_closest_option(argv, parser_prog, hint, capsys):
+    """Failed before: the top-level usage and no suggestion (the probe saw the catch-all 'maybe a bug')."""
+    from hyflow.cli import parse_args
+
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2
+    assert err.startswith(f"usage: {parser_prog} ") and f"{parser_prog}: error: unrecognized arguments: " in err
+    assert hint in err and "maybe a bug" not in err
