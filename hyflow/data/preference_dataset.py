@@ -53,8 +53,21 @@ def _completion(value, where: str, key: str) -> list[dict]:
 
 
 def _missing(where: str, row: dict, key: str, option: str, needed: str) -> DataError:
+    if _is_null(row, key):
+        return DataError(f"{where}: column {key!r} is null (empty) in this row; {needed}. Fill in the row's "
+                         f"{key!r} or drop the row.")
     return DataError(f"{where}: missing column {key!r}; {needed}. Columns present: {', '.join(sorted(row))}. "
                      f"Rename the column or set {option}=<your column name>.")
+
+
+def _is_null(row: dict, key: str) -> bool:
+    """Whether `key` (dotted: into nested dicts) is a column of `row` whose value is null (None or NaN)."""
+    value = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return False
+        value = value[part]
+    return value is None or (isinstance(value, float) and value != value)
 
 
 def split_implicit_prompt(chosen: list[dict], rejected: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
@@ -99,9 +112,11 @@ class PreferenceDataset:
     def _add_pair(self, row: dict, where: str, prompt_key: str, chosen_key: str, rejected_key: str) -> None:
         needed = "a preference row needs prompt, chosen and rejected (TRL's and verl's format)"
         for key, option in ((chosen_key, "data.chosen_key"), (rejected_key, "data.rejected_key")):
-            if _lookup(row, key) is None:
+            if _lookup(row, key) is None or _is_null(row, key):
                 raise _missing(where, row, key, option, needed)
         prompt = _lookup(row, prompt_key)
+        if _is_null(row, prompt_key):
+            raise _missing(where, row, prompt_key, "data.prompt_key", needed)
         if prompt is None:
             chosen, rejected = _lookup(row, chosen_key), _lookup(row, rejected_key)
             if isinstance(chosen, str) or isinstance(rejected, str):
@@ -123,7 +138,7 @@ class PreferenceDataset:
         needed = "a KTO row needs prompt, completion and label (TRL's unpaired format)"
         for key, option in ((prompt_key, "data.prompt_key"), (completion_key, "data.completion_key"),
                             (label_key, "data.label_key")):
-            if _lookup(row, key) is None:
+            if _lookup(row, key) is None or _is_null(row, key):
                 raise _missing(where, row, key, option, needed)
         label = _lookup(row, label_key)
         if isinstance(label, (np.bool_, np.integer)):
