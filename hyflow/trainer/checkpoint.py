@@ -432,6 +432,8 @@ class CheckpointManager:
         self.run_dir = Path(run_dir).expanduser()
         self.max_to_keep = max_to_keep or None
         self._save_lock = threading.Lock()
+        self.saved_steps: list[int] = []  # the steps this manager saved, in order
+        self.starts_over = False  # resolve_resume("disable"): the directory's checkpoints are a previous run's
 
     # -- paths
 
@@ -525,6 +527,7 @@ class CheckpointManager:
                     raise full from exc
                 raise
             self._write_tracker(step)
+            self.saved_steps.append(step)
             self._apply_max_to_keep(keep=step)
             self._clean_leftovers()
         return final
@@ -689,6 +692,14 @@ class CheckpointManager:
             )
         return complete[-1] if complete else None
 
+    def latest_step_of_this_run(self) -> int | None:
+        """`latest_step()`, except for a run that started over (`resolve_resume("disable")`): the newest complete
+        checkpoint this manager saved itself, or None (the directory's older checkpoints are a previous run's)."""
+        if not self.starts_over:
+            return self.latest_step()
+        own = set(self.saved_steps).intersection(self.list_steps())
+        return max(own) if own else None
+
     def verify(self, path_or_step: int | str | os.PathLike) -> None:
         """`verify_checkpoint` on `global_step_{step}` or a directory: sizes and sha256 against the manifest."""
         verify_checkpoint(self._as_dir(path_or_step))
@@ -742,6 +753,7 @@ class CheckpointManager:
         if resume_mode not in RESUME_MODES:
             raise ValueError(f"trainer.resume_mode={resume_mode!r} is not one of {list(RESUME_MODES)}")
         if resume_mode == "disable":
+            self.starts_over = True
             return None
         self._recover_interrupted_replace()
         if resume_mode == "auto":

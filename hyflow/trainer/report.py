@@ -54,10 +54,11 @@ def sample_rows(batch: Batch, texts: list[str], tokenizer) -> list[dict]:
 
 
 def latest_checkpoint(manager: CheckpointManager) -> Path | None:
-    """The run directory's newest complete checkpoint, or None."""
+    """The run directory's newest complete checkpoint of this run, or None (with trainer.resume_mode=disable, a
+    previous run's checkpoints in the directory are not this run's: `latest_step_of_this_run`)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a stale tracker file was reported when the run was claimed
-        step = manager.latest_step()
+        step = manager.latest_step_of_this_run()
     return None if step is None else manager.step_dir(step)
 
 

@@ -274,3 +274,53 @@ def test_a_run_off_a_terminal_prints_few_lines_and_progress_inside_the_step(tiny
     assert all(r[4].endswith(" tokens") for r in rollout)
     assert ("update_actor", 1, 2, "micro-batches", "") in reported  # 4 samples in micro-batches of 2
     assert ("update_actor", 2, 2, "micro-batches", "") in reported
+
+
+# ------------------------------------------------------------------- trainer.resume_mode=disable
+
+
+def test_a_run_that_starts_over_names_only_its_own_checkpoints(tmp_path, capsys):
+    """resume_mode=disable in a directory holding a previous run's global_step_2: the summary and the Ctrl-C line
+    name no checkpoint until this run saves one (failed before: both named the previous run's global_step_2)."""
+    from hyflow.trainer.checkpoint import CheckpointManager
+    from hyflow.trainer.report import latest_checkpoint, where_interrupted
+    from hyflow.trainer.run_dir import claim_run_directory
+
+    run = tmp_path / "run"
+    CheckpointManager(run).save(2, {"trainer_state": {"step": 2}})
+    write_metrics(run, [{"step": 1}, {"step": 2}])
+    manager = CheckpointManager(run)
+    claim = claim_run_directory(run, "disable", None, manager)
+    try:
+        assert "starting from step 0" in capsys.readouterr().out
+        assert latest_checkpoint(manager) is None
+        assert "no checkpoint saved yet" in where_interrupted(1, 3, None, manager)
+        summary = format_run_summary(run, elapsed_s=1, step=1, total_steps=3, checkpoint=latest_checkpoint(manager))
+        assert "global_step_2" not in summary and "last checkpoint  none saved" in summary
+        manager.save(1, {"trainer_state": {"step": 1}})
+        assert latest_checkpoint(manager) == run / "global_step_1"
+        manager.save(2, {"trainer_state": {"step": 2}})  # replaces the previous run's step 2: now this run's
+        assert latest_checkpoint(manager) == run / "global_step_2"
+    finally:
+        claim.release()
+    resumed = CheckpointManager(run)
+    claim = claim_run_directory(run, "auto", None, resumed)
+    try:
+        assert latest_checkpoint(resumed) == run / "global_step_2"  # resuming: the directory's checkpoints count
+    finally:
+        claim.release()
+
+
+@pytest.mark.slow
+def test_rl_run_with_resume_disabled_does_not_claim_the_previous_checkpoint(tiny_model_dir, task_dir, tmp_path,
+                                                                              capsys):
+    run = tmp_path / "run"
+    RLTrainer(rl_overrides(tiny_model_dir, task_dir, run), reward_fn=reward).fit()
+    assert (run / "global_step_2").is_dir()
+    capsys.readouterr()
+    RLTrainer(rl_overrides(tiny_model_dir, task_dir, run, "trainer.resume_mode=disable", "trainer.save_freq=0",
+                           "trainer.total_training_steps=1"), reward_fn=reward).fit()
+    out = capsys.readouterr().out
+    summary = out[out.index("hyflow: run complete"):]
+    assert "steps            1 of 1\n" in summary
+    assert "global_step_2" not in summary and "last checkpoint  none saved" in summary
