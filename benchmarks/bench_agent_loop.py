@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import machine_info
+from machine import load_average, machine_info, run_provenance
 
 
 class AskAgain:
@@ -179,8 +179,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from hyflow.rollout.base import SamplingParams
 
+    load_before = load_average()  # other processes on the cores slow the decoding, not the interactions' waits
     info = machine_info()
-    print(f"machine: {info}")
+    print(f"machine: {info}, load average {load_before}")
     print(f"torch threads: {torch.get_num_threads()}")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -225,7 +226,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"{preset}: " + "; ".join(f"{way} / {base} {row[f'ratio_{way}_vs_{base}']}x" for way in ways[1:])
                   + f" (trajectories/s, latency {args.latency_dist} {args.latency:g} s)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": info, "results": results}, indent=2) + "\n")
+        record = run_provenance(load_before)
+        if args.engine == "vllm":
+            import vllm
+
+            record["machine"]["vllm"] = vllm.__version__
+        Path(args.json).write_text(json.dumps({**record, "results": results}, indent=2) + "\n")
     return results
 
 
