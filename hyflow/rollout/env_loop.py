@@ -156,6 +156,7 @@ class EnvAgentLoop(ToolAgentLoop):
                             await self._call(host, metrics, "close")
                 finally:  # the rollout may be cancelled meanwhile: the child is killed whatever happens
                     host.close()
+                await host.wait_closed()
         metrics["env_steps"] = steps
         metrics["env_info"] = {k: sum(v) / len(v) for k, v in info_numbers.items()}
         return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=response_ids[: self.response_length],

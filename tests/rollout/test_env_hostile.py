@@ -284,3 +284,56 @@ def test_a_step_costs_a_pipe_round_trip(tmp_path, tiny_tokenizer):
 
     per_step = asyncio.run(episode())
     assert per_step < 0.05, per_step  # generous: about 0.1 ms on an idle machine
+
+
+class HoldsTqdmLock(Base):
+    """Takes tqdm's write lock (as a progress bar does while it prints) and hangs: killed while holding it."""
+
+    def step(self, action):
+        import tqdm
+
+        tqdm.tqdm.get_lock().acquire()
+        time.sleep(600)
+
+
+def test_a_killed_environment_leaves_no_lock_of_the_parent_taken():
+    """tqdm's lock is a semaphore that a fork shares: the child's own lock is what a killed child leaves taken, so
+    the trainer's progress bars still print."""
+    import tqdm
+
+    from hyflow.rollout.env_host import EnvCallFailed, EnvHost
+
+    tqdm.tqdm.get_lock()  # the parent's locks exist before the fork, as in a trainer with a progress bar
+
+    async def episode():
+        host = await EnvHost.start(HoldsTqdmLock, {}, {}, timeout=30, max_observation_chars=100)
+        try:
+            with pytest.raises(EnvCallFailed, match="timed out"):
+                await host.call("step", "a", timeout=2)
+        finally:
+            host.close()
+
+    asyncio.run(episode())
+    shared = tqdm.std.TqdmDefaultWriteLock.mp_lock
+    assert shared.acquire(timeout=10), "a killed environment left tqdm's lock taken"
+    shared.release()
+
+
+class ReadsItsOomScore(Base):
+    def step(self, action):
+        with open("/proc/self/oom_score_adj") as f:
+            return f.read().strip(), 0.0, True, {}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/oom_score_adj"), reason="Linux's /proc")
+def test_out_of_memory_the_kernel_kills_the_environment_first():
+    from hyflow.rollout.env_host import EnvHost
+
+    async def episode():
+        host = await EnvHost.start(ReadsItsOomScore, {}, {}, timeout=30, max_observation_chars=100)
+        try:
+            return (await host.call("step", "a", timeout=30))[0]
+        finally:
+            host.close()
+
+    assert asyncio.run(episode()) == "1000"
