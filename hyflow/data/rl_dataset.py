@@ -235,7 +235,9 @@ class RLDataset(torch.utils.data.Dataset):
             labels = [labels[i] for i in sorted(keep)]
         self._ids: list[list[int] | None] = [None] * len(self.rows)
         self.num_filtered = 0
-        lengths = self._prompt_lengths()
+        # measured unless no prompt can be dropped or refused (a text dataset truncated as data.truncation says)
+        refusable = truncation == "error" or (processor is not None and any(row["_images"] for row in self.rows))
+        lengths = self._prompt_lengths() if filter_overlong_prompts or refusable else []
         if filter_overlong_prompts:
             kept = [i for i in range(len(self.rows)) if lengths[i] <= max_prompt_length]
             self.num_filtered = len(self.rows) - len(kept)

@@ -167,4 +167,6 @@ def test_every_overlong_prompt_is_found_at_start_up_with_one_tokenizer_call(tmp_
     many = [row(i, prompt=[{"role": "user", "content": "word " * 60}]) for i in range(8)]
     with pytest.raises(DataError, match=r"8 of 8 prompts .* and 3 more\)"):
         RLDataset(write_rows(many, tmp_path / "c.jsonl"), tiny_tokenizer, max_prompt_length=40)
+    calls.clear()
     assert len(RLDataset([a, b], tiny_tokenizer, max_prompt_length=40, truncation="left")) == 40  # chosen: no error
+    assert calls == []  # and nothing to measure: a text prompt is truncated when drawn
