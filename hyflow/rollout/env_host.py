@@ -180,7 +180,11 @@ class EnvHost:
         except OSError as err:  # longer than max_message_bytes (the connection is unusable after it)
             self.close()
             raise EnvCallFailed("error", f"sent an answer of more than {self.max_message_bytes} bytes") from err
-        status, payload = pickle.loads(data)
+        try:
+            status, payload = pickle.loads(data)
+        except Exception as err:  # the environment wrote into the pipe itself
+            self.close()
+            raise EnvCallFailed("error", f"sent an answer that cannot be read ({describe(err)})") from None
         if status == "error":
             raise EnvCallFailed("error", payload)
         return payload

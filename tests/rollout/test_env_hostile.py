@@ -7,6 +7,7 @@ share the rollout they try to break; each test reads its row."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import posix
 import signal
@@ -337,3 +338,35 @@ def test_out_of_memory_the_kernel_kills_the_environment_first():
             host.close()
 
     assert asyncio.run(episode()) == "1000"
+
+
+class WritesIntoThePipe(Base):
+    """Writes a message of its own into every socket it inherited (the pipe to the parent among them)."""
+
+    def step(self, action):
+        import socket
+        import struct
+
+        for fd in range(3, 256):
+            try:
+                sock = socket.socket(fileno=fd)
+            except OSError:
+                continue
+            with contextlib.suppress(OSError):
+                sock.send(struct.pack("!i", 5) + b"junk!")
+            sock.detach()
+        time.sleep(600)
+
+
+def test_an_answer_the_environment_forged_is_an_error():
+    from hyflow.rollout.env_host import EnvCallFailed, EnvHost
+
+    async def episode():
+        host = await EnvHost.start(WritesIntoThePipe, {}, {}, timeout=30, max_observation_chars=100)
+        try:
+            with pytest.raises(EnvCallFailed, match="sent an answer that cannot be read"):
+                await host.call("step", "a", timeout=30)
+        finally:
+            host.close()
+
+    asyncio.run(episode())
