@@ -23,16 +23,20 @@ class ImageError(ValueError):
     """An image value of a row that cannot be read; the message names the row and the image."""
 
 
+class ImageTooLargeError(ImageError):
+    """An image whose header claims more pixels than PIL's limit (a decompression bomb), refused undecoded."""
+
+
 def _pixel_limit() -> int | None:
     from PIL import Image
 
     return Image.MAX_IMAGE_PIXELS
 
 
-def _too_large(where: str, pixels: int, size: tuple[int, int] | None = None) -> ImageError:
+def _too_large(where: str, pixels: int, size: tuple[int, int] | None = None) -> ImageTooLargeError:
     limit = _pixel_limit()
     shape = f"{size[0]}x{size[1]} = " if size else ""
-    return ImageError(
+    return ImageTooLargeError(
         f"{where}: the image is {shape}{pixels:,} pixels by its header, more than the limit of {limit:,} pixels "
         "(PIL.Image.MAX_IMAGE_PIXELS, PIL's guard against decompression bombs); refused without decoding it. "
         "Resize the image below the limit (or drop it); a program of your own may raise PIL.Image.MAX_IMAGE_PIXELS "
@@ -110,6 +114,18 @@ def load_image(value: Any, where: str = "image"):
                          "or WebP file?") from None
     finally:
         image.close()
+
+
+def check_pixel_limit(data: bytes, where: str) -> None:
+    """Raise ImageTooLargeError when the header of the image file `data` claims more pixels than PIL's limit;
+    nothing is decoded (an unreadable header passes: decoding reports it)."""
+    try:
+        image, _ = _open(bytes(data), where)
+    except ImageTooLargeError:
+        raise
+    except ImageError:
+        return
+    image.close()
 
 
 def image_sizes(values: Sequence[Any], where: str) -> list[tuple[int, int]]:

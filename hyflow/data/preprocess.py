@@ -41,6 +41,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from hyflow.data.images import check_pixel_limit
 from hyflow.data.io import SPLITS, read_rows, write_rows
 from hyflow.data.tasks.common import FORMATS, make_row
 from hyflow.rewards.scorers.math import extract_boxed_answer
@@ -271,6 +272,7 @@ def _image_bytes(record: dict, where: str) -> list[bytes]:
                 f"{where}: image {k} of column 'images' holds no image bytes (got {keys}); the images must be "
                 "embedded in the parquet file as {'bytes': ...}, as Hugging Face's Image feature stores them"
             )
+        check_pixel_limit(data, f"{where}: image {k} of column 'images'")  # a decompression bomb stays undecoded
         try:
             with Image.open(io.BytesIO(data)) as decoded:
                 decoded.load()

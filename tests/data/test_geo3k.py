@@ -153,6 +153,18 @@ def _one_line_error(capsys, argv) -> str:
 TRUNCATED_PNG = _png()[:40]
 
 
+def _bomb_png(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height pixels, with next to no pixel data: a decompression bomb."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
 @pytest.mark.parametrize(
     ("records", "message"),
     [
@@ -169,6 +181,9 @@ TRUNCATED_PNG = _png()[:40]
          "train.parquet row 3: image 1 of column 'images' is not a decodable image (UnidentifiedImageError"),
         ([_record("<image>Find x.", "3", TRUNCATED_PNG)],
          "train.parquet row 1: image 1 of column 'images' is not a decodable image"),
+        ([_record("<image>Find x.", "3", _bomb_png(10_000, 10_000))],  # past PIL's limit: refused undecoded
+         "train.parquet row 1: image 1 of column 'images': the image is 10000x10000 = 100,000,000 pixels by its "
+         "header, more than the limit of 89,478,485 pixels (PIL.Image.MAX_IMAGE_PIXELS"),
         ([{"images": [{"bytes": None, "path": "geo/12.png"}], "problem": "<image>Find x.", "answer": "3"}],
          "train.parquet row 1: image 1 of column 'images' holds no image bytes (got ['bytes', 'path'])"),
         ([_record("Find x.", "3", _png())],
