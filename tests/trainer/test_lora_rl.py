@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from learning import SEED, report_margin
+from learning import SEED, WARM_RISE_MARGIN, assert_beats_frozen, rise
 from test_rl_ray import (
     SGD,
     assert_inside_the_clips,
@@ -178,26 +178,29 @@ def test_export_writes_the_merged_model_and_the_bare_adapter(tiny_model_dir, tas
     assert float((got - plain).abs().max()) > 1e-3  # the export holds the trained adapter, not the base
 
 
-def test_lora_grpo_learns_the_arithmetic_task(warm, tmp_path):
-    """From the quickstart's SFT warm start, GRPO with a rank-16 adapter (all linear layers) raises the reward.
-    Margin measured (last - first - 0.05; AMD EPYC): seed 0 under ATEN_CPU_CAPABILITY=default +0.161; seeds 1 / 2
-    under default +0.197 / +0.130."""
+def test_lora_grpo_learns_the_arithmetic_task(warm, tmp_path, tmp_path_factory):
+    """From the quickstart's SFT warm start, GRPO with a rank-16 adapter (all linear layers, lr 2e-3) raises the
+    reward: the rise of the mean training score (last 6 of 24 steps - first 6) beats the frozen control's by more
+    than WARM_RISE_MARGIN = 0.11 (its noise: tests/learning.py). Measured, seed 0, native avx512 (issue 37): rise
+    +0.180, the control's -0.052, D = +0.232. Rises measured before (against a fixed 0.05): seed 0 under
+    ATEN_CPU_CAPABILITY=default 0.211; seeds 1 / 2 under default 0.247 / 0.180."""
     model, data = warm
-    history = RLTrainer([
-        f"actor_rollout_ref.model.path={model}", f"data.train_files={data}/train.parquet",
-        f"trainer.default_local_dir={tmp_path}", "data.train_batch_size=16", "data.max_prompt_length=64",
-        "data.max_response_length=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
-        "actor_rollout_ref.rollout.n=8", "reward_model.num_workers=0", "trainer.logger=[file]",
-        "trainer.total_training_steps=24", "trainer.val_before_train=false", "algorithm.adv_estimator=grpo",
-        "actor_rollout_ref.model.enable_gradient_checkpointing=false", "actor_rollout_ref.model.lora_rank=16",
-        "actor_rollout_ref.model.lora_alpha=32", "actor_rollout_ref.actor.optim.lr=2e-3", f"trainer.seed={SEED}",
-    ]).fit()
 
-    def mean_reward(rows):
-        return sum(row["critic/score/mean"] for row in rows) / len(rows)
+    def run(run_dir, lr, seed):
+        history = RLTrainer([
+            f"actor_rollout_ref.model.path={model}", f"data.train_files={data}/train.parquet",
+            f"trainer.default_local_dir={run_dir}", "data.train_batch_size=16", "data.max_prompt_length=64",
+            "data.max_response_length=32", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+            "actor_rollout_ref.rollout.n=8", "reward_model.num_workers=0", "trainer.logger=[file]",
+            "trainer.total_training_steps=24", "trainer.val_before_train=false", "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=false", "actor_rollout_ref.model.lora_rank=16",
+            "actor_rollout_ref.model.lora_alpha=32", f"actor_rollout_ref.actor.optim.lr={lr}", f"trainer.seed={seed}",
+        ]).fit()
+        return [row["critic/score/mean"] for row in history]
 
-    first, last = mean_reward(history[:6]), mean_reward(history[-6:])
-    print(f"LoRA GRPO: mean reward first 6 steps {first:.3f}, last 6 steps {last:.3f}")
-    report_margin("test_lora_grpo_learns_the_arithmetic_task", "reward rise (last 6 - first 6 steps)", last - first,
-                  0.05)
-    assert last > first + 0.05
+    # the adapter starts at zero (B = 0), so with lr 0 this is test_rl_learns.py's frozen warm start, and the two
+    # modules share one control run (same key)
+    assert_beats_frozen("test_lora_grpo_learns_the_arithmetic_task", "score rise (last 6 - first 6 of 24 steps)",
+                        lambda: rise(run(tmp_path, 2e-3, SEED), 6),
+                        lambda seed: run(tmp_path_factory.mktemp("frozen"), 0, seed), lambda values: rise(values, 6),
+                        ("rl_learns", str(model), 24), WARM_RISE_MARGIN)
