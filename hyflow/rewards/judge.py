@@ -134,8 +134,20 @@ def load_template(template: str | None = None, template_path: str | Path | None 
 
 
 def parse_verl_score(output: str) -> float:
-    """verl's rule: ``int(output.split("\\n\\n")[-1].strip())``; a ValueError when that is not an integer."""
-    return float(int(output.split("\n\n")[-1].strip()))
+    """verl's rule: ``int(output.split("\\n\\n")[-1].strip())``; a ValueError quoting that text (cut to 80
+    characters) when it is not an integer or is too large for a float (a 400-digit integer)."""
+    text = output.split("\n\n")[-1].strip()
+    try:
+        return float(int(text))
+    except ValueError:
+        raise ValueError(f"{_shown(text, 80)!r} is not an integer") from None
+    except OverflowError:
+        raise ValueError(f"{_shown(text, 80)!r} is an integer too large for a float") from None
+
+
+def _shown(text: str, limit: int = 300) -> str:
+    """`text`, its middle cut when longer than `limit` characters (a judge's output quoted in an error)."""
+    return text if len(text) <= limit else text[: limit // 2] + " ... " + text[-(limit // 2):]
 
 
 def prompt_text(extra_info, raw_prompt, decoded_prompt: str | None) -> str:
@@ -241,13 +253,13 @@ class GenerativeJudge:
     def parse(self, output: str) -> float:
         """The score written in `output` (verl's rule, or the last match of `score_pattern`); a ValueError naming
         the text when there is none or it is out of range."""
-        shown = output if len(output) <= 300 else output[:150] + " ... " + output[-150:]
+        shown = _shown(output)
         if self.score_pattern is None:
             try:
                 score = parse_verl_score(output)
-            except ValueError:
+            except ValueError as exc:
                 raise ValueError(f"the judge's output has no score: verl's rule reads an integer after the last "
-                                 f"blank line, and the output was {shown!r}") from None
+                                 f"blank line, and {exc}; the output was {shown!r}") from None
         else:
             matches = list(self.score_pattern.finditer(output))
             if not matches:
@@ -257,9 +269,9 @@ class GenerativeJudge:
             text = last.group(1) if self.score_pattern.groups else last.group(0)
             try:
                 score = float(text)
-            except (TypeError, ValueError):
-                raise ValueError(f"score_pattern {self.score_pattern.pattern!r} matched {text!r}, not a number, in "
-                                 f"the judge's output {shown!r}") from None
+            except (TypeError, ValueError, OverflowError):
+                raise ValueError(f"score_pattern {self.score_pattern.pattern!r} matched {_shown(str(text), 80)!r}, "
+                                 f"not a number, in the judge's output {shown!r}") from None
         if not math.isfinite(score):
             raise ValueError(f"the judge's score {score} is not finite; output {shown!r}")
         if self.score_range is not None:
@@ -302,11 +314,19 @@ class GenerativeJudge:
                     outcomes[i] = Outcome(error=error)
                 return outcomes
             for i, ids in zip(rows, generated):
-                output = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+                try:
+                    output = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+                except Exception as exc:  # ids the judge's tokenizer cannot decode: this sample only
+                    outcomes[i] = Outcome(error=f"the judge's output cannot be decoded: {type(exc).__name__}: "
+                                                f"{_shown(str(exc), 200)}")
+                    continue
                 try:
                     outcomes[i] = Outcome(value={"score": self.parse(output), "genrm_response": output})
-                except ValueError as exc:
-                    outcomes[i] = Outcome(error=str(exc))
+                except Exception as exc:  # any output that is no score fails its sample, never the batch
+                    message = str(exc) if isinstance(exc, ValueError) else (
+                        f"the judge's output is no score ({type(exc).__name__}: {_shown(str(exc), 200)}); output "
+                        f"{_shown(output)!r}")
+                    outcomes[i] = Outcome(error=message)
         return outcomes
 
 

@@ -22,12 +22,21 @@ A scorer that fails on a sample (raises, returns None / a string / NaN / inf, ti
 process) gives that sample a score of 0; it is counted in `reward/errors` (every failure) and
 `reward/timeouts` (the timed-out ones) and logged once per distinct error together with the sample. When more
 than `max_error_fraction` of a batch's samples failed, the batch is not scored: `RewardFunctionError` names the
-function, the first failure and the fix, and the run stops instead of training on zeros.
+function, the first failure and the fix, and the run stops instead of training on zeros. Every result carries the
+column `reward_error`: the failure of each failed sample ("" for the others), which the trainer keeps as
+`reward_extra/reward_error` beside the sample.
+
+Scores an agent loop gave its own trajectory (the `agent_reward` column) pass the same policy in
+`score_with_agent_rewards`: a value that is not a finite number fails that sample (score 0, counted, the column
+says why), and too many failures stop the run. Whatever the source, `require_finite_scores` stops the run before a
+NaN or inf reaches training, naming the column, the rows and where the scores came from.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import threading
 import time
 from collections.abc import Callable
@@ -64,6 +73,39 @@ class RewardResult:
 
 class RewardFunctionError(ValueError):
     """Too many samples of a batch failed in the reward function; the message names it and the first failure."""
+
+
+class NonFiniteScoreError(ValueError):
+    """A batch's token-level scores hold NaN or inf; the message names the column, the rows and the source."""
+
+
+ERROR_COLUMN = "reward_error"  # per sample: why its scoring failed, "" when it did not
+
+
+def failure_text(outcome: Outcome, timeout_s: float | None) -> str:
+    """One line saying why `outcome` failed (its error's first line, or its timeout)."""
+    if outcome.error:
+        return outcome.error.strip().splitlines()[0] if outcome.error.strip() else outcome.error
+    return f"timed out after {timeout_s} s (reward_model.timeout_s)"
+
+
+def require_finite_scores(scores: torch.Tensor, *, source: str, column: str = "token_level_scores") -> None:
+    """Raise NonFiniteScoreError when `scores` ([B, ...]) holds a NaN or inf: the message names `column`, the first
+    rows that hold one with their values, and `source` (what produced them). Training on such a score gives a NaN
+    loss and a skipped update that no metric explains, so the run stops here instead."""
+    finite = torch.isfinite(scores)
+    if bool(finite.all()):
+        return
+    bad_rows = (~finite).reshape(len(scores), -1).any(-1).nonzero().flatten().tolist()
+    shown = []
+    for row in bad_rows[:8]:
+        values = scores[row].reshape(-1)
+        shown.append(f"row {row}: {values[~torch.isfinite(values)][0].item()}")
+    more = f" and {len(bad_rows) - 8} more" if len(bad_rows) > 8 else ""
+    raise NonFiniteScoreError(
+        f"{column} holds non-finite values in {len(bad_rows)} of {len(scores)} rows ({'; '.join(shown)}{more}), "
+        f"from {source}; training on them would make the loss NaN. Make the source return finite numbers (a reward "
+        "function or agent loop should fail the sample by raising instead of returning NaN / inf)")
 
 
 def describe_function(fn: Callable) -> str:
@@ -144,7 +186,7 @@ class _BaseManager:
         if kind in self._logged_errors:
             return
         self._logged_errors.add(kind)
-        detail = f"after {self.timeout_s}s (reward_model.timeout_s)" if outcome.timed_out else outcome.error
+        detail = outcome.error or f"after {self.timeout_s}s (reward_model.timeout_s)"
         logger.warning("reward function %s on sample %r; it scores 0 and the run goes on. %s",
                        "timed out" if outcome.timed_out else "raised", sample, detail)
 
@@ -193,29 +235,29 @@ class _BaseManager:
         return self.finish(batch, self.score_calls(calls), calls, lengths)
 
     def _finish(self, batch: Batch, outcomes: list[Outcome], calls: list[dict], lengths: torch.Tensor) -> RewardResult:
-        scores, extras, errors, timeouts, first = [], [], 0, 0, None
+        scores, extras, failures, timeouts, first = [], [], [], 0, None
         for index, (outcome, call) in enumerate(zip(outcomes, calls)):
             if outcome.ok:
                 try:
                     score, extra = self.normalize(outcome.value)
-                except (TypeError, ValueError) as exc:
+                except (TypeError, ValueError, OverflowError) as exc:
                     outcome = Outcome(error=str(exc))
+            failures.append("" if outcome.ok else failure_text(outcome, self.timeout_s))
             if not outcome.ok:
-                errors += 1
                 timeouts += outcome.timed_out
                 self._record_failure(outcome, {k: call.get(k) for k in ("data_source", "solution_str", "ground_truth")})
                 first = first or (index, call.get("data_source"), outcome)
                 score, extra = 0.0, {}
             scores.append(score)
             extras.append(extra)
+        errors = sum(bool(text) for text in failures)
         if errors > self.max_error_fraction * len(calls):
             self._stop(errors, len(calls), first)
-        return self._assemble(batch, scores, extras, lengths, errors, timeouts)
+        return self._assemble(batch, scores, extras, lengths, failures, timeouts)
 
     def _stop(self, errors: int, total: int, first: tuple) -> None:
         index, data_source, outcome = first
-        what = (f"timed out after {self.timeout_s} s (reward_model.timeout_s)" if outcome.timed_out
-                else (outcome.error or "").strip().splitlines()[0])
+        what = failure_text(outcome, self.timeout_s)
         raise RewardFunctionError(
             f"the reward function {describe_function(self.compute_score)} failed on {errors} of {total} samples of "
             f"this batch, more than reward_model.max_error_fraction={self.max_error_fraction}; the first: sample "
@@ -223,12 +265,14 @@ class _BaseManager:
             "raise reward_model.timeout_s if it is slow, or raise reward_model.max_error_fraction to train on "
             "anyway (failed samples score 0)")
 
-    def _assemble(self, batch, scores, extras, lengths, errors, timeouts) -> RewardResult:
+    def _assemble(self, batch, scores, extras, lengths, failures, timeouts) -> RewardResult:
+        errors = sum(bool(text) for text in failures)
         metrics: dict[str, float] = {"reward/errors": float(errors), "reward/timeouts": float(timeouts)}
         if self.overlong_buffer.get("enable"):
             scores, extras = self._overlong_penalty(scores, extras, lengths, metrics)
-        keys = sorted({k for e in extras for k in e})
+        keys = sorted({k for e in extras for k in e} - {ERROR_COLUMN})
         extra = {k: [e.get(k) for e in extras] for k in keys}
+        extra[ERROR_COLUMN] = list(failures)
         token_level = torch.zeros(batch["responses"].shape, dtype=torch.float32)
         rows = torch.arange(len(batch))
         last = last_model_token(batch, lengths)  # the score sits on the model's last token (verl's placement)
@@ -362,8 +406,8 @@ class TokenBucket:
 
     def __init__(self, rate: float, capacity: float | None = None, *, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
-        if rate <= 0:
-            raise ValueError(f"a token bucket needs a rate > 0, got {rate}")
+        if not (math.isfinite(rate) and rate > 0):
+            raise ValueError(f"a token bucket needs a finite rate > 0, got {rate}")
         self.rate, self.capacity = float(rate), float(capacity or rate)
         self.tokens, self.last = self.capacity, None
         self.clock, self.sleep = clock, sleep
@@ -377,53 +421,96 @@ class TokenBucket:
         self.last = now
         return now
 
-    def acquire(self, amount: float = 1.0) -> None:
-        """Take `amount` tokens, sleeping until the bucket holds them."""
+    def acquire(self, amount: float = 1.0, deadline: float | None = None) -> bool:
+        """Take `amount` tokens, sleeping until the bucket holds them; True once taken. With `deadline` (a time of
+        `clock`): False at once, nothing taken, when the tokens would not be there by then."""
         if amount > self.capacity:
             with self.lock:
-                self._refill()
+                now = self._refill()
                 wait_s = max(0.0, (amount - self.tokens) / self.rate)
+                if deadline is not None and now + wait_s > deadline:
+                    return False
                 self.tokens -= amount
             if wait_s > 0:
                 self.sleep(wait_s)
-            return
+            return True
         while True:
             with self.lock:
-                self._refill()
+                now = self._refill()
                 if self.tokens >= amount:
                     self.tokens -= amount
-                    return
+                    return True
                 wait_s = (amount - self.tokens) / self.rate
+                if deadline is not None and now + wait_s > deadline:
+                    return False
             self.sleep(wait_s)
+
+
+def _limit(name: str, value, default: float | None, *, integer: bool = False) -> float | None:
+    """A rate-limit setting as a positive number (`default` when unset); ValueError naming the key otherwise."""
+    if value is None:
+        return default
+    key = f"reward_model.reward_kwargs.{name}"
+    need = "a whole number >= 1" if integer else "a number > 0"
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value))
+    if not number or value <= 0 or (integer and int(value) != value):
+        unset = "1" if integer else "no limit"
+        raise ValueError(f"{key} must be {need}, got {value!r:.80}; set e.g. +{key}={4 if integer else 60}, or leave "
+                         f"it unset for {unset}")
+    return float(value)
 
 
 @register_reward_manager("rate_limited")
 class RateLimitedRewardManager(_BaseManager):
     """verl's RateLimitedRewardManager (`rate_limited`; hyflow also accepts `limited`), for scorers that call a
-    rate-limited API: each sample's call waits for a request token (`max_rpm` requests a minute, a bucket of
-    max_rpm / 60), then for `estimated_tokens_per_request` tokens (`max_tpm` tokens a minute, a bucket of
-    max_tpm / 60), then for one of `max_concurrent` slots (default 1), and runs on a thread (an API call waits on
-    the network; verl runs it in its event loop's executor) bounded by reward_model.timeout_s. The limits are verl's
+    rate-limited API: each sample's call waits for one of `max_concurrent` slots (default 1), then for a request
+    token (`max_rpm` requests a minute, a bucket of max_rpm / 60), then for `estimated_tokens_per_request` tokens
+    (`max_tpm` tokens a minute, a bucket of max_tpm / 60), and runs on a thread (an API call waits on the network;
+    verl runs it in its event loop's executor). The limits are verl's
     `reward.{max_concurrent,max_rpm,max_tpm,estimated_tokens_per_request}`, given here as reward_model.reward_kwargs
-    of those names (they are not passed to the scorer). The buckets live as long as the manager, so consecutive
-    batches share them. A timed-out call is abandoned (a thread cannot be killed) and its slot freed, as verl's
-    `asyncio.wait_for` does."""
+    of those names (they are not passed to the scorer); each must be a positive number, and a request must fit in
+    a minute's tokens (estimated_tokens_per_request <= max_tpm). The buckets live as long as the manager, so
+    consecutive batches share them.
+
+    reward_model.timeout_s bounds each sample from the moment it has a slot: its wait for the buckets and its call
+    together (verl bounds the call only). A sample whose tokens would not come before that deadline fails at once
+    as timed out (counted in reward/timeouts, the error names the limits), so a limit far below the batch's needs
+    costs samples, which max_error_fraction turns into a stop, instead of a silent wait of hours. A timed-out call
+    is abandoned (a thread cannot be killed) and its slot freed, as verl's `asyncio.wait_for` does."""
 
     LIMIT_KEYS = ("max_concurrent", "max_rpm", "max_tpm", "estimated_tokens_per_request")
 
     def __init__(self, *args, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        max_concurrent, self.max_rpm, self.max_tpm, per_request = (self.reward_kwargs.pop(key, None)
-                                                                   for key in self.LIMIT_KEYS)
-        self.concurrency = int(max_concurrent or 1)
-        if self.concurrency < 1:
-            raise ValueError(f"reward_model.reward_kwargs.max_concurrent must be >= 1, got {self.concurrency}")
-        self.tokens_per_request = float(per_request or 2000)
+        max_concurrent, max_rpm, max_tpm, per_request = (self.reward_kwargs.pop(key, None) for key in self.LIMIT_KEYS)
+        self.concurrency = int(_limit("max_concurrent", max_concurrent, 1, integer=True))
+        self.max_rpm = _limit("max_rpm", max_rpm, None)
+        self.max_tpm = _limit("max_tpm", max_tpm, None)
+        self.tokens_per_request = _limit("estimated_tokens_per_request", per_request, 2000.0)
+        if self.max_tpm is not None and self.tokens_per_request > self.max_tpm:
+            raise ValueError(
+                f"reward_model.reward_kwargs.estimated_tokens_per_request={self.tokens_per_request:g} is more than "
+                f"max_tpm={self.max_tpm:g} tokens a minute: every request would wait "
+                f"{60 * self.tokens_per_request / self.max_tpm:.0f} s for its tokens. Raise max_tpm to the API's "
+                "tokens-per-minute limit, or lower estimated_tokens_per_request to a request's real size")
         self.clock = clock
         self.rpm_limiter = TokenBucket(self.max_rpm / 60.0, clock=clock, sleep=sleep) if self.max_rpm else None
         self.tpm_limiter = TokenBucket(self.max_tpm / 60.0, clock=clock, sleep=sleep) if self.max_tpm else None
         self.admitted_at: list[float] = []  # the limiter clock when each call of the last score_calls was let through
+
+    def _admit(self, deadline: float | None) -> Outcome | None:
+        """Wait for the buckets' tokens until `deadline` (limiter clock); None when admitted, else the sample's
+        timed-out Outcome."""
+        for bucket, amount, what in ((self.rpm_limiter, 1.0, f"max_rpm={self.max_rpm}"),
+                                     (self.tpm_limiter, self.tokens_per_request,
+                                      f"max_tpm={self.max_tpm} at estimated_tokens_per_request="
+                                      f"{self.tokens_per_request:g}")):
+            if bucket is not None and not bucket.acquire(amount, deadline):
+                return Outcome(timed_out=True, error=(
+                    f"timed out waiting for the rate limiter ({what}): its tokens would come after the sample's "
+                    f"reward_model.timeout_s={self.timeout_s} s; raise the limit if the API allows, or raise timeout_s"))
+        return None
 
     def score_calls(self, calls: list[dict]) -> list[Outcome]:
         from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -431,7 +518,7 @@ class RateLimitedRewardManager(_BaseManager):
         from hyflow.rewards.pool import _call, guard_process_exit
 
         outcomes: list[Outcome | None] = [None] * len(calls)
-        running: dict = {}  # future -> (index, start time)
+        running: dict = {}  # future -> (index, deadline on time.monotonic)
         self.admitted_at = []
 
         def start(call: dict) -> Future:  # a daemon thread of its own: one abandoned at its timeout holds no exit
@@ -441,27 +528,29 @@ class RateLimitedRewardManager(_BaseManager):
             return future
 
         def reap() -> None:  # wait for a call to end or time out; record what ended
-            deadline = min(start for _, start in running.values()) + self.timeout_s if self.timeout_s else None
-            done, _ = wait(list(running), timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
+            deadline = min(end for _, end in running.values())
+            done, _ = wait(list(running), timeout=None if deadline == math.inf else max(0.0, deadline - time.monotonic()),
                            return_when=FIRST_COMPLETED)
             for future in done:
                 outcomes[running.pop(future)[0]] = future.result()
             now = time.monotonic()
-            for future, (index, start) in list(running.items()):
-                if self.timeout_s and now - start >= self.timeout_s:
+            for future, (index, end) in list(running.items()):
+                if now >= end:
                     outcomes[index] = Outcome(timed_out=True)
                     del running[future]
 
         with guard_process_exit():
             for index, call in enumerate(calls):
-                if self.rpm_limiter is not None:
-                    self.rpm_limiter.acquire(1.0)
-                if self.tpm_limiter is not None:
-                    self.tpm_limiter.acquire(self.tokens_per_request)
                 while len(running) >= self.concurrency:
                     reap()
+                began = self.clock()
+                refused = self._admit(began + self.timeout_s if self.timeout_s else None)
+                if refused is not None:
+                    outcomes[index] = refused
+                    continue
                 self.admitted_at.append(self.clock())
-                running[start(call)] = (index, time.monotonic())
+                left = self.timeout_s - (self.clock() - began) if self.timeout_s else math.inf
+                running[start(call)] = (index, time.monotonic() + max(0.0, left))
             while running:
                 reap()
         return outcomes
@@ -476,18 +565,51 @@ def make_reward_manager(name: str, tokenizer, **kwargs):
     return REWARD_MANAGERS.get(name)(tokenizer, **kwargs)
 
 
+def agent_score(value) -> float:
+    """An agent loop's `reward_score` as a finite float; ValueError naming the value (bounded) when it is not a
+    number or not finite."""
+    shown = repr(value)
+    shown = shown if len(shown) <= 120 else shown[:60] + " ... " + shown[-40:]
+    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0:
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        raise ValueError(f"the agent loop's reward_score {shown} is a {type(value).__name__}, not a number; return a "
+                         "float from the agent loop or environment (None leaves the sample to the reward function)")
+    try:
+        score = float(value)
+    except (OverflowError, ValueError):
+        score = math.nan
+    if not math.isfinite(score):
+        raise ValueError(f"the agent loop's reward_score {shown} is not a finite number; return a finite float from "
+                         "the agent loop or environment (check for 0/0, log(0) or an overflow)")
+    return score
+
+
+def _source_name(manager) -> str:
+    fn = getattr(manager, "compute_score", None)
+    name = type(manager).__name__ if hasattr(manager, "compute_score") else describe_function(manager)
+    return f"the reward manager {name}" + (f" ({describe_function(fn)})" if fn is not None else "")
+
+
 def score_with_agent_rewards(manager, batch: Batch,
                              score: Callable[[Batch, np.ndarray], RewardResult] | None = None) -> RewardResult:
     """`manager(batch)`, except for the rows whose agent loop scored its own trajectory (the `agent_reward` column,
     `AgentLoopOutput.reward_score`, verl's field): their score is that value, on the last model token as every
     score is, and the reward function is not called for them (a batch where every loop scored needs none).
     `score(rows_batch, rows)` scores the other rows (default `manager(rows_batch)`; the reward loop passes the
-    outcomes it already has)."""
+    outcomes it already has).
+
+    An agent score that is not a finite number (NaN, inf, a string) fails its sample as a reward function's
+    failure does: score 0, counted in `reward/errors`, the reason in the `reward_error` column; more failed samples
+    than `manager.max_error_fraction` of the batch stop the run (RewardFunctionError). The result's scores are then
+    checked finite whatever produced them (`require_finite_scores`)."""
     score = score or (lambda rows_batch, rows: manager(rows_batch))
     agent = list(batch["agent_reward"]) if "agent_reward" in batch else [None] * len(batch)
     given = np.array([value is not None for value in agent], dtype=bool)
     if not given.any():
-        return score(batch, np.arange(len(batch)))
+        result = score(batch, np.arange(len(batch)))
+        require_finite_scores(result.token_level_scores, source=_source_name(manager))
+        return result
     lengths = response_lengths(batch)
     token_level = torch.zeros(batch["responses"].shape, dtype=torch.float32)
     scores: list = [None] * len(batch)
@@ -505,11 +627,38 @@ def score_with_agent_rewards(manager, batch: Batch,
                 column[row] = values[i]
         metrics.update(result.metrics)
     rows = np.flatnonzero(given)
-    values = torch.tensor([float(agent[i]) for i in rows], dtype=torch.float32)
+    values, failures = [], []
+    for row in rows:
+        try:
+            values.append(agent_score(agent[row]))
+            failures.append("")
+        except ValueError as exc:
+            values.append(0.0)
+            failures.append(str(exc))
+    errors = sum(bool(text) for text in failures)
+    if errors or ERROR_COLUMN in extra or given.all():
+        column = extra.setdefault(ERROR_COLUMN, [""] * len(batch))
+        for row, text in zip(rows, failures):
+            column[row] = text
+    if errors:
+        first = next(f"sample {row}: {text}" for row, text in zip(rows, failures) if text)
+        logger.warning("%d agent-scored sample(s) of this batch have no usable score; they score 0 and the run goes "
+                       "on. The first: %s", errors, first)
+        metrics["reward/errors"] = metrics.get("reward/errors", 0.0) + errors
+        total = metrics["reward/errors"]
+        fraction = getattr(manager, "max_error_fraction", 0.5)
+        if total > fraction * len(batch):
+            raise RewardFunctionError(
+                f"{int(total)} of {len(batch)} samples of this batch failed to score ({errors} of them scored by their "
+                f"agent loop), more than reward_model.max_error_fraction={fraction}; the first agent-scored one: "
+                f"{first}. Fix the agent loop or environment that returns it, or raise "
+                "reward_model.max_error_fraction to train on anyway (failed samples score 0)")
+    values_t = torch.tensor(values, dtype=torch.float32)
     last = last_model_token(batch, lengths)[torch.as_tensor(rows)]
-    token_level[torch.as_tensor(rows), last] = values * (lengths[torch.as_tensor(rows)] > 0).float()
+    token_level[torch.as_tensor(rows), last] = values_t * (lengths[torch.as_tensor(rows)] > 0).float()
     for i, row in enumerate(rows):
-        scores[row] = float(values[i])
-    metrics["reward/agent_reward/mean"] = float(values.mean())
+        scores[row] = float(values_t[i])
+    metrics["reward/agent_reward/mean"] = float(values_t.mean())
     metrics["reward/agent_reward/share"] = float(given.mean())
+    require_finite_scores(token_level, source=f"the agent loops' reward_score (agent_reward) and {_source_name(manager)}")
     return RewardResult(token_level, scores, extra, metrics)

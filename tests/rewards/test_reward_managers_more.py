@@ -201,6 +201,6 @@ def test_rate_limited_timeout_frees_the_slot_and_is_counted(tiny_tokenizer):
 
 
 def test_rate_limited_rejects_a_bad_concurrency(tiny_tokenizer):
-    with pytest.raises(ValueError, match="max_concurrent must be >= 1"):
+    with pytest.raises(ValueError, match="max_concurrent must be a whole number >= 1"):
         make_reward_manager("rate_limited", tiny_tokenizer, compute_score=counting_scorer,
                             reward_kwargs={"max_concurrent": -1})

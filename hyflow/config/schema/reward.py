@@ -170,8 +170,10 @@ class RewardModelConfig:
         "Registered reward manager: naive (one scorer call per sample), batch (one call per batch), dapo (with "
         "overlong_buffer), prime (verl's PRIME manager: a tuple's first element, also as `acc`), gdpo "
         "(extra_info.experiment_name, `acc`), rate_limited / limited (reward_kwargs max_rpm, max_tpm, "
-        "estimated_tokens_per_request, max_concurrent: for scorers behind an API), http (a remote endpoint: "
-        "reward_kwargs url, max_retries, max_concurrency, batch_size, headers); checked at start against "
+        "estimated_tokens_per_request, max_concurrent, each a positive number: for scorers behind an API; timeout_s "
+        "covers the wait for the limiter), http (a remote endpoint: reward_kwargs url, max_retries, max_concurrency, "
+        "batch_size, headers, max_response_bytes (default 4 MiB), total_timeout_s (all attempts of a request)); "
+        "checked at start against "
         "hyflow.rewards.managers.REWARD_MANAGERS.",
     )
     use_reward_loop: bool = option(
@@ -183,15 +185,17 @@ class RewardModelConfig:
         "whole batches (batch, http, a generative judge's), a reward model without a reward function and the "
         "async_training modes score after the rollout instead, said once at start (hyflow.rewards.reward_loop).")
     timeout_s: float = option(
-        30.0, "Per-sample scorer time limit, in seconds; a sample that runs over scores 0 (hyflow)."
+        30.0, "Per-sample scorer time limit, in seconds; a sample that runs over scores 0 (hyflow). rate_limited: "
+        "covers the wait for the rate limiter too; http: bounds each attempt of a request."
     )
     num_workers: int = option(
         1, "Scoring processes forked for each batch (0 = score in the driver process, timeouts by SIGALRM; once a "
         "sample times out the rest of the batch is scored concurrently, one process each; hyflow).")
     max_error_fraction: float = option(
         0.5, "Stop the run when more than this fraction of a batch's samples failed in the reward function "
-        "(raised, returned None / a string / NaN / inf, timed out or killed its process); below it failed samples "
-        "score 0 and are counted in reward/errors (hyflow).")
+        "(raised, returned None / a string / NaN / inf, timed out or killed its process) or came from an agent loop "
+        "with a NaN / inf score; below it failed samples score 0, are counted in reward/errors and say why in the "
+        "reward_error column (hyflow).")
     reward_kwargs: dict[str, Any] = option(
         {}, "Extra keyword arguments for the reward manager (add with +reward_model.reward_kwargs.KEY=VALUE)."
     )
