@@ -9,8 +9,8 @@ a learning test's threshold must hold with room to spare in every cell.
 
     python tools/learning_margins.py --control-seeds 0-11 --capabilities default avx2 [--tests NODEID ...]
 
-measures the noise the margins are set from instead: each test of --tests that compares its rise with a frozen
-control (the same run with the actor's lr 0; tests/learning.py's `assert_beats_frozen`) runs only that control,
+measures the noise the margins are set from instead: each test that compares its rise with a frozen control (the
+same run with the actor's lr 0; tests/learning.py's `assert_beats_frozen`; CONTROLLED_TESTS) runs only that control,
 under each RL seed of --control-seeds (`HYFLOW_CONTROL_SEEDS`), and the table gives per test the control rise's SD
 over RL seeds (sigma_c), the margin 2.4 x sqrt(2) x sigma_c, the test's margin, its false-pass rate under a normal
 model (a learner that moves at random scores D = rise - control with SD sqrt(2) x sigma_c) and the empirical count
@@ -32,12 +32,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# the tests that assert that something rises; the vLLM one runs in .venv-vllm
-LEARNING_TESTS = [
+# the tests that compare their rise with a frozen control (tests/learning.py's assert_beats_frozen): a control sweep
+# runs these (the GRPO family, the preference algorithms and LoRA share one control per RL seed)
+CONTROLLED_TESTS = [
     "tests/trainer/test_rl_learns.py::test_reward_rises",
     "tests/trainer/test_rl_learns.py::test_preference_reward_rises",
     "tests/trainer/test_lora_rl.py::test_lora_grpo_learns_the_arithmetic_task",
     "tests/trainer/test_async.py::test_one_step_off_and_fully_async_learn_like_the_synchronous_run",
+]
+# the tests that assert that something rises; the vLLM one runs in .venv-vllm
+LEARNING_TESTS = [
+    *CONTROLLED_TESTS,
     "tests/trainer/test_rl_learns.py::test_on_policy_distillation_learns_where_grpo_cannot",
     "tests/trainer/test_multi_turn_rl.py::test_grpo_with_the_calculator_learns_to_call_it",
 ]
@@ -127,25 +132,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--capabilities", nargs="+", default=["default", "avx2", "avx512"])
-    parser.add_argument("--tests", nargs="+", default=None, help="pytest node ids (default: every learning test)")
+    parser.add_argument("--tests", nargs="+", default=None,
+                        help="pytest node ids (default: every learning test; with --control-seeds, CONTROLLED_TESTS)")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"),
                         help="the interpreter of the vLLM venv ('' to skip the vLLM learning test)")
     parser.add_argument("--control-seeds", default="",
                         help="RL seeds ('0-11', '0 3 5'): run only the tests' frozen controls over them, print sigma_c")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "learning_margins.jsonl")
     args = parser.parse_args(argv)
-    if args.control_seeds and not args.tests:
-        parser.error("--control-seeds needs --tests: the learning tests that compare their rise with a frozen control "
-                     "(tests/learning.py's assert_beats_frozen); the others would run whole and record no control")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.unlink(missing_ok=True)
     failed = []
     for capability in args.capabilities:
         for seed in args.seeds:
-            tests = args.tests or LEARNING_TESTS
+            tests = args.tests or (CONTROLLED_TESTS if args.control_seeds else LEARNING_TESTS)
             if run(sys.executable, tests, seed, capability, args.out, "not vllm", args.control_seeds):
                 failed.append((seed, capability, "hf"))
-            vllm = args.tests is None and args.vllm_python and Path(args.vllm_python).exists()
+            vllm = args.tests is None and not args.control_seeds and args.vllm_python and \
+                Path(args.vllm_python).exists()
             if vllm and run(args.vllm_python, VLLM_LEARNING_TESTS, seed, capability, args.out, "vllm"):
                 failed.append((seed, capability, "vllm"))
     rows = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.exists() else []
