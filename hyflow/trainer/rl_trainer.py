@@ -68,7 +68,7 @@ from hyflow.data.rl_dataset import PromptLoader
 from hyflow.models.loading import is_score_model, is_vision_model, load_tokenizer
 from hyflow.models.packing import prompt_group_ids
 from hyflow.rewards.custom import combine_reward_functions, load_custom_reward_function
-from hyflow.rewards.managers import make_reward_manager, score_with_agent_rewards
+from hyflow.rewards.managers import make_reward_manager, require_finite_scores, score_with_agent_rewards
 from hyflow.rewards.registry import check_scorers_exist
 from hyflow.rollout.base import SamplingParams
 from hyflow.rollout.build import pad_token_id
@@ -566,6 +566,7 @@ class RLTrainer:
         """
         if self.reward_model is not None and not self.judged:  # a discriminative reward model
             rm_scores = self.reward_model.compute_rm_score(batch)["rm_scores"]
+            require_finite_scores(rm_scores, source="the reward model (reward_model.model.path)", column="rm_scores")
             batch["rm_scores"] = rm_scores
             if self.reward_fn is None:
                 batch["token_level_scores"] = rm_scores
@@ -741,7 +742,10 @@ class RLTrainer:
         return {**metrics, **prm_metrics}
 
     def apply_token_level_rewards(self, batch: Batch, metrics: dict) -> None:
-        """token_level_rewards = scores, minus beta * KL(old || ref) per token when use_kl_in_reward."""
+        """token_level_rewards = scores, minus beta * KL(old || ref) per token when use_kl_in_reward. A non-finite
+        score stops the run here, naming its rows, whatever produced it (every score passes this point)."""
+        require_finite_scores(batch["token_level_scores"], source="this step's scoring (reward function, agent loops, "
+                              "reward model, or trainer.replay_rollouts)")
         algo = self.config.algorithm
         if not algo.use_kl_in_reward:
             batch["token_level_rewards"] = batch["token_level_scores"]

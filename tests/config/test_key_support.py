@@ -119,7 +119,8 @@ def reads(key: str, sources: Mapping[str, str], shared: bool) -> bool:
     """Whether some source reads `key` (see the module docstring for what counts)."""
     parts = key.split(".")
     leaf, parent = parts[-1], parts[-2] if len(parts) > 1 else None
-    use = re.compile(rf"\.\s*{leaf}\b(?!\s*\()|\[\s*['\"]{leaf}['\"]\s*\]|\.\s*get\s*\(\s*['\"]{leaf}['\"]"
+    # `.leaf` not followed by a call or a quote: an attribute read, not a method or a file name ("x_reaper.log")
+    use = re.compile(rf"\.\s*{leaf}\b(?!\s*\()(?!['\"])|\[\s*['\"]{leaf}['\"]\s*\]|\.\s*get\s*\(\s*['\"]{leaf}['\"]"
                      rf"|getattr\s*\([^,()]+,\s*['\"]{leaf}['\"]")
     for text in sources.values():
         if f'"{key}"' in text or f"'{key}'" in text:
