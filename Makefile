@@ -77,10 +77,12 @@ lock:
 	cp $$d/lock.txt $(LOCK); cp $$d/lock-vllm.txt $(VLLM_LOCK); \
 	echo "make lock: wrote $(LOCK) and $(VLLM_LOCK); make venv venv-vllm installs them"
 
-# Both pytest runs share one cache of SFT warm starts (tests/run_cache.py), made fresh for the run and removed after.
+# The fast mutation check (tools/mutations.toml's fast entries: each breaks a feature's core line, a test must fail),
+# then the suite: both pytest runs share one cache of SFT warm starts (tests/run_cache.py), made fresh and removed after.
 test: venv venv-vllm
 	$(VENV)/bin/ruff check .
 	$(PY) tools/gen_docs.py --check && d=$$(mktemp -d) && $(VENV)/bin/mkdocs build --strict -d $$d; rc=$$?; rm -rf $$d; exit $$rc
+	$(PY) tools/mutations.py --fast -j 2
 	@set -e; cache=$$(mktemp -d); trap 'rm -rf "$$cache"' EXIT; export HYFLOW_TEST_CACHE=$$cache; \
 		echo "$(PY) -m pytest -m \"not vllm\" $(PYTEST_ARGS)"; $(PY) -m pytest -m "not vllm" $(PYTEST_ARGS); \
 		echo "HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS)"; \
