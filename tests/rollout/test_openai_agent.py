@@ -2,7 +2,9 @@
 
 The policy is the scripted engine of test_agent_loop.py (the reply is a function of the conversation), so every
 token of a trajectory is checked: a conversation continued by the agent becomes the same response a tool agent
-would produce (model tokens in the loss, the tool turn masked out)."""
+would produce (model tokens in the loss, the tool turn masked out). The agents run in processes of their own, so
+what they saw comes back in their return (extras land in extra_info), not in a module-level list.
+Hostile agents and requests: test_openai_agent_hostile.py."""
 
 from __future__ import annotations
 
@@ -29,30 +31,29 @@ AGENT = '''
 import json
 
 TOOLS = {tools}
-SEEN = []
 
 
 async def calculator_agent(client, sample):
     messages = list(sample["raw_prompt"])
     first = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
     message = first.choices[0].message
-    SEEN.append(first.choices[0].finish_reason)
     messages.append(message.model_dump(exclude_none=True))
     for tool_call in message.tool_calls or []:
         expression = json.loads(tool_call.function.arguments)["expression"]
         messages.append({{"role": "tool", "tool_call_id": tool_call.id, "content": str(eval(expression))}})
     second = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
     answer = second.choices[0].message.content
-    return {{"score": float(answer.strip() == "#### 14"), "answer": answer}}
+    return {{"score": float(answer.strip() == "#### 14"), "answer": answer, "finish": first.choices[0].finish_reason}}
 
 
 async def hot(client, sample):
     try:
         await client.chat.completions.create(model="policy", messages=sample["raw_prompt"], temperature=0.3)
+        seen = "accepted"
     except Exception as err:
-        SEEN.append(str(err))
+        seen = str(err)
     await client.chat.completions.create(model="policy", messages=sample["raw_prompt"])
-    return 0.5
+    return {{"score": 0.5, "seen": seen}}
 
 
 async def breaks(client, sample):
@@ -66,10 +67,8 @@ async def silent(client, sample):
 
 async def plain(client, sample):
     models = await client.models.list()
-    SEEN.append([m.id for m in models.data])
     out = await client.completions.create(model="policy", prompt="2 + 3 * 4 =")
-    SEEN.append(out.choices[0].text)
-    return 1.0
+    return {{"score": 1.0, "models": [m.id for m in models.data], "text": out.choices[0].text}}
 '''
 
 
@@ -104,7 +103,8 @@ def run_agent(tmp_path, tok, function, sample="concat", engine_script=calculator
 def test_an_openai_client_agent_trains_token_in_token_out(tmp_path, tiny_tokenizer, agent_file):
     tok = tiny_tokenizer
     out = run_agent(tmp_path, tok, "calculator_agent")
-    assert agent_file.SEEN == ["tool_calls", "tool_calls"]  # the hermes call came back as OpenAI tool_calls
+    # the hermes call came back as OpenAI tool_calls
+    assert [info["finish"] for info in out["extra_info"]] == ["tool_calls", "tool_calls"]
     for row in range(2):
         # the whole conversation, as the tool agent would have produced it: the engine's tokens, the tool turn
         # rendered by the template and masked out, the answer
@@ -134,7 +134,7 @@ def test_the_engine_samples_from_the_prompt_the_agent_sent(tmp_path, tiny_tokeni
         return calculator_script(text) if "calculator" in text.split("<|im_start|>user")[0] else "#### 0"
 
     out = run_agent(tmp_path, tiny_tokenizer, "calculator_agent", engine_script=script)
-    assert agent_file.SEEN == ["tool_calls", "tool_calls"]
+    assert [info["finish"] for info in out["extra_info"]] == ["tool_calls", "tool_calls"]
     assert list(out["agent_reward"]) == [1.0, 1.0]
 
 
@@ -149,7 +149,8 @@ def test_the_last_turn_alone_as_the_sample(tmp_path, tiny_tokenizer, agent_file)
 def test_requests_that_would_sample_differently_are_refused_by_name(tmp_path, tiny_tokenizer, agent_file):
     tok = tiny_tokenizer
     out = run_agent(tmp_path, tok, "hot", engine_script=lambda text: "#### 1")
-    assert any("temperature=0.3: the policy samples with the rollout's temperature=1.0" in s for s in agent_file.SEEN)
+    for info in out["extra_info"]:
+        assert "temperature=0.3: the policy samples with the rollout's temperature=1.0" in info["seen"]
     assert list(out["agent_reward"]) == [0.5, 0.5]
 
 
@@ -161,15 +162,19 @@ def test_an_agent_that_raises_keeps_its_tokens_and_scores_zero(tmp_path, tiny_to
     assert out.meta["metrics"]["openai/errors/mean"] == 1.0
 
 
-def test_an_agent_that_never_asks_the_policy_is_an_error(tmp_path, tiny_tokenizer, agent_file):
-    with pytest.raises(RuntimeError, match="the agent made no request for a sample"):
-        run_agent(tmp_path, tiny_tokenizer, "silent")
+def test_an_agent_that_never_asks_the_policy_costs_its_sample(tmp_path, tiny_tokenizer, agent_file):
+    """Nothing of the policy's to train on: an empty response (mask 0) on the row's prompt, scored 0 whatever the
+    function returned, named and counted as the sample's agent error."""
+    out = run_agent(tmp_path, tiny_tokenizer, "silent")
+    assert list(out["agent_reward"]) == [0.0, 0.0] and int(out["response_mask"].sum()) == 0
+    assert all("without an answer of the policy" in info["agent_error"] for info in out["extra_info"])
+    assert out.meta["metrics"]["openai/errors/mean"] == 1.0
 
 
 def test_completions_and_models_and_the_loopback_binding(tmp_path, tiny_tokenizer, agent_file):
     tok = tiny_tokenizer
     out = run_agent(tmp_path, tok, "plain", engine_script=lambda text: " 14")
-    assert sorted(map(str, agent_file.SEEN)) == [" 14", " 14", "['hyflow-policy']", "['hyflow-policy']"]
+    assert [(info["models"], info["text"]) for info in out["extra_info"]] == [(["hyflow-policy"], " 14")] * 2
     assert segments(tok, out, 0) == [(1, " 14<|im_end|>")]
     prompt = tok.decode(out["prompts"][0][out["attention_mask"][0, : out["prompts"].shape[1]].bool()])
     assert prompt == "2 + 3 * 4 ="  # a completion's prompt is the text as sent
@@ -263,5 +268,6 @@ def test_an_openai_client_agent_in_the_asynchronous_rollout_stream(tmp_path, tin
     for out in (first, second):
         assert list(out["agent_reward"]) == [1.0, 1.0] and all("agent_error" not in i for i in out["extra_info"])
         assert segments(tok, out, 0)[-1] == (1, "#### 14<|im_end|>")
-    assert agent_file.SEEN == ["tool_calls"] * 4 and not stream._loop_kwargs
+        assert [info["finish"] for info in out["extra_info"]] == ["tool_calls"] * 2
+    assert not stream._loop_kwargs
     assert endpoint._runner is None  # stopped by close
