@@ -149,6 +149,19 @@ def _fresh_locks() -> None:
         std.tqdm._lock = lock_class()
 
 
+def _own_streams() -> None:
+    """sys.stdout and sys.stderr write to this process's descriptors 1 and 2. A host that pointed them at another
+    descriptor (pytest's output capture, a log file) had it closed with the rest: the agent's first print, or a
+    library's logging set-up, would then fail with EBADF (verifiers' environments did, under pytest)."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        try:
+            own = getattr(sys, name).fileno() == fd
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+            own = False
+        if not own:
+            setattr(sys, name, open(fd, "w", buffering=1, closefd=False, errors="backslashreplace"))  # noqa: SIM115
+
+
 def _child(fn: Callable, sample: dict, base_url: str, api_key: str, timeout_s: float, write_fd: int,
            parent: int) -> None:
     """The forked child's whole life: run the agent, write its answer, exit. Never returns."""
@@ -160,6 +173,7 @@ def _child(fn: Callable, sample: dict, base_url: str, api_key: str, timeout_s: f
         # the trainer's descriptors (the endpoint's listening socket, other agents' pipes) are not the agent's
         os.closerange(3, write_fd)
         os.closerange(write_fd + 1, 1 << 20)
+        _own_streams()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         with contextlib.suppress(ValueError, OSError):

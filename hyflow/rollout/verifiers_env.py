@@ -30,7 +30,7 @@ import math
 from typing import Any
 
 from hyflow.data.verifiers import load_env
-from hyflow.rollout.agent_loop import register
+from hyflow.rollout.agent_loop import AgentLoopOutput, register
 from hyflow.rollout.openai_agent import OpenAIAgentLoop
 
 
@@ -81,3 +81,12 @@ class VerifiersAgentLoop(OpenAIAgentLoop):
                              "agent_loop_config_path entry (use openai_agent for an agent function of your own)")
         kwargs.pop("run", None)
         super().__init__(run=run_verifiers_rollout, sample=sample, **kwargs)
+
+    async def run(self, sampling_params: dict[str, Any], **row: Any) -> AgentLoopOutput:
+        """A row that does not name its environment is a data error: it stops the rollout here, in the trainer's
+        process, instead of costing each sample in the agent's (every row of such a dataset would fail alike)."""
+        try:
+            _spec(row)
+        except (ValueError, TypeError) as err:
+            raise RuntimeError(f"verifiers_agent: {err}") from err
+        return await super().run(sampling_params, **row)
