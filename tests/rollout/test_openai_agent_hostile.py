@@ -37,6 +37,7 @@ import pickle
 import socket
 import stat
 import struct
+import sys
 import time
 import types
 
@@ -116,6 +117,11 @@ async def agent(client, sample):
         await ask(client, sample)
         return {"score": 1.0, "behaved": True}
     mode = text.split(":", 1)[1]
+    if mode == "prints":  # not hostile: print and log as agents do, wherever the trainer sent its own output
+        print("agent: asking the policy", flush=True)
+        print("agent: on stderr", file=sys.stderr, flush=True)
+        await ask(client, sample)
+        return {"score": 1.0}
     if mode == "spin":
         await ask(client, sample)
         helper_process()
@@ -364,6 +370,16 @@ def test_a_bad_return_fails_its_sample_by_name(tmp_path, tiny_tokenizer, hostile
     assert all(error in e for e in hostile_errors(out)), hostile_errors(out)
     assert all(s == s for s in out["agent_reward"])  # no NaN
     assert "detail" not in out["extra_info"][2]  # a refused return brings no extras either
+
+
+def test_an_agent_prints_wherever_the_trainer_sent_its_output(tmp_path, tiny_tokenizer, hostile):
+    """The trainer's sys.stdout / sys.stderr may write to descriptors other than 1 and 2 (here pytest's capture;
+    a log file elsewhere), which the agent's process closes with the rest it inherited: its prints still work (they
+    failed with EBADF, and verifiers environments could not be built), going to the process's own 1 and 2."""
+    out, _ = run_rollout(tmp_path, tiny_tokenizer, "prints", timeout_s=TIMEOUT_S)
+    check_behaved_rows(tiny_tokenizer, out)
+    assert [info.get("agent_error") for info in out["extra_info"][2:]] == [None, None]
+    assert list(out["agent_reward"]) == [1.0] * 4
 
 
 def test_request_bodies_are_bounded(tmp_path, tiny_tokenizer, hostile):
