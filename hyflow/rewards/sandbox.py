@@ -1133,7 +1133,9 @@ def _readonly():
             writable = not os.statvfs(point).f_flag & os.ST_RDONLY
         except OSError:  # under a hidden directory
             continue
-        if writable and point not in scratch:
+        # a mount below a scratch directory is scratch too (a checkout in a 0700 folder under /tmp: covered by the
+        # sandbox's own /tmp, its point counted writable)
+        if writable and not any(point == d or point.startswith(d.rstrip("/") + "/") for d in scratch):
             return False
     for directory in _P["import_paths"]:
         target = os.path.join(directory, "hyflow_guarantee_probe.pth")
