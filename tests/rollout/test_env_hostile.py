@@ -207,13 +207,16 @@ def hostile_rollout(tmp_path_factory, tiny_tokenizer):
                                extra_info=[{"target": 7}, {"target": 5}] + [{}] * (len(names) - 2))
         config = rollout_config(tmp, f"{RT}.multi_turn.tool_timeout={TIMEOUT}",
                                 f"{RT}.multi_turn.max_env_observation_length={OBSERVATION_CAP}", tools=False)
+        import psutil
+
+        before = {p.pid for p in psutil.Process().children(recursive=True)}  # earlier tests' (a Ray watchdog, ...)
         started = time.monotonic()
         out = manager(ScriptedEngine(tok, guesser), tok, config).generate(prompts, params())
         elapsed = time.monotonic() - started
     finally:
         for name in classes:
             ENVS._entries.pop(f"hostile_{name}", None)
-    return {"out": out, "names": names, "elapsed": elapsed, "pid_file": pid_file, "tok": tok}
+    return {"out": out, "names": names, "elapsed": elapsed, "pid_file": pid_file, "tok": tok, "before": before}
 
 
 def test_the_well_behaved_episodes_play_out_beside_the_hostile_ones(hostile_rollout):
@@ -261,7 +264,8 @@ def test_no_environment_process_outlives_the_rollout(hostile_rollout):
     """Every child is killed and reaped, and what an environment started dies with its process group."""
     import psutil
 
-    assert [p for p in psutil.Process().children(recursive=True) if p.cmdline()[:1] != ["sleep"]] == []
+    assert [p for p in psutil.Process().children(recursive=True)
+            if p.pid not in hostile_rollout["before"] and p.cmdline()[:1] != ["sleep"]] == []
     grandchild = int(hostile_rollout["pid_file"].read_text())
     deadline = time.monotonic() + 10
     while psutil.pid_exists(grandchild) and psutil.Process(grandchild).status() != psutil.STATUS_ZOMBIE:
