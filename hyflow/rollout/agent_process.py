@@ -109,10 +109,12 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-async def _call(fn: Callable, sample: dict, base_url: str, api_key: str, timeout_s: float) -> Any:
+async def _call(fn: Callable, sample: dict, base_url: str, api_key: str) -> Any:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=timeout_s)
+    # no per-request timeout: the parent's deadline bounds the agent, not counting its waits for the policy (a
+    # request timeout of timeout_s killed an agent whose one request a slow engine took longer than that to answer)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=None)
     try:
         return await fn(client, sample)
     finally:
@@ -162,8 +164,7 @@ def _own_streams() -> None:
             setattr(sys, name, open(fd, "w", buffering=1, closefd=False, errors="backslashreplace"))  # noqa: SIM115
 
 
-def _child(fn: Callable, sample: dict, base_url: str, api_key: str, timeout_s: float, write_fd: int,
-           parent: int) -> None:
+def _child(fn: Callable, sample: dict, base_url: str, api_key: str, write_fd: int, parent: int) -> None:
     """The forked child's whole life: run the agent, write its answer, exit. Never returns."""
     code = 0
     try:
@@ -183,7 +184,7 @@ def _child(fn: Callable, sample: dict, base_url: str, api_key: str, timeout_s: f
         loop = asyncio.new_event_loop()  # never closed: os._exit ends it, not waiting for what the agent left running
         asyncio.set_event_loop(loop)
         try:
-            message = _answer(loop.run_until_complete(_call(fn, sample, base_url, api_key, timeout_s)))
+            message = _answer(loop.run_until_complete(_call(fn, sample, base_url, api_key)))
         except BaseException as err:  # SystemExit and KeyboardInterrupt included: this process only reports
             message = pickle.dumps(("error", _describe(err)[:MAX_ERROR_CHARS]))
         data = _HEADER.pack(len(message)) + message
@@ -355,7 +356,7 @@ async def run_agent_process(fn: Callable, sample: dict, *, base_url: str, make_k
         os.close(write_fd)
         return AgentOutcome(error=f"the agent's process could not be started: {err}")
     if pid == 0:
-        _child(fn, sample, base_url, api_key, timeout_s, write_fd, parent)
+        _child(fn, sample, base_url, api_key, write_fd, parent)
     del api_key
     os.close(write_fd)
     with contextlib.suppress(OSError):  # also here: the child may not have run yet when it must be killed

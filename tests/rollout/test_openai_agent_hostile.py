@@ -27,6 +27,7 @@ from test_agent_loop import (
 from hyflow.rollout.agent_loop import AGENT_LOOP_KWARGS
 
 TIMEOUT_S = 4  # the hung agents' timeout_s; the others get a minute (what they test is not the deadline)
+BEHAVED_TIMEOUT_S = 120
 BEHAVED = "What is 2 + 3 * 4?"
 HOSTILE = r'''
 import asyncio
@@ -116,6 +117,9 @@ async def agent(client, sample):
     if not text.startswith("HOSTILE:"):
         await ask(client, sample)
         return {"score": 1.0, "behaved": True}
+    if text.startswith("SLOW_POLICY"):  # the engine takes POLICY_DELAY_S to answer this one
+        await ask(client, sample)
+        return {"score": 1.0}
     mode = text.split(":", 1)[1]
     if mode == "prints":  # not hostile: print and log as agents do, wherever the trainer sent its own output
         print("agent: asking the policy", flush=True)
@@ -282,18 +286,22 @@ def _alive(pid: int, cmdline: bytes | None = None) -> bool:
 
 def run_rollout(tmp_path, tok, mode, *overrides, timeout_s=60):
     """The two-prompt rollout (rows 0, 1 well-behaved, rows 2, 3 hostile): (its Batch, its wall seconds)."""
-    (tmp_path / "loops.yaml").write_text("- name: hostile\n  _target_: hyflow.rollout.openai_agent.OpenAIAgentLoop\n"
-                                         f"  run: hostile_agents.agent\n  timeout_s: {timeout_s}\n")
+    entry = "- name: {}\n  _target_: hyflow.rollout.openai_agent.OpenAIAgentLoop\n  run: hostile_agents.agent\n  timeout_s: {}\n"
+    # the well-behaved rows have a loop entry of their own with a generous deadline: what they check is that the
+    # hostile rows leave them alone, and their own start (a fork, a client) took over 4 s on a loaded CI machine
+    (tmp_path / "loops.yaml").write_text(entry.format("hostile", timeout_s) + entry.format("behaved", BEHAVED_TIMEOUT_S))
     config = rollout_config(tmp_path, f"actor_rollout_ref.rollout.agent.agent_loop_config_path={tmp_path}/loops.yaml",
                             *overrides, tools=False)
     engine = ScriptedEngine(tok, lambda text: "#### 1")
     start = time.monotonic()
     try:
-        out = manager(engine, tok, config).generate(make_prompts(tok, [BEHAVED, f"HOSTILE:{mode}"], agent="hostile"),
+        out = manager(engine, tok, config).generate(make_prompts(tok, [BEHAVED, f"HOSTILE:{mode}"],
+                                                                      agent_name=["behaved", "hostile"]),
                                                     params(n=2))
     finally:
-        AGENT_LOOPS.pop("hostile", None)
-        AGENT_LOOP_KWARGS.pop("hostile", None)
+        for name in ("hostile", "behaved"):
+            AGENT_LOOPS.pop(name, None)
+            AGENT_LOOP_KWARGS.pop(name, None)
     return out, time.monotonic() - start
 
 
@@ -323,8 +331,7 @@ def test_an_agent_that_never_returns_costs_its_sample_at_its_timeout(tmp_path, t
                                                                      asked):
     """`while True: pass`, `time.sleep(3600)` (which blocked the trainer's event loop when agents ran in it) and an
     await that never ends: killed at timeout_s with the process each started; the others finish. An agent killed before its first request has an
-    empty response (mask 0). The well-behaved trajectories' waits for the batch the hung one held back do not count
-    against their own timeout (they started at the same moment and would die with it otherwise)."""
+    empty response (mask 0)."""
     out, seconds = run_rollout(tmp_path, tiny_tokenizer, mode, timeout_s=TIMEOUT_S)
     assert seconds < 60, seconds
     check_behaved_rows(tiny_tokenizer, out)
@@ -393,8 +400,7 @@ def test_request_bodies_are_bounded(tmp_path, tiny_tokenizer, hostile):
 
 def test_a_prompt_over_the_prompt_length_is_refused_by_name(tmp_path, tiny_tokenizer, hostile):
     """500 kB of text fits the body limit but not data.max_prompt_length: refused unread (tokenising it took seconds
-    of the shared event loop), and 1,000 tokens of it after tokenising; the engine sees neither. The well-behaved
-    agents' 4 s (their waits for the policy not counted) are not spent waiting on the hostile requests."""
+    of the shared event loop), and 1,000 tokens of it after tokenising; the engine sees neither."""
     out, seconds = run_rollout(tmp_path, tiny_tokenizer, "long_prompt", timeout_s=TIMEOUT_S)
     assert seconds < 60, seconds
     check_behaved_rows_of_a_scored_agent(tiny_tokenizer, out)
@@ -455,6 +461,34 @@ def test_half_sent_requests_do_not_delay_the_end_of_the_rollout(tmp_path, tiny_t
     out, seconds = run_rollout(tmp_path, tiny_tokenizer, "half_request")
     check_behaved_rows_of_a_scored_agent(tiny_tokenizer, out)
     assert seconds < 30, seconds
+
+
+POLICY_DELAY_S, SLOW_TIMEOUT_S = 15, 10
+
+
+def test_waits_for_the_policy_do_not_count_against_the_timeout(tmp_path, tiny_tokenizer, hostile):
+    """A slow engine (or a batch another trajectory holds back) is not the agent's fault: an agent whose one request
+    takes 15 s to answer finishes under timeout_s=10 (with the wait counted it would be killed at 10 s)."""
+    (tmp_path / "loops.yaml").write_text("- name: slow\n  _target_: hyflow.rollout.openai_agent.OpenAIAgentLoop\n"
+                                         f"  run: hostile_agents.agent\n  timeout_s: {SLOW_TIMEOUT_S}\n")
+    config = rollout_config(tmp_path, f"actor_rollout_ref.rollout.agent.agent_loop_config_path={tmp_path}/loops.yaml",
+                            tools=False)
+
+    def reply(text):
+        time.sleep(POLICY_DELAY_S)
+        return "#### 1"
+
+    start = time.monotonic()
+    try:
+        out = manager(ScriptedEngine(tiny_tokenizer, reply), tiny_tokenizer, config).generate(
+            make_prompts(tiny_tokenizer, ["SLOW_POLICY"], agent="slow"), params(n=1))
+    finally:
+        AGENT_LOOPS.pop("slow", None)
+        AGENT_LOOP_KWARGS.pop("slow", None)
+    assert time.monotonic() - start >= POLICY_DELAY_S
+    assert "agent_error" not in out["extra_info"][0], out["extra_info"][0]
+    assert list(out["agent_reward"]) == [1.0]
+    assert segments(tiny_tokenizer, out, 0) == [(1, "#### 1<|im_end|>")]
 
 
 def test_the_timeout_is_validated_by_name(tmp_path, tiny_tokenizer):
