@@ -78,13 +78,16 @@ lock:
 	echo "make lock: wrote $(LOCK) and $(VLLM_LOCK); make venv venv-vllm installs them"
 
 # The fast mutation check (tools/mutations.toml's fast entries: each breaks a feature's core line, a test must fail),
-# then the suite: both pytest runs share one cache of SFT warm starts (tests/run_cache.py), made fresh and removed after.
+# then the suite: both pytest runs share one cache of SFT warm starts (tests/run_cache.py), made fresh and removed after;
+# the main run builds the PREBUILD warm starts beside its tests from its start, at a lower priority (tests/warm_starts.py).
+PREBUILD ?= tool_warm
 test: venv venv-vllm
 	$(VENV)/bin/ruff check .
 	$(PY) tools/gen_docs.py --check && d=$$(mktemp -d) && $(VENV)/bin/mkdocs build --strict -d $$d; rc=$$?; rm -rf $$d; exit $$rc
 	$(PY) tools/mutations.py --fast -j 2
 	@set -e; cache=$$(mktemp -d); trap 'rm -rf "$$cache"' EXIT; export HYFLOW_TEST_CACHE=$$cache; \
-		echo "$(PY) -m pytest -m \"not vllm\" $(PYTEST_ARGS)"; $(PY) -m pytest -m "not vllm" $(PYTEST_ARGS); \
+		echo "HYFLOW_TEST_PREBUILD=\"$(PREBUILD)\" $(PY) -m pytest -m \"not vllm\" $(PYTEST_ARGS)"; \
+		HYFLOW_TEST_PREBUILD="$(PREBUILD)" $(PY) -m pytest -m "not vllm" $(PYTEST_ARGS); \
 		echo "HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS)"; \
 		HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS)
 
@@ -107,7 +110,8 @@ ROUNDING_TESTS := tests/algos tests/models tests/workers tests/rollout/test_hf_e
 	tests/trainer/test_sft_distributed.py tests/trainer/test_sft_trainer.py tests/trainer/test_rl_trainer_e2e.py \
 	tests/trainer/test_checkpoint.py tests/trainer/test_speed_options.py tests/rollout/test_hf_vision.py \
 	tests/rollout/test_tool_images.py \
-	tests/trainer/test_vl_rl.py tests/trainer/test_tensor_parallel.py tests/trainer/test_sequence_parallel.py \
+	tests/trainer/test_vl_rl.py tests/trainer/test_vl_learns.py tests/trainer/test_tensor_parallel.py \
+	tests/trainer/test_sequence_parallel.py \
 	tests/trainer/test_distillation_ray.py tests/trainer/test_judge_trainer.py tests/trainer/test_dpo_trainer.py \
 	tests/trainer/test_online_preference_rl.py tests/rewards/test_reward_loop.py tests/trainer/test_prime_rl.py
 ROUNDING_VLLM_TESTS := tests/trainer/test_vllm_trainer.py tests/rollout/test_vllm_engine.py \

@@ -102,11 +102,55 @@ def pytest_runtest_protocol(item, nextitem):
             timer.cancel()
 
 
+_PREBUILD: dict = {}
+
+
+def pytest_sessionstart(session):
+    """`HYFLOW_TEST_PREBUILD="warm tool_warm ..."` (make test sets it) with a run cache (`HYFLOW_TEST_CACHE`): build
+    those warm starts beside the suite, in one background process at niceness +10 (it takes the CPU the tests leave
+    idle; tests/warm_starts.py); its output goes to prebuild.log in the cache, printed at the end if it failed."""
+    import subprocess
+
+    names, root = os.environ.get("HYFLOW_TEST_PREBUILD", "").split(), os.environ.get("HYFLOW_TEST_CACHE")
+    if not names or not root or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    os.makedirs(root, exist_ok=True)
+    log_path = os.path.join(root, "prebuild.log")
+    with open(log_path, "ab") as log:
+        _PREBUILD["process"] = subprocess.Popen(
+            [sys.executable, os.path.join(os.path.dirname(__file__), "warm_starts.py"), "--root", root, "--nice", "10",
+             *names],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    _PREBUILD["log"] = log_path
+
+
+def _end_prebuild(session) -> None:
+    """Kill the background build if it still runs (the suite no longer needs it); name a failed one."""
+    process = _PREBUILD.pop("process", None)
+    if process is None:
+        return
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    elif process.returncode != 0:
+        with open(_PREBUILD["log"], "rb") as f:
+            tail = f.read()[-3000:].decode(errors="replace")
+        message = (f"hyflow tests: the background warm-start build (tests/warm_starts.py) failed with exit code "
+                   f"{process.returncode}; the fixtures built what they needed themselves. Its log ends:\n{tail}")
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(message)
+        else:
+            sys.stderr.write(message + "\n")
+
+
 def pytest_sessionfinish(session, exitstatus):
     """A child process a test left running (a rank of a spawned gloo group failed by pytest-timeout) is
     non-daemonic: Python would join it at exit, and pytest would print its summary and never end. Name and kill
-    every such child of this process first."""
+    every such child of this process first (and the background warm-start build, if any)."""
     import multiprocessing
+
+    _end_prebuild(session)
 
     leftover = multiprocessing.active_children()
     for child in leftover:

@@ -107,6 +107,8 @@ TESTS = """\
 import subprocess
 import sys
 
+import pytest
+
 from hyflow.calc import add
 
 
@@ -116,6 +118,11 @@ def test_add():
 
 def test_add_gives_a_number():
     assert isinstance(add(2, 3), int)
+
+
+@pytest.mark.skip(reason="never runs here")
+def test_add_skipped():
+    assert add(2, 3) == 5
 
 
 def test_add_in_a_process_with_nothing_inherited():
@@ -172,6 +179,15 @@ k = "no_such_test"
 fast = true
 
 [[mutation]]
+id = "all-skipped"
+feature = "a selection whose only test is skipped"
+file = "hyflow/calc.py"
+original = "return a + b"
+replacement = "return a - b"
+tests = ["tests/test_calc.py::test_add_skipped"]
+fast = true
+
+[[mutation]]
 id = "hangs"
 feature = "a mutant whose test never ends"
 file = "hyflow/calc.py"
@@ -222,7 +238,8 @@ def test_verdicts_on_a_fake_project(mutations, project, capsys):
     assert got["moved"][0] == "ERROR" and "occurs 0 times in hyflow/calc.py" in got["moved"][-1], out
     assert got["nothing-collected"][0] == "ERROR" and "pytest exit 5" in got["nothing-collected"][-1], out
     assert got["hangs"][0] == "ERROR" and "timed out after 5 s" in got["hangs"][-1], out
-    assert "6 mutations: 2 caught, 1 not caught, 3 errors" in out
+    assert got["all-skipped"][0] == "ERROR" and "every selected test was skipped" in got["all-skipped"][-1], out
+    assert "7 mutations: 2 caught, 1 not caught, 4 errors" in out
     assert (project / "hyflow" / "calc.py").read_text() == CALC  # the checkout itself is never mutated
 
 

@@ -39,12 +39,13 @@ CONTROLLED_TESTS = [
     "tests/trainer/test_rl_learns.py::test_preference_reward_rises",
     "tests/trainer/test_lora_rl.py::test_lora_grpo_learns_the_arithmetic_task",
     "tests/trainer/test_async.py::test_one_step_off_and_fully_async_learn_like_the_synchronous_run",
+    "tests/trainer/test_multi_turn_rl.py::test_grpo_with_the_calculator_learns_to_call_it",
+    "tests/trainer/test_vl_learns.py::test_grpo_on_a_vision_language_model_beats_a_frozen_policy",
 ]
 # the tests that assert that something rises; the vLLM one runs in .venv-vllm
 LEARNING_TESTS = [
     *CONTROLLED_TESTS,
     "tests/trainer/test_rl_learns.py::test_on_policy_distillation_learns_where_grpo_cannot",
-    "tests/trainer/test_multi_turn_rl.py::test_grpo_with_the_calculator_learns_to_call_it",
 ]
 VLLM_LEARNING_TESTS = ["tests/trainer/test_vllm_trainer.py::test_grpo_with_vllm_raises_the_reward"]
 

@@ -13,8 +13,9 @@ original bytes back. Verdicts, from pytest's exit code:
 
     caught      1: a test failed
     NOT CAUGHT  0: every selected test passed with the mutant in place
-    ERROR       anything else (2 interrupted or a collection error, 4 usage, 5 no tests collected), a timeout, an
-                original that occurs 0 or several times, a replacement that does not compile
+    ERROR       anything else (2 interrupted or a collection error, 4 usage, 5 no tests collected), 0 with every
+                selected test skipped, a timeout, an original that occurs 0 or several times, a replacement that
+                does not compile
 
 One line per mutation (`verdict  id  (file)  seconds  [failing test]`), then a summary; the exit code is 1 when any
 mutation is not caught or errored. `--baseline` first runs each selection on the unmutated copy: a selection that
@@ -288,11 +289,13 @@ def run_one(mutation: Mutation, copy: Path, python: str, baseline: bool = False)
     seconds = time.perf_counter() - start
     if rc == 1:
         return Result(mutation, CAUGHT, seconds, failing_test(output))
+    last = output.strip().splitlines()[-1] if output.strip() else ""
+    if rc == 0 and "skipped" in last and "passed" not in last:  # nothing ran: it proves nothing either way
+        return Result(mutation, ERROR, seconds, f"every selected test was skipped ({last.strip('= ')})")
     if rc == 0:
         return Result(mutation, NOT_CAUGHT, seconds)
     if rc is None:
         return Result(mutation, ERROR, seconds, f"timed out after {mutation.timeout} s")
-    last = output.strip().splitlines()[-1] if output.strip() else ""
     return Result(mutation, ERROR, seconds, f"pytest exit {rc}: {last}")
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pandas as pd
 import pytest
 
 from hyflow.data.preference_dataset import PreferenceDataset
@@ -26,6 +25,8 @@ def test_a_null_pair_field_is_named_as_null_in_its_row(tmp_path, tiny_tokenizer,
 
 
 def test_a_null_from_parquet_and_a_nan_from_pandas(tmp_path, tiny_tokenizer):
+    import pandas as pd  # here, not at the top: the vLLM venv (no pandas) collects this module too
+
     frame = pd.DataFrame({"prompt": ["q0", "q1"], "chosen": ["good", None], "rejected": ["bad", "worse"]})
     frame.to_parquet(tmp_path / "pairs.parquet")
     with pytest.raises(DataError, match=r"pairs.parquet row 1: column 'chosen' is null \(empty\) in this row"):

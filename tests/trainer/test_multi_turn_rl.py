@@ -3,109 +3,80 @@ GRPO through the agent loop with the calculator tool (what `make demo-tools` run
 
 from __future__ import annotations
 
+import contextlib
 import json
-from pathlib import Path
 
 import pytest
-from learning import SEED, assert_sft_premise, report_margin
+from learning import assert_beats_frozen, assert_sft_premise, control_seeds, rise
+from run_cache import cache_root
+from warm_starts import CALLS_MIN, TOOL_SFT_STEPS, WORKING_MIN, tool_grpo, warm_start
 
-from hyflow.trainer.rl_trainer import RLTrainer
 from hyflow.trainer.tracking import read_metrics
 
-# the first test also runs the SFT warm start (one to three runs of 2,500 steps, 5-25 minutes each on 2 free
-# cores): past the suite's 900 s per-test limit on a slow or loaded machine
+# the first test may also build the SFT warm start (one to three runs of 2,500 steps, 5-25 minutes each on 2 free
+# cores; `make test` builds it beside the suite from its start: tests/warm_starts.py): past the suite's 900 s
+# per-test limit on a slow or loaded machine
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(7200)]
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tools"
-TOOLS_YAML = EXAMPLE / "tools.yaml"
-
-
-# The SFT warm start. GRPO learns to call the tool only from calls that work, and the copying that makes them work
-# (the question's numbers into the call, the tool's result into the answer) is learnt in a sudden transition whose
-# step the CPU's rounding decides, chaotically: the loss plateaus at ~0.22 (nothing copied), then falls to ~0.12.
-# So the warm start tries these (learning rate, data-order seed offset) runs of SFT_STEPS steps in turn, each from
-# the tiny model, until one has passed the transition (its sampled calls work): a second draw is more likely to pass
-# than continuing a run stuck on the plateau. Measured, seed 0 on this AMD EPYC: at 3e-3, natively (avx512) the
-# transition comes at ~1,650 steps (0.12 at 2,500), but under ATEN_CPU_CAPABILITY=default the run stays on the
-# plateau through 4,500 steps (0.21 -> 0.19, 0 of 57 sampled calls working); at 6e-3 that run passes by ~2,250
-# steps (0.137 at 2,500), while natively 6e-3 was still on the plateau at 2,250 (0.217). Seeds 1 and 2 passed at
-# 3e-3 under default.
-SFT_STEPS = 2500
-SFT_ATTEMPTS = ((3e-3, 0), (6e-3, 0), (3e-3, 1))
-# the premise of the test: of the warm start's sampled answers (32 prompts x 4, temperature 1) at least CALLS_MIN
-# call the tool and at least WORKING_MIN of those score 1 (answers without a call score ~0: 4-digit sums in its head)
-CALLS_MIN, WORKING_MIN = 16, 0.5
-# the loss past the transition (over the SFT's last 50 steps): ~0.12, against ~0.22 on the plateau before it
+# The margins by which the rises (last 6 - first 6 of 30 steps) of the tool-call share and the score must beat the
+# frozen control's (the same run, same seeds, actor lr 0; issue 37). Not yet derived from the control's noise: they
+# are the thresholds the rises had to pass before the control was added (0.08 and 0.04; the control's rise is ~0 in
+# expectation, so the test is at least as strict as before). The control's SD over RL seeds is still to be measured
+# (`tools/learning_margins.py --control-seeds 0-11 --tests tests/trainer/test_multi_turn_rl.py::test_grpo_with_the_
+# calculator_learns_to_call_it`, ~20 minutes); until then the false-pass rate of these margins is unknown.
+TOOL_SHARE_MARGIN, TOOL_SCORE_MARGIN = 0.08, 0.04
+# the loss past the copying transition (over the SFT's last 50 steps): ~0.12, against ~0.22 on the plateau before it
 SFT_LOSS_PREMISE = 0.17
 
 
 @pytest.fixture(scope="module")
-def tool_warm(tiny_model_dir, tmp_path_factory):
+def tool_warm(tmp_path_factory):
     """(SFT model dir, data dir): the calculator task and the demo's SFT warm start (examples/tools/sft.yaml) on its
     conversations, half of which call the tool, from the tiny model of seed HYFLOW_TEST_SEED, trained until it is
-    past its copying transition (see SFT_ATTEMPTS); asserts the premise with its figures."""
-    from hyflow.config.sft_schema import load_sft_config
-    from hyflow.data.tasks import make_task
-    from hyflow.models.tiny import make_tiny_model
-    from hyflow.trainer.export import export_checkpoint
-    from hyflow.trainer.sft_trainer import SFTTrainer
-
-    root = tmp_path_factory.mktemp("tool_warm")
-    if SEED != 0:  # seed 0 is the session's tiny model
-        tiny_model_dir = make_tiny_model(root / "tiny", preset="tiny", seed=SEED)
-    make_task("calculator", root / "data", n_train=3000, n_test=32, seed=0, digits=4, tool_use_rate=0.5)
-    tried = []
-    for attempt, (lr, data_seed) in enumerate(SFT_ATTEMPTS):
-        run = root / f"sft_{attempt}"
-        SFTTrainer(load_sft_config([
-            f"model.partial_pretrain={tiny_model_dir}", f"data.train_files={root}/data/train.parquet",
-            "trainer.test_freq=-1", "trainer.logger=[file]", f"trainer.total_training_steps={SFT_STEPS}",
-            f"trainer.seed={SEED + 1000 * data_seed}", f"trainer.default_local_dir={run}", f"optim.lr={lr}"],
-            EXAMPLE / "sft.yaml")).fit()
-        model = export_checkpoint(run / f"global_step_{SFT_STEPS}", root / f"sft_model_{attempt}")
-        calls, working = sampled_calls_that_work((model, root / "data"), root / f"premise_{attempt}")
-        tried.append(f"lr {lr:g}, data seed +{data_seed}: {calls} of 128 call the tool, {working:.0%} of those work")
-        print(f"[premise] SFT warm start attempt {attempt + 1} ({tried[-1]}; needs >= {CALLS_MIN} and >= "
-              f"{WORKING_MIN:.0%})")
-        if calls >= CALLS_MIN and working >= WORKING_MIN:
-            break
-    assert calls >= CALLS_MIN and working >= WORKING_MIN, (
-        f"premise: no SFT warm start's tool calls work after {SFT_STEPS} steps ({'; '.join(tried)}): it has not "
-        "learnt to copy the numbers, and GRPO learns to call the tool only from calls that work")
-    assert_sft_premise(run, SFT_LOSS_PREMISE)
-    return model, root / "data"
+    past its copying transition (tests/warm_starts.py: TOOL_SFT_ATTEMPTS); asserts the premise with its figures."""
+    root = warm_start("tool_warm", cache_root(tmp_path_factory))
+    premise = json.loads((root / "premise.json").read_text())
+    for line in premise["tried"]:
+        print(f"[premise] SFT warm start attempt: {line} (needs >= {CALLS_MIN} calls and >= {WORKING_MIN:.0%})")
+    assert premise["taken"] is not None, (
+        f"premise: no SFT warm start's tool calls work after {TOOL_SFT_STEPS} steps ({'; '.join(premise['tried'])}): "
+        "it has not learnt to copy the numbers, and GRPO learns to call the tool only from calls that work")
+    assert_sft_premise(root / f"sft_{premise['taken']}", SFT_LOSS_PREMISE)
+    return root / f"sft_{premise['taken']}_model", root / "data"
 
 
-
-def sampled_calls_that_work(warm, out: Path) -> tuple[int, float]:
-    """Validate the model once (4 samples at temperature 1 per test prompt; every test prompt is a tool task) and
-    return (the number of answers that call the tool, the share of those that score 1: the call copied the numbers
-    and the answer copied the tool's result)."""
-    grpo(warm, out / "run", 1, "trainer.val_only=true", f"trainer.validation_data_dir={out / 'val'}",
-         "actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
-         "actor_rollout_ref.rollout.val_kwargs.n=4")
-    rows = [json.loads(line) for line in (out / "val" / "0.jsonl").read_text().splitlines()]
-    calls = [row for row in rows if "<tool_call>" in row["output"]]
-    return len(calls), (sum(row["score"] == 1 for row in calls) / len(calls) if calls else 0.0)
-
-
-def grpo(warm, run_dir, steps, *extra):
+def grpo(warm, run_dir, steps, *extra, **kwargs):
     """The demo's GRPO config (examples/tools/grpo.yaml) with the tool config, shortened."""
-    from hyflow.config import load_config
-
-    model, data = warm
-    return RLTrainer(load_config([
-        f"actor_rollout_ref.model.path={model}", f"data.train_files={data}/train.parquet",
-        f"data.val_files={data}/test.parquet", f"trainer.default_local_dir={run_dir}",
-        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={TOOLS_YAML}", "trainer.logger=[file]",
-        f"trainer.total_training_steps={steps}", "trainer.test_freq=-1",
-        "actor_rollout_ref.rollout.calculate_log_probs=true", f"trainer.seed={SEED + 1}", *extra,
-    ], config_file=EXAMPLE / "grpo.yaml")).fit()
+    return tool_grpo(*warm, run_dir, steps, *extra, **kwargs)
 
 
-def test_grpo_with_the_calculator_learns_to_call_it(tool_warm, tmp_path):
+_CONTROL_ROWS: dict[tuple, list[dict]] = {}  # (warm start, RL seed) -> the frozen run's rows (both statistics)
+STATISTICS = {"share": ("tool/samples_with_call", "tool-call share rise (last 6 - first 6 of 30 steps)"),
+              "score": ("critic/score/mean", "score rise (last 6 - first 6 of 30 steps)")}
+
+
+def check_beats_frozen(tool_warm, tmp_path_factory, share, score, which):
+    """assert_beats_frozen for the tool-call share or the score: the frozen control is the same 30-step run with
+    the actor's lr 0 (one run per RL seed serves both)."""
+
+    def frozen(seed):
+        if (tool_warm, seed) not in _CONTROL_ROWS:
+            history = grpo(tool_warm, tmp_path_factory.mktemp("tool_frozen"), 30, "actor_rollout_ref.actor.optim.lr=0",
+                           "trainer.val_before_train=false", seed=seed + 1)
+            _CONTROL_ROWS[(tool_warm, seed)] = [row for row in history if "tool/samples_with_call" in row]
+        return [row[STATISTICS[which][0]] for row in _CONTROL_ROWS[(tool_warm, seed)]]
+
+    values = {"share": share, "score": score}[which]
+    assert_beats_frozen("test_grpo_with_the_calculator_learns_to_call_it", STATISTICS[which][1],
+                        lambda: rise(values, 6), frozen, lambda v: rise(v, 6), ("tools", str(tool_warm[0]), 30, which),
+                        {"share": TOOL_SHARE_MARGIN, "score": TOOL_SCORE_MARGIN}[which])
+
+
+def test_grpo_with_the_calculator_learns_to_call_it(tool_warm, tmp_path, tmp_path_factory):
     """30 GRPO steps through the agent loop raise the share of sampled answers that call the calculator and the
-    score with it (first 6 steps against the last 6). The premise (the warm start's calls work) is the fixture's.
+    score with it (first 6 steps against the last 6) by more than a frozen control's (the same run with the actor's
+    lr 0) plus TOOL_SHARE_MARGIN / TOOL_SCORE_MARGIN. The premise (the warm start's calls work) is the fixture's.
+    Figures below are the rises alone, measured before the control was added:
     Margins measured, seed 0 on this AMD EPYC (avx512, 1 thread, the 2,500-step warm start): tool-call share
     0.50 -> 0.84 (+0.25 over its 0.08), score 0.33 -> 0.61 (+0.24 over its 0.04); the warm start's greedy calls
     worked in 4 of 6. Under ATEN_CPU_CAPABILITY=default (session of issue 24): seed 0 (the second warm-start
@@ -113,13 +84,19 @@ def test_grpo_with_the_calculator_learns_to_call_it(tool_warm, tmp_path):
     after); seeds 1 / 2 (the first attempt) share +0.222 / +0.342, score +0.224 / +0.328. Under avx2, seed 0: the
     first two attempts stay on the plateau (0 % of their calls work), the third passes (loss 0.10-0.12, 88 % of
     its 60 sampled calls working): share +0.332, score +0.322."""
+    if control_seeds():  # a control sweep (tests/learning.py): the frozen runs only, both statistics recorded
+        with contextlib.suppress(pytest.skip.Exception):
+            check_beats_frozen(tool_warm, tmp_path_factory, None, None, "share")
+        check_beats_frozen(tool_warm, tmp_path_factory, None, None, "score")
     history = grpo(tool_warm, tmp_path / "grpo", 30)
     first = history[1]  # history[0] is the validation before training
     # the run went through the agent loop: tool turns, their metrics, rollout/trainer agreement
     assert first["num_turns/max"] >= 4 and "tool/latency_s/mean" in first
     assert "val-aux/tool/samples_with_call" in history[0] and "val-aux/num_turns/mean" in history[0]
     assert all(abs(row["rollout_corr/kl"]) < 1e-4 for row in history[1:])  # log-probs agree on model tokens
-    assert all(row["tool/errors/mean"] == 0 and row["tool/timeouts/mean"] == 0 for row in history[1:])
+    # no call timed out; a call the calculator refuses (a sampled expression it cannot evaluate: its error text goes
+    # back to the model) counts in tool/errors: 1 of 128 samples at two steps of a clean-clone run, so not zero
+    assert all(row["tool/errors/mean"] <= 0.05 and row["tool/timeouts/mean"] == 0 for row in history[1:])
     # the policy learns to call the tool: the sampled share of answers with a call rises, and the reward with it
     # (SFT leaves it at about one half: half of the demonstrations answer directly)
     rows = [row for row in history[1:] if "tool/samples_with_call" in row]
@@ -127,13 +104,8 @@ def test_grpo_with_the_calculator_learns_to_call_it(tool_warm, tmp_path):
     score = [row["critic/score/mean"] for row in rows]
     print("share of samples calling the tool per step:", [round(s, 2) for s in share])
     print("mean score per step:", [round(s, 2) for s in score])
-    test = "test_grpo_with_the_calculator_learns_to_call_it"
-    share_rise = sum(share[-6:]) / 6 - sum(share[:6]) / 6
-    score_rise = sum(score[-6:]) / 6 - sum(score[:6]) / 6
-    report_margin(test, "tool-call share rise (last 6 - first 6 steps)", share_rise, 0.08)
-    report_margin(test, "score rise (last 6 - first 6 steps)", score_rise, 0.04)
-    assert share_rise > 0.08
-    assert score_rise > 0.04
+    check_beats_frozen(tool_warm, tmp_path_factory, share, score, "share")
+    check_beats_frozen(tool_warm, tmp_path_factory, share, score, "score")
     assert read_metrics(tmp_path / "grpo")[-1]["step"] == 30
 
 
