@@ -119,7 +119,11 @@ def test_on_policy_distillation_learns_where_grpo_cannot(warm, unformatted, tmp_
     which varies with the seed (the warm start samples right about 0.4 of the time at seed 0, 0.2 at seed 2).
     Margins measured (distillation - GRPO - 0.05; `[margin]` lines; AMD EPYC; issue 27, part 3): seeds 0 / 1 / 2
     under ATEN_CPU_CAPABILITY=default: +0.102 / +0.126 / +0.069; under avx2: +0.121 / +0.108 / +0.130 (GRPO's
-    last-8 score 0.000-0.004 in all six). Adds about 45 s on a quiet 2-core machine (fixture + two runs)."""
+    last-8 score 0.000-0.004 in all six). Adds about 45 s on a quiet 2-core machine (fixture + two runs).
+    The control (issue 37) is the GRPO run itself: its advantages are all 0, so it does not move, and a frozen
+    distillation run would sample what it samples. A frozen policy passes only if its last-8 mean score (1,024
+    samples at p ~ 0.003) exceeds GRPO's by 0.05: that mean's SD is about sqrt(0.003 / 1024) = 0.0017, so 0.05 is
+    ~20 SD away (false-pass rate ~0); the six measured GRPO runs above span 0.004."""
     teacher, _ = warm
     grpo = rl(unformatted, tmp_path / "grpo", 15, "algorithm.adv_estimator=grpo",
               "actor_rollout_ref.actor.optim.lr=3e-4")
