@@ -19,12 +19,12 @@ from hyflow.trainer.tracking import read_metrics
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(7200)]
 
 # The margins by which the rises (last 6 - first 6 of 30 steps) of the tool-call share and the score must beat the
-# frozen control's (the same run, same seeds, actor lr 0; issue 37). Not yet derived from the control's noise: they
-# are the thresholds the rises had to pass before the control was added (0.08 and 0.04; the control's rise is ~0 in
-# expectation, so the test is at least as strict as before). The control's SD over RL seeds is still to be measured
-# (`tools/learning_margins.py --control-seeds 0-11 --tests tests/trainer/test_multi_turn_rl.py::test_grpo_with_the_
-# calculator_learns_to_call_it`, ~20 minutes); until then the false-pass rate of these margins is unknown.
-TOOL_SHARE_MARGIN, TOOL_SCORE_MARGIN = 0.08, 0.04
+# frozen control's (the same run, same seeds, actor lr 0; issue 37). The share control's rise over RL seeds 0-10 (the
+# warm start of seed 0, its first attempt; AMD EPYC, avx512): +0.018 -0.061 +0.005 +0.010 +0.013 +0.005 -0.001 -0.007
+# +0.017 +0.016 +0.001, SD 0.022: a margin of 0.10 is 3.2 SD of D (0.07 % false passes, 0 of 110 control pairs beat
+# it). The score control's SD was not finished in that session (its seed 0 rose +0.051): 0.08 until it is measured.
+# Measured at seed 0 (native): share D = +0.311 (rise +0.329), score D = +0.233 (rise +0.284).
+TOOL_SHARE_MARGIN, TOOL_SCORE_MARGIN = 0.10, 0.08
 # the loss past the copying transition (over the SFT's last 50 steps): ~0.12, against ~0.22 on the plateau before it
 SFT_LOSS_PREMISE = 0.17
 
