@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import importlib.util
 import os
@@ -112,7 +113,7 @@ def pytest_sessionstart(session):
     import subprocess
 
     names, root = os.environ.get("HYFLOW_TEST_PREBUILD", "").split(), os.environ.get("HYFLOW_TEST_CACHE")
-    if not names or not root or os.environ.get("PYTEST_XDIST_WORKER"):
+    if not names or not root:
         return
     os.makedirs(root, exist_ok=True)
     log_path = os.path.join(root, "prebuild.log")
@@ -120,7 +121,7 @@ def pytest_sessionstart(session):
         _PREBUILD["process"] = subprocess.Popen(
             [sys.executable, os.path.join(os.path.dirname(__file__), "warm_starts.py"), "--root", root, "--nice", "10",
              *names],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     _PREBUILD["log"] = log_path
 
 
@@ -129,8 +130,9 @@ def _end_prebuild(session) -> None:
     process = _PREBUILD.pop("process", None)
     if process is None:
         return
-    if process.poll() is None:
-        process.kill()
+    if process.poll() is None:  # its session: the build and whatever it started (a reward pool, a validation run)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
         process.wait()
     elif process.returncode != 0:
         with open(_PREBUILD["log"], "rb") as f:
