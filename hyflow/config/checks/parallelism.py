@@ -1,0 +1,92 @@
+"""Devices and parallel sizes: a device count, Ulysses sequence parallelism (with packing), tensor parallelism of
+the trained roles (FSDP2, not with Ulysses or LoRA yet) and the rollout engine's tensor parallelism."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hyflow.config.arithmetic import role_devices, total_devices
+from hyflow.config.checks import ACTOR, ROLLOUT, check
+from hyflow.config.schema import HyflowConfig
+
+
+@check(200, devices=True)
+def device_problems(cfg: HyflowConfig, n_devices: int | None) -> list[str]:
+    """The device count and the parallel sizes that must divide it (the batch checks run only when these pass)."""
+    t = cfg.trainer
+    if n_devices is not None and n_devices < 1:
+        return [f"n_devices={n_devices}: need at least 1 device."]
+    if n_devices is None and (t.nnodes < 1 or t.n_gpus_per_node < 1):
+        return [
+            f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node} gives no devices; "
+            "set both to at least 1."
+        ]
+    devices = total_devices(cfg, n_devices)
+    problems = []
+    for key, sp, packing in (
+        (f"{ACTOR}.ulysses_sequence_parallel_size", cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size,
+         ("actor_rollout_ref.model.use_remove_padding", cfg.actor_rollout_ref.model.use_remove_padding)),
+        ("actor_rollout_ref.ref.ulysses_sequence_parallel_size", cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size,
+         ("actor_rollout_ref.model.use_remove_padding", cfg.actor_rollout_ref.model.use_remove_padding)),
+        ("critic.ulysses_sequence_parallel_size", cfg.critic.ulysses_sequence_parallel_size,
+         ("critic.model.use_remove_padding", cfg.critic.model.use_remove_padding)),
+    ):
+        if sp < 1 or devices % sp:
+            problems.append(
+                f"{key}={sp} must be >= 1 and divide the {devices} devices; set it to a divisor of {devices}."
+            )
+        elif sp > 1 and not packing[1]:
+            problems.append(f"{key}={sp} needs sequence packing ({packing[0]}=true, as verl requires): each packed "
+                            "row is cut across the group's devices; set it, or the sequence-parallel size to 1.")
+    problems += _check_tensor_parallel(cfg, devices, role_devices(cfg, "critic", n_devices))
+    rollout = cfg.actor_rollout_ref.rollout
+    if rollout.name != "hf" and devices % max(rollout.tensor_model_parallel_size, 1):
+        problems.append(
+            f"{ROLLOUT}.tensor_model_parallel_size={rollout.tensor_model_parallel_size} does not divide the {devices} "
+            f"devices; set it to a divisor of {devices}."
+        )
+    return problems
+
+
+def _check_tensor_parallel(cfg: HyflowConfig, devices: int, critic_devices: int) -> list[str]:
+    """tensor_parallel_size of the actor, the reference and the critic: >= 1 and a divisor of the role's devices,
+    with the FSDP2 wrapper (strategy fsdp/fsdp2), and not yet together with Ulysses sequence parallelism or with
+    LoRA (the reference has no adapter of its own: under LoRA it is the actor, or a full model from ref.model.path).
+    A reference problem that only repeats the actor's (its sizes follow the actor's) is reported once."""
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    problems: list[str] = []
+    for role, section, strategy, role_devices_, lora in (
+        (ACTOR, arr.actor, arr.actor.strategy, devices, ("actor_rollout_ref.model", arr.model)),
+        ("actor_rollout_ref.ref", arr.ref, arr.ref.strategy, devices, None),
+        ("critic", critic, critic.strategy, critic_devices, ("critic.model", critic.model)),
+    ):
+        found = _tensor_parallel_problems(role, section, strategy, role_devices_, lora)
+        problems += [p for p in found if p.replace("actor_rollout_ref.ref.", f"{ACTOR}.") not in problems]
+    return problems
+
+
+def _tensor_parallel_problems(role: str, section: Any, strategy: str, devices: int,
+                              lora: tuple[str, Any] | None) -> list[str]:
+    key, tp, sp = f"{role}.tensor_parallel_size", section.tensor_parallel_size, section.ulysses_sequence_parallel_size
+    if tp < 1 or devices % tp:
+        return [f"{key}={tp} must be >= 1 and divide the {devices} devices; set it to a divisor of {devices}."]
+    if tp == 1:
+        return []
+    problems = []
+    if sp > 1:
+        problems.append(f"{key}={tp} with {role}.ulysses_sequence_parallel_size={sp}: tensor parallelism together "
+                        "with Ulysses sequence parallelism in one role is not built yet; use one of them (set "
+                        f"{key}=1 or {role}.ulysses_sequence_parallel_size=1).")
+    if strategy not in ("fsdp", "fsdp2"):
+        problems.append(f"{key}={tp} needs {role}.strategy fsdp or fsdp2 (tensor parallelism is composed with the "
+                        f"FSDP2 wrapper over a data-parallel x tensor-parallel device mesh), got {role}.strategy="
+                        f"{strategy}; set {role}.strategy=fsdp2, or {key}=1.")
+    if lora is not None:
+        lora_key, model = lora
+        rank, adapter = model.lora_rank, model.lora_adapter_path
+        if (isinstance(rank, int) and rank > 0) or adapter:
+            given = f"lora_rank={rank}" if isinstance(rank, int) and rank > 0 else f"lora_adapter_path={adapter}"
+            problems.append(f"{key}={tp} with LoRA ({lora_key}.{given}): tensor parallelism of a LoRA model is not "
+                            f"built yet; set {key}=1, or train without LoRA ({lora_key}.lora_rank=0"
+                            f"{', lora_adapter_path=null' if adapter else ''}).")
+    return problems
