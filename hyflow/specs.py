@@ -14,7 +14,7 @@ share. `LoraSettings` is what a model section's LoRA keys ask for (`hyflow.confi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 ALL_LINEAR = "all-linear"
@@ -241,9 +241,11 @@ class PairPreferenceSpec:
 
 @dataclass(frozen=True)
 class ActorLossSpec:
-    """The actor's loss knobs: loss = policy loss (`loss_mode`, called with `policy_loss_kwargs`) -
-    entropy_coeff * entropy + kl_loss_coef * KL(pi || ref) (when `use_kl_loss`, estimator `kl_loss_type`), each
-    term aggregated with `loss_agg_mode` (and `loss_scale_factor` for seq-mean-token-sum-norm)."""
+    """The actor's loss: the terms `terms` names, in order (`hyflow.algos.loss_terms`: "policy" or
+    "pair_preference", "entropy", "kl", "distillation"), each called with its knobs (`term_knobs`): loss = policy
+    loss (`loss_mode`, called with `policy_loss_kwargs`) - entropy_coeff * entropy + kl_loss_coef * KL(pi || ref)
+    (when `use_kl_loss`, estimator `kl_loss_type`), each term aggregated with `loss_agg_mode` (and
+    `loss_scale_factor` for seq-mean-token-sum-norm); with `distillation`, its term joins them."""
 
     loss_mode: str = "vanilla"
     policy_loss_kwargs: dict = field(default_factory=dict)
@@ -255,6 +257,17 @@ class ActorLossSpec:
     kl_loss_type: str = "low_var_kl"
     distillation: DistillationLossSpec | None = None  # on-policy distillation's term (None: none)
     pair_preference: PairPreferenceSpec | None = None  # online DPO's term in the policy loss's place (None: none)
+    terms: tuple[str, ...] = ("policy",)  # the registered terms, in order (`hyflow.config.roles.actor_loss_terms`)
+
+    def term_knobs(self) -> dict[str, dict]:
+        """Each term's keyword arguments, by term name (what `hyflow.algos.loss_terms` calls it with)."""
+        knobs = {"policy": {"loss_mode": self.loss_mode, "policy_loss_kwargs": self.policy_loss_kwargs},
+                 "entropy": {"entropy_coeff": self.entropy_coeff},
+                 "kl": {"kl_loss_coef": self.kl_loss_coef, "kl_loss_type": self.kl_loss_type}}
+        for name, spec in (("distillation", self.distillation), ("pair_preference", self.pair_preference)):
+            if spec is not None:
+                knobs[name] = {f.name: getattr(spec, f.name) for f in fields(spec)}
+        return knobs
 
 
 @dataclass(frozen=True)
@@ -359,12 +372,18 @@ class PreferenceSpec(SFTSpec):
 @dataclass(frozen=True)
 class RoleSpecs:
     """The specs of one RL run's roles, derived once (`hyflow.config.roles.role_specs`): what `hyflow config`
-    prints and what the trainer hands each role. `batches` is the whole step's arithmetic (printed in words)."""
+    prints and what the trainer hands each role (None: the run has no such role). `batches` is the whole step's
+    arithmetic (printed in words). The reward model's slot: PRIME's implicit PRM (`prm`), a classifier
+    (`reward_model`) or a generative judge (`judge`); `teacher`: on-policy distillation's teachers."""
 
     batches: BatchArithmetic
     actor: ActorSpec
     critic: CriticSpec | None
     rollout: RolloutSpec
+    reward_model: RewardModelSpec | None = None
+    judge: JudgeSpec | None = None
+    prm: PRMSpec | None = None
+    teacher: TeacherSpec | None = None
 
 
 # ------------------------------------------------------------------------------------------ reward model

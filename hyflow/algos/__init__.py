@@ -10,9 +10,9 @@ Conventions (stated once, used everywhere in this package):
 - No I/O, no config objects, no global state: functions take tensors and plain keyword arguments, so custom
   code written against verl's `core_algos` ports by keyword name.
 
-Algorithms are registered by name (`register_advantage_estimator`, `register_policy_loss`, into
-`hyflow.registry.Registry` objects); the trainer looks them up, passes each estimator the `algorithm` knobs it
-reads (`estimator_knobs`), and is blind to which one runs.
+Algorithms are registered by name (`register_advantage_estimator`, `register_policy_loss`, the actor's loss
+terms in `ACTOR_LOSS_TERMS`, into `hyflow.registry.Registry` objects); the trainer looks them up, passes each
+estimator the `algorithm` knobs it reads (`estimator_knobs`), and is blind to which one runs.
 """
 
 from hyflow.algos import advantages as advantages  # (importing registers the advantage estimators)
@@ -34,6 +34,7 @@ from hyflow.algos.logprobs import (
     logprobs_from_logits,
     sum_pi_squared_from_logits,
 )
+from hyflow.algos.loss_terms import ACTOR_LOSS_TERMS, compose_actor_loss
 from hyflow.algos.masked import group_ids, masked_mean, masked_sum, masked_var, masked_whiten
 from hyflow.algos.metrics import compute_validation_metrics, reduce_metrics
 from hyflow.algos.pf_ppo import pf_ppo_resample_indices, pf_ppo_weights
@@ -50,6 +51,7 @@ from hyflow.algos.rollout_correction import compute_offpolicy_metrics, compute_r
 from hyflow.algos.value import compute_value_loss
 
 __all__ = [
+    "ACTOR_LOSS_TERMS",
     "ADVANTAGE_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
@@ -58,6 +60,7 @@ __all__ = [
     "actor_loss",
     "agg_loss",
     "apply_kl_penalty",
+    "compose_actor_loss",
     "compute_offpolicy_metrics",
     "compute_rollout_correction",
     "compute_validation_metrics",

@@ -8,15 +8,15 @@ subtracted); KL = agg(kl_penalty(log_prob_BT, ref_log_prob_BT, kl_loss_type)) is
 estimate toward the reference policy (when `use_kl_loss`, weighted by beta = kl_loss_coef; verl's `use_kl_loss`,
 GRPO's KL term). Both terms are aggregated as the policy loss is (`agg_loss` with `loss_agg_mode`, the global
 normalisers of the mini-batch and `loss_scale_factor`), so the sum keeps micro-batch and data-parallel invariance.
-The operations run in this order, term by term: `loss = L_pg; loss = loss - c * H; loss = loss + beta * KL`.
+The operations run in this order, term by term: `loss = L_pg; loss = loss - c * H; loss = loss + beta * KL`
+(the `entropy` and `kl` terms of `hyflow.algos.loss_terms`, which the actor's worker composes by name).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hyflow.algos.agg import agg_loss
-from hyflow.algos.kl import kl_penalty
+from hyflow.algos.loss_terms import MicroBatchShare, TermInputs, entropy_term, kl_term
 
 
 def actor_loss(
@@ -42,17 +42,18 @@ def actor_loss(
     `log_prob`, `entropy`, `ref_log_prob` and `response_mask` are [B, T]; `entropy` is read only when
     entropy_coeff != 0 and `ref_log_prob` only when use_kl_loss. The global counts are `agg_loss`'s.
     """
-    agg = dict(loss_agg_mode=loss_agg_mode, loss_scale_factor=loss_scale_factor,
-               global_token_count=global_token_count, global_seq_count=global_seq_count)
+    x = TermInputs(outputs={"log_probs": log_prob, "entropy": entropy}, columns={"ref_log_prob": ref_log_prob},
+                   old_log_prob=log_prob, response_mask=response_mask,
+                   share=MicroBatchShare({"global_token_count": global_token_count,
+                                          "global_seq_count": global_seq_count}),
+                   loss_agg_mode=loss_agg_mode, loss_scale_factor=loss_scale_factor)
     metrics: dict[str, float] = {}
     loss = pg_loss
     if entropy_coeff != 0:
-        entropy_loss = agg_loss(entropy, response_mask, **agg)
-        loss = loss - entropy_coeff * entropy_loss
-        metrics["entropy_loss"] = float(entropy_loss.detach())
+        loss, term = entropy_term(loss, x, entropy_coeff=entropy_coeff)
+        metrics["entropy_loss"] = term["actor/entropy_loss"]
     if use_kl_loss:
-        kl = agg_loss(kl_penalty(log_prob, ref_log_prob, kl_loss_type), response_mask, **agg)
-        loss = loss + kl_loss_coef * kl
-        metrics["kl_loss"] = float(kl.detach())
+        loss, term = kl_term(loss, x, kl_loss_coef=kl_loss_coef, kl_loss_type=kl_loss_type)
+        metrics["kl_loss"] = term["actor/kl_loss"]
     metrics["pg_loss"] = float(pg_loss.detach())
     return loss, metrics

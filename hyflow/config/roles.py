@@ -5,12 +5,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hyflow.config.arithmetic import (
     batch_arithmetic,
     micro_per_device,
     prm_batches,
     role_devices,
     uses_critic,
+    uses_prm,
     uses_reference,
 )
 from hyflow.config.keys import ConfigError
@@ -39,15 +42,36 @@ from hyflow.specs import (
 # ------------------------------------------------------------------------------------------ RL roles
 
 
-def role_specs(cfg: HyflowConfig, *, n_devices: int | None = None, total_steps: int = 1) -> RoleSpecs:
+def role_specs(cfg: HyflowConfig, *, n_devices: int | None = None, total_steps: int = 1,
+               judge: bool | None = None) -> RoleSpecs:
     """Every RL role's spec, derived once from a validated config: the batch arithmetic on `n_devices` devices
     (default trainer.nnodes x trainer.n_gpus_per_node; `batch_arithmetic`, what `hyflow config` prints) and, for
     the LR schedules, `total_steps` training steps (a role's optimizer steps = total_steps x its optimizer steps
-    per training step)."""
+    per training step). A role the run does not have gets None.
+
+    The reward model's slot holds PRIME's implicit PRM (`prm`), a generative judge (`judge`) or a classifier
+    (`reward_model`). Whether a model behind `reward_model.rollout.name` is a judge is its architecture's call
+    (`judge`: True / False); with `judge` None that slot stays empty until `with_reward_model` fills it."""
     batches = batch_arithmetic(cfg, n_devices=n_devices)
-    return RoleSpecs(batches=batches, actor=actor_spec(cfg, batches, total_steps),
-                     critic=critic_spec(cfg, batches, total_steps) if uses_critic(cfg) else None,
-                     rollout=rollout_spec(cfg))
+    specs = RoleSpecs(batches=batches, actor=actor_spec(cfg, batches, total_steps),
+                      critic=critic_spec(cfg, batches, total_steps) if uses_critic(cfg) else None,
+                      rollout=rollout_spec(cfg),
+                      prm=prm_spec(cfg, n_devices=batches.n_devices, total_steps=total_steps) if uses_prm(cfg) else None,
+                      teacher=teacher_spec(cfg) if cfg.distillation.enabled else None)
+    if judge is not None or not uses_judge(cfg):
+        specs = with_reward_model(cfg, specs, judge=bool(judge))
+    return specs
+
+
+def with_reward_model(cfg: HyflowConfig, specs: RoleSpecs, *, judge: bool) -> RoleSpecs:
+    """`specs` with the reward model's spec: a judge's (`judge_spec`) when `judge`, else the classifier's
+    (`reward_model_spec`, on the devices of `specs.batches`) when reward_model.enable (and the section is not
+    PRIME's PRM)."""
+    if uses_prm(cfg) or not cfg.reward_model.enable:
+        return specs
+    if judge:
+        return dataclasses.replace(specs, judge=judge_spec(cfg))
+    return dataclasses.replace(specs, reward_model=reward_model_spec(cfg, n_devices=specs.batches.n_devices))
 
 
 def optimizer_spec(optim, *, lr_scheduler_type: str | None = None) -> OptimizerSpec:
@@ -112,6 +136,7 @@ def actor_spec(cfg: HyflowConfig, batches: BatchArithmetic, total_steps: int) ->
             use_remove_padding=model.use_remove_padding, share_prompts=actor.use_prefix_grouper,
             use_torch_compile=ref.use_torch_compile, ulysses_sequence_parallel_size=ref.ulysses_sequence_parallel_size,
             tensor_parallel_size=ref.tensor_parallel_size)
+    distillation, pair_preference = distillation_loss_spec(cfg), pair_preference_spec(cfg)
     loss = ActorLossSpec(
         loss_mode=actor.policy_loss.loss_mode,
         policy_loss_kwargs={
@@ -122,13 +147,30 @@ def actor_spec(cfg: HyflowConfig, batches: BatchArithmetic, total_steps: int) ->
         },
         loss_agg_mode=actor.loss_agg_mode, loss_scale_factor=actor.loss_scale_factor,
         entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
-        kl_loss_type=actor.kl_loss_type, distillation=distillation_loss_spec(cfg),
-        pair_preference=pair_preference_spec(cfg))
+        kl_loss_type=actor.kl_loss_type, distillation=distillation, pair_preference=pair_preference,
+        terms=actor_loss_terms(entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
+                               distillation=distillation, pair_preference=pair_preference))
     return ActorSpec(model=policy_model_spec(cfg), engine=engine, ref=ref_engine, ref_model_path=ref.model.path or None,
                      loss=loss, batches=batches.actor, old_log_prob=batches.old_log_prob,
                      ref_log_prob=batches.ref_log_prob, rollout=rollout_spec(cfg), seed=cfg.trainer.seed,
                      full_determinism=actor.fsdp_config.full_determinism or ref.fsdp_config.full_determinism,
                      shuffle=actor.shuffle, data_loader_seed=actor.data_loader_seed)
+
+
+def actor_loss_terms(*, entropy_coeff: float, use_kl_loss: bool, distillation: DistillationLossSpec | None,
+                     pair_preference: PairPreferenceSpec | None) -> tuple[str, ...]:
+    """The actor's loss terms in order (`hyflow.algos.loss_terms`): the task's loss (the policy loss, or online
+    DPO's pair loss in its place; with its entropy bonus when entropy_coeff != 0 and KL loss with use_kl_loss),
+    which on-policy distillation computes only with use_task_rewards or use_policy_gradient (as verl does), then
+    distillation's term."""
+    terms: list[str] = []
+    if distillation is None or distillation.use_task_rewards or distillation.use_policy_gradient:
+        terms.append("policy" if pair_preference is None else "pair_preference")
+        terms += ["entropy"] if entropy_coeff != 0 else []
+        terms += ["kl"] if use_kl_loss else []
+    if distillation is not None:
+        terms.append("distillation")
+    return tuple(terms)
 
 
 PAIR_ESTIMATORS = ("online_dpo", "spin")  # estimators whose pairs the actor trains with the DPO loss

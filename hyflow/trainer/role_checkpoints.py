@@ -1,7 +1,8 @@
 """The roles' part of an RL checkpoint: what each trained role saves into `global_step_N/` and loads back.
 
 `CheckpointManager` (checkpoint.py) stores named components atomically and knows no roles; `RoleCheckpoints`
-sits beside it and knows the roles that hold training state (the actor, and the critic when there is one):
+sits beside it and knows the roles that hold training state: those of the role registry with a `checkpoint`
+section (`hyflow.trainer.role_registry`: the actor, the critic, PRIME's PRM) that the run has (`role_states`):
 
 - save: per role, `trainer.checkpoint_format` picks the layout: `full` (rank 0 gathers the role's state dict
   into components `<role>_model`, `<role>_optimizer`, ...) or `sharded` (every rank writes its shards with
@@ -35,6 +36,17 @@ class RoleState:
     group: Any
     save_contents: tuple[str, ...]
     load_contents: tuple[str, ...]
+
+
+def role_states(roles, cfg) -> dict[str, RoleState]:
+    """name -> RoleState of every role of `roles` (`hyflow.trainer.roles.Roles`) that holds training state, in the
+    registry's order (the actor first): its view and the save / load contents of its checkpoint section's
+    `checkpoint` (e.g. `actor_rollout_ref.actor.checkpoint`) in `cfg`."""
+    states = {}
+    for name, (group, section) in roles.checkpointed().items():
+        ckpt = functools.reduce(getattr, section.split("."), cfg).checkpoint
+        states[name] = RoleState(group, tuple(ckpt.save_contents), tuple(ckpt.load_contents))
+    return states
 
 
 def checkpoint_layout(checkpoint_format: str, world_size: int) -> str:

@@ -13,31 +13,27 @@ HybridFlow's placement, as the trainer runs it:
 - an asynchronous run with `rollout.n_gpus_per_node` > 0 generates on a rollout pool of its own
   (`RolloutWorker`s on `rollout.nnodes` x `rollout.n_gpus_per_node` devices).
 
-With `executor=local` every group is one worker in this process; with `ray` each group reserves a Ray resource
-pool of its devices. The models are loaded (`init_model`) in the order actor, critic, reward model, rollout pool.
-Every worker receives its spec (`hyflow.config.roles.role_specs`, derived once) and never the whole config.
+The roles are data: `hyflow.trainer.role_registry.ROLES` lists each one's worker class, spec, config section,
+placement and checkpoint section, and `build_roles` starts those whose spec the run's `RoleSpecs` holds. With
+`executor=local` every group is one worker in this process; with `ray` each group reserves a Ray resource pool of
+its devices. The models are loaded (`init_model`) in the registry's order (actor, critic, reward model / judge /
+PRM, teacher), the rollout pool's last. Every worker receives its spec (`hyflow.config.roles.role_specs`, derived
+once) and never the whole config.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-from hyflow.config.arithmetic import own_pool_roles, role_pool_shape, uses_prm
-from hyflow.config.roles import judge_spec, prm_spec, reward_model_spec, teacher_spec
+from hyflow.config.arithmetic import own_pool_roles, role_pool_shape
+from hyflow.config.roles import uses_judge, with_reward_model
 from hyflow.config.schema import HyflowConfig
 from hyflow.controller import make_colocated_class, make_worker_group
 from hyflow.specs import RoleSpecs
-from hyflow.workers.actor import ActorRolloutRefWorker
-from hyflow.workers.critic import CriticWorker
-from hyflow.workers.judge import JudgeWorker
-from hyflow.workers.prm import ImplicitPRMWorker
-from hyflow.workers.reward_model import RewardModelWorker
-from hyflow.workers.teacher import TeacherWorker
-
-SECTIONS = {"critic": "critic", "rm": "reward_model", "prm": "reward_model", "teacher": "distillation"}  # worker role -> its config section (own pools)
+from hyflow.trainer.role_registry import ROLES, RoleDefinition
 
 
 def has_rollout_pool(cfg: HyflowConfig) -> bool:
@@ -45,21 +41,42 @@ def has_rollout_pool(cfg: HyflowConfig) -> bool:
     return cfg.async_training.mode != "sync" and cfg.rollout.n_gpus_per_node > 0
 
 
-@dataclass
-class Roles:
-    """The role views the trainer calls (`actor`, `critic` / `reward_model` when the run has them, `rollout` for
-    the rollout pool of an asynchronous run, else None), the colocated group (`workers`), every worker group in
-    creation order (`groups`) and the Ray resource pools (`pools`)."""
+class Roles(Mapping):
+    """The role views the trainer calls, by name (`roles["actor"]`, or as attributes: `roles.actor`; a role the
+    run does not have reads None as an attribute and is absent from the mapping), the colocated group
+    (`workers`), every worker group in creation order (`groups`) and the Ray resource pools (`pools`);
+    `definitions`: the present roles' `RoleDefinition`s by name (`hyflow.trainer.role_registry.ROLES`)."""
 
-    actor: Any = None
-    critic: Any = None
-    reward_model: Any = None
-    prm: Any = None
-    teacher: Any = None
-    rollout: Any = None
-    workers: Any = None
-    groups: list = field(default_factory=list)
-    pools: list = field(default_factory=list)
+    def __init__(self) -> None:
+        self.views: dict[str, Any] = {}
+        self.definitions: dict[str, RoleDefinition] = {}
+        self.workers: Any = None
+        self.groups: list = []
+        self.pools: list = []
+
+    def __getitem__(self, name: str) -> Any:
+        return self.views[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.views)
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name in ("views", "definitions"):
+            raise AttributeError(name)
+        if name in self.views:
+            return self.views[name]
+        if any(definition.view == name for definition in ROLES.values()):
+            return None  # a role this run does not have
+        raise AttributeError(f"{type(self).__name__} has no role or attribute {name!r}; roles: {', '.join(ROLES)}")
+
+    def checkpointed(self) -> dict[str, tuple[Any, str]]:
+        """The roles that hold training state, in the registry's order: name -> (view, the config section whose
+        `checkpoint` save/load contents it follows)."""
+        return {d.name: (self.views[d.view], d.checkpoint) for d in self.definitions.values()
+                if d.checkpoint is not None}
 
     def shutdown(self) -> None:
         """Stop every worker group, then release the Ray resource pools."""
@@ -74,65 +91,59 @@ class Roles:
 def build_roles(cfg: HyflowConfig, specs: RoleSpecs, *, executor: str, tokenizer=None, judge: bool = False,
                 total_steps: int = 1) -> Roles:
     """Start the worker groups of `cfg`'s roles on `executor` (local or ray), hand each worker its spec from
-    `specs`, load every model (`init_model`) and return the `Roles`. `tokenizer`: the policy's, handed to the
+    `specs`, load every model (`init_model`) and return the `Roles`. The roles are the registry's
+    (`hyflow.trainer.role_registry.ROLES`) whose spec `specs` holds. `tokenizer`: the policy's, handed to the
     workers that need it; `judge`: the reward model is generative (a `JudgeWorker` instead of the classifier's
-    worker); `total_steps`: the run's training steps (the implicit PRM's LR schedule). A failure part-way stops
-    what was started before it is raised."""
+    worker), when `specs` was derived without saying (`role_specs(judge=None)`); `total_steps`: unused (the
+    specs carry the LR schedules' lengths). A failure part-way stops what was started before it is raised."""
+    del total_steps
+    if uses_judge(cfg) and specs.judge is None and specs.reward_model is None:
+        specs = with_reward_model(cfg, specs, judge=judge)  # the model's architecture decided the reward model's kind
     roles = Roles()
     try:
-        _start(roles, cfg, specs, executor, tokenizer, judge, total_steps)
+        _start(roles, cfg, specs, executor, tokenizer)
     except BaseException:
         roles.shutdown()
         raise
     return roles
 
 
-def _start(roles: Roles, cfg: HyflowConfig, specs: RoleSpecs, executor: str, tokenizer, judge: bool,
-           total_steps: int) -> None:
-    classes = {"actor": ActorRolloutRefWorker}
-    role_kwargs = {"actor": {"spec": specs.actor, "tokenizer": tokenizer}}
-    if specs.critic is not None:
-        classes["critic"], role_kwargs["critic"] = CriticWorker, {"spec": specs.critic}
-    if uses_prm(cfg):  # PRIME: the reward model section is the implicit PRM, trained beside the actor
-        classes["prm"], role_kwargs["prm"] = ImplicitPRMWorker, {
-            "spec": prm_spec(cfg, n_devices=specs.batches.n_devices, total_steps=total_steps)}
-    elif judge:  # a generative reward model: a judge on an engine of its own (hyflow.workers.judge)
-        classes["rm"], role_kwargs["rm"] = JudgeWorker, {"spec": judge_spec(cfg)}
-    elif cfg.reward_model.enable:  # the reward model's spec is derived here (`reward_model_spec`)
-        rm_spec = reward_model_spec(cfg, n_devices=specs.batches.n_devices)
-        classes["rm"], role_kwargs["rm"] = RewardModelWorker, {"spec": rm_spec, "tokenizer": tokenizer}
-    if cfg.distillation.enabled:  # on-policy distillation's teachers (hyflow.workers.teacher)
-        classes["teacher"], role_kwargs["teacher"] = TeacherWorker, {"spec": teacher_spec(cfg)}
-    separate = [role for role in classes if SECTIONS.get(role) in own_pool_roles(cfg)]
-    colocated = {role: cls for role, cls in classes.items() if role not in separate}
-    t = cfg.trainer
-    roles.workers = _group(roles, cfg, executor, make_colocated_class(colocated, name="HybridWorker"), t.nnodes,
-                           t.n_gpus_per_node, **{role: role_kwargs[role] for role in colocated})
-    views = {role: roles.workers.role(role) for role in colocated}
-    for role in separate:
-        group = _group(roles, cfg, executor, make_colocated_class({role: classes[role]},
-                                                                  name=f"{classes[role].__name__}Host"),
-                       *role_pool_shape(cfg, SECTIONS[role]), **{role: role_kwargs[role]})
-        views[role] = group.role(role)
-    roles.actor, roles.critic, roles.reward_model = views["actor"], views.get("critic"), views.get("rm")
-    roles.teacher, roles.prm = views.get("teacher"), views.get("prm")
-    roles.actor.init_model()
-    if roles.critic is not None:
-        roles.critic.init_model()
-    if roles.reward_model is not None:
-        roles.reward_model.init_model()
-    if roles.prm is not None:
-        roles.prm.init_model()
-    if roles.teacher is not None:
-        roles.teacher.init_model()
-    if has_rollout_pool(cfg):
-        from hyflow.workers.rollout import RolloutWorker
+def present_roles(cfg: HyflowConfig, specs: RoleSpecs) -> list[tuple[RoleDefinition, Any]]:
+    """(definition, spec) of every registered role this run has, in the registry's order."""
+    found = []
+    for definition in ROLES.values():
+        spec = getattr(specs, definition.spec)
+        if spec is None or (definition.placement == "rollout_pool" and not has_rollout_pool(cfg)):
+            continue
+        found.append((definition, spec))
+    return found
 
-        group = _group(roles, cfg, executor, make_colocated_class({"rollout": RolloutWorker}, name="RolloutHost"),
-                       cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node,
-                       rollout={"spec": specs.rollout, "tokenizer": tokenizer})
-        roles.rollout = group.role("rollout")
-        roles.rollout.init_model()
+
+def _start(roles: Roles, cfg: HyflowConfig, specs: RoleSpecs, executor: str, tokenizer) -> None:
+    present = present_roles(cfg, specs)
+    roles.definitions = {d.name: d for d, _ in present}
+    kwargs = {d.view: {"spec": spec, **({"tokenizer": tokenizer} if d.tokenizer else {})} for d, spec in present}
+    pools = own_pool_roles(cfg)
+    colocated = [d for d, _ in present if d.placement == "colocated" and d.section not in pools]
+    t = cfg.trainer
+    roles.workers = _group(roles, cfg, executor, make_colocated_class({d.view: d.worker for d in colocated},
+                                                                      name="HybridWorker"),
+                           t.nnodes, t.n_gpus_per_node, **{d.view: kwargs[d.view] for d in colocated})
+    roles.views.update({d.view: roles.workers.role(d.view) for d in colocated})
+    # then each role with a pool of its own; an asynchronous run's rollout pool last, after the others loaded
+    for placement in ("colocated", "rollout_pool"):
+        started = [d for d, _ in present if d.placement == placement]
+        for d in started:
+            if d in colocated:
+                continue
+            shape = ((cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node) if placement == "rollout_pool"
+                     else role_pool_shape(cfg, d.section))
+            name = "RolloutHost" if placement == "rollout_pool" else f"{d.worker.__name__}Host"
+            group = _group(roles, cfg, executor, make_colocated_class({d.view: d.worker}, name=name), *shape,
+                           **{d.view: kwargs[d.view]})
+            roles.views[d.view] = group.role(d.view)
+        for d in started:  # the models load in the registry's order
+            roles.views[d.view].init_model()
 
 
 def _group(roles: Roles, cfg: HyflowConfig, executor: str, worker_cls, nnodes: int = 1, devices_per_node: int = 1,

@@ -39,24 +39,17 @@ import time
 
 import torch
 
-from hyflow.algos import actor_loss, compute_offpolicy_metrics, get_policy_loss
-from hyflow.algos.distillation import (
-    combine_with_policy_loss,
-    distillation_loss,
-    distillation_token_losses,
-    masked_range,
-    topk_overlap,
-    uses_topk,
-)
-from hyflow.algos.online_preference import PAIR_COLUMNS, pair_preference_loss
+from hyflow.algos.distillation import uses_topk
+from hyflow.algos.loss_terms import MicroBatchShare, TermInputs, compose_actor_loss
+from hyflow.algos.online_preference import PAIR_COLUMNS
 from hyflow.batch import Batch
 from hyflow.controller import Collect, Dispatch, Worker, register
 from hyflow.models.forward import unwrap_model
 from hyflow.models.loading import load_causal_lm, load_tokenizer
 from hyflow.rollout.base import RolloutEngineError, SamplingParams
 from hyflow.rollout.build import build_rollout
-from hyflow.specs import ActorLossSpec, ActorSpec, DistillationLossSpec
-from hyflow.workers.engine import EXTREME_SUFFIXES, apply_full_determinism
+from hyflow.specs import ActorLossSpec, ActorSpec
+from hyflow.workers.engine import apply_full_determinism
 from hyflow.workers.fsdp import (
     DIST_TIMEOUT_S,
     is_distributed,
@@ -334,100 +327,18 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
 
 
 def actor_loss_fn(loss: ActorLossSpec, on_policy: bool) -> LossFn:
-    """The engine's loss function of one actor micro-batch (`TrainEngine.update`): the policy loss named by
-    `loss.loss_mode` on pi_old (`old_log_probs`, or with `on_policy` the forward itself, detached), composed with
-    the entropy and KL terms by `hyflow.algos.actor_loss`. Metric parts: `actor/pg_loss`, `actor/entropy_loss`,
-    `actor/kl_loss` (this micro-batch's share of the globally normalised mini-batch loss), the policy loss's own
-    metrics and, on-policy, `actor/entropy` weighted by the micro-batch's share of tokens; the off-policy metrics
-    against `rollout_log_probs` averaged over micro-batches and ranks."""
-    policy_loss = get_policy_loss(loss.loss_mode)
-    distill = loss.distillation
-    task_loss = distill is None or distill.use_task_rewards or distill.use_policy_gradient  # verl computes it then
+    """The engine's loss function of one actor micro-batch (`TrainEngine.update`): the terms the spec names
+    (`loss.terms`, with `loss.term_knobs()`), composed by `hyflow.algos.loss_terms.compose_actor_loss` on pi_old
+    (`old_log_probs`, or with `on_policy` the forward itself, detached)."""
+    knobs = loss.term_knobs()
 
     def loss_fn(out: dict, cols: dict, ctx: MicroContext) -> tuple[torch.Tensor, dict]:
-        logp, entropy = out["log_probs"], out["entropy"]
         mask = cols["response_mask"].float()
-        weight = ctx.token_weight(mask)
-        parts: dict[str, float] = {}
-        old = logp.detach() if on_policy else cols["old_log_probs"]
-        if on_policy:
-            parts["actor/entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1)) * weight
-        total = None
-        if task_loss:
-            if loss.pair_preference is not None:  # online DPO: the pairs' DPO loss in the policy loss's place
-                pg_loss, pg_metrics = _pair_preference_term(loss, logp, cols, mask, ctx, parts)
-            else:
-                pg_loss, pg_metrics = policy_loss(
-                    old_log_prob=old, log_prob=logp, advantages=cols["advantages"], response_mask=mask,
-                    rollout_is_weights=cols.get("rollout_is_weights"), loss_agg_mode=loss.loss_agg_mode,
-                    **ctx.norms, **loss.policy_loss_kwargs)
-            total, terms = actor_loss(pg_loss, log_prob=logp, entropy=entropy,
-                                      ref_log_prob=cols.get("ref_log_prob"), response_mask=mask,
-                                      entropy_coeff=loss.entropy_coeff, use_kl_loss=loss.use_kl_loss,
-                                      kl_loss_coef=loss.kl_loss_coef, kl_loss_type=loss.kl_loss_type,
-                                      loss_agg_mode=loss.loss_agg_mode, loss_scale_factor=loss.loss_scale_factor,
-                                      **ctx.norms)
-            parts.update({f"actor/{name}": value for name, value in terms.items()})
-            parts.update({f"actor/{name}": float(value) * weight for name, value in pg_metrics.items()})
-        if distill is not None:
-            total = _with_distillation(distill, total, out, cols, old, mask, ctx, weight, parts,
-                                       loss_agg_mode=loss.loss_agg_mode, loss_scale_factor=loss.loss_scale_factor)
-        if "rollout_log_probs" in cols:
-            for name, value in compute_offpolicy_metrics(logp.detach(), cols["rollout_log_probs"], mask).items():
-                parts[name] = float(value) / (ctx.n_micro * ctx.world_size)
-        return total, parts
+        share = MicroBatchShare(ctx.norms, token_weight=ctx.token_weight(mask), n_micro=ctx.n_micro,
+                                world_size=ctx.world_size, counts=ctx.counts)
+        x = TermInputs(out, cols, old_log_prob=out["log_probs"].detach() if on_policy else cols["old_log_probs"],
+                       response_mask=mask, share=share, loss_agg_mode=loss.loss_agg_mode,
+                       loss_scale_factor=loss.loss_scale_factor)
+        return compose_actor_loss(loss.terms, x, knobs, on_policy=on_policy)
 
     return loss_fn
-
-
-def _pair_preference_term(loss: ActorLossSpec, logp: torch.Tensor, cols: dict, mask: torch.Tensor,
-                          ctx: MicroContext, parts: dict) -> tuple[torch.Tensor, dict]:
-    """Online DPO's term of one micro-batch (`hyflow.algos.online_preference.pair_preference_loss`); its `dpo/*`
-    metrics join `parts` (their sums over micro-batches and ranks are the mini-batch's values). Returns (the
-    term, no policy-loss metrics)."""
-    spec = loss.pair_preference
-    term, metrics = pair_preference_loss(logp, cols["ref_log_prob"], mask, cols, beta=spec.beta,
-                                         loss_type=spec.loss_type, label_smoothing=spec.label_smoothing,
-                                         global_seq_count=ctx.norms["global_seq_count"],
-                                         global_paired_rows=ctx.counts["pair_sign"])
-    parts.update(metrics)
-    return term, {}
-
-
-def _with_distillation(distill: DistillationLossSpec, total: torch.Tensor | None, out: dict, cols: dict,
-                       old: torch.Tensor, mask: torch.Tensor, ctx: MicroContext, weight: float, parts: dict, *,
-                       loss_agg_mode: str, loss_scale_factor: float | None) -> torch.Tensor:
-    """The actor's loss with on-policy distillation's term (`hyflow.algos.distillation`, verl's
-    `distillation_ppo_loss`); its metric parts join `parts` (token-weighted means; `distillation/loss` as this
-    micro-batch's share of the mini-batch's L_d, like `actor/pg_loss`; the `_min` / `_max` ranges as they are)."""
-    logp = out["log_probs"]
-    losses, diagnostics = distillation_token_losses(
-        distill.loss_mode, log_prob=logp, teacher_log_prob=cols.get("teacher_log_probs"),
-        student_topk_log_probs=out.get("topk_log_probs"), teacher_topk_log_probs=cols.get("teacher_topk_log_probs"),
-        log_prob_min_clamp=distill.log_prob_min_clamp)
-    if "teacher_topk_ids" in cols and "own_topk_ids" in out:
-        count, advantage = topk_overlap(cols["teacher_topk_ids"], out["own_topk_ids"],
-                                        cols["teacher_topk_log_probs"], out["topk_log_probs"])
-        diagnostics["overlap_ratio"] = count.float() / distill.topk
-        shared = mask * (count > 0)
-        if float(shared.sum()) > 0:  # mean over the positions that share a token (verl's), weighted by them
-            parts["distillation/overlap_token_advantage"] = (
-                float((advantage * shared).sum()) / float(shared.sum())) / (ctx.n_micro * ctx.world_size)
-    else:
-        diagnostics["abs_loss"] = losses.detach().abs()
-    denominator = mask.sum().clamp(min=1)
-    for name, values in diagnostics.items():
-        parts[f"distillation/{name}"] = float((values.detach().float() * mask).sum() / denominator) * weight
-        if name.endswith("_mass"):  # verl's student_mass_min|max, teacher_mass_min|max
-            parts[f"distillation/{name}_min"], parts[f"distillation/{name}_max"] = masked_range(values, mask)
-    distill_loss, metrics = distillation_loss(
-        losses, mask, loss_agg_mode=loss_agg_mode, loss_max_clamp=distill.loss_max_clamp,
-        use_policy_gradient=distill.use_policy_gradient,
-        policy_loss=get_policy_loss(distill.policy_loss_mode) if distill.use_policy_gradient else None,
-        policy_loss_kwargs=distill.policy_loss_kwargs, log_prob=logp, old_log_prob=old,
-        rollout_is_weights=cols.get("rollout_is_weights"), loss_scale_factor=loss_scale_factor, **ctx.norms)
-    # the range over the mini-batch's tokens (engine.merge_metric: least / greatest over micro-batches and ranks)
-    parts.update({name: value if name.endswith(EXTREME_SUFFIXES) else value * weight for name, value in metrics.items()})
-    parts["distillation/loss"] = float(distill_loss.detach())
-    return combine_with_policy_loss(total, distill_loss, use_task_rewards=distill.use_task_rewards,
-                                    distillation_loss_coef=distill.distillation_loss_coef)
