@@ -77,3 +77,42 @@ def test_the_driver_is_short_and_no_check_is_long():
             for path in [VALIDATE, *CHECKS.glob("*.py")] for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 80]
     assert not long
+
+
+def test_model_fit_raises_the_first_mismatch_between_config_and_models():
+    """The trainer's checks of the loaded models (hyflow.config.checks.model_fit), with the model readers faked."""
+    from hyflow.config.checks.model_fit import check_model_fit
+
+    def fit(overrides, processor=None, judged=False, vision=True, teachers_match=True):
+        def check_teachers(spec, tokenizer):
+            seen.append(("teachers", [t.model.path for t in spec.teachers], tokenizer))
+            if not teachers_match:
+                raise ValueError("teacher's tokenizer differs")
+
+        def is_vision_model(path, *, trust_remote_code=False):
+            seen.append(("vision", path))
+            return vision
+
+        seen: list = []
+        check_model_fit(load_config(["actor_rollout_ref.model.path=/policy", *overrides]), "tok", processor,
+                        judged=judged, is_vision_model=is_vision_model, check_teacher_tokenizers=check_teachers)
+        return seen
+
+    assert fit([]) == []
+    distill = ["distillation.enabled=true", "distillation.teacher_models.teacher_model.model_path=/teacher"]
+    assert fit(distill) == [("teachers", ["/teacher"], "tok")]
+    with pytest.raises(ValueError, match="teacher's tokenizer differs"):
+        fit(distill, teachers_match=False)
+    gae = ["algorithm.adv_estimator=gae"]
+    assert fit(gae) == []  # a text policy: the critic is not asked
+    assert fit(gae, processor="images") == [("vision", "/policy")]
+    with pytest.raises(ValueError, match=r"critic.model.path=/critic is a text-only model, but the policy is a vision"):
+        fit([*gae, "critic.model.path=/critic"], processor="images", vision=False)
+    vllm = ["actor_rollout_ref.rollout.name=vllm", "+data.mm_processor_kwargs.max_pixels=12544"]
+    assert fit(vllm) == []
+    with pytest.raises(ValueError, match=r"data.mm_processor_kwargs with actor_rollout_ref.rollout.name=vllm"):
+        fit(vllm, processor="images")
+    assert fit(["reward_model.reward_manager=prime"], judged=False) == []
+    fit(["reward_model.reward_manager=dapo"], judged=True)
+    with pytest.raises(ValueError, match=r"reward_model.reward_manager=prime with a generative reward model"):
+        fit(["reward_model.reward_manager=prime"], judged=True)

@@ -24,6 +24,7 @@ package). A feature's algorithm names appear in its own module only.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from collections.abc import Callable
@@ -72,6 +73,7 @@ def check(order: int, *, applies: Callable[[HyflowConfig], bool] | None = None, 
     return register
 
 
+@functools.cache
 def _import_all() -> None:
     for module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{module.name}")
