@@ -3,7 +3,7 @@ this hyflow version yet", or declared performance-only (accepted, named once at 
 `hyflow.config.support`'s one table.
 
 "Read by code" is checked by searching hyflow's source (without the schema files, the support tables and
-validate.py, whose checks are not uses; comments and prose strings blanked) for the leaf read as an attribute
+validate.py and config/checks/, whose checks are not uses; comments and prose strings blanked) for the leaf read as an attribute
 `.<leaf>`, as a mapping item `["<leaf>"]` / `.get("<leaf>"`, through `getattr(obj, "<leaf>"`, or as its dotted
 key string. A leaf name that several leaves share (`seed`, `path`, `param_offload` of four FSDP sections) counts
 as read only in a file that also names its section (the parent segment, e.g. `overlong_buffer` or `critic`);
@@ -34,6 +34,7 @@ from hyflow.config.sft_schema import SFTConfig
 HYFLOW = Path(hyflow.__file__).parent
 # Files that name keys without using them: the schemas, the support tables, and the validator's checks.
 NOT_USES = {*(f"config/schema/{p.name}" for p in (HYFLOW / "config" / "schema").glob("*.py")),
+            *(f"config/checks/{p.name}" for p in (HYFLOW / "config" / "checks").glob("*.py")),
             "config/sft_schema.py", "config/support.py", "config/verl_compat.py", "config/validate.py",
             # the tool and interaction YAML loaders read their own files' `class_name`/`config` entries, never the
             # run config (they are given a path)
@@ -63,8 +64,8 @@ READ_WITHOUT_ATTRIBUTE = {
 
 # Keys that a validator decides instead of the table (it reports them in its own words), by schema.
 DECIDED_BY_VALIDATE = {
-    # bypass mode trains with the PPO clip loss; loss_type=reinforce there is "not supported" (validate.py,
-    # _check_algorithm), and without bypass_mode verl does not use it either.
+    # bypass mode trains with the PPO clip loss; loss_type=reinforce there is "not supported" (config/checks/
+    # rollout_correction.py), and without bypass_mode verl does not use it either.
     # PRIME's reward_model.model.ref_type has one choice, freeze, which is what hyflow.workers.prm does (a frozen
     # copy from ref_path); the schema's choices refuse any other value.
     "rl": {"algorithm.rollout_correction.loss_type", "reward_model.model.ref_type"},
