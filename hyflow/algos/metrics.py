@@ -200,15 +200,24 @@ def _flatten_floats(value: Any) -> list[float]:
 
 MIN_SUFFIXES = ("/min", "_min")  # a metric named so is a minimum: reduced by min (verl's AggregationType.MIN)
 MAX_SUFFIXES = ("/max", "_max")
+# wall times: the slowest rank bounds the step, so per-rank times reduce by max (verl times a worker-group call on
+# the driver, around the whole call, which is the slowest rank's time)
+TIMING_PREFIXES = ("timing_s/", "timing_per_token_ms/")
+TIMING_KEYS = ("perf/time_per_step",)
+
+
+def is_timing(key: str) -> bool:
+    """Whether `key` is a wall time (`timing_s/*`, `timing_per_token_ms/*`, `perf/time_per_step`)."""
+    return key.startswith(TIMING_PREFIXES) or key in TIMING_KEYS
 
 
 def reduce_metrics(metrics: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> dict[str, float]:
-    """Reduce per-micro-batch / per-worker metrics to one float per key.
+    """Reduce per-micro-batch / per-worker metrics to one float per key: the one reduction rule of hyflow.
 
     Accepts a list of metric dicts or a dict of value lists (values may be numbers, arrays, tensors or lists
     of them). Keys ending in `/max` or `_max` reduce by max, `/min` or `_min` by min (verl's rule is any "max" /
-    "min" in the name; the suffix alone keeps names such as `max_min` weights out), every other key by the mean.
-    Keys without values are dropped.
+    "min" in the name; the suffix alone keeps names such as `max_min` weights out), wall times (`is_timing`) by max
+    (the slowest rank bounds the step), every other key by the mean. Keys without values are dropped.
     """
     gathered: dict[str, list[float]] = {}
     if isinstance(metrics, Mapping):
@@ -222,7 +231,7 @@ def reduce_metrics(metrics: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> 
     for key, values in gathered.items():
         if not values:
             continue
-        if key.endswith(MAX_SUFFIXES):
+        if key.endswith(MAX_SUFFIXES) or is_timing(key):
             reduced[key] = float(np.max(values))
         elif key.endswith(MIN_SUFFIXES):
             reduced[key] = float(np.min(values))

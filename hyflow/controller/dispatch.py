@@ -43,15 +43,15 @@ Padding rows are real rows to the worker: a DP_SPLIT method whose effect depends
 training update) should be registered with `pad=False`, so an indivisible batch fails loudly instead.
 
 `split_args` and `collect_results` are pure functions, testable without workers; an executor only moves
-the per-rank arguments and results. `reduce_metrics` turns merged per-rank metric lists into one number
-per metric for logging.
+the per-rank arguments and results. The merged per-rank metric lists (`meta["metrics"]`) are reduced to one
+number per metric by the trainer, with the one rule-set of `hyflow.algos.reduce_metrics` (the controller knows no
+metric names).
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -303,34 +303,3 @@ def _drop_padding(merged, pad_count: int, padded_size: int | None, method: str):
     if isinstance(merged, Batch):
         return merged.unpad(drop)
     return merged[:rows - drop]
-
-
-def _reducer(name: str) -> Callable[[list[float]], float]:
-    if name.endswith("/max") or name.startswith("timing_s/"):
-        return max
-    if name.endswith("/min"):
-        return min
-    if name.endswith("/sum"):
-        return math.fsum
-    return lambda values: math.fsum(values) / len(values)
-
-
-def reduce_metrics(metrics: dict) -> dict[str, float]:
-    """One float per metric from per-rank (or per-micro-batch) value lists.
-
-    By name: `.../max` -> max; `.../min` -> min; `.../sum` -> sum; `timing_s/...` -> max (the slowest rank
-    bounds the step); anything else -> mean. A scalar value counts as a one-element list. A mean of
-    per-rank means equals the global mean when the ranks hold equal row counts, as DP_SPLIT gives them.
-    """
-    reduced = {}
-    for name, value in metrics.items():
-        values = value if isinstance(value, (list, tuple)) else [value]
-        if not values:
-            raise ValueError(f"metric {name!r} has no values; drop it or log at least one value")
-        try:
-            numbers = [float(v) for v in values]
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise TypeError(f"metric {name!r} must hold numbers (or 1-element tensors), got {values!r}: "
-                            f"{err}") from err
-        reduced[name] = float(_reducer(name)(numbers))
-    return reduced

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -196,3 +198,39 @@ def test_reduce_metrics_list_of_dicts_and_dict_of_lists():
 def test_reduce_metrics_rejects_non_numeric_values():
     with pytest.raises(ValueError, match="is not numeric"):
         reduce_metrics([{"a": "high"}])
+
+
+def test_reduce_metrics_by_name():
+    """The one rule-set (once also in hyflow.controller): max / min by suffix, wall times by max, the rest by mean."""
+    out = reduce_metrics({
+        "actor/pg_loss": [1.0, 2.0, 6.0],
+        "response_length/max": [3, 9, 4],
+        "response_length/min": [3, 9, 4],
+        "actor/lr": 0.001,
+        "actor/kl": [torch.tensor(0.25), torch.tensor([0.75])],
+    })
+    assert out == {"actor/pg_loss": 3.0, "response_length/max": 9.0, "response_length/min": 3.0, "actor/lr": 0.001,
+                   "actor/kl": 0.5}
+    assert all(type(v) is float for v in out.values())
+
+
+def test_reduce_metrics_takes_the_slowest_rank_of_a_wall_time():
+    """timing_s/*, timing_per_token_ms/* and perf/time_per_step reduce by max over ranks (the slowest rank bounds the
+    step, as verl's driver-side timer measures it); other perf/ keys keep the mean."""
+    per_rank = [
+        {"timing_s/update_actor": 1.5, "timing_per_token_ms/gen": 0.2, "perf/time_per_step": 3.0,
+         "perf/throughput": 10.0, "actor/pg_loss": 1.0},
+        {"timing_s/update_actor": 2.5, "timing_per_token_ms/gen": 0.4, "perf/time_per_step": 5.0,
+         "perf/throughput": 30.0, "actor/pg_loss": 3.0},
+        {"timing_s/update_actor": 0.5, "timing_per_token_ms/gen": 0.3, "perf/time_per_step": 4.0,
+         "perf/throughput": 20.0, "actor/pg_loss": 2.0},
+    ]
+    assert reduce_metrics(per_rank) == {"timing_s/update_actor": 2.5, "timing_per_token_ms/gen": 0.4,
+                                        "perf/time_per_step": 5.0, "perf/throughput": 20.0, "actor/pg_loss": 2.0}
+    assert reduce_metrics({"timing_s/gen_total": [1.0, 4.0], "my_timing_s/x": [1.0, 4.0]}) == {
+        "timing_s/gen_total": 4.0, "my_timing_s/x": 2.5}
+
+
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=8))
+def test_reduce_metrics_mean_matches_definition(values):
+    assert math.isclose(reduce_metrics({"m": values})["m"], sum(values) / len(values), rel_tol=1e-9, abs_tol=1e-9)

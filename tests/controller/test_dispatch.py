@@ -1,7 +1,6 @@
 """Pure dispatch functions: register, split_args, collect_results (padding, chunk sizes, unpad order,
-metrics merging, errors) and reduce_metrics."""
+metrics merging, errors). Metrics are reduced by `hyflow.algos.reduce_metrics` (tests/algos/test_val_metrics.py)."""
 
-import math
 
 import numpy as np
 import pytest
@@ -15,7 +14,6 @@ from hyflow.controller import (
     Dispatch,
     DispatchMode,
     collect_results,
-    reduce_metrics,
     register,
     registered_methods,
     split_args,
@@ -309,34 +307,3 @@ def test_padding_outputs_dropped_for_several_rows_per_input_row(rows, world_size
 def test_collect_needs_results():
     with pytest.raises(ValueError, match=r"W.f: no results to collect"):
         collect_results(DP, [], method="W.f")
-
-
-# ---- reduce_metrics ----------------------------------------------------------------------------
-
-
-def test_reduce_metrics_by_name():
-    out = reduce_metrics({
-        "actor/pg_loss": [1.0, 2.0, 6.0],
-        "response_length/max": [3, 9, 4],
-        "response_length/min": [3, 9, 4],
-        "perf/tokens/sum": [10, 20, 30],
-        "timing_s/update_actor": [1.5, 2.5, 0.5],
-        "actor/lr": 0.001,
-        "actor/kl": [torch.tensor(0.25), torch.tensor([0.75])],
-    })
-    assert out == {"actor/pg_loss": 3.0, "response_length/max": 9.0, "response_length/min": 3.0,
-                   "perf/tokens/sum": 60.0, "timing_s/update_actor": 2.5, "actor/lr": 0.001, "actor/kl": 0.5}
-    assert all(type(v) is float for v in out.values())
-
-
-@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=8))
-def test_reduce_metrics_mean_matches_definition(values):
-    assert math.isclose(reduce_metrics({"m": values})["m"], sum(values) / len(values), rel_tol=1e-9,
-                        abs_tol=1e-9)
-
-
-def test_reduce_metrics_errors():
-    with pytest.raises(ValueError, match=r"metric 'actor/loss' has no values"):
-        reduce_metrics({"actor/loss": []})
-    with pytest.raises(TypeError, match=r"metric 'note' must hold numbers"):
-        reduce_metrics({"note": ["hello"]})

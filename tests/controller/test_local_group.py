@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hyflow.algos import reduce_metrics
 from hyflow.batch import Batch
 from hyflow.controller import (
     Collect,
@@ -20,7 +21,6 @@ from hyflow.controller import (
     Worker,
     WorkerError,
     make_colocated_class,
-    reduce_metrics,
     register,
     use_placement,
 )
