@@ -24,7 +24,8 @@ F = TypeVar("F", bound=Callable)
 ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
 POLICY_LOSSES = Registry("policy loss")
 
-# The estimator's data inputs (produced by the trainer per batch), never knobs.
+# The estimator's data inputs (produced by the trainer per batch, hyflow.trainer.producers), never knobs; an
+# estimator's own `requires` are excluded too, so a new input needs no entry here.
 _ESTIMATOR_INPUTS = frozenset({"token_level_rewards", "response_mask", "values", "index", "reward_baselines",
                                "old_log_prob", "sum_pi_squared", "rollout_is_weights", "reward_extras",
                                "ref_log_prob", "reference_answer"})
@@ -50,9 +51,12 @@ def register_advantage_estimator(name: str, requires: tuple[str, ...] = (),
     `requires` names the inputs the trainer must produce for it, by their keyword: `values` (a critic),
     `index` (groups of samples per prompt), `reward_baselines` (a greedy rollout's reward, ReMax),
     `old_log_prob` and `sum_pi_squared` (the actor's forward pass), `ref_log_prob` (the reference policy's),
-    `reference_answer` (rows whose response is the data's reference answer, SPIN). `knobs` names the `algorithm` keys it
-    reads (None: its keyword parameters that are keys of that section; see `estimator_knobs`). The trainer
-    reads these declarations and never branches on the estimator's name.
+    `reference_answer` (rows whose response is the data's reference answer, SPIN), `prm_scores` (PRIME's implicit
+    process rewards), `reward_extras` (the reward function's numeric components). Each name is a column producer of
+    `hyflow.trainer.producers` (which column holds it, which stage makes it); a name without one is an error naming
+    it when the trainer starts. `knobs` names the `algorithm` keys it reads (None: its keyword parameters that are
+    keys of that section, its inputs excluded; see `estimator_knobs`). The trainer reads these declarations and
+    never branches on the estimator's name.
     """
     return _register(ADVANTAGE_ESTIMATORS, name, requires, knobs)
 
@@ -74,14 +78,15 @@ def get_policy_loss(name: str) -> Callable:
 
 def estimator_knob_names(estimator: str | Callable, section: Mapping[str, Any]) -> tuple[str, ...]:
     """The `section` keys the estimator reads: its declared `knobs`, else its keyword parameters found in
-    `section` (the data inputs, `_ESTIMATOR_INPUTS`, excluded)."""
+    `section` (the data inputs, `_ESTIMATOR_INPUTS` and the names it `requires`, excluded)."""
     fn = get_advantage_estimator(estimator) if isinstance(estimator, str) else estimator
     declared = getattr(fn, "knobs", None)
     if declared is not None:
         return tuple(declared)
     parameters = inspect.signature(fn).parameters.values()
+    inputs = _ESTIMATOR_INPUTS | set(getattr(fn, "requires", ()))
     return tuple(p.name for p in parameters
-                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in _ESTIMATOR_INPUTS
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in inputs
                  and p.name in section)
 
 
