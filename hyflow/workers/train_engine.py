@@ -32,24 +32,15 @@ the global counts (`hyflow.algos.agg_loss(..., **ctx.norms)`): then the gradient
 ranks are the full mini-batch's gradient whatever the cut. `parts` maps metric names to this micro-batch's
 share of the mini-batch value; they are summed over micro-batches and all-reduced over ranks.
 
-Offload (verl's `fsdp_config.param_offload` / `optimizer_offload`; `FsdpSettings`): the parameters (and the
-optimizer state) live in host memory from the engine's construction on and come to the device only inside
-`on_device()`, which a role wraps around each pass (verl's load_fsdp_model_to_gpu / offload_fsdp_model_to_cpu
-around compute_log_prob, update_actor, ...):
-
-    with engine.on_device(optimizer=True):   # params (+ optimizer state) -> device; nested uses share one load
-        engine.update(...)
-    engine.location()                        # {"params": "host", "optimizer": "host"} again
-
-Every move is recorded (`offload_log`, `offload_counts`). With `fsdp_config.offload_policy` FSDP2's
-`CPUOffloadPolicy` keeps them on the host instead and streams each layer to the device (no moves here).
+Offload (verl's `fsdp_config.param_offload` / `optimizer_offload`): the parameters (and the optimizer state) live
+in host memory between the passes a role wraps in `engine.on_device(optimizer=...)`; the state machine is
+`hyflow.workers.offload`. The checkpoint state (full state dicts, sharded DCP directories) and the checkpoint
+methods a role mixes in (`EngineCheckpoints`) are `hyflow.workers.state_io`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -60,7 +51,6 @@ from torch import nn
 
 from hyflow.algos import loss_normalisers
 from hyflow.batch import Batch
-from hyflow.controller import Collect, Dispatch, register
 from hyflow.models.flops import device_peak_flops, training_flops
 from hyflow.models.forward import (
     backbone_hidden_states,
@@ -95,26 +85,20 @@ from hyflow.workers.engine import (
     trim_padding,
 )
 from hyflow.workers.fsdp import (
-    HOST,
     WEIGHT_BUCKET_BYTES,
     decoder_layers,
-    full_optimizer_state_dict,
     iter_full_tensors,
-    load_full_optimizer_state_dict,
-    load_sharded,
-    move_model,
-    optimizer_state_back,
-    optimizer_state_to_host,
     parallel_strategy,
-    reshard,
-    save_sharded,
     tensor_buckets,
-    uses_offload_policy,
     wrap_model,
 )
+from hyflow.workers.offload import Offload, OffloadMove
+from hyflow.workers.state_io import CHECKPOINT_CONTENTS, EngineCheckpoints, EngineState
+
+__all__ = ["CHECKPOINT_CONTENTS", "EngineCheckpoints", "LossFn", "MicroContext", "OffloadMove", "TrainEngine",
+           "UpdatePlan", "autocast", "resolve_device"]
 
 HEADS = ("lm", "value", "score")
-CHECKPOINT_CONTENTS = ("model", "optimizer", "extra")
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -171,22 +155,6 @@ class MicroContext:
 
 
 LossFn = Callable[[dict, dict, MicroContext], tuple[torch.Tensor, dict]]
-
-_MOVES = itertools.count()  # numbers every offload move of this process, across engines (OffloadMove.seq)
-
-
-@dataclass(frozen=True)
-class OffloadMove:
-    """One move of an engine's `part` ("params" or "optimizer") `to` "host" or "device": the `seq`-th of this
-    process (orders the moves of several engines), `nbytes` of this rank's tensors moved (0 when nothing was
-    elsewhere: an optimizer that has not stepped, or the host is the device and nothing is copied)."""
-
-    seq: int
-    engine: str
-    part: str
-    to: str
-    nbytes: int
-
 
 class TrainEngine:
     """One model of a role: wrapped for `strategy`, optionally with LoRA, with its optimizer and LR schedule
@@ -246,7 +214,10 @@ class TrainEngine:
             params = [p for p in self.model.parameters() if p.requires_grad]
             self.optimizer = build_optimizer(params, optim)
             self.scheduler = build_scheduler(self.optimizer, optim, max(1, int(total_optimizer_steps)))
-        self._init_offload(fsdp_config)
+        self.state_io = EngineState(name=name, model=self.model, module=self.module, optimizer=self.optimizer,
+                                    scheduler=self.scheduler, lora=lora, prefix=self.prefix, rank=rank)
+        self.offload = Offload(name, self.model, self.optimizer, device, strategy, fsdp_config,
+                               copies=lambda: self.offload_copies)
 
     @classmethod
     def from_spec(cls, model: nn.Module, spec: TrainEngineSpec, *, device: torch.device, world_size: int = 1,
@@ -338,7 +309,7 @@ class TrainEngine:
         trainable, total = parameter_counts(self.model)
         share = 100.0 * trainable / max(total, 1)
         kind = f"LoRA rank {self.lora.rank}" if self.lora is not None else "full fine-tuning"
-        return f"{self.name}: trainable params {trainable:,} of {total:,} ({share:.2f} %), {kind}{self.describe_offload()}"
+        return f"{self.name}: trainable params {trainable:,} of {total:,} ({share:.2f} %), {kind}{self.offload.describe()}"
 
     @contextlib.contextmanager
     def adapter_disabled(self) -> Iterator[None]:
@@ -354,73 +325,21 @@ class TrainEngine:
     # so that path (FSDP2's shard re-registration, the optimizer's references) runs on a CPU-only machine (tests).
     offload_copies = False
 
-    def _init_offload(self, fsdp_config) -> None:
-        """The offload state machine (module docstring): what is offloaded, then the initial move to the host."""
-        self.fsdp_cpu_offload = uses_offload_policy(self.strategy, fsdp_config)  # FSDP2 keeps them on the host
-        self.offload_params = bool(getattr(fsdp_config, "param_offload", False)) and not self.fsdp_cpu_offload
-        self.offload_optimizer = (bool(getattr(fsdp_config, "optimizer_offload", False)) and not self.fsdp_cpu_offload
-                                  and self.optimizer is not None)
-        self._where = {"params": "device", "optimizer": "device"}
-        self._users = {"params": 0, "optimizer": 0}  # open on_device() scopes that need each part on the device
-        self._optimizer_devices: dict = {}
-        self.offload_log: list[OffloadMove] = []
-        self.offload_counts: Counter[str] = Counter()  # "params_to_host", "optimizer_to_device", ...
-        self._offload("params", self.offload_params)
-        self._offload("optimizer", self.offload_optimizer)
+    def on_device(self, optimizer: bool = False):
+        """Parameters (and with `optimizer` the optimizer state) on the device inside (`hyflow.workers.offload`)."""
+        return self.offload.on_device(optimizer)
 
     def location(self) -> dict[str, str | None]:
-        """Where the parameters and the optimizer state live now: "device" or "host" ("host" for good under
-        offload_policy; optimizer None without one)."""
-        params = "host" if self.fsdp_cpu_offload else self._where["params"]
-        optimizer = None if self.optimizer is None else "host" if self.fsdp_cpu_offload else self._where["optimizer"]
-        return {"params": params, "optimizer": optimizer}
+        """Where the parameters and the optimizer state live now ("device" / "host"; `Offload.location`)."""
+        return self.offload.location()
 
-    def describe_offload(self) -> str:
-        """`, parameters and optimizer state in host memory between uses` (the start-up line), "" without offload."""
-        if self.fsdp_cpu_offload:
-            return ", parameters, gradients and optimizer step in host memory (FSDP2 CPUOffloadPolicy)"
-        parts = [name for name, on in (("parameters", self.offload_params),
-                                       ("optimizer state", self.offload_optimizer)) if on]
-        return f", {' and '.join(parts)} in host memory between uses (offload)" if parts else ""
+    @property
+    def offload_log(self) -> list[OffloadMove]:
+        return self.offload.log
 
-    def _move(self, part: str, to: str) -> None:
-        """Move `part` ("params" / "optimizer") `to` "host" or "device" and record it."""
-        copy = self.offload_copies
-        if part == "params":
-            nbytes = move_model(self.model, HOST if to == "host" else self.device, copy=copy)
-        elif to == "host":
-            self._optimizer_devices, nbytes = optimizer_state_to_host(self.optimizer, copy=copy)
-        else:
-            nbytes = optimizer_state_back(self.optimizer, self._optimizer_devices, copy=copy)
-        self._where[part] = to
-        self.offload_counts[f"{part}_to_{to}"] += 1
-        self.offload_log.append(OffloadMove(next(_MOVES), self.name, part, to, nbytes))
-
-    def _offload(self, part: str, enabled: bool) -> None:
-        if enabled and self._where[part] == "device" and self._users[part] == 0:
-            self._move(part, "host")
-
-    def _load(self, part: str, enabled: bool) -> None:
-        if enabled and self._where[part] == "host":
-            self._move(part, "device")
-
-    @contextlib.contextmanager
-    def on_device(self, optimizer: bool = False) -> Iterator[None]:
-        """The parameters (and with `optimizer` the optimizer state) on the device inside, back in host memory after
-        when they are offloaded; nested scopes share the outermost one's load. Without offload: nothing moves."""
-        parts = [part for part, enabled in (("params", self.offload_params),
-                                            ("optimizer", optimizer and self.offload_optimizer)) if enabled]
-        entered = []
-        try:
-            for part in parts:
-                self._load(part, True)
-                self._users[part] += 1
-                entered.append(part)
-            yield
-        finally:
-            for part in entered:  # verl's order: the model, then the optimizer
-                self._users[part] -= 1
-                self._offload(part, True)
+    @property
+    def offload_counts(self) -> Counter[str]:
+        return self.offload.counts
 
     # ------------------------------------------------------------------------------------------ forward
 
@@ -674,139 +593,18 @@ class TrainEngine:
 
     # ------------------------------------------------------------------------------------------ checkpoints
 
-    def _state_options(self, **kwargs):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        # With LoRA only the trainable tensors (the adapter, and a value head) are checkpoint state: the frozen
-        # base weights come from the model path again.
-        return StateDictOptions(ignore_frozen_params=self.lora is not None, strict=self.lora is None, **kwargs)
-
-    def _model_state(self, **kwargs) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        reshard(self.model)
-        state = get_model_state_dict(self.model, options=self._state_options(**kwargs))
-        if self.lora is not None:  # a tied alias of a frozen weight (lm_head.weight) is not a parameter name
-            trainable = {name for name, p in self.module.named_parameters() if p.requires_grad}
-            state = {name: value for name, value in state.items() if name in trainable}
-        return state
-
-    def _check_adapter_keys(self, state: dict) -> None:
-        if self.lora is None:
-            return
-        expected = set(self._model_state())
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-        if missing or unexpected:
-            raise ValueError(f"the {self.name} checkpoint does not match this LoRA model: missing "
-                             f"{missing[:4]}{' ...' if len(missing) > 4 else ''}, unexpected "
-                             f"{unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}; resume with the lora_rank, "
-                             "lora_alpha, target_modules and exclude_modules the run was saved with")
-
     def state_dict(self, contents=CHECKPOINT_CONTENTS) -> dict:
-        """Full (unsharded) checkpoint components `<name>_model` (the adapter only under LoRA),
-        `<name>_optimizer`, `<name>_scheduler` (as `contents` asks); collective; rank 0 returns them, others {}."""
-        weights = self._model_state(full_state_dict=True, cpu_offload=True)
-        optimizer_state = (full_optimizer_state_dict(self.model, self.optimizer)
-                           if "optimizer" in contents and self.optimizer is not None else None)
-        if self.rank != 0:
-            return {}
-        out = {f"{self.prefix}model": weights}
-        if self.lora is not None:
-            out[f"{self.prefix}lora"] = dataclasses.asdict(self.lora)
-        if optimizer_state is not None:
-            out[f"{self.prefix}optimizer"] = optimizer_state
-        if "extra" in contents and self.scheduler is not None:
-            out[f"{self.prefix}scheduler"] = self.scheduler.state_dict()
-        return out
+        """Full checkpoint components (`hyflow.workers.state_io.EngineState.state_dict`); collective."""
+        return self.state_io.state_dict(contents)
 
     def load_state_dict(self, components: dict, contents=CHECKPOINT_CONTENTS) -> None:
-        """Restore what `state_dict` returned, saved at any world size (optimizer / schedule when `contents` has
-        them and `components` holds them; else they stay as they are)."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        state = components[f"{self.prefix}model"]
-        self._check_adapter_keys(state)
-        set_model_state_dict(self.model, state, options=self._state_options(full_state_dict=True))
-        if "optimizer" in contents and f"{self.prefix}optimizer" in components and self.optimizer is not None:
-            load_full_optimizer_state_dict(self.model, self.optimizer, components[f"{self.prefix}optimizer"])
-        if "extra" in contents and f"{self.prefix}scheduler" in components and self.scheduler is not None:
-            self.scheduler.load_state_dict(components[f"{self.prefix}scheduler"])
+        """Restore what `state_dict` returned, saved at any world size (`EngineState.load_state_dict`)."""
+        self.state_io.load_state_dict(components, contents)
 
     def save_sharded(self, path, contents=CHECKPOINT_CONTENTS) -> None:
-        """Every rank's shards (DCP) of the model (the adapter only under LoRA), with the optimizer's and the LR
-        schedule when `contents` has "optimizer" / "extra"; collective."""
-        extra = {f"{self.prefix}scheduler": self.scheduler.state_dict()} if "extra" in contents else None
-        if extra is not None and self.lora is not None:
-            extra[f"{self.prefix}lora"] = dataclasses.asdict(self.lora)
-        save_sharded(self.model, self.optimizer if "optimizer" in contents else None, path, extra=extra,
-                     options=self._state_options())
+        """Every rank's shards (DCP) of the engine's state (`EngineState.save_sharded`); collective."""
+        self.state_io.save_sharded(path, contents)
 
     def load_sharded(self, path, contents=CHECKPOINT_CONTENTS) -> None:
         """Read a `save_sharded` directory written at any world size."""
-        extra = load_sharded(self.model, self.optimizer if "optimizer" in contents else None, path,
-                             options=self._state_options())
-        if "extra" in contents and f"{self.prefix}scheduler" in extra:
-            self.scheduler.load_state_dict(extra[f"{self.prefix}scheduler"])
-
-
-class EngineCheckpoints:
-    """The checkpoint methods of a worker role that trains through a `TrainEngine` held as `self.engine`, mixed
-    into its Worker class: collective calls the driver makes on every rank. `after_weights_loaded` runs after a
-    load (the actor refreshes its rollout engine's weights there). An offloaded engine comes to the device for the
-    call (the gathers and DCP's collectives run there) and goes back after; `offload_status` reports where each
-    engine of the role lives."""
-
-    engine: TrainEngine
-
-    def after_weights_loaded(self) -> None:
-        """Hook: called on every rank after a checkpoint's weights were loaded."""
-
-    @register(Dispatch.REPLICATE, collect=Collect.FIRST)
-    def state_dict(self, contents=CHECKPOINT_CONTENTS) -> dict:
-        """Checkpoint components: full model weights (the adapter under LoRA), full optimizer state (by parameter
-        name), LR schedule. Collective (every rank gathers); rank 0 returns the components, the other ranks {}."""
-        with self.engine.on_device(optimizer="optimizer" in contents):  # offloaded: gathered on the device
-            return self.engine.state_dict(contents)
-
-    @register(Dispatch.REPLICATE)
-    def load_state_dict(self, components: dict, contents=CHECKPOINT_CONTENTS) -> None:
-        """Restore what `state_dict` returned (saved at any world size); `contents` as in `state_dict`."""
-        with self.engine.on_device(optimizer="optimizer" in contents):
-            self.engine.load_state_dict(components, contents)
-        self.after_weights_loaded()
-
-    @register(Dispatch.REPLICATE)
-    def save_sharded_checkpoint(self, path: str, contents=CHECKPOINT_CONTENTS) -> None:
-        """Write every rank's model shards (DCP) into directory `path`, with the optimizer's and the LR schedule
-        when `contents` has "optimizer" / "extra"."""
-        with self.engine.on_device(optimizer="optimizer" in contents):
-            self.engine.save_sharded(path, contents)
-
-    @register(Dispatch.REPLICATE)
-    def load_sharded_checkpoint(self, path: str, contents=CHECKPOINT_CONTENTS) -> None:
-        """Read a `save_sharded_checkpoint` directory written at any world size."""
-        with self.engine.on_device(optimizer="optimizer" in contents):
-            self.engine.load_sharded(path, contents)
-        self.after_weights_loaded()
-
-    @register(Dispatch.REPLICATE)
-    def parallel_layout(self) -> dict:
-        """This rank's layout of every engine the role holds: {engine name: {"dp": data-parallel size, "sp": ...,
-        "tp": ..., "group_rank": rank in the group that shares rows, "local_params": elements of the model this
-        rank holds (FSDP2 shards and tensor-parallel splits), "params": elements of the whole model}}."""
-        from hyflow.workers.fsdp import local_tensor
-
-        return {e.name: {"dp": e.dp_size, "sp": e.sp_size, "tp": e.tp_size, "group_rank": e.group_rank,
-                         "local_params": sum(local_tensor(p).numel() for p in e.model.parameters()),
-                         "params": sum(p.numel() for p in e.model.parameters())}
-                for e in self._engines()}
-
-    @register(Dispatch.REPLICATE)
-    def offload_status(self) -> dict:
-        """This rank's offload state of every engine the role holds: {engine name: {"params": "host" | "device",
-        "optimizer": ..., "counts": {"params_to_host": n, ...}}}."""
-        return {e.name: {**e.location(), "counts": dict(e.offload_counts)} for e in self._engines()}
-
-    def _engines(self) -> list[TrainEngine]:
-        """The engines this role holds: its own and, for the actor, a separate reference (LoRA's is the same)."""
-        return list(dict.fromkeys(e for e in (self.engine, getattr(self, "ref", None)) if e is not None))
+        self.state_io.load_sharded(path, contents)
