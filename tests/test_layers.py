@@ -21,6 +21,7 @@ LAYERS: dict[str, int] = {
     "hyflow.controller": 7,
     "hyflow.rollout": 6,
     "hyflow.interactions": 5, "hyflow.tools": 5,
+    "hyflow.parallel": 5,
     "hyflow.models": 4,
     "hyflow.data": 3, "hyflow.rewards": 3,
     "hyflow.algos": 2,

@@ -1,0 +1,94 @@
+"""hyflow.parallel: ParallelDims sizes and validation, the one DeviceMesh (its layout is the one hyflow's tensor- and
+sequence-parallel groups have: checked against `tp_mesh` and `new_groups` on 4 gloo ranks), one process without a
+process group, and the pipeline / expert seats."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from ranks import init_gloo, spawn_ranks
+
+from hyflow.parallel import ParallelDims, apply_ep, apply_pp
+
+
+def test_dp_shard_takes_the_ranks_the_others_leave():
+    dims = ParallelDims(world_size=8, tp=2, sp=2)
+    assert (dims.dp_shard, dims.dp_size, dims.row_group_size) == (2, 2, 4)
+    assert dims.sizes() == {"dp_shard": 2, "sp": 2, "tp": 2}
+    assert dims.flattened() == {"dp": ("dp_shard",), "dp_shard_sp": ("dp_shard", "sp"),
+                                "dp_sp": ("dp_shard", "sp")}
+    hsdp = ParallelDims(world_size=8, dp_replicate=2, dp_shard=4)
+    assert (hsdp.dp_size, hsdp.sizes()) == (8, {"dp_replicate": 2, "dp_shard": 4})
+    assert ParallelDims().sizes() == {} and ParallelDims().flattened() == {}
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"world_size": 4, "tp": 3}, "pp x dp_replicate x sp x tp = 1 x 1 x 1 x 3 must divide the world size 4"),
+    ({"world_size": 4, "dp_shard": 3}, "pp x dp_replicate x dp_shard x sp x tp = 1 x 1 x 3 x 1 x 1 must equal the "
+                                       "world size 4"),
+    ({"world_size": 4, "sp": 0}, "sp=0 must be a positive integer"),
+    ({"world_size": 4, "dp_shard": 0}, "dp_shard=0 must be a positive integer (or -1: the rest)"),
+    ({"world_size": 4, "tp": 2, "ep": 4}, "ep=4 must divide dp_shard x sp = 2"),
+])
+def test_sizes_that_do_not_fit_the_world_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ParallelDims(**kwargs)
+
+
+def test_one_process_builds_no_mesh_and_needs_no_process_group():
+    assert not torch.distributed.is_initialized()
+    mesh = ParallelDims().build_mesh("cpu")
+    assert mesh.root is None
+    assert all(mesh.get(name) is None for name in ("dp", "dp_shard", "sp", "tp", "dp_shard_sp", "pp"))
+    assert (mesh.local_rank("tp"), mesh.group("sp")) == (0, None)
+    with pytest.raises(KeyError, match="no mesh dimension 'cp'"):
+        mesh.get("cp")
+    assert not torch.distributed.is_initialized()
+
+
+def test_pipeline_and_expert_parallelism_have_seats_that_refuse_by_name():
+    model = torch.nn.Linear(2, 2)
+    assert apply_pp(model, ParallelDims()) is model and apply_ep(model, ParallelDims()) is model
+    with pytest.raises(NotImplementedError, match=r"pipeline parallelism \(pp=2\) is not built yet \(issue 39\)"):
+        apply_pp(model, ParallelDims(world_size=2, pp=2))
+    with pytest.raises(NotImplementedError, match=r"expert parallelism \(ep=2\) is not built yet \(issue 39\)"):
+        apply_ep(model, ParallelDims(world_size=2, ep=2))
+
+
+def _ranks(mesh) -> list[int]:
+    return mesh.mesh.flatten().tolist()
+
+
+def _layout_rank(rank: int, init_file: str) -> None:
+    import torch.distributed as dist
+
+    from hyflow.models.tensor_parallel import tp_mesh
+    from hyflow.workers.sequence_parallel import new_groups
+
+    init_gloo(rank, 4, init_file)
+    # tensor parallel: the (dp, tp) mesh hyflow.models.tensor_parallel builds
+    mesh, before = ParallelDims(world_size=4, tp=2).build_mesh("cpu"), tp_mesh("cpu", 4, 2)
+    for name, old in (("tp", "tp"), ("dp", "dp"), ("dp_shard_sp", "dp")):
+        assert _ranks(mesh.get(name)) == _ranks(before[old]), name
+        assert mesh.local_rank(name) == before[old].get_local_rank()
+    # sequence parallel: groups of consecutive ranks (new_groups); FSDP2 shards over all 4 ranks
+    mesh, group = ParallelDims(world_size=4, sp=2).build_mesh("cpu"), new_groups(4, rank, 2)
+    assert _ranks(mesh.get("sp")) == dist.get_process_group_ranks(group)
+    assert mesh.local_rank("sp") == rank % 2 == dist.get_rank(group)
+    assert (_ranks(mesh.get("dp_shard_sp")), _ranks(mesh.get("dp"))) == ([0, 1, 2, 3], [rank % 2, rank % 2 + 2])
+    # sequence x tensor: a 2-D (sp, tp) mesh, tp innermost
+    mesh = ParallelDims(world_size=4, sp=2, tp=2).build_mesh("cpu")
+    assert (_ranks(mesh.get("tp")), _ranks(mesh.get("sp"))) == ([rank // 2 * 2, rank // 2 * 2 + 1], [rank % 2, rank % 2 + 2])
+    assert mesh.get("dp") is None and mesh.root.mesh_dim_names == ("sp", "tp")
+    # HSDP: replicas outermost, shards inside
+    mesh = ParallelDims(world_size=4, dp_replicate=2).build_mesh("cpu")
+    assert (_ranks(mesh.get("dp_shard")), _ranks(mesh.get("dp"))) == ([rank // 2 * 2, rank // 2 * 2 + 1], [0, 1, 2, 3])
+    assert mesh.local_rank("dp") == rank
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # 4 spawned ranks: about 100 s on 2 shared cores
+def test_the_mesh_lays_ranks_out_as_hyflows_groups_did(tmp_path):
+    spawn_ranks(_layout_rank, args=(str(tmp_path / "init"),), nprocs=4, timeout_s=300)
