@@ -231,7 +231,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hyflow {__version__}")
     _add_traceback_flag(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_training_commands(sub)
+    _add_model_commands(sub)
+    _add_data_commands(sub)
+    for subparser in _subparsers(parser):
+        _add_traceback_flag(subparser, top=False)
+    return parser
 
+
+def _add_training_commands(sub) -> None:
+    """`hyflow train | sft | dpo | config`."""
     p = sub.add_parser("train", help="RL training (PPO, GRPO, DAPO, RLOO, ...) from verl-style overrides")
     p.add_argument("overrides", nargs="*", help="e.g. algorithm.adv_estimator=grpo data.train_files=D/train.parquet")
     _add_config_flags(p)
@@ -257,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print only this section or key, e.g. --section actor_rollout_ref.actor")
     p.set_defaults(fn=_cmd_config)
 
+
+def _add_model_commands(sub) -> None:
+    """`hyflow init-model | plot | export`."""
     p = sub.add_parser("init-model", help="write a random-weight model and a locally trained tokenizer")
     p.add_argument("--preset", default="tiny", help="tiny | small | qwen2.5-0.5b-shape | tiny-vl (Qwen2-VL) | "
                    "tiny-vl-2.5 (Qwen2.5-VL)")
@@ -281,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "instead of the merged model")
     p.set_defaults(fn=_cmd_export)
 
+
+def _add_data_commands(sub) -> None:
+    """`hyflow data make | reasoning-gym | textarena | verifiers | gsm8k | math | geo3k`."""
     p = sub.add_parser("data", help="make built-in task data or convert public datasets")
     data_sub = p.add_subparsers(dest="data_command", required=True)
     m = data_sub.add_parser("make", help="write a built-in task's train/test files")
@@ -322,9 +337,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--split", default=None, help="train | test (a file: default guessed from its name; a folder: "
                    "only that split, default both)")
     g.set_defaults(fn=_cmd_data_preprocess, dataset="geo3k")
-    for subparser in _subparsers(parser):
-        _add_traceback_flag(subparser, top=False)
-    return parser
 
 
 def _add_generation_args(parser: argparse.ArgumentParser, option_help: str) -> None:

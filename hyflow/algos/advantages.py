@@ -73,14 +73,14 @@ _INDEX_SOURCE = (
 # shared helpers
 
 
-def _zero_masked(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+def zero_masked(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     """x where the mask is set, exactly 0 elsewhere (even where x is NaN or inf)."""
     return torch.where(mask_BT, x_BT, torch.zeros_like(x_BT))
 
 
-def _broadcast(adv_B: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+def broadcast_to_tokens(adv_B: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     """A per-sample advantage [B] spread over that sample's valid tokens [B, T]."""
-    return _zero_masked(adv_B.unsqueeze(-1).expand(mask_BT.shape), mask_BT)
+    return zero_masked(adv_B.unsqueeze(-1).expand(mask_BT.shape), mask_BT)
 
 
 def _scores(token_level_rewards: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
@@ -88,7 +88,7 @@ def _scores(token_level_rewards: torch.Tensor, mask_BT: torch.Tensor) -> torch.T
     return masked_sum(token_level_rewards, mask_BT, dim=-1)
 
 
-def _reverse_cumsum(x_BT: torch.Tensor) -> torch.Tensor:
+def reverse_cumsum(x_BT: torch.Tensor) -> torch.Tensor:
     """y_t = Σ_{k ≥ t} x_k along the last dimension."""
     return x_BT.flip(-1).cumsum(-1).flip(-1)
 
@@ -165,8 +165,8 @@ def gae(
     )
     _check_like(values, "values", token_level_rewards, "gae")
     mask_BT = response_mask.bool()
-    rewards_BT = _zero_masked(token_level_rewards, mask_BT)
-    values_BT = _zero_masked(values.to(rewards_BT.dtype), mask_BT)
+    rewards_BT = zero_masked(token_level_rewards, mask_BT)
+    values_BT = zero_masked(values.to(rewards_BT.dtype), mask_BT)
     next_value_B = torch.zeros_like(rewards_BT[:, 0])
     next_adv_B = torch.zeros_like(next_value_B)
     adv_BT = torch.zeros_like(rewards_BT)
@@ -177,9 +177,9 @@ def gae(
         next_value_B = torch.where(valid_B, values_BT[:, t], next_value_B)
         next_adv_B = torch.where(valid_B, adv_B, next_adv_B)
         adv_BT[:, t] = adv_B
-    adv_BT = _zero_masked(adv_BT, mask_BT)
-    returns_BT = _zero_masked(adv_BT + values_BT, mask_BT)
-    return _zero_masked(masked_whiten(adv_BT, mask_BT), mask_BT), returns_BT
+    adv_BT = zero_masked(adv_BT, mask_BT)
+    returns_BT = zero_masked(adv_BT + values_BT, mask_BT)
+    return zero_masked(masked_whiten(adv_BT, mask_BT), mask_BT), returns_BT
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -208,7 +208,7 @@ def grpo(
     adv_B = scores_B - _group_mean(scores_B, gid_B, count_G)[gid_B]
     if norm_adv_by_std_in_grpo:
         adv_B = adv_B / (_group_std(scores_B, gid_B, count_G)[gid_B] + epsilon)
-    adv_BT = _broadcast(adv_B * _has_peers(gid_B, count_G), mask_BT)
+    adv_BT = broadcast_to_tokens(adv_B * _has_peers(gid_B, count_G), mask_BT)
     return adv_BT, adv_BT
 
 
@@ -255,7 +255,7 @@ def gdpo(
         adv_BT, _ = grpo(component_BT, response_mask, index=index, epsilon=epsilon,
                          norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
         total_BT += weight * adv_BT
-    adv_BT = _zero_masked(masked_whiten(total_BT, mask_BT), mask_BT).to(token_level_rewards.dtype)
+    adv_BT = zero_masked(masked_whiten(total_BT, mask_BT), mask_BT).to(token_level_rewards.dtype)
     return adv_BT, adv_BT
 
 
@@ -294,7 +294,7 @@ def grpo_passk(
         margin_G = margin_G / (_group_std(scores_B, gid_B, count_G) + epsilon)
 
     adv_B = torch.where(is_best_B, margin_G[gid_B], torch.zeros_like(scores_B))
-    adv_BT = _broadcast(adv_B, mask_BT)
+    adv_BT = broadcast_to_tokens(adv_B, mask_BT)
     return adv_BT, adv_BT
 
 
@@ -318,7 +318,7 @@ def rloo(
     n_B = count_G[gid_B].to(scores_B.dtype)
     sum_B = group_sum(scores_B, gid_B, count_G.numel())[gid_B]
     adv_B = (n_B * scores_B - sum_B) / (n_B - 1).clamp(min=1)
-    adv_BT = _broadcast(adv_B * _has_peers(gid_B, count_G), mask_BT)
+    adv_BT = broadcast_to_tokens(adv_B * _has_peers(gid_B, count_G), mask_BT)
     return adv_BT, adv_BT
 
 
@@ -340,8 +340,8 @@ def reinforce_plus_plus_baseline(
     scores_B = _scores(token_level_rewards, mask_BT)
     gid_B, count_G = _groups(index, scores_B.numel(), scores_B.device, "reinforce_plus_plus_baseline")
     stats_mask_BT = mask_BT & _has_peers(gid_B, count_G).unsqueeze(-1)
-    centred_BT = _broadcast(scores_B - _group_mean(scores_B, gid_B, count_G)[gid_B], stats_mask_BT)
-    adv_BT = _zero_masked(masked_whiten(centred_BT, stats_mask_BT), stats_mask_BT)
+    centred_BT = broadcast_to_tokens(scores_B - _group_mean(scores_B, gid_B, count_G)[gid_B], stats_mask_BT)
+    adv_BT = zero_masked(masked_whiten(centred_BT, stats_mask_BT), stats_mask_BT)
     return adv_BT, adv_BT
 
 
@@ -368,7 +368,7 @@ def opo(
         total_len_G > 0, weighted_G / total_len_G.clamp(min=1), torch.zeros_like(weighted_G)
     )
     adv_B = (scores_B - baseline_G[gid_B]) * _has_peers(gid_B, count_G)
-    adv_BT = _broadcast(adv_B, mask_BT)
+    adv_BT = broadcast_to_tokens(adv_B, mask_BT)
     return adv_BT, adv_BT
 
 
@@ -391,7 +391,7 @@ def gpg(
     gid_B, count_G = _groups(index, scores_B.numel(), scores_B.device, "gpg")
     alpha = scores_B.numel() / max(int(torch.count_nonzero(scores_B)), 1)
     adv_B = alpha * (scores_B - _group_mean(scores_B, gid_B, count_G)[gid_B]) / f_norm
-    adv_BT = _broadcast(adv_B * _has_peers(gid_B, count_G), mask_BT)
+    adv_BT = broadcast_to_tokens(adv_B * _has_peers(gid_B, count_G), mask_BT)
     return adv_BT, adv_BT
 
 
@@ -434,12 +434,12 @@ def optimal_token_baseline(
     dtype = token_level_rewards.dtype
     gid_B, count_G = _groups(index, mask_BT.shape[0], mask_BT.device, "optimal_token_baseline")
 
-    returns_BT = _zero_masked(_reverse_cumsum(_zero_masked(token_level_rewards, mask_BT)), mask_BT)
+    returns_BT = zero_masked(reverse_cumsum(zero_masked(token_level_rewards, mask_BT)), mask_BT)
     w_BT = 1 - 2 * old_log_prob.to(dtype).exp() + sum_pi_squared.to(dtype)
     if rollout_is_weights is not None:
         _check_like(rollout_is_weights, "rollout_is_weights", token_level_rewards, "optimal_token_baseline")
         w_BT = w_BT * rollout_is_weights.to(dtype) ** 2
-    path_weight_BT = _zero_masked(_zero_masked(w_BT, mask_BT).cumsum(-1), mask_BT)
+    path_weight_BT = zero_masked(zero_masked(w_BT, mask_BT).cumsum(-1), mask_BT)
 
     num_GT = torch.zeros(count_G.numel(), mask_BT.shape[1], dtype=dtype, device=mask_BT.device)
     den_GT = torch.zeros_like(num_GT)
@@ -449,7 +449,7 @@ def optimal_token_baseline(
     if handle_zero_tail:
         baseline_BT = _zero_tail(baseline_BT, mask_BT, gid_B, count_G)
 
-    adv_BT = _zero_masked(returns_BT - baseline_BT, mask_BT & _has_peers(gid_B, count_G).unsqueeze(-1))
+    adv_BT = zero_masked(returns_BT - baseline_BT, mask_BT & _has_peers(gid_B, count_G).unsqueeze(-1))
     return adv_BT, returns_BT
 
 
@@ -483,15 +483,15 @@ def tir_optimal_token_baseline(
     packed_mask_BT = torch.arange(mask_BT.shape[1], device=mask_BT.device) < length_B.unsqueeze(-1)
 
     def pack(x_BT):
-        return None if x_BT is None else _zero_masked(torch.gather(x_BT, 1, order_BT), packed_mask_BT)
+        return None if x_BT is None else zero_masked(torch.gather(x_BT, 1, order_BT), packed_mask_BT)
 
     packed_adv_BT, _ = optimal_token_baseline(
         pack(token_level_rewards), packed_mask_BT.long(), index=index, old_log_prob=pack(old_log_prob),
         sum_pi_squared=pack(sum_pi_squared), rollout_is_weights=pack(rollout_is_weights),
         handle_zero_tail=handle_zero_tail, epsilon=epsilon)
     adv_BT = torch.zeros_like(packed_adv_BT).scatter(1, order_BT, packed_adv_BT)
-    returns_BT = _zero_masked(_reverse_cumsum(_zero_masked(token_level_rewards, mask_BT)), mask_BT)
-    return _zero_masked(adv_BT, mask_BT), returns_BT
+    returns_BT = zero_masked(reverse_cumsum(zero_masked(token_level_rewards, mask_BT)), mask_BT)
+    return zero_masked(adv_BT, mask_BT), returns_BT
 
 
 def _zero_tail(
@@ -528,7 +528,7 @@ def reinforce_plus_plus(
     multi-turn response a later turn's reward does not reach earlier turns. A = masked_whiten(G, m); returns = G.
     """
     mask_BT = response_mask.bool()
-    rewards_BT = _zero_masked(token_level_rewards, mask_BT)
+    rewards_BT = zero_masked(token_level_rewards, mask_BT)
     returns_BT = torch.zeros_like(rewards_BT)
     running_B = torch.zeros_like(rewards_BT[:, 0])
     for t in reversed(range(rewards_BT.shape[1])):
@@ -536,7 +536,7 @@ def reinforce_plus_plus(
             mask_BT[:, t], rewards_BT[:, t] + gamma * running_B, torch.zeros_like(running_B)
         )
         returns_BT[:, t] = running_B
-    return _zero_masked(masked_whiten(returns_BT, mask_BT), mask_BT), returns_BT
+    return zero_masked(masked_whiten(returns_BT, mask_BT), mask_BT), returns_BT
 
 
 @register_advantage_estimator("remax", requires=("reward_baselines",))
@@ -566,6 +566,6 @@ def remax(
             f"remax: `reward_baselines` has {baselines_B.numel()} entries but the batch has "
             f"{mask_BT.shape[0]} samples; pass one greedy-rollout reward per sample."
         )
-    returns_BT = _zero_masked(_reverse_cumsum(_zero_masked(token_level_rewards, mask_BT)), mask_BT)
-    adv_BT = _zero_masked(returns_BT - baselines_B.unsqueeze(-1), mask_BT)
+    returns_BT = zero_masked(reverse_cumsum(zero_masked(token_level_rewards, mask_BT)), mask_BT)
+    adv_BT = zero_masked(returns_BT - baselines_B.unsqueeze(-1), mask_BT)
     return adv_BT, returns_BT

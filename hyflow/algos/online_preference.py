@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 
 from hyflow.algos.masked import group_ids
-from hyflow.algos.policy_losses import _metrics, _ppo_kl
+from hyflow.algos.policy_losses import loss_metrics, ppo_kl_estimate
 from hyflow.algos.preference import DPO_LOSS_TYPES, dpo_loss
 from hyflow.algos.registry import register_advantage_estimator, register_policy_loss
 
@@ -233,6 +233,6 @@ def compute_policy_loss_sppo(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     seqs = global_seq_count if global_seq_count is not None else has_tokens.sum()
     loss = losses_B.sum() / torch.as_tensor(seqs, dtype=losses_B.dtype).clamp(min=1)
     n = max(int(has_tokens.sum()), 1)
-    return loss, {**_metrics(_ppo_kl(log_prob.detach() - old_log_prob.to(log_prob.dtype), mask)),
+    return loss, {**loss_metrics(ppo_kl_estimate(log_prob.detach() - old_log_prob.to(log_prob.dtype), mask)),
                   "log_ratio_mean": float((log_ratio_B.detach() * has_tokens).sum()) / n,
                   "preference_mean": float((target_B.detach() * has_tokens).sum()) / n}

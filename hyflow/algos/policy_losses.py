@@ -55,7 +55,7 @@ def _frac(condition_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     return masked_mean(condition_BT.to(torch.float32), mask_BT.to(torch.float32)).detach()
 
 
-def _metrics(
+def loss_metrics(
     ppo_kl: torch.Tensor,
     pg_clipfrac: torch.Tensor | None = None,
     pg_clipfrac_lower: torch.Tensor | None = None,
@@ -69,7 +69,7 @@ def _metrics(
     }
 
 
-def _ppo_kl(log_ratio_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+def ppo_kl_estimate(log_ratio_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     """mean_t(−δ) over valid tokens: the k1 estimate of KL(π_old ‖ π_θ)."""
     return masked_mean(-log_ratio_BT.detach(), mask_BT.to(log_ratio_BT.dtype))
 
@@ -127,8 +127,8 @@ def compute_policy_loss_vanilla(
         global_seq_count=global_seq_count,
         loss_scale_factor=loss_scale_factor,
     )
-    return loss, _metrics(
-        _ppo_kl(log_ratio, response_mask),
+    return loss, loss_metrics(
+        ppo_kl_estimate(log_ratio, response_mask),
         _frac(loss_clipped > loss_unclipped, response_mask),
         _frac((loss_clip > loss_dual) & negative, response_mask),
     )
@@ -177,8 +177,8 @@ def compute_policy_loss_gspo(
         "seq-mean-token-mean",
         global_seq_count=global_seq_count,
     )
-    return loss, _metrics(
-        _ppo_kl(log_ratio, response_mask), _frac(loss_clipped > loss_unclipped, response_mask)
+    return loss, loss_metrics(
+        ppo_kl_estimate(log_ratio, response_mask), _frac(loss_clipped > loss_unclipped, response_mask)
     )
 
 
@@ -213,7 +213,7 @@ def compute_policy_loss_gpg(
         global_seq_count=global_seq_count,
         loss_scale_factor=loss_scale_factor,
     )
-    return loss, _metrics(_ppo_kl(_log_ratio(old_log_prob, log_prob), response_mask))
+    return loss, loss_metrics(ppo_kl_estimate(_log_ratio(old_log_prob, log_prob), response_mask))
 
 
 def _token_covariance(
@@ -283,7 +283,7 @@ def compute_policy_loss_clip_cov(
         global_seq_count=global_seq_count,
         loss_scale_factor=loss_scale_factor,
     )
-    return loss, _metrics(_ppo_kl(log_ratio, response_mask), _frac(keep_BT == 0, response_mask))
+    return loss, loss_metrics(ppo_kl_estimate(log_ratio, response_mask), _frac(keep_BT == 0, response_mask))
 
 
 @register_policy_loss("kl_cov")
@@ -334,7 +334,7 @@ def compute_policy_loss_kl_cov(
         loss_scale_factor=loss_scale_factor,
     )
     abs_kl = masked_mean(log_ratio.detach().abs(), response_mask.to(log_ratio.dtype))
-    return loss, _metrics(abs_kl)
+    return loss, loss_metrics(abs_kl)
 
 
 @register_policy_loss("geo_mean")
@@ -383,8 +383,8 @@ def compute_policy_loss_geo_mean(
     )
 
     clipped = log_ratio != log_ratio_clamped
-    return loss, _metrics(
-        _ppo_kl(log_ratio, response_mask),
+    return loss, loss_metrics(
+        ppo_kl_estimate(log_ratio, response_mask),
         _frac(clipped & (advantages > 0), response_mask),
         _frac(clipped & (advantages < 0), response_mask),
     )
@@ -428,7 +428,7 @@ def compute_policy_loss_cispo(
         global_seq_count=global_seq_count,
         loss_scale_factor=loss_scale_factor,
     )
-    return loss, _metrics(_ppo_kl(log_ratio, response_mask), _frac(ratio != clipped_ratio, response_mask))
+    return loss, loss_metrics(ppo_kl_estimate(log_ratio, response_mask), _frac(ratio != clipped_ratio, response_mask))
 
 
 @register_policy_loss("sapo")
@@ -477,7 +477,7 @@ def compute_policy_loss_sapo(
         "seq-mean-token-mean",
         global_seq_count=global_seq_count,
     )
-    return loss, _metrics(_ppo_kl(log_ratio, response_mask))
+    return loss, loss_metrics(ppo_kl_estimate(log_ratio, response_mask))
 
 
 @register_policy_loss("reinforce")
@@ -511,7 +511,7 @@ def compute_policy_loss_reinforce(
         global_seq_count=global_seq_count,
         loss_scale_factor=loss_scale_factor,
     )
-    return loss, _metrics(_ppo_kl(_log_ratio(old_log_prob, log_prob), response_mask))
+    return loss, loss_metrics(ppo_kl_estimate(_log_ratio(old_log_prob, log_prob), response_mask))
 
 
 __all__ = [
@@ -549,7 +549,7 @@ def _dppo_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
         global_seq_count=global_seq_count,
         loss_scale_factor=loss_scale_factor,
     )
-    return loss, _metrics(_ppo_kl(log_ratio, response_mask), _frac(valid == 0, response_mask),
+    return loss, loss_metrics(ppo_kl_estimate(log_ratio, response_mask), _frac(valid == 0, response_mask),
                           _frac((ratio > clip_ratio_c) & (valid > 0), response_mask))
 
 
@@ -647,4 +647,4 @@ def compute_policy_loss_dro(
         global_seq_count=global_seq_count,
         loss_scale_factor=loss_scale_factor,
     )
-    return loss, _metrics(_ppo_kl(log_ratio, response_mask))
+    return loss, loss_metrics(ppo_kl_estimate(log_ratio, response_mask))

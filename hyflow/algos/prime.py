@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hyflow.algos.advantages import _broadcast, _reverse_cumsum, _zero_masked
+from hyflow.algos.advantages import broadcast_to_tokens, reverse_cumsum, zero_masked
 from hyflow.algos.masked import group_ids, group_sum, masked_sum, masked_whiten
 from hyflow.algos.registry import register_advantage_estimator
 
@@ -65,7 +65,7 @@ def _last_token_mask(mask_BT: torch.Tensor) -> torch.Tensor:
 
 def implicit_q(rm_log_probs: torch.Tensor, ref_log_probs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """q_t = log pi_phi - log pi_ref per response token [B, T], 0 off the mask."""
-    return _zero_masked(rm_log_probs - ref_log_probs, response_mask.bool())
+    return zero_masked(rm_log_probs - ref_log_probs, response_mask.bool())
 
 
 def prime_ce_loss_per_sample(q_BT: torch.Tensor, acc_B: torch.Tensor, response_mask: torch.Tensor, *,
@@ -93,7 +93,7 @@ def check_outcome_range(acc_B: torch.Tensor) -> None:
 
 def prime_batch_norm(scores_BT: torch.Tensor) -> torch.Tensor:
     """verl's `prime_norm=batch_norm`: scores / (max over the batch of |reverse cumulative sum| + 1e-6)."""
-    return scores_BT / (_reverse_cumsum(scores_BT).abs().max() + 1e-6)
+    return scores_BT / (reverse_cumsum(scores_BT).abs().max() + 1e-6)
 
 
 def implicit_process_rewards(q_BT: torch.Tensor, response_mask: torch.Tensor, *, beta: float,
@@ -105,12 +105,12 @@ def implicit_process_rewards(q_BT: torch.Tensor, response_mask: torch.Tensor, *,
     if norm not in PRIME_NORMS:
         raise ValueError(f"prime_norm={norm!r}; use one of {PRIME_NORMS}")
     mask = response_mask.bool()
-    r_BT = _zero_masked(q_BT * beta, mask)
+    r_BT = zero_masked(q_BT * beta, mask)
     last = _last_token_mask(mask)
     if granularity == "token":
-        scores = _zero_masked(r_BT, ~last)
+        scores = zero_masked(r_BT, ~last)
     else:
-        scores = _broadcast(r_BT.sum(-1), last)
+        scores = broadcast_to_tokens(r_BT.sum(-1), last)
     return prime_batch_norm(scores) if norm == "batch_norm" else scores
 
 
@@ -123,13 +123,13 @@ def masked_rloo(rewards_BT: torch.Tensor, mask_BT: torch.Tensor, index) -> torch
     if bool((counts_G < 2).any()):
         raise ValueError("PRIME's RLOO baseline needs at least 2 samples per prompt (actor_rollout_ref.rollout.n "
                          ">= 2): a prompt's sample is scored against the mean of its group's other samples")
-    values = _zero_masked(rewards_BT, mask)
+    values = zero_masked(rewards_BT, mask)
     tokens_B = mask.sum(-1).to(rewards_BT.dtype)
     mean_B = values.sum(-1) / tokens_B.clamp(min=1)
     n_B = counts_G[gid_B]
     baseline_B = group_sum(mean_B, gid_B, len(counts_G))[gid_B] / (n_B - 1)
     out = values * (n_B / (n_B - 1)).unsqueeze(-1) - baseline_B.unsqueeze(-1)
-    return _zero_masked(out, mask)
+    return zero_masked(out, mask)
 
 
 @register_advantage_estimator("prime", requires=("index", "prm_scores"), knobs=("reward_gt_coef", "reward_dpo_coef"))
@@ -149,9 +149,9 @@ def prime_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tens
     if reward_gt_coef != 0.0:
         last = _last_token_mask(mask)
         acc_B = masked_sum(token_level_rewards, mask, dim=-1).float()
-        outcome = _broadcast(acc_B, last)
+        outcome = broadcast_to_tokens(acc_B, last)
         final = final + masked_rloo(outcome, last, index) * reward_gt_coef
-    returns = _reverse_cumsum(final * mask)
+    returns = reverse_cumsum(final * mask)
     advantages = masked_whiten(returns, mask.float())
     return advantages * mask, returns * mask
 

@@ -32,7 +32,7 @@ from hyflow.config.sft_schema import (
     SFTModelConfig,
     SFTOptimConfig,
     SFTTrainerConfig,
-    _neighbours,
+    neighbours,
     raise_problems,
     run_problems,
     size_problems,
@@ -167,7 +167,7 @@ def validate_dpo_config(cfg: DPOConfig) -> None:
             f"data.train_batch_size={data.train_batch_size} {unit} is not a multiple of data.micro_batch_size_per_gpu="
             f"{data.micro_batch_size_per_gpu} x {devices} device(s) = {per_step}: every device trains on whole "
             f"micro-batches of whole {unit}. Set data.train_batch_size to a multiple of {per_step} (e.g. "
-            f"{_neighbours(data.train_batch_size, per_step)}).")
+            f"{neighbours(data.train_batch_size, per_step)}).")
     if cfg.engine.ulysses_sequence_parallel_size != 1:
         problems.append(f"engine.ulysses_sequence_parallel_size={cfg.engine.ulysses_sequence_parallel_size}: sequence "
                         "parallelism of preference training is not built yet (a sequence-parallel group regroups rows, "

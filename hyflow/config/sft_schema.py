@@ -275,7 +275,7 @@ def validate_sft_config(cfg: SFTConfig) -> None:
         problems.append(
             f"data.train_batch_size={data.train_batch_size} samples cannot be split evenly over {where}: every "
             f"device trains on an equal share. Set data.train_batch_size to a multiple of {devices} (e.g. "
-            f"{_neighbours(data.train_batch_size, devices)}) or use a number of devices that divides it.")
+            f"{neighbours(data.train_batch_size, devices)}) or use a number of devices that divides it.")
     elif sizes_ok and not data.use_dynamic_bsz and data.train_batch_size % (data.micro_batch_size_per_gpu * dp):
         per_step = data.micro_batch_size_per_gpu * dp
         ranks = f"{dp} data-parallel rank(s)" if sp > 1 else f"{devices} device(s)"
@@ -283,7 +283,7 @@ def validate_sft_config(cfg: SFTConfig) -> None:
             f"data.train_batch_size={data.train_batch_size} samples is not a multiple of "
             f"data.micro_batch_size_per_gpu={data.micro_batch_size_per_gpu} x {ranks} = {per_step}, "
             f"so it cannot be split into whole micro-batches. Set data.train_batch_size to a multiple of {per_step} "
-            f"(e.g. {_neighbours(data.train_batch_size, per_step)}) or pick a micro_batch_size_per_gpu that divides "
+            f"(e.g. {neighbours(data.train_batch_size, per_step)}) or pick a micro_batch_size_per_gpu that divides "
             f"data.train_batch_size / {dp} = {data.train_batch_size / dp:g}."
         )
     if data.use_dynamic_bsz and data.max_token_len_per_gpu < data.max_length:
@@ -331,7 +331,7 @@ def raise_problems(problems: list[str], what: str) -> None:
         raise ConfigError(f"{len(problems)} problems in the {what} config:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def _neighbours(value: int, step: int) -> str:
+def neighbours(value: int, step: int) -> str:
     """The multiples of `step` around `value`, as "a or b" (just "b" when a would be 0)."""
     lower = value // step * step
     return f"{lower} or {lower + step}" if lower else f"{step}"

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from hyflow.batch import Batch
-from hyflow.data.rl_dataset import DataError, _as_messages, row_sources
-from hyflow.data.sft_dataset import SFTDataset, _lookup
+from hyflow.data.rl_dataset import DataError, as_messages, row_sources
+from hyflow.data.sft_dataset import SFTDataset, lookup_dotted
 
 KL_PREFIX = "kl_"
 SEQUENCE_COLUMNS = ("input_ids", "attention_mask", "position_ids", "loss_mask")
@@ -45,7 +45,7 @@ def _completion(value, where: str, key: str) -> list[dict]:
     """A completion column: a string (one assistant message) or a list of assistant messages."""
     if isinstance(value, str):
         return [{"role": "assistant", "content": value}]
-    messages = _as_messages(value, where, key)
+    messages = as_messages(value, where, key)
     if messages[-1]["role"] != "assistant":
         raise DataError(f"{where}: column {key!r} must end with an assistant message (the completion), got role "
                         f"{messages[-1]['role']!r}")
@@ -112,25 +112,25 @@ class PreferenceDataset:
     def _add_pair(self, row: dict, where: str, prompt_key: str, chosen_key: str, rejected_key: str) -> None:
         needed = "a preference row needs prompt, chosen and rejected (TRL's and verl's format)"
         for key, option in ((chosen_key, "data.chosen_key"), (rejected_key, "data.rejected_key")):
-            if _lookup(row, key) is None or _is_null(row, key):
+            if lookup_dotted(row, key) is None or _is_null(row, key):
                 raise _missing(where, row, key, option, needed)
-        prompt = _lookup(row, prompt_key)
+        prompt = lookup_dotted(row, prompt_key)
         if _is_null(row, prompt_key):
             raise _missing(where, row, prompt_key, "data.prompt_key", needed)
         if prompt is None:
-            chosen, rejected = _lookup(row, chosen_key), _lookup(row, rejected_key)
+            chosen, rejected = lookup_dotted(row, chosen_key), lookup_dotted(row, rejected_key)
             if isinstance(chosen, str) or isinstance(rejected, str):
                 raise _missing(where, row, prompt_key, "data.prompt_key",
                                "string completions need a prompt column (only whole conversations in chosen and "
                                "rejected carry their prompt)")
-            prompt, chosen, rejected = split_implicit_prompt(_as_messages(chosen, where, chosen_key),
-                                                             _as_messages(rejected, where, rejected_key))
+            prompt, chosen, rejected = split_implicit_prompt(as_messages(chosen, where, chosen_key),
+                                                             as_messages(rejected, where, rejected_key))
             if not prompt:
                 raise DataError(f"{where}: columns {chosen_key!r} and {rejected_key!r} share no leading message, so "
                                 f"there is no prompt; add a {prompt_key!r} column")
         else:
-            prompt = _as_messages(prompt, where, prompt_key)
-            chosen, rejected = _lookup(row, chosen_key), _lookup(row, rejected_key)
+            prompt = as_messages(prompt, where, prompt_key)
+            chosen, rejected = lookup_dotted(row, chosen_key), lookup_dotted(row, rejected_key)
         self.prompts.append(prompt)
         self.completions.append([_completion(chosen, where, chosen_key), _completion(rejected, where, rejected_key)])
 
@@ -138,15 +138,15 @@ class PreferenceDataset:
         needed = "a KTO row needs prompt, completion and label (TRL's unpaired format)"
         for key, option in ((prompt_key, "data.prompt_key"), (completion_key, "data.completion_key"),
                             (label_key, "data.label_key")):
-            if _lookup(row, key) is None or _is_null(row, key):
+            if lookup_dotted(row, key) is None or _is_null(row, key):
                 raise _missing(where, row, key, option, needed)
-        label = _lookup(row, label_key)
+        label = lookup_dotted(row, label_key)
         if isinstance(label, (np.bool_, np.integer)):
             label = label.item()
         if label not in (True, False, 0, 1):
             raise DataError(f"{where}: column {label_key!r} must be a bool (true = desirable), got {label!r}")
-        self.prompts.append(_as_messages(_lookup(row, prompt_key), where, prompt_key))
-        self.completions.append([_completion(_lookup(row, completion_key), where, completion_key)])
+        self.prompts.append(as_messages(lookup_dotted(row, prompt_key), where, prompt_key))
+        self.completions.append([_completion(lookup_dotted(row, completion_key), where, completion_key)])
         self.labels.append(bool(label))
 
     def __len__(self) -> int:

@@ -48,7 +48,7 @@ class DataError(ValueError):
     """A row of a data file does not follow the schema; the message names the file, row and column."""
 
 
-def _as_messages(value: Any, where: str, prompt_key: str) -> list[dict]:
+def as_messages(value: Any, where: str, prompt_key: str) -> list[dict]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if isinstance(value, np.ndarray):
@@ -110,7 +110,7 @@ def image_messages(messages: list[dict], images: list, processor, where: str, im
     return messages
 
 
-def _media_list(value: Any) -> list:
+def media_list(value: Any) -> list:
     """A row's images/videos as a list ([] when the column is missing or empty)."""
     if value is None or (isinstance(value, float) and value != value):
         return []
@@ -276,13 +276,13 @@ class RLDataset(torch.utils.data.Dataset):
                 raise DataError(f"{where}: missing column {column!r}{hint} (columns present: "
                                 f"{', '.join(sorted(row))})")
         image_key, video_key = (*self.media_keys, None, None)[:2]
-        if video_key is not None and _media_list(row.get(video_key)):
+        if video_key is not None and media_list(row.get(video_key)):
             raise DataError(f"{where}: column {video_key!r} holds videos, which hyflow does not train on yet; use "
                             "image rows (or drop the videos)")
-        images = _media_list(row.get(image_key)) if image_key is not None else []
+        images = media_list(row.get(image_key)) if image_key is not None else []
         row = dict(row)
         row["_where"] = where
-        row[self.prompt_key] = image_messages(_as_messages(row[self.prompt_key], where, self.prompt_key), images,
+        row[self.prompt_key] = image_messages(as_messages(row[self.prompt_key], where, self.prompt_key), images,
                                               self.processor, where, image_key)
         row["_images"] = images
         reward_model = row.get("reward_model")

@@ -37,10 +37,10 @@ import torch
 
 from hyflow.batch import Batch
 from hyflow.data.images import ImageError, decode_images
-from hyflow.data.rl_dataset import DataError, _as_messages, _media_list, image_messages, row_sources
+from hyflow.data.rl_dataset import DataError, as_messages, image_messages, media_list, row_sources
 
 
-def _lookup(row: dict, key: str):
+def lookup_dotted(row: dict, key: str):
     """row[key], where a dotted key reads into nested dicts (`extra_info.answer`); None when absent."""
     value = row
     for part in key.split("."):
@@ -63,11 +63,11 @@ def _with_content(messages):
 
 
 def _conversation(row: dict, where: str, prompt_key: str, response_key: str, messages_key: str) -> list[dict]:
-    if _lookup(row, messages_key) is not None:
-        messages = _as_messages(_with_content(_lookup(row, messages_key)), where, messages_key)
-    elif _lookup(row, prompt_key) is not None and _lookup(row, response_key) is not None:
-        messages = _as_messages(_lookup(row, prompt_key), where, prompt_key)
-        response = _lookup(row, response_key)
+    if lookup_dotted(row, messages_key) is not None:
+        messages = as_messages(_with_content(lookup_dotted(row, messages_key)), where, messages_key)
+    elif lookup_dotted(row, prompt_key) is not None and lookup_dotted(row, response_key) is not None:
+        messages = as_messages(lookup_dotted(row, prompt_key), where, prompt_key)
+        response = lookup_dotted(row, response_key)
         if not isinstance(response, str):
             raise DataError(f"{where}: column {response_key!r} must be a string, got {type(response).__name__}")
         messages = [*messages, {"role": "assistant", "content": response}]
@@ -113,8 +113,8 @@ class SFTDataset:
                                 "data.train_files / data.val_files)")
             for i, row in enumerate(rows):
                 where = f"{label} row {i}"
-                tools = _lookup(row, tools_key)
-                images = _media_list(row.get(image_key))
+                tools = lookup_dotted(row, tools_key)
+                images = media_list(row.get(image_key))
                 messages = image_messages(_conversation(row, where, prompt_key, response_key, messages_key), images,
                                           processor, where, image_key, what="conversation")
                 self.examples.append((messages, tools, where))

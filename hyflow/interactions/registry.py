@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 from hyflow.interactions.base import BaseInteraction
-from hyflow.tools.registry import _check_entry, _entry_config, _read_section, load_entry_class
+from hyflow.tools.registry import check_entry, entry_config, load_entry_class, read_section
 
 _EXAMPLE = """interaction:
   - name: my_interaction            # optional
@@ -41,13 +41,13 @@ def initialize_interactions_from_config(
     interaction_config_file: str | os.PathLike,
 ) -> dict[str, BaseInteraction]:
     """Instantiate the interactions declared in a verl-format YAML file; returns ``{name: interaction}``."""
-    file, entries = _read_section(interaction_config_file, "interaction", "interaction", _EXAMPLE)
+    file, entries = read_section(interaction_config_file, "interaction", "interaction", _EXAMPLE)
     interactions: dict[str, BaseInteraction] = {}
     seen: dict[str, int] = {}
     for index, raw in enumerate(entries):
         where = f"{file}: interaction[{index}]"
-        entry = _check_entry(raw, where, _ENTRY_KEYS)
-        config = _entry_config(entry, where)
+        entry = check_entry(raw, where, _ENTRY_KEYS)
+        config = entry_config(entry, where)
         name = entry.get("name")
         if name is None:
             name = default_interaction_name(entry["class_name"])

@@ -54,7 +54,7 @@ def compute_position_ids(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
-def _check_response_length(input_ids: Tensor, response_length: int) -> None:
+def check_response_length(input_ids: Tensor, response_length: int) -> None:
     seq_len = input_ids.shape[-1]
     if not 1 <= response_length < seq_len:
         raise ValueError(
@@ -239,7 +239,7 @@ def response_logprobs(
     chunks of `chunk_size` rows (see the module docstring). Differentiable. `model_kwargs` go to the model call
     (a vision-language model's `pixel_values` and `image_grid_thw`, with `position_ids` [B, 4, L]).
     """
-    _check_response_length(input_ids, response_length)
+    check_response_length(input_ids, response_length)
     hidden_BLH = backbone_hidden_states(model, input_ids, attention_mask, position_ids, **model_kwargs)
     hidden_BRH = hidden_BLH[:, -response_length - 1 : -1]
     labels_BR = input_ids[:, -response_length:]
@@ -287,7 +287,7 @@ def values_from_model(
 ) -> Tensor:
     """Values [B, R] (float32) at positions [-R-1:-1]: V(s_t) is read before response token t is emitted.
     `model_kwargs` go to the model call (a vision-language critic's images)."""
-    _check_response_length(input_ids, response_length)
+    check_response_length(input_ids, response_length)
     values_BL = token_values(value_model, input_ids, attention_mask, position_ids, **model_kwargs)
     return values_BL[:, -response_length - 1 : -1]
 
@@ -334,7 +334,7 @@ def response_token_scores(
     `log_probs` [B, R] = log_softmax(lm_head(h[b, L-R-1+i]))[input_ids[b, L-R+i]] and, with `topk` > 0, the model's
     own `topk_log_probs` and `topk_ids` [B, R, K] at each position (its K most likely next tokens). float32, no
     gradients; the head runs `chunk_size` rows at a time, so no [B, R, V] tensor is built at once."""
-    _check_response_length(input_ids, response_length)
+    check_response_length(input_ids, response_length)
     hidden_BLH = backbone_hidden_states(model, input_ids, attention_mask, position_ids)
     hidden_NH = hidden_BLH[:, -response_length - 1 : -1].reshape(-1, hidden_BLH.shape[-1])
     labels_N = input_ids[:, -response_length:].reshape(-1)

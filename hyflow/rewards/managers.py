@@ -122,7 +122,7 @@ def describe_function(fn: Callable) -> str:
         return f"{getattr(fn, '__module__', '?')}.{name}"
 
 
-class _BaseManager:
+class BaseRewardManager:
     def __init__(self, tokenizer, compute_score: Callable | None = None, *, num_workers: int = 1,
                  timeout_s: float = 30.0, reward_kwargs: dict | None = None, num_examine: int = 0,
                  max_response_length: int | None = None, overlong_buffer: dict | None = None,
@@ -321,7 +321,7 @@ def last_model_token(batch: Batch, lengths: torch.Tensor) -> torch.Tensor:
 
 
 @register_reward_manager("naive")
-class NaiveRewardManager(_BaseManager):
+class NaiveRewardManager(BaseRewardManager):
     """One scorer call per sample: `compute_score(data_source, solution_str, ground_truth, extra_info, **kw)`."""
 
 
@@ -335,7 +335,7 @@ class DAPORewardManager(NaiveRewardManager):
 
 
 @register_reward_manager("batch")
-class BatchRewardManager(_BaseManager):
+class BatchRewardManager(BaseRewardManager):
     """One scorer call for the whole batch; the function returns one score (or dict) per sample."""
 
     streams = False  # the function wants the whole batch at once: the reward loop falls back to the batch path
@@ -356,7 +356,7 @@ class BatchRewardManager(_BaseManager):
 
 
 @register_reward_manager("prime")
-class PrimeRewardManager(_BaseManager):
+class PrimeRewardManager(BaseRewardManager):
     """verl's PrimeRewardManager (the PRIME recipe, verl.workers.reward_manager.prime): every sample scored by
     `compute_score(data_source, solution_str, ground_truth, extra_info)` in a pool of processes
     (reward_model.num_workers; verl hard-codes 64), each call bounded by reward_model.timeout_s (verl: 300 s).
@@ -378,7 +378,7 @@ class PrimeRewardManager(_BaseManager):
 
 
 @register_reward_manager("gdpo")
-class GDPORewardManager(_BaseManager):
+class GDPORewardManager(BaseRewardManager):
     """verl's GDPO reward manager (verl.experimental.reward_loop.reward_manager.gdpo; its GDPO example sets
     `reward_manager.name=gdpo` beside `algorithm.adv_estimator=gdpo`): one call per sample, `extra_info` gains
     `experiment_name` (trainer.experiment_name), and a scorer that returns a plain number gets it as the `acc`
@@ -461,7 +461,7 @@ def _limit(name: str, value, default: float | None, *, integer: bool = False) ->
 
 
 @register_reward_manager("rate_limited")
-class RateLimitedRewardManager(_BaseManager):
+class RateLimitedRewardManager(BaseRewardManager):
     """verl's RateLimitedRewardManager (`rate_limited`; hyflow also accepts `limited`), for scorers that call a
     rate-limited API: each sample's call waits for one of `max_concurrent` slots (default 1), then for a request
     token (`max_rpm` requests a minute, a bucket of max_rpm / 60), then for `estimated_tokens_per_request` tokens
@@ -515,7 +515,7 @@ class RateLimitedRewardManager(_BaseManager):
     def score_calls(self, calls: list[dict]) -> list[Outcome]:
         from concurrent.futures import FIRST_COMPLETED, Future, wait
 
-        from hyflow.rewards.pool import _call, guard_process_exit
+        from hyflow.rewards.pool import call_scorer, guard_process_exit
 
         outcomes: list[Outcome | None] = [None] * len(calls)
         running: dict = {}  # future -> (index, deadline on time.monotonic)
@@ -523,7 +523,7 @@ class RateLimitedRewardManager(_BaseManager):
 
         def start(call: dict) -> Future:  # a daemon thread of its own: one abandoned at its timeout holds no exit
             future: Future = Future()
-            threading.Thread(target=lambda: future.set_result(_call(self.compute_score, call)), daemon=True,
+            threading.Thread(target=lambda: future.set_result(call_scorer(self.compute_score, call)), daemon=True,
                              name="hyflow-reward-call").start()
             return future
 

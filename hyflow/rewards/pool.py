@@ -87,7 +87,7 @@ def guard_process_exit(what: str = "the reward function") -> Iterator[None]:
                 os._exit = _REAL_OS_EXIT
 
 
-def _call(fn: Callable, kwargs: dict) -> Outcome:
+def call_scorer(fn: Callable, kwargs: dict) -> Outcome:
     try:
         return Outcome(value=fn(**kwargs))
     except ProcessExitCalled as exc:
@@ -105,7 +105,7 @@ def _worker(fn: Callable, calls: Sequence[dict], indices: list[int], conn) -> No
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for idx in indices:
         conn.send(("start", idx))
-        outcome = _call(fn, calls[idx])
+        outcome = call_scorer(fn, calls[idx])
         try:
             conn.send(("done", idx, outcome))
         except Exception as exc:  # an unpicklable return value
@@ -113,7 +113,7 @@ def _worker(fn: Callable, calls: Sequence[dict], indices: list[int], conn) -> No
     conn.close()
 
 
-class _Alarm(BaseException):  # not an Exception, so `_call` does not swallow it
+class _Alarm(BaseException):  # not an Exception, so `call_scorer` does not swallow it
     pass
 
 
@@ -125,7 +125,7 @@ def _call_with_alarm(fn: Callable, kwargs: dict, timeout_s: float) -> Outcome:
 
 def _call_with_alarm_unguarded(fn: Callable, kwargs: dict, timeout_s: float) -> Outcome:
     if threading.current_thread() is not threading.main_thread() or not timeout_s:
-        return _call(fn, kwargs)
+        return call_scorer(fn, kwargs)
 
     def on_alarm(signum, frame):
         raise _Alarm
@@ -133,7 +133,7 @@ def _call_with_alarm_unguarded(fn: Callable, kwargs: dict, timeout_s: float) -> 
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        return _call(fn, kwargs)
+        return call_scorer(fn, kwargs)
     except _Alarm:
         return Outcome(timed_out=True)
     finally:
@@ -185,89 +185,106 @@ def run_calls(fn: Callable, calls: Sequence[dict], *, num_workers: int = 1, time
 def _run_forked(fn: Callable, calls: Sequence[dict], todo_indices: list[int], num_workers: int, timeout_s: float,
                 *, one_per_process: bool = False) -> list[Outcome | None]:
     """Outcomes of `todo_indices` (others None) from forked workers; see the module docstring."""
-    ctx = mp.get_context("fork")
-    results: list[Outcome | None] = [None] * len(calls)
-    hanging = one_per_process
-    pending = {w: todo_indices[w::num_workers] for w in range(min(num_workers, len(todo_indices)))}
-    workers: dict = {}  # conn -> (process, worker id, current index, start time)
+    return _ForkedRun(fn, calls, todo_indices, num_workers, timeout_s, one_per_process).run()
 
-    running: set[int] = set()  # samples a live worker has been given
 
-    def start(w, todo: list[int]) -> None:
-        parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_worker, args=(fn, calls, todo, child), daemon=True)
+class _ForkedRun:
+    """The state of one `_run_forked` call: its workers, their samples, and whether it is in hang mode."""
+
+    def __init__(self, fn: Callable, calls: Sequence[dict], todo_indices: list[int], num_workers: int,
+                 timeout_s: float, one_per_process: bool) -> None:
+        self.ctx = mp.get_context("fork")
+        self.fn, self.calls, self.todo_indices, self.timeout_s = fn, calls, todo_indices, timeout_s
+        self.results: list[Outcome | None] = [None] * len(calls)
+        self.hanging = one_per_process
+        self.pending = {w: todo_indices[w::num_workers] for w in range(min(num_workers, len(todo_indices)))}
+        self.workers: dict = {}  # conn -> (process, worker id, current index, start time)
+        self.running: set[int] = set()  # samples a live worker has been given
+
+    def start(self, w, todo: list[int]) -> None:
+        parent, child = self.ctx.Pipe(duplex=False)
+        proc = self.ctx.Process(target=_worker, args=(self.fn, self.calls, todo, child), daemon=True)
         with _sigint_deferred():
             proc.start()
             child.close()
-            workers[parent] = [proc, w, None, time.monotonic()]
-        running.update(todo)
+            self.workers[parent] = [proc, w, None, time.monotonic()]
+        self.running.update(todo)
 
-    def launch(w) -> None:
+    def launch(self, w) -> None:
         """Worker `w` (again) for its samples without a result; in hang mode, one process per sample instead."""
-        if hanging:
-            spread()
+        if self.hanging:
+            self.spread()
             return
-        todo = [i for i in pending.get(w, []) if results[i] is None]
+        todo = [i for i in self.pending.get(w, []) if self.results[i] is None]
         if todo:
-            start(w, todo)
+            self.start(w, todo)
 
-    def spread() -> None:
+    def spread(self) -> None:
         """Hang mode: every sample without a result and not running gets a process of its own."""
-        waiting = [i for i in todo_indices if results[i] is None and i not in running]
-        for i in waiting[: max(0, HANG_CONCURRENCY - len(workers))]:
-            start(("single", i), [i])
+        waiting = [i for i in self.todo_indices if self.results[i] is None and i not in self.running]
+        for i in waiting[: max(0, HANG_CONCURRENCY - len(self.workers))]:
+            self.start(("single", i), [i])
 
-    try:
-        for w in pending:
-            if hanging:
-                spread()
-                break
-            launch(w)
-        while workers:
-            now = time.monotonic()
-            deadlines = [start + timeout_s for _, _, idx, start in workers.values() if idx is not None]
-            wait_s = max(0.0, min(deadlines) - now) if deadlines else timeout_s
-            ready = wait(list(workers), timeout=min(wait_s, 1.0) if timeout_s else None)
-            for conn in ready:
-                proc, w, current, _ = workers[conn]
-                try:
-                    message = conn.recv()
-                except EOFError:  # finished its list, or died
-                    del workers[conn]
-                    proc.join(timeout=1)
-                    if current is not None:  # it died mid-sample (os._exit, segfault, OOM kill)
-                        results[current] = Outcome(error=f"the scoring process died (exit code {proc.exitcode})")
-                    _release(running, pending, w, results)
-                    launch(w)  # no-op when its list is done
-                    continue
-                if message[0] == "start":
-                    workers[conn][2:] = [message[1], time.monotonic()]
-                else:
-                    results[message[1]] = message[2]
-                    workers[conn][2] = None
-            now = time.monotonic()
-            for conn, (proc, w, idx, started) in list(workers.items()):
-                if idx is not None and timeout_s and now - started > timeout_s:
-                    os.kill(proc.pid, signal.SIGKILL)
-                    proc.join(timeout=5)
-                    conn.close()
-                    del workers[conn]
-                    results[idx] = Outcome(timed_out=True)
-                    hanging = True
-                    _release(running, pending, w, results)
-                    launch(w)
-            if hanging and not workers:
-                spread()
-    except BaseException:  # Ctrl-C (the workers ignore SIGINT) or a failure here: end the workers now
-        for proc, *_ in workers.values():
-            with contextlib.suppress(OSError):
-                os.kill(proc.pid, signal.SIGKILL)
+    def receive(self, conn) -> None:
+        """One message of a worker: a sample started or finished, or the worker ended (done, or died)."""
+        proc, w, current, _ = self.workers[conn]
+        try:
+            message = conn.recv()
+        except EOFError:  # finished its list, or died
+            del self.workers[conn]
             proc.join(timeout=1)
-        raise
-    for i in todo_indices:
-        if results[i] is None:
-            results[i] = Outcome(error="no result was produced")
-    return results
+            if current is not None:  # it died mid-sample (os._exit, segfault, OOM kill)
+                self.results[current] = Outcome(error=f"the scoring process died (exit code {proc.exitcode})")
+            _release(self.running, self.pending, w, self.results)
+            self.launch(w)  # no-op when its list is done
+            return
+        if message[0] == "start":
+            self.workers[conn][2:] = [message[1], time.monotonic()]
+        else:
+            self.results[message[1]] = message[2]
+            self.workers[conn][2] = None
+
+    def kill_overdue(self) -> None:
+        """Kill the workers whose current sample ran past `timeout_s`: that sample timed out, hang mode starts."""
+        now = time.monotonic()
+        for conn, (proc, w, idx, started) in list(self.workers.items()):
+            if idx is not None and self.timeout_s and now - started > self.timeout_s:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(timeout=5)
+                conn.close()
+                del self.workers[conn]
+                self.results[idx] = Outcome(timed_out=True)
+                self.hanging = True
+                _release(self.running, self.pending, w, self.results)
+                self.launch(w)
+
+    def run(self) -> list[Outcome | None]:
+        timeout_s = self.timeout_s
+        try:
+            for w in self.pending:
+                if self.hanging:
+                    self.spread()
+                    break
+                self.launch(w)
+            while self.workers:
+                now = time.monotonic()
+                deadlines = [start + timeout_s for _, _, idx, start in self.workers.values() if idx is not None]
+                wait_s = max(0.0, min(deadlines) - now) if deadlines else timeout_s
+                for conn in wait(list(self.workers), timeout=min(wait_s, 1.0) if timeout_s else None):
+                    self.receive(conn)
+                self.kill_overdue()
+                if self.hanging and not self.workers:
+                    self.spread()
+        except BaseException:  # Ctrl-C (the workers ignore SIGINT) or a failure here: end the workers now
+            for proc, *_ in self.workers.values():
+                with contextlib.suppress(OSError):
+                    os.kill(proc.pid, signal.SIGKILL)
+                proc.join(timeout=1)
+            raise
+        for i in self.todo_indices:
+            if self.results[i] is None:
+                self.results[i] = Outcome(error="no result was produced")
+        return self.results
 
 
 def _release(running: set[int], pending: dict, w, results: list) -> None:

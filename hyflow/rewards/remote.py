@@ -51,7 +51,7 @@ from urllib.parse import urlsplit
 from hyflow.batch import Batch
 from hyflow.rewards.custom import normalize_score
 from hyflow.rewards.judge import sample_questions
-from hyflow.rewards.managers import RewardResult, _BaseManager, register_reward_manager
+from hyflow.rewards.managers import BaseRewardManager, RewardResult, register_reward_manager
 from hyflow.rewards.pool import Outcome
 
 DEFAULT_MAX_RESPONSE_BYTES = 4 * 2**20  # an answer is a few numbers per sample; 4 MiB leaves room for a batch
@@ -311,7 +311,7 @@ CLIENT_KEYS = ("url", "max_retries", "max_concurrency", "batch_size", "backoff_s
 
 
 @register_reward_manager("http")
-class RemoteRewardManager(_BaseManager):
+class RemoteRewardManager(BaseRewardManager):
     """Reward manager `http`: every sample is scored by a `RemoteRewardClient` (no local reward function).
 
     Configured through `reward_model.reward_kwargs` (its keys `url`, `max_retries`, `max_concurrency`,

@@ -178,7 +178,7 @@ class SingleTurnAgentLoop(AgentLoopBase):
                                extra_fields={"turn_scores": [], "tool_rewards": []})
 
 
-_COUNTERS = ("tool_calls", "malformed_calls", "unknown_tools", "bad_arguments", "tool_errors", "tool_timeouts",
+TOOL_COUNTERS = ("tool_calls", "malformed_calls", "unknown_tools", "bad_arguments", "tool_errors", "tool_timeouts",
              "dropped_calls")
 
 
@@ -190,7 +190,7 @@ def sampling_dict(params: SamplingParams) -> dict[str, Any]:
             "logprobs": params.calculate_log_probs}
 
 
-def _is_empty(value) -> bool:
+def is_empty(value) -> bool:
     """None, "", or a float NaN (a missing value read from parquet)."""
     return value is None or value == "" or (isinstance(value, float) and value != value)
 

@@ -35,7 +35,7 @@ SEED_STRIDE = 1_000_033  # engine call k of one rollout samples with seed + k * 
 
 # ---------------------------------------------------------------------------------------------- the server
 @dataclass
-class _Request:
+class TurnRequest:
     index: int  # trajectory index (order of the output rows)
     group: tuple  # requests with equal group keys in one call share their prompt (the n samples of turn 1)
     prompt_ids: list[int]
@@ -51,7 +51,7 @@ class BatchingServer:
     decoded in one engine call (seeded with seed + k * SEED_STRIDE for the k-th call).
     """
 
-    _request_type: type = _Request  # what `generate` queues (a subclass may queue its own kind)
+    _request_type: type = TurnRequest  # what `generate` queues (a subclass may queue its own kind)
 
     def __init__(self, engine, params: SamplingParams, pad_token_id: int, eos_token_ids: Sequence[int],
                  prompts: Batch | None = None, *, eager: bool = False) -> None:
@@ -60,7 +60,7 @@ class BatchingServer:
         self.stop_ids = set(eos_token_ids) | set(params.stop_token_ids)
         self.prompts = prompts  # the original prompt batch: turn-1 calls reuse its padded rows unchanged
         self.live = 0
-        self.waiting: list[_Request] = []
+        self.waiting: list[TurnRequest] = []
         self.calls = 0
         self.batch_sizes: list[int] = []
         self.seconds = 0.0
@@ -89,7 +89,7 @@ class BatchingServer:
         self._check()
         return await future
 
-    def _decode_or_fail(self, requests: list[_Request]) -> list[TokenOutput]:
+    def _decode_or_fail(self, requests: list[TurnRequest]) -> list[TokenOutput]:
         """`_decode`; when it raises, every request not yet done gets the error (its trajectory stops with it)."""
         try:
             return self._decode(requests)
@@ -98,14 +98,14 @@ class BatchingServer:
             raise
 
     @staticmethod
-    def _fail(requests: list[_Request], err: BaseException) -> None:
+    def _fail(requests: list[TurnRequest], err: BaseException) -> None:
         for request in requests:
             if not request.future.done():
                 request.future.set_exception(err)
 
-    def _decode(self, requests: list[_Request]) -> list[TokenOutput]:
+    def _decode(self, requests: list[TurnRequest]) -> list[TokenOutput]:
         # runs of requests sharing a group key (a prompt's n first turns) go in as one prompt with n samples
-        runs: list[list[_Request]] = []
+        runs: list[list[TurnRequest]] = []
         for request in requests:
             if (runs and runs[-1][0].group == request.group and runs[-1][0].budget == request.budget
                     and runs[-1][0].prompt_ids == request.prompt_ids):
@@ -136,14 +136,14 @@ class BatchingServer:
                                        "stop" if stopped or length < budget else "length"))
         return outputs
 
-    def _is_original(self, request: _Request) -> bool:
+    def _is_original(self, request: TurnRequest) -> bool:
         """Whether a first turn asks for its row's own prompt (a loop that renders its own, openai_agent, may not:
         then the engine gets the request's ids, never the row's)."""
         row = request.group[1]
         ids = self.prompts["input_ids"][row][self.prompts["attention_mask"][row].bool()]
         return ids.tolist() == list(request.prompt_ids)
 
-    def _prompt_batch(self, heads: list[_Request]) -> Batch:
+    def _prompt_batch(self, heads: list[TurnRequest]) -> Batch:
         original = self.prompts
         if original is not None and all(r.group[0] == "prompt" and self._is_original(r) for r in heads):
             rows = [r.group[1] for r in heads]  # first turns: the original padded rows, as the engine saw them

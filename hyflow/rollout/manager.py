@@ -18,12 +18,12 @@ import torch
 from hyflow.batch import Batch
 from hyflow.models.vision import row_position_ids
 from hyflow.rollout.agent_loop import (
-    _COUNTERS,
     AGENT_LOOP_KWARGS,
     AGENT_LOOPS,
+    TOOL_COUNTERS,
     AgentLoopBase,
     AgentLoopOutput,
-    _is_empty,
+    is_empty,
     load_agent_loop_config,
 )
 from hyflow.rollout.agent_server import BatchingServer, ServerHandle
@@ -63,7 +63,7 @@ class AgentLoopManager:
 
     def agent_names(self, prompts: Batch) -> list[str]:
         names = list(prompts["agent_name"]) if "agent_name" in prompts else [None] * len(prompts)
-        names = [self.default_agent if _is_empty(name) else str(name) for name in names]
+        names = [self.default_agent if is_empty(name) else str(name) for name in names]
         unknown = sorted({name for name in names if name not in AGENT_LOOPS})
         if unknown:
             raise AGENT_LOOPS.unknown(unknown[0], " (the rows' agent_name, or rollout.agent.default_agent_loop)")
@@ -216,7 +216,7 @@ class AgentLoopManager:
     @staticmethod
     def _tool_metrics(outputs: list[AgentLoopOutput]) -> dict[str, float]:
         metrics: dict[str, float] = {}
-        counts = {key: np.array([o.metrics.get(key, 0) for o in outputs], dtype=float) for key in _COUNTERS}
+        counts = {key: np.array([o.metrics.get(key, 0) for o in outputs], dtype=float) for key in TOOL_COUNTERS}
         calls = counts["tool_calls"] + counts["malformed_calls"]
         # per-sample means (workers' values are averaged, so every count is a rate per sample)
         metrics["tool/calls_per_sample/mean"] = float(calls.mean())

@@ -51,7 +51,13 @@ from hyflow.rollout.agent_loop import (
     prompt_rows,
     sampling_dict,
 )
-from hyflow.rollout.agent_server import SEED_STRIDE, BatchingServer, ContinuousServer, ServerHandle, _Request
+from hyflow.rollout.agent_server import (
+    SEED_STRIDE,
+    BatchingServer,
+    ContinuousServer,
+    ServerHandle,
+    TurnRequest,
+)
 from hyflow.rollout.base import SamplingParams, TokenOutput, TokenRequest
 from hyflow.rollout.output import position_ids_from_mask
 from hyflow.tools.runner import DaemonExecutor
@@ -74,7 +80,7 @@ class _Segmented:
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    media: dict | None = None  # the prompt's images (agent_server._Request.media)
+    media: dict | None = None  # the prompt's images (agent_server.TurnRequest.media)
 
 
 class StreamServer(BatchingServer):
@@ -139,11 +145,11 @@ class StreamServer(BatchingServer):
         segments, views = self._take()
         self._land(segments, self._decode_or_fail(views))  # a view holds its segment's future
 
-    def _take(self) -> tuple[list[_Segmented], list[_Request]]:
+    def _take(self) -> tuple[list[_Segmented], list[TurnRequest]]:
         """The waiting requests, in trajectory order, and the engine's view of each (its segment)."""
         segments: list[_Segmented] = sorted(self.waiting, key=lambda r: r.index)
         self.waiting = []
-        views = [_Request(seg.index, seg.group if not seg.tokens else ("own", seg.index), seg.prompt_ids + seg.tokens,
+        views = [TurnRequest(seg.index, seg.group if not seg.tokens else ("own", seg.index), seg.prompt_ids + seg.tokens,
                           min(seg.budget, self.chunk), seg.future, seg.media) for seg in segments]
         return segments, views
 
@@ -194,7 +200,7 @@ class _Running:
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    media: dict | None = None  # the prompt's images (agent_server._Request.media)
+    media: dict | None = None  # the prompt's images (agent_server.TurnRequest.media)
 
 
 class ContinuousStreamServer(ContinuousServer):

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 from hyflow.data.images import ImageError, load_image
 from hyflow.models.vision import IMAGE_PAD, VISION_SPECIAL_TOKENS, MultiModalError, add_images
-from hyflow.rollout.agent_loop import _COUNTERS, AgentLoopBase, AgentLoopOutput, register
+from hyflow.rollout.agent_loop import TOOL_COUNTERS, AgentLoopBase, AgentLoopOutput, register
 from hyflow.rollout.tool_parser import (
     FunctionCall,
     MalformedCall,
@@ -106,7 +106,7 @@ class ToolAgentLoop(AgentLoopBase):
                          tools_kwargs=dict(kwargs.get("tools_kwargs") or {}),
                          interaction_kwargs=dict(kwargs.get("interaction_kwargs") or {}),
                          prompt_ids=list(kwargs["raw_prompt_ids"]))
-        data.metrics.update({key: 0 for key in _COUNTERS}, tool_seconds=0.0, tool_latencies=[])
+        data.metrics.update({key: 0 for key in TOOL_COUNTERS}, tool_seconds=0.0, tool_latencies=[])
         interaction = self._interaction(data)
         instance = None
         if interaction is not None:

@@ -192,17 +192,7 @@ class VLLMRolloutEngine:
                  trust_remote_code: bool = False, tensor_parallel_size: int = 1, rank: int = 0,
                  world_size: int = 1, engine_kwargs: dict | None = None) -> None:
         self.device_type = torch.device(device).type
-        if self.device_type not in ("cpu", "cuda"):
-            raise VLLMEngineError(f"the vllm engine runs on cpu or cuda, not {device!r}; set trainer.device")
-        self.tp = int(tensor_parallel_size)
-        if self.tp not in (1, world_size):
-            raise VLLMEngineError(
-                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tensor_parallel_size} with {world_size} "
-                "actor devices: hyflow's vllm engine runs one engine per device (1) or one engine over all the "
-                f"actor's devices ({world_size}); engine data parallelism in between is not built yet.")
-        if self.tp > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            raise VLLMEngineError(f"tensor_model_parallel_size={self.tp} needs the workers' torch.distributed group "
-                                  "(the ray executor with that many devices)")
+        self._check_placement(device, tensor_parallel_size, world_size)
         self.rank, self.world_size = rank, world_size
         self.eos_token_ids = sorted({int(i) for i in eos_token_ids})
         if not self.eos_token_ids:
@@ -210,13 +200,7 @@ class VLLMRolloutEngine:
         self.pad_token_id = int(pad_token_id)
         self.model_path = str(model_path)
         self.max_model_len = int(max_model_len)
-        try:
-            self.weight_dtype = as_torch_dtype(dtype)
-        except ValueError as err:
-            raise VLLMEngineError(f"actor_rollout_ref.rollout.dtype: {err}") from err
-        if not isinstance(self.weight_dtype, torch.dtype):
-            raise VLLMEngineError(f"actor_rollout_ref.rollout.dtype={dtype!r}: the vllm engine runs in bfloat16, "
-                                  "float16 or float32")
+        self.weight_dtype = self._weight_dtype(dtype)
         self.dtype = str(self.weight_dtype).removeprefix("torch.")
         self.sleep_mode = self.device_type == "cuda" and free_cache_engine
         self._asleep = False
@@ -226,33 +210,12 @@ class VLLMRolloutEngine:
 
         os.environ.update(vllm_environment())
         _quiet_vllm_loggers()
-        try:
-            from transformers import AutoConfig
-
-            hf_config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError) as err:
-            raise VLLMEngineError(f"the vllm engine cannot read the model config at {self.model_path!r}: {err}. "
-                                  "Set actor_rollout_ref.model.path to a Hugging Face model directory") from err
+        hf_config = self._read_hf_config(trust_remote_code)
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         # a vision-language model (Qwen2-VL): images in, vLLM's processor made to run without torchvision
         self.vision = VisionTokens.from_config(hf_config) if is_vision_config(hf_config) else None
         if self.vision is not None:
-            if self.tp > 1:
-                raise VLLMEngineError("the vllm rollout of a vision-language model runs one engine per device so far "
-                                      "(tensor_model_parallel_size=1)")
-            try:
-                vllm_vision.register(hf_config.model_type)
-            except ValueError as err:
-                raise VLLMEngineError(str(err)) from err
-            if self._expected is not None:  # checkpoint names (model.*, visual.*) in the trainer's layout
-                self._expected = {vllm_vision.canonical_name(k): v for k, v in self._expected.items()}
-            if load_format == "dummy":
-                # vLLM's vision tower holds buffers (its rotary frequencies) that no weight sync carries: random
-                # values under dummy loading (measured: log-probs off by 0.1 on image prompts)
-                warnings.warn("actor_rollout_ref.rollout.load_format=dummy: the vllm engine of a vision-language "
-                              "model loads the checkpoint (load_format=auto) so that its vision tower's buffers, which "
-                              "the weight sync does not carry, are real; start-up only", stacklevel=2)
-                load_format = "auto"
+            load_format = self._set_up_vision(hf_config, load_format)
         args = dict(
             # vLLM's multimodal processor needs the tokenizer; a text model's engine needs none (token ids in and out)
             model=self.model_path, skip_tokenizer_init=self.vision is None, dtype=self.dtype, load_format=load_format,
@@ -265,32 +228,11 @@ class VLLMRolloutEngine:
             tensor_parallel_size=self.tp,
         )
         if self.tp > 1:
-            # One engine over the whole (already joined) process group: every rank runs the same vLLM program
-            # (SPMD) and holds its shard of the weights; `generate` gathers the ranks' prompts first.
-            args["distributed_executor_backend"] = "external_launcher"
-            device_index = torch.device(device).index
-            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
-                              LOCAL_RANK=str(device_index if device_index is not None else rank))
-            if self.device_type == "cpu":  # one rank clears what a killed run left, then all build together
-                if rank == 0:
-                    remove_stale_cpu_shm()
-                torch.distributed.barrier()
+            self._join_tensor_parallel(args, device, rank, world_size)
         if self.device_type == "cpu":
-            # CPU: eager (CUDA graphs exist only on GPUs); whole-prompt prefills (vLLM 0.32 cannot resume a seeded
-            # request's split prefill on CPU: "CPU Generator does not use offset"); the KV cache sized from the
-            # config instead of half the machine.
-            overridden = ([] if enforce_eager else ["enforce_eager=False"]) + (
-                ["enable_chunked_prefill=True"] if enable_chunked_prefill else [])
-            if overridden:
-                warnings.warn(f"actor_rollout_ref.rollout.{' and '.join(overridden)}: on CPU the vllm engine runs "
-                              "eagerly and prefills whole prompts (CUDA graphs exist only on GPUs; vLLM cannot split "
-                              "a seeded prompt's prefill on CPU); speed only, the samples are the same",
-                              stacklevel=2)
-            kv_bytes = kv_cache_bytes(hf_config, dtype_bytes=self.weight_dtype.itemsize, max_num_seqs=max_num_seqs,
-                                      max_model_len=self.max_model_len, fraction=gpu_memory_utilization,
-                                      tensor_parallel_size=self.tp)
-            args.update(enforce_eager=True, enable_chunked_prefill=False, kv_cache_memory_bytes=kv_bytes,
-                        max_num_batched_tokens=max(max_num_batched_tokens, self.max_model_len))
+            self._cpu_args(args, hf_config, enforce_eager=enforce_eager, enable_chunked_prefill=enable_chunked_prefill,
+                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                           gpu_memory_utilization=gpu_memory_utilization)
         else:
             args.update(enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
                         enable_sleep_mode=self.sleep_mode)
@@ -298,17 +240,107 @@ class VLLMRolloutEngine:
                 args["compilation_config"] = {"cudagraph_capture_sizes": list(cudagraph_capture_sizes)}
         args.update(engine_kwargs or {})
         self.engine_args = args
+        self.llm = self._start(args)
+        self.model = self._model_runner().get_model()
+
+    def _check_placement(self, device: str, tensor_parallel_size: int, world_size: int) -> None:
+        """The engine runs on cpu or cuda, one engine per device or one over all the actor's devices (`self.tp`)."""
+        if self.device_type not in ("cpu", "cuda"):
+            raise VLLMEngineError(f"the vllm engine runs on cpu or cuda, not {device!r}; set trainer.device")
+        self.tp = int(tensor_parallel_size)
+        if self.tp not in (1, world_size):
+            raise VLLMEngineError(
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tensor_parallel_size} with {world_size} "
+                "actor devices: hyflow's vllm engine runs one engine per device (1) or one engine over all the "
+                f"actor's devices ({world_size}); engine data parallelism in between is not built yet.")
+        if self.tp > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise VLLMEngineError(f"tensor_model_parallel_size={self.tp} needs the workers' torch.distributed group "
+                                  "(the ray executor with that many devices)")
+
+    @staticmethod
+    def _weight_dtype(dtype: str) -> torch.dtype:
+        """`actor_rollout_ref.rollout.dtype` as a torch dtype (bfloat16, float16 or float32)."""
+        try:
+            weight_dtype = as_torch_dtype(dtype)
+        except ValueError as err:
+            raise VLLMEngineError(f"actor_rollout_ref.rollout.dtype: {err}") from err
+        if not isinstance(weight_dtype, torch.dtype):
+            raise VLLMEngineError(f"actor_rollout_ref.rollout.dtype={dtype!r}: the vllm engine runs in bfloat16, "
+                                  "float16 or float32")
+        return weight_dtype
+
+    def _read_hf_config(self, trust_remote_code: bool):
+        """The model's Hugging Face config (a clear error when the path holds none)."""
+        try:
+            from transformers import AutoConfig
+
+            return AutoConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as err:
+            raise VLLMEngineError(f"the vllm engine cannot read the model config at {self.model_path!r}: {err}. "
+                                  "Set actor_rollout_ref.model.path to a Hugging Face model directory") from err
+
+    def _set_up_vision(self, hf_config, load_format: str) -> str:
+        """A vision-language model: its vLLM processor registered, checkpoint names canonical; the load format."""
+        if self.tp > 1:
+            raise VLLMEngineError("the vllm rollout of a vision-language model runs one engine per device so far "
+                                  "(tensor_model_parallel_size=1)")
+        try:
+            vllm_vision.register(hf_config.model_type)
+        except ValueError as err:
+            raise VLLMEngineError(str(err)) from err
+        if self._expected is not None:  # checkpoint names (model.*, visual.*) in the trainer's layout
+            self._expected = {vllm_vision.canonical_name(k): v for k, v in self._expected.items()}
+        if load_format == "dummy":
+            # vLLM's vision tower holds buffers (its rotary frequencies) that no weight sync carries: random
+            # values under dummy loading (measured: log-probs off by 0.1 on image prompts)
+            warnings.warn("actor_rollout_ref.rollout.load_format=dummy: the vllm engine of a vision-language "
+                          "model loads the checkpoint (load_format=auto) so that its vision tower's buffers, which "
+                          "the weight sync does not carry, are real; start-up only", stacklevel=3)
+            load_format = "auto"
+        return load_format
+
+    def _join_tensor_parallel(self, args: dict, device: str, rank: int, world_size: int) -> None:
+        """One engine over the whole (already joined) process group: every rank runs the same vLLM program
+        (SPMD) and holds its shard of the weights; `generate` gathers the ranks' prompts first."""
+        args["distributed_executor_backend"] = "external_launcher"
+        device_index = torch.device(device).index
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
+                          LOCAL_RANK=str(device_index if device_index is not None else rank))
+        if self.device_type == "cpu":  # one rank clears what a killed run left, then all build together
+            if rank == 0:
+                remove_stale_cpu_shm()
+            torch.distributed.barrier()
+
+    def _cpu_args(self, args: dict, hf_config, *, enforce_eager: bool, enable_chunked_prefill: bool,
+                  max_num_seqs: int, max_num_batched_tokens: int, gpu_memory_utilization: float) -> None:
+        """CPU: eager (CUDA graphs exist only on GPUs); whole-prompt prefills (vLLM 0.32 cannot resume a seeded
+        request's split prefill on CPU: "CPU Generator does not use offset"); the KV cache sized from the config
+        instead of half the machine."""
+        overridden = ([] if enforce_eager else ["enforce_eager=False"]) + (
+            ["enable_chunked_prefill=True"] if enable_chunked_prefill else [])
+        if overridden:
+            warnings.warn(f"actor_rollout_ref.rollout.{' and '.join(overridden)}: on CPU the vllm engine runs "
+                          "eagerly and prefills whole prompts (CUDA graphs exist only on GPUs; vLLM cannot split "
+                          "a seeded prompt's prefill on CPU); speed only, the samples are the same",
+                          stacklevel=3)
+        kv_bytes = kv_cache_bytes(hf_config, dtype_bytes=self.weight_dtype.itemsize, max_num_seqs=max_num_seqs,
+                                  max_model_len=self.max_model_len, fraction=gpu_memory_utilization,
+                                  tensor_parallel_size=self.tp)
+        args.update(enforce_eager=True, enable_chunked_prefill=False, kv_cache_memory_bytes=kv_bytes,
+                    max_num_batched_tokens=max(max_num_batched_tokens, self.max_model_len))
+
+    def _start(self, args: dict):
+        """vLLM's `LLM(**args)`, with the process state it changes restored; a clear error when it fails."""
         try:
             with _process_state_kept():
                 from vllm import LLM
 
-                self.llm = LLM(**args)
+                return LLM(**args)
         except Exception as err:  # vLLM raises many types; the cause is in the message
             cause = " ".join(str(err).split())
             cause = cause if len(cause) <= 600 else cause[:600] + " ..."  # vLLM lists every architecture it has
             raise VLLMEngineError(f"the vllm engine failed to start for {self.model_path!r} on {self.device_type}: "
                                   f"{type(err).__name__}: {cause}") from err
-        self.model = self._model_runner().get_model()
 
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> VLLMRolloutEngine:

@@ -49,7 +49,7 @@ _TOOL_ENTRY_KEYS = ("class_name", "config", "tool_schema")
 _TOOL_METHODS = ("create", "execute")
 
 
-def _read_section(path: Any, section: str, what: str, example: str) -> tuple[Path, list[Any]]:
+def read_section(path: Any, section: str, what: str, example: str) -> tuple[Path, list[Any]]:
     """The list under the top-level `section` of the YAML file `path`, resolved (interpolations applied)."""
     if path is None or str(path) == "":
         raise ValueError(f"no {what} config file given; pass the path of a YAML file like:\n{example}")
@@ -84,7 +84,7 @@ def _read_section(path: Any, section: str, what: str, example: str) -> tuple[Pat
     return file, entries
 
 
-def _check_entry(entry: Any, where: str, allowed: tuple[str, ...]) -> dict:
+def check_entry(entry: Any, where: str, allowed: tuple[str, ...]) -> dict:
     """The entry as a dict with only `allowed` keys and a non-empty string `class_name`."""
     if not isinstance(entry, dict):
         raise ValueError(
@@ -110,7 +110,7 @@ def _check_entry(entry: Any, where: str, allowed: tuple[str, ...]) -> dict:
     return entry
 
 
-def _entry_config(entry: dict, where: str) -> dict:
+def entry_config(entry: dict, where: str) -> dict:
     config = entry.get("config")
     if config is None:
         return {}
@@ -130,13 +130,13 @@ def load_entry_class(entry: dict, where: str, file: Path, base: type, methods: t
 
 def initialize_tools_from_config(tools_config_file: str | os.PathLike) -> list[BaseTool]:
     """Instantiate the tools declared in a verl-format YAML file (see the module docstring), in file order."""
-    file, entries = _read_section(tools_config_file, "tools", "tools", _TOOLS_EXAMPLE)
+    file, entries = read_section(tools_config_file, "tools", "tools", _TOOLS_EXAMPLE)
     tools: list[BaseTool] = []
     seen: dict[str, int] = {}
     for index, raw in enumerate(entries):
         where = f"{file}: tools[{index}]"
-        entry = _check_entry(raw, where, _TOOL_ENTRY_KEYS)
-        config = _entry_config(entry, where)
+        entry = check_entry(raw, where, _TOOL_ENTRY_KEYS)
+        config = entry_config(entry, where)
         tool_type = config.setdefault("type", "native")
         if str(tool_type).lower() != "native":
             raise ValueError(

@@ -45,9 +45,10 @@ def rl_batch(rows=ROWS, seed: int = 1, vocab: int = 400):
 def cpu_attention_path(request, monkeypatch):
     """Every test runs with both CPU attention paths: one SDPA call per sequence, and all sequences in one
     masked call (`BATCHED_ATTENTION_MAX_WASTE` 0 = never batched, inf = always when there are 2+ sequences)."""
-    import hyflow.models.packing as packing
+    import hyflow.models.varlen_attention as varlen_attention  # the packed attention's home (hyflow.models.packing)
 
-    monkeypatch.setattr(packing, "BATCHED_ATTENTION_MAX_WASTE", 0.0 if request.param == "per_sequence" else math.inf)
+    monkeypatch.setattr(varlen_attention, "BATCHED_ATTENTION_MAX_WASTE",
+                        0.0 if request.param == "per_sequence" else math.inf)
     return request.param
 
 
