@@ -43,9 +43,10 @@ from hyflow.config import (
     load_config,
     validate_config,
 )
-from hyflow.config.arithmetic import own_pool_roles, role_devices, uses_critic, uses_prm, uses_reference
+from hyflow.config.arithmetic import own_pool_roles, role_devices, uses_prm, uses_reference
+from hyflow.config.checks.model_fit import check_model_fit
 from hyflow.config.loader import derived_default_notes
-from hyflow.config.roles import role_specs, uses_judge
+from hyflow.config.roles import role_specs, teacher_performance_notes, uses_judge
 from hyflow.config.support import performance_only_warning
 from hyflow.controller import LocalWorkerGroup, describe_placement
 from hyflow.controller.dispatch import with_mini_batch_rows
@@ -76,6 +77,7 @@ from hyflow.trainer.tracking import (
     truncate_metrics,
 )
 from hyflow.trainer.validation import validation_order  # noqa: F401 (imported from here by callers)
+from hyflow.workers.teacher import check_teacher_tokenizers
 
 ROLLOUT_SEED_DEFAULT = 42  # actor_rollout_ref.rollout.seed's default (verl's)
 
@@ -116,30 +118,21 @@ class RLTrainer:
                                                      or cfg.actor_rollout_ref.model.path,
                                                      trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code
                                                      or cfg.data.trust_remote_code)
-        if cfg.distillation.enabled:  # the teachers must read the student's token ids as the same text
-            from hyflow.config.roles import teacher_performance_notes, teacher_spec
-            from hyflow.workers.teacher import check_teacher_tokenizers
-
-            check_teacher_tokenizers(teacher_spec(cfg), self.tokenizer)
-            for note in teacher_performance_notes(cfg):
-                print(note)
         # a vision-language model's image processor: image rows are expanded into the image's tokens
         self.processor = prompt_processor(cfg.actor_rollout_ref.model.path, self.tokenizer,
                                           trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,
                                           data_cfg=cfg.data)
-        if self.processor is not None and uses_critic(cfg):  # the critic sees the images too
-            critic_path = cfg.critic.model.path or cfg.actor_rollout_ref.model.path
-            if not is_vision_model(critic_path, trust_remote_code=cfg.critic.model.trust_remote_code):
-                raise ValueError(f"critic.model.path={critic_path} is a text-only model, but the policy is a "
-                                 "vision-language model whose prompts hold images the critic could not see; make the "
-                                 "critic a vision-language model of the same family (e.g. critic.model.path = the "
-                                 "policy's path)")
-        if (self.processor is not None and cfg.actor_rollout_ref.rollout.name == "vllm"
-                and cfg.data.mm_processor_kwargs):
-            raise ValueError("data.mm_processor_kwargs with actor_rollout_ref.rollout.name=vllm: vLLM processes the "
-                             "images with the model's own image processor settings, so the rollout and the trainer "
-                             "would see different image sizes; put min_pixels / max_pixels into the model's "
-                             "preprocessor_config.json instead (or use rollout.name=hf)")
+        # a generative reward model (a causal LM behind reward_model.rollout.name) judges the samples; a classifier
+        # there is scored by hyflow's forward, as verl's discriminative reward model served by its engine
+        rm = cfg.reward_model
+        self.judged = uses_judge(cfg) and not is_score_model(rm.model.path,
+                                                             trust_remote_code=rm.model.trust_remote_code)
+        # the config fits the loaded models: teachers' tokenizers, a critic that sees images, the judge's manager
+        check_model_fit(cfg, self.tokenizer, self.processor, judged=self.judged, is_vision_model=is_vision_model,
+                        check_teacher_tokenizers=check_teacher_tokenizers)
+        if cfg.distillation.enabled:
+            for note in teacher_performance_notes(cfg):
+                print(note)
         inputs = {"data_cfg": cfg.data, "tokenizer": self.tokenizer, "processor": self.processor,
                   "tool_config_path": cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path}
         self.train_dataset = rl_dataset(train_dataset, cfg.data.train_files, cfg.data.train_max_samples, "train",
@@ -154,16 +147,6 @@ class RLTrainer:
             self.reward_fn = load_custom_reward_function(cfg.custom_reward_function.path,
                                                          cfg.custom_reward_function.name,
                                                          dict(cfg.custom_reward_function.reward_kwargs or {}))
-        # a generative reward model (a causal LM behind reward_model.rollout.name) judges the samples; a classifier
-        # there is scored by hyflow's forward, as verl's discriminative reward model served by its engine
-        rm = cfg.reward_model
-        self.judged = uses_judge(cfg) and not is_score_model(rm.model.path,
-                                                             trust_remote_code=rm.model.trust_remote_code)
-        if self.judged and rm.reward_manager not in ("naive", "dapo"):
-            raise ValueError(f"reward_model.reward_manager={rm.reward_manager} with a generative reward model "
-                             f"({rm.model.path} is a causal LM): the judge's manager scores like naive (with dapo's "
-                             "overlong penalty when enabled); use naive or dapo, and mix in a rule scorer with "
-                             "reward_model.judge.rule_weight")
         if uses_judge(cfg) and not self.judged:
             print(f"hyflow: reward_model.model.path={rm.model.path} is a sequence classifier: hyflow scores it with "
                   "its own forward (reward_model.micro_batch_size_per_gpu, ...); reward_model.rollout.* (how verl's "
@@ -218,7 +201,7 @@ class RLTrainer:
                                    seed=cfg.data.seed or cfg.trainer.seed)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * len(self.loader)
         # One source of batch arithmetic: the role specs carry it; it is what is printed and what the roles run.
-        self.specs = role_specs(cfg, n_devices=self.n_devices, total_steps=self.total_steps)
+        self.specs = role_specs(cfg, n_devices=self.n_devices, total_steps=self.total_steps, judge=self.judged)
         self.batches = self.specs.batches
         print(describe_batch_arithmetic(cfg, n_devices=self.n_devices, batches=self.batches))
         print(speed_defaults_line(cfg))

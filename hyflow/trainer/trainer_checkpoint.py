@@ -10,22 +10,17 @@ from pathlib import Path
 
 from hyflow.config import config_to_yaml
 from hyflow.trainer.checkpoint import capture_rng_state, restore_rng_state
-from hyflow.trainer.role_checkpoints import RoleCheckpoints, RoleState
+from hyflow.trainer.role_checkpoints import RoleCheckpoints, role_states
 
 
 def role_checkpoints(trainer) -> RoleCheckpoints:
-    """The roles' part of checkpoints (hyflow.trainer.role_checkpoints): the actor, and the critic when there
-    is one, each with its checkpoint section's save and load contents."""
+    """The roles' part of checkpoints (hyflow.trainer.role_checkpoints): every role that holds training state (the
+    role registry's `checkpoint` entries: the actor, a critic, PRIME's implicit PRM), each with its checkpoint
+    section's save and load contents."""
     if getattr(trainer, "_role_checkpoints", None) is None:
         cfg = trainer.config
-        roles = {"actor": (trainer.actor, cfg.actor_rollout_ref.actor.checkpoint)}
-        if trainer.critic is not None:
-            roles["critic"] = (trainer.critic, cfg.critic.checkpoint)
-        if trainer.prm is not None:  # PRIME's implicit PRM trains too: saved with the actor's contents
-            roles["prm"] = (trainer.prm, cfg.actor_rollout_ref.actor.checkpoint)
         trainer._role_checkpoints = RoleCheckpoints(
-            trainer.checkpoints, {name: RoleState(group, tuple(ckpt.save_contents), tuple(ckpt.load_contents))
-                                  for name, (group, ckpt) in roles.items()},
+            trainer.checkpoints, role_states(trainer.roles, cfg),
             checkpoint_format=cfg.trainer.checkpoint_format, model_cfg=cfg.actor_rollout_ref.model,
             tokenizer=trainer.processor or trainer.tokenizer)  # a VLM's image processor travels with its tokenizer
     return trainer._role_checkpoints
