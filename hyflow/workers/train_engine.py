@@ -216,8 +216,7 @@ class TrainEngine:
             self.scheduler = build_scheduler(self.optimizer, optim, max(1, int(total_optimizer_steps)))
         self.state_io = EngineState(name=name, model=self.model, module=self.module, optimizer=self.optimizer,
                                     scheduler=self.scheduler, lora=lora, prefix=self.prefix, rank=rank)
-        self.offload = Offload(name, self.model, self.optimizer, device, strategy, fsdp_config,
-                               copies=lambda: self.offload_copies)
+        self._init_offload(fsdp_config)
 
     @classmethod
     def from_spec(cls, model: nn.Module, spec: TrainEngineSpec, *, device: torch.device, world_size: int = 1,
@@ -324,6 +323,12 @@ class TrainEngine:
     # A move to the device a tensor is already on copies it anyway: what a move between host and accelerator does,
     # so that path (FSDP2's shard re-registration, the optimizer's references) runs on a CPU-only machine (tests).
     offload_copies = False
+
+    def _init_offload(self, fsdp_config) -> None:
+        """The offload state machine (`hyflow.workers.offload`): what is offloaded, then the initial move to the
+        host."""
+        self.offload = Offload(self.name, self.model, self.optimizer, self.device, self.strategy, fsdp_config,
+                               copies=lambda: self.offload_copies)
 
     def on_device(self, optimizer: bool = False):
         """Parameters (and with `optimizer` the optimizer state) on the device inside (`hyflow.workers.offload`)."""
