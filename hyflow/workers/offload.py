@@ -8,7 +8,7 @@ offload_fsdp_model_to_cpu around compute_log_prob, update_actor, ...):
         engine.update(...)
     engine.location()                        # {"params": "host", "optimizer": "host"} again
 
-Every move is recorded (`log`, `counts`; the engine's `offload_log`, `offload_counts`). With
+Every move is recorded (`moves`, `counts`; the engine's `offload_log`, `offload_counts`). With
 `fsdp_config.offload_policy` FSDP2's `CPUOffloadPolicy` keeps them on the host instead and streams each layer to
 the device (no moves here). The tensor moves themselves are `hyflow.workers.fsdp`'s (`move_model`,
 `optimizer_state_to_host`, `optimizer_state_back`).
@@ -66,7 +66,7 @@ class Offload:
         self._where = {"params": "device", "optimizer": "device"}
         self._users = {"params": 0, "optimizer": 0}  # open on_device() scopes that need each part on the device
         self._optimizer_devices: dict = {}
-        self.log: list[OffloadMove] = []
+        self.moves: list[OffloadMove] = []
         self.counts: Counter[str] = Counter()  # "params_to_host", "optimizer_to_device", ...
         self._offload("params", self.offload_params)
         self._offload("optimizer", self.offload_optimizer)
@@ -97,7 +97,7 @@ class Offload:
             nbytes = optimizer_state_back(self.optimizer, self._optimizer_devices, copy=copy)
         self._where[part] = to
         self.counts[f"{part}_to_{to}"] += 1
-        self.log.append(OffloadMove(next(_MOVES), self.name, part, to, nbytes))
+        self.moves.append(OffloadMove(next(_MOVES), self.name, part, to, nbytes))
 
     def _offload(self, part: str, enabled: bool) -> None:
         if enabled and self._where[part] == "device" and self._users[part] == 0:

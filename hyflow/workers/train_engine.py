@@ -340,7 +340,7 @@ class TrainEngine:
 
     @property
     def offload_log(self) -> list[OffloadMove]:
-        return self.offload.log
+        return self.offload.moves
 
     @property
     def offload_counts(self) -> Counter[str]:
