@@ -36,9 +36,11 @@ ENTRY = LAYERS["hyflow"]
 # and the leaf utilities. Packages of one row (tools + interactions) may import each other; data and rewards share a
 # row but each may import only the batch.
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
-    # "controller, models, algos, rollout, batch": the core a worker sees is the batch and its role's spec
-    "hyflow.workers": ("hyflow.controller", "hyflow.models", "hyflow.algos", "hyflow.rollout", "hyflow.batch",
-                       "hyflow.specs"),
+    # "controller, models, algos, rollout, batch": the core a worker sees is the batch and its role's spec; and
+    # parallel, which DESIGN's table leaves out but its "Training engine" contract needs (TrainEngine(model, spec,
+    # mesh) calls parallelize(): issue 38 section 4)
+    "hyflow.workers": ("hyflow.controller", "hyflow.models", "hyflow.algos", "hyflow.rollout", "hyflow.parallel",
+                       "hyflow.batch", "hyflow.specs"),
     "hyflow.controller": ("hyflow.batch",),  # generic: knows no RL, no config
     "hyflow.rollout": ("hyflow.models", "hyflow.tools", "hyflow.interactions", "hyflow.batch"),
     "hyflow.tools": ("hyflow.rewards", "hyflow.interactions", "hyflow.batch"),  # rewards: the sandbox
