@@ -78,14 +78,28 @@ lock:
 	echo "make lock: wrote $(LOCK) and $(VLLM_LOCK); make venv venv-vllm installs them"
 
 # The fast mutation check (tools/mutations.toml's fast entries: each breaks a feature's core line, a test must fail),
-# then the suite: both pytest runs share one cache of SFT warm starts (tests/run_cache.py), made fresh and removed after;
-# the main run builds the PREBUILD warm starts beside its tests from its start, at a lower priority (tests/warm_starts.py).
+# then the suite: both pytest runs share one cache of SFT warm starts (tests/run_cache.py), made fresh and removed after.
+# CI's two cores are idle while pip downloads, so once .venv exists three things run side by side: the vLLM venv's
+# install (its output in the cache's venv-vllm.log, printed if it fails), the checks (ruff, docs, mutations), and the
+# PREBUILD warm starts (tests/warm_starts.py at niceness +10: it takes what the others leave). The main pytest run
+# starts the same build again (HYFLOW_TEST_PREBUILD): that one waits on the first's lock and reuses what it built, or
+# builds it itself if the first failed (tests/run_cache.py).
 PREBUILD ?= tool_warm
-test: venv venv-vllm
-	$(VENV)/bin/ruff check .
-	$(PY) tools/gen_docs.py --check && d=$$(mktemp -d) && $(VENV)/bin/mkdocs build --strict -d $$d; rc=$$?; rm -rf $$d; exit $$rc
-	$(PY) tools/mutations.py --fast -j 2
-	@set -e; cache=$$(mktemp -d); trap 'rm -rf "$$cache"' EXIT; export HYFLOW_TEST_CACHE=$$cache; \
+test: venv
+	@set -e; cache=$$(mktemp -d); export HYFLOW_TEST_CACHE=$$cache; early=; vllm=; \
+		trap '[ -z "$$early" ] || kill -- -$$early 2>/dev/null || true; [ -z "$$vllm" ] || kill $$vllm 2>/dev/null || true; rm -rf "$$cache"' EXIT; \
+		if [ -n "$(strip $(PREBUILD))" ]; then \
+			setsid $(PY) tests/warm_starts.py --root "$$cache" --nice 10 $(PREBUILD) > "$$cache/early-prebuild.log" 2>&1 & early=$$!; \
+		fi; \
+		$(MAKE) --no-print-directory venv-vllm > "$$cache/venv-vllm.log" 2>&1 & vllm=$$!; \
+		$(VENV)/bin/ruff check .; \
+		$(PY) tools/gen_docs.py --check; \
+		d=$$(mktemp -d); $(VENV)/bin/mkdocs build --strict -d $$d || { rm -rf $$d; exit 1; }; rm -rf $$d; \
+		$(PY) tools/mutations.py --fast -j 2; \
+		if ! wait $$vllm; then vllm=; echo "make venv-vllm failed:"; cat "$$cache/venv-vllm.log"; exit 1; fi; vllm=; \
+		echo "make venv-vllm: done (its log: $$(wc -l < "$$cache/venv-vllm.log") lines)"; \
+		[ -z "$$early" ] || { echo "the warm-start build beside the checks (tests/warm_starts.py), so far:"; \
+			grep -h "^\[" "$$cache/early-prebuild.log" || echo "  (nothing finished yet)"; }; \
 		echo "HYFLOW_TEST_PREBUILD=\"$(PREBUILD)\" $(PY) -m pytest -m \"not vllm\" $(PYTEST_ARGS)"; \
 		HYFLOW_TEST_PREBUILD="$(PREBUILD)" $(PY) -m pytest -m "not vllm" $(PYTEST_ARGS); \
 		echo "HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS)"; \

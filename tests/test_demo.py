@@ -21,6 +21,11 @@ EXAMPLES = ROOT / "examples"
 TRY_IT = "try the RL-trained model with transformers"
 
 
+# the demos measure their summary's accuracy on N_TEST held-out prompts here (default 100-200): the tests check
+# what the demo does, not how well the tiny model answers
+N_TEST = "16"
+
+
 def run_demo(script: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.run([sys.executable, str(script), "--out", str(out), *args], capture_output=True, text=True,
@@ -64,11 +69,13 @@ def test_quickstart_exports_the_rl_model_and_its_printed_lines_load_and_generate
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     out = tmp_path / "quickstart"
-    proc = run_demo(EXAMPLES / "quickstart" / "run.py", out, "--sft-steps", "30", "--rl-steps", "2")
+    proc = run_demo(EXAMPLES / "quickstart" / "run.py", out, "--sft-steps", "30", "--rl-steps", "2", "--n-test", N_TEST)
     summary = check_demo_output(proc, out)
     assert summary["sft_steps"] == 30 and summary["rl_steps"] == 2
     # a 2-step run still validates after its last step (test_freq 20) and checkpoints there (save_freq = steps)
-    assert (out / "grpo" / "generations" / "val_step_2.jsonl").exists()
+    # the summary's accuracy is over the --n-test held-out prompts, validated before RL and after its last step
+    assert len((out / "grpo" / "generations" / "val_step_2.jsonl").read_text().splitlines()) == int(N_TEST)
+    assert f"(greedy decoding, {N_TEST} held-out prompts)" in proc.stdout
     assert (out / "grpo" / "global_step_2").is_dir()
     assert 0.0 <= summary["accuracy_after_rl"] <= 1.0
 
@@ -89,7 +96,7 @@ def test_quickstart_exports_the_rl_model_and_its_printed_lines_load_and_generate
 @pytest.mark.slow
 def test_tools_demo_exports_the_rl_model_and_its_printed_lines_run(tmp_path):
     out = tmp_path / "tools"
-    proc = run_demo(EXAMPLES / "tools" / "run.py", out, "--sft-steps", "20", "--rl-steps", "1")
+    proc = run_demo(EXAMPLES / "tools" / "run.py", out, "--sft-steps", "20", "--rl-steps", "1", "--n-test", N_TEST)
     summary = check_demo_output(proc, out)
     assert summary["rl_steps"] == 1 and (out / "grpo" / "global_step_1").is_dir()
 
@@ -104,7 +111,8 @@ def test_tools_demo_exports_the_rl_model_and_its_printed_lines_run(tmp_path):
 def test_openai_agent_demo_trains_the_client_agent_through_the_endpoint(tmp_path):
     """examples/openai_agent: the OpenAI-client agent's episodes are the samples; its score is the reward."""
     out = tmp_path / "openai"
-    proc = run_demo(EXAMPLES / "openai_agent" / "run.py", out, "--sft-steps", "20", "--rl-steps", "1")
+    proc = run_demo(EXAMPLES / "openai_agent" / "run.py", out, "--sft-steps", "20", "--rl-steps", "1", "--n-test",
+                    N_TEST)
     for stage in range(1, 6):
         assert f"== {stage}/5 " in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
@@ -120,7 +128,7 @@ def test_openai_agent_demo_trains_the_client_agent_through_the_endpoint(tmp_path
 @pytest.mark.slow
 def test_the_vision_language_demo_exports_a_model_that_plain_transformers_runs_on_a_picture(tmp_path):
     out = tmp_path / "multimodal"
-    proc = run_demo(EXAMPLES / "multimodal" / "run.py", out, "--sft-steps", "20", "--rl-steps", "2")
+    proc = run_demo(EXAMPLES / "multimodal" / "run.py", out, "--sft-steps", "20", "--rl-steps", "2", "--n-test", N_TEST)
     summary = check_demo_output(proc, out)
     assert summary["sft_steps"] == 20 and summary["rl_steps"] == 2
     assert (out / "model" / "preprocessor_config.json").exists()  # the image processor travels with the model

@@ -96,6 +96,8 @@ def main() -> None:
     parser.add_argument("--out", default="runs/multimodal", help="output folder (replaced)")
     parser.add_argument("--sft-steps", type=int, default=None, help="override sft.yaml's total_training_steps")
     parser.add_argument("--rl-steps", type=int, default=None, help="override grpo.yaml's total_training_steps")
+    parser.add_argument("--n-test", type=int, default=100, help="held-out pictures the accuracy is measured "
+                        "on (default 100; fewer: a quicker, noisier summary)")
     args = parser.parse_args()
     load_before = load_average()
 
@@ -115,7 +117,7 @@ def main() -> None:
 
     print("== 1/5 a random tiny vision-language model and the shapes task's pictures")
     init_model = make_tiny_model(out / "init_model", preset="tiny-vl", seed=0)
-    make_task("shapes", out / "data", n_train=2000, n_test=100, seed=0, answer_line_rate=0.5)
+    make_task("shapes", out / "data", n_train=2000, n_test=args.n_test, seed=0, answer_line_rate=0.5)
 
     print("\n== 2/5 SFT warm start on the pictures, with imperfect demonstrations (sft.yaml)")
     sft_overrides = [f"model.partial_pretrain={init_model}", f"data.train_files={out}/data/train.parquet",
@@ -163,7 +165,7 @@ def main() -> None:
         exec(compile("\n".join(code), "<the lines below>", "exec"), namespace)
     gain = 100 * (summary["accuracy_after_rl"] - summary["accuracy_after_sft"])
     print()
-    print("hyflow vision-language demo: summary (greedy decoding, 100 held-out pictures)")
+    print(f"hyflow vision-language demo: summary (greedy decoding, {args.n_test} held-out pictures)")
     print(f"  accuracy after SFT ({summary['sft_steps']} steps): {100 * summary['accuracy_after_sft']:5.1f}%   "
           f"answer line written: {100 * summary['answer_line_rate_after_sft']:5.1f}%")
     print(f"  accuracy after GRPO ({summary['rl_steps']} steps): {100 * summary['accuracy_after_rl']:5.1f}%   "

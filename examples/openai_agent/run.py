@@ -61,6 +61,8 @@ def main() -> None:
     parser.add_argument("--sft-model", default=None, help="reuse this SFT warm start (a Hugging Face directory)")
     parser.add_argument("--sft-steps", type=int, default=None, help="override sft.yaml's total_training_steps")
     parser.add_argument("--rl-steps", type=int, default=None, help="override grpo.yaml's total_training_steps")
+    parser.add_argument("--n-test", type=int, default=200, help="held-out questions the accuracy is measured "
+                        "on (default 200; fewer: a quicker, noisier summary)")
     args = parser.parse_args()
     load_before = load_average()
 
@@ -76,7 +78,7 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
 
     print("== 1/5 the calculator task, every row run by the OpenAI-client agent (agent.py)")
-    make_task("calculator", out / "data", n_train=3000, n_test=200, seed=0, digits=4, tool_use_rate=0.5)
+    make_task("calculator", out / "data", n_train=3000, n_test=args.n_test, seed=0, digits=4, tool_use_rate=0.5)
     for split in ("train", "test"):
         retarget(out / "data" / f"{split}.parquet", "calculator_client")
     loops = out / "loops.yaml"
@@ -126,7 +128,7 @@ def main() -> None:
         return "n/a" if value is None else f"{value - 1:.2f}"
 
     print()
-    print("hyflow OpenAI-client agent demo: summary (greedy decoding, 200 held-out questions)")
+    print(f"hyflow OpenAI-client agent demo: summary (greedy decoding, {args.n_test} held-out questions)")
     for stage, label in (("sft", "after SFT"), ("rl", f"after GRPO ({summary['rl_steps']} steps)")):
         print(f"  {label:24s} accuracy {pct(summary[f'accuracy_after_{stage}'])}   calculator calls per episode "
               f"{calls(summary[f'requests_per_episode_after_{stage}'])}")

@@ -85,6 +85,8 @@ def main() -> None:
     parser.add_argument("--out", default="runs/quickstart", help="output folder (replaced)")
     parser.add_argument("--sft-steps", type=int, default=None, help="override sft.yaml's total_training_steps")
     parser.add_argument("--rl-steps", type=int, default=None, help="override grpo.yaml's total_training_steps")
+    parser.add_argument("--n-test", type=int, default=200, help="held-out prompts the accuracy is measured "
+                        "on (default 200; fewer: a quicker, noisier summary)")
     args = parser.parse_args()
     load_before = load_average()
 
@@ -106,7 +108,7 @@ def main() -> None:
 
     print("== 1/5 a random tiny model and the arithmetic task's data")
     init_model = make_tiny_model(out / "init_model", preset="tiny", seed=0)
-    make_task("arithmetic", out / "data", n_train=3000, n_test=200, seed=0, digits=1, n_operands=3, operators="+-",
+    make_task("arithmetic", out / "data", n_train=3000, n_test=args.n_test, seed=0, digits=1, n_operands=3, operators="+-",
               answer_line_rate=0.5)
 
     print("\n== 2/5 SFT warm start on imperfect demonstrations (sft.yaml)")
@@ -149,7 +151,7 @@ def main() -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     gain = 100 * (summary["accuracy_after_rl"] - summary["accuracy_after_sft"])
     print()
-    print("hyflow quickstart: summary (greedy decoding, 200 held-out prompts)")
+    print(f"hyflow quickstart: summary (greedy decoding, {args.n_test} held-out prompts)")
     print(f"  accuracy after SFT ({summary['sft_steps']} steps): {100 * summary['accuracy_after_sft']:5.1f}%   "
           f"answer line written: {100 * summary['answer_line_rate_after_sft']:5.1f}%")
     print(f"  accuracy after GRPO ({summary['rl_steps']} steps): {100 * summary['accuracy_after_rl']:5.1f}%   "

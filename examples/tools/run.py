@@ -85,6 +85,8 @@ def main() -> None:
                         "e.g. OUT/sft_model of an earlier run) instead of training it")
     parser.add_argument("--sft-steps", type=int, default=None, help="override sft.yaml's total_training_steps")
     parser.add_argument("--rl-steps", type=int, default=None, help="override grpo.yaml's total_training_steps")
+    parser.add_argument("--n-test", type=int, default=200, help="held-out prompts the accuracy is measured "
+                        "on (default 200; fewer: a quicker, noisier summary)")
     args = parser.parse_args()
     load_before = load_average()
 
@@ -104,7 +106,7 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
 
     print("== 1/5 the calculator task's data")
-    make_task("calculator", out / "data", n_train=3000, n_test=200, seed=0, digits=4, tool_use_rate=0.5)
+    make_task("calculator", out / "data", n_train=3000, n_test=args.n_test, seed=0, digits=4, tool_use_rate=0.5)
 
     print("\n== 2/5 SFT on tool-call conversations, half of which skip the tool (sft.yaml)")
     sft_model, sft_steps = sft_warm_start(out, args.sft_model, args.sft_steps)
@@ -147,7 +149,7 @@ def main() -> None:
         return "  n/a" if value is None else f"{100 * value:5.1f}%"
 
     print()
-    print("hyflow tool-use demo: summary (greedy decoding, 200 held-out prompts)")
+    print(f"hyflow tool-use demo: summary (greedy decoding, {args.n_test} held-out prompts)")
     for stage, steps in (("sft", summary["sft_steps"]), ("rl", summary["rl_steps"])):
         name = f"after {'SFT' if stage == 'sft' else 'GRPO'} ({steps} steps)" if steps else "after SFT (reused)"
         print(f"  {name:24s} accuracy {pct(summary[f'accuracy_after_{stage}'])}   answers that called the tool "
