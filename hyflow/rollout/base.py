@@ -67,7 +67,7 @@ class TokenRequest:
     `max_tokens` new tokens, sampled with `seed` (None: unseeded); `request_id` names it for `abort`.
     `multi_modal_inputs` (a vision-language model's prompt): the processed images whose tokens `prompt_ids` hold
     (`pixel_values`, `image_grid_thw`, `hyflow.models.vision`); `multi_modal_data`: the same images as PIL images
-    (`{"image": [...]}`, what vLLM takes)."""
+    (`{"image": [...]}`, what vLLM takes); `group`: see below."""
 
     request_id: str
     prompt_ids: list[int]
@@ -75,6 +75,10 @@ class TokenRequest:
     seed: int | None = None
     multi_modal_inputs: dict | None = None
     multi_modal_data: dict | None = None
+    # requests of one batch call with equal group keys, prompts and budgets share their prompt (a prompt's n first
+    # turns); ("prompt", row) names a row of the rollout's prompt batch (`hyflow.rollout.batch_stream`). Streams
+    # that schedule requests themselves ignore it.
+    group: tuple | None = None
 
 
 class RolloutEngineError(RuntimeError):
