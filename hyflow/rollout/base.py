@@ -1,12 +1,14 @@
 """The rollout-engine protocol, sampling parameters, and the one factory that builds an engine by name.
 
-An engine turns prompt token ids into response token ids (never text): `generate(prompts, params) -> Batch`
-with verl's keys (`hyflow.rollout.output`), `update_weights(buckets)` to receive the trainer's weights after an
+An engine turns prompt token ids into response token ids (never text): a token stream (`open_stream(params)`,
+requests in, each output back as it finishes), or a batch decoder (`generate(prompts, params) -> Batch` with verl's
+keys, `hyflow.rollout.output`) that one adapter makes a stream (`RolloutEngine` below); `update_weights(buckets)` to receive the trainer's weights after an
 update (all or nothing), `sleep()` / `wake()` to give memory back while the trainer runs. `make_engine(name,
 EngineSpec(...))` builds the engine registered as `actor_rollout_ref.rollout.name` for one rank from the model
 path, device, rollout config and, for `hf`, the trainer's own module. `ENGINES` is a `hyflow.registry.Registry`
 whose built-in entries are lazy (`hf`, `vllm`: imported on first use), so importing this module loads no engine
-and no vLLM.
+and no vLLM; an engine declares what it can do as data on its class (`EngineCapabilities`), which the config
+checks read instead of engine names.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from hyflow.batch import Batch
 from hyflow.registry import Registry
 
 
@@ -94,12 +95,16 @@ class RolloutEngine(Protocol):
     them or none (a sync that fails part-way leaves an engine that refuses to generate, never a half-updated
     model); `load_weights(named_tensors)` loads one set of tensors.
 
-    Optional, the token-level protocol (engines that schedule requests themselves: `vllm`):
-    `open_stream(params) -> stream`, where `stream.submit(TokenRequest)` returns a `concurrent.futures.Future`
-    of the request's `TokenOutput` as soon as it finishes, whatever else is running (continuous batching),
-    `stream.abort(request_ids)` ends requests early (their futures get the tokens so far, stop reason
-    "abort"), and `stream.close()` ends the stream; the agent loop uses it with `rollout.agent.batching=
-    continuous`.
+    Generation, one of two (`hyflow.rollout.agent_server.TurnServer` speaks only the first):
+    the token-level protocol, `open_stream(params) -> stream`, where `stream.submit(TokenRequest)` returns a
+    `concurrent.futures.Future` of the request's `TokenOutput` as soon as it finishes, whatever else is running
+    (continuous batching), `stream.abort(request_ids)` ends requests early (their futures get the tokens so far,
+    stop reason "abort"), and `stream.close()` ends the stream: it serves every `rollout.agent.batching` policy;
+    or a batch decoder, `generate(prompts, params) -> Batch`, which the one adapter
+    `hyflow.rollout.batch_stream.BatchTokenStream` turns into a stream for barrier and eager (padding inside
+    itself). `hf` and `vllm` have both: barrier and eager use their batch decoder (one seed per call, the samples
+    they always gave), continuous their stream. What an engine can do is data on its class: `capabilities`
+    (`EngineCapabilities`).
 
     Optional, scoring (an engine serving a teacher in on-policy distillation): `prompt_log_probs(sequences,
     response_length, topk)` -> `log_probs` [N, R] of the last R tokens of each row, and with `topk` > 0 the
@@ -107,8 +112,6 @@ class RolloutEngine(Protocol):
     """
 
     shares_weights: bool
-
-    def generate(self, prompts: Batch, params: SamplingParams) -> Batch: ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int: ...
 
