@@ -33,13 +33,14 @@ def _component_catalog():
     from hyflow.rollout.tool_parser import ToolParser
     from hyflow.trainer.tracking import logger_packages
 
-    missing = {}
-    for name, (_, on_cuda, on_cpu) in engines.ENGINE_REQUIREMENTS.items():
-        if engines.missing_requirement(name) is not None:
-            missing[name] = (on_cuda, on_cpu)
+    missing, capabilities = {}, {}
+    for name in engines.engine_names():
+        capabilities[name] = engines.engine_capabilities(name)
+        if capabilities[name].requires is not None and engines.missing_requirement(name) is not None:
+            missing[name] = capabilities[name].requires[1:]
     return ComponentCatalog(loggers=logger_packages(), reward_managers=frozenset(REWARD_MANAGERS),
-                            rollout_engines=frozenset(engines.engine_names()), missing_engine_packages=missing,
-                            engines_not_built=dict(engines.ENGINES_NOT_BUILT),
+                            rollout_engines=frozenset(capabilities), missing_engine_packages=missing,
+                            engines_not_built=dict(engines.ENGINES_NOT_BUILT), engine_capabilities=capabilities,
                             tool_formats=frozenset(ToolParser.registry))
 
 

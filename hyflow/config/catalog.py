@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,9 @@ def algorithm_catalog() -> AlgorithmCatalog | None:
 class ComponentCatalog:
     """Names the config checks against the registries above it: `trainer.logger` entries (name -> the package it
     imports and how to install it, None = built in), `reward_model.reward_manager` names and
-    `actor_rollout_ref.rollout.name` engine names (those this install can build), what to install for an engine
-    whose package is missing, and the verl engine names hyflow has not built."""
+    `actor_rollout_ref.rollout.name` engine names (those this install can build) with the capabilities each
+    declares, what to install for an engine whose package is missing, and the verl engine names hyflow has not
+    built."""
 
     loggers: Mapping[str, tuple[str, str] | None]
     reward_managers: frozenset[str]
@@ -64,6 +66,9 @@ class ComponentCatalog:
     missing_engine_packages: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
     # verl engine names hyflow has not built -> why
     engines_not_built: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # engine name -> what it declares it can do (hyflow.rollout.base.EngineCapabilities: streams, loads_model,
+    # max_tensor_parallel, stream_max_tensor_parallel, serves_frozen, own_image_processor, knobs, requires)
+    engine_capabilities: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     # registered tool-call formats (actor_rollout_ref.rollout.multi_turn.format); empty = not checked
     tool_formats: frozenset[str] = frozenset()
 
@@ -80,3 +85,28 @@ def set_component_provider(provider: Callable[[], ComponentCatalog] | None) -> N
 def component_catalog() -> ComponentCatalog | None:
     """The component catalog from the installed provider, or None without one (names are then not checked)."""
     return None if _component_provider is None else _component_provider()
+
+
+def engine_capabilities(name: str | None) -> Any | None:
+    """What the rollout engine registered as `name` declares it can do (`EngineCapabilities`), or None without a
+    catalog or for a name no registered engine has (the engine-name check reports those)."""
+    catalog = component_catalog()
+    return None if catalog is None or name is None else catalog.engine_capabilities.get(name)
+
+
+def splits_model(caps: Any) -> bool:
+    """Whether an engine with capabilities `caps` splits a model over several devices (reads
+    tensor_model_parallel_size); False: one full copy per device."""
+    return caps.max_tensor_parallel != 1
+
+
+def stream_serves(caps: Any, tensor_parallel_size: int) -> bool:
+    """Whether the engine's token stream (continuous batching, multi-turn turns) runs at this tensor-parallel size."""
+    limit = caps.stream_max_tensor_parallel if splits_model(caps) else None
+    return caps.streams and (limit is None or tensor_parallel_size <= limit)
+
+
+def frozen_engines() -> list[str]:
+    """The registered engines that serve a frozen model (a distillation teacher, a generative judge)."""
+    catalog = component_catalog()
+    return [] if catalog is None else sorted(n for n, c in catalog.engine_capabilities.items() if c.serves_frozen)

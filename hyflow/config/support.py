@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from hyflow.config.catalog import engine_capabilities, splits_model, stream_serves
+
 NOT_SUPPORTED = "not_supported"
 PERFORMANCE_ONLY = "performance_only"
 
@@ -150,8 +152,9 @@ def _fsdp_entries() -> list[KeySupport]:
 
 
 def _engine_kwargs_unsupported(cfg: Any) -> bool:
-    """Engine arguments for the hf engine, which takes none (vllm passes engine_kwargs.vllm to vllm.LLM)."""
-    return _hf_engine(cfg) and bool(dict(cfg.actor_rollout_ref.rollout.engine_kwargs or {}).get("hf"))
+    """Engine arguments for the running engine when it takes none (hf; vllm passes engine_kwargs.vllm to vllm.LLM)."""
+    name = cfg.actor_rollout_ref.rollout.name
+    return not _reads(cfg, "engine_kwargs") and bool(dict(cfg.actor_rollout_ref.rollout.engine_kwargs or {}).get(name))
 
 
 def _engine_kwargs_irrelevant(cfg: Any) -> bool:
@@ -160,18 +163,34 @@ def _engine_kwargs_irrelevant(cfg: Any) -> bool:
     return any(v for k, v in kwargs.items() if k != cfg.actor_rollout_ref.rollout.name)
 
 
-def _hf_engine(cfg: Any) -> bool:
-    return cfg.actor_rollout_ref.rollout.name == "hf"
+def _rollout_engine(cfg: Any) -> Any | None:
+    """The running rollout engine's declared capabilities (None: no catalog, or an engine not registered)."""
+    return engine_capabilities(cfg.actor_rollout_ref.rollout.name)
 
 
-def _vllm_knob(key: str) -> KeySupport:
-    """A vllm engine setting: the vllm engine reads it; the hf engine does not (speed/memory of vllm only)."""
-    return _performance(f"{ARR}.rollout.{key}", VLLM_ONLY,
-                        lambda cfg: non_default(cfg, f"{ARR}.rollout.{key}") and _hf_engine(cfg))
+def _reads(cfg: Any, key: str) -> bool:
+    """Whether the running engine reads rollout key `key` (True when nothing is known of it: no note then)."""
+    caps = _rollout_engine(cfg)
+    return caps is None or key in caps.knobs
 
 
-def _vllm_engine(cfg: Any) -> bool:
-    return cfg.actor_rollout_ref.rollout.name == "vllm"
+def _one_copy_per_device(cfg: Any) -> bool:
+    """The running engine holds one full copy of the model per device (reads no tensor-parallel size: hf)."""
+    caps = _rollout_engine(cfg)
+    return caps is not None and not splits_model(caps)
+
+
+def _splits_model(cfg: Any) -> bool:
+    """The running engine splits a model over devices (tensor_model_parallel_size: vllm)."""
+    caps = _rollout_engine(cfg)
+    return caps is not None and splits_model(caps)
+
+
+def _engine_knob(key: str, reason: str = VLLM_ONLY) -> KeySupport:
+    """A setting of the engines that declare it as a knob (vllm's); an engine that does not read it (hf) generates
+    the same samples without it (speed/memory only)."""
+    return _performance(f"{ARR}.rollout.{key}", reason,
+                        lambda cfg: non_default(cfg, f"{ARR}.rollout.{key}") and not _reads(cfg, key))
 
 
 def _vllm_parallel(key: str) -> KeySupport:
@@ -179,7 +198,8 @@ def _vllm_parallel(key: str) -> KeySupport:
     return _unsupported(f"{ARR}.rollout.{key}", "hyflow's vllm engine runs one engine per device or one "
                         "tensor-parallel engine over all the actor's devices (no data, expert or pipeline "
                         "parallelism inside an engine yet); use 1",
-                        lambda cfg: _vllm_engine(cfg) and lookup(cfg, f"{ARR}.rollout.{key}") != 1)
+                        lambda cfg: _rollout_engine(cfg) is not None and key in _rollout_engine(cfg).knobs
+                        and lookup(cfg, f"{ARR}.rollout.{key}") != 1)
 
 
 def _vllm_tensor_parallel_unbuilt(cfg: Any) -> bool:
@@ -187,7 +207,7 @@ def _vllm_tensor_parallel_unbuilt(cfg: Any) -> bool:
     from hyflow.config.arithmetic import total_devices
 
     tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
-    return _vllm_engine(cfg) and tp not in (1, total_devices(cfg))
+    return _splits_model(cfg) and tp not in (1, total_devices(cfg))
 
 
 R, A, M = f"{ARR}.rollout", f"{ARR}.actor", f"{ARR}.model"
@@ -217,7 +237,8 @@ _TABLE: list[KeySupport] = [
                  "ranks are not built (its ranks would have to decode every turn in lockstep); use "
                  "tensor_model_parallel_size=1 (one engine per device) or the hf engine",
                  lambda cfg: cfg.actor_rollout_ref.rollout.multi_turn.enable
-                 and _vllm_engine(cfg) and cfg.actor_rollout_ref.rollout.tensor_model_parallel_size > 1),
+                 and _rollout_engine(cfg) is not None
+                 and not stream_serves(_rollout_engine(cfg), cfg.actor_rollout_ref.rollout.tensor_model_parallel_size)),
     _unsupported(f"{A}.checkpoint.async_save", "checkpoints are written synchronously; " + LEAVE),
     _unsupported("critic.checkpoint.async_save", "checkpoints are written synchronously; " + LEAVE),
     _unsupported("trainer.default_hdfs_dir", "HDFS copies are not built yet; " + LEAVE),
@@ -264,17 +285,15 @@ _TABLE: list[KeySupport] = [
     _performance(f"{R}.mode", "verl 0.10 has only async (server) rollouts; hyflow's engine decodes each batch "
                  "in one call either way and single-turn samples are the same"),
     _performance(f"{R}.tensor_model_parallel_size", "the hf engine runs one full copy per device",
-                 lambda cfg: _hf_engine(cfg) and lookup(cfg, f"{R}.tensor_model_parallel_size") != 1),
+                 lambda cfg: _one_copy_per_device(cfg) and lookup(cfg, f"{R}.tensor_model_parallel_size") != 1),
     _performance("reward_model.rollout.tensor_model_parallel_size", "hyflow runs a whole judge on each of its "
                  "devices; splitting it changes memory and speed, not its answers",
                  lambda cfg: cfg.reward_model.rollout.tensor_model_parallel_size != 1),
-    *(_vllm_knob(k) for k in ("gpu_memory_utilization", "enforce_eager", "data_parallel_size",
+    *(_engine_knob(k) for k in ("gpu_memory_utilization", "enforce_eager", "data_parallel_size",
                               "expert_parallel_size", "pipeline_model_parallel_size", "max_num_batched_tokens",
                               "max_model_len", "enable_chunked_prefill", "enable_prefix_caching", "load_format")),
-    _performance(f"{R}.disable_log_stats", "a vllm logging knob; the hf engine has no statistics log",
-                 lambda cfg: _hf_engine(cfg) and non_default(cfg, f"{R}.disable_log_stats")),
-    _performance(f"{R}.cudagraph_capture_sizes", "a vllm CUDA-graph knob (speed only); the hf engine has none",
-                 lambda cfg: _hf_engine(cfg) and non_default(cfg, f"{R}.cudagraph_capture_sizes")),
+    _engine_knob("disable_log_stats", "a vllm logging knob; the hf engine has no statistics log"),
+    _engine_knob("cudagraph_capture_sizes", "a vllm CUDA-graph knob (speed only); the hf engine has none"),
     _performance("reward_model.strategy", "hyflow runs a full copy of the reward model on each of its ranks "
                  "(inference only: the same scores as sharded)",
                  lambda cfg: cfg.reward_model.strategy != cfg.actor_rollout_ref.actor.strategy),

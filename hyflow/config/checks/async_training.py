@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hyflow.config.catalog import algorithm_catalog
+from hyflow.config.catalog import algorithm_catalog, engine_capabilities
 from hyflow.config.checks import ROLLOUT, check
 from hyflow.config.schema import HyflowConfig
 
@@ -96,7 +96,8 @@ def asynchronous_mode(cfg: HyflowConfig) -> list[str]:
             problems.append(f"{where} with the rollout on the trainer's workers (rollout.n_gpus_per_node=0) runs on "
                             "one device; with several training devices give the rollout a pool of its own: "
                             "rollout.n_gpus_per_node=N (trainer.executor=ray)")
-        if cfg.actor_rollout_ref.rollout.name != "hf":
+        caps = engine_capabilities(cfg.actor_rollout_ref.rollout.name)
+        if caps is not None and caps.loads_model:  # only an engine on a copy of the trainer's module fits beside it
             problems.append(f"{where} with the rollout in the trainer's process builds a second engine beside the "
                             f"trainer's: only the hf engine does that; for {ROLLOUT}.name="
                             f"{cfg.actor_rollout_ref.rollout.name} give the rollout a pool of its own "

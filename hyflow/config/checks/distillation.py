@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hyflow.config.catalog import algorithm_catalog
+from hyflow.config.catalog import algorithm_catalog, component_catalog, engine_capabilities, frozen_engines
 from hyflow.config.checks import check
 from hyflow.config.keys import not_one_of
 from hyflow.config.schema import HyflowConfig
@@ -69,9 +69,11 @@ def distillation(cfg: HyflowConfig) -> list[str]:
                             "rollout's dummy format waits for the trainer's weights, which a teacher never gets); "
                             "drop it (a teacher always loads its model's weights)")
         engine = inference.get("name") or cfg.actor_rollout_ref.rollout.name
-        if engine not in ("hf", "vllm"):
-            problems.append(f"{prefix}.{name}.inference.name={engine!r}: a teacher is served by the hf or the vllm "
-                            "engine; set inference.name=hf or vllm")
+        caps = engine_capabilities(engine)
+        if component_catalog() is not None and (caps is None or not caps.serves_frozen):
+            frozen = frozen_engines()  # today hf and vllm
+            problems.append(f"{prefix}.{name}.inference.name={engine!r}: a teacher is served by the "
+                            f"{' or the '.join(frozen)} engine; set inference.name={' or '.join(frozen)}")
     if len(teachers) > 1:
         keys = [entry.get("key") for entry in teachers.values()]
         if None in keys or len(set(keys)) != len(keys):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from hyflow.config.catalog import component_catalog, frozen_engines
 from hyflow.config.checks import check
+from hyflow.config.keys import not_one_of
 from hyflow.config.schema import HyflowConfig
 
 
@@ -24,6 +26,9 @@ def judge(cfg: HyflowConfig) -> list[str]:
                             "generative: set reward_model.rollout.name=hf or vllm (and reward_model.enable=true, "
                             "reward_model.model.path=a causal LM) to score with a judge, or drop them")
         return problems
+    frozen = frozen_engines()  # the engines that declare they serve a frozen model (hf, vllm)
+    if component_catalog() is not None and rm.rollout.name not in frozen:
+        return [not_one_of("reward_model.rollout.name", rm.rollout.name, [None, *frozen])]
     if not rm.enable:
         problems.append(f"reward_model.rollout.name={rm.rollout.name} serves a generative reward model, but "
                         "reward_model.enable is false; set reward_model.enable=true (or drop reward_model.rollout)")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hyflow.config.arithmetic import uses_critic
+from hyflow.config.catalog import engine_capabilities
 from hyflow.config.roles import teacher_spec
 from hyflow.config.schema import HyflowConfig
 from hyflow.specs import TeacherSpec
@@ -39,7 +40,8 @@ def check_model_fit(cfg: HyflowConfig, tokenizer: Any, processor: Any | None, *,
                              "vision-language model whose prompts hold images the critic could not see; make the "
                              "critic a vision-language model of the same family (e.g. critic.model.path = the "
                              "policy's path)")
-    if processor is not None and cfg.actor_rollout_ref.rollout.name == "vllm" and cfg.data.mm_processor_kwargs:
+    caps = engine_capabilities(cfg.actor_rollout_ref.rollout.name)
+    if processor is not None and caps is not None and caps.own_image_processor and cfg.data.mm_processor_kwargs:
         raise ValueError("data.mm_processor_kwargs with actor_rollout_ref.rollout.name=vllm: vLLM processes the "
                          "images with the model's own image processor settings, so the rollout and the trainer "
                          "would see different image sizes; put min_pixels / max_pixels into the model's "

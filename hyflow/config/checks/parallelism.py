@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from hyflow.config.arithmetic import role_devices, total_devices
+from hyflow.config.catalog import engine_capabilities, splits_model
 from hyflow.config.checks import ACTOR, ROLLOUT, check
 from hyflow.config.schema import HyflowConfig
 
@@ -40,7 +41,8 @@ def device_problems(cfg: HyflowConfig, n_devices: int | None) -> list[str]:
                             "row is cut across the group's devices; set it, or the sequence-parallel size to 1.")
     problems += _check_tensor_parallel(cfg, devices, role_devices(cfg, "critic", n_devices))
     rollout = cfg.actor_rollout_ref.rollout
-    if rollout.name != "hf" and devices % max(rollout.tensor_model_parallel_size, 1):
+    caps = engine_capabilities(rollout.name)
+    if caps is not None and splits_model(caps) and devices % max(rollout.tensor_model_parallel_size, 1):
         problems.append(
             f"{ROLLOUT}.tensor_model_parallel_size={rollout.tensor_model_parallel_size} does not divide the {devices} "
             f"devices; set it to a divisor of {devices}."

@@ -76,8 +76,8 @@ class RewardModelRolloutConfig:
     classifier scored by hyflow's forward."""
 
     name: str | None = option(
-        None, "Engine serving the judge: hf or vllm (null: the reward model is discriminative, no engine).",
-        choices=(None, "hf", "vllm"))
+        None, "Engine serving the judge: hf or vllm, a registered engine that serves a frozen model (null: the reward "
+        "model is discriminative, no engine).")
     dtype: str = option("bfloat16", "The judge's weights dtype on an accelerator (fp32 on CPU).")
     gpu_memory_utilization: float = option(0.5, "vllm: share of the device memory the judge's engine may use.")
     enforce_eager: bool = option(True, "vllm: no CUDA graphs for the judge's engine.")

