@@ -22,6 +22,12 @@ def test_dp_shard_takes_the_ranks_the_others_leave():
     hsdp = ParallelDims(world_size=8, dp_replicate=2, dp_shard=4)
     assert (hsdp.dp_size, hsdp.sizes()) == (8, {"dp_replicate": 2, "dp_shard": 4})
     assert ParallelDims().sizes() == {} and ParallelDims().flattened() == {}
+    # on several ranks the mesh keeps FSDP2's dimension at size 1 too (tp=2 on 2 ranks: a (1, 2) mesh, as before)
+    tp_only = ParallelDims(world_size=2, tp=2)
+    assert (tp_only.sizes(), tp_only.mesh_sizes()) == ({"tp": 2}, {"dp_shard": 1, "tp": 2})
+    assert tp_only.flattened() == {"dp": ("dp_shard",), "dp_shard_sp": ("dp_shard",), "dp_sp": ("dp_shard",),
+                                   "sp_tp": ("tp",)}
+    assert ParallelDims().mesh_sizes() == {}
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
