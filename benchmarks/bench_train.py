@@ -381,12 +381,16 @@ def _parallel_rank(rank: int, mode: str, args: argparse.Namespace, model_dir: st
     model.train()
     group = None
     if world > 1 and mode == "sp":
-        group = dist.new_group(list(range(world)))
-    elif world > 1:
-        from hyflow.models.tensor_parallel import apply_tensor_parallel, tp_mesh
-        from hyflow.workers.fsdp import decoder_layers
+        from hyflow.parallel import ParallelDims
 
-        apply_tensor_parallel(model, decoder_layers(model), tp_mesh(args.device, world, world)["tp"])
+        group = ParallelDims(world_size=world, sp=world).build_mesh(args.device).group("sp")
+    elif world > 1:
+        from hyflow.models.tensor_parallel import apply_tensor_parallel
+        from hyflow.parallel import ParallelDims
+        from hyflow.parallel.fsdp import decoder_layers
+
+        mesh = ParallelDims(world_size=world, tp=world).build_mesh(args.device)
+        apply_tensor_parallel(model, decoder_layers(model), mesh.get("tp"))
     vocab = model.config.vocab_size
 
     def batch(seed: int):

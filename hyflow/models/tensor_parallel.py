@@ -9,9 +9,10 @@ attention, which reads the local head count from its tensors) runs as in one pro
 out the same on every rank of the group (the backward of a replicated input all-reduces its partial gradients).
 
 The group's ranks therefore compute on the same rows (`hyflow.workers.train_engine` gathers them, as for Ulysses
-groups) and FSDP2 shards over the data-parallel dimension of the (dp, tp) mesh (`tp_mesh`). Parameters of a
-split module are DTensors on the tp mesh (FSDP2 adds the dp dimension); state dicts, weight sync and checkpoints
-see full tensors through DTensor (`hyflow.workers.fsdp`).
+groups) and FSDP2 shards over the data-parallel dimension of the one mesh (`hyflow.parallel.dims`, whose `tp`
+dimension this module splits over; `hyflow.parallel.parallelize` applies both in order). Parameters of a split
+module are DTensors on the tp mesh (FSDP2 adds the dp dimension); state dicts, weight sync and checkpoints see full
+tensors through DTensor (`hyflow.workers.fsdp`).
 
 `apply_tensor_parallel(model, mesh)` checks first that the model is of this shape (a `config` with attention and
 key-value heads divisible by T, decoder layers with `self_attn.{q,k,v,o}_proj` and `mlp.{gate,up,down}_proj`
@@ -32,16 +33,6 @@ LAYER_PLAN: dict[str, str] = {
     "mlp.up_proj": "colwise",
     "mlp.down_proj": "rowwise",
 }
-
-
-def tp_mesh(device_type: str, world_size: int, tp_size: int):
-    """The (dp, tp) DeviceMesh of `world_size` ranks: tensor-parallel groups of `tp_size` consecutive ranks
-    (rank = dp_index * tp_size + tp_index). Collective: every rank calls it, in the same order."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if tp_size < 1 or world_size % tp_size:
-        raise ValueError(f"tensor_parallel_size={tp_size} must divide the role's {world_size} ranks")
-    return init_device_mesh(device_type, (world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
 
 
 def tp_problem(model: nn.Module, layers: list[nn.Module], tp_size: int) -> str | None:
@@ -75,7 +66,7 @@ def tp_problem(model: nn.Module, layers: list[nn.Module], tp_size: int) -> str |
 
 
 def apply_tensor_parallel(model: nn.Module, layers: list[nn.Module], mesh) -> None:
-    """Split every decoder layer of `model` (`layers`, from `hyflow.workers.fsdp.decoder_layers`) over the 1-D
+    """Split every decoder layer of `model` (`layers`, from `hyflow.parallel.fsdp.decoder_layers`) over the 1-D
     tensor-parallel `mesh`, in place (before FSDP2 wraps the model). Raises ValueError when the model is not of
     the shape LAYER_PLAN needs."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module

@@ -8,18 +8,20 @@ torchtitan's does) and must divide it.
 
 The mesh lays the dimensions out outermost first, in torchtitan's order `pp, dp_replicate, dp_shard, sp, tp`, so the
 ranks of a tensor-parallel group are consecutive, then those of a sequence-parallel group: rank = ((((p * R + r) * F
-+ f) * S + s) * T + t). That is the layout hyflow's groups had before (`hyflow.models.tensor_parallel.tp_mesh`'s
-(dp, tp) mesh, `hyflow.workers.sequence_parallel.new_groups`' groups of consecutive ranks). Only the dimensions
-of size > 1 are in the mesh; besides them it names the flattened dimensions the engine uses:
++ f) * S + s) * T + t) (the layout hyflow's separate tensor- and sequence-parallel groups had before this mesh was
+their one source). Only the dimensions of size > 1 are in the mesh, and on several ranks `dp_shard` always (FSDP2
+shards over it even at size 1, so that tensor-parallel parameters are DTensors of one mesh); besides them it names
+the flattened dimensions the engine uses:
 
 - `dp`: dp_replicate x dp_shard, the data-parallel ranks (a batch is split over them);
 - `dp_shard_sp`: dp_shard x sp, the ranks FSDP2 shards the parameters over (a sequence-parallel group's ranks hold
   different shards, as verl's Ulysses does);
-- `dp_sp`: dp_replicate x dp_shard x sp, the ranks a loss is all-reduced over.
+- `dp_sp`: dp_replicate x dp_shard x sp, the ranks a loss is all-reduced over;
+- `sp_tp`: sp x tp, the ranks that compute on the same rows (a sequence x tensor-parallel group).
 
 `build_mesh` returns a `ParallelMesh`: the DeviceMesh and its flattened sub-meshes by name (`get(name)`; None for a
-dimension of size 1, which is not in the mesh). One process (every size 1) builds no DeviceMesh and needs no
-process group.
+dimension not in the mesh; `group(name)`: None for one of size 1). One process (every size 1) builds no DeviceMesh
+and needs no process group.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 ORDER = ("pp", "dp_replicate", "dp_shard", "sp", "tp")  # outermost first (torchtitan's order, cp -> sp)
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_sp": ("dp_shard", "sp"),
-             "dp_sp": ("dp_replicate", "dp_shard", "sp")}
+             "dp_sp": ("dp_replicate", "dp_shard", "sp"), "sp_tp": ("sp", "tp")}
 
 
 @dataclass(frozen=True)
@@ -78,10 +80,18 @@ class ParallelDims:
         """Every mesh dimension of size > 1, outermost first: {name: size}."""
         return {name: getattr(self, name) for name in ORDER if getattr(self, name) > 1}
 
+    def mesh_sizes(self) -> dict[str, int]:
+        """The dimensions of the DeviceMesh, outermost first: those of size > 1, and on several ranks `dp_shard`
+        always (FSDP2 shards over it, at size 1 too: under tensor parallelism its parameters are 2-D DTensors of
+        one mesh); {} on one rank."""
+        if self.world_size == 1:
+            return {}
+        return {name: getattr(self, name) for name in ORDER if getattr(self, name) > 1 or name == "dp_shard"}
+
     def flattened(self) -> dict[str, tuple[str, ...]]:
         """The flattened dimensions the mesh names (module docstring), each of the mesh dimensions it joins; one of
         a single dimension is that dimension under a second name, one of none is left out."""
-        sizes = self.sizes()
+        sizes = self.mesh_sizes()
         out = {}
         for name, parts in FLATTENED.items():
             present = tuple(part for part in parts if part in sizes)
@@ -97,9 +107,10 @@ class ParallelDims:
             return ParallelMesh(self, None, {})
         from torch.distributed.device_mesh import init_device_mesh
 
-        sizes = self.sizes()
+        sizes = self.mesh_sizes()
         root = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
-        flat = {name: root[parts]._flatten(name) if parts != (name,) else root[name]
+        # a flattened name of one dimension is that dimension's own sub-mesh (no new process group)
+        flat = {name: root[parts]._flatten(name) if len(parts) > 1 else root[parts[0]]
                 for name, parts in self.flattened().items()}
         return ParallelMesh(self, root, flat)
 
@@ -114,15 +125,15 @@ class ParallelMesh:
     flat: dict
 
     def get(self, name: str):
-        """The sub-mesh `name` (a mesh dimension of `ORDER` or a flattened one of `FLATTENED`), or None when it has
-        size 1 (not in the mesh) or there is no mesh (one process). Raises KeyError for another name."""
+        """The sub-mesh `name` (a mesh dimension of `ORDER` or a flattened one of `FLATTENED`), or None when it is
+        not in the mesh (size 1, `mesh_sizes`) or there is no mesh (one process). Raises KeyError for another name."""
         if name not in ORDER and name not in FLATTENED:
             raise KeyError(f"no mesh dimension {name!r}; the dimensions are {ORDER + tuple(FLATTENED)}")
         if self.root is None:
             return None
         if name in self.flat:
             return self.flat[name]
-        return self.root[name] if name in self.dims.sizes() else None
+        return self.root[name] if name in self.dims.mesh_sizes() else None
 
     def local_rank(self, name: str) -> int:
         """This rank's index along dimension `name` (0 when it has size 1)."""
@@ -132,4 +143,4 @@ class ParallelMesh:
     def group(self, name: str):
         """The process group of this rank along `name`, or None when the dimension has size 1."""
         mesh = self.get(name)
-        return None if mesh is None else mesh.get_group()
+        return None if mesh is None or mesh.size() == 1 else mesh.get_group()

@@ -1,16 +1,82 @@
-"""The seats `parallelize` fills in torchtitan's order: pipeline stages first (`apply_pp`, which cuts the model),
-then tensor parallelism, sequence parallelism, expert parallelism (`apply_ep`), activation checkpointing, compile,
-and FSDP2 `fully_shard` last (it shards what the others left).
+"""`parallelize(model, dims, spec, mesh)`: every parallel dimension applied to a plain Hugging Face model, in
+torchtitan's order, on the one mesh of `hyflow.parallel.dims`.
 
-Pipeline and expert parallelism are issue 39: their seats refuse a size above 1 by name, so a configuration that
-asks for them fails before any model is cut.
+1. pipeline stages (`apply_pp`, which would cut the model; a seat: issue 39);
+2. tensor parallelism (`apply_tp`: each decoder layer's attention and MLP split over the `tp` mesh,
+   `hyflow.models.tensor_parallel`);
+3. sequence parallelism (`apply_sp`: Ulysses changes no module, its all-to-alls run inside the packed attention
+   under `hyflow.models.ulysses.sequence_parallel(mesh.group("sp"))`; the seat checks that the model's heads split);
+4. expert parallelism (`apply_ep`; a seat: issue 39);
+5. activation checkpointing (`hyflow.parallel.fsdp.apply_activation_checkpointing`, per decoder layer);
+6. compile (`hyflow.models.compile.CompiledModules`: the MLPs and norms, switched on for the engine's own passes);
+7. the data-parallel wrapper last, which shards or replicates what the others left: FSDP2 `fully_shard` over the
+   `dp_shard_sp` mesh (`hyflow.parallel.fsdp.apply_fsdp`), or DDP (trainable models only), or none on one rank.
+
+Pipeline and expert parallelism refuse a size above 1 by name, so a configuration that asks for them fails before any
+model is cut. HSDP (dp_replicate > 1) is not built either.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 
-from hyflow.parallel.dims import ParallelDims
+from hyflow.parallel.dims import ParallelDims, ParallelMesh
+from hyflow.parallel.fsdp import apply_activation_checkpointing, apply_fsdp, decoder_layers, wrap_ddp
+
+STRATEGIES = ("single", "ddp", "fsdp2")
+
+
+@dataclass(frozen=True)
+class ParallelizeSpec:
+    """How `parallelize` wraps one model. strategy: "single" (one rank, unwrapped), "ddp" or "fsdp2";
+    mixed_precision: FSDP2's compute dtype (None/fp32 = full precision); reshard_after_forward and offload_policy:
+    FSDP2's (`hyflow.parallel.fsdp.apply_fsdp`); activation_checkpointing: recompute each decoder layer in
+    backward; compile: the per-token modules compiled (`hyflow.models.compile`); trainable: False for a frozen model
+    (DDP then leaves it unwrapped)."""
+
+    strategy: str = "single"
+    mixed_precision: str | None = None
+    reshard_after_forward: bool = True
+    offload_policy: bool = False
+    activation_checkpointing: bool = False
+    compile: bool = False
+    trainable: bool = True
+
+
+@dataclass
+class Parallelized:
+    """What `parallelize` returns: the wrapped `model` and the compiled modules (None without compile)."""
+
+    model: nn.Module
+    compiled: object = None
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, spec: ParallelizeSpec, mesh: ParallelMesh) -> Parallelized:
+    """Apply every dimension of `dims` to `model` on `mesh` (`dims.build_mesh`), in place and in the module
+    docstring's order. Raises ValueError for a model a dimension cannot split, NotImplementedError for pp/ep > 1."""
+    if spec.strategy not in STRATEGIES:
+        raise ValueError(f"parallelize: strategy={spec.strategy!r}; use one of {STRATEGIES}")
+    if dims.dp_replicate > 1:
+        raise NotImplementedError(f"hybrid sharding (dp_replicate={dims.dp_replicate}) is not built; use 1")
+    model = apply_pp(model, dims, mesh)
+    apply_tp(model, dims, mesh)
+    apply_sp(model, dims, mesh)
+    model = apply_ep(model, dims, mesh)
+    if spec.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    compiled = None
+    if spec.compile:
+        from hyflow.models.compile import CompiledModules
+
+        compiled = CompiledModules(model)
+    if spec.strategy == "fsdp2":
+        model = apply_fsdp(model, mesh.get("dp_shard_sp"), mixed_precision=spec.mixed_precision,
+                           reshard_after_forward=spec.reshard_after_forward, offload_policy=spec.offload_policy)
+    elif spec.strategy == "ddp" and spec.trainable:
+        model = wrap_ddp(model)
+    return Parallelized(model, compiled)
 
 
 def apply_pp(model: nn.Module, dims: ParallelDims, mesh=None) -> nn.Module:
@@ -18,6 +84,30 @@ def apply_pp(model: nn.Module, dims: ParallelDims, mesh=None) -> nn.Module:
     if dims.pp > 1:
         raise NotImplementedError(f"pipeline parallelism (pp={dims.pp}) is not built yet (issue 39); use pp=1")
     return model
+
+
+def apply_tp(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh) -> None:
+    """Tensor parallelism over the `tp` mesh (`hyflow.models.tensor_parallel.apply_tensor_parallel`), in place; a
+    no-op at tp=1. Raises ValueError naming what of the model cannot be split."""
+    if dims.tp == 1:
+        return
+    from hyflow.models.tensor_parallel import apply_tensor_parallel
+
+    apply_tensor_parallel(model, decoder_layers(model), mesh.get("tp"))
+
+
+def apply_sp(model: nn.Module, dims: ParallelDims, mesh=None) -> None:
+    """Ulysses sequence parallelism over the `sp` mesh changes no module (module docstring); it needs each rank of
+    a sequence x tensor-parallel group to attend with a whole number of heads: sp x tp must divide the heads."""
+    if dims.sp == 1:
+        return
+    config = getattr(model, "config", None)
+    heads = getattr(getattr(config, "text_config", None) or config, "num_attention_heads", None)
+    if heads is not None and heads % (dims.sp * dims.tp):
+        split = f"ulysses_sequence_parallel_size={dims.sp}" + (f" x tensor_parallel_size={dims.tp}" if dims.tp > 1
+                                                               else "")
+        raise ValueError(f"{split} must divide the model's {heads} attention heads (each rank attends with "
+                         f"heads / {dims.sp * dims.tp} of them)")
 
 
 def apply_ep(model: nn.Module, dims: ParallelDims, mesh=None) -> nn.Module:

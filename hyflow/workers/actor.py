@@ -121,7 +121,7 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
         if spec.rollout.stream:
             self._build_stream(model)
         self.engine = TrainEngine.from_spec(model, spec.engine, device=self.model_device,
-                                            world_size=self.world_size, rank=self.rank)
+                                            world_size=self.world_size)
         self.model = self.engine.model
         if self.rank == 0:
             self._describe_engine()
@@ -130,7 +130,7 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
         self.ref = None
         if ref_model is not None:
             self.ref = TrainEngine.from_spec(ref_model, spec.ref, device=self.model_device,
-                                             world_size=self.world_size, rank=self.rank)
+                                             world_size=self.world_size)
         elif spec.ref is not None:
             self.ref = self.engine  # LoRA: the reference is the actor with its adapter disabled
 

@@ -63,8 +63,7 @@ class CriticWorker(EngineCheckpoints, Worker):
                                  override_config=dict(spec.model.override_config),
                                  enable_gradient_checkpointing=spec.model.enable_gradient_checkpointing,
                                  device=self.model_device, config_key=spec.model.config_key)
-        self.engine = TrainEngine.from_spec(model, spec.engine, device=self.model_device, world_size=self.world_size,
-                                            rank=self.rank)
+        self.engine = TrainEngine.from_spec(model, spec.engine, device=self.model_device, world_size=self.world_size)
         self.model = self.engine.model
         if self.rank == 0:
             print(self.engine.describe_parameters(), flush=True)

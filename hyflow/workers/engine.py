@@ -24,7 +24,8 @@ import importlib
 import inspect
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -372,3 +373,50 @@ def apply_full_determinism(enabled: bool) -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """`trainer.device`: auto = cuda when available, else cpu."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device(name)
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """How one `update` call walks its batch: `epochs` passes in mini-batches of `mini_batch_size` samples (this
+    rank's share), shuffled per epoch with `seed` when `shuffle`, each cut into micro-batches as `sizes` says
+    (`RoleBatches` of `batch_arithmetic`); the loss normalisers follow `loss_agg_mode`. `count_rows`: columns
+    whose rows with a nonzero first entry are counted over each mini-batch on all ranks (`MicroContext.counts`,
+    e.g. the rows of online DPO's pairs)."""
+
+    mini_batch_size: int
+    epochs: int
+    shuffle: bool
+    seed: int
+    sizes: object
+    loss_agg_mode: str
+    metric_prefix: str
+    count_rows: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MicroContext:
+    """What a loss function needs to know about the micro-batch it scores (see the module docstring)."""
+
+    norms: dict
+    global_tokens: float
+    n_micro: int
+    world_size: int
+    counts: dict = field(default_factory=dict)  # UpdatePlan.count_rows: column -> its counted rows, all ranks
+
+    def token_weight(self, mask: torch.Tensor) -> float:
+        """The micro-batch's share of the mini-batch's tokens: weight of a per-token mean metric."""
+        return float(mask.sum()) / self.global_tokens
+
+
+LossFn = Callable[[dict, dict, MicroContext], tuple[torch.Tensor, dict]]

@@ -1,14 +1,10 @@
-"""Multi-rank training for hyflow's workers: FSDP2 wrapping, full and sharded checkpoints, bucketed weight gathering.
+"""Multi-rank training for hyflow's workers: the process group, full and sharded checkpoints, bucketed weight
+gathering, offload moves.
 
-FSDP2 (`torch.distributed.fsdp.fully_shard`, ZeRO-3). Every parameter becomes a DTensor sharded on dim 0 over
-a 1-D device mesh of the W data-parallel ranks. Each decoder layer is its own shard group (all-gathered just
-before its forward, freed after it when `reshard_after_forward`), the root group holds everything else:
-embeddings, final norm, lm_head or value head. Tied input/output embeddings (Qwen2: `lm_head.weight is
-model.embed_tokens.weight`) are therefore one parameter in one group and stay tied. Gradients are
-reduce-scattered as the MEAN over ranks, which is why the workers scale each micro-batch loss by W (their losses
-are already normalised by the global token/sequence counts: W x mean over ranks = sum over ranks = the
-single-process gradient). Mixed precision (`MixedPrecisionPolicy`): parameters are cast to bf16/fp16 for
-compute, gradients are reduced in fp32, the master weights and the optimizer stay fp32.
+The wrapping itself (FSDP2 `fully_shard` over the mesh's `dp_shard_sp` dimension, DDP, decoder-layer discovery,
+mixed precision, activation checkpointing) is `hyflow.parallel`'s (`hyflow.parallel.fsdp`, applied in order by
+`hyflow.parallel.parallelize`). Under FSDP2 every parameter is a DTensor sharded on dim 0, which is what the state
+dicts, the weight gathering and the offload moves here read and write.
 
 State dicts (`torch.distributed.checkpoint.state_dict`):
 
@@ -36,7 +32,7 @@ place, as verl's `offload_fsdp_model_to_cpu` / `load_fsdp_model_to_gpu` do (`mod
 (verl's `offload_fsdp_optimizer` / `load_fsdp_optimizer`). `TrainEngine` runs the state machine around them. FSDP2's
 own `CPUOffloadPolicy` (`fsdp_config.offload_policy`) instead keeps the shards, their gradients and the optimizer
 step on the host for good and copies each layer's parameters to the device for its forward and backward
-(`wrap_fsdp2(offload_policy=True)`); its pinned host memory needs an accelerator, so on a CPU model it runs unpinned.
+(`hyflow.parallel.fsdp.apply_fsdp(offload_policy=True)`); its pinned host memory needs an accelerator, so on a CPU model it runs unpinned.
 
 Timeouts. `maybe_init_distributed` creates the process group with `timeout_s` (DIST_TIMEOUT_S by default): a
 collective that a peer never joins raises (gloo: a RuntimeError after the timeout; NCCL: the watchdog aborts the
@@ -66,9 +62,6 @@ from hyflow.serialization import (
 
 DIST_TIMEOUT_S = 600.0
 WEIGHT_BUCKET_BYTES = 256 << 20
-
-_MIXED_PRECISION = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-                    "fp16": torch.float16, "float32": None, "fp32": None}
 
 
 # ---------------------------------------------------------------------------------------------- process group
@@ -108,139 +101,8 @@ def parallel_strategy(strategy: str, world_size: int) -> str:
 # ---------------------------------------------------------------------------------------------- wrapping
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a model, each to become its own FSDP shard group.
-
-    `<base model>.layers` for Hugging Face decoders (`model.model.layers`, also for value and reward models);
-    otherwise the `nn.ModuleList` of same-class blocks holding the most parameters (GPT-2's `transformer.h`);
-    [] when there is none (then the whole model is one group).
-    """
-    inner = unwrap_model(model)
-    base = getattr(inner, getattr(inner, "base_model_prefix", "") or "", None)
-    layers = getattr(base, "layers", None)
-    if isinstance(layers, nn.ModuleList) and len(layers) > 0:
-        return list(layers)
-    best, best_params = [], 0
-    for module in inner.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0 and len({type(m) for m in module}) == 1:
-            n_params = sum(p.numel() for p in module.parameters())
-            if n_params > best_params:
-                best, best_params = list(module), n_params
-    return best
-
-
-def check_shard_groups(model: nn.Module, layers: list[nn.Module]) -> None:
-    """Raise if a parameter is shared between a layer and anything outside it (FSDP would untie it).
-
-    Tied input/output embeddings are fine: both live in the root group. A weight tied into a decoder layer is not.
-    """
-    prefixes = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
-    owner: dict[int, str] = {}
-    for layer in layers:
-        for param in layer.parameters():
-            owner[id(param)] = prefixes[id(layer)] + "."
-    for name, param in model.named_parameters(remove_duplicate=False):
-        prefix = owner.get(id(param))
-        if prefix is not None and not name.startswith(prefix):
-            raise ValueError(f"parameter {name!r} is shared with decoder layer {prefix[:-1]!r}; FSDP2 shards each "
-                             "layer separately and would untie it: untie the weights, or keep shared weights "
-                             "outside the decoder layers")
-
-
-def mixed_precision_policy(dtype: str | None):
-    """FSDP2 `MixedPrecisionPolicy`: compute in `dtype` (bf16/fp16), reduce gradients in fp32; None/fp32 = off."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    if dtype is None:
-        return MixedPrecisionPolicy()
-    if dtype not in _MIXED_PRECISION:
-        raise ValueError(f"fsdp_config.dtype={dtype!r} is not a mixed-precision dtype; use one of "
-                         f"{sorted(_MIXED_PRECISION)}")
-    param_dtype = _MIXED_PRECISION[dtype]
-    if param_dtype is None:
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-
-
-def wrap_fsdp2(model: nn.Module, *, mixed_precision: str | None, reshard_after_forward: bool = True,
-               activation_checkpointing: bool = False, offload_policy: bool = False, mesh=None) -> nn.Module:
-    """Shard `model` in place with FSDP2 over all ranks: each decoder layer, then the root; returns `model`.
-
-    mesh = init_device_mesh(device type of the parameters, (W,)), or the given one (the data-parallel dimension
-    of a (dp, tp) mesh under tensor parallelism, `hyflow.models.tensor_parallel`). `reshard_after_forward` applies to the layers;
-    the root group (embeddings, norm, heads) always stays gathered between its forward and the backward, since
-    the lm_head chunks of `hyflow.models.forward` run after the forward. `mixed_precision`: None or fp32 = full
-    precision, bf16/fp16 = `MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)`. `activation_checkpointing`
-    recomputes each layer's activations in backward (composable checkpoint: parameter names are unchanged).
-    `offload_policy`: FSDP2's `CPUOffloadPolicy` (shards, gradients and optimizer step on the host; each group's
-    parameters copied to the device for its passes), pinned host memory when the model is on an accelerator.
-    Needs an initialised process group (`maybe_init_distributed`).
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("wrap_fsdp2 needs an initialised torch.distributed process group; call "
-                           "maybe_init_distributed(worker) (or torch.distributed.init_process_group) first")
-    device_type = next(model.parameters()).device.type
-    if mesh is None:
-        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-    policy = mixed_precision_policy(mixed_precision)
-    offload = cpu_offload_policy(device_type) if offload_policy else None
-    layers = decoder_layers(model)
-    check_shard_groups(model, layers)
-    for layer in layers:
-        if activation_checkpointing:
-            from torch.distributed._composable import checkpoint
-
-            checkpoint(layer)
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
-                    **({"offload_policy": offload} if offload else {}))
-    # The root stays gathered after its forward: hyflow runs the lm_head in chunks after the model's forward
-    # (hyflow.models.forward), and backward needs the root's parameters at once anyway.
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy,
-                **({"offload_policy": offload} if offload else {}))
-    # FSDP2 warns on every forward whose output is a view (a token classifier's logits are a reshaped matmul):
-    # an in-place op on it would skip the backward all-gather. hyflow's forward functions never modify model
-    # outputs in place (the 2-rank vs 1-process gradient tests would fail), so on each rank it is only noise.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    return model
-
-
-def cpu_offload_policy(device_type: str):
-    """FSDP2's `CPUOffloadPolicy` for a model on `device_type`: pinned host memory (asynchronous copies) for an
-    accelerator; unpinned on a CPU model, where pinning raises ("Cannot access accelerator device when none is
-    available", torch 2.13) and the host is the device anyway."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    return CPUOffloadPolicy(pin_memory=device_type != "cpu")
-
-
-def wrap_ddp(model: nn.Module) -> nn.Module:
-    """DistributedDataParallel around `model` (replicated weights, gradients all-reduced as the mean)."""
-    device = next(model.parameters()).device
-    device_ids = [device.index] if device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
-
-
-def wrap_model(model: nn.Module, strategy: str, fsdp_config, *, trainable: bool = True, mesh=None) -> nn.Module:
-    """Wrap one role's model for `strategy` (from `parallel_strategy`): FSDP2, DDP (trainable models only) or as is.
-
-    FSDP2 mixed precision follows `fsdp_config.dtype` on accelerators; CPU models compute in fp32 (as the
-    workers' autocast does). `fsdp_config.reshard_after_forward` and `fsdp_config.offload_policy` are passed through.
-    """
-    if strategy == "fsdp2":
-        on_cpu = next(model.parameters()).device.type == "cpu"
-        return wrap_fsdp2(model, mixed_precision=None if on_cpu else fsdp_config.dtype,
-                          reshard_after_forward=fsdp_config.reshard_after_forward,
-                          offload_policy=uses_offload_policy(strategy, fsdp_config), mesh=mesh)
-    if strategy == "ddp" and trainable:
-        return wrap_ddp(model)
-    return model
-
-
 def uses_offload_policy(strategy: str, fsdp_config) -> bool:
-    """Whether `wrap_model` gives the model FSDP2's CPUOffloadPolicy: `fsdp_config.offload_policy` under FSDP2 (a
+    """Whether `parallelize` gives the model FSDP2's CPUOffloadPolicy: `fsdp_config.offload_policy` under FSDP2 (a
     model run unwrapped or under DDP has no such policy; the config refuses asking for it there)."""
     return strategy == "fsdp2" and bool(getattr(fsdp_config, "offload_policy", False))
 

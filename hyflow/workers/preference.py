@@ -76,7 +76,7 @@ class PreferenceWorker(SFTWorker):
                                    device=self.model_device)
         frozen = dataclasses.replace(spec.engine, name="ref", optim=None, lora=None, checkpoint_prefix="ref_")
         self.ref = TrainEngine.from_spec(model.to(self.model_device), frozen, device=self.model_device,
-                                         world_size=self.world_size, rank=self.rank)
+                                         world_size=self.world_size)
 
     # ------------------------------------------------------------------------------------------ passes
 

@@ -63,10 +63,8 @@ class ImplicitPRMWorker(EngineCheckpoints, Worker):
                                config_key=spec.model.config_key, **load)
         ref = load_causal_lm(spec.ref_model.path, override_config=dict(spec.ref_model.override_config),
                              config_key=spec.ref_model.config_key, **load)
-        self.engine = TrainEngine.from_spec(model, spec.engine, device=self.model_device, world_size=self.world_size,
-                                            rank=self.rank)
-        self.ref = TrainEngine.from_spec(ref, spec.ref_engine, device=self.model_device, world_size=self.world_size,
-                                         rank=self.rank)
+        self.engine = TrainEngine.from_spec(model, spec.engine, device=self.model_device, world_size=self.world_size)
+        self.ref = TrainEngine.from_spec(ref, spec.ref_engine, device=self.model_device, world_size=self.world_size)
         self.model = self.engine.model
         if self.rank == 0:
             print(f"PRIME implicit PRM: {self.engine.describe_parameters()}", flush=True)

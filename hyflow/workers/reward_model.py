@@ -183,7 +183,7 @@ class RewardModelWorker(Worker):
                                   override_config=dict(model_spec.override_config), device=self.model_device,
                                   config_key=model_spec.config_key)
         # one whole copy per rank: the engine is built for this rank alone (world size 1, no wrapper)
-        self.engine = TrainEngine.from_spec(model, spec.engine, device=self.model_device, world_size=1, rank=0)
+        self.engine = TrainEngine.from_spec(model, spec.engine, device=self.model_device, world_size=1)
         self.model = self.engine.model
 
     def _load_policy_tokenizer(self):

@@ -1,8 +1,8 @@
 """A worker's Ulysses sequence-parallel group (verl's `ulysses_sequence_parallel_size` = S).
 
-The W ranks of a role form W / S data-parallel groups of S consecutive ranks (ranks sS .. sS + S - 1), as verl's
-device mesh (dp, sp) lays them out. The controller splits a batch over all W ranks; the S ranks of a group then
-exchange their shares (`gather_rows`), so each holds the group's rows, computes on them sequence-parallel
+The W ranks of a role form W / S data-parallel groups of S ranks (the `sp` dimension of the role's one mesh,
+`hyflow.parallel.dims`; with tensor parallelism too, a row group is the `sp_tp` dimension). The controller splits
+a batch over all W ranks; the S ranks of a group then exchange their shares (`gather_rows`), so each holds the group's rows, computes on them sequence-parallel
 (`hyflow.models.ulysses`: rank s of the group runs the s-th slice of every packed row) and keeps the outputs of its
 own share (`own_rows`). An update's mini-batches keep their rows: the dispatcher gave rank r the r-th slice of
 every mini-batch (mini-batch-major order), so the gathered rows are put back mini-batch by mini-batch
@@ -15,22 +15,6 @@ import torch
 import torch.distributed as dist
 
 from hyflow.batch import Batch
-
-
-def new_groups(world_size: int, rank: int, size: int):
-    """Create every sequence-parallel group of `size` consecutive ranks (every rank must call this, in the same
-    order: `dist.new_group` is collective) and return this rank's, or None when `size` is 1."""
-    if size <= 1:
-        return None
-    if world_size % size:
-        raise ValueError(f"ulysses_sequence_parallel_size={size} must divide the role's {world_size} ranks")
-    mine = None
-    for start in range(0, world_size, size):
-        ranks = list(range(start, start + size))
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine = group
-    return mine
 
 
 def gather_rows(batch: Batch, group) -> tuple[Batch, slice, list[int]]:

@@ -91,8 +91,7 @@ class SFTWorker(EngineCheckpoints, Worker):
         # What a checkpoint needs to rebuild the model (hf_config/), read before the engine wraps it.
         self.hf_config = model.config
         self.generation_config = getattr(model, "generation_config", None)
-        self.engine = TrainEngine.from_spec(model, spec.engine, device=self.model_device, world_size=self.world_size,
-                                            rank=self.rank)
+        self.engine = TrainEngine.from_spec(model, spec.engine, device=self.model_device, world_size=self.world_size)
         if self.rank == 0:
             print(self.engine.describe_parameters(), flush=True)
 

@@ -481,11 +481,10 @@ def test_tensor_parallel_batches_must_split_over_the_data_parallel_groups():
          "actor_rollout_ref.actor.tensor_parallel_size=0 must be >= 1 and divide the 8 devices"),
         (["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.ref.tensor_parallel_size=16"],
          "actor_rollout_ref.ref.tensor_parallel_size=16 must be >= 1 and divide the 8 devices"),
-        (["actor_rollout_ref.actor.tensor_parallel_size=2", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"],
-         "actor_rollout_ref.actor.tensor_parallel_size=2 with actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"
-         ": tensor parallelism together with Ulysses sequence parallelism in one role is not built yet; use one of "
-         "them (set actor_rollout_ref.actor.tensor_parallel_size=1 or actor_rollout_ref.actor.ulysses_sequence_"
-         "parallel_size=1)."),
+        (["actor_rollout_ref.actor.tensor_parallel_size=4", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4"],
+         "actor_rollout_ref.actor.tensor_parallel_size=4 x actor_rollout_ref.actor.ulysses_sequence_parallel_size=4 = "
+         "16 must divide the 8 devices (sequence x tensor parallelism in one role is one (sp, tp) mesh per "
+         "data-parallel rank); set sizes whose product divides 8."),
         (["actor_rollout_ref.actor.tensor_parallel_size=2", "actor_rollout_ref.actor.strategy=ddp"],
          "actor_rollout_ref.actor.tensor_parallel_size=2 needs actor_rollout_ref.actor.strategy fsdp or fsdp2 (tensor "
          "parallelism is composed with the FSDP2 wrapper over a data-parallel x tensor-parallel device mesh), got "
@@ -500,13 +499,18 @@ def test_tensor_parallel_batches_must_split_over_the_data_parallel_groups():
          "not built yet; set critic.tensor_parallel_size=1, or train without LoRA (critic.model.lora_rank=0)."),
         (["algorithm.adv_estimator=gae", "critic.tensor_parallel_size=2", "critic.strategy=ddp"],
          "critic.tensor_parallel_size=2 needs critic.strategy fsdp or fsdp2"),
-        (["algorithm.adv_estimator=gae", "critic.tensor_parallel_size=2", "critic.ulysses_sequence_parallel_size=2"],
-         "critic.tensor_parallel_size=2 with critic.ulysses_sequence_parallel_size=2: tensor parallelism together "
-         "with Ulysses sequence parallelism in one role is not built yet"),
+        (["algorithm.adv_estimator=gae", "critic.tensor_parallel_size=8", "critic.ulysses_sequence_parallel_size=2"],
+         "critic.tensor_parallel_size=8 x critic.ulysses_sequence_parallel_size=2 = 16 must divide the 8 devices"),
     ],
 )
 def test_each_tensor_parallel_problem_names_key_value_and_fix(overrides, message):
     assert message in problems_of(cfg_of(*TP8, *overrides))
+
+
+def test_sequence_x_tensor_parallelism_in_one_role_is_accepted():
+    validate_config(cfg_of(*TP8, "actor_rollout_ref.actor.tensor_parallel_size=2",
+                           "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "algorithm.adv_estimator=gae",
+                           "critic.tensor_parallel_size=2", "critic.ulysses_sequence_parallel_size=2"))
 
 
 def test_a_reference_problem_that_repeats_the_actors_is_reported_once():

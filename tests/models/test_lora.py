@@ -534,7 +534,7 @@ def _fsdp_steps(model, wrap, rank_tag: str) -> dict:
 def _fsdp_rank(rank: int, model_dir: str, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from hyflow.workers.fsdp import wrap_fsdp2
+    from hyflow.parallel.fsdp import wrap_fsdp2
 
     init_gloo(rank, 2, init_file)
     try:

@@ -216,7 +216,7 @@ def test_gradient_checkpointing_needs_the_enclosing_context(tiny_model_dir, kind
     """The backward recomputes each layer and looks attention up again: outside `packed_attention` that would be
     the sequence-crossing original, so the packed call refuses; inside, gradients equal the padded ones.
     Both kinds of recompute: transformers' `gradient_checkpointing_enable` and the composable `checkpoint` that
-    `hyflow.workers.fsdp.wrap_model(activation_checkpointing=True)` applies per layer."""
+    `hyflow.parallel.fsdp.apply_activation_checkpointing` applies per layer."""
     model = load_causal_lm(tiny_model_dir, attn_implementation="sdpa",
                            enable_gradient_checkpointing=kind == "transformers")
     if kind == "fsdp2_composable":

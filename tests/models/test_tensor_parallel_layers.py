@@ -17,6 +17,7 @@ import torch
 from ranks import init_gloo, spawn_ranks
 
 from hyflow.models import tensor_parallel as tp
+from hyflow.parallel import ParallelDims
 
 R = 5
 
@@ -83,7 +84,7 @@ def _assert_split(model, whole: dict, rank: int, size: int) -> None:
     parameter is the plain unsplit tensor."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from hyflow.workers.fsdp import decoder_layers
+    from hyflow.parallel.fsdp import decoder_layers
 
     names = {module: name for name, module in model.named_modules()}
     placements = {}
@@ -112,15 +113,15 @@ def _assert_split(model, whole: dict, rank: int, size: int) -> None:
 def _rank(rank: int, init_file: str, path: str, kv_heads: int, packed: bool) -> None:
     import torch.distributed as dist
 
-    from hyflow.workers.fsdp import decoder_layers
+    from hyflow.parallel.fsdp import decoder_layers
 
     init_gloo(rank, 2, init_file)
     model = _model(path, kv_heads)
     ids, mask = _batch()
     reference, reference_grads = _outputs_and_grads(model, ids, mask, packed)
     whole = {name: p.detach().clone() for name, p in model.named_parameters()}
-    mesh = tp.tp_mesh("cpu", 2, 2)
-    tp.apply_tensor_parallel(model, decoder_layers(model), mesh["tp"])
+    mesh = ParallelDims(world_size=2, tp=2).build_mesh("cpu")
+    tp.apply_tensor_parallel(model, decoder_layers(model), mesh.get("tp"))
     _assert_split(model, whole, rank, 2)
     logp, grads = _outputs_and_grads(model, ids, mask, packed)
     real = mask[:, -R:].bool()
@@ -139,14 +140,14 @@ def _values_rank(rank: int, init_file: str, path: str) -> None:
     import torch.distributed as dist
 
     from hyflow.models.packing import packed_attention, packed_values
-    from hyflow.workers.fsdp import decoder_layers
+    from hyflow.parallel.fsdp import decoder_layers
 
     init_gloo(rank, 2, init_file)
     model = _model(path, 2, value=True)
     ids, mask = _batch(1)
     with packed_attention(model):
         reference = packed_values(model, ids, mask, R).detach()
-    tp.apply_tensor_parallel(model, decoder_layers(model), tp.tp_mesh("cpu", 2, 2)["tp"])
+    tp.apply_tensor_parallel(model, decoder_layers(model), ParallelDims(world_size=2, tp=2).build_mesh("cpu").get("tp"))
     with packed_attention(model):
         values = packed_values(model, ids, mask, R).detach()
     real = mask[:, -R:].bool()
@@ -160,8 +161,8 @@ def test_tensor_parallel_value_model_equals_one_process(tiny_model_dir, tmp_path
 
 def test_models_tensor_parallelism_cannot_split_are_refused_by_name(tiny_model_dir):
     from hyflow.models.lora import apply_lora
+    from hyflow.parallel.fsdp import decoder_layers
     from hyflow.specs import LoraSettings
-    from hyflow.workers.fsdp import decoder_layers
 
     model = _model(str(tiny_model_dir), 1)
     assert tp.tp_problem(model, decoder_layers(model), 2) == (

@@ -1,6 +1,6 @@
-"""hyflow.parallel: ParallelDims sizes and validation, the one DeviceMesh (its layout is the one hyflow's tensor- and
-sequence-parallel groups have: checked against `tp_mesh` and `new_groups` on 4 gloo ranks), one process without a
-process group, and the pipeline / expert seats."""
+"""hyflow.parallel: ParallelDims sizes and validation, the one DeviceMesh (its layout on 4 gloo ranks: tensor-parallel
+groups of consecutive ranks, then sequence-parallel ones, as hyflow's groups were before the mesh was their one
+source), one process without a process group, and the pipeline / expert seats."""
 
 from __future__ import annotations
 
@@ -18,10 +18,16 @@ def test_dp_shard_takes_the_ranks_the_others_leave():
     assert (dims.dp_shard, dims.dp_size, dims.row_group_size) == (2, 2, 4)
     assert dims.sizes() == {"dp_shard": 2, "sp": 2, "tp": 2}
     assert dims.flattened() == {"dp": ("dp_shard",), "dp_shard_sp": ("dp_shard", "sp"),
-                                "dp_sp": ("dp_shard", "sp")}
+                                "dp_sp": ("dp_shard", "sp"), "sp_tp": ("sp", "tp")}
     hsdp = ParallelDims(world_size=8, dp_replicate=2, dp_shard=4)
     assert (hsdp.dp_size, hsdp.sizes()) == (8, {"dp_replicate": 2, "dp_shard": 4})
     assert ParallelDims().sizes() == {} and ParallelDims().flattened() == {}
+    # on several ranks the mesh keeps FSDP2's dimension at size 1 too (tp=2 on 2 ranks: a (1, 2) mesh, as before)
+    tp_only = ParallelDims(world_size=2, tp=2)
+    assert (tp_only.sizes(), tp_only.mesh_sizes()) == ({"tp": 2}, {"dp_shard": 1, "tp": 2})
+    assert tp_only.flattened() == {"dp": ("dp_shard",), "dp_shard_sp": ("dp_shard",), "dp_sp": ("dp_shard",),
+                                   "sp_tp": ("tp",)}
+    assert ParallelDims().mesh_sizes() == {}
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -64,24 +70,24 @@ def _ranks(mesh) -> list[int]:
 def _layout_rank(rank: int, init_file: str) -> None:
     import torch.distributed as dist
 
-    from hyflow.models.tensor_parallel import tp_mesh
-    from hyflow.workers.sequence_parallel import new_groups
-
     init_gloo(rank, 4, init_file)
-    # tensor parallel: the (dp, tp) mesh hyflow.models.tensor_parallel builds
-    mesh, before = ParallelDims(world_size=4, tp=2).build_mesh("cpu"), tp_mesh("cpu", 4, 2)
-    for name, old in (("tp", "tp"), ("dp", "dp"), ("dp_shard_sp", "dp")):
-        assert _ranks(mesh.get(name)) == _ranks(before[old]), name
-        assert mesh.local_rank(name) == before[old].get_local_rank()
-    # sequence parallel: groups of consecutive ranks (new_groups); FSDP2 shards over all 4 ranks
-    mesh, group = ParallelDims(world_size=4, sp=2).build_mesh("cpu"), new_groups(4, rank, 2)
-    assert _ranks(mesh.get("sp")) == dist.get_process_group_ranks(group)
-    assert mesh.local_rank("sp") == rank % 2 == dist.get_rank(group)
-    assert (_ranks(mesh.get("dp_shard_sp")), _ranks(mesh.get("dp"))) == ([0, 1, 2, 3], [rank % 2, rank % 2 + 2])
-    # sequence x tensor: a 2-D (sp, tp) mesh, tp innermost
+    pair, strided = [rank // 2 * 2, rank // 2 * 2 + 1], [rank % 2, rank % 2 + 2]
+    # tensor parallel: groups of 2 consecutive ranks; FSDP2 shards over the data-parallel ranks across them
+    mesh = ParallelDims(world_size=4, tp=2).build_mesh("cpu")
+    assert (_ranks(mesh.get("tp")), _ranks(mesh.get("sp_tp"))) == (pair, pair)
+    assert _ranks(mesh.get("dp")) == _ranks(mesh.get("dp_shard_sp")) == strided
+    assert (mesh.local_rank("tp"), mesh.local_rank("dp")) == (rank % 2, rank // 2)
+    # sequence parallel: groups of 2 consecutive ranks; FSDP2 shards over all 4 ranks
+    mesh = ParallelDims(world_size=4, sp=2).build_mesh("cpu")
+    assert _ranks(mesh.get("sp")) == dist.get_process_group_ranks(mesh.group("sp")) == pair
+    assert mesh.local_rank("sp") == rank % 2 == dist.get_rank(mesh.group("sp"))
+    assert (_ranks(mesh.get("dp_shard_sp")), _ranks(mesh.get("dp"))) == ([0, 1, 2, 3], strided)
+    # sequence x tensor: a 2-D (sp, tp) mesh, tp innermost; the four ranks share rows
     mesh = ParallelDims(world_size=4, sp=2, tp=2).build_mesh("cpu")
-    assert (_ranks(mesh.get("tp")), _ranks(mesh.get("sp"))) == ([rank // 2 * 2, rank // 2 * 2 + 1], [rank % 2, rank % 2 + 2])
-    assert mesh.get("dp") is None and mesh.root.mesh_dim_names == ("sp", "tp")
+    assert (_ranks(mesh.get("tp")), _ranks(mesh.get("sp"))) == (pair, strided)
+    assert (_ranks(mesh.get("sp_tp")), mesh.local_rank("sp_tp")) == ([0, 1, 2, 3], rank)
+    assert mesh.root.mesh_dim_names == ("dp_shard", "sp", "tp")  # FSDP2's dimension, here of size 1
+    assert (_ranks(mesh.get("dp")), mesh.group("dp"), _ranks(mesh.get("dp_shard_sp"))) == ([rank], None, strided)
     # HSDP: replicas outermost, shards inside
     mesh = ParallelDims(world_size=4, dp_replicate=2).build_mesh("cpu")
     assert (_ranks(mesh.get("dp_shard")), _ranks(mesh.get("dp"))) == ([rank // 2 * 2, rank // 2 * 2 + 1], [0, 1, 2, 3])

@@ -1,5 +1,6 @@
 """Tensor parallelism in training (`tensor_parallel_size`, verl's torchtitan `tensor_parallel_size`): Ray workers
-whose ranks form tensor-parallel groups (tp=2 on 2 workers; dp=2 x tp=2 on 4, FSDP2 over the dp dimension) compute
+whose ranks form tensor-parallel groups (tp=2 on 2 workers; dp=2 x tp=2 on 4, FSDP2 over the dp dimension; sp=2 x
+tp=2 on 4, Ulysses and tensor parallelism in one role) compute
 the same log-probs, values and update as one process: the same weights after the step, to rounding, away from
 clip boundaries. Checkpoints written at tp=2 resume in one process and export a plain Hugging Face model; one
 process's resume at tp=2."""
@@ -80,3 +81,21 @@ def test_tensor_parallel_checkpoints_resume_at_another_layout_and_export(tiny_mo
     RLTrainer(overrides(tiny_model_dir, task_dir, whole, *ppo, "trainer.total_training_steps=2", *on_ray(2), *TP2),
               reward_fn=digit_reward).fit()
     assert [r["step"] for r in read_metrics(whole)] == [1, 2]
+
+
+def test_sequence_x_tensor_parallel_workers_match_one_process(tiny_model_dir, task_dir, tmp_path):
+    """sp=2 x tp=2 in one role on 4 workers (one (sp, tp) mesh; FSDP2 over the sp ranks; the four share rows): PPO's
+    actor and critic compute one process's log-probs, values and updates."""
+    args = overrides(tiny_model_dir, task_dir, tmp_path / "x", "algorithm.adv_estimator=gae",
+                     "trainer.resume_mode=disable", "trainer.balance_batch=false", *SGD)
+    want = one_process_step(args, critic=True)
+    sp = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "critic.ulysses_sequence_parallel_size=2"]
+    dist = RLTrainer(args + on_ray(4) + list(TP2) + sp + ["ray_kwargs.ray_init.num_cpus=4"], reward_fn=digit_reward)
+    dist.setup()
+
+    def split_for_real(dist):
+        layout = [rank["actor"] for rank in dist.actor.parallel_layout()]
+        assert [(r["dp"], r["sp"], r["tp"], r["group_rank"]) for r in layout] == [(1, 2, 2, i) for i in range(4)]
+        assert all(r["local_params"] < r["params"] for r in layout)
+
+    assert_workers_match_one_process(dist, want, critic=True, workers=4, during=split_for_real)

@@ -138,7 +138,7 @@ class ToyLM(torch.nn.Module):
 
 def test_decoder_layers_hf_and_generic(tiny_model_dir):
     from hyflow.models.loading import load_causal_lm
-    from hyflow.workers.fsdp import decoder_layers
+    from hyflow.parallel.fsdp import decoder_layers
 
     model = load_causal_lm(tiny_model_dir)
     assert decoder_layers(model) == list(model.model.layers)
@@ -148,7 +148,7 @@ def test_decoder_layers_hf_and_generic(tiny_model_dir):
 
 
 def test_weight_tied_into_a_layer_is_refused():
-    from hyflow.workers.fsdp import check_shard_groups
+    from hyflow.parallel.fsdp import check_shard_groups
 
     toy = ToyLM()
     check_shard_groups(toy, list(toy.transformer.h))  # nothing shared
@@ -159,14 +159,15 @@ def test_weight_tied_into_a_layer_is_refused():
 
 
 def test_wrap_fsdp2_needs_a_process_group():
-    from hyflow.workers.fsdp import wrap_fsdp2
+    from hyflow.parallel.fsdp import wrap_fsdp2
 
     with pytest.raises(RuntimeError, match="needs an initialised torch.distributed process group"):
         wrap_fsdp2(ToyLM(), mixed_precision=None)
 
 
 def test_mixed_precision_policy_and_strategy():
-    from hyflow.workers.fsdp import mixed_precision_policy, parallel_strategy
+    from hyflow.parallel.fsdp import mixed_precision_policy
+    from hyflow.workers.fsdp import parallel_strategy
 
     bf16 = mixed_precision_policy("bfloat16")
     assert (bf16.param_dtype, bf16.reduce_dtype) == (torch.bfloat16, torch.float32)
@@ -490,7 +491,7 @@ def _wrap_options(model_dir: str, batch: Batch) -> dict:
     keeps fp32 shards and gradients."""
     from hyflow.models.forward import response_logprobs
     from hyflow.models.loading import load_causal_lm
-    from hyflow.workers.fsdp import wrap_fsdp2
+    from hyflow.parallel.fsdp import wrap_fsdp2
 
     def grads(**options):
         model = wrap_fsdp2(load_causal_lm(model_dir), **options)

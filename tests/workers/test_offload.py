@@ -98,11 +98,12 @@ def test_moves_copy_every_tensor_and_keep_parameters_and_optimizer_state_attache
 
 def tiny_engine(model_dir, *, param_offload=True, optimizer_offload=True) -> TrainEngine:
     from hyflow.models.loading import load_causal_lm
-    from hyflow.specs import FsdpSettings, OptimizerSpec
+    from hyflow.parallel import ParallelDims
+    from hyflow.specs import FsdpSettings, OptimizerSpec, TrainEngineSpec
 
-    return TrainEngine(load_causal_lm(model_dir), name="actor", head="lm", device=torch.device("cpu"),
-                       strategy="single", optim=OptimizerSpec(lr=1e-3),
-                       fsdp_config=FsdpSettings(param_offload=param_offload, optimizer_offload=optimizer_offload))
+    spec = TrainEngineSpec(name="actor", head="lm", strategy="fsdp", compute_dtype="fp32", optim=OptimizerSpec(lr=1e-3),
+                           fsdp=FsdpSettings(param_offload=param_offload, optimizer_offload=optimizer_offload))
+    return TrainEngine(load_causal_lm(model_dir), spec, ParallelDims().build_mesh("cpu"), device=torch.device("cpu"))
 
 
 def test_the_engine_state_machine(tiny_model_dir, copies):

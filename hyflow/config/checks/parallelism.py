@@ -1,5 +1,6 @@
 """Devices and parallel sizes: a device count, Ulysses sequence parallelism (with packing), tensor parallelism of
-the trained roles (FSDP2, not with Ulysses or LoRA yet) and the rollout engine's tensor parallelism."""
+the trained roles (FSDP2, not with LoRA yet; with Ulysses on one sp x tp mesh, whose product divides the role's
+devices) and the rollout engine's tensor parallelism."""
 
 from __future__ import annotations
 
@@ -51,9 +52,10 @@ def device_problems(cfg: HyflowConfig, n_devices: int | None) -> list[str]:
 
 
 def _check_tensor_parallel(cfg: HyflowConfig, devices: int, critic_devices: int) -> list[str]:
-    """tensor_parallel_size of the actor, the reference and the critic: >= 1 and a divisor of the role's devices,
-    with the FSDP2 wrapper (strategy fsdp/fsdp2), and not yet together with Ulysses sequence parallelism or with
-    LoRA (the reference has no adapter of its own: under LoRA it is the actor, or a full model from ref.model.path).
+    """tensor_parallel_size of the actor, the reference and the critic: >= 1 and a divisor of the role's devices
+    (times ulysses_sequence_parallel_size, when both split the role: one (sp, tp) mesh), with the FSDP2 wrapper
+    (strategy fsdp/fsdp2), and not yet with LoRA (the reference has no adapter of its own: under LoRA it is the
+    actor, or a full model from ref.model.path).
     A reference problem that only repeats the actor's (its sizes follow the actor's) is reported once."""
     arr, critic = cfg.actor_rollout_ref, cfg.critic
     problems: list[str] = []
@@ -75,10 +77,10 @@ def _tensor_parallel_problems(role: str, section: Any, strategy: str, devices: i
     if tp == 1:
         return []
     problems = []
-    if sp > 1:
-        problems.append(f"{key}={tp} with {role}.ulysses_sequence_parallel_size={sp}: tensor parallelism together "
-                        "with Ulysses sequence parallelism in one role is not built yet; use one of them (set "
-                        f"{key}=1 or {role}.ulysses_sequence_parallel_size=1).")
+    if sp > 1 and devices % (sp * tp):
+        problems.append(f"{key}={tp} x {role}.ulysses_sequence_parallel_size={sp} = {sp * tp} must divide the "
+                        f"{devices} devices (sequence x tensor parallelism in one role is one (sp, tp) mesh per "
+                        f"data-parallel rank); set sizes whose product divides {devices}.")
     if strategy not in ("fsdp", "fsdp2"):
         problems.append(f"{key}={tp} needs {role}.strategy fsdp or fsdp2 (tensor parallelism is composed with the "
                         f"FSDP2 wrapper over a data-parallel x tensor-parallel device mesh), got {role}.strategy="

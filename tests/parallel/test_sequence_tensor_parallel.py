@@ -1,0 +1,90 @@
+"""Sequence x tensor parallelism in one role (a 2-D (sp, tp) mesh, `hyflow.parallel`): a `TrainEngine` on 4 gloo ranks
+with ulysses_sequence_parallel_size=2 x tensor_parallel_size=2 (FSDP2 over the sp dimension, each layer split over tp,
+each packed row cut over sp) computes the same log-probs and the same update as the engine in one process. The four
+ranks share rows (the mesh's `sp_tp` group): each is dispatched a quarter of the batch, as the controller does, and
+gets back the log-probs of its own quarter."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from ranks import init_gloo, spawn_ranks
+
+from hyflow.algos import agg_loss
+from hyflow.batch import Batch
+
+R = 5
+SIZES = types.SimpleNamespace(micro_batch_size_per_device=3, max_token_len_per_device=None, use_dynamic_bsz=False)
+
+
+def _batch(vocab: int) -> Batch:
+    """8 rows: left-padded prompts of 4-7 tokens, right-padded responses of 2-5, an advantage per token."""
+    g = torch.Generator().manual_seed(0)
+    P = 7
+    ids = torch.randint(5, vocab, (8, P + R), generator=g)
+    mask = torch.zeros_like(ids)
+    for b in range(8):
+        mask[b, P - (4 + b % 4):P + 2 + (b * 3) % 4] = 1
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    return Batch({"input_ids": ids * mask, "attention_mask": mask, "position_ids": position_ids,
+                  "responses": (ids * mask)[:, P:], "response_mask": mask[:, P:],
+                  "advantages": torch.randn(8, R, generator=g)})
+
+
+def _loss(out: dict, cols: dict, ctx) -> tuple[torch.Tensor, dict]:
+    loss = agg_loss(-out["log_probs"] * cols["advantages"], cols["response_mask"], "token-mean", **ctx.norms)
+    return loss, {"actor/pg_loss": float(loss.detach())}
+
+
+def _engine(path: str, world_size: int):
+    from hyflow.models.loading import load_causal_lm
+    from hyflow.specs import FsdpSettings, OptimizerSpec, TrainEngineSpec
+    from hyflow.workers.train_engine import TrainEngine
+
+    spec = TrainEngineSpec(name="actor", head="lm", strategy="fsdp2", compute_dtype="fp32", fsdp=FsdpSettings(),
+                           optim=OptimizerSpec(optimizer="SGD", lr=0.5, weight_decay=0.0), use_remove_padding=True,
+                           ulysses_sequence_parallel_size=2 if world_size > 1 else 1,
+                           tensor_parallel_size=2 if world_size > 1 else 1)
+    return TrainEngine.from_spec(load_causal_lm(path), spec, device=torch.device("cpu"), world_size=world_size)
+
+
+def _pass(engine, batch: Batch) -> tuple[torch.Tensor, dict]:
+    from hyflow.workers.train_engine import UpdatePlan
+
+    log_probs = engine.infer(batch, SIZES)["log_probs"]
+    plan = UpdatePlan(mini_batch_size=len(batch) * engine.group_size, epochs=1, shuffle=False, seed=0, sizes=SIZES,
+                      loss_agg_mode="token-mean", metric_prefix="actor")
+    metrics = engine.update(batch, plan, _loss, columns=("advantages", "response_mask"))
+    return log_probs, metrics
+
+
+def _rank(rank: int, init_file: str, path: str) -> None:
+    import torch.distributed as dist
+
+    one = _engine(path, 1)  # the reference: the same engine alone, before the group exists (its sums are its own)
+    batch = _batch(one.module.config.vocab_size)
+    before = {name: tensor.clone() for name, tensor in one.module.state_dict().items()}
+    want_logp, want_metrics = _pass(one, batch)
+    want = one.full_model_state()
+    init_gloo(rank, 4, init_file)
+    split = _engine(path, 4)
+    assert (split.dp_size, split.sp_size, split.tp_size, split.group_size, split.group_rank) == (1, 2, 2, 4, rank)
+    assert split.mesh.root.mesh_dim_names == ("dp_shard", "sp", "tp")  # dp_shard of size 1: FSDP2 shards over sp
+    own = slice(2 * rank, 2 * rank + 2)  # the controller's split: a quarter of the rows each
+    logp, metrics = _pass(split, batch[own])
+    torch.testing.assert_close(logp, want_logp[own], atol=1e-5, rtol=0)
+    torch.testing.assert_close(metrics["actor/pg_loss"], want_metrics["actor/pg_loss"], atol=1e-6, rtol=1e-5)
+    got = split.full_model_state()
+    if rank == 0:  # the step moved the weights, and the same way in both
+        assert max(float((want[name] - before[name]).abs().max()) for name in want) > 1e-3
+        assert set(got) == set(want)
+        for name, tensor in want.items():
+            torch.testing.assert_close(got[name], tensor, atol=2e-6, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # 4 spawned ranks: about 2 min on 2 shared cores
+def test_sequence_x_tensor_parallel_engine_matches_one_process(tiny_model_dir, tmp_path):
+    spawn_ranks(_rank, args=(str(tmp_path / "init"), str(tiny_model_dir)), nprocs=4, timeout_s=400)
