@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "hyflow.algos": 2,
     "hyflow.batch": 1, "hyflow.config": 1, "hyflow.specs": 1,  # core (the batch, the config schema, role specs)
     "hyflow.registry": 0, "hyflow.user_code": 0, "hyflow.serialization": 0, "hyflow.threads": 0, "hyflow.version": 0,
+    "hyflow.boxed": 0,  # the \\boxed{} answer parser the data preprocessors and the math scorer share
 }
 LEAVES = tuple(name for name, layer in LAYERS.items() if layer == 0)
 ENTRY = LAYERS["hyflow"]
@@ -61,12 +62,6 @@ NOT_FROM: dict[str, tuple[str, ...]] = {
 # The breaks of the table that exist today, each with why and what removes it. The test fails on a break not listed
 # here, and on an entry here that no longer breaks (delete it then).
 KNOWN_BREAKS: dict[tuple[str, str], str] = {
-    # data -> rewards: the GSM8K/MATH preprocessors take the reference answer with the scorer's own \boxed{} parser,
-    # so rows and scoring agree; removed by moving the parser below both (a core text helper), issue 38 section 6.
-    ("hyflow.data.preprocess", "hyflow.rewards.scorers.math"): "data may import batch only (shared \\boxed parser)",
-    # models -> algos: the fused log-prob/entropy kernel lives in algos, DESIGN puts the kernels in models; removed by
-    # moving `algos/logprobs.py` to `models/` (algos keeps none of it), issue 38 section 4/6.
-    ("hyflow.models.forward", "hyflow.algos.logprobs"): "models import nothing (log-prob kernel in algos)",
     # models -> core: LoRA reads its settings from the config's LoRA section and the spec's LoraSettings; removed when
     # the engine passes plain settings (`TrainEngine(model, spec, mesh)`), issue 38 section 4.
     ("hyflow.models.lora", "hyflow.config.lora"): "models import nothing (LoRA settings parsed by config)",

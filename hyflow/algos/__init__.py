@@ -28,12 +28,6 @@ from hyflow.algos.kl import (
     kl_penalty,
     make_kl_controller,
 )
-from hyflow.algos.logprobs import (
-    entropy_from_logits,
-    logprobs_and_entropy_from_logits,
-    logprobs_from_logits,
-    sum_pi_squared_from_logits,
-)
 from hyflow.algos.loss_terms import ACTOR_LOSS_TERMS, compose_actor_loss
 from hyflow.algos.masked import group_ids, masked_mean, masked_sum, masked_var, masked_whiten
 from hyflow.algos.metrics import compute_validation_metrics, reduce_metrics
@@ -65,14 +59,11 @@ __all__ = [
     "compute_rollout_correction",
     "compute_validation_metrics",
     "compute_value_loss",
-    "entropy_from_logits",
     "estimator_knobs",
     "get_advantage_estimator",
     "get_policy_loss",
     "group_ids",
     "kl_penalty",
-    "logprobs_and_entropy_from_logits",
-    "logprobs_from_logits",
     "loss_normalisers",
     "make_kl_controller",
     "masked_mean",
@@ -84,5 +75,4 @@ __all__ = [
     "reduce_metrics",
     "register_advantage_estimator",
     "register_policy_loss",
-    "sum_pi_squared_from_logits",
 ]

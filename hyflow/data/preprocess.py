@@ -41,10 +41,10 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from hyflow.boxed import extract_boxed_answer
 from hyflow.data.images import check_pixel_limit
 from hyflow.data.io import SPLITS, read_rows, write_rows
 from hyflow.data.tasks.common import FORMATS, make_row
-from hyflow.rewards.scorers.math import extract_boxed_answer
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."

@@ -24,7 +24,7 @@ The log-prob kernel works row by row, so both ways give the same values (to floa
 matmul round differently for a different number of rows; bit for bit on CPU); they differ in memory and
 in the recompute, which on CPU cost 25-45 % of the lm_head + log-prob time at a 512-token vocabulary
 (BENCHMARKS.md). The log-softmax/entropy math is
-`hyflow.algos.logprobs.logprobs_and_entropy_from_logits` (float32 outputs).
+`hyflow.models.logprobs.logprobs_and_entropy_from_logits` (float32 outputs).
 
 Position ids for left padding: `position_ids = clamp(cumsum(attention_mask) - 1, min=0)`. A vision-language model's
 are [B, 4, L] (text positions over M-RoPE's three rows, `hyflow.models.vision`), passed to the model as [4, B, L],
@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hyflow.algos.logprobs import logprobs_and_entropy_from_logits
+from hyflow.models.logprobs import logprobs_and_entropy_from_logits
 
 Tensor = torch.Tensor
 

@@ -114,7 +114,7 @@ class MicroForward:
             if gathered:
                 out["topk_log_probs"], out["own_topk_ids"] = gathered
             if with_sum_pi_squared:
-                from hyflow.algos import sum_pi_squared_from_logits
+                from hyflow.models.logprobs import sum_pi_squared_from_logits
 
                 hidden = backbone_hidden_states(self.model, seq["input_ids"], seq["attention_mask"],
                                                 seq["position_ids"], **images)

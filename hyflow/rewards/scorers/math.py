@@ -31,9 +31,9 @@ import warnings
 from fractions import Fraction
 from types import ModuleType
 
+from hyflow.boxed import BOX_RE, extract_boxed_answer, read_box_argument
 from hyflow.rewards.scorers import require_ground_truth
 
-_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _TEXT_WRAPPER_RE = re.compile(r"\\(?:text|textbf|textrm|mbox|mathrm)\{([^{}]*)\}")
 # A unit after a quantity: `5\text{ cm}`, `3 \mbox{inches}^2`, `12\text{ square units}`.
 _TRAILING_UNIT_RE = re.compile(
@@ -50,49 +50,6 @@ _FRAC_RE = re.compile(r"(-?)\\frac\{(-?[0-9]+)\}\{(-?[0-9]+)\}")
 _MATH_VERIFY_MISSING = False
 _MATH_VERIFY_WARNED = False
 MATH_VERIFY_TIMEOUT_S = 5
-
-
-def _read_box_argument(text: str, start: int) -> tuple[str | None, int]:
-    """Argument of a box command whose name ends at `start`, and the index just past it.
-
-    ``{...}`` with brace matching, or (``\\boxed 5``) the token after a space. ``(None, -1)`` when the brace
-    is never closed; ``(None, start)`` when there is no argument.
-    """
-    i = start
-    while i < len(text) and text[i] == " ":
-        i += 1
-    if i < len(text) and text[i] == "{":
-        depth = 0
-        j = i
-        while j < len(text):
-            char = text[j]
-            if char == "\\":
-                j += 2  # an escaped character (`\{`, `\}`, `\\`) never opens or closes a group
-                continue
-            if char == "{":
-                depth += 1
-            elif char == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[i + 1 : j], j + 1
-            j += 1
-        return None, -1
-    token = re.match(r"[^\s$]+", text[i:]) if i > start else None
-    return (token.group(0), i + token.end()) if token else (None, start)
-
-
-def extract_boxed_answer(text: str) -> str | None:
-    """Content of the LAST top-level ``\\boxed{}``/``\\fbox{}`` in `text`; None if there is none or it is unclosed."""
-    answer = None
-    pos = 0
-    while (match := _BOX_RE.search(text, pos)) is not None:
-        content, end = _read_box_argument(text, match.end())
-        if end == -1:
-            return None
-        if content is not None:
-            answer = content
-        pos = max(end, match.end())
-    return answer
 
 
 def _fix_fracs(s: str) -> str:
@@ -130,8 +87,8 @@ def _matching_brace(s: str) -> int | None:
 
 def _unwrap_boxes(s: str) -> str:
     """``\\boxed{x} -> x`` for an answer that is itself entirely boxed (a boxed ground truth, nested boxes)."""
-    while (match := _BOX_RE.match(s)) is not None:
-        inner, end = _read_box_argument(s, match.end())
+    while (match := BOX_RE.match(s)) is not None:
+        inner, end = read_box_argument(s, match.end())
         if inner is None or end != len(s):
             break
         s = inner.strip()

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hyflow.algos.logprobs import (
+from hyflow.models.logprobs import (
     entropy_from_logits,
     logprobs_and_entropy_from_logits,
     logprobs_from_logits,
@@ -275,7 +275,7 @@ def test_errors_name_the_problem(call, match):
 _MEMORY_PROBE = textwrap.dedent(
     """
     import resource, sys, torch
-    from hyflow.algos.logprobs import logprobs_and_entropy_from_logits
+    from hyflow.models.logprobs import logprobs_and_entropy_from_logits
     N, V = 2048, 65536
     logits = torch.empty(N, V, dtype=torch.bfloat16).uniform_(-4, 4).requires_grad_()
     labels = torch.randint(0, V, (N,))
