@@ -62,10 +62,6 @@ NOT_FROM: dict[str, tuple[str, ...]] = {
 # The breaks of the table that exist today, each with why and what removes it. The test fails on a break not listed
 # here, and on an entry here that no longer breaks (delete it then).
 KNOWN_BREAKS: dict[tuple[str, str], str] = {
-    # models -> core: LoRA reads its settings from the config's LoRA section and the spec's LoraSettings; removed when
-    # the engine passes plain settings (`TrainEngine(model, spec, mesh)`), issue 38 section 4.
-    ("hyflow.models.lora", "hyflow.config.lora"): "models import nothing (LoRA settings parsed by config)",
-    ("hyflow.models.lora", "hyflow.specs"): "models import nothing (LoraSettings from the role spec)",
     # rollout -> data: environments and the tool agent reuse data's game/env loaders and image loader; removed by
     # moving the loaders to the environment modules (or images to models, with the VLM processors), issue 38 section 1.
     ("hyflow.rollout.textarena_env", "hyflow.data.textarena"): "rollout may import models, tools, batch",

@@ -66,12 +66,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from hyflow.config.lora import lora_settings, parse_module_names
 from hyflow.models.forward import unwrap_model
-from hyflow.specs import ALL_LINEAR, LoraSettings
 
-__all__ = ["LoraSettings", "lora_settings", "parse_module_names"]  # re-exported: the type lives in hyflow.specs,
-# the parsing of a config section in hyflow.config.lora
+# `settings` below: any object with rank, alpha, target_modules, exclude_modules, adapter_path, dropout and
+# config_key (the role spec's `hyflow.specs.LoraSettings`, which `hyflow.config.lora.lora_settings` parses from a
+# config section); models reads them and imports neither
+LoraSettings = Any
+ALL_LINEAR = "all-linear"  # peft's target_modules for every linear layer but the output head
+
+
+def _is_settings(config: Any) -> bool:
+    """A LoraSettings-shaped object (peft's LoraConfig has `r`, not `rank`; an adapter_config is a mapping)."""
+    return not isinstance(config, Mapping) and hasattr(config, "rank") and hasattr(config, "config_key")
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -653,7 +659,7 @@ def load_adapter_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor])
 def _as_lora_config(config: Any, *, task: str, base_model_name_or_path: str | None):
     from peft import LoraConfig
 
-    if isinstance(config, LoraSettings):
+    if _is_settings(config):
         return lora_config(config, task=task, base_model_name_or_path=base_model_name_or_path)
     if isinstance(config, LoraConfig):
         return copy.deepcopy(config)
@@ -739,7 +745,7 @@ def merge_adapter_into_state(base_state: Mapping[str, torch.Tensor], adapter_sta
     """
     from peft.utils.other import get_pattern_key
 
-    if isinstance(peft_config, LoraSettings):
+    if _is_settings(peft_config):
         alpha, alpha_pattern, rslora, fan_in_fan_out = peft_config.alpha, {}, False, False
     else:
         get = peft_config.get if isinstance(peft_config, Mapping) else lambda k, d=None: getattr(peft_config, k, d)

@@ -271,7 +271,8 @@ def _lora_base(ckpt: Path, component: str, base: str | None) -> str:
 def _merged_lora_state(ckpt: Path, manifest: dict, component: str, base: str | None, settings: dict
                        ) -> tuple[dict[str, torch.Tensor], str]:
     """(base weights + the checkpoint's adapter merged, base path): W' = W + (alpha / r) B A per adapted module."""
-    from hyflow.models.lora import LoraSettings, merge_adapter_into_state
+    from hyflow.models.lora import merge_adapter_into_state
+    from hyflow.specs import LoraSettings
 
     path = _lora_base(ckpt, component, base)
     loader = load_value_model if component.startswith("critic") else load_causal_lm
@@ -282,7 +283,8 @@ def _merged_lora_state(ckpt: Path, manifest: dict, component: str, base: str | N
 
 def _write_adapter(ckpt: Path, manifest: dict, out: Path, component: str, base: str | None) -> None:
     """`hyflow export --adapter`: the component's LoRA adapter as a peft adapter directory."""
-    from hyflow.models.lora import LoraSettings, save_adapter
+    from hyflow.models.lora import save_adapter
+    from hyflow.specs import LoraSettings
 
     settings = lora_of(ckpt, manifest, component)
     if settings is None:

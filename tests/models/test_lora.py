@@ -13,19 +13,18 @@ from peft import PeftModel
 from ranks import init_gloo, spawn_ranks
 from safetensors.torch import load_file
 
+from hyflow.config.lora import lora_settings
 from hyflow.config.schema import CriticModelConfig, ModelConfig
 from hyflow.models.forward import unwrap_model
 from hyflow.models.loading import load_causal_lm, load_value_model, save_value_model
 from hyflow.models.lora import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
-    LoraSettings,
     adapter_disabled,
     adapter_state_dict,
     apply_lora,
     describe_parameters,
     load_adapter_state_dict,
-    lora_settings,
     merge_adapter_into_state,
     merged_named_tensors,
     parameter_counts,
@@ -33,6 +32,7 @@ from hyflow.models.lora import (
     save_adapter,
     targeted_modules,
 )
+from hyflow.specs import LoraSettings
 from hyflow.workers.fsdp import iter_full_tensors
 
 # peft's PeftModel.from_pretrained reads a deprecated transformers property (apply_lora silences it itself)
