@@ -2,7 +2,7 @@
 
 Every trajectory's request (`generate`: prompt ids, a budget) goes to the one server, which speaks only the
 token-level protocol (`submit(TokenRequest) -> Future`, `abort`, `close`; `hyflow.rollout.base`) to a stream it
-opens: the engine's own (`engine.open_stream`), or, for an engine that decodes fixed batches (`generate(Batch)`),
+opens: the engine's own (`engine.open_stream`), or, for an engine that decodes fixed batches (`decode_batch`),
 the one adapter `hyflow.rollout.batch_stream.BatchTokenStream`, which pads inside itself and decodes what was
 submitted at each `flush`. The policy (`rollout.agent.batching`) says when requests go to the stream:
 
@@ -79,8 +79,8 @@ class TurnRequest:
 def stream_opener(engine, params: SamplingParams, policy: str, *, pad_token_id: int, stop_ids: Sequence[int],
                   prompts: Batch | None = None) -> Callable[[], Any]:
     """How the server opens its token stream: the engine's own under `continuous` (and for an engine that has no
-    batch decoder), else the batch adapter over `engine.generate` (padded inside it)."""
-    if policy == "continuous" or not hasattr(engine, "generate"):
+    batch decoder), else the batch adapter over `engine.decode_batch` (or `generate`; padded inside it)."""
+    if policy == "continuous" or not (hasattr(engine, "decode_batch") or hasattr(engine, "generate")):
         if not hasattr(engine, "open_stream"):
             raise ValueError(f"actor_rollout_ref.rollout.agent.batching=continuous needs an engine with a token "
                              f"stream (`open_stream`: vllm, hf); the {type(engine).__name__} decodes fixed batches "

@@ -1,8 +1,9 @@
 """The rollout-engine protocol, sampling parameters, and the one factory that builds an engine by name.
 
 An engine turns prompt token ids into response token ids (never text): a token stream (`open_stream(params)`,
-requests in, each output back as it finishes), or a batch decoder (`generate(prompts, params) -> Batch` with verl's
-keys, `hyflow.rollout.output`) that one adapter makes a stream (`RolloutEngine` below); `update_weights(buckets)` to receive the trainer's weights after an
+requests in, each output back as it finishes), or a batch decoder (`decode_batch(prompts, params, budgets)`, one
+`TokenOutput` per sample; `generate(prompts, params) -> Batch` with verl's keys is `hyflow.rollout.output.
+generate_rollout` over it) that one adapter makes a stream (`RolloutEngine` below); `update_weights(buckets)` to receive the trainer's weights after an
 update (all or nothing), `sleep()` / `wake()` to give memory back while the trainer runs. `make_engine(name,
 EngineSpec(...))` builds the engine registered as `actor_rollout_ref.rollout.name` for one rank from the model
 path, device, rollout config and, for `hf`, the trainer's own module. `ENGINES` is a `hyflow.registry.Registry`
@@ -100,9 +101,10 @@ class RolloutEngine(Protocol):
     `concurrent.futures.Future` of the request's `TokenOutput` as soon as it finishes, whatever else is running
     (continuous batching), `stream.abort(request_ids)` ends requests early (their futures get the tokens so far,
     stop reason "abort"), and `stream.close()` ends the stream: it serves every `rollout.agent.batching` policy;
-    or a batch decoder, `generate(prompts, params) -> Batch`, which the one adapter
-    `hyflow.rollout.batch_stream.BatchTokenStream` turns into a stream for barrier and eager (padding inside
-    itself). `hf` and `vllm` have both: barrier and eager use their batch decoder (one seed per call, the samples
+    or a batch decoder, `decode_batch(prompts, params, budgets) -> list[TokenOutput]` (left-padded prompt rows,
+    one output per sample; `generate(prompts, params) -> Batch` is `hyflow.rollout.output.generate_rollout` over
+    it), which the one adapter `hyflow.rollout.batch_stream.BatchTokenStream` turns into a stream for barrier and
+    eager (padding inside itself). `hf` and `vllm` have both: barrier and eager use their batch decoder (one seed per call, the samples
     they always gave), continuous their stream. What an engine can do is data on its class: `capabilities`
     (`EngineCapabilities`).
 

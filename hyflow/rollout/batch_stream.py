@@ -1,7 +1,9 @@
 """The one adapter that turns a batch decoder into a token stream: requests in, padded here, one engine call out.
 
-A batch decoder is an engine with `generate(prompts: Batch, params) -> Batch` (left-padded prompt rows in, verl's
-rollout keys out: `hyflow.rollout.output`). `BatchTokenStream` gives it the token-level protocol the agent loop's
+A batch decoder is an engine with `decode_batch(prompts: Batch, params, budgets) -> list[TokenOutput]` (left-padded
+prompt rows in, one output per sample out, interleaved; its `generate(Batch)` is
+`hyflow.rollout.output.generate_rollout` over it; an engine with only `generate(prompts: Batch, params) -> Batch` is
+one too: its rollout rows are read back). `BatchTokenStream` gives it the token-level protocol the agent loop's
 `TurnServer` speaks (`submit(TokenRequest) -> Future`, `abort`, `close`) plus `flush()`: every request submitted
 since the last flush is decoded in one engine call, padded inside this adapter, and each future gets its
 `TokenOutput`. The call samples with the seed of its first request (the server's call seed: a batch decoder
@@ -25,7 +27,7 @@ import torch
 
 from hyflow.batch import Batch
 from hyflow.rollout.base import SamplingParams, TokenOutput, TokenRequest
-from hyflow.rollout.output import left_pad
+from hyflow.rollout.output import left_pad, padded_outputs, prompt_budgets, turn_end
 
 
 class BatchTokenStream:
@@ -84,20 +86,20 @@ class BatchTokenStream:
             runs, n = [[r] for r in requests], 1
         heads = [run[0] for run in runs]
         params = dataclasses.replace(self.params, n=n, seed=heads[0].seed)
+        batch = self._prompt_batch(heads)
         start = time.perf_counter()
-        out = self.engine.generate(self._prompt_batch(heads), params)
+        if hasattr(self.engine, "decode_batch"):
+            outputs = self.engine.decode_batch(batch, params, prompt_budgets(batch, params))
+        else:  # an engine with only generate(Batch): its rollout rows read back
+            out = self.engine.generate(batch, params)
+            logprobs = out["rollout_log_probs"] if "rollout_log_probs" in out else None  # noqa: SIM401 (Batch)
+            outputs = padded_outputs(out["responses"], logprobs, out["response_mask"].sum(-1),
+                                     [r.max_tokens for r in heads for _ in range(n)], self.stop_ids)
         self.seconds += time.perf_counter() - start
         self.step_count += 1
         self.step_sizes.append(len(requests))
-        lengths = out["response_mask"].sum(-1).tolist()
-        logprobs = out["rollout_log_probs"] if "rollout_log_probs" in out else None  # noqa: SIM401 (Batch)
-        outputs = []
-        for row, length in enumerate(lengths):
-            ids = out["responses"][row, :length].tolist()
-            stopped = bool(ids) and ids[-1] in self.stop_ids
-            outputs.append(TokenOutput(ids, None if logprobs is None else logprobs[row, :length].tolist(),
-                                       "stop" if stopped or length < heads[row // n].max_tokens else "length"))
-        return outputs
+        return [TokenOutput(o.token_ids, o.log_probs, turn_end(o.token_ids, heads[row // n].max_tokens, self.stop_ids))
+                for row, o in enumerate(outputs)]
 
     def _is_original(self, request: TokenRequest) -> bool:
         """Whether a first turn asks for its row's own prompt (a loop that renders its own, openai_agent, may not:

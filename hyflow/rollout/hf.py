@@ -66,7 +66,7 @@ from hyflow.rollout.base import (
     TokenRequest,
     register_engine,
 )
-from hyflow.rollout.output import assemble_rollout, left_pad, position_ids_from_mask, prompt_budgets
+from hyflow.rollout.output import generate_rollout, left_pad, padded_outputs, position_ids_from_mask
 from hyflow.rollout.sampling import sample_next_token
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
@@ -133,21 +133,23 @@ class HFRolloutEngine:
         self._vision = VisionTokens.from_config(config) if is_vision_config(config) else None
 
     # ------------------------------------------------------------------ protocol
-    @torch.inference_mode()
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        """Sample `params.n` responses per prompt; see the module docstring for the output keys."""
+        """Sample `params.n` responses per prompt; see the module docstring for the output keys
+        (`hyflow.rollout.output.generate_rollout` over `decode_batch`)."""
+        return generate_rollout(self, prompts, params)
+
+    @torch.inference_mode()
+    def decode_batch(self, prompts: Batch, params: SamplingParams, budgets: torch.Tensor) -> list[TokenOutput]:
+        """The batch decoder: `params.n` samples of each left-padded prompt row (`input_ids`, `attention_mask`; new
+        tokens at most `budgets` [B]), the whole call sampled from one generator seeded `params.seed`, each prompt
+        prefilled once and its KV cache repeated n times; one TokenOutput per sample (rows interleaved)."""
         if self._asleep:
             raise RuntimeError("the hf rollout engine is asleep; call wake() before generate()")
-        for key in ("input_ids", "attention_mask"):
-            if key not in prompts:
-                raise KeyError(f"generate() needs a {key!r} column of left-padded prompt token ids")
         input_ids = prompts["input_ids"].to(self._device)
         prompt_mask = prompts["attention_mask"].to(self._device)
-        if (prompt_mask[:, -1] == 0).any():
-            raise ValueError("prompts must be LEFT-padded (the last position of every row must be a real token)")
-
-        budgets = prompt_budgets(prompts, params).to(self._device)
-        stop_ids = torch.tensor(sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), device=self._device)
+        budgets = budgets.to(self._device)
+        stop_set = set(self.eos_token_ids) | set(params.stop_token_ids)
+        stop_ids = torch.tensor(sorted(stop_set), device=self._device)
         generator = torch.Generator(device=self._device)
         if params.seed is None:
             generator.seed()
@@ -167,10 +169,9 @@ class HFRolloutEngine:
             ]
         finally:
             self.model.train(was_training)
-        responses = torch.cat([p[0] for p in parts])
-        logprobs = torch.cat([p[1] for p in parts])
-        lengths = torch.cat([p[2] for p in parts])
-        return assemble_rollout(prompts, input_ids, prompt_mask, responses, logprobs, lengths, params)
+        logprobs = torch.cat([p[1] for p in parts]) if params.calculate_log_probs else None
+        return padded_outputs(torch.cat([p[0] for p in parts]), logprobs, torch.cat([p[2] for p in parts]),
+                              budgets.repeat_interleave(params.n), stop_set)
 
     @torch.inference_mode()
     def prompt_log_probs(self, sequences: Batch, response_length: int, topk: int = 0) -> dict[str, torch.Tensor]:

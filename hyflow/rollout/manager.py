@@ -28,7 +28,7 @@ from hyflow.rollout.agent_loop import (
 )
 from hyflow.rollout.agent_server import ServerHandle, TurnServer
 from hyflow.rollout.base import SamplingParams
-from hyflow.rollout.output import assemble_rollout, left_pad
+from hyflow.rollout.output import left_pad, rollout_batch
 from hyflow.rollout.stream import ASYNC_COLUMNS, ASYNC_METRICS, RolloutStream
 from hyflow.rollout.tool_parser import make_tool_parser
 from hyflow.tools.runner import ToolRunner
@@ -135,12 +135,7 @@ class AgentLoopManager:
                  server: TurnServer) -> Batch:
         """verl's rollout Batch from the trajectories' outputs (row i is sample i % n of prompt i // n); the
         metrics read `server`'s counters (calls, batch_sizes, seconds)."""
-        n, R = params.n, params.max_new_tokens
-        N = len(outputs)
-        responses = torch.full((N, R), self.pad_token_id, dtype=torch.long)
-        model_mask = torch.zeros((N, R), dtype=torch.long)
-        lengths = torch.zeros(N, dtype=torch.long)
-        logprobs = torch.zeros((N, R), dtype=torch.float32)
+        n = params.n
         own_prompts = False  # a loop that may change the prompt did (openai_agent): each row keeps its own
         for i, out in enumerate(outputs):
             expected = prompts["input_ids"][i // n][prompts["attention_mask"][i // n].bool()].tolist()
@@ -154,19 +149,15 @@ class AgentLoopManager:
             if len(out.response_ids) != len(out.response_mask):
                 raise ValueError(f"agent loop {names[i // n]!r} returned {len(out.response_ids)} response ids but "
                                  f"{len(out.response_mask)} mask entries")
-            ids = out.response_ids[:R]
-            k = lengths[i] = len(ids)
-            responses[i, :k] = torch.tensor(ids, dtype=torch.long)
-            model_mask[i, :k] = torch.tensor(out.response_mask[:k], dtype=torch.long)
-            if out.response_logprobs:
-                logprobs[i, :k] = torch.tensor(out.response_logprobs[:k], dtype=torch.float32)
         if own_prompts:  # one left-padded prompt per trajectory (the prompt repeated n times otherwise)
+            rows, rows_params = prompts.repeat(n, interleave=True), dataclasses.replace(params, n=1)
             input_ids, prompt_mask = left_pad((o.prompt_ids for o in outputs), self.pad_token_id)
-            out_batch = assemble_rollout(prompts.repeat(n, interleave=True), input_ids, prompt_mask, responses,
-                                         logprobs, lengths, dataclasses.replace(params, n=1), model_mask=model_mask)
         else:
-            out_batch = assemble_rollout(prompts, prompts["input_ids"].cpu(), prompts["attention_mask"].cpu(),
-                                         responses, logprobs, lengths, params, model_mask=model_mask)
+            rows, rows_params = prompts, params
+            input_ids, prompt_mask = prompts["input_ids"].cpu(), prompts["attention_mask"].cpu()
+        out_batch = rollout_batch(rows, input_ids, prompt_mask, rows_params, [o.response_ids for o in outputs],
+                                  [o.response_logprobs for o in outputs], self.pad_token_id,
+                                  model_masks=[o.response_mask for o in outputs])
         if any(o.multi_modal_inputs is not None for o in outputs):
             self._trajectory_images(out_batch, outputs)
         if self.multi_turn:

@@ -5,6 +5,11 @@ Rows are interleaved (p0s0, p0s1, ..., p1s0, ...). Keys: `prompts` [N, P] (left-
 `attention_mask`, `position_ids` [N, P + R], `rollout_log_probs` [N, R] (0 where masked; only when asked), every
 other column of the prompt batch repeated per sample, and `meta["temperature"]`: the temperature the log-probs
 were taken at (1.0 for greedy), which the trainer recomputes at.
+
+One function builds it, `rollout_batch`, from each row's response token ids as lists: an engine's `generate(prompts,
+params)` is `generate_rollout(engine, prompts, params)` over the engine's batch decoder (`decode_batch`, which
+returns one `TokenOutput` per sample, what a token stream returns), and the agent loop's manager builds its rollout
+from its trajectories' lists with the same function.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import torch
 
 from hyflow.batch import Batch
 from hyflow.models.vision import continue_positions
-from hyflow.rollout.base import SamplingParams
+from hyflow.rollout.base import SamplingParams, TokenOutput
 
 
 def left_pad(id_lists, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,6 +48,63 @@ def prompt_budgets(prompts: Batch, params: SamplingParams) -> torch.Tensor:
         raise ValueError(f"every prompt's max_new_tokens must be in [1, {params.max_new_tokens}] "
                          f"(SamplingParams.max_new_tokens), got {budgets.tolist()}")
     return budgets
+
+
+def turn_end(ids: list[int], budget: int, stop_ids) -> str:
+    """Why a response ended: "stop" when its last token is a stop id or it is shorter than its budget, else
+    "length"."""
+    return "stop" if (ids and ids[-1] in stop_ids) or len(ids) < budget else "length"
+
+
+def padded_outputs(responses: torch.Tensor, logprobs: torch.Tensor | None, lengths, budgets, stop_ids) -> list[TokenOutput]:
+    """One TokenOutput per row of right-padded `responses` [N, R] (their `logprobs`, None when not asked for) cut
+    at `lengths` [N]; `budgets` [N]: each row's new-token budget (for the stop reason, `turn_end`)."""
+    responses = responses.cpu()
+    logprobs = None if logprobs is None else logprobs.cpu()
+    outputs = []
+    for row, (length, budget) in enumerate(zip(torch.as_tensor(lengths).tolist(), torch.as_tensor(budgets).tolist())):
+        ids = responses[row, :length].tolist()
+        outputs.append(TokenOutput(ids, None if logprobs is None else logprobs[row, :length].tolist(),
+                                   turn_end(ids, budget, stop_ids)))
+    return outputs
+
+
+def generate_rollout(engine, prompts: Batch, params: SamplingParams) -> Batch:
+    """`engine.generate(prompts, params)` of an engine with a batch decoder: `params.n` samples per left-padded
+    prompt row, verl's rollout keys out (the module docstring). The engine's `decode_batch(prompts, params,
+    budgets)` returns one TokenOutput per sample, interleaved (`budgets` [B]: `prompt_budgets`), and
+    `engine.pad_token_id` pads the responses."""
+    for key in ("input_ids", "attention_mask"):
+        if key not in prompts:
+            raise KeyError(f"generate() needs a {key!r} column of left-padded prompt token ids")
+    input_ids, prompt_mask = prompts["input_ids"].cpu(), prompts["attention_mask"].cpu()
+    if (prompt_mask[:, -1] == 0).any():
+        raise ValueError("prompts must be LEFT-padded (the last position of every row must be a real token)")
+    outputs = engine.decode_batch(prompts, params, prompt_budgets(prompts, params))
+    return rollout_batch(prompts, input_ids, prompt_mask, params, [o.token_ids for o in outputs],
+                         [o.log_probs for o in outputs], engine.pad_token_id)
+
+
+def rollout_batch(prompts: Batch, input_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+                  token_ids, log_probs, pad_token_id: int, model_masks=None) -> Batch:
+    """The rollout Batch (`assemble_rollout`) from each of the B*n rows' response token ids (lists, cut to
+    `params.max_new_tokens`), their log-probs (a list per row; None or empty: 0) and optionally each row's model
+    mask (1 where the model generated the token: the agent loop's trajectories)."""
+    R, N = params.max_new_tokens, len(token_ids)
+    responses = torch.full((N, R), int(pad_token_id), dtype=torch.long)
+    logprobs = torch.zeros((N, R), dtype=torch.float32)
+    lengths = torch.zeros(N, dtype=torch.long)
+    model_mask = None if model_masks is None else torch.zeros((N, R), dtype=torch.long)
+    for i, ids in enumerate(token_ids):
+        ids = list(ids)[:R]
+        k = lengths[i] = len(ids)
+        responses[i, :k] = torch.tensor(ids, dtype=torch.long)
+        if log_probs[i]:
+            logprobs[i, :k] = torch.tensor(list(log_probs[i])[:k], dtype=torch.float32)
+        if model_mask is not None:
+            model_mask[i, :k] = torch.tensor(list(model_masks[i])[:k], dtype=torch.long)
+    return assemble_rollout(prompts, input_ids, prompt_mask, responses, logprobs, lengths, params,
+                            model_mask=model_mask)
 
 
 def assemble_rollout(prompts: Batch, input_ids: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,

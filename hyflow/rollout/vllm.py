@@ -63,7 +63,7 @@ from hyflow.rollout.base import (
     TokenRequest,
     register_engine,
 )
-from hyflow.rollout.output import assemble_rollout, prompt_budgets
+from hyflow.rollout.output import generate_rollout, turn_end
 from hyflow.rollout.vllm_host import checkpoint_shapes, kv_cache_bytes, remove_stale_cpu_shm
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
@@ -314,25 +314,26 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------ protocol
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        """Sample `params.n` responses per prompt; the output keys are those of `hyflow.rollout.output`."""
+        """Sample `params.n` responses per prompt; the output keys are those of `hyflow.rollout.output`
+        (`generate_rollout` over `decode_batch`)."""
+        return generate_rollout(self, prompts, params)
+
+    def decode_batch(self, prompts: Batch, params: SamplingParams, budgets: torch.Tensor) -> list[TokenOutput]:
+        """The batch decoder: `params.n` samples of each left-padded prompt row (new tokens at most `budgets` [B]),
+        prompt i seeded `params.seed + i * n` (vLLM gives its n samples seed + 0 .. n - 1); one TokenOutput per
+        sample (rows interleaved)."""
         self._check_ready()
-        for key in ("input_ids", "attention_mask"):
-            if key not in prompts:
-                raise KeyError(f"generate() needs a {key!r} column of left-padded prompt token ids")
-        input_ids, prompt_mask = prompts["input_ids"].cpu(), prompts["attention_mask"].cpu()
-        if (prompt_mask[:, -1] == 0).any():
-            raise ValueError("prompts must be LEFT-padded (the last position of every row must be a real token)")
         from vllm import SamplingParams as VLLMSamplingParams
 
+        input_ids, prompt_mask = prompts["input_ids"].cpu(), prompts["attention_mask"].cpu()
         token_lists = [row[mask.bool()].tolist() for row, mask in zip(input_ids, prompt_mask)]
-        budgets = prompt_budgets(prompts, params).tolist()  # new tokens per prompt (agent-loop turns differ)
+        budgets = budgets.tolist()  # new tokens per prompt (agent-loop turns differ)
         longest, budget = max(((len(t), b) for t, b in zip(token_lists, budgets)), key=sum, default=(0, 0))
         if longest + budget > self.max_model_len:
             raise ValueError(f"a prompt of {longest} tokens + {budget} new tokens exceeds the vllm "
                              f"engine's max_model_len={self.max_model_len}; raise actor_rollout_ref.rollout."
                              "max_model_len (or leave it null: prompt_length + response_length)")
         base = self._sampling_kwargs(params)
-        # One seed per prompt; vLLM gives its n samples seed + 0 .. n - 1, so every row has its own stream.
         seeds = [None if params.seed is None else (params.seed + i * params.n) % (2**63 - 1)
                  for i in range(len(token_lists))]
         all_tokens, all_seeds, all_budgets, first = self._gather_prompts(token_lists, seeds, budgets, params)
@@ -341,22 +342,19 @@ class VLLMRolloutEngine:
         media = self._media(prompts) if first == 0 and len(all_tokens) == len(token_lists) else [None] * len(all_tokens)
         requests = [self._prompt(t, m) for t, m in zip(all_tokens, media)]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)[first : first + len(token_lists)]
-        rows = len(token_lists) * params.n
-        R = params.max_new_tokens
-        responses = torch.full((rows, R), self.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros((rows, R), dtype=torch.float32)
-        lengths = torch.zeros(rows, dtype=torch.long)
-        for i, output in enumerate(outputs):
-            for j, sample in enumerate(sorted(output.outputs, key=lambda c: c.index)):
-                row, ids = i * params.n + j, list(sample.token_ids)[:R]
-                responses[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-                lengths[row] = len(ids)
+        stop_set = set(self.eos_token_ids) | {int(i) for i in params.stop_token_ids}
+        results = []
+        for output, budget in zip(outputs, budgets):
+            for sample in sorted(output.outputs, key=lambda c: c.index):
+                ids = list(sample.token_ids)[: params.max_new_tokens]
+                log_probs = None
                 if params.calculate_log_probs:
                     if sample.logprobs is None:
                         raise VLLMEngineError("vLLM returned no log-probs although they were asked for")
-                    logprobs[row, : len(ids)] = torch.tensor(
-                        [step[token].logprob for token, step in zip(ids, sample.logprobs)], dtype=torch.float32)
-        return assemble_rollout(prompts, input_ids, prompt_mask, responses, logprobs, lengths, params)
+                    log_probs = torch.tensor([step[token].logprob for token, step in zip(ids, sample.logprobs)],
+                                             dtype=torch.float32).tolist()  # float32, as the rollout keeps them
+                results.append(TokenOutput(ids, log_probs, turn_end(ids, budget, stop_set)))
+        return results
 
     def prompt_log_probs(self, sequences: Batch, response_length: int, topk: int = 0) -> dict[str, torch.Tensor]:
         """The engine's model scoring given sequences (a teacher scoring a student's samples, verl's teacher

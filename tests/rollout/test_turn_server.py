@@ -1,7 +1,8 @@
 """The agent loop's one engine seat: `TurnServer` over a token stream, and the adapter that makes a batch decoder one.
 
-An engine that has only `open_stream` serves every policy (barrier, eager, continuous); an engine that has only
-`generate(Batch)` is wrapped by `BatchTokenStream`, which pads inside itself and decodes a call at each `flush`.
+An engine that has only `open_stream` serves every policy (barrier, eager, continuous); a batch decoder
+(`decode_batch`, or only `generate(Batch)`) is wrapped by `BatchTokenStream`, which pads inside itself and decodes a
+call at each `flush`.
 """
 
 from __future__ import annotations
@@ -94,6 +95,40 @@ def test_the_batch_adapter_pads_inside_itself_and_keeps_the_prompt_rows(hf_engin
     queued = stream.submit(TokenRequest("late", ids[0], 8, seed=1))
     stream.abort(["late"])
     assert queued.result().stop_reason == "abort" and queued.result().token_ids == []
+
+
+def test_the_batch_adapter_takes_the_decoders_outputs_and_builds_no_rollout_batch(hf_engine, tiny_tokenizer):
+    """An engine with `decode_batch` is called there, never through `generate(Batch)` (whose rollout Batch the adapter
+    would read back into lists), and its outputs are the rows `generate` gives for the same call."""
+    prompts = prompts_of(tiny_tokenizer, ["What is 1 + 2?", "hello there, how are you today?"])
+    params = SamplingParams(n=1, max_new_tokens=8, seed=3, calculate_log_probs=True)
+    calls = []
+
+    class Decoder:
+        pad_token_id = tiny_tokenizer.pad_token_id
+
+        def decode_batch(self, batch, p, budgets):
+            calls.append(budgets.tolist())
+            return hf_engine.decode_batch(batch, p, budgets)
+
+        def generate(self, batch, p):
+            raise AssertionError("the adapter asked for a rollout Batch")
+
+    stream = BatchTokenStream(Decoder(), params, tiny_tokenizer.pad_token_id, [tiny_tokenizer.eos_token_id], prompts)
+    ids = [prompts["input_ids"][r][prompts["attention_mask"][r].bool()].tolist() for r in range(2)]
+    futures = [stream.submit(TokenRequest(f"r{r}", ids[r], budget, seed=3, group=("turn", r)))
+               for r, budget in enumerate((8, 5))]
+    stream.flush()
+    assert calls == [[8, 5]]
+    batch = Batch({"input_ids": prompts["input_ids"], "attention_mask": prompts["attention_mask"],
+                   "max_new_tokens": torch.tensor([8, 5])})
+    direct = hf_engine.generate(batch, params)
+    for row, future in enumerate(futures):
+        length = int(direct["response_mask"][row].sum())
+        assert future.result().token_ids == direct["responses"][row, :length].tolist()
+        assert future.result().log_probs == direct["rollout_log_probs"][row, :length].tolist()
+        ended = future.result().token_ids[-1] == tiny_tokenizer.eos_token_id or length < (8, 5)[row]
+        assert future.result().stop_reason == ("stop" if ended else "length")
 
 
 def test_an_unknown_policy_and_a_batch_only_engine_under_continuous_are_errors(hf_engine):
