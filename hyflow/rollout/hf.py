@@ -382,16 +382,34 @@ class HFRolloutEngine:
         rows `aborted` ended). Returns (responses, log-probs, lengths)."""
         n, max_new = params.n, params.max_new_tokens
         per_row = isinstance(generator, (list, tuple))
-        num_rows = len(input_ids) * n
-        prompt_width = input_ids.shape[1]
-        responses = torch.full((num_rows, max_new), self.pad_token_id, dtype=torch.long, device=self._device)
-        logprobs = torch.zeros((num_rows, max_new), dtype=torch.float32, device=self._device)
-        lengths = budgets.repeat_interleave(n)  # a row that never stops ends at its budget
-        # rows whose budget is below max_new_tokens (agent-loop turns) stop there; None when every row has it all
-        row_budgets = None if bool((lengths == max_new).all()) else lengths.clone()
+        cache, logits, positions = self._prefill(input_ids, prompt_mask, n, max_new, mm_rows)
+        run = _ChunkRun(self, prompt_mask, positions, budgets, n, max_new, finished)
+        for t in range(max_new):
+            if aborted is not None and run.abort(aborted(), t):
+                break
+            rows_generator = generator
+            if per_row:
+                rows_generator = generator if run.active is None else [generator[i] for i in run.active.tolist()]
+            tokens, token_logprobs = sample_next_token(
+                logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                greedy=params.greedy, generator=rows_generator)
+            if run.record(t, tokens, token_logprobs, stop_ids) or t == max_new - 1:
+                break
+            if run.n_done * 4 >= len(run.done):  # compact the cache once a quarter of the rows are finished
+                tokens = run.compact(cache, tokens)
+            step_mask, step_pos = run.step_inputs(t, vision=self._vision is not None)
+            out = self.model(input_ids=tokens[:, None], attention_mask=step_mask, position_ids=step_pos,
+                             **{self._cache_arg: cache}, use_cache=True)
+            logits = out.logits[:, -1]
+            run.next_pos = run.next_pos + 1
+        run.flush()
+        return run.responses, run.logprobs, run.lengths
 
+    def _prefill(self, input_ids, prompt_mask, n: int, max_new: int, mm_rows):
+        """The prompts' forward into a fresh cache: (cache with each prompt's rows repeated n times, the last
+        position's logits per sample row, the prompts' positions: [B, P], or [B, 4, P] M-RoPE for a VLM)."""
         # the decode steps feed one token each: the prompt and at most max_new - 1 of them are ever cached
-        cache = _preallocated_cache(getattr(self.model, "config", None), capacity=prompt_width + max_new - 1)
+        cache = _preallocated_cache(getattr(self.model, "config", None), capacity=input_ids.shape[1] + max_new - 1)
         images = {}
         if self._vision is not None:  # [B, 4, P] M-RoPE positions; the model takes [4, B, P]
             mm_rows = mm_rows or [None] * len(input_ids)
@@ -407,90 +425,111 @@ class HFRolloutEngine:
         logits = out.logits[:, -1].repeat_interleave(n, dim=0)
         if n > 1:
             cache.batch_repeat_interleave(n)
+        return cache, logits, positions
+
+
+class _ChunkRun:
+    """The state of one chunk's decode loop (`HFRolloutEngine._generate_chunk`): the outputs by chunk row, the rows
+    still in the cache (`active`: their chunk row numbers, None for all in order) and what is aligned with them
+    (`done`, the attention mask, the next positions, the budgets)."""
+
+    def __init__(self, engine, prompt_mask, positions, budgets, n: int, max_new: int, finished):
+        device, num_rows = engine._device, len(prompt_mask) * n
+        self.pad_token_id, self.finished = engine.pad_token_id, finished
+        self.prompt_width = prompt_width = prompt_mask.shape[1]
+        self.responses = torch.full((num_rows, max_new), engine.pad_token_id, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros((num_rows, max_new), dtype=torch.float32, device=device)
+        self.lengths = budgets.repeat_interleave(n)  # a row that never stops ends at its budget
+        # rows whose budget is below max_new_tokens (agent-loop turns) stop there; None when every row has it all
+        self.row_budgets = None if bool((self.lengths == max_new).all()) else self.lengths.clone()
         # attention mask of prompt + every decoded token: step t attends to columns [0, prompt_width + t + 1)
-        mask_4d = decodes_with_4d_mask(self.model)
-        mask = torch.ones((num_rows, prompt_width + max_new), dtype=torch.bool if mask_4d else prompt_mask.dtype,
-                          device=self._device)
-        mask[:, :prompt_width] = prompt_mask.repeat_interleave(n, dim=0)
+        self.mask_4d = decodes_with_4d_mask(engine.model)
+        self.mask = torch.ones((num_rows, prompt_width + max_new),
+                               dtype=torch.bool if self.mask_4d else prompt_mask.dtype, device=device)
+        self.mask[:, :prompt_width] = prompt_mask.repeat_interleave(n, dim=0)
         # SDPA gets no mask when no row is padded (what transformers does with an all-ones mask; a mask of all True
         # would change the kernel's rounding), so the ready-made mask is passed only while some row is padded
-        unpadded = bool(mask[:, :prompt_width].all())
-        if self._vision is not None:  # [rows, 4]: each position row continues from its maximum
-            next_pos = positions.max(dim=-1).values.repeat_interleave(n, dim=0) + 1
+        self.unpadded = bool(self.mask[:, :prompt_width].all())
+        if positions.dim() == 3:  # [rows, 4]: each M-RoPE position row continues from its maximum
+            self.next_pos = positions.max(dim=-1).values.repeat_interleave(n, dim=0) + 1
         else:
-            next_pos = positions[:, -1].repeat_interleave(n, dim=0) + 1
+            self.next_pos = positions[:, -1].repeat_interleave(n, dim=0) + 1
+        self.active = None  # row ids still held in the cache (None: all rows, in order)
+        self.done = torch.zeros(num_rows, dtype=torch.bool, device=device)  # aligned with the cache's rows
+        self.n_done = 0
+        self.cut_rows = torch.zeros(num_rows, dtype=torch.bool, device=device)  # rows `aborted` ended
 
-        active = None  # row ids still held in the cache (None: all rows, in order)
-        done = torch.zeros(num_rows, dtype=torch.bool, device=self._device)  # aligned with the cache's rows
-        n_done = 0
-        cut_rows = torch.zeros(num_rows, dtype=torch.bool, device=self._device)  # rows `aborted` ended
-        for t in range(max_new):
-            if aborted is not None:
-                cut = torch.tensor(aborted(), dtype=torch.bool, device=self._device)
-                cut_now = (cut if active is None else cut[active]) & ~done
-                if bool(cut_now.any()):
-                    if active is None:
-                        lengths.masked_fill_(cut_now, t)
-                        cut_rows |= cut_now
-                    else:
-                        lengths[active] = torch.where(cut_now, t, lengths[active])
-                        cut_rows[active] |= cut_now
-                    done |= cut_now
-                    if finished is not None:
-                        finished(_rows(cut_now, active), responses, logprobs, lengths, cut_rows)
-                    n_done = int(done.sum())
-                    if n_done == len(done):
-                        break
-            rows_generator = generator
-            if per_row:
-                rows_generator = generator if active is None else [generator[i] for i in active.tolist()]
-            tokens, token_logprobs = sample_next_token(
-                logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                greedy=params.greedy, generator=rows_generator)
-            # rows finished earlier (still in the cache until the next compaction) keep their padding
-            new_tokens = tokens.masked_fill(done, self.pad_token_id) if n_done else tokens
-            new_logprobs = token_logprobs.masked_fill(done, 0.0) if n_done else token_logprobs
-            stopped = torch.isin(tokens, stop_ids)
-            if row_budgets is not None:
-                stopped |= row_budgets == t + 1  # lengths already hold the budget
-            if n_done:
-                stopped &= ~done
-            if active is None:
-                responses[:, t] = new_tokens
-                logprobs[:, t] = new_logprobs
-                lengths.masked_fill_(stopped, t + 1)
-            else:
-                responses[active, t] = new_tokens
-                logprobs[active, t] = new_logprobs
-                lengths[active] = torch.where(stopped, t + 1, lengths[active])
-            done |= stopped
-            if finished is not None and bool(stopped.any()):
-                finished(_rows(stopped, active), responses, logprobs, lengths, cut_rows)
-            n_done = int(done.sum())
-            if n_done == len(done) or t == max_new - 1:
-                break
-            if n_done * 4 >= len(done):  # compact the cache once a quarter of the rows are finished
-                keep = (~done).nonzero().squeeze(-1)
-                cache.batch_select_indices(keep)
-                active = keep if active is None else active[keep]
-                tokens, mask, next_pos, done = tokens[keep], mask[keep], next_pos[keep], done[keep]
-                if row_budgets is not None:
-                    row_budgets = row_budgets[keep]
-                n_done = 0
-                unpadded = bool(mask[:, :prompt_width].all())
-            step_mask = mask[:, : prompt_width + t + 1]
-            if mask_4d:
-                step_mask = None if unpadded else step_mask[:, None, None]
-            step_pos = next_pos.T[:, :, None] if self._vision is not None else next_pos[:, None]
-            out = self.model(input_ids=tokens[:, None], attention_mask=step_mask, position_ids=step_pos,
-                             **{self._cache_arg: cache}, use_cache=True)
-            logits = out.logits[:, -1]
-            next_pos = next_pos + 1
-        if finished is not None:  # the rows that ran to the end without stopping
-            unfinished = ~done
-            if bool(unfinished.any()):
-                finished(_rows(unfinished, active), responses, logprobs, lengths, cut_rows)
-        return responses, logprobs, lengths
+    def _tell(self, aligned: torch.Tensor) -> None:
+        if self.finished is not None:
+            self.finished(_rows(aligned, self.active), self.responses, self.logprobs, self.lengths, self.cut_rows)
+
+    def abort(self, asked, t: int) -> bool:
+        """End the rows `asked` (a bool per chunk row) cuts at step t; True when no row is left."""
+        cut = torch.tensor(asked, dtype=torch.bool, device=self.done.device)
+        cut_now = (cut if self.active is None else cut[self.active]) & ~self.done
+        if not bool(cut_now.any()):
+            return False
+        if self.active is None:
+            self.lengths.masked_fill_(cut_now, t)
+            self.cut_rows |= cut_now
+        else:
+            self.lengths[self.active] = torch.where(cut_now, t, self.lengths[self.active])
+            self.cut_rows[self.active] |= cut_now
+        self.done |= cut_now
+        self._tell(cut_now)
+        self.n_done = int(self.done.sum())
+        return self.n_done == len(self.done)
+
+    def record(self, t: int, tokens, token_logprobs, stop_ids) -> bool:
+        """Write step t's sampled tokens; rows that stop there end. True when every row has ended."""
+        n_done, done = self.n_done, self.done
+        # rows finished earlier (still in the cache until the next compaction) keep their padding
+        new_tokens = tokens.masked_fill(done, self.pad_token_id) if n_done else tokens
+        new_logprobs = token_logprobs.masked_fill(done, 0.0) if n_done else token_logprobs
+        stopped = torch.isin(tokens, stop_ids)
+        if self.row_budgets is not None:
+            stopped |= self.row_budgets == t + 1  # lengths already hold the budget
+        if n_done:
+            stopped &= ~done
+        if self.active is None:
+            self.responses[:, t] = new_tokens
+            self.logprobs[:, t] = new_logprobs
+            self.lengths.masked_fill_(stopped, t + 1)
+        else:
+            self.responses[self.active, t] = new_tokens
+            self.logprobs[self.active, t] = new_logprobs
+            self.lengths[self.active] = torch.where(stopped, t + 1, self.lengths[self.active])
+        done |= stopped
+        if bool(stopped.any()):
+            self._tell(stopped)
+        self.n_done = int(done.sum())
+        return self.n_done == len(done)
+
+    def compact(self, cache, tokens):
+        """Drop the finished rows from the cache and from what is aligned with it; returns the kept rows' tokens."""
+        keep = (~self.done).nonzero().squeeze(-1)
+        cache.batch_select_indices(keep)
+        self.active = keep if self.active is None else self.active[keep]
+        self.mask, self.next_pos, self.done = self.mask[keep], self.next_pos[keep], self.done[keep]
+        if self.row_budgets is not None:
+            self.row_budgets = self.row_budgets[keep]
+        self.n_done = 0
+        self.unpadded = bool(self.mask[:, :self.prompt_width].all())
+        return tokens[keep]
+
+    def step_inputs(self, t: int, vision: bool):
+        """(attention mask, position ids) of the decode step after step t."""
+        step_mask = self.mask[:, : self.prompt_width + t + 1]
+        if self.mask_4d:
+            step_mask = None if self.unpadded else step_mask[:, None, None]
+        step_pos = self.next_pos.T[:, :, None] if vision else self.next_pos[:, None]
+        return step_mask, step_pos
+
+    def flush(self) -> None:
+        """Tell `finished` the rows that ran to the end without stopping."""
+        unfinished = ~self.done
+        if self.finished is not None and bool(unfinished.any()):
+            self._tell(unfinished)
 
 
 def _rows(aligned: torch.Tensor, active: torch.Tensor | None) -> list[int]:
