@@ -29,7 +29,8 @@ LAYERS: dict[str, int] = {
     "hyflow.algos": 2,
     "hyflow.batch": 1, "hyflow.config": 1, "hyflow.specs": 1,  # core (the batch, the config schema, role specs)
     "hyflow.registry": 0, "hyflow.user_code": 0, "hyflow.serialization": 0, "hyflow.threads": 0, "hyflow.version": 0,
-    "hyflow.boxed": 0,  # the \\boxed{} answer parser the data preprocessors and the math scorer share
+    "hyflow.boxed": 0,  # the \boxed{} answer parser the data preprocessors and the math scorer share
+    "hyflow.images": 0,  # image rows decoded with PIL: data's datasets and rollout's tools that return images
 }
 LEAVES = tuple(name for name, layer in LAYERS.items() if layer == 0)
 ENTRY = LAYERS["hyflow"]
@@ -62,10 +63,9 @@ NOT_FROM: dict[str, tuple[str, ...]] = {
 # The breaks of the table that exist today, each with why and what removes it. The test fails on a break not listed
 # here, and on an entry here that no longer breaks (delete it then).
 KNOWN_BREAKS: dict[tuple[str, str], str] = {
-    # rollout -> data: environments and the tool agent reuse data's game/env loaders and image loader; removed by
-    # moving the loaders to the environment modules (or images to models, with the VLM processors), issue 38 section 1.
+    # rollout -> data: the environments reuse data's game/env loaders (the rows' openings come from the same game
+    # code); removed by moving the loaders to the environment modules and composing the row writers in the CLI.
     ("hyflow.rollout.textarena_env", "hyflow.data.textarena"): "rollout may import models, tools, batch",
-    ("hyflow.rollout.tool_agent", "hyflow.data.images"): "rollout may import models, tools, batch",
     ("hyflow.rollout.verifiers_env", "hyflow.data.verifiers"): "rollout may import models, tools, batch",
     # workers -> data: the KTO worker reads the KL rows by the dataset's column layout (`kl_rows`); removed by making
     # that layout part of the preference spec / batch contract, issue 38 section 5.

@@ -42,9 +42,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hyflow.boxed import extract_boxed_answer
-from hyflow.data.images import check_pixel_limit
 from hyflow.data.io import SPLITS, read_rows, write_rows
 from hyflow.data.tasks.common import FORMATS, make_row
+from hyflow.images import check_pixel_limit
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."

@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 from hyflow.batch import Batch
-from hyflow.data.images import ImageError, decode_images, image_sizes
 from hyflow.data.io import read_rows
+from hyflow.images import ImageError, decode_images, image_sizes
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 

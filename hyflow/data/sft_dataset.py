@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 from hyflow.batch import Batch
-from hyflow.data.images import ImageError, decode_images
 from hyflow.data.rl_dataset import DataError, as_messages, image_messages, media_list, row_sources
+from hyflow.images import ImageError, decode_images
 
 
 def lookup_dotted(row: dict, key: str):

@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from hyflow.data.images import ImageError, load_image
+from hyflow.images import ImageError, load_image
 from hyflow.models.vision import IMAGE_PAD, VISION_SPECIAL_TOKENS, MultiModalError, add_images
 from hyflow.rollout.agent_loop import TOOL_COUNTERS, AgentLoopBase, AgentLoopOutput, register
 from hyflow.rollout.tool_parser import (

@@ -9,8 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
-from hyflow.data.images import ImageError, load_image
 from hyflow.data.rl_dataset import DataError, RLDataset
+from hyflow.images import ImageError, load_image
 
 
 def _png(colour=(200, 30, 30), size=(56, 56)) -> bytes:
