@@ -169,8 +169,8 @@ def test_offloaded_sft_trains_like_a_plain_one_and_stays_on_the_host(tiny_model_
     plain = SFTTrainer(overrides(tiny_model_dir, task_paths, tmp_path / "plain", *extra)).fit()
     monkeypatch.setattr(TrainEngine, "offload_copies", True)
     engines = []
-    init = TrainEngine._init_offload
-    monkeypatch.setattr(TrainEngine, "_init_offload", lambda self, *a, **k: (engines.append(self), init(self, *a, **k)))
+    init = TrainEngine.__init__
+    monkeypatch.setattr(TrainEngine, "__init__", lambda self, *a, **k: (engines.append(self), init(self, *a, **k))[1])
     trainer = SFTTrainer(overrides(tiny_model_dir, task_paths, tmp_path / "off", *extra, "engine.param_offload=true",
                                    "engine.optimizer_offload=true"))
     offloaded = trainer.fit()
