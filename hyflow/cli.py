@@ -159,22 +159,26 @@ def _cmd_data_reasoning_gym(args: argparse.Namespace) -> int:
 
 
 def _cmd_data_textarena(args: argparse.Namespace) -> int:
-    from hyflow.data.textarena import game_ids, write_textarena
+    from functools import partial
+
+    from hyflow.data.textarena import write_textarena
+    from hyflow.rollout.textarena_env import game_ids, opening
 
     return _generate_library_data(args, args.env, "hyflow data textarena needs --env ID[,ID] and --out DIR (--list "
-                                  "shows the games)", game_ids, write_textarena)
+                                  "shows the games)", game_ids, partial(write_textarena, opening=opening))
 
 
 def _cmd_data_verifiers(args: argparse.Namespace) -> int:
     import sys
 
     from hyflow.data.verifiers import write_verifiers
+    from hyflow.rollout.verifiers_env import load_env
 
     if not args.env or not args.out:
         raise ValueError("hyflow data verifiers needs --env ID (an installed verifiers environment) and --out DIR")
     sys.path.insert(0, ".")  # an environment module in the current directory, as verifiers' own CLI finds it
-    paths = write_verifiers(args.env, args.out, n_train=args.n_train, n_test=args.n_test, seed=args.seed,
-                            options=dict(args.option or []), fmt=args.format)
+    paths = write_verifiers(args.env, args.out, load_env=load_env, n_train=args.n_train, n_test=args.n_test,
+                            seed=args.seed, options=dict(args.option or []), fmt=args.format)
     for split, path in paths.items():
         print(f"{split}: {path}")
     return 0

@@ -222,3 +222,13 @@ def accepted_keywords(fn: Any) -> set[str] | None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return None
     return {p.name for p in parameters if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+
+
+def optional_package(module: str, *, used_by: str, pip: str):
+    """Import the optional package `module`, or raise ModuleNotFoundError saying what needs it (`used_by`) and how to
+    install it (`pip install 'hyflow[envs]'` or `pip`)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        raise ModuleNotFoundError(f"{used_by} needs {pip}, which is not installed: pip install 'hyflow[envs]' (or "
+                                  f"{pip})") from err

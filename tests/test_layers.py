@@ -62,15 +62,7 @@ NOT_FROM: dict[str, tuple[str, ...]] = {
 }
 # The breaks of the table that exist today, each with why and what removes it. The test fails on a break not listed
 # here, and on an entry here that no longer breaks (delete it then).
-KNOWN_BREAKS: dict[tuple[str, str], str] = {
-    # rollout -> data: the environments reuse data's game/env loaders (the rows' openings come from the same game
-    # code); removed by moving the loaders to the environment modules and composing the row writers in the CLI.
-    ("hyflow.rollout.textarena_env", "hyflow.data.textarena"): "rollout may import models, tools, batch",
-    ("hyflow.rollout.verifiers_env", "hyflow.data.verifiers"): "rollout may import models, tools, batch",
-    # workers -> data: the KTO worker reads the KL rows by the dataset's column layout (`kl_rows`); removed by making
-    # that layout part of the preference spec / batch contract, issue 38 section 5.
-    ("hyflow.workers.preference", "hyflow.data.preference_dataset"): "workers may not import data (KTO KL rows)",
-}
+KNOWN_BREAKS: dict[tuple[str, str], str] = {}  # none left (issue 38 removed the last 8 pairs)
 
 
 def _modules() -> dict[str, Path]:

@@ -29,7 +29,7 @@ from hyflow.batch import Batch
 from hyflow.data.rl_dataset import DataError, as_messages, row_sources
 from hyflow.data.sft_dataset import SFTDataset, lookup_dotted
 
-KL_PREFIX = "kl_"
+KL_PREFIX = "kl_"  # the KTO worker reads the KL rows by it (hyflow.workers.preference.kl_rows)
 SEQUENCE_COLUMNS = ("input_ids", "attention_mask", "position_ids", "loss_mask")
 
 
@@ -173,6 +173,3 @@ class PreferenceDataset:
         return batch
 
 
-def kl_rows(batch: Batch) -> Batch:
-    """The KL rows of a KTO batch as a batch of their own (input_ids, attention_mask, position_ids, loss_mask)."""
-    return Batch({key: batch[KL_PREFIX + key] for key in SEQUENCE_COLUMNS})

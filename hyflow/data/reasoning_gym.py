@@ -21,7 +21,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from hyflow.data.tasks.common import make_row, optional_package, write_splits
+from hyflow.data.tasks.common import make_row, write_splits
+from hyflow.user_code import optional_package
 
 INSTRUCTION = "Think it through, then put the final answer after '####' on the last line."
 DATA_SOURCE = "reasoning_gym"

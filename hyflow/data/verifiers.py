@@ -3,9 +3,10 @@
 
 A verifiers environment bundles a dataset, a rollout protocol (single-turn, multi-turn, tools, sandboxes) written
 against an OpenAI-compatible client, and a rubric that scores the rollout. hyflow trains one unchanged through its
-OpenAI endpoint: `write_verifiers(env_id, out_dir, ...)` loads the environment (`verifiers.load_environment(env_id,
-**options)`: an installed environment package, `vf-install`'s, or any module on `sys.path` whose
-`load_environment(**options)` returns one) and writes its dataset (train) and eval dataset (test; the dataset's
+OpenAI endpoint: `write_verifiers(env_id, out_dir, load_env=...)` takes the environment from the loader it is given
+(the CLI passes `hyflow.rollout.verifiers_env.load_env`: `verifiers.load_environment(env_id, **options)`, an
+installed environment package, `vf-install`'s, or any module on `sys.path` whose `load_environment(**options)`
+returns one) and writes its dataset (train) and eval dataset (test; the dataset's
 first rows when it has none) as rows that the `verifiers_agent` loop (`hyflow.rollout.verifiers_env`) plays: the
 environment's own prompt messages (its system prompt included) as the prompt, `agent_name: verifiers_agent`, and
 under `extra_info.verifiers` what its rollout needs besides (env id, options, example id, answer, info, task).
@@ -15,47 +16,11 @@ The environment's rubric scores each rollout: no reward function, no ground trut
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hyflow.data.tasks.common import optional_package, write_splits
-
-_ENVS: dict[tuple[str, str], Any] = {}  # (env id, options JSON) -> the loaded environment (one per process)
-
-
-def _verifiers():
-    return optional_package("verifiers", used_by="hyflow data verifiers / the verifiers_agent loop", pip="verifiers")
-
-
-def load_env(env_id: str, options: dict | str | None = None):
-    """The verifiers environment `env_id` built with `options` (a dict or its JSON), cached per process; an id that
-    names no environment is a ValueError that says how to install one."""
-    vf = _verifiers()
-    if isinstance(options, str):
-        options = json.loads(options) if options else {}
-    key = (env_id, json.dumps(options or {}, sort_keys=True))
-    if key not in _ENVS:
-        import importlib.util
-
-        module = env_id.replace("-", "_")
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            raise ValueError(f"verifiers environment {env_id!r} is not installed here (no module {module!r}): install "
-                             "its package (`vf-install ID`, or pip install it), or put a module of that name "
-                             "exposing load_environment(**options) on PYTHONPATH")
-        try:
-            _ENVS[key] = vf.load_environment(env_id, **(options or {}))
-        except Exception as err:  # verifiers wraps what load_environment raised in a RuntimeError
-            cause = err.__cause__ or err
-            if isinstance(cause, TypeError) and "keyword argument" in str(cause):
-                raise ValueError(f"verifiers environment {env_id!r} does not take the options "
-                                 f"{sorted(options or {})}: {cause}") from None
-            raise ValueError(f"verifiers could not build the environment {env_id!r}: {type(cause).__name__}: "
-                             f"{cause}") from err
-    return _ENVS[key]
+from hyflow.data.tasks.common import write_splits
 
 
 def _rows(env_id: str, options_json: str, dataset, split: str, n: int, seed: int) -> list[dict]:
@@ -85,10 +50,12 @@ def _rows(env_id: str, options_json: str, dataset, split: str, n: int, seed: int
     return rows
 
 
-def write_verifiers(env_id: str, out_dir: str | Path, *, n_train: int = 2000, n_test: int = 200, seed: int = 0,
-                    options: dict[str, Any] | None = None, fmt: str = "parquet") -> dict[str, Path]:
+def write_verifiers(env_id: str, out_dir: str | Path, *, load_env: Callable[[str, dict | None], Any],
+                    n_train: int = 2000, n_test: int = 200, seed: int = 0, options: dict[str, Any] | None = None,
+                    fmt: str = "parquet") -> dict[str, Path]:
     """Write up to `n_train` rows of the environment's dataset and `n_test` of its eval dataset (shuffled with
-    `seed`); returns {split: path}."""
+    `seed`); returns {split: path}. `load_env(env_id, options)`: the environment (`hyflow.rollout.verifiers_env.
+    load_env`, which plays the rows)."""
     if not env_id or n_train < 0 or n_test < 0 or n_train + n_test == 0:
         raise ValueError("name a verifiers environment and ask for at least one row (--n-train / --n-test)")
     env = load_env(env_id, options)

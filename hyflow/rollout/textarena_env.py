@@ -7,7 +7,8 @@ FrozenLake, Minesweeper, Sudoku, FifteenPuzzle, Countdown, LightsOut, Blackjack,
      "env_kwargs": {"env": "GuessTheNumber-v0", "seed": 7, "options": "{\"max_turns\": 10}"},
      "prompt": [{"role": "user", "content": <the game's first observation for that seed>}]}
 
-`hyflow data textarena --env ID[,ID] --out DIR` writes such rows (`hyflow.data.textarena`): the game's opening
+`hyflow data textarena --env ID[,ID] --out DIR` writes such rows (`hyflow.data.textarena`, with `opening` from
+here): the game's opening
 message for each seed is the prompt, so the policy's first turn answers it. `env_kwargs`: `env` (a TextArena id),
 `seed` (the game's seed), `options` (the game's constructor options, a dict or its JSON).
 
@@ -24,12 +25,76 @@ no network here to fetch them).
 from __future__ import annotations
 
 import contextlib
+import json
+from typing import Any
 
-from hyflow.data.textarena import make_game, start, text_of
 from hyflow.rollout.env_loop import register_env
+from hyflow.user_code import optional_package
 
 with contextlib.suppress(ModuleNotFoundError):  # imported once, here: each episode's process inherits it (seconds)
     import textarena  # noqa: F401
+
+
+def _textarena():
+    return optional_package("textarena", used_by="env_class textarena / hyflow data textarena", pip="textarena")
+
+
+def game_ids() -> list[str]:
+    """TextArena's game ids (without its wrapper variants -raw / -train)."""
+    from textarena.envs.registration import ENV_REGISTRY
+
+    _textarena()
+    return sorted(i for i in ENV_REGISTRY if not i.endswith(("-raw", "-train")))
+
+
+def make_game(env: str, options: dict | str | None = None):
+    """The game `env` without TextArena's LLM wrappers, built with `options`; unknown ids and games that cannot
+    be built here are ValueErrors that say why."""
+    ta = _textarena()
+    from textarena.envs.registration import ENV_REGISTRY
+
+    if isinstance(options, str):
+        options = json.loads(options) if options else {}
+    raw = env if env.endswith("-raw") else f"{env}-raw"
+    if raw not in ENV_REGISTRY:
+        import difflib
+
+        close = difflib.get_close_matches(env, game_ids(), n=3)
+        raise ValueError(f"{env!r} is not a TextArena game" + (f"; did you mean {', '.join(close)}?" if close else
+                                                                 "; hyflow data textarena --list names them"))
+    try:
+        return ta.make(raw, **(options or {}))
+    except TypeError as err:
+        raise ValueError(f"TextArena game {env!r} does not take the options {sorted(options or {})}: {err}") from None
+    except Exception as err:  # a game whose module does not import here (Python version, missing asset)
+        raise ValueError(f"TextArena could not build the game {env!r}: {type(err).__name__}: {err}") from err
+
+
+def start(env: str, seed: int | None, options: dict | str | None = None) -> tuple[Any, str]:
+    """(the game reset for one player with `seed`, its opening message)."""
+    game = make_game(env, options)
+    try:
+        game.reset(num_players=1, seed=seed)
+    except AssertionError as err:  # TextArena asserts the number of players
+        raise ValueError(f"TextArena game {env!r} is not a single-player game ({err}); hyflow's textarena "
+                         "environment plays single-player games only") from None
+    except LookupError as err:  # nltk data the game would download
+        raise ValueError(f"TextArena game {env!r} needs data it downloads at start, which is not here: "
+                         f"{' '.join(str(err).split())[:300]}") from None
+    player, messages = game.get_observation()
+    return game, text_of(messages, player)
+
+
+def text_of(messages, player: int) -> str:
+    """The text of the game's messages, the player's own echoed actions left out."""
+    return "\n".join(str(message) for sender, message, *_ in messages if sender != player).strip()
+
+
+def opening(env: str, seed: int, options: dict | str | None = None) -> str:
+    """The first message of the game `env` for `seed` (a row's prompt: `hyflow data textarena`)."""
+    game, text = start(env, seed, options)
+    game.close()
+    return text
 
 
 @register_env("textarena")

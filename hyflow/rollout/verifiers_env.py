@@ -29,9 +29,46 @@ import json
 import math
 from typing import Any
 
-from hyflow.data.verifiers import load_env
 from hyflow.rollout.agent_loop import AgentLoopOutput, register
 from hyflow.rollout.openai_agent import OpenAIAgentLoop
+from hyflow.user_code import optional_package
+
+_ENVS: dict[tuple[str, str], Any] = {}  # (env id, options JSON) -> the loaded environment (one per process)
+
+
+def _verifiers():
+    return optional_package("verifiers", used_by="hyflow data verifiers / the verifiers_agent loop", pip="verifiers")
+
+
+def load_env(env_id: str, options: dict | str | None = None):
+    """The verifiers environment `env_id` built with `options` (a dict or its JSON), cached per process; an id that
+    names no environment is a ValueError that says how to install one."""
+    vf = _verifiers()
+    if isinstance(options, str):
+        options = json.loads(options) if options else {}
+    key = (env_id, json.dumps(options or {}, sort_keys=True))
+    if key not in _ENVS:
+        import importlib.util
+
+        module = env_id.replace("-", "_")
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ValueError(f"verifiers environment {env_id!r} is not installed here (no module {module!r}): install "
+                             "its package (`vf-install ID`, or pip install it), or put a module of that name "
+                             "exposing load_environment(**options) on PYTHONPATH")
+        try:
+            _ENVS[key] = vf.load_environment(env_id, **(options or {}))
+        except Exception as err:  # verifiers wraps what load_environment raised in a RuntimeError
+            cause = err.__cause__ or err
+            if isinstance(cause, TypeError) and "keyword argument" in str(cause):
+                raise ValueError(f"verifiers environment {env_id!r} does not take the options "
+                                 f"{sorted(options or {})}: {cause}") from None
+            raise ValueError(f"verifiers could not build the environment {env_id!r}: {type(cause).__name__}: "
+                             f"{cause}") from err
+    return _ENVS[key]
 
 
 def _spec(sample: dict) -> dict:

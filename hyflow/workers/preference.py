@@ -33,7 +33,6 @@ import torch
 from hyflow.algos.preference import preference_loss
 from hyflow.batch import Batch
 from hyflow.controller import Collect, Dispatch, register
-from hyflow.data.preference_dataset import kl_rows
 from hyflow.models.loading import load_causal_lm
 from hyflow.specs import PreferenceSpec
 from hyflow.workers.engine import all_reduce_sum
@@ -46,6 +45,17 @@ COLUMNS = ("response_mask", "ref_log_prob", "labels")
 def sequence_logps(log_probs_BR: torch.Tensor, mask_BR: torch.Tensor) -> torch.Tensor:
     """log pi(y | x) per row: the masked sum of per-token log-probs."""
     return (log_probs_BR * mask_BR).sum(-1)
+
+
+# KTO's KL rows (the mismatched completions its reference point is taken on) travel in the same batch as its pairs,
+# each sequence column under this prefix (`hyflow.data.preference_dataset`'s collator writes them so): the batch's
+# column names are the contract between data and workers, as `input_ids` is
+KL_PREFIX = "kl_"
+
+
+def kl_rows(batch: Batch) -> Batch:
+    """The KL rows of a KTO batch as a batch of their own: every `kl_<name>` column as `<name>`."""
+    return Batch({key[len(KL_PREFIX):]: batch[key] for key in batch.keys() if key.startswith(KL_PREFIX)})  # noqa: SIM118 (iterating a Batch gives rows)
 
 
 class PreferenceWorker(SFTWorker):
@@ -89,7 +99,7 @@ class PreferenceWorker(SFTWorker):
 
     def _kl(self, batch: Batch) -> float:
         """KTO's reference point: mean over all ranks' KL rows of log pi - log pi_ref, clamped at 0 (no grad)."""
-        data = as_engine_batch(kl_rows(batch))
+        data = as_engine_batch(kl_rows(batch))  # the columns the collator wrote as kl_<name>
         mask = data["response_mask"].float()
         policy = sequence_logps(self.engine.infer(data, self.spec.batches)["log_probs"], mask)
         reference = sequence_logps(self._reference_logps(data), mask)

@@ -90,16 +90,17 @@ def test_options_reach_the_game(tmp_path, tiny_tokenizer):
 
 def test_bad_requests_are_named(tmp_path, tiny_tokenizer):
     from hyflow.data.textarena import write_textarena
-    from hyflow.rollout.textarena_env import TextArenaEnv
+    from hyflow.rollout.textarena_env import TextArenaEnv, opening
 
     proc = subprocess.run([*HYFLOW, "data", "textarena", "--env", "GuessTheNumbr-v0", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "'GuessTheNumbr-v0' is not a TextArena game; did you mean GuessTheNumber-v0" in proc.stderr
     with pytest.raises(ValueError, match=r"'TicTacToe-v0' is not a single-player game"):
-        write_textarena("TicTacToe-v0", tmp_path, n_train=1, n_test=0)
+        write_textarena("TicTacToe-v0", tmp_path, opening=opening, n_train=1, n_test=0)
     with pytest.raises(ValueError, match=r"does not take the options \['colour'\]"):
-        write_textarena("GuessTheNumber-v0", tmp_path, n_train=1, n_test=0, options={"colour": "red"})
+        write_textarena("GuessTheNumber-v0", tmp_path, opening=opening, n_train=1, n_test=0,
+                        options={"colour": "red"})
     with pytest.raises(ValueError, match=r"needs the game's id in env_kwargs.env"):
         TextArenaEnv()
     # a row whose prompt is not the game's opening for its seed

@@ -52,9 +52,9 @@ def env_module(tmp_path, monkeypatch):
     (tmp_path / "hyflow_test_vf_env.py").write_text(ENV_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("hyflow_test_vf_env", None)
-    from hyflow.data import verifiers as data
+    from hyflow.rollout import verifiers_env
 
-    data._ENVS.clear()
+    verifiers_env._ENVS.clear()
     return tmp_path
 
 
@@ -125,7 +125,7 @@ def test_a_tool_environment_calls_its_tool_through_the_endpoint(tmp_path, tiny_t
 
 
 def test_bad_requests_are_named(tmp_path, tiny_tokenizer):
-    from hyflow.data.verifiers import load_env
+    from hyflow.rollout.verifiers_env import load_env
 
     with pytest.raises(ValueError, match=r"'no_such_env' is not installed here .*vf-install"):
         load_env("no_such_env")

@@ -60,18 +60,6 @@ def draw_distinct(
     return problems
 
 
-def optional_package(module: str, *, used_by: str, pip: str):
-    """Import the optional package `module`, or raise ModuleNotFoundError saying what needs it (`used_by`) and how to
-    install it (`pip install 'hyflow[envs]'` or `pip`)."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as err:
-        raise ModuleNotFoundError(f"{used_by} needs {pip}, which is not installed: pip install 'hyflow[envs]' (or "
-                                  f"{pip})") from err
-
-
 def make_row(
     data_source: str,
     content: str,
