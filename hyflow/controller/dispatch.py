@@ -5,8 +5,8 @@ worker method declares with `@register(dispatch, collect, pad)` how a call on th
 across the group's ranks and how the per-rank results are merged, so the driver writes
 `group.compute_log_prob(batch)` as if there were one worker.
 
-Dispatch (how the arguments reach the ranks; D = data-parallel size = world size here, since there is no
-tensor- or sequence-parallel mesh yet):
+Dispatch (how the arguments reach the ranks; D = the data-parallel size: the world size, or with `mesh=` the
+data-parallel size of that mesh, see "Data-parallel layout" below):
 
 - `REPLICATE`: every rank gets the same arguments.
 - `DP_SPLIT`: every `Batch` argument (positional or keyword) of B rows is padded to B' = ceil(B / D) * D rows
@@ -39,6 +39,15 @@ Collect (how the per-rank results come back):
 
 Default collect: CONCAT for DP_SPLIT and DP_MINI_BATCHES, FIRST for RANK_ZERO, ALL for REPLICATE and DIRECT.
 
+Data-parallel layout (`@register(..., mesh="actor")`): a method whose work runs on a parallelized model names the
+mesh it runs on. Each rank reports its place in that mesh (`DataLayout`: data-parallel rank, data-parallel size,
+whether its result is the one collected; the worker's `data_layouts()`, asked once by the group after the engines
+exist). A batch is then cut into D = dp_size parts, not one per rank: every rank of data-parallel group d (the
+sequence x tensor-parallel ranks that compute on the same rows) receives part d, and CONCAT / ALL read one result per
+group (the rank with `collects`), in data-parallel order. Without `mesh` (or before the worker reports that mesh)
+every rank is its own data-parallel rank. A generation method of the same worker keeps `mesh=None`: every rank
+decodes its own share.
+
 Padding rows are real rows to the worker: a DP_SPLIT method whose effect depends on every row once (a
 training update) should be registered with `pad=False`, so an indivisible batch fails loudly instead.
 
@@ -60,6 +69,7 @@ import torch
 from hyflow.batch import Batch
 
 DISPATCH_ATTR = "__hyflow_dispatch__"
+LAYOUT_METHOD = "data_layouts"  # the Worker method a group asks for its ranks' DataLayouts
 MINI_BATCH_ROWS = "mini_batch_rows"  # Batch.meta key: the rows of one mini-batch, for Dispatch.DP_MINI_BATCHES
 
 
@@ -99,12 +109,40 @@ def _parse(enum_cls: type[enum.Enum], value) -> enum.Enum:
 
 
 @dataclass(frozen=True)
+class DataLayout:
+    """One rank's place in a mesh's data-parallel split: its data-parallel rank of `dp_size`, and whether its result
+    is the one collected for that data-parallel rank (one rank of each group that computes on the same rows)."""
+
+    dp_rank: int
+    dp_size: int
+    collects: bool
+
+
+def check_layout(layout: Sequence[DataLayout], mesh: str) -> list[DataLayout]:
+    """The ranks' layouts of `mesh`, checked: one dp_size, every data-parallel rank present, each collected by
+    exactly one rank. Raises ValueError naming the mesh otherwise."""
+    layout = list(layout)
+    sizes = {place.dp_size for place in layout}
+    if len(sizes) != 1:
+        raise ValueError(f"mesh {mesh!r}: the ranks report different data-parallel sizes {sorted(sizes)}")
+    size = sizes.pop()
+    collectors = sorted(place.dp_rank for place in layout if place.collects)
+    if {place.dp_rank for place in layout} != set(range(size)) or collectors != list(range(size)):
+        raise ValueError(f"mesh {mesh!r}: data-parallel ranks {[p.dp_rank for p in layout]} of size {size} with "
+                         f"collecting ranks {collectors}: every data-parallel rank 0..{size - 1} needs ranks and "
+                         "exactly one collecting rank")
+    return layout
+
+
+@dataclass(frozen=True)
 class DispatchMode:
-    """What `@register` stores on a method: dispatch, collect (None -> the dispatch's default) and pad."""
+    """What `@register` stores on a method: dispatch, collect (None -> the dispatch's default), pad, and the mesh
+    whose data-parallel layout splits its batches (None: every rank is a data-parallel rank)."""
 
     dispatch: Dispatch = Dispatch.REPLICATE
     collect: Collect | None = None
     pad: bool = True
+    mesh: str | None = None
 
     def __post_init__(self):
         dispatch = _parse(Dispatch, self.dispatch)
@@ -112,6 +150,9 @@ class DispatchMode:
         if dispatch is Dispatch.RANK_ZERO and collect is not Collect.FIRST:
             raise ValueError(f"Dispatch.RANK_ZERO runs one rank, so its only collect is Collect.FIRST, "
                              f"got {collect}; drop the collect argument")
+        if self.mesh is not None and dispatch not in (Dispatch.DP_SPLIT, Dispatch.DP_MINI_BATCHES):
+            raise ValueError(f"mesh={self.mesh!r} sets how a batch is split, so it needs Dispatch.DP_SPLIT or "
+                             f"Dispatch.DP_MINI_BATCHES, not {dispatch}")
         if dispatch is Dispatch.DP_MINI_BATCHES and self.pad:
             raise ValueError("Dispatch.DP_MINI_BATCHES splits whole mini-batches, which padding rows would change; "
                              "register it with pad=False")
@@ -120,16 +161,16 @@ class DispatchMode:
 
 
 def register(dispatch: Dispatch | str = Dispatch.REPLICATE, collect: Collect | str | None = None,
-             pad: bool = True) -> Callable:
+             pad: bool = True, mesh: str | None = None) -> Callable:
     """Decorator marking a worker method as callable through a worker group.
 
-    Stores `DispatchMode(dispatch, collect, pad)` on the function as `__hyflow_dispatch__` and returns the
+    Stores `DispatchMode(dispatch, collect, pad, mesh)` on the function as `__hyflow_dispatch__` and returns the
     function itself, so calling it directly on a worker is unchanged.
     """
     if callable(dispatch) and not isinstance(dispatch, str):
         raise TypeError("@register needs parentheses: write @register(Dispatch.DP_SPLIT) (or another "
                         "Dispatch), not a bare @register")
-    mode = DispatchMode(dispatch, collect, pad)
+    mode = DispatchMode(dispatch, collect, pad, mesh)
 
     def decorate(func: Callable) -> Callable:
         if not callable(func):
@@ -155,11 +196,14 @@ def _as_mode(mode: DispatchMode | Dispatch | str) -> DispatchMode:
 
 
 def split_args(mode: DispatchMode | Dispatch | str, world_size: int, args: Sequence, kwargs: dict,
-               *, method: str = "method") -> tuple[list[tuple], list[dict], int]:
+               *, method: str = "method", layout: Sequence[DataLayout] | None = None
+               ) -> tuple[list[tuple], list[dict], int]:
     """Per-rank arguments of one group call: (per_rank_args, per_rank_kwargs, pad_count).
 
     The lists have one entry per rank that runs: `world_size` entries, or 1 for RANK_ZERO. pad_count is the
-    number of padding rows DP_SPLIT appended, (-B) mod world_size, else 0. `method` names the call in errors.
+    number of padding rows DP_SPLIT appended, (-B) mod D, else 0 (D: the data-parallel size, `layout`'s when given,
+    else world_size). `layout` (one `DataLayout` per rank): rank r gets the part of its data-parallel rank.
+    `method` names the call in errors.
     """
     mode = _as_mode(mode)
     if world_size < 1:
@@ -171,7 +215,13 @@ def split_args(mode: DispatchMode | Dispatch | str, world_size: int, args: Seque
         return [args] * world_size, [dict(kwargs) for _ in range(world_size)], 0
     if mode.dispatch is Dispatch.DIRECT:
         return _split_direct(world_size, args, kwargs, method)
-    return _split_batches(mode, world_size, args, kwargs, method)
+    if layout is None:
+        return _split_batches(mode, world_size, args, kwargs, method)
+    if len(layout) != world_size:
+        raise ValueError(f"{method}: a layout of {len(layout)} ranks for a group of {world_size}")
+    per_dp_args, per_dp_kwargs, pad_count = _split_batches(mode, layout[0].dp_size, args, kwargs, method)
+    return ([per_dp_args[place.dp_rank] for place in layout], [per_dp_kwargs[place.dp_rank] for place in layout],
+            pad_count)
 
 
 def with_mini_batch_rows(batch: Batch, rows: int) -> Batch:
@@ -257,12 +307,14 @@ def _split_batches(mode: DispatchMode, world_size: int, args: tuple, kwargs: dic
 
 
 def collect_results(mode: DispatchMode | Dispatch | str, results: Sequence, pad_count: int = 0, *,
-                    padded_size: int | None = None, method: str = "method"):
+                    padded_size: int | None = None, method: str = "method",
+                    layout: Sequence[DataLayout] | None = None):
     """Merge per-rank results (in rank order) as the mode's collect says, dropping `pad_count` padding rows.
 
     `padded_size` (B', the padded input rows), when given, sets how many result rows each input row has
     (k = result rows / B', which must be whole) and so how many rows the padding's outputs are: pad_count x k.
-    Without it k = 1. `method` names the call in errors.
+    Without it k = 1. `layout` (the one `split_args` split by): CONCAT and ALL read the collecting rank of each
+    data-parallel rank, in data-parallel order. `method` names the call in errors.
     """
     mode = _as_mode(mode)
     results = list(results)
@@ -270,6 +322,9 @@ def collect_results(mode: DispatchMode | Dispatch | str, results: Sequence, pad_
         raise ValueError(f"{method}: no results to collect (no rank ran)")
     if mode.collect is Collect.FIRST:
         return results[0]
+    if layout is not None:
+        by_dp = sorted((place.dp_rank, rank) for rank, place in enumerate(layout) if place.collects)
+        results = [results[rank] for _, rank in by_dp]
     if mode.collect is Collect.ALL:
         return results
     merged = _concat(results, method)

@@ -29,7 +29,15 @@ import bdb
 from collections.abc import Sequence
 
 from hyflow.batch import Batch
-from hyflow.controller.dispatch import DispatchMode, collect_results, registered_methods, split_args
+from hyflow.controller.dispatch import (
+    LAYOUT_METHOD,
+    DataLayout,
+    DispatchMode,
+    check_layout,
+    collect_results,
+    registered_methods,
+    split_args,
+)
 from hyflow.controller.worker import Placement, Worker, use_placement
 
 
@@ -65,6 +73,7 @@ class WorkerGroup(abc.ABC):
         self._worker_cls = worker_cls
         self._world_size = world_size
         self._methods = registered_methods(worker_cls)
+        self._layouts: dict[str, list[DataLayout]] = {}  # {mesh name: each rank's DataLayout}, once reported
         for name, mode in self._methods.items():
             if hasattr(type(self), name):
                 raise ValueError(f"{worker_cls.__name__}.{name} collides with the {type(self).__name__} "
@@ -90,6 +99,23 @@ class WorkerGroup(abc.ABC):
     def roles(self) -> tuple[str, ...]:
         """Role names of a colocated worker class (`make_colocated_class`), else ()."""
         return tuple(getattr(self._worker_cls, "__hyflow_roles__", ()))
+
+    def layout(self, mesh: str | None) -> list[DataLayout] | None:
+        """Each rank's `DataLayout` in `mesh` (the workers' `data_layouts()`, asked once: the first call after the
+        engines exist), or None for mesh None or while no rank reports it (every rank is then its own
+        data-parallel rank)."""
+        if mesh is None:
+            return None
+        if mesh not in self._layouts and LAYOUT_METHOD in self._methods:
+            reports = self._execute(LAYOUT_METHOD, [()] * self._world_size, [{}] * self._world_size)
+            if all(mesh in report for report in reports):
+                self._layouts[mesh] = check_layout([report[mesh] for report in reports], mesh)
+        return self._layouts.get(mesh)
+
+    def data_parallel_size(self, mesh: str | None = None) -> int:
+        """How many different shares of a batch `mesh`'s ranks compute on (the world size without a mesh)."""
+        layout = self.layout(mesh)
+        return self._world_size if layout is None else layout[0].dp_size
 
     def role(self, name: str) -> RoleView:
         """A view of this group whose method `m` calls the group's method `<name>_m`."""
@@ -120,13 +146,13 @@ class WorkerGroup(abc.ABC):
                                  f"methods: {sorted(self._methods)}")
         mode = self._methods[name]
         label = f"{self._worker_cls.__name__}.{name}"
-        per_rank_args, per_rank_kwargs, pad_count = split_args(mode, self._world_size, args, kwargs, method=label)
+        layout = self.layout(mode.mesh)
+        per_rank_args, per_rank_kwargs, pad_count = split_args(mode, self._world_size, args, kwargs, method=label,
+                                                               layout=layout)
         wait = self._launch(name, per_rank_args, per_rank_kwargs)
-        padded_size = None
-        if pad_count:
-            padded_size = sum(_batch_rows(a, k) for a, k in zip(per_rank_args, per_rank_kwargs))
+        padded_size = _batch_rows(args, kwargs) + pad_count if pad_count else None
         return PendingCall(label, lambda: collect_results(mode, wait(), pad_count, padded_size=padded_size,
-                                                          method=label))
+                                                          method=label, layout=layout))
 
     def _make_method(self, name: str, mode: DispatchMode):
         def call(*args, **kwargs):
@@ -139,13 +165,12 @@ class WorkerGroup(abc.ABC):
 
     def _call(self, name: str, mode: DispatchMode, args: tuple, kwargs: dict):
         label = f"{self._worker_cls.__name__}.{name}"
+        layout = self.layout(mode.mesh)
         per_rank_args, per_rank_kwargs, pad_count = split_args(mode, self._world_size, args, kwargs,
-                                                               method=label)
+                                                               method=label, layout=layout)
         results = self._execute(name, per_rank_args, per_rank_kwargs)
-        padded_size = None
-        if pad_count:
-            padded_size = sum(_batch_rows(a, k) for a, k in zip(per_rank_args, per_rank_kwargs))
-        return collect_results(mode, results, pad_count, padded_size=padded_size, method=label)
+        padded_size = _batch_rows(args, kwargs) + pad_count if pad_count else None
+        return collect_results(mode, results, pad_count, padded_size=padded_size, method=label, layout=layout)
 
     def __getattr__(self, name: str):
         """Only reached for names that are not registered methods: explain what can be called."""

@@ -32,10 +32,19 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import ClassVar
 
 import torch
 
-from hyflow.controller.dispatch import DISPATCH_ATTR, DispatchMode, registered_methods
+from hyflow.controller.dispatch import (
+    DISPATCH_ATTR,
+    LAYOUT_METHOD,
+    DataLayout,
+    Dispatch,
+    DispatchMode,
+    register,
+    registered_methods,
+)
 
 
 @dataclass(frozen=True)
@@ -101,7 +110,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class Worker:
-    """One rank of a worker group. Subclasses call `super().__init__()` first, then build their models."""
+    """One rank of a worker group. Subclasses call `super().__init__()` first, then build their models.
+
+    `MESHES` ({mesh name: attribute}): the meshes this worker's `@register(..., mesh=name)` methods split their
+    batches by, each the attribute holding the object (a `TrainEngine`) whose `data_layout()` says this rank's place
+    in it; `data_layouts()` reports those that exist (see `hyflow.controller.dispatch`)."""
+
+    MESHES: ClassVar[dict[str, str]] = {}
 
     def __init__(self, rank: int | None = None, world_size: int | None = None, local_rank: int | None = None):
         """Resolve rank, world_size, local_rank: arguments, else executor placement, else env, else 0 of 1."""
@@ -171,6 +186,13 @@ class Worker:
             store = dist.TCPStore(addr, port, self.world_size, False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
 
+    @register(Dispatch.REPLICATE)
+    def data_layouts(self) -> dict[str, DataLayout]:
+        """{mesh name: this rank's `DataLayout`} of every `MESHES` entry whose engine exists (none before
+        `init_model`)."""
+        engines = {name: getattr(self, attribute, None) for name, attribute in self.MESHES.items()}
+        return {name: engine.data_layout() for name, engine in engines.items() if engine is not None}
+
     def __repr__(self) -> str:
         """`Cls(rank=r, world_size=n)`."""
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
@@ -220,10 +242,20 @@ def make_colocated_class(roles: dict[str, type[Worker]], name: str | None = None
         for worker in self.roles.values():
             worker.peers = self.roles
 
-    namespace = {"__init__": __init__, "__hyflow_roles__": tuple(roles),
+    @register(Dispatch.REPLICATE)
+    def data_layouts(self) -> dict[str, DataLayout]:
+        """Every role's `data_layouts()`, each mesh named `<role>.<mesh>` (as the role's methods name it)."""
+        return {f"{role}.{mesh}": place for role, worker in self.roles.items()
+                for mesh, place in worker.data_layouts().items()}
+
+    namespace = {"__init__": __init__, "__hyflow_roles__": tuple(roles), LAYOUT_METHOD: data_layouts,
                  "__doc__": f"Colocated worker hosting roles {list(roles)} in one process."}
     for role, cls in roles.items():
         for method, mode in registered_methods(cls).items():
+            if method == LAYOUT_METHOD:
+                continue
+            if mode.mesh is not None:  # the colocated class reports each role's meshes under the role's name
+                mode = replace(mode, mesh=f"{role}.{mode.mesh}")
             attr = f"{role}_{method}"
             if attr in namespace:
                 raise ValueError(f"colocated method name {attr!r} is produced twice; rename a role or method")

@@ -8,8 +8,8 @@ holds heads t*H/T .. (t+1)*H/T - 1 and the same slice of the MLP's columns), `o_
 attention, which reads the local head count from its tensors) runs as in one process, and their gradients come
 out the same on every rank of the group (the backward of a replicated input all-reduces its partial gradients).
 
-The group's ranks therefore compute on the same rows (`hyflow.workers.train_engine` gathers them, as for Ulysses
-groups) and FSDP2 shards over the data-parallel dimension of the one mesh (`hyflow.parallel.dims`, whose `tp`
+The group's ranks therefore compute on the same rows (the controller sends each rank of a group its data-parallel
+share, `hyflow.controller.dispatch`'s `mesh=`, as for Ulysses groups) and FSDP2 shards over the data-parallel dimension of the one mesh (`hyflow.parallel.dims`, whose `tp`
 dimension this module splits over; `hyflow.parallel.parallelize` applies both in order). Parameters of a split
 module are DTensors on the tp mesh (FSDP2 adds the dp dimension); state dicts, weight sync and checkpoints see full
 tensors through DTensor (`hyflow.workers.fsdp`).

@@ -87,7 +87,7 @@ def sft_batch_arithmetic(cfg: SFTConfig) -> SFTBatches:
     data.max_token_len_per_gpu tokens with data.use_dynamic_bsz (a validated config divides evenly)."""
     d, t = cfg.data, cfg.trainer
     devices = t.nnodes * t.n_gpus_per_node
-    # a sequence-parallel group of devices trains on one data-parallel share (hyflow.workers.sequence_parallel)
+    # a sequence-parallel group of devices trains on one data-parallel share (hyflow.controller.dispatch's mesh=)
     dp = devices // max(cfg.engine.ulysses_sequence_parallel_size, 1)
     per_device, micro = d.train_batch_size // dp, d.micro_batch_size_per_gpu
     return SFTBatches(

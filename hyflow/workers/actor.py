@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+from typing import ClassVar
 
 import torch
 
@@ -76,6 +77,9 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
 
     `spec`: the role's `ActorSpec` (the config layer's `role_specs` derives it); `tokenizer`: the policy's, when
     the driver already loaded it (else `init_model` loads it)."""
+
+    # the log-prob passes and the update split their batches by their engine's mesh (its data-parallel ranks)
+    MESHES: ClassVar[dict[str, str]] = {"actor": "engine", "ref": "ref"}
 
     def __init__(self, spec: ActorSpec, tokenizer=None, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -239,7 +243,7 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
 
     # ------------------------------------------------------------------ forward passes
 
-    @register(Dispatch.DP_SPLIT)
+    @register(Dispatch.DP_SPLIT, mesh="actor")
     def compute_log_prob(self, batch: Batch, with_sum_pi_squared: bool = False) -> Batch:
         """`old_log_probs` and `entropys` [N, R] under the current weights (+ `sum_pi_squared` when asked)."""
         with self.engine.on_device():
@@ -250,7 +254,7 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
             result["sum_pi_squared"] = out["sum_pi_squared"]
         return result
 
-    @register(Dispatch.DP_SPLIT)
+    @register(Dispatch.DP_SPLIT, mesh="ref")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """`ref_log_prob` [N, R] under the frozen reference policy (the base model of a LoRA actor)."""
         if self.ref is None:
@@ -278,7 +282,7 @@ class ActorRolloutRefWorker(RolloutStreamHost, EngineCheckpoints, Worker):
         """The sampling temperature the batch was generated at (the rollout's unless the driver says)."""
         return batch.meta.get("temperature", self.spec.rollout.section.temperature)
 
-    @register(Dispatch.DP_MINI_BATCHES, pad=False)
+    @register(Dispatch.DP_MINI_BATCHES, pad=False, mesh="actor")
     def update_actor(self, batch: Batch) -> Batch:
         """PPO-style policy update over the step's samples; returns a row-less Batch carrying the metrics.
         Loss = policy loss (by name) - entropy_coeff * entropy + kl_loss_coef * KL (`actor_loss_fn`)."""

@@ -16,6 +16,8 @@ its optimizer state) live in host memory between uses; `compute_values` brings t
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from hyflow.algos import compute_value_loss, masked_mean
@@ -38,6 +40,8 @@ VALUE_COLUMNS = ("returns", "values", "response_mask")
 class CriticWorker(EngineCheckpoints, Worker):
     """Value model training and inference on one device (one rank of a data-parallel group), built from the
     role's `CriticSpec` (the config layer's `role_specs` derives it)."""
+
+    MESHES: ClassVar[dict[str, str]] = {"critic": "engine"}
 
     def __init__(self, spec: CriticSpec, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -68,13 +72,13 @@ class CriticWorker(EngineCheckpoints, Worker):
         if self.rank == 0:
             print(self.engine.describe_parameters(), flush=True)
 
-    @register(Dispatch.DP_SPLIT)
+    @register(Dispatch.DP_SPLIT, mesh="critic")
     def compute_values(self, batch: Batch) -> Batch:
         """`values` [N, R] (0 on masked tokens), micro-batched as `critic.forward_*` derive."""
         with self.engine.on_device():
             return Batch({"values": self.engine.infer(batch, self.spec.values)["values"]})
 
-    @register(Dispatch.DP_MINI_BATCHES, pad=False)
+    @register(Dispatch.DP_MINI_BATCHES, pad=False, mesh="critic")
     def update_critic(self, batch: Batch) -> Batch:
         """Clipped value regression onto `returns`; a row-less Batch carrying `critic/*` metrics."""
         c = self.spec

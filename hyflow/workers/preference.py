@@ -147,7 +147,7 @@ class PreferenceWorker(SFTWorker):
 
     # ------------------------------------------------------------------------------------------ calls
 
-    @register(Dispatch.DP_SPLIT, collect=Collect.ALL, pad=False)
+    @register(Dispatch.DP_SPLIT, collect=Collect.ALL, pad=False, mesh="sft")
     def train_step(self, batch: Batch) -> dict:
         """One optimizer step on this rank's share: {"metrics": train/loss, train/lr, train/grad_norm (global),
         "stats": this rank's per-row statistics, policy log-probs before the step}."""
@@ -163,7 +163,7 @@ class PreferenceWorker(SFTWorker):
         return {"metrics": {key: metrics[key][0] for key in ("train/loss", "train/lr", "train/grad_norm")},
                 "stats": stats}
 
-    @register(Dispatch.DP_SPLIT, collect=Collect.ALL, pad=False)
+    @register(Dispatch.DP_SPLIT, collect=Collect.ALL, pad=False, mesh="sft")
     def evaluate(self, batch: Batch) -> dict:
         """This rank's per-row statistics of `batch` under the current policy (no grad, no step)."""
         with self.engine.on_device():

@@ -23,6 +23,8 @@ PRM's training state is checkpointed with the actor's (`EngineCheckpoints`, comp
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from hyflow.algos.prime import implicit_q, prime_ce_loss_per_sample
@@ -39,6 +41,8 @@ PRM_COLUMNS = ("prm_ref_log_probs", "prm_acc", "prm_row", "response_mask")
 
 class ImplicitPRMWorker(EngineCheckpoints, Worker):
     """One rank of PRIME's implicit PRM (see the module docstring), built from its `PRMSpec`."""
+
+    MESHES: ClassVar[dict[str, str]] = {"prm": "engine", "ref": "ref"}
 
     def __init__(self, spec: PRMSpec, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -69,13 +73,13 @@ class ImplicitPRMWorker(EngineCheckpoints, Worker):
         if self.rank == 0:
             print(f"PRIME implicit PRM: {self.engine.describe_parameters()}", flush=True)
 
-    @register(Dispatch.DP_SPLIT)
+    @register(Dispatch.DP_SPLIT, mesh="ref")
     def compute_prm_ref_log_probs(self, batch: Batch) -> Batch:
         """`prm_ref_log_probs` [N, R]: the frozen reference's log-probs of the response tokens (0 off the mask)."""
         with self.ref.on_device():
             return Batch({"prm_ref_log_probs": self.ref.infer(batch, self.spec.forward)["log_probs"]})
 
-    @register(Dispatch.DP_SPLIT)
+    @register(Dispatch.DP_SPLIT, mesh="prm")
     def compute_prm_q(self, batch: Batch) -> Batch:
         """`prm_q` [N, R] = log pi_phi - log pi_ref per response token (0 off the mask), with the PRM as it is
         now; needs the `prm_ref_log_probs` column."""
@@ -83,7 +87,7 @@ class ImplicitPRMWorker(EngineCheckpoints, Worker):
             log_probs = self.engine.infer(batch, self.spec.forward)["log_probs"]
         return Batch({"prm_q": implicit_q(log_probs, batch["prm_ref_log_probs"], batch["response_mask"])})
 
-    @register(Dispatch.DP_MINI_BATCHES, pad=False)
+    @register(Dispatch.DP_MINI_BATCHES, pad=False, mesh="prm")
     def update_prm(self, batch: Batch) -> Batch:
         """One pass over this rank's samples in mini-batches, one optimizer step each, on the outcome's cross-entropy
         (`prm_acc`: the outcome broadcast over the response columns; `prm_ref_log_probs`; `prm_row`: each row's

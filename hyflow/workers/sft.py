@@ -25,6 +25,8 @@ group and shards the model; `state_dict` (collective) returns rank 0's full comp
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from hyflow.algos import agg_loss
@@ -66,6 +68,8 @@ class SFTWorker(EngineCheckpoints, Worker):
     `spec`: the run's `SFTSpec` (the SFT trainer derives it); `model`: a model object to train instead of loading
     `model.partial_pretrain` (one in-process worker only: the `local` executor)."""
 
+    MESHES: ClassVar[dict[str, str]] = {"sft": "engine"}
+
     def __init__(self, spec: SFTSpec, model: torch.nn.Module | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.spec = spec
@@ -100,24 +104,25 @@ class SFTWorker(EngineCheckpoints, Worker):
         """(the model's Hugging Face config, its generation config or None), for the checkpoint's hf_config/."""
         return self.hf_config, self.generation_config
 
-    @register(Dispatch.DP_SPLIT, collect=Collect.FIRST, pad=False)
+    @register(Dispatch.DP_SPLIT, collect=Collect.FIRST, pad=False, mesh="sft")
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on the step's samples (this rank gets its share): train/loss, train/lr,
         train/grad_norm, the same on every rank."""
-        # one mini-batch: this rank's share, or its sequence-parallel group's (the group trains on its rows together)
-        plan = UpdatePlan(mini_batch_size=len(batch) * self.engine.group_size, epochs=1, shuffle=False, seed=0,
+        # one mini-batch: this rank's data-parallel share (a sequence-parallel group's ranks all receive the group's)
+        plan = UpdatePlan(mini_batch_size=len(batch), epochs=1, shuffle=False, seed=0,
                           sizes=self.spec.batches,
                           loss_agg_mode="token-mean", metric_prefix="train")
         with self.engine.on_device(optimizer=True):  # engine.param_offload / optimizer_offload: in for the step
             metrics = self.engine.update(as_engine_batch(batch), plan, sft_loss, columns=SFT_COLUMNS)
         return {key: metrics[key][0] for key in ("train/loss", "train/lr", "train/grad_norm")}
 
-    @register(Dispatch.DP_SPLIT, collect=Collect.FIRST, pad=False)
+    @register(Dispatch.DP_SPLIT, collect=Collect.FIRST, pad=False, mesh="sft")
     def validate(self, batch: Batch) -> dict[str, float]:
         """{"nll": sum of -log p over the trained tokens of `batch`, "tokens": their number}, summed over the
         ranks (the same on every rank). Rows without trained tokens (padding) add nothing."""
         data = as_engine_batch(batch)
         with self.engine.on_device():
             log_probs = self.engine.infer(data, self.spec.batches)["log_probs"]
-        return all_reduce_metrics({"nll": -float(log_probs.double().sum()),
-                                   "tokens": float(data["response_mask"].sum())})
+        counted = self.engine.group_rank == 0  # a sequence-parallel group's rows count once
+        return all_reduce_metrics({"nll": -float(log_probs.double().sum()) if counted else 0.0,
+                                   "tokens": float(data["response_mask"].sum()) if counted else 0.0})

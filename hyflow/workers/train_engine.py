@@ -23,8 +23,10 @@ be normalised by the global counts (`hyflow.algos.agg_loss(..., **ctx.norms)`): 
 micro-batches and ranks are the full mini-batch's gradient whatever the cut. `parts` maps metric names to this
 micro-batch's share of the mini-batch value; they are summed over micro-batches and all-reduced over ranks.
 
-The ranks of a sequence x tensor-parallel group (the mesh's `sp_tp` dimension) compute on the same rows: the
-controller splits a batch over all ranks and each group gathers its rows (`hyflow.workers.sequence_parallel`).
+The ranks of a sequence x tensor-parallel group (the mesh's `sp_tp` dimension) compute on the same rows: the engine
+reports its `data_layout()` (data-parallel rank and size from the mesh), the controller cuts a batch once per
+data-parallel rank and sends every rank of a group the same part (`@register(..., mesh=...)`,
+`hyflow.controller.dispatch`); a group whose ranks got different rows is an error, not a silent mix.
 Offload (verl's `fsdp_config.param_offload` / `optimizer_offload`): the parameters (and the optimizer state) live
 in host memory between the passes a role wraps in `engine.on_device(optimizer=...)`; the state machine is
 `hyflow.workers.offload`. The checkpoint state (full state dicts, sharded DCP directories) and the checkpoint
@@ -44,6 +46,7 @@ from torch import nn
 
 from hyflow.algos import loss_normalisers
 from hyflow.batch import Batch
+from hyflow.controller.dispatch import DataLayout
 from hyflow.models.flops import device_peak_flops, training_flops
 from hyflow.models.forward import unwrap_model
 from hyflow.models.lora import adapter_disabled, apply_lora, merged_named_tensors, parameter_counts
@@ -181,6 +184,29 @@ class TrainEngine(MicroForward):
         self.row_group = self.mesh.group("sp_tp")
         self.group_size, self.group_rank = dims.row_group_size, self.mesh.local_rank("sp_tp")
 
+    def data_layout(self) -> DataLayout:
+        """This rank's place in the data-parallel split (`hyflow.controller.dispatch`): the mesh's `dp` rank and size;
+        a group's first rank is the one whose results are collected."""
+        return DataLayout(dp_rank=self.mesh.local_rank("dp"), dp_size=self.dp_size, collects=self.group_rank == 0)
+
+    def _check_group_rows(self, batch: Batch) -> None:
+        """The ranks of a sequence x tensor-parallel group must hold the same rows (the group's data-parallel share):
+        a fingerprint of the rows (count, token sums) compared over the group; raises RuntimeError naming the fix."""
+        if self.row_group is None:
+            return
+        ids = batch["input_ids"].to(torch.float64)
+        weights = torch.arange(1, ids.shape[1] + 1, dtype=torch.float64)
+        mine = torch.stack([torch.tensor(float(len(batch)), dtype=torch.float64), ids.sum(), (ids * weights).sum()])
+        mine = mine.to(self.device)
+        parts = [torch.zeros_like(mine) for _ in range(self.group_size)]
+        dist.all_gather(parts, mine, group=self.row_group)
+        if any(not torch.equal(part, parts[0]) for part in parts):
+            rows = [int(part[0]) for part in parts]
+            raise RuntimeError(f"{self.name}: the {self.group_size} ranks of a sequence x tensor-parallel group got "
+                               f"different rows ({rows} rows): they compute on one data-parallel share, so the worker "
+                               "method must be dispatched by this engine's mesh: @register(Dispatch.DP_SPLIT, "
+                               "mesh=<name>) with the engine listed in the worker's MESHES")
+
     def _parallelize_spec(self, trainable: bool) -> ParallelizeSpec:
         """How `parallelize` wraps this model: the resolved strategy; FSDP2 mixed precision follows
         `fsdp_config.dtype` on accelerators (CPU models compute in fp32, as the engine's autocast does)."""
@@ -244,11 +270,7 @@ class TrainEngine(MicroForward):
                 for micro, rows in micro_batches_as_derived(batch, sizes):
                     scores[rows] = self.forward_micro(micro, 0)[0]["scores"].float().cpu()
             return {"scores": scores}
-        own = None
-        if self.row_group is not None:  # the group's rows, computed sequence- or tensor-parallel; this rank
-            from hyflow.workers.sequence_parallel import gather_rows  # keeps its own
-
-            batch, own, _ = gather_rows(batch, self.row_group)
+        self._check_group_rows(batch)
         R = batch["responses"].shape[1]
         outputs: dict[str, torch.Tensor] = {}
         self.model.eval()
@@ -265,7 +287,7 @@ class TrainEngine(MicroForward):
                         outputs[key] = torch.zeros(len(batch), R)
                     outputs[key][rows] = pad_response(value.float().cpu(), R)
         mask = batch["response_mask"].float()
-        return {key: (value * mask)[own if own is not None else slice(None)] for key, value in outputs.items()}
+        return {key: value * mask for key, value in outputs.items()}
 
     # ------------------------------------------------------------------------------------------ training
 
@@ -298,17 +320,6 @@ class TrainEngine(MicroForward):
                 self.progress(f"update_{self.name}", done, len(micros), "micro-batches", mini)
         return sums
 
-    def _group_rows(self, batch: Batch, mini_batch_size: int) -> Batch:
-        """Sequence parallel: the rows of this rank's group for an update, each mini-batch's slices together (the
-        dispatcher gave each rank the same slice of every mini-batch; `hyflow.workers.sequence_parallel`).
-        `mini_batch_size`: the rows of a mini-batch of the group (per data-parallel rank)."""
-        from hyflow.workers.sequence_parallel import gather_rows, mini_batch_order
-
-        rows, _, lengths = gather_rows(batch, self.row_group)
-        size = self.group_size
-        order = mini_batch_order(lengths, mini_batch_size // size) if mini_batch_size % size == 0 else None
-        return rows if order is None else rows[order]
-
     def step(self) -> dict[str, float]:
         """Clip the global gradient norm, step (skipped when the norm is not finite), advance the LR schedule."""
         return clip_and_step(self.model, self.optimizer, self.scheduler, self.grad_clip)
@@ -326,8 +337,7 @@ class TrainEngine(MicroForward):
         mini-batch's global metric values (all-reduced, the same on every rank), plus `<prefix>/grad_norm`,
         `<prefix>/lr` and `<prefix>/grad_norm_skipped`."""
         self.model.train()
-        if self.row_group is not None:
-            batch = self._group_rows(batch, plan.mini_batch_size)
+        self._check_group_rows(batch)
         metrics: dict[str, list[float]] = {}
         peak = self.peak_flops()
         start = time.perf_counter()

@@ -18,7 +18,13 @@ from hyflow.controller import (
     registered_methods,
     split_args,
 )
-from hyflow.controller.dispatch import MINI_BATCH_ROWS, mini_batch_major_order, with_mini_batch_rows
+from hyflow.controller.dispatch import (
+    MINI_BATCH_ROWS,
+    DataLayout,
+    check_layout,
+    mini_batch_major_order,
+    with_mini_batch_rows,
+)
 
 DP = DispatchMode(Dispatch.DP_SPLIT)
 MB = DispatchMode(Dispatch.DP_MINI_BATCHES, pad=False)
@@ -307,3 +313,53 @@ def test_padding_outputs_dropped_for_several_rows_per_input_row(rows, world_size
 def test_collect_needs_results():
     with pytest.raises(ValueError, match=r"W.f: no results to collect"):
         collect_results(DP, [], method="W.f")
+
+
+# ---- data-parallel layout (mesh=): one part per data-parallel rank, one result per group ----------------------------
+
+def groups_of_two(world_size: int) -> list[DataLayout]:
+    """Ranks 2d, 2d+1 form data-parallel rank d (a sequence-parallel pair); the group's second rank collects (as a
+    mesh could choose), so collecting is not rank order."""
+    return [DataLayout(dp_rank=r // 2, dp_size=world_size // 2, collects=r % 2 == 1) for r in range(world_size)]
+
+
+@pytest.mark.parametrize("rows", [4, 5, 8, 1])
+def test_layout_sends_a_group_one_part_and_collects_it_once(rows):
+    layout = groups_of_two(4)
+    mode = DispatchMode(Dispatch.DP_SPLIT, mesh="actor")
+    args, _, pad_count = split_args(mode, 4, (make_batch(rows),), {}, layout=layout)
+    assert pad_count == -rows % 2  # padded to the data-parallel size (2), not the world size (4)
+    parts = [a[0]["x"].tolist() for a in args]
+    assert parts[0] == parts[1] and parts[2] == parts[3]
+    assert parts[0] + parts[2] == list(range(rows)) + list(range(pad_count))
+    results = [row_wise(a[0], rank) for rank, a in enumerate(args)]
+    out = collect_results(mode, results, pad_count, padded_size=rows + pad_count, layout=layout)
+    assert out["y"].tolist() == [10 * i for i in range(rows)]
+    assert out.meta["metrics"]["rank"] == [1, 3]  # the collecting rank of each group, in data-parallel order
+    assert collect_results(DispatchMode(Dispatch.DP_SPLIT, Collect.ALL, mesh="actor"), ["a", "b", "c", "d"],
+                           layout=layout) == ["b", "d"]
+    assert collect_results(DispatchMode(Dispatch.DP_SPLIT, Collect.FIRST), ["a", "b", "c", "d"], layout=layout) == "a"
+
+
+def test_layout_lays_mini_batches_out_by_the_data_parallel_size():
+    mode = DispatchMode(Dispatch.DP_MINI_BATCHES, pad=False, mesh="actor")
+    batch = with_mini_batch_rows(make_batch(8), 4)  # mini-batches of 4 rows, 2 data-parallel ranks of 2 ranks each
+    args, _, _ = split_args(mode, 4, (batch,), {}, layout=groups_of_two(4))
+    assert [a[0]["x"].tolist() for a in args] == [[0, 1, 4, 5], [0, 1, 4, 5], [2, 3, 6, 7], [2, 3, 6, 7]]
+    with pytest.raises(ValueError, match=r"a Batch of 7 rows cannot be split evenly across DP size 2"):
+        split_args(mode, 4, (with_mini_batch_rows(make_batch(7), 4),), {}, layout=groups_of_two(4))
+
+
+def test_layouts_are_checked_and_mesh_needs_a_batch_dispatch():
+    assert check_layout(groups_of_two(4), "actor") == groups_of_two(4)
+    with pytest.raises(ValueError, match=r"mesh 'actor': the ranks report different data-parallel sizes \[1, 2\]"):
+        check_layout([DataLayout(0, 2, True), DataLayout(0, 1, True)], "actor")
+    with pytest.raises(ValueError, match=r"mesh 'actor': .*collecting ranks \[0, 0, 1\].*exactly one collecting rank"):
+        check_layout([DataLayout(0, 2, True), DataLayout(0, 2, True), DataLayout(1, 2, True)], "actor")
+    with pytest.raises(ValueError, match=r"mesh 'actor': data-parallel ranks \[0, 0\] of size 2"):
+        check_layout([DataLayout(0, 2, True), DataLayout(0, 2, False)], "actor")
+    with pytest.raises(ValueError, match=r"mesh='actor' sets how a batch is split, so it needs Dispatch.DP_SPLIT"):
+        register(Dispatch.REPLICATE, mesh="actor")
+    with pytest.raises(ValueError, match=r"W.f: a layout of 2 ranks for a group of 4"):
+        split_args(DispatchMode(Dispatch.DP_SPLIT, mesh="a"), 4, (make_batch(4),), {}, method="W.f",
+                   layout=groups_of_two(2))

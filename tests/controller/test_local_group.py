@@ -6,6 +6,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+from typing import ClassVar
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from hyflow.controller import (
     register,
     use_placement,
 )
+from hyflow.controller.dispatch import DataLayout
 
 
 class Scaler(Worker):
@@ -212,6 +214,66 @@ def test_mini_batch_major_ranks_walk_the_one_process_mini_batches(world_size):
         assert [x for r in range(world_size) for x in local[r][k]] == list(range(8 * k, 8 * (k + 1)))
 
 
+class PairedEngine:
+    """Stands in for a TrainEngine on a mesh of sequence-parallel pairs: ranks 2d, 2d+1 are data-parallel rank d."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+
+    def data_layout(self) -> DataLayout:
+        return DataLayout(dp_rank=self.rank // 2, dp_size=self.world_size // 2, collects=self.rank % 2 == 0)
+
+
+class PairedWorker(Worker):
+    """A worker whose `forward` runs on its engine's mesh (`mesh="pairs"`) and whose `decode` runs per rank."""
+
+    MESHES: ClassVar[dict[str, str]] = {"pairs": "engine"}
+
+    def __init__(self):
+        super().__init__()
+        self.engine = None
+        self.layout_queries = 0
+
+    @register(Dispatch.REPLICATE)
+    def init_model(self) -> None:
+        self.engine = PairedEngine(self.rank, self.world_size)
+
+    @register(Dispatch.REPLICATE)
+    def data_layouts(self) -> dict:
+        self.layout_queries += 1
+        return super().data_layouts()
+
+    @register(Dispatch.DP_SPLIT, mesh="pairs")
+    def forward(self, batch: Batch) -> Batch:
+        return Batch({"y": batch["x"] * 10}, meta={"metrics": {"rank": self.rank, "rows": len(batch)}})
+
+    @register(Dispatch.DP_SPLIT)
+    def decode(self, batch: Batch) -> Batch:
+        return Batch({"y": batch["x"]}, meta={"metrics": {"rank": self.rank}})
+
+
+def test_mesh_methods_split_once_per_data_parallel_rank_and_collect_one_rank_each():
+    group = LocalWorkerGroup(PairedWorker, world_size=4)
+    assert group.layout("pairs") is None and group.data_parallel_size("pairs") == 4  # before the engines exist
+    group.init_model()
+    for _ in range(2):
+        out = group.forward(make_batch(6))
+        assert out["y"].tolist() == [10.0 * i for i in range(6)]
+        assert out.meta["metrics"] == {"rank": [0, 2], "rows": [3, 3]}  # the pairs' first ranks, 3 rows each
+    assert [w.layout_queries for w in group.workers] == [3, 3, 3, 3]  # 2 before init_model, then once: cached
+    assert group.data_parallel_size("pairs") == 2 and group.data_parallel_size() == 4
+    assert group.decode(make_batch(4)).meta["metrics"] == {"rank": [0, 1, 2, 3]}  # no mesh: every rank a share
+
+
+def test_colocated_roles_report_their_meshes_under_the_role_name():
+    cls = make_colocated_class({"actor": PairedWorker, "rollout": Rollout})
+    assert cls.actor_forward.__hyflow_dispatch__.mesh == "actor.pairs"
+    group = LocalWorkerGroup(cls, world_size=4)
+    group.actor_init_model()
+    assert [str(p.dp_rank) for p in group.layout("actor.pairs")] == ["0", "0", "1", "1"]
+    assert group.role("actor").forward(make_batch(4)).meta["metrics"]["rank"] == [0, 2]
+
+
 def test_replicate_rank_zero_and_direct():
     group = LocalWorkerGroup(Scaler, world_size=3)
     assert group.whoami("t") == [("t", 0, 3), ("t", 1, 3), ("t", 2, 3)]
@@ -232,7 +294,9 @@ def test_single_worker_group_returns_same_shapes():
 def test_group_methods_keep_names_and_docs():
     group = LocalWorkerGroup(Scaler)
     assert group.forward.__name__ == "forward" and group.forward.__doc__ == "Scale x."
-    assert set(group.methods) == {"forward", "update", "whoami", "set_scale", "save", "set_seed", "explode"}
+    # data_layouts: every Worker's (the meshes its methods split by, hyflow.controller.dispatch)
+    assert set(group.methods) == {"forward", "update", "whoami", "set_scale", "save", "set_seed", "explode",
+                                  "data_layouts"}
 
 
 def test_worker_error_names_rank_class_and_method():
@@ -275,7 +339,7 @@ def test_group_needs_a_worker_class():
 def test_unregistered_and_unknown_methods():
     group = LocalWorkerGroup(Scaler)
     with pytest.raises(AttributeError, match=r"Scaler.helper is not registered for dispatch.*@register.*"
-                                             r"Registered methods: \['explode', 'forward'"):
+                                             r"Registered methods: \['data_layouts', 'explode', 'forward'"):
         group.helper()
     with pytest.raises(AttributeError, match=r"LocalWorkerGroup of Scaler has no method 'nope'; registered"):
         group.nope()
@@ -339,7 +403,7 @@ def test_colocated_roles_share_one_process_per_rank(world_size):
     group = LocalWorkerGroup(cls, world_size=world_size, actor={"lr": 0.1})
     assert cls.__name__ == "ColocatedActorRolloutRef" and group.roles == ("actor", "rollout", "ref")
     assert set(group.methods) == {"actor_compute_log_prob", "actor_sync_weights", "rollout_load_weights",
-                                  "ref_compute_log_prob"}
+                                  "ref_compute_log_prob", "data_layouts"}
     batch = make_batch(5)
     assert group.role("actor").sync_weights(2.0) == 2.0
     assert group.role("actor").compute_log_prob(batch)["old_log_probs"].tolist() == [2.0, 3.0, 4.0, 5.0, 6.0]

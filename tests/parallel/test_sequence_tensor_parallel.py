@@ -1,8 +1,8 @@
 """Sequence x tensor parallelism in one role (a 2-D (sp, tp) mesh, `hyflow.parallel`): a `TrainEngine` on 4 gloo ranks
 with ulysses_sequence_parallel_size=2 x tensor_parallel_size=2 (FSDP2 over the sp dimension, each layer split over tp,
 each packed row cut over sp) computes the same log-probs and the same update as the engine in one process. The four
-ranks share rows (the mesh's `sp_tp` group): each is dispatched a quarter of the batch, as the controller does, and
-gets back the log-probs of its own quarter."""
+ranks share rows (the mesh's `sp_tp` group, data-parallel size 1): each reports data-parallel rank 0 of 1, so the
+controller sends each the whole batch (`@register(..., mesh=...)`); ranks given different rows fail by name."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from ranks import init_gloo, spawn_ranks
 
 from hyflow.algos import agg_loss
 from hyflow.batch import Batch
+from hyflow.controller.dispatch import DataLayout
 
 R = 5
 SIZES = types.SimpleNamespace(micro_batch_size_per_device=3, max_token_len_per_device=None, use_dynamic_bsz=False)
@@ -54,7 +55,7 @@ def _pass(engine, batch: Batch) -> tuple[torch.Tensor, dict]:
     from hyflow.workers.train_engine import UpdatePlan
 
     log_probs = engine.infer(batch, SIZES)["log_probs"]
-    plan = UpdatePlan(mini_batch_size=len(batch) * engine.group_size, epochs=1, shuffle=False, seed=0, sizes=SIZES,
+    plan = UpdatePlan(mini_batch_size=len(batch), epochs=1, shuffle=False, seed=0, sizes=SIZES,
                       loss_agg_mode="token-mean", metric_prefix="actor")
     metrics = engine.update(batch, plan, _loss, columns=("advantages", "response_mask"))
     return log_probs, metrics
@@ -72,9 +73,9 @@ def _rank(rank: int, init_file: str, path: str) -> None:
     split = _engine(path, 4)
     assert (split.dp_size, split.sp_size, split.tp_size, split.group_size, split.group_rank) == (1, 2, 2, 4, rank)
     assert split.mesh.root.mesh_dim_names == ("dp_shard", "sp", "tp")  # dp_shard of size 1: FSDP2 shards over sp
-    own = slice(2 * rank, 2 * rank + 2)  # the controller's split: a quarter of the rows each
-    logp, metrics = _pass(split, batch[own])
-    torch.testing.assert_close(logp, want_logp[own], atol=1e-5, rtol=0)
+    assert split.data_layout() == DataLayout(dp_rank=0, dp_size=1, collects=rank == 0)
+    logp, metrics = _pass(split, batch)  # the controller's split by that layout: every rank the whole batch
+    torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=0)
     torch.testing.assert_close(metrics["actor/pg_loss"], want_metrics["actor/pg_loss"], atol=1e-6, rtol=1e-5)
     got = split.full_model_state()
     if rank == 0:  # the step moved the weights, and the same way in both
@@ -82,6 +83,10 @@ def _rank(rank: int, init_file: str, path: str) -> None:
         assert set(got) == set(want)
         for name, tensor in want.items():
             torch.testing.assert_close(got[name], tensor, atol=2e-6, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    own = slice(2 * rank, 2 * rank + 2)  # a split over all ranks (a method dispatched without the engine's mesh)
+    with pytest.raises(RuntimeError, match=r"actor: the 4 ranks of a sequence x tensor-parallel group got different "
+                                           r"rows.*mesh=<name>"):
+        split.infer(batch[own], SIZES)
     dist.destroy_process_group()
 
 
