@@ -77,7 +77,8 @@ lock:
 	cp $$d/lock.txt $(LOCK); cp $$d/lock-vllm.txt $(VLLM_LOCK); \
 	echo "make lock: wrote $(LOCK) and $(VLLM_LOCK); make venv venv-vllm installs them"
 
-# The fast mutation check (tools/mutations.toml's fast entries: each breaks a feature's core line, a test must fail),
+# The fast mutation check (tools/mutations.toml's fast entries: each breaks a feature's core line, a test must fail;
+# a rotating third of them plus those whose file or tests the last 20 commits changed: docs/contributing.md),
 # then the suite: both pytest runs share one cache of SFT warm starts (tests/run_cache.py), made fresh and removed after.
 # CI's two cores are idle while pip downloads, so once .venv exists three things run side by side: the vLLM venv's
 # install (its output in the cache's venv-vllm.log, printed if it fails), the checks (ruff, docs, mutations), and the
@@ -95,7 +96,7 @@ test: venv
 		$(VENV)/bin/ruff check .; \
 		$(PY) tools/gen_docs.py --check; \
 		d=$$(mktemp -d); $(VENV)/bin/mkdocs build --strict -d $$d || { rm -rf $$d; exit 1; }; rm -rf $$d; \
-		$(PY) tools/mutations.py --fast -j 2; \
+		$(PY) tools/mutations.py --fast --rotate 3 --recent 20 -j 2; \
 		if ! wait $$vllm; then vllm=; echo "make venv-vllm failed:"; cat "$$cache/venv-vllm.log"; exit 1; fi; vllm=; \
 		echo "make venv-vllm: done (its log: $$(wc -l < "$$cache/venv-vllm.log") lines)"; \
 		[ -z "$$early" ] || { echo "the warm-start build beside the checks (tests/warm_starts.py), so far:"; \

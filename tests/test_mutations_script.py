@@ -276,6 +276,33 @@ def test_a_copy_that_imports_the_installed_hyflow_is_refused(mutations, tmp_path
         mutations.verify_import(tmp_path / "copy", sys.executable)
 
 
+def test_rotation_cycles_through_the_entries_and_adds_the_recently_changed(mutations, project, capsys):
+    """--rotate 3: the checkout's slot (its commit count mod 3) picks every third entry; --recent adds the entries
+    whose file or tests the last commits changed; 3 consecutive commits run every entry."""
+    listing = ["--file", str(project.parent / "list.toml"), "--root", str(project), "--list"]
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    ids = [m.id for m in mutations.load(project.parent / "list.toml")]
+    seen = set()
+    for commit in range(2, 5):  # the fixture's commit is 1: slots 2, 0, 1
+        (project / "notes.txt").write_text(str(commit))
+        subprocess.run([*git, "add", "notes.txt"], cwd=project, check=True)
+        subprocess.run([*git, "commit", "-q", "-m", f"notes {commit}"], cwd=project, check=True)
+        assert mutations.main([*listing, "--rotate", "3"]) == 0
+        out = capsys.readouterr().out
+        chosen = [line.split()[0] for line in out.splitlines()[1:] if line and not line.startswith(" ")]
+        assert chosen == [i for n, i in enumerate(ids) if n % 3 == commit % 3], out
+        assert out.startswith(f"mutations: {len(chosen)} of 7 entries: slot {commit % 3} of 3"), out
+        seen.update(chosen)
+    assert seen == set(ids)
+    assert mutations.main([*listing, "--rotate", "3", "--recent", "3"]) == 0  # notes.txt only: nothing added
+    assert "and 0 more whose file or tests changed in the last 3 commits" in capsys.readouterr().out
+    (project / "tests" / "test_calc.py").write_text(TESTS + "\n")
+    subprocess.run([*git, "commit", "-q", "-am", "tests"], cwd=project, check=True)
+    assert mutations.main([*listing, "--rotate", "3", "--recent", "1"]) == 0  # every entry tests test_calc.py
+    assert "mutations: 7 of 7 entries: slot 2 of 3 (2 entries) and 5 more" in capsys.readouterr().out
+    assert mutations.main([*listing, "--rotate", "0"]) == 2
+
+
 def test_unknown_ids_and_the_listing(mutations, capsys):
     assert mutations.main(["--only", "no-such-id"]) == 2
     assert "no entries ['no-such-id']" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """The mutation check: break the core line of each feature on purpose and run the tests that must catch it.
 
-    python tools/mutations.py [--fast] [--only ID ...] [-j N] [--rev HEAD] [--baseline] [--list] [--check]
+    python tools/mutations.py [--fast] [--only ID ...] [--rotate N [--recent R]] [-j N] [--rev HEAD] [--baseline]
+                              [--list] [--check]
 
 The list is `tools/mutations.toml`: one `[[mutation]]` table per entry with `id`, `feature`, `file`, `original` (text
 that must occur exactly once in `file`), `replacement`, `tests` (pytest node ids or paths), optionally `k` (a pytest
@@ -16,6 +17,12 @@ original bytes back. Verdicts, from pytest's exit code:
     ERROR       anything else (2 interrupted or a collection error, 4 usage, 5 no tests collected), 0 with every
                 selected test skipped, a timeout, an original that occurs 0 or several times, a replacement that
                 does not compile
+
+`--rotate N` (what `make test`, and so CI, runs: `--fast --rotate 3 --recent 20`) runs a share of the entries: those
+whose position in the list is the checkout's slot modulo N (the slot: the number of commits on HEAD, or HEAD's hash
+where the clone is shallow; so consecutive commits cycle through every entry every N commits), plus with `--recent R`
+every entry whose `file` or test files a commit among the last R changed: the mutation that guards a line is run by
+the commits that touch it. `make mutations` runs them all.
 
 One line per mutation (`verdict  id  (file)  seconds  [failing test]`), then a summary; the exit code is 1 when any
 mutation is not caught or errored. `--baseline` first runs each selection on the unmutated copy: a selection that
@@ -341,6 +348,35 @@ def summary(results: list[Result], seconds: float) -> str:
             f"{counts[ERROR]} errors in {seconds:.0f} s")
 
 
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def rotation(mutations: list[Mutation], root: Path, every: int, recent: int) -> tuple[list[Mutation], str]:
+    """`--rotate every --recent recent`: the entries of this checkout's slot, plus those whose file or tests the last
+    `recent` commits changed (see the module docstring); and a line saying which and why."""
+    shallow = _git(root, "rev-parse", "--is-shallow-repository") == "true"
+    slot = int(_git(root, "rev-parse", "HEAD"), 16) if shallow else int(_git(root, "rev-list", "--count", "HEAD"))
+    slot %= every
+    changed: set[str] = set()
+    history = "none: a shallow clone"
+    if recent > 0 and not shallow:
+        commits = min(recent, int(_git(root, "rev-list", "--count", "HEAD")) - 1)
+        if commits > 0:
+            changed = set(_git(root, "diff", "--name-only", f"HEAD~{commits}", "HEAD").splitlines())
+        history = f"{commits} commits"
+
+    def touched(m: Mutation) -> bool:
+        return m.file in changed or any(test.split("::")[0] in changed for test in m.tests)
+
+    chosen = [m for i, m in enumerate(mutations) if i % every == slot or touched(m)]
+    in_slot = sum(1 for i in range(len(mutations)) if i % every == slot)
+    line = (f"mutations: {len(chosen)} of {len(mutations)} entries: slot {slot} of {every} ({in_slot} entries) and "
+            f"{len(chosen) - in_slot} more whose file or tests changed in the last {history}; "
+            "`make mutations` runs every entry")
+    return chosen, line
+
+
 def _interrupted(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -352,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only check the list against the working tree (files, originals, tests exist) and exit")
     parser.add_argument("--fast", action="store_true", help="only the entries marked fast = true")
     parser.add_argument("--only", nargs="+", metavar="ID", help="only these ids")
+    parser.add_argument("--rotate", type=int, metavar="N", help="only this checkout's slot of N (module docstring)")
+    parser.add_argument("--recent", type=int, default=0, metavar="R",
+                        help="with --rotate: also every entry whose file or tests the last R commits changed")
     parser.add_argument("-j", "--jobs", type=int, default=1, help="mutations run side by side, each in its copy")
     parser.add_argument("--rev", help="copy this commit (git archive) instead of the working tree's files")
     parser.add_argument("--baseline", action="store_true",
@@ -372,6 +411,12 @@ def main(argv: list[str] | None = None) -> int:
         mutations = [m for m in mutations if m.id in args.only]
     if args.fast:
         mutations = [m for m in mutations if m.fast]
+    if args.rotate is not None:
+        if args.rotate < 1:
+            print(f"mutations: --rotate {args.rotate} must be >= 1", file=sys.stderr)
+            return 2
+        mutations, line = rotation(mutations, args.root, args.rotate, args.recent)
+        print(line, flush=True)
     if args.list:
         for m in mutations:
             print(f"{m.id:<34} {'fast' if m.fast else 'slow'}  {m.file}  {m.feature}\n{'':<40}{' '.join(m.tests)}"
