@@ -11,6 +11,10 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?= --durations=20
+# make test's main pytest run: pytest-xdist processes (work stealing). Its tests wait on Ray actors, subprocesses and
+# sockets much of the time: alone they kept ~0.7-1.0 of CI's 2 cores busy. TEST_WORKERS=0 runs them in one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal,-p no:xdist)
 # The vLLM venv: vLLM pins its own transformers/numpy, so it lives beside the main venv, not in it.
 VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
@@ -101,8 +105,8 @@ test: venv
 		echo "make venv-vllm: done (its log: $$(wc -l < "$$cache/venv-vllm.log") lines)"; \
 		[ -z "$$early" ] || { echo "the warm-start build beside the checks (tests/warm_starts.py), so far:"; \
 			grep -h "^\[" "$$cache/early-prebuild.log" || echo "  (nothing finished yet)"; }; \
-		echo "HYFLOW_TEST_PREBUILD=\"$(PREBUILD)\" $(PY) -m pytest -m \"not vllm\" $(PYTEST_ARGS)"; \
-		HYFLOW_TEST_PREBUILD="$(PREBUILD)" $(PY) -m pytest -m "not vllm" $(PYTEST_ARGS); \
+		echo "HYFLOW_TEST_PREBUILD=\"$(PREBUILD)\" $(PY) -m pytest -m \"not vllm\" $(XDIST) $(PYTEST_ARGS)"; \
+		HYFLOW_TEST_PREBUILD="$(PREBUILD)" $(PY) -m pytest -m "not vllm" $(XDIST) $(PYTEST_ARGS); \
 		echo "HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS)"; \
 		HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS)
 

@@ -113,7 +113,7 @@ def pytest_sessionstart(session):
     import subprocess
 
     names, root = os.environ.get("HYFLOW_TEST_PREBUILD", "").split(), os.environ.get("HYFLOW_TEST_CACHE")
-    if not names or not root:
+    if not names or not root or os.environ.get("PYTEST_XDIST_WORKER"):  # under xdist: the controller's one build
         return
     os.makedirs(root, exist_ok=True)
     log_path = os.path.join(root, "prebuild.log")
