@@ -11,9 +11,10 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?= --durations=20
-# make test's main pytest run: pytest-xdist processes (work stealing). Its tests wait on Ray actors, subprocesses and
-# sockets much of the time: alone they kept ~0.7-1.0 of CI's 2 cores busy. TEST_WORKERS=0 runs them in one process.
-TEST_WORKERS ?= 2
+# make test's main pytest run in TEST_WORKERS pytest-xdist processes (work stealing); 0 (the default): one process.
+# Not the default: a clean-clone run with 2 took 7,836 s, the tool-use test's setup waiting 2,588 s on the niced
+# tool_warm prebuild that the two workers starved (on a machine that was also slow: its vLLM suite took 995 s, not 355).
+TEST_WORKERS ?= 0
 XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal,-p no:xdist)
 # The vLLM venv: vLLM pins its own transformers/numpy, so it lives beside the main venv, not in it.
 VLLM_VENV  := .venv-vllm
