@@ -54,10 +54,9 @@ def test_grpo_on_a_vision_language_model_beats_a_frozen_policy(vl_warm, tmp_path
     """The rise of the mean training score (last 6 of 30 steps - first 6) beats the frozen control's (the same run,
     same seeds, actor lr 0) by more than VL_MARGIN (its noise above). 30 steps, not 20: on an Intel Xeon (native
     avx512, seed 0) 20 steps gave D = +0.047 (rise +0.055, control +0.008; CI failed); 30 steps there: native rise
-    +0.137, control -0.026, D +0.163; ATEN_CPU_CAPABILITY=default +0.210 / -0.022, D +0.232.
-    At 20 steps, from the warm start (300 SFT steps: its samples
-    score ~0.13) at lr 3e-4, seed 0, AMD EPYC native avx512: rise +0.138, control +0.017, D = +0.121; scores
-    0.13 -> 0.28. Seeds 1 / 2 (native): D = +0.380 / +0.391. Seed 0 under ATEN_CPU_CAPABILITY=default: +0.186
+    +0.137, control -0.026, D +0.163; ATEN_CPU_CAPABILITY=default +0.210 / -0.022, D +0.232. At 20 steps, from the
+    warm start (300 SFT steps: its samples score ~0.13) at lr 3e-4, seed 0, AMD EPYC native avx512: rise +0.138,
+    control +0.017, D = +0.121; scores 0.13 -> 0.28. Seeds 1 / 2 (native): D = +0.380 / +0.391. Seed 0 under ATEN_CPU_CAPABILITY=default: +0.186
     (control +0.009), avx2: +0.151 (control +0.020). At the demo's lr 1e-4 the rise was +0.07; at 1e-3 the policy
     collapsed to 0 within 4 steps; from a 150-step warm start D was only +0.059."""
     assert_beats_frozen(
