@@ -11,10 +11,13 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?= --durations=20
-# make test's main pytest run in TEST_WORKERS pytest-xdist processes (work stealing); 0 (the default): one process.
-# Not the default: a clean-clone run with 2 took 7,836 s, the tool-use test's setup waiting 2,588 s on the niced
-# tool_warm prebuild that the two workers starved (on a machine that was also slow: its vLLM suite took 995 s, not 355).
-TEST_WORKERS ?= 0
+# make test's main pytest run in TEST_WORKERS pytest-xdist processes (work stealing; 0: one process). Alone, the main
+# suite keeps 1.17 of the 2 cores busy once the tool-use warm start is built (measured per test from /proc/stat on a
+# quiet 2-core Intel Xeon: most end-to-end runs use one thread and wait on subprocesses, Ray and sockets).
+TEST_WORKERS ?= 2
+# the niceness of the PREBUILD warm-start build: 0, an equal share. At +10 two busy workers starved it (a clean-clone
+# run with TEST_WORKERS=2 waited 2,588 s for it in the tool-use test's setup, with the build barely begun).
+PREBUILD_NICE ?= 0
 XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal,-p no:xdist)
 # The vLLM venv: vLLM pins its own transformers/numpy, so it lives beside the main venv, not in it.
 VLLM_VENV  := .venv-vllm
@@ -83,33 +86,43 @@ lock:
 	echo "make lock: wrote $(LOCK) and $(VLLM_LOCK); make venv venv-vllm installs them"
 
 # The fast mutation check (tools/mutations.toml's fast entries: each breaks a feature's core line, a test must fail;
-# a rotating third of them plus those whose file or tests the last 20 commits changed: docs/contributing.md),
+# a rotating sixth of them plus those whose file or tests the last 10 commits changed: docs/contributing.md),
 # then the suite: both pytest runs share one cache of SFT warm starts (tests/run_cache.py), made fresh and removed after.
 # CI's two cores are idle while pip downloads, so once .venv exists three things run side by side: the vLLM venv's
 # install (its output in the cache's venv-vllm.log, printed if it fails), the checks (ruff, docs, mutations), and the
-# PREBUILD warm starts (tests/warm_starts.py at niceness +10: it takes what the others leave). The main pytest run
+# PREBUILD warm starts (tests/warm_starts.py at niceness PREBUILD_NICE). The main pytest run
 # starts the same build again (HYFLOW_TEST_PREBUILD): that one waits on the first's lock and reuses what it built, or
 # builds it itself if the first failed (tests/run_cache.py).
+# VLLM_PREBUILD: the warm starts the vLLM suite needs, built by .venv-vllm's Python (its transformers differs, so its
+# cache keys do) during the main suite, so that the vLLM suite that follows does not start by building them.
 PREBUILD ?= tool_warm
+VLLM_PREBUILD ?= warm
 test: venv
-	@set -e; cache=$$(mktemp -d); export HYFLOW_TEST_CACHE=$$cache; early=; vllm=; \
-		trap '[ -z "$$early" ] || kill -- -$$early 2>/dev/null || true; [ -z "$$vllm" ] || kill $$vllm 2>/dev/null || true; rm -rf "$$cache"' EXIT; \
+	@set -e; t0=$$(date +%s); cache=$$(mktemp -d); export HYFLOW_TEST_CACHE=$$cache; early=; vllm=; vprebuild=; \
+		trap 'for g in $$early $$vprebuild; do kill -- -$$g 2>/dev/null || true; done; [ -z "$$vllm" ] || kill $$vllm 2>/dev/null || true; rm -rf "$$cache"' EXIT; \
 		if [ -n "$(strip $(PREBUILD))" ]; then \
-			setsid $(PY) tests/warm_starts.py --root "$$cache" --nice 10 $(PREBUILD) > "$$cache/early-prebuild.log" 2>&1 & early=$$!; \
+			setsid $(PY) tests/warm_starts.py --root "$$cache" --nice $(PREBUILD_NICE) $(PREBUILD) > "$$cache/early-prebuild.log" 2>&1 & early=$$!; \
 		fi; \
 		$(MAKE) --no-print-directory venv-vllm > "$$cache/venv-vllm.log" 2>&1 & vllm=$$!; \
 		$(VENV)/bin/ruff check .; \
 		$(PY) tools/gen_docs.py --check; \
 		d=$$(mktemp -d); $(VENV)/bin/mkdocs build --strict -d $$d || { rm -rf $$d; exit 1; }; rm -rf $$d; \
-		$(PY) tools/mutations.py --fast --rotate 3 --recent 20 -j 2; \
+		$(PY) tools/mutations.py --fast --rotate 6 --recent 10 -j 2; \
 		if ! wait $$vllm; then vllm=; echo "make venv-vllm failed:"; cat "$$cache/venv-vllm.log"; exit 1; fi; vllm=; \
 		echo "make venv-vllm: done (its log: $$(wc -l < "$$cache/venv-vllm.log") lines)"; \
+		if [ -n "$(strip $(VLLM_PREBUILD))" ]; then \
+			setsid $(VLLM_PY) tests/warm_starts.py --root "$$cache" --nice $(PREBUILD_NICE) $(VLLM_PREBUILD) > "$$cache/vllm-prebuild.log" 2>&1 & vprebuild=$$!; \
+		fi; \
 		[ -z "$$early" ] || { echo "the warm-start build beside the checks (tests/warm_starts.py), so far:"; \
 			grep -h "^\[" "$$cache/early-prebuild.log" || echo "  (nothing finished yet)"; }; \
+		t1=$$(date +%s); echo "make test: checks and mutations done at $$((t1 - t0)) s"; \
 		echo "HYFLOW_TEST_PREBUILD=\"$(PREBUILD)\" $(PY) -m pytest -m \"not vllm\" $(XDIST) $(PYTEST_ARGS)"; \
-		HYFLOW_TEST_PREBUILD="$(PREBUILD)" $(PY) -m pytest -m "not vllm" $(XDIST) $(PYTEST_ARGS); \
+		HYFLOW_TEST_PREBUILD="$(PREBUILD)" HYFLOW_TEST_PREBUILD_NICE=$(PREBUILD_NICE) $(PY) -m pytest -m "not vllm" $(XDIST) $(PYTEST_ARGS); \
+		t2=$$(date +%s); echo "make test: main suite done at $$((t2 - t0)) s (it took $$((t2 - t1)) s)"; \
 		echo "HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS)"; \
-		HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS)
+		[ -z "$$vprebuild" ] || grep -h "^\[" "$$cache/vllm-prebuild.log" || { echo "the vLLM warm-start build beside the main suite finished nothing; its log ends:"; tail -5 "$$cache/vllm-prebuild.log"; }; \
+		HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS); \
+		t3=$$(date +%s); echo "make test: vLLM suite done at $$((t3 - t0)) s (it took $$((t3 - t2)) s)"
 
 # only the tests that run the real vLLM engine (in .venv-vllm)
 test-vllm: venv-vllm

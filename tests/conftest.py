@@ -108,8 +108,9 @@ _PREBUILD: dict = {}
 
 def pytest_sessionstart(session):
     """`HYFLOW_TEST_PREBUILD="warm tool_warm ..."` (make test sets it) with a run cache (`HYFLOW_TEST_CACHE`): build
-    those warm starts beside the suite, in one background process at niceness +10 (it takes the CPU the tests leave
-    idle; tests/warm_starts.py); its output goes to prebuild.log in the cache, printed at the end if it failed."""
+    those warm starts beside the suite, in one background process at niceness `HYFLOW_TEST_PREBUILD_NICE` (make test:
+    its PREBUILD_NICE, 0; unset: +10, taking the CPU one pytest process leaves idle; tests/warm_starts.py); its
+    output goes to prebuild.log in the cache, printed at the end if it failed."""
     import subprocess
 
     names, root = os.environ.get("HYFLOW_TEST_PREBUILD", "").split(), os.environ.get("HYFLOW_TEST_CACHE")
@@ -119,8 +120,8 @@ def pytest_sessionstart(session):
     log_path = os.path.join(root, "prebuild.log")
     with open(log_path, "ab") as log:
         _PREBUILD["process"] = subprocess.Popen(
-            [sys.executable, os.path.join(os.path.dirname(__file__), "warm_starts.py"), "--root", root, "--nice", "10",
-             *names],
+            [sys.executable, os.path.join(os.path.dirname(__file__), "warm_starts.py"), "--root", root,
+             "--nice", os.environ.get("HYFLOW_TEST_PREBUILD_NICE", "10"), *names],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     _PREBUILD["log"] = log_path
 

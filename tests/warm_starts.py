@@ -6,8 +6,9 @@ one build per run, a file lock between processes); the fixtures (tests/trainer/c
 test_vl_learns.py) call it and assert each warm start's premise.
 
 `make test` also builds some ahead of need: `HYFLOW_TEST_PREBUILD="tool_warm ..."` makes tests/conftest.py start
-`python tests/warm_starts.py --nice 10 NAME...` beside the suite at its start, at a lower priority, so that the
-builds take the CPU the tests leave idle (subprocess starts, Ray's waits, sleeps) rather than theirs. A fixture that
+`python tests/warm_starts.py --nice N NAME...` beside the suite at its start (N: `HYFLOW_TEST_PREBUILD_NICE`; make
+test passes 0, an equal share beside its two pytest workers; unset, +10: the CPU one pytest process leaves idle,
+in subprocess starts, Ray's waits, sleeps). A fixture that
 asks for a warm start still being built waits on its lock and then reuses it (one asked for first is built by the
 fixture, and the background process reuses it). The background process ends with the suite (killed by tests/conftest.py at the
 session's end, or on its own when its parent dies).
@@ -200,7 +201,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--root", default=os.environ.get("HYFLOW_TEST_CACHE"), help="the run cache (default: "
                         "$HYFLOW_TEST_CACHE)")
     parser.add_argument("--nice", type=int, default=0, help="add this to the process's niceness (the suite's "
-                        "background build runs at 10: it takes the CPU the tests leave idle, not theirs)")
+                        "background build: HYFLOW_TEST_PREBUILD_NICE, 0 under make test, else 10)")
     parser.add_argument("names", nargs="+", choices=sorted(WARM_STARTS), metavar="NAME")
     args = parser.parse_args(argv)
     if not args.root:

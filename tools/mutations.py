@@ -18,7 +18,7 @@ original bytes back. Verdicts, from pytest's exit code:
                 selected test skipped, a timeout, an original that occurs 0 or several times, a replacement that
                 does not compile
 
-`--rotate N` (what `make test`, and so CI, runs: `--fast --rotate 3 --recent 20`) runs a share of the entries: those
+`--rotate N` (what `make test`, and so CI, runs: `--fast --rotate 6 --recent 10`) runs a share of the entries: those
 whose position in the list is the checkout's slot modulo N (the slot: the number of commits on HEAD, or HEAD's hash
 where the clone is shallow; so consecutive commits cycle through every entry every N commits), plus with `--recent R`
 every entry whose `file` or test files a commit among the last R changed: the mutation that guards a line is run by
