@@ -15,9 +15,13 @@ PYTEST_ARGS ?= --durations=20
 # suite keeps 1.17 of the 2 cores busy once the tool-use warm start is built (measured per test from /proc/stat on a
 # quiet 2-core Intel Xeon: most end-to-end runs use one thread and wait on subprocesses, Ray and sockets).
 TEST_WORKERS ?= 2
-# the niceness of the PREBUILD warm-start build: 0, an equal share. At +10 two busy workers starved it (a clean-clone
-# run with TEST_WORKERS=2 waited 2,588 s for it in the tool-use test's setup, with the build barely begun).
+# The warm-start builds (PREBUILD, VLLM_PREBUILD) run at niceness PREBUILD_NICE, the main pytest run (its workers and
+# everything they start) at TEST_NICE: the tool-use build (1,324 s of one core on a quiet 2-core Xeon) is the suite's
+# longest chain, and the test that needs it waits for it. Beside two workers whose tests start Ray workers and
+# subprocesses (load average ~7), an equal share starved it: at step 750 of 2,500 after 42 minutes of a clean-clone
+# run (and at +10 against the workers' 0, 2,588 s of waiting in another). At 0 against +10 it gets a whole core.
 PREBUILD_NICE ?= 0
+TEST_NICE ?= 10
 XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal,-p no:xdist)
 # The vLLM venv: vLLM pins its own transformers/numpy, so it lives beside the main venv, not in it.
 VLLM_VENV  := .venv-vllm
@@ -116,8 +120,8 @@ test: venv
 		[ -z "$$early" ] || { echo "the warm-start build beside the checks (tests/warm_starts.py), so far:"; \
 			grep -h "^\[" "$$cache/early-prebuild.log" || echo "  (nothing finished yet)"; }; \
 		t1=$$(date +%s); echo "make test: checks and mutations done at $$((t1 - t0)) s"; \
-		echo "HYFLOW_TEST_PREBUILD=\"$(PREBUILD)\" $(PY) -m pytest -m \"not vllm\" $(XDIST) $(PYTEST_ARGS)"; \
-		HYFLOW_TEST_PREBUILD="$(PREBUILD)" HYFLOW_TEST_PREBUILD_NICE=$(PREBUILD_NICE) $(PY) -m pytest -m "not vllm" $(XDIST) $(PYTEST_ARGS); \
+		echo "HYFLOW_TEST_PREBUILD=\"$(PREBUILD)\" nice -n $(TEST_NICE) $(PY) -m pytest -m \"not vllm\" $(XDIST) $(PYTEST_ARGS)"; \
+		HYFLOW_TEST_PREBUILD="$(PREBUILD)" HYFLOW_TEST_PREBUILD_NICE=$(PREBUILD_NICE) nice -n $(TEST_NICE) $(PY) -m pytest -m "not vllm" $(XDIST) $(PYTEST_ARGS); \
 		t2=$$(date +%s); echo "make test: main suite done at $$((t2 - t0)) s (it took $$((t2 - t1)) s)"; \
 		echo "HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS)"; \
 		[ -z "$$vprebuild" ] || grep -h "^\[" "$$cache/vllm-prebuild.log" || { echo "the vLLM warm-start build beside the main suite finished nothing; its log ends:"; tail -5 "$$cache/vllm-prebuild.log"; }; \

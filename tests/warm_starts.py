@@ -7,8 +7,8 @@ test_vl_learns.py) call it and assert each warm start's premise.
 
 `make test` also builds some ahead of need: `HYFLOW_TEST_PREBUILD="tool_warm ..."` makes tests/conftest.py start
 `python tests/warm_starts.py --nice N NAME...` beside the suite at its start (N: `HYFLOW_TEST_PREBUILD_NICE`; make
-test passes 0, an equal share beside its two pytest workers; unset, +10: the CPU one pytest process leaves idle,
-in subprocess starts, Ray's waits, sleeps). A fixture that
+test passes 0 and runs its pytest workers at +10, so that this build, the suite's longest chain, gets a core; unset,
++10: the CPU one pytest process leaves idle, in subprocess starts, Ray's waits, sleeps). A fixture that
 asks for a warm start still being built waits on its lock and then reuses it (one asked for first is built by the
 fixture, and the background process reuses it). The background process ends with the suite (killed by tests/conftest.py at the
 session's end, or on its own when its parent dies).
