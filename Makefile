@@ -18,8 +18,8 @@ TEST_WORKERS ?= 2
 # The warm-start builds (PREBUILD, VLLM_PREBUILD) run at niceness PREBUILD_NICE, the main pytest run (its workers and
 # everything they start) at TEST_NICE: the tool-use build (1,324 s of one core on a quiet 2-core Xeon) is the suite's
 # longest chain, and the test that needs it waits for it. Beside two workers whose tests start Ray workers and
-# subprocesses (load average ~7), an equal share starved it: at step 750 of 2,500 after 42 minutes of a clean-clone
-# run (and at +10 against the workers' 0, 2,588 s of waiting in another). At 0 against +10 it gets a whole core.
+# subprocesses (load average ~7) it got ~1.15 steps/s at 0 against +10 (1.9 alone) once its idle OpenMP threads slept
+# (tests/warm_starts.py); spinning, at 0 against 0, it was at step 750 of 2,500 after 42 minutes.
 PREBUILD_NICE ?= 0
 TEST_NICE ?= 10
 XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal,-p no:xdist)

@@ -26,10 +26,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-# Before learning.py imports torch (libgomp reads it once, at load), as tests/conftest.py does for the suite: this
-# script runs outside pytest, and its build beside the suite's workers, its idle threads spinning, went at a sixth of
-# its speed alone (step 125 of 2,500 after 6m44s of a clean-clone run; 2,500 in 1,324 s alone).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# hyflow first: its import sets OMP_WAIT_POLICY=PASSIVE (hyflow.threads.quiet_openmp_waits) before learning.py imports
+# torch, whose libgomp reads it once, at load. This script runs outside pytest (tests/conftest.py sets it there), and
+# its build beside the suite's workers, its idle threads spinning, went at a sixth of its speed alone (step 125 of
+# 2,500 after 6m44s of a clean-clone run; 2,500 in 1,324 s alone).
+import hyflow  # noqa: F401
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # run as a script: learning.py and run_cache.py sit beside it
 from learning import SEED  # noqa: E402
