@@ -30,7 +30,8 @@ def test_ctrl_c_prints_one_line_with_the_last_checkpoint_and_exits_130(tmp_path,
             "data.max_prompt_length=48", "data.max_response_length=8", "trainer.logger=[file]",
             "trainer.total_training_steps=100000", "trainer.save_freq=1", f"reward_model.num_workers={reward_workers}",
             "trainer.val_before_train=false", "trainer.test_freq=0", f"trainer.default_local_dir={run_dir}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # PYTHONFAULTHANDLER: a run that does not end after Ctrl-C is sent SIGABRT, which prints every thread's stack
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     out_file, err_file = (tmp_path / "stdout.txt").open("w"), (tmp_path / "stderr.txt").open("w")
     proc = subprocess.Popen([HYFLOW, "train", *args], stdout=out_file, stderr=err_file, text=True, env=env,
                             start_new_session=True)  # its own process group, as a terminal job
@@ -43,7 +44,12 @@ def test_ctrl_c_prints_one_line_with_the_last_checkpoint_and_exits_130(tmp_path,
         assert marker.exists(), "no checkpoint within 240 s"
         time.sleep(1.0)  # into the next steps
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: every process of the job
-        proc.wait(timeout=120)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGABRT)
+            proc.wait(timeout=30)
+            pytest.fail("no exit within 120 s of Ctrl-C; the stacks:\n" + (tmp_path / "stderr.txt").read_text()[-6000:])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

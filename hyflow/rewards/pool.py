@@ -19,6 +19,11 @@ any exception. ``os._exit`` cannot be caught, so while a function runs in this p
 back when it returns; in a forked worker it only ends that worker, which is recorded as "the scoring process
 died". KeyboardInterrupt is never caught: Ctrl-C still stops the run.
 
+A worker silent past `timeout_s` outside any sample (a fork that deadlocked before its first sample: the trainer
+forks while its generation thread runs, and a lock that thread held stays held in the child) is killed and started
+again, `STARTUP_RETRIES` times; after that its samples are recorded as errors. Without this, the trainer waited on
+it forever (and a Ctrl-C then never ended the run).
+
 Caveat: forked workers must not use torch threads or CUDA (scorers are plain Python; that is the contract).
 """
 
@@ -163,6 +168,7 @@ def _sigint_deferred() -> Iterator[None]:
 
 
 HANG_CONCURRENCY = 64  # most forked processes at once for the samples of a function that hangs
+STARTUP_RETRIES = 2  # fresh starts of a worker that went silent outside a sample, before its samples are errors
 
 
 def run_calls(fn: Callable, calls: Sequence[dict], *, num_workers: int = 1, timeout_s: float = 30.0) -> list[Outcome]:
@@ -200,6 +206,7 @@ class _ForkedRun:
         self.pending = {w: todo_indices[w::num_workers] for w in range(min(num_workers, len(todo_indices)))}
         self.workers: dict = {}  # conn -> (process, worker id, current index, start time)
         self.running: set[int] = set()  # samples a live worker has been given
+        self.restarts: dict = {}  # worker id -> times it was started again after going silent outside a sample
 
     def start(self, w, todo: list[int]) -> None:
         parent, child = self.ctx.Pipe(duplex=False)
@@ -242,21 +249,32 @@ class _ForkedRun:
             self.workers[conn][2:] = [message[1], time.monotonic()]
         else:
             self.results[message[1]] = message[2]
-            self.workers[conn][2] = None
+            self.workers[conn][2:] = [None, time.monotonic()]  # silent from now on: stuck between samples
 
     def kill_overdue(self) -> None:
-        """Kill the workers whose current sample ran past `timeout_s`: that sample timed out, hang mode starts."""
+        """Kill the workers whose current sample ran past `timeout_s` (that sample timed out, hang mode starts) or
+        that were silent that long outside a sample (stuck: started again, see the module docstring)."""
         now = time.monotonic()
         for conn, (proc, w, idx, started) in list(self.workers.items()):
-            if idx is not None and self.timeout_s and now - started > self.timeout_s:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.join(timeout=5)
-                conn.close()
-                del self.workers[conn]
+            if not self.timeout_s or now - started <= self.timeout_s:
+                continue
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(timeout=5)
+            conn.close()
+            del self.workers[conn]
+            if idx is not None:
                 self.results[idx] = Outcome(timed_out=True)
                 self.hanging = True
-                _release(self.running, self.pending, w, self.results)
-                self.launch(w)
+            else:
+                self.restarts[w] = self.restarts.get(w, 0) + 1
+                if self.restarts[w] > STARTUP_RETRIES:
+                    for i in self.pending.get(w, []) if not isinstance(w, tuple) else [w[1]]:
+                        if self.results[i] is None:
+                            self.results[i] = Outcome(error=f"the scoring process was silent outside a sample for "
+                                                            f"{self.timeout_s:g} s, {self.restarts[w]} times (stuck "
+                                                            "before it could start the sample)")
+            _release(self.running, self.pending, w, self.results)
+            self.launch(w)
 
     def run(self) -> list[Outcome | None]:
         timeout_s = self.timeout_s
