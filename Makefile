@@ -12,14 +12,15 @@ STAMP  := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?= --durations=20
 # make test's main pytest run in TEST_WORKERS pytest-xdist processes (work stealing; 0: one process). Alone, the main
-# suite keeps 1.17 of the 2 cores busy once the tool-use warm start is built (measured per test from /proc/stat on a
+# suite kept 1.17 of the 2 cores busy once the warm starts were built (measured per test from /proc/stat on a
 # quiet 2-core Intel Xeon: most end-to-end runs use one thread and wait on subprocesses, Ray and sockets).
 TEST_WORKERS ?= 2
 # The warm-start builds (PREBUILD, VLLM_PREBUILD) run at niceness PREBUILD_NICE, the main pytest run (its workers and
-# everything they start) at TEST_NICE: the tool-use build (1,324 s of one core on a quiet 2-core Xeon) is the suite's
-# longest chain, and the test that needs it waits for it. Beside two workers whose tests start Ray workers and
-# subprocesses (load average ~7) it got ~1.15 steps/s at 0 against +10 (1.9 alone) once its idle OpenMP threads slept
-# (tests/warm_starts.py); spinning, at 0 against 0, it was at step 750 of 2,500 after 42 minutes.
+# everything they start) at TEST_NICE: the tests that need a warm start wait for it. (The tool-use one, 1,324 s of
+# one core when it was built per run, is now committed: tests/fixtures/tool_warm; its build here only samples its
+# premise.) Beside two workers whose tests start Ray workers and subprocesses (load average ~7) a build got ~1.15
+# steps/s at 0 against +10 (1.9 alone) once its idle OpenMP threads slept (tests/warm_starts.py); spinning, at 0
+# against 0, it was at step 750 of 2,500 after 42 minutes.
 PREBUILD_NICE ?= 0
 TEST_NICE ?= 10
 XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal,-p no:xdist)
@@ -99,7 +100,7 @@ lock:
 # builds it itself if the first failed (tests/run_cache.py).
 # VLLM_PREBUILD: the warm starts the vLLM suite needs, built by .venv-vllm's Python (its transformers differs, so its
 # cache keys do) during the main suite, so that the vLLM suite that follows does not start by building them.
-PREBUILD ?= tool_warm
+PREBUILD ?= warm vl_warm tool_warm
 VLLM_PREBUILD ?= warm
 test: venv
 	@set -e; t0=$$(date +%s); cache=$$(mktemp -d); export HYFLOW_TEST_CACHE=$$cache; early=; vllm=; vprebuild=; \

@@ -18,8 +18,10 @@ session's end, or on its own when its parent dies).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -137,12 +139,27 @@ def sampled_calls_that_work(model: Path, data: Path, out: Path) -> tuple[int, fl
 
 
 def _build_tool_warm(root: Path) -> None:
-    """Tries TOOL_SFT_ATTEMPTS until one passes the premise; writes premise.json (the attempts, the one taken, if
-    any): a run where none passes is a finished build too, whose fixture fails with the attempts' figures."""
+    """The committed warm start (tests/fixtures/tool_warm) when it is fresh, its premise measured here; else (or with
+    HYFLOW_TEST_BUILD_WARM=1) tries TOOL_SFT_ATTEMPTS until one passes the premise. Writes premise.json (the
+    attempts, the one taken, if any, where the model came from): a run where none passes is a finished build too,
+    whose fixture fails with the attempts' figures."""
     from hyflow.data.tasks import make_task
 
-    tiny = _tiny(root)
     make_task("calculator", root / "data", **TOOL_TASK)
+    fixture = committed_fixture("tool_warm")
+    if fixture is not None:
+        shutil.copytree(fixture / "model", root / "sft_0_model")
+        (root / "sft_0").mkdir()
+        shutil.copy(fixture / "metrics.jsonl", root / "sft_0" / "metrics.jsonl")
+        calls, working = sampled_calls_that_work(root / "sft_0_model", root / "data", root / "premise_0")
+        built = json.loads((fixture / BUILT_JSON).read_text())["built"]
+        tried = [f"the committed one (tests/fixtures/tool_warm, built {built['date']} on {built['machine']}), "
+                 f"sampled here: {calls} of 128 call the tool, {working:.0%} of those work"]
+        print(f"[premise] {tried[0]}; needs >= {CALLS_MIN} and >= {WORKING_MIN:.0%}", flush=True)
+        taken = 0 if calls >= CALLS_MIN and working >= WORKING_MIN else None
+        (root / "premise.json").write_text(json.dumps({"tried": tried, "taken": taken, "source": "committed"}))
+        return
+    tiny = _tiny(root)
     tried, taken = [], None
     for attempt, (lr, data_seed) in enumerate(TOOL_SFT_ATTEMPTS):
         run = root / f"sft_{attempt}"
@@ -157,7 +174,7 @@ def _build_tool_warm(root: Path) -> None:
         if calls >= CALLS_MIN and working >= WORKING_MIN:
             taken = attempt
             break
-    (root / "premise.json").write_text(json.dumps({"tried": tried, "taken": taken}))
+    (root / "premise.json").write_text(json.dumps({"tried": tried, "taken": taken, "source": "built"}))
 
 
 def _build_vl_warm(root: Path) -> None:
@@ -179,6 +196,70 @@ WARM_STARTS: dict[str, tuple[dict, Callable[[Path], None]]] = {
     "vl_warm": ({"tiny": ["tiny-vl", SEED], "task": VL_TASK, "sft": VL_SFT,
                  "config": (VL_EXAMPLE / "sft.yaml").read_text()}, _build_vl_warm),
 }
+
+
+# --- committed warm starts -----------------------------------------------------------------------------------------
+# tool_warm's build is ~1,300 s of one core (2,500 SFT steps, up to three attempts), a third of the CPU of CI's main
+# suite, and whether an attempt passes its copying transition is the CPU's rounding's chaotic choice. So its model is
+# committed under tests/fixtures/tool_warm (the exported model, 2.2 MB; the SFT's last METRICS_KEPT metrics rows;
+# BUILT.json: the hash of the SFT's inputs, where, when and from which commit it was built, its premise there). The
+# suite starts from it while that hash matches FIXTURE_INPUTS (tests/test_warm_starts.py fails when it does not) and
+# measures its premise on the machine at hand (sampled calls that work: what GRPO learns from). To build and commit
+# it afresh (~25 minutes on 2 cores): `python tests/warm_starts.py --export tool_warm --root EMPTY_DIR`.
+FIXTURES = HERE / "fixtures"
+BUILT_JSON = "BUILT.json"
+METRICS_KEPT = 100
+# what decides the committed model (the premise's thresholds and grpo.yaml do not: the premise is measured here)
+FIXTURE_INPUTS = {"tool_warm": {"tiny": ["tiny", SEED], "task": TOOL_TASK, "steps": TOOL_SFT_STEPS,
+                                "attempts": TOOL_SFT_ATTEMPTS, "sft.yaml": (TOOLS_EXAMPLE / "sft.yaml").read_text()}}
+
+
+def fixture_key(name: str) -> str:
+    """The hash of what decides committed warm start `name` (FIXTURE_INPUTS)."""
+    return hashlib.sha256(json.dumps(FIXTURE_INPUTS[name], sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def committed_fixture(name: str) -> Path | None:
+    """tests/fixtures/`name` when it exists, matches its inputs and HYFLOW_TEST_BUILD_WARM is not set, else None."""
+    fixture = FIXTURES / name
+    if os.environ.get("HYFLOW_TEST_BUILD_WARM") == "1" or not (fixture / BUILT_JSON).exists():
+        return None
+    return fixture if json.loads((fixture / BUILT_JSON).read_text())["key"] == fixture_key(name) else None
+
+
+def export_fixture(name: str, root: Path) -> Path:
+    """Build warm start `name` under `root` from scratch (or reuse such a build there) and write it to
+    tests/fixtures/`name`: the model taken, the SFT's last METRICS_KEPT metrics rows, BUILT.json."""
+    import platform
+    import subprocess
+
+    import torch
+    import transformers
+
+    os.environ["HYFLOW_TEST_BUILD_WARM"] = "1"
+    out = warm_start(name, root)
+    premise = json.loads((out / "premise.json").read_text())
+    if premise.get("source") == "committed":
+        raise SystemExit(f"{out} was copied from the committed fixture, not built: give an empty --root")
+    if premise["taken"] is None:
+        raise SystemExit(f"no attempt passed the premise ({'; '.join(premise['tried'])}): nothing to commit")
+    taken = premise["taken"]
+    fixture = FIXTURES / name
+    shutil.rmtree(fixture, ignore_errors=True)
+    shutil.copytree(out / f"sft_{taken}_model", fixture / "model")
+    rows = (out / f"sft_{taken}" / "metrics.jsonl").read_text().splitlines()[-METRICS_KEPT:]
+    (fixture / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    built = {"date": time.strftime("%Y-%m-%d", time.gmtime((out / "premise.json").stat().st_mtime)),
+             "machine": f"{cpu}, {os.cpu_count()} cores", "capability": torch.backends.cpu.get_cpu_capability(),
+             "torch": torch.__version__, "transformers": transformers.__version__, "commit_at_export": commit}
+    (fixture / BUILT_JSON).write_text(json.dumps({"key": fixture_key(name), "inputs": FIXTURE_INPUTS[name],
+                                                  "premise": premise["tried"], "taken": taken, "built": built},
+                                                 indent=1, sort_keys=True, default=str) + "\n")
+    return fixture
 
 
 def warm_start(name: str, root: Path) -> Path:
@@ -208,10 +289,18 @@ def main(argv: list[str]) -> int:
                         "$HYFLOW_TEST_CACHE)")
     parser.add_argument("--nice", type=int, default=0, help="add this to the process's niceness (the suite's "
                         "background build: HYFLOW_TEST_PREBUILD_NICE, 0 under make test, else 10)")
+    parser.add_argument("--export", action="store_true", help="build each NAME from scratch under --root (or reuse "
+                        "such a build there) and write it to tests/fixtures/NAME, the committed warm start")
     parser.add_argument("names", nargs="+", choices=sorted(WARM_STARTS), metavar="NAME")
     args = parser.parse_args(argv)
     if not args.root:
         parser.error("give --root or set HYFLOW_TEST_CACHE (the run cache the suite reads)")
+    if args.export:
+        if not set(args.names) <= set(FIXTURE_INPUTS):
+            parser.error(f"--export: only {', '.join(sorted(FIXTURE_INPUTS))} are committed")
+        for name in args.names:
+            print(f"[export] {name}: {export_fixture(name, Path(args.root))}", flush=True)
+        return 0
     _die_with_parent()
     if args.nice:
         os.nice(args.nice)

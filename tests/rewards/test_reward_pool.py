@@ -65,6 +65,7 @@ def test_dead_worker_is_replaced():
     assert [o.value for i, o in enumerate(out) if i != 2] == [0, 1, 3, 4]
 
 
+@pytest.mark.timeout(40)  # the pool once waited on such a worker forever
 def test_a_worker_stuck_before_its_first_sample_is_started_again(monkeypatch, tmp_path):
     """A fork can deadlock before its first sample (a lock the trainer's generation thread held at the fork stays
     held in the child): the pool starts it again instead of waiting on it forever (a CI run hung on this: its
@@ -87,6 +88,7 @@ def test_a_worker_stuck_before_its_first_sample_is_started_again(monkeypatch, tm
     assert [o.value for o in out] == [i * i for i in range(6)] and all(o.ok for o in out)
 
 
+@pytest.mark.timeout(40)
 def test_a_worker_that_never_starts_costs_its_samples_not_the_call(monkeypatch):
     from hyflow.rewards import pool
 

@@ -13,9 +13,9 @@ from warm_starts import CALLS_MIN, TOOL_SFT_STEPS, WORKING_MIN, tool_grpo, warm_
 
 from hyflow.trainer.tracking import read_metrics
 
-# the first test may also build the SFT warm start (one to three runs of 2,500 steps, 5-25 minutes each on 2 free
-# cores; `make test` builds it beside the suite from its start: tests/warm_starts.py): past the suite's 900 s
-# per-test limit on a slow or loaded machine
+# the SFT warm start is committed (tests/fixtures/tool_warm; its premise is sampled here, ~30 s); with
+# HYFLOW_TEST_BUILD_WARM=1, or when it is stale, the first test builds it (one to three runs of 2,500 steps, 5-25
+# minutes each on 2 free cores): past the suite's 900 s per-test limit on a slow or loaded machine
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(7200)]
 
 # The margins by which the rises (last 6 - first 6 of 30 steps) of the tool-call share and the score must beat the
@@ -34,7 +34,8 @@ SFT_LOSS_PREMISE = 0.17
 def tool_warm(tmp_path_factory):
     """(SFT model dir, data dir): the calculator task and the demo's SFT warm start (examples/tools/sft.yaml) on its
     conversations, half of which call the tool, from the tiny model of seed HYFLOW_TEST_SEED, trained until it is
-    past its copying transition (tests/warm_starts.py: TOOL_SFT_ATTEMPTS); asserts the premise with its figures."""
+    past its copying transition (tests/warm_starts.py: the committed one, or TOOL_SFT_ATTEMPTS); asserts the premise
+    with its figures."""
     root = warm_start("tool_warm", cache_root(tmp_path_factory))
     premise = json.loads((root / "premise.json").read_text())
     for line in premise["tried"]:
