@@ -153,6 +153,15 @@ cpu_setup() {
     OUT=${OUT:-runs/examples/$name}
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # tiny matrices: threads cost more than they give
 
+    # one maker at a time per cache (flock, where the system has it): runs started together wait for the first one's
+    # model and data instead of each making its own (publishing stays atomic without it: _cpu_publish). A failure
+    # below ends the script (strict mode), and its lock with it.
+    local lock_fd=
+    mkdir -p "$CPU_CACHE"
+    if command -v flock >/dev/null 2>&1; then
+        exec {lock_fd}>"$CPU_CACHE/.lock"
+        flock "$lock_fd"
+    fi
     _cpu_task "$task"
     local data=$CPU_DATA
     case "$model" in
@@ -162,6 +171,9 @@ cpu_setup() {
         *) echo "cpu_setup: MODEL must be tiny, tiny-vl or warm, got '$model'" >&2; return 1 ;;
     esac
     CPU_DATA=$data
+    if [ -n "$lock_fd" ]; then
+        exec {lock_fd}>&-
+    fi
 
     # resume_mode=disable: a second run into the same OUT starts over instead of refusing to (no checkpoints here)
     CPU_TRAINER=(

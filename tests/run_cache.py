@@ -36,6 +36,15 @@ def cache_root(tmp_path_factory) -> Path:
     return tmp_path_factory.getbasetemp() / "run_cache"
 
 
+def examples_cache(tmp_path_factory) -> Path:
+    """HYFLOW_EXAMPLES_CACHE for the examples' `--cpu` runs (tiny model, warm-started model, task data): one per
+    test run and transformers version (the vLLM venv has another), so test_examples.py and test_multinode.py, in
+    every xdist worker, make them once (examples/_cpu_setup.sh holds a lock on it while it makes them)."""
+    import transformers
+
+    return cache_root(tmp_path_factory) / f"examples-{transformers.__version__}"
+
+
 def cache_key(name: str, inputs: dict) -> str:
     """`name` and a hash of `inputs` with the library versions and CPU capability that decide a built result."""
     import torch

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import run_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -174,8 +175,8 @@ def test_gpu_variant_builds_a_valid_config(path, tmp_path):
 
 @pytest.fixture(scope="module")
 def examples_cache(tmp_path_factory):
-    """One cache (tiny model, warm-started model, task data) for all the CPU runs of this module."""
-    return tmp_path_factory.mktemp("examples_cache")
+    """One cache (tiny model, warm-started model, task data) for the examples' CPU runs of the whole test run."""
+    return run_cache.examples_cache(tmp_path_factory)
 
 
 def run_cpu_variant(path: Path, tmp_path: Path, cache: Path, **extra_env) -> tuple[Path, str]:

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import pytest
+import run_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "multi_node"
@@ -106,7 +107,8 @@ def one_node():
 
 @pytest.fixture(scope="module")
 def examples_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("examples_cache")
+    """One cache (tiny model, warm-started model, task data) for the examples' CPU runs of the whole test run."""
+    return run_cache.examples_cache(tmp_path_factory)
 
 
 def run(args: list[str], cwd: Path, env: dict, what: str) -> str:
