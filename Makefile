@@ -16,9 +16,9 @@ PYTEST_ARGS ?= --durations=20
 # quiet 2-core Intel Xeon: most end-to-end runs use one thread and wait on subprocesses, Ray and sockets).
 TEST_WORKERS ?= 2
 # The warm-start builds (PREBUILD, VLLM_PREBUILD) run at niceness PREBUILD_NICE, the main pytest run (its workers and
-# everything they start) at TEST_NICE: the tests that need a warm start wait for it. (The tool-use one, 1,324 s of
-# one core when it was built per run, is now committed: tests/fixtures/tool_warm; its build here only samples its
-# premise.) Beside two workers whose tests start Ray workers and subprocesses (load average ~7) a build got ~1.15
+# everything they start) at TEST_NICE: the tests that need a warm start wait for it. (The warm starts are committed,
+# tests/fixtures: the tool-use one cost 1,324 s of one core built per run; their builds here copy them, make the data
+# and check the premise.) Beside two workers whose tests start Ray workers and subprocesses (load average ~7) a build got ~1.15
 # steps/s at 0 against +10 (1.9 alone) once its idle OpenMP threads slept (tests/warm_starts.py); spinning, at 0
 # against 0, it was at step 750 of 2,500 after 42 minutes.
 PREBUILD_NICE ?= 0

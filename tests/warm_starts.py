@@ -97,11 +97,27 @@ def _tiny(root: Path, preset: str = "tiny") -> Path:
     return make_tiny_model(root / f"init_{preset}", preset=preset, seed=SEED)
 
 
+def _copy_committed(name: str, root: Path, model_as: str, run_as: str) -> dict | None:
+    """The committed warm start `name` (tests/fixtures/NAME, when fresh) copied into `root`: its model as `model_as`,
+    its metrics into the run directory `run_as`; returns its BUILT.json, or None (nothing copied) when there is none
+    to use. A SOURCE file says where the build came from (export_fixture refuses a copy)."""
+    fixture = committed_fixture(name)
+    if fixture is None:
+        (root / "SOURCE").write_text("built")
+        return None
+    shutil.copytree(fixture / "model", root / model_as)
+    (root / run_as).mkdir()
+    shutil.copy(fixture / "metrics.jsonl", root / run_as / "metrics.jsonl")
+    (root / "SOURCE").write_text("committed")
+    return json.loads((fixture / BUILT_JSON).read_text())
+
+
 def _build_warm(root: Path) -> None:
     from hyflow.data.tasks import make_task
 
     make_task("arithmetic", root / "data", **WARM_TASK)
-    _sft(_tiny(root), root / "data", root / "sft", WARM_SFT)
+    if _copy_committed("warm", root, "sft_model", "sft") is None:
+        _sft(_tiny(root), root / "data", root / "sft", WARM_SFT)
 
 
 def _build_unformatted(root: Path) -> None:
@@ -146,13 +162,10 @@ def _build_tool_warm(root: Path) -> None:
     from hyflow.data.tasks import make_task
 
     make_task("calculator", root / "data", **TOOL_TASK)
-    fixture = committed_fixture("tool_warm")
-    if fixture is not None:
-        shutil.copytree(fixture / "model", root / "sft_0_model")
-        (root / "sft_0").mkdir()
-        shutil.copy(fixture / "metrics.jsonl", root / "sft_0" / "metrics.jsonl")
+    committed = _copy_committed("tool_warm", root, "sft_0_model", "sft_0")
+    if committed is not None:
         calls, working = sampled_calls_that_work(root / "sft_0_model", root / "data", root / "premise_0")
-        built = json.loads((fixture / BUILT_JSON).read_text())["built"]
+        built = committed["built"]
         tried = [f"the committed one (tests/fixtures/tool_warm, built {built['date']} on {built['machine']}), "
                  f"sampled here: {calls} of 128 call the tool, {working:.0%} of those work"]
         print(f"[premise] {tried[0]}; needs >= {CALLS_MIN} and >= {WORKING_MIN:.0%}", flush=True)
@@ -181,7 +194,8 @@ def _build_vl_warm(root: Path) -> None:
     from hyflow.data.tasks import make_task
 
     make_task("shapes", root / "data", **VL_TASK)
-    _sft(_tiny(root, "tiny-vl"), root / "data", root / "sft", VL_SFT, VL_EXAMPLE / "sft.yaml")
+    if _copy_committed("vl_warm", root, "sft_model", "sft") is None:
+        _sft(_tiny(root, "tiny-vl"), root / "data", root / "sft", VL_SFT, VL_EXAMPLE / "sft.yaml")
 
 
 # name -> (the inputs that decide it, its build)
@@ -199,18 +213,21 @@ WARM_STARTS: dict[str, tuple[dict, Callable[[Path], None]]] = {
 
 
 # --- committed warm starts -----------------------------------------------------------------------------------------
-# tool_warm's build is ~1,300 s of one core (2,500 SFT steps, up to three attempts), a third of the CPU of CI's main
-# suite, and whether an attempt passes its copying transition is the CPU's rounding's chaotic choice. So its model is
-# committed under tests/fixtures/tool_warm (the exported model, 2.2 MB; the SFT's last METRICS_KEPT metrics rows;
-# BUILT.json: the hash of the SFT's inputs, where, when and from which commit it was built, its premise there). The
-# suite starts from it while that hash matches FIXTURE_INPUTS (tests/test_warm_starts.py fails when it does not) and
-# measures its premise on the machine at hand (sampled calls that work: what GRPO learns from). To build and commit
-# it afresh (~25 minutes on 2 cores): `python tests/warm_starts.py --export tool_warm --root EMPTY_DIR`.
+# The SFT warm starts are committed under tests/fixtures/NAME (the exported model, 2-3 MB; the SFT's last METRICS_KEPT
+# metrics rows, which the premise reads; BUILT.json: the hash of the SFT's inputs, where, when and from which commit it
+# was built). Built per test run they cost CI's main suite ~1,650 s of CPU (tool_warm alone ~1,300 s: 2,500 SFT
+# steps, up to three attempts; warm 184 s, and the vLLM suite built its own, 144 s), and whether a build passed its
+# learning transition was the CPU's rounding's choice (tool_warm's copying transition chaotically so). The suite
+# starts from a committed one while that hash matches FIXTURE_INPUTS (tests/test_warm_starts.py fails when it does
+# not, naming the command below; HYFLOW_TEST_BUILD_WARM=1 builds them instead) and still checks its premise on the
+# machine at hand (the SFT loss; tool_warm's sampled calls that work, measured here). To build and commit one afresh:
+# `python tests/warm_starts.py --export NAME --root EMPTY_DIR` (tool_warm ~25 minutes on 2 cores, the others ~2).
 FIXTURES = HERE / "fixtures"
 BUILT_JSON = "BUILT.json"
 METRICS_KEPT = 100
-# what decides the committed model (the premise's thresholds and grpo.yaml do not: the premise is measured here)
-FIXTURE_INPUTS = {"tool_warm": {"tiny": ["tiny", SEED], "task": TOOL_TASK, "steps": TOOL_SFT_STEPS,
+# what decides each committed model (tool_warm: the premise's thresholds and grpo.yaml do not, it is measured here)
+FIXTURE_INPUTS = {"warm": WARM_STARTS["warm"][0], "vl_warm": WARM_STARTS["vl_warm"][0],
+                  "tool_warm": {"tiny": ["tiny", SEED], "task": TOOL_TASK, "steps": TOOL_SFT_STEPS,
                                 "attempts": TOOL_SFT_ATTEMPTS, "sft.yaml": (TOOLS_EXAMPLE / "sft.yaml").read_text()}}
 
 
@@ -238,26 +255,30 @@ def export_fixture(name: str, root: Path) -> Path:
 
     os.environ["HYFLOW_TEST_BUILD_WARM"] = "1"
     out = warm_start(name, root)
-    premise = json.loads((out / "premise.json").read_text())
-    if premise.get("source") == "committed":
-        raise SystemExit(f"{out} was copied from the committed fixture, not built: give an empty --root")
-    if premise["taken"] is None:
-        raise SystemExit(f"no attempt passed the premise ({'; '.join(premise['tried'])}): nothing to commit")
-    taken = premise["taken"]
+    if not (out / "SOURCE").exists() or (out / "SOURCE").read_text() != "built":
+        raise SystemExit(f"{out} was copied from the committed fixture (or by an older script), not built: give an "
+                         "empty --root")
+    run, premise, taken = "sft", None, None
+    if name == "tool_warm":
+        premise = json.loads((out / "premise.json").read_text())
+        if premise["taken"] is None:
+            raise SystemExit(f"no attempt passed the premise ({'; '.join(premise['tried'])}): nothing to commit")
+        taken = premise["taken"]
+        run, premise = f"sft_{taken}", premise["tried"]
     fixture = FIXTURES / name
     shutil.rmtree(fixture, ignore_errors=True)
-    shutil.copytree(out / f"sft_{taken}_model", fixture / "model")
-    rows = (out / f"sft_{taken}" / "metrics.jsonl").read_text().splitlines()[-METRICS_KEPT:]
+    shutil.copytree(out / f"{run}_model", fixture / "model")
+    rows = (out / run / "metrics.jsonl").read_text().splitlines()[-METRICS_KEPT:]
     (fixture / "metrics.jsonl").write_text("\n".join(rows) + "\n")
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    built = {"date": time.strftime("%Y-%m-%d", time.gmtime((out / "premise.json").stat().st_mtime)),
+    built = {"date": time.strftime("%Y-%m-%d", time.gmtime((out / "SOURCE").stat().st_mtime)),
              "machine": f"{cpu}, {os.cpu_count()} cores", "capability": torch.backends.cpu.get_cpu_capability(),
              "torch": torch.__version__, "transformers": transformers.__version__, "commit_at_export": commit}
     (fixture / BUILT_JSON).write_text(json.dumps({"key": fixture_key(name), "inputs": FIXTURE_INPUTS[name],
-                                                  "premise": premise["tried"], "taken": taken, "built": built},
+                                                  "premise": premise, "taken": taken, "built": built},
                                                  indent=1, sort_keys=True, default=str) + "\n")
     return fixture
 

@@ -22,9 +22,9 @@ def task_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def warm(tmp_path_factory):
-    """(SFT model dir, data dir): the quickstart's task and its SFT warm start (about a minute), from the tiny
-    model of seed HYFLOW_TEST_SEED (tests/learning.py), built once per test run (tests/warm_starts.py). Asserts its
-    premise: the SFT loss ended past its transition."""
+    """(SFT model dir, data dir): the quickstart's task and its SFT warm start, from the tiny model of seed
+    HYFLOW_TEST_SEED (tests/learning.py): the committed one (tests/fixtures/warm) at seed 0, else built once per test
+    run (about a minute; tests/warm_starts.py). Asserts its premise: the SFT loss ended past its transition."""
     root = warm_start("warm", cache_root(tmp_path_factory))
     assert_sft_premise(root / "sft", WARM_LOSS_PREMISE)
     return root / "sft_model", root / "data"

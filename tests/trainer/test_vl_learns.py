@@ -30,7 +30,8 @@ VL_MARGIN = 0.07
 @pytest.fixture(scope="module")
 def vl_warm(tmp_path_factory):
     """(SFT model dir, data dir): the tiny Qwen2-VL model of seed HYFLOW_TEST_SEED after the demo's SFT (sft.yaml,
-    300 steps) on 1,000 pictures whose demonstrations write the answer line half of the time (tests/warm_starts.py)."""
+    300 steps) on 1,000 pictures whose demonstrations write the answer line half of the time (tests/warm_starts.py:
+    the committed one, tests/fixtures/vl_warm, at seed 0)."""
     root = warm_start("vl_warm", cache_root(tmp_path_factory))
     return root / "sft_model", root / "data"
 
