@@ -157,8 +157,8 @@ def sampled_calls_that_work(model: Path, data: Path, out: Path) -> tuple[int, fl
 def _build_tool_warm(root: Path) -> None:
     """The committed warm start (tests/fixtures/tool_warm) when it is fresh, its premise measured here; else (or with
     HYFLOW_TEST_BUILD_WARM=1) tries TOOL_SFT_ATTEMPTS until one passes the premise. Writes premise.json (the
-    attempts, the one taken, if any, where the model came from): a run where none passes is a finished build too,
-    whose fixture fails with the attempts' figures."""
+    attempts, the one taken, if any; SOURCE says where the model came from): a run where none passes is a finished
+    build too, whose fixture fails with the attempts' figures."""
     from hyflow.data.tasks import make_task
 
     make_task("calculator", root / "data", **TOOL_TASK)
@@ -170,7 +170,7 @@ def _build_tool_warm(root: Path) -> None:
                  f"sampled here: {calls} of 128 call the tool, {working:.0%} of those work"]
         print(f"[premise] {tried[0]}; needs >= {CALLS_MIN} and >= {WORKING_MIN:.0%}", flush=True)
         taken = 0 if calls >= CALLS_MIN and working >= WORKING_MIN else None
-        (root / "premise.json").write_text(json.dumps({"tried": tried, "taken": taken, "source": "committed"}))
+        (root / "premise.json").write_text(json.dumps({"tried": tried, "taken": taken}))
         return
     tiny = _tiny(root)
     tried, taken = [], None
@@ -187,7 +187,7 @@ def _build_tool_warm(root: Path) -> None:
         if calls >= CALLS_MIN and working >= WORKING_MIN:
             taken = attempt
             break
-    (root / "premise.json").write_text(json.dumps({"tried": tried, "taken": taken, "source": "built"}))
+    (root / "premise.json").write_text(json.dumps({"tried": tried, "taken": taken}))
 
 
 def _build_vl_warm(root: Path) -> None:

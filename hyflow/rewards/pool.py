@@ -268,7 +268,7 @@ class _ForkedRun:
             else:
                 self.restarts[w] = self.restarts.get(w, 0) + 1
                 if self.restarts[w] > STARTUP_RETRIES:
-                    for i in self.pending.get(w, []) if not isinstance(w, tuple) else [w[1]]:
+                    for i in _own_samples(self.pending, w):
                         if self.results[i] is None:
                             self.results[i] = Outcome(error=f"the scoring process was silent outside a sample for "
                                                             f"{self.timeout_s:g} s, {self.restarts[w]} times (stuck "
@@ -305,7 +305,11 @@ class _ForkedRun:
         return self.results
 
 
+def _own_samples(pending: dict, w) -> list[int]:
+    """The samples worker `w` was given: its share of the call, or its one sample in hang mode ("single", i)."""
+    return [w[1]] if isinstance(w, tuple) and w[0] == "single" else pending.get(w, [])
+
+
 def _release(running: set[int], pending: dict, w, results: list) -> None:
     """Forget the unfinished samples of a killed worker `w`, so hang mode gives them processes of their own."""
-    own = pending.get(w, []) if not (isinstance(w, tuple) and w[0] == "single") else [w[1]]
-    running.difference_update(i for i in own if results[i] is None)
+    running.difference_update(i for i in _own_samples(pending, w) if results[i] is None)
