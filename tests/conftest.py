@@ -48,9 +48,27 @@ def tiny_tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+def _heavy_modules_first(items) -> None:
+    """Under pytest-xdist, order the modules by how many `slow` tests each holds, most first (a module's tests stay
+    together and in their order; ties keep the collection order). Collected alphabetically, the end-to-end modules
+    of tests/trainer came last and one worker ran them alone while the other core idled (the last ~4 minutes of a
+    2-worker run at ~0.7 cores busy); started first, they overlap, and the fast unit tests fill the gaps at the end
+    (work stealing hands the tail of a worker's queue to the idle one)."""
+    def module(item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    slow: dict[str, int] = {}  # in collection order: sorted() below is stable
+    for item in items:
+        slow[module(item)] = slow.get(module(item), 0) + (item.get_closest_marker("slow") is not None)
+    rank = {name: i for i, name in enumerate(sorted(slow, key=lambda name: -slow[name]))}
+    items.sort(key=lambda item: rank[module(item)])  # stable: each module's tests keep their order
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `vllm` need the real engine: skipped where vLLM is not installed (the main venv), an error
     where it must be (HYFLOW_REQUIRE_VLLM=1, as `make test` runs them in .venv-vllm) so they never pass by skipping."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike: xdist checks their collections are equal
+        _heavy_modules_first(items)
     if importlib.util.find_spec("vllm") is not None:
         return
     marked = [item for item in items if item.get_closest_marker("vllm")]
