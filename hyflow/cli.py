@@ -30,7 +30,9 @@ import argparse
 import errno
 import json
 import linecache
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -473,16 +475,29 @@ def _option_hint(parser: argparse.ArgumentParser, word: str) -> str | None:
     return f"the options of '{parser.prog}' are {', '.join(sorted(options))}" if options else None
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what Slurm, Kubernetes and `kill` send before they kill), raised where the main thread is: the run
+    ends as on Ctrl-C (its services stopped, one line saying where it stands and how to resume), exit status 143."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise Terminated()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    in_main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works only there
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main_thread else None
     try:
         return args.fn(args)
     except KeyboardInterrupt as interrupt:
         if args.traceback:
             raise
         where = f" {interrupt}" if str(interrupt) else ""  # the trainer says where the run stands
-        print(f"hyflow {args.command}: interrupted{where}", file=sys.stderr, flush=True)
-        return 130
+        how, status = ("terminated (SIGTERM)", 143) if isinstance(interrupt, Terminated) else ("interrupted", 130)
+        print(f"hyflow {args.command}: {how}{where}", file=sys.stderr, flush=True)
+        return status
     except Exception as exc:
         if args.traceback:
             raise
@@ -495,6 +510,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               "(an unexpected error, maybe a bug in hyflow: run again with --traceback to see where)",
               file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _tidy(message: str) -> str:

@@ -309,3 +309,26 @@ def test_an_unknown_option_gets_its_subcommands_usage_and_the_closest_option(arg
     assert stopped.value.code == 2
     assert err.startswith(f"usage: {parser_prog} ") and f"{parser_prog}: error: unrecognized arguments: " in err
     assert hint in err and "maybe a bug" not in err
+
+
+def test_sigterm_ends_a_command_with_one_line_and_status_143(monkeypatch, capsys):
+    """In process: the handler `hyflow` installs turns SIGTERM into the Ctrl-C path (tests/test_cli_interrupt.py runs
+    it on a training run) and is removed when the command returns."""
+    import os
+    import signal
+    import time
+
+    from hyflow import cli
+
+    def killed_while_working(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler raises in here
+        return 0
+
+    monkeypatch.setattr(cli, "_cmd_config", killed_while_working)
+    before = signal.getsignal(signal.SIGTERM)
+    started = time.monotonic()
+    assert cli.main(["config"]) == 143
+    assert time.monotonic() - started < 20
+    assert capsys.readouterr().err == "hyflow config: terminated (SIGTERM)\n"
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -108,6 +108,7 @@ def _worker(fn: Callable, calls: Sequence[dict], indices: list[int], conn) -> No
     # Ctrl-C reaches every process of the job: the trainer handles it (and ends this worker); a worker that
     # raised KeyboardInterrupt too would print a traceback of its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the CLI's handler (it raises): SIGTERM just ends a worker
     for idx in indices:
         conn.send(("start", idx))
         outcome = call_scorer(fn, calls[idx])

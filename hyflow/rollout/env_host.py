@@ -263,6 +263,7 @@ def _child(conn, parent_end, env_class: type, kwargs: dict, sample: dict, limits
         with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:
             f.write("1000")  # out of memory, the kernel kills this process first, not the trainer
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the CLI's handler, which raises into inherited code
         asyncio.events._set_running_loop(None)  # forked from the parent's running event loop
         _own_locks()
         _serve(conn, env_class, kwargs, sample, limits)

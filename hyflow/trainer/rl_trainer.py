@@ -307,9 +307,9 @@ class RLTrainer:
                     self.log(metrics, step=self.global_step)
                     bar.update(metrics)
             finished = True
-        except KeyboardInterrupt:  # Ctrl-C: the CLI prints one line saying where the run stands
-            raise KeyboardInterrupt(where_interrupted(self.global_step, getattr(self, "total_steps", 0),
-                                                      last_checkpoint, getattr(self, "checkpoints", None))) from None
+        except KeyboardInterrupt as interrupt:  # Ctrl-C or SIGTERM: the CLI prints one line saying where the run stands
+            raise type(interrupt)(where_interrupted(self.global_step, getattr(self, "total_steps", 0),
+                                                    last_checkpoint, getattr(self, "checkpoints", None))) from None
         finally:
             if self.progress is not None:
                 self._report_progress(None)
