@@ -453,6 +453,20 @@ def _raise_unknown(unknown: list[UnknownKeyError]) -> None:
 # --------------------------------------------------------------------------------------- overrides
 
 
+# `~` or `~/...` as a value or a list item: after `key=`, `[` or `,`, up to `/`, `,`, `]` or the end
+_HOME_PREFIX = re.compile(r"(?<=[=\[,])\s*~(?=/|,|]|$)")
+
+
+def _expand_home(text: str) -> str:
+    """`data.train_files=~/data/train.parquet` means the home directory, as it would in a shell; the shell leaves it
+    alone (it expands `~` only at a word's start and after `=` in a variable assignment, and `data.train_files` is
+    no variable name) and Hydra's override grammar refuses an unquoted `~`. A quoted value stays as written."""
+    key, sep, value = text.partition("=")
+    if not sep or value[:1] in ("'", '"'):
+        return text
+    return key + sep + _HOME_PREFIX.sub(lambda match: str(Path.home()), "=" + value)[1:]
+
+
 def _parse_overrides(overrides: Sequence[str]) -> list[Any]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -463,10 +477,12 @@ def _parse_overrides(overrides: Sequence[str]) -> list[Any]:
     parsed = []
     for text in overrides:
         try:
-            (override,) = parser.parse_overrides([text])
+            (override,) = parser.parse_overrides([_expand_home(text)])
         except HydraException as exc:
+            key, _, value = text.partition("=")
+            quote = f" (a '~' inside a value must be quoted: {key}='{value}')" if "~" in value else ""
             raise ConfigError(
-                f"cannot parse override {text!r}: {exc}. Write key=value, +key=value or ~key."
+                f"cannot parse override {text!r}: {exc}. Write key=value, +key=value or ~key{quote}."
             ) from None
         if override.is_sweep_override():
             raise ConfigError(f"override {text!r} is a sweep (several values); give one value per key.")

@@ -84,7 +84,7 @@ def read_rows(path: str | Path) -> list[dict]:
     A `.json` file may hold one JSON array of objects or JSON Lines. A line that is not a JSON object is a
     `ValueError` naming the file and line.
     """
-    path = Path(path)
+    path = Path(path).expanduser()  # `~/data/train.parquet` in a YAML config (verl's defaults are written so)
     suffix = _suffix(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file; check the path (the data commands write train/test files)")

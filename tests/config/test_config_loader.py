@@ -122,6 +122,17 @@ def test_values_are_converted_to_the_field_type():
     assert cfg.trainer.experiment_name == "123"
 
 
+def test_a_home_directory_tilde_in_a_value_is_expanded_as_a_shell_would(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(["data.train_files=~/data/train.parquet", "data.val_files=[~/a.parquet, ~/b.parquet]",
+                       "trainer.project_name='~/kept'"])
+    assert cfg.data.train_files == f"{tmp_path}/data/train.parquet"
+    assert list(cfg.data.val_files) == [f"{tmp_path}/a.parquet", f"{tmp_path}/b.parquet"]
+    with pytest.raises(ConfigError, match=r"a '~' inside a value must be quoted: trainer.experiment_name='a~b'"):
+        load_config(["trainer.experiment_name=a~b"])  # not a home directory: Hydra's grammar refuses it
+    assert cfg.trainer.project_name == "~/kept"  # quoted: as written
+
+
 def test_unparseable_override_and_sweeps_are_errors():
     with pytest.raises(ConfigError, match=r"cannot parse override 'data.train_batch_size=\[1'"):
         load_config(["data.train_batch_size=[1"])

@@ -115,3 +115,9 @@ def _broken(change) -> dict:
 def test_check_rows_names_the_row_and_field(change, message):
     with pytest.raises(ValueError, match=r"my.parquet row 1: " + message):
         check_rows([ROWS[0], _broken(change)], "my.parquet")
+
+
+def test_a_home_directory_path_is_expanded(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_rows([{"prompt": "1+1=", "answer": "2"}], tmp_path / "train.jsonl")
+    assert read_rows("~/train.jsonl") == [{"prompt": "1+1=", "answer": "2"}]
