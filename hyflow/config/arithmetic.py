@@ -246,5 +246,7 @@ def _forward_batches(
 ) -> ForwardBatches:
     if dynamic:
         return ForwardBatches(per_device, True, None, None, max_token_len)
+    if micro is not None and micro == micro and micro != int(micro):
+        micro = max(1, int(micro))  # a deprecated global size over devices, rounded down (as verl's workers do)
     micro = per_device if micro is None else micro
     return ForwardBatches(per_device, False, micro, ratio(per_device, micro), None)

@@ -11,6 +11,7 @@ config as YAML with every leaf's help text as a trailing comment (valid YAML: lo
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from hyflow.config.arithmetic import (
@@ -243,19 +244,24 @@ def _dp_words(dp: int, knobs: Any) -> str:
 def _forward_line(
     name: str, fwd: ForwardBatches, dp: int, micro_source: str, budget_key: str, b: BatchArithmetic
 ) -> str:
-    head = (
-        f"{name}: {b.samples_per_step} samples / {dp} device{'s' if dp != 1 else ''} = "
-        f"{_num(fwd.samples_per_device)} samples per device"
-    )
+    per_device = fwd.samples_per_device  # whole in a valid config: the update's mini-batches split evenly
+    head = (f"{name}: {b.samples_per_step} samples / {dp} device{'s' if dp != 1 else ''} = "
+            f"{_num(per_device)} samples per device")
     if fwd.use_dynamic_bsz:
         return head + (
             f", in micro-batches of at most {fwd.max_token_len_per_device} tokens ({budget_key})"
             f"{_budget_warning(fwd.max_token_len_per_device, b)}."
         )
-    return head + (
-        f", in {_count(fwd.micro_batches, 'forward pass')} of {_num(fwd.micro_batch_size_per_device)} samples "
-        f"({micro_source})."
-    )
+    micro = fwd.micro_batch_size_per_device
+    if not (_whole(per_device) and _whole(micro) and micro > 0) or per_device % micro == 0:
+        return head + f", in {_count(fwd.micro_batches, 'forward pass')} of {_count(micro, 'sample')} ({micro_source})."
+    passes = math.ceil(per_device / micro)  # consecutive rows, micro each; the last pass takes the rest
+    return head + (f", in {passes} forward passes of {int(micro)} samples ({micro_source}), the last of "
+                   f"{int(per_device - (passes - 1) * micro)}.")
+
+
+def _whole(value: float | None) -> bool:
+    return value is not None and value == value and float(value).is_integer()
 
 
 def _length_line(cfg: HyflowConfig) -> str:

@@ -136,6 +136,23 @@ def test_uneven_division_is_flagged_in_the_description():
     assert "30/8 = 3.75 (not a whole number: validate_config rejects this)" in text
 
 
+def test_a_log_prob_pass_that_does_not_divide_is_described_as_it_runs_and_accepted():
+    """A forward pass cuts consecutive rows, the last micro-batch smaller (hyflow.workers.engine.split_micro_batches),
+    and a deprecated global micro size is rounded down per device (as verl's workers do): valid, and said so."""
+    base = ["data.train_batch_size=4", "actor_rollout_ref.rollout.n=3", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
+    cfg = cfg_of(*base, "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=5")
+    validate_config(cfg, 1)
+    assert ("Old log-probs (actor forward): 12 samples / 1 device = 12 samples per device, in 3 forward passes of 5 "
+            "samples (actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu), the last of 2.") \
+        in describe_batch_arithmetic(cfg, n_devices=1)
+    cfg = cfg_of(*base, "actor_rollout_ref.rollout.log_prob_micro_batch_size=3", "trainer.n_gpus_per_node=2")
+    validate_config(cfg)
+    assert batch_arithmetic(cfg).old_log_prob.micro_batch_size_per_device == 1  # 3 / 2 devices, rounded down
+    text = describe_batch_arithmetic(cfg)
+    assert "in 6 forward passes of 1 sample (actor_rollout_ref.rollout.log_prob_micro_batch_size / devices)." in text
+    assert "rejects" not in text
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     devices=st.sampled_from([1, 2, 4, 8]),
