@@ -98,17 +98,13 @@ lock:
 # PREBUILD warm starts (tests/warm_starts.py at niceness PREBUILD_NICE). The main pytest run
 # starts the same build again (HYFLOW_TEST_PREBUILD): that one waits on the first's lock and reuses what it built, or
 # builds it itself if the first failed (tests/run_cache.py).
-# Then the two pytest runs side by side: the vLLM suite (.venv-vllm, one process; its output in the cache's
-# vllm-suite.log, printed after the main suite's) beside the main suite (TEST_WORKERS xdist workers). Alone, the main
-# suite kept ~1.5 of CI's 2 cores busy (its tests wait on Ray starts, subprocesses and sockets; measured per 2-minute
-# window from every process's CPU time) and the vLLM suite followed it for ~560 s; beside it, the vLLM tests take the
-# idle CPU. VLLM_PREBUILD: the warm starts the vLLM suite needs, built by .venv-vllm's Python (its transformers
-# differs, so its cache keys do) in the background as that suite starts (HYFLOW_TEST_PREBUILD).
+# VLLM_PREBUILD: the warm starts the vLLM suite needs, built by .venv-vllm's Python (its transformers differs, so its
+# cache keys do) during the main suite, so that the vLLM suite that follows does not start by building them.
 PREBUILD ?= warm vl_warm tool_warm
 VLLM_PREBUILD ?= warm
 test: venv
-	@set -e; t0=$$(date +%s); cache=$$(mktemp -d); export HYFLOW_TEST_CACHE=$$cache; early=; vllm=; vsuite=; \
-		trap 'for g in $$early $$vsuite; do kill -- -$$g 2>/dev/null || true; done; [ -z "$$vllm" ] || kill $$vllm 2>/dev/null || true; rm -rf "$$cache"' EXIT; \
+	@set -e; t0=$$(date +%s); cache=$$(mktemp -d); export HYFLOW_TEST_CACHE=$$cache; early=; vllm=; vprebuild=; \
+		trap 'for g in $$early $$vprebuild; do kill -- -$$g 2>/dev/null || true; done; [ -z "$$vllm" ] || kill $$vllm 2>/dev/null || true; rm -rf "$$cache"' EXIT; \
 		if [ -n "$(strip $(PREBUILD))" ]; then \
 			setsid $(PY) tests/warm_starts.py --root "$$cache" --nice $(PREBUILD_NICE) $(PREBUILD) > "$$cache/early-prebuild.log" 2>&1 & early=$$!; \
 		fi; \
@@ -119,20 +115,19 @@ test: venv
 		$(PY) tools/mutations.py --fast --rotate 6 --recent 10 -j 2; \
 		if ! wait $$vllm; then vllm=; echo "make venv-vllm failed:"; cat "$$cache/venv-vllm.log"; exit 1; fi; vllm=; \
 		echo "make venv-vllm: done (its log: $$(wc -l < "$$cache/venv-vllm.log") lines)"; \
+		if [ -n "$(strip $(VLLM_PREBUILD))" ]; then \
+			setsid $(VLLM_PY) tests/warm_starts.py --root "$$cache" --nice $(PREBUILD_NICE) $(VLLM_PREBUILD) > "$$cache/vllm-prebuild.log" 2>&1 & vprebuild=$$!; \
+		fi; \
 		[ -z "$$early" ] || { echo "the warm-start build beside the checks (tests/warm_starts.py), so far:"; \
 			grep -h "^\[" "$$cache/early-prebuild.log" || echo "  (nothing finished yet)"; }; \
 		t1=$$(date +%s); echo "make test: checks and mutations done at $$((t1 - t0)) s"; \
-		echo "beside the main suite (its output after the main suite's): HYFLOW_REQUIRE_VLLM=1 nice -n $(TEST_NICE) $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS)"; \
-		HYFLOW_REQUIRE_VLLM=1 HYFLOW_TEST_PREBUILD="$(VLLM_PREBUILD)" HYFLOW_TEST_PREBUILD_NICE=$(PREBUILD_NICE) \
-			setsid nice -n $(TEST_NICE) $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS) > "$$cache/vllm-suite.log" 2>&1 & vsuite=$$!; \
 		echo "HYFLOW_TEST_PREBUILD=\"$(PREBUILD)\" nice -n $(TEST_NICE) $(PY) -m pytest -m \"not vllm\" $(XDIST) $(PYTEST_ARGS)"; \
-		mrc=0; HYFLOW_TEST_PREBUILD="$(PREBUILD)" HYFLOW_TEST_PREBUILD_NICE=$(PREBUILD_NICE) nice -n $(TEST_NICE) $(PY) -m pytest -m "not vllm" $(XDIST) $(PYTEST_ARGS) || mrc=$$?; \
-		t2=$$(date +%s); echo "make test: main suite done at $$((t2 - t0)) s (it took $$((t2 - t1)) s; exit status $$mrc)"; \
-		vrc=0; wait $$vsuite || vrc=$$?; vsuite=; \
-		echo "the vLLM suite (HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS)), run beside the main suite:"; \
-		cat "$$cache/vllm-suite.log"; \
-		echo "make test: vLLM suite done (exit status $$vrc; its time: the summary line above); all done at $$(( $$(date +%s) - t0 )) s"; \
-		[ $$mrc -eq 0 ] && [ $$vrc -eq 0 ]
+		HYFLOW_TEST_PREBUILD="$(PREBUILD)" HYFLOW_TEST_PREBUILD_NICE=$(PREBUILD_NICE) nice -n $(TEST_NICE) $(PY) -m pytest -m "not vllm" $(XDIST) $(PYTEST_ARGS); \
+		t2=$$(date +%s); echo "make test: main suite done at $$((t2 - t0)) s (it took $$((t2 - t1)) s)"; \
+		echo "HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS)"; \
+		[ -z "$$vprebuild" ] || grep -h "^\[" "$$cache/vllm-prebuild.log" || { echo "the vLLM warm-start build beside the main suite finished nothing; its log ends:"; tail -5 "$$cache/vllm-prebuild.log"; }; \
+		HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS); \
+		t3=$$(date +%s); echo "make test: vLLM suite done at $$((t3 - t0)) s (it took $$((t3 - t2)) s)"
 
 # only the tests that run the real vLLM engine (in .venv-vllm)
 test-vllm: venv-vllm
