@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -177,6 +178,20 @@ def test_wrong_reward_function_name(small_run, tmp_path, capsys):
     assert "'my_scor'" in err and "Did you mean 'my_score'?" in err
 
 
+def test_ray_workers_a_local_cluster_cannot_hold_are_refused_before_ray_starts(small_run, tmp_path, capsys):
+    import ray
+
+    _root, base = small_run
+    started = time.monotonic()
+    err = one_line_error(capsys, ["train", *base, "trainer.executor=ray", "trainer.device=cpu",
+                                  "trainer.n_gpus_per_node=2", "ray_kwargs.ray_init.num_cpus=1",
+                                  f"trainer.default_local_dir={tmp_path / 'run'}"])
+    assert "are 2 worker processes of 1 CPU each, and a local Ray cluster here has 1 CPU (" in err
+    assert "set ray_kwargs.ray_init.num_cpus=2" in err
+    assert not ray.is_initialized()  # said before Ray started (which takes ~10 s and its processes)
+    assert time.monotonic() - started < 60
+
+
 def test_run_directory_that_is_a_file(small_run, tmp_path, capsys):
     _root, base = small_run
     (tmp_path / "taken").write_text("not a directory")
@@ -316,7 +331,6 @@ def test_sigterm_ends_a_command_with_one_line_and_status_143(monkeypatch, capsys
     it on a training run) and is removed when the command returns."""
     import os
     import signal
-    import time
 
     from hyflow import cli
 

@@ -157,6 +157,14 @@ def ensure_ray(address: str | None = None, *, num_cpus: float | None = None,
     return True
 
 
+def starts_local_cluster(address: str | None = None) -> bool:
+    """Whether `ensure_ray(address)` would start a local cluster: no address given or in RAY_ADDRESS ("local"
+    counts as none), and this process not connected to Ray yet."""
+    if address is not None or os.environ.get("RAY_ADDRESS", "local") not in ("", "local"):
+        return False
+    return not import_ray().is_initialized()
+
+
 def _runtime_env(runtime_env: dict | None) -> dict:
     """verl's `ray_kwargs.ray_init.runtime_env` for ray.init, without its null entries (verl's scripts pass
     `runtime_env.py_executable=null` to mean "this Python"): what remains applies to every worker of the job."""

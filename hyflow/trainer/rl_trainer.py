@@ -66,7 +66,7 @@ from hyflow.trainer.producers import StepState, check_estimator_inputs, plan
 from hyflow.trainer.replay import check_replay_shape, load_rollout, save_rollout
 from hyflow.trainer.report import latest_checkpoint, sample_rows, speed_defaults_line, where_interrupted
 from hyflow.trainer.rl_datasets import prompt_processor, rl_dataset
-from hyflow.trainer.roles import Roles, build_roles, has_rollout_pool
+from hyflow.trainer.roles import Roles, build_roles, check_local_ray_cluster, has_rollout_pool
 from hyflow.trainer.run_dir import claim_run_directory
 from hyflow.trainer.tracking import (
     ProgressBar,
@@ -215,9 +215,11 @@ class RLTrainer:
                                              self.checkpoints)
         self.started_ray = False
         if self.executor == "ray":
-            from hyflow.controller.resources import ensure_ray
+            from hyflow.controller.resources import ensure_ray, starts_local_cluster
 
             ray_init = {k: v for k, v in dict(cfg.ray_kwargs.ray_init or {}).items() if v is not None}
+            if starts_local_cluster(cfg.ray_kwargs.address):
+                check_local_ray_cluster(cfg, self.specs, ray_init)  # what it cannot hold, said before it starts
             self.started_ray = ensure_ray(cfg.ray_kwargs.address, ray_init=ray_init)
         # The worker groups and pools (hyflow.trainer.roles): the trainer talks to one view per role.
         self.roles = build_roles(cfg, self.specs, executor=self.executor, tokenizer=self.tokenizer,

@@ -23,6 +23,7 @@ once) and never the whole config.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -119,31 +120,99 @@ def present_roles(cfg: HyflowConfig, specs: RoleSpecs) -> list[tuple[RoleDefinit
     return found
 
 
-def _start(roles: Roles, cfg: HyflowConfig, specs: RoleSpecs, executor: str, tokenizer) -> None:
-    present = present_roles(cfg, specs)
-    roles.definitions = {d.name: d for d, _ in present}
-    kwargs = {d.view: {"spec": spec, **({"tokenizer": tokenizer} if d.tokenizer else {})} for d, spec in present}
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+    """One worker group a run starts: the roles its processes host, on `nnodes` x `devices_per_node` workers."""
+
+    definitions: tuple[RoleDefinition, ...]
+    nnodes: int
+    devices_per_node: int
+    name: str
+
+
+def planned_pools(cfg: HyflowConfig, specs: RoleSpecs) -> list[PoolPlan]:
+    """The worker groups `build_roles` starts, in its order: the colocated roles (the actor and every role without
+    a pool of its own) on trainer.nnodes x trainer.n_gpus_per_node, then each role with a pool of its own, an
+    asynchronous run's rollout pool last."""
+    present = [d for d, _ in present_roles(cfg, specs)]
     pools = own_pool_roles(cfg)
-    colocated = [d for d, _ in present if d.placement == "colocated" and d.section not in pools]
-    t = cfg.trainer
-    roles.workers = _group(roles, cfg, executor, make_colocated_class({d.view: d.worker for d in colocated},
-                                                                      name="HybridWorker"),
-                           t.nnodes, t.n_gpus_per_node, **{d.view: kwargs[d.view] for d in colocated})
-    roles.views.update({d.view: roles.workers.role(d.view) for d in colocated})
-    # then each role with a pool of its own; an asynchronous run's rollout pool last, after the others loaded
+    colocated = tuple(d for d in present if d.placement == "colocated" and d.section not in pools)
+    plans = [PoolPlan(colocated, cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, "HybridWorker")]
     for placement in ("colocated", "rollout_pool"):
-        started = [d for d, _ in present if d.placement == placement]
-        for d in started:
-            if d in colocated:
+        for d in present:
+            if d.placement != placement or d in colocated:
                 continue
             shape = ((cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node) if placement == "rollout_pool"
                      else role_pool_shape(cfg, d.section))
             name = "RolloutHost" if placement == "rollout_pool" else f"{d.worker.__name__}Host"
-            group = _group(roles, cfg, executor, make_colocated_class({d.view: d.worker}, name=name), *shape,
-                           **{d.view: kwargs[d.view]})
-            roles.views[d.view] = group.role(d.view)
-        for d in started:  # the models load in the registry's order
-            roles.views[d.view].init_model()
+            plans.append(PoolPlan((d,), *shape, name))
+    return plans
+
+
+def uses_gpu(cfg: HyflowConfig) -> bool:
+    """Whether Ray workers reserve a GPU each: trainer.device=cuda, or auto on a machine with CUDA."""
+    return cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+
+
+def check_local_ray_cluster(cfg: HyflowConfig, specs: RoleSpecs, ray_init: Mapping[str, Any]) -> None:
+    """Before a local Ray cluster starts (executor=ray, no address to attach to): raise ValueError when it can never
+    hold the run's worker groups, naming what they need, what this machine gives and the fix, instead of starting
+    Ray (and importing everything) to find out. A local cluster is this one machine: ray_init's num_cpus /
+    num_gpus, else Ray's own count of its CPUs and torch's of its CUDA devices. Each worker takes 1 CPU (and 1 GPU
+    when `uses_gpu`)."""
+    plans = planned_pools(cfg, specs)
+    groups = "; ".join(f"{' + '.join(d.name for d in p.definitions)}: {p.nnodes} x {p.devices_per_node}"
+                       for p in plans)
+    nodes = max(p.nnodes for p in plans)
+    if nodes > 1:
+        raise ValueError(f"the worker groups ({groups}, nodes x devices per node) span {nodes} nodes, but a local "
+                         "Ray cluster (ray_kwargs.address unset) is this one machine: start a cluster of "
+                         f"{nodes} nodes (ray start --head on one, ray start --address on the others) and set "
+                         "ray_kwargs.address to it, or set trainer.nnodes=1")
+    workers = sum(p.nnodes * p.devices_per_node for p in plans)
+    gpu = uses_gpu(cfg)
+    if gpu:
+        have = ray_init.get("num_gpus")
+        have = torch.cuda.device_count() if have is None else have
+        if workers > have:
+            raise ValueError(f"the worker groups ({groups}) need {workers} GPUs (trainer.device="
+                             f"{cfg.trainer.device}: one per worker), and this machine has {have:g} "
+                             f"({'ray_kwargs.ray_init.num_gpus' if 'num_gpus' in ray_init else 'CUDA devices'}); "
+                             "lower trainer.n_gpus_per_node (and the pools' own n_gpus_per_node), or set "
+                             "trainer.device=cpu to run the workers on CPU")
+    have = ray_init.get("num_cpus")
+    if have is None:
+        from ray._private.utils import get_num_cpus
+
+        have = get_num_cpus()
+    if workers > have:
+        source = "ray_kwargs.ray_init.num_cpus" if "num_cpus" in ray_init else "this machine's cores, as Ray counts them"
+        raise ValueError(f"the worker groups ({groups}) are {workers} worker processes of 1 CPU each, and a local "
+                         f"Ray cluster here has {have:g} CPU{'s' if have != 1 else ''} ({source}); set ray_kwargs.ray_init.num_cpus="
+                         f"{workers} to run them anyway (they share the cores), or "
+                         "lower trainer.n_gpus_per_node (and the pools' own n_gpus_per_node)")
+
+
+def _start(roles: Roles, cfg: HyflowConfig, specs: RoleSpecs, executor: str, tokenizer) -> None:
+    present = present_roles(cfg, specs)
+    roles.definitions = {d.name: d for d, _ in present}
+    kwargs = {d.view: {"spec": spec, **({"tokenizer": tokenizer} if d.tokenizer else {})} for d, spec in present}
+    first, *own = planned_pools(cfg, specs)
+    roles.workers = _group(roles, cfg, executor, make_colocated_class({d.view: d.worker for d in first.definitions},
+                                                                      name=first.name),
+                           first.nnodes, first.devices_per_node, **{d.view: kwargs[d.view] for d in first.definitions})
+    roles.views.update({d.view: roles.workers.role(d.view) for d in first.definitions})
+    # then each role with a pool of its own; an asynchronous run's rollout pool last, after the others loaded
+    for placement in ("colocated", "rollout_pool"):
+        for plan in own:
+            (d,) = plan.definitions
+            if d.placement == placement:
+                group = _group(roles, cfg, executor, make_colocated_class({d.view: d.worker}, name=plan.name),
+                               plan.nnodes, plan.devices_per_node, **{d.view: kwargs[d.view]})
+                roles.views[d.view] = group.role(d.view)
+        for d, _ in present:  # the models load in the registry's order
+            if d.placement == placement:
+                roles.views[d.view].init_model()
 
 
 def _group(roles: Roles, cfg: HyflowConfig, executor: str, worker_cls, nnodes: int = 1, devices_per_node: int = 1,
@@ -155,10 +224,8 @@ def _group(roles: Roles, cfg: HyflowConfig, executor: str, worker_cls, nnodes: i
     else:
         from hyflow.controller.resources import RayResourcePool
 
-        t = cfg.trainer
-        use_gpu = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
-        pool = RayResourcePool(nnodes, devices_per_node, use_gpu=use_gpu, cpus_per_worker=1.0,
-                               ready_timeout_s=float(t.ray_wait_register_center_timeout))
+        pool = RayResourcePool(nnodes, devices_per_node, use_gpu=uses_gpu(cfg), cpus_per_worker=1.0,
+                               ready_timeout_s=float(cfg.trainer.ray_wait_register_center_timeout))
         roles.pools.append(pool)
         group = make_worker_group("ray", worker_cls, world_size=nnodes * devices_per_node, pool=pool, **kwargs)
     roles.groups.append(group)

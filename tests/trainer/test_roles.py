@@ -59,3 +59,56 @@ def test_the_rollout_pool_is_for_asynchronous_runs_with_rollout_devices(tiny_mod
     assert not has_rollout_pool(config(tiny_model_dir, "rollout.n_gpus_per_node=1"))  # sync: no stream to feed
     assert has_rollout_pool(config(tiny_model_dir, "async_training.mode=one_step_off", "rollout.n_gpus_per_node=1",
                                    "trainer.executor=ray"))
+
+
+# ------------------------------------------------------------------ what a local Ray cluster can hold, said first
+
+
+def plan_config(*extra: str):
+    return load_config(["actor_rollout_ref.model.path=some/model", "data.train_batch_size=8",
+                        "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.rollout.n=2",
+                        "trainer.executor=ray", *extra])
+
+
+def test_the_planned_pools_are_the_groups_a_run_starts():
+    from hyflow.trainer.roles import planned_pools
+
+    cfg = plan_config("trainer.device=cpu", "trainer.n_gpus_per_node=2", "algorithm.adv_estimator=gae",
+                      "critic.enable_resource_pool=true", "critic.n_gpus_per_node=1")
+    plans = planned_pools(cfg, role_specs(cfg))
+    assert [(p.name, [d.name for d in p.definitions], p.nnodes, p.devices_per_node) for p in plans] == [
+        ("HybridWorker", ["actor"], 1, 2), ("CriticWorkerHost", ["critic"], 1, 1)]
+
+
+@pytest.mark.parametrize(("extra", "ray_init", "message"), [
+    (["trainer.device=cpu", "trainer.n_gpus_per_node=4"], {"num_cpus": 2},
+     r"the worker groups \(actor \+ critic: 1 x 4\) are 4 worker processes of 1 CPU each, and a local Ray cluster here has 2 "
+     r"CPUs \(ray_kwargs.ray_init.num_cpus\); set ray_kwargs.ray_init.num_cpus=4 to run them anyway"),
+    (["trainer.device=cpu", "trainer.n_gpus_per_node=2", "algorithm.adv_estimator=gae",
+      "critic.enable_resource_pool=true", "critic.n_gpus_per_node=1"], {"num_cpus": 2},
+     r"\(actor: 1 x 2; critic: 1 x 1\) are 3 worker processes"),
+    (["trainer.device=cuda", "trainer.n_gpus_per_node=8"], {"num_gpus": 2, "num_cpus": 16},
+     r"need 8 GPUs \(trainer.device=cuda: one per worker\), and this machine has 2 \(ray_kwargs.ray_init.num_gpus\)"),
+    (["trainer.device=cpu", "trainer.nnodes=2"], {},
+     r"span 2 nodes, but a local Ray cluster \(ray_kwargs.address unset\) is this one machine"),
+])
+def test_a_local_cluster_that_cannot_hold_the_workers_is_refused_before_it_starts(extra, ray_init, message):
+    from hyflow.trainer.roles import check_local_ray_cluster
+
+    cfg = plan_config(*extra)
+    with pytest.raises(ValueError, match=message):
+        check_local_ray_cluster(cfg, role_specs(cfg), ray_init)
+
+
+def test_a_local_cluster_that_holds_the_workers_passes_and_counts_the_machine_without_num_cpus(monkeypatch):
+    import ray._private.utils
+
+    from hyflow.trainer.roles import check_local_ray_cluster
+
+    cfg = plan_config("trainer.device=cpu", "trainer.n_gpus_per_node=4")
+    check_local_ray_cluster(cfg, role_specs(cfg), {"num_cpus": 4})
+    monkeypatch.setattr(ray._private.utils, "get_num_cpus", lambda *a, **k: 3)
+    with pytest.raises(ValueError, match=r"has 3 CPUs \(this machine's cores, as Ray counts them\)"):
+        check_local_ray_cluster(cfg, role_specs(cfg), {})
+    monkeypatch.setattr(ray._private.utils, "get_num_cpus", lambda *a, **k: 4)
+    check_local_ray_cluster(cfg, role_specs(cfg), {})
