@@ -48,27 +48,9 @@ def tiny_tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def _heavy_modules_first(items) -> None:
-    """Under pytest-xdist, order the modules by how many `slow` tests each holds, most first (a module's tests stay
-    together and in their order; ties keep the collection order). Collected alphabetically, the end-to-end modules
-    of tests/trainer came last and one worker ran them alone while the other core idled (the last ~4 minutes of a
-    2-worker run at ~0.7 cores busy); started first, they overlap, and the fast unit tests fill the gaps at the end
-    (work stealing hands the tail of a worker's queue to the idle one)."""
-    def module(item) -> str:
-        return item.nodeid.split("::", 1)[0]
-
-    slow: dict[str, int] = {}  # in collection order: sorted() below is stable
-    for item in items:
-        slow[module(item)] = slow.get(module(item), 0) + (item.get_closest_marker("slow") is not None)
-    rank = {name: i for i, name in enumerate(sorted(slow, key=lambda name: -slow[name]))}
-    items.sort(key=lambda item: rank[module(item)])  # stable: each module's tests keep their order
-
-
 def pytest_collection_modifyitems(config, items):
     """Tests marked `vllm` need the real engine: skipped where vLLM is not installed (the main venv), an error
     where it must be (HYFLOW_REQUIRE_VLLM=1, as `make test` runs them in .venv-vllm) so they never pass by skipping."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike: xdist checks their collections are equal
-        _heavy_modules_first(items)
     if importlib.util.find_spec("vllm") is not None:
         return
     marked = [item for item in items if item.get_closest_marker("vllm")]
@@ -119,6 +101,69 @@ def pytest_runtest_protocol(item, nextitem):
     finally:
         if timer is not None:
             timer.cancel()
+
+
+# ------------------------------------------------------------------------ one local Ray cluster, kept between tests
+
+# A local Ray start costs ~10 CPU-s (its GCS, raylet, dashboard, agents and monitors; measured on the 2-core Xeon)
+# and ~5-10 s: the main suite started ~50 of them in its own processes. A test that uses the `shared_ray` fixture
+# (a module: `pytestmark = pytest.mark.usefixtures("shared_ray")`) finds one started for it, with SHARED_RAY_CPUS
+# logical CPUs; hyflow's trainers attach to a Ray this process already runs and leave it running
+# (hyflow.controller.resources.ensure_ray). It stays up while the next test on this worker uses it too, and is
+# stopped before any other test (those start their own or none) and after a test that left an actor alive or a
+# placement group in place (the next test must not wait on what a failed one held).
+SHARED_RAY_CPUS = 4
+_SHARED_RAY: dict = {}
+
+
+def _uses_shared_ray(item) -> bool:
+    """HYFLOW_TEST_SHARED_RAY=0: every test starts its own, as a user's run would."""
+    return item is not None and "shared_ray" in getattr(item, "fixturenames", ()) and \
+        item.get_closest_marker("own_ray_cluster") is None and os.environ.get("HYFLOW_TEST_SHARED_RAY", "1") != "0"
+
+
+def _ray_leftovers() -> list[str]:
+    import ray
+    from ray._private.state import actors
+    from ray.util import placement_group_table
+
+    if not ray.is_initialized():  # a test ended it
+        return []
+    held = [f"placement group {info.get('name') or pg_id}" for pg_id, info in placement_group_table().items()
+            if info.get("state") != "REMOVED"]
+    return held + [f"actor {info.get('ActorClassName')} ({info.get('State')})" for info in actors().values()
+                   if info.get("State") != "DEAD"]
+
+
+def _stop_shared_ray() -> None:
+    if _SHARED_RAY.pop("started", False):
+        from hyflow.controller.resources import shutdown_ray
+
+        shutdown_ray()
+
+
+@pytest.fixture
+def shared_ray(request):
+    import ray
+
+    if not _uses_shared_ray(request.node):  # marked own_ray_cluster: a Ray of its own (or none), as without it
+        _stop_shared_ray()
+        yield
+        return
+    if not ray.is_initialized():
+        from hyflow.controller.resources import ensure_ray
+
+        ensure_ray(num_cpus=SHARED_RAY_CPUS)
+        _SHARED_RAY["started"] = True
+    yield
+    if _SHARED_RAY and _ray_leftovers():
+        _stop_shared_ray()
+
+
+@pytest.hookimpl(trylast=True)  # after the fixtures' own teardown
+def pytest_runtest_teardown(item, nextitem):
+    if _SHARED_RAY and not _uses_shared_ray(nextitem):
+        _stop_shared_ray()
 
 
 _PREBUILD: dict = {}
@@ -172,6 +217,7 @@ def pytest_sessionfinish(session, exitstatus):
     import multiprocessing
 
     _end_prebuild(session)
+    _stop_shared_ray()
 
     leftover = multiprocessing.active_children()
     for child in leftover:

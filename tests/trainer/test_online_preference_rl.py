@@ -13,7 +13,7 @@ from hyflow.algos import reduce_metrics
 from hyflow.trainer.rl_trainer import RLTrainer
 from hyflow.trainer.tracking import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]  # one Ray cluster for consecutive tests (tests/conftest.py)
 
 ALGORITHMS = {
     "online_dpo": ("algorithm.adv_estimator=online_dpo", "actor_rollout_ref.actor.dpo_beta=0.5"),

@@ -17,7 +17,7 @@ from hyflow.controller.dispatch import with_mini_batch_rows
 from hyflow.trainer.rl_trainer import RLTrainer
 from hyflow.trainer.tracking import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]  # one Ray cluster for consecutive tests (tests/conftest.py)
 
 PRIME = ("algorithm.adv_estimator=prime", "reward_model.enable=true", "reward_model.model.optim.lr=1e-3",
          "reward_model.mini_batch_size=8")

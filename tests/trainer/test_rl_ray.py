@@ -18,7 +18,7 @@ from hyflow.controller.dispatch import with_mini_batch_rows
 from hyflow.trainer.rl_trainer import RLTrainer
 from hyflow.trainer.tracking import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]  # one Ray cluster for consecutive tests (tests/conftest.py)
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
                 "RAY_AUTH_MODE": "disabled"}  # a throwaway loopback cluster: no token auth for head or driver
 
@@ -252,6 +252,7 @@ def test_killed_worker_stops_the_driver_and_resume_works(tiny_model_dir, task_di
     assert read_metrics(run)[-1]["step"] == saved + 1
 
 
+@pytest.mark.own_ray_cluster  # attaches to the cluster it starts
 def test_attach_to_a_separately_started_cluster(tiny_model_dir, task_dir, tmp_path):
     env = {**os.environ, **LOOPBACK_ENV}
     port = free_port("127.0.0.1")

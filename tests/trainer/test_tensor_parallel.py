@@ -24,7 +24,7 @@ from test_rl_ray import (
 from hyflow.trainer.rl_trainer import RLTrainer
 from hyflow.trainer.tracking import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("shared_ray")]  # one Ray cluster for consecutive tests (tests/conftest.py)
 
 TP2 = ("actor_rollout_ref.actor.tensor_parallel_size=2", "critic.tensor_parallel_size=2")
 
