@@ -253,7 +253,7 @@ def _forward_line(
             f"{_budget_warning(fwd.max_token_len_per_device, b)}."
         )
     micro = fwd.micro_batch_size_per_device
-    if not (_whole(per_device) and _whole(micro) and micro > 0) or per_device % micro == 0:
+    if not (_whole(per_device) and _whole(micro) and micro > 0) or per_device % micro == 0:  # no short last pass
         return head + f", in {_count(fwd.micro_batches, 'forward pass')} of {_count(micro, 'sample')} ({micro_source})."
     passes = math.ceil(per_device / micro)  # consecutive rows, micro each; the last pass takes the rest
     return head + (f", in {passes} forward passes of {int(micro)} samples ({micro_source}), the last of "

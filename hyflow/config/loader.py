@@ -453,8 +453,8 @@ def _raise_unknown(unknown: list[UnknownKeyError]) -> None:
 # --------------------------------------------------------------------------------------- overrides
 
 
-# `~` or `~/...` as a value or a list item: after `key=`, `[` or `,`, up to `/`, `,`, `]` or the end
-_HOME_PREFIX = re.compile(r"(?<=[=\[,])\s*~(?=/|,|]|$)")
+# `~` or `~/...` as a value or a list item: at the value's start or after `[` or `,`, up to `/`, `,`, `]` or the end
+_HOME_PREFIX = re.compile(r"(?:^|(?<=[\[,]))\s*~(?=/|,|]|$)")
 
 
 def _expand_home(text: str) -> str:
@@ -464,7 +464,7 @@ def _expand_home(text: str) -> str:
     key, sep, value = text.partition("=")
     if not sep or value[:1] in ("'", '"'):
         return text
-    return key + sep + _HOME_PREFIX.sub(lambda match: str(Path.home()), "=" + value)[1:]
+    return key + sep + _HOME_PREFIX.sub(lambda match: str(Path.home()), value)
 
 
 def _parse_overrides(overrides: Sequence[str]) -> list[Any]:

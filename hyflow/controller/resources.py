@@ -46,6 +46,7 @@ import socket
 import sys
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,6 +164,22 @@ def starts_local_cluster(address: str | None = None) -> bool:
     if address is not None or os.environ.get("RAY_ADDRESS", "local") not in ("", "local"):
         return False
     return not import_ray().is_initialized()
+
+
+def local_cluster_capacity(ray_init: Mapping[str, Any]) -> tuple[float, float, str, str]:
+    """(CPUs, GPUs, where each figure comes from) of the local cluster `ensure_ray(ray_init=ray_init)` would start:
+    ray_init's num_cpus / num_gpus, else Ray's own count of this machine's CPUs and torch's of its CUDA devices."""
+    cpus, gpus = ray_init.get("num_cpus"), ray_init.get("num_gpus")
+    cpu_source, gpu_source = "ray_kwargs.ray_init.num_cpus", "ray_kwargs.ray_init.num_gpus"
+    if cpus is None:
+        from ray._private.utils import get_num_cpus
+
+        cpus, cpu_source = get_num_cpus(), "this machine's cores, as Ray counts them"
+    if gpus is None:
+        import torch
+
+        gpus, gpu_source = torch.cuda.device_count(), "CUDA devices"
+    return cpus, gpus, cpu_source, gpu_source
 
 
 def _runtime_env(runtime_env: dict | None) -> dict:

@@ -33,6 +33,7 @@ from hyflow.config.arithmetic import own_pool_roles, role_pool_shape
 from hyflow.config.roles import uses_judge, with_reward_model
 from hyflow.config.schema import HyflowConfig
 from hyflow.controller import make_colocated_class, make_worker_group
+from hyflow.controller.resources import local_cluster_capacity
 from hyflow.specs import RoleSpecs
 from hyflow.trainer.role_registry import ROLES, RoleDefinition
 
@@ -170,26 +171,16 @@ def check_local_ray_cluster(cfg: HyflowConfig, specs: RoleSpecs, ray_init: Mappi
                          f"{nodes} nodes (ray start --head on one, ray start --address on the others) and set "
                          "ray_kwargs.address to it, or set trainer.nnodes=1")
     workers = sum(p.nnodes * p.devices_per_node for p in plans)
-    gpu = uses_gpu(cfg)
-    if gpu:
-        have = ray_init.get("num_gpus")
-        have = torch.cuda.device_count() if have is None else have
-        if workers > have:
-            raise ValueError(f"the worker groups ({groups}) need {workers} GPUs (trainer.device="
-                             f"{cfg.trainer.device}: one per worker), and this machine has {have:g} "
-                             f"({'ray_kwargs.ray_init.num_gpus' if 'num_gpus' in ray_init else 'CUDA devices'}); "
-                             "lower trainer.n_gpus_per_node (and the pools' own n_gpus_per_node), or set "
-                             "trainer.device=cpu to run the workers on CPU")
-    have = ray_init.get("num_cpus")
-    if have is None:
-        from ray._private.utils import get_num_cpus
-
-        have = get_num_cpus()
-    if workers > have:
-        source = "ray_kwargs.ray_init.num_cpus" if "num_cpus" in ray_init else "this machine's cores, as Ray counts them"
+    cpus, gpus, cpu_source, gpu_source = local_cluster_capacity(ray_init)
+    if uses_gpu(cfg) and workers > gpus:
+        raise ValueError(f"the worker groups ({groups}) need {workers} GPUs (trainer.device={cfg.trainer.device}: "
+                         f"one per worker), and this machine has {gpus:g} ({gpu_source}); lower "
+                         "trainer.n_gpus_per_node (and the pools' own n_gpus_per_node), or set trainer.device=cpu "
+                         "to run the workers on CPU")
+    if workers > cpus:
         raise ValueError(f"the worker groups ({groups}) are {workers} worker processes of 1 CPU each, and a local "
-                         f"Ray cluster here has {have:g} CPU{'s' if have != 1 else ''} ({source}); set ray_kwargs.ray_init.num_cpus="
-                         f"{workers} to run them anyway (they share the cores), or "
+                         f"Ray cluster here has {cpus:g} CPU{'s' if cpus != 1 else ''} ({cpu_source}); set "
+                         f"ray_kwargs.ray_init.num_cpus={workers} to run them anyway (they share the cores), or "
                          "lower trainer.n_gpus_per_node (and the pools' own n_gpus_per_node)")
 
 
