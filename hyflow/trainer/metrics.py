@@ -15,10 +15,12 @@ from hyflow.batch import Batch
 
 @contextlib.contextmanager
 def timer(name: str, timing: dict[str, float]) -> Iterator[None]:
-    """Add the block's wall time to `timing[name]` (seconds)."""
+    """Add the block's wall time to `timing[name]` (seconds). Under torch.profiler the block shows as the range
+    `hyflow/<name>` (`benchmarks/bench_grpo.py --profile`)."""
     start = time.perf_counter()
     try:
-        yield
+        with torch.profiler.record_function(f"hyflow/{name}"):
+            yield
     finally:
         timing[name] = timing.get(name, 0.0) + time.perf_counter() - start
 

@@ -367,3 +367,38 @@ def test_shared_prompt_responses_do_not_see_each_other(model):
         b, _ = packed_response_logprobs(model, changed, mask, RESPONSE_LEN, share_prompts=True)
     assert torch.equal(a[[1, 3, 4, 5, 6]], b[[1, 3, 4, 5, 6]])
     assert torch.equal(a[0, :5], b[0, :5]) and not torch.equal(a[0], b[0]) and not torch.equal(a[2], b[2])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_varlen_kernel_adds_no_error_beyond_bf16_itself(tiny_model_dir, monkeypatch):
+    """On CUDA in bf16 the packed forward runs PyTorch's varlen flash kernel (`_varlen_cuda`): its log-probs and
+    gradients are as close to the fp32 padded forward as the bf16 padded forward is (twice its error at most)."""
+    import hyflow.models.varlen_attention as varlen_attention
+
+    calls = []
+    real = varlen_attention._varlen_cuda
+    monkeypatch.setattr(varlen_attention, "_varlen_cuda", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids, mask = (t.cuda() for t in rl_batch())
+    response_mask = mask[:, -RESPONSE_LEN:].bool()
+    fp32 = load_causal_lm(tiny_model_dir, attn_implementation="sdpa").cuda()
+    bf16 = load_causal_lm(tiny_model_dir, attn_implementation="sdpa").cuda().to(torch.bfloat16)
+
+    def grads_and_logp(model, packed: bool):
+        model.zero_grad(set_to_none=True)
+        if packed:
+            out = packed_response_logprobs(model, ids, mask, RESPONSE_LEN, calculate_entropy=True)
+        else:
+            out = padded_logprobs(model, ids, mask, calculate_entropy=True)
+        _rl_loss(tuple(t.float() for t in out), mask).backward()
+        grad = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+        return out[0].float()[response_mask].detach(), grad
+
+    want_logp, want_grad = grads_and_logp(fp32, packed=False)
+    bf16_logp, bf16_grad = grads_and_logp(bf16, packed=False)
+    got_logp, got_grad = grads_and_logp(bf16, packed=True)
+    assert calls, "the packed bf16 forward on CUDA did not use the varlen kernel"
+    logp_err, padded_logp_err = (got_logp - want_logp).abs().max(), (bf16_logp - want_logp).abs().max()
+    assert logp_err <= 2 * padded_logp_err + 1e-3, (logp_err, padded_logp_err)
+    grad_err = (got_grad - want_grad).norm() / want_grad.norm()
+    padded_grad_err = (bf16_grad - want_grad).norm() / want_grad.norm()
+    assert grad_err <= 2 * padded_grad_err + 1e-3, (grad_err, padded_grad_err)

@@ -1,6 +1,7 @@
 """End-to-end RL runs on CPU with the tiny model: every stage, checkpoints, exact resume, export, the CLI."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,11 @@ import torch
 
 from hyflow.trainer.rl_trainer import RLTrainer
 from hyflow.trainer.tracking import read_metrics
+
+# the console script beside the interpreter (an installed hyflow), else the one on PATH (`benchmarks/gpu_check.py`
+# puts a launcher there on a machine whose own Python runs hyflow from the source tree)
+_BESIDE = Path(sys.executable).parent / "hyflow"
+HYFLOW = str(_BESIDE) if _BESIDE.exists() else shutil.which("hyflow") or str(_BESIDE)
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +72,7 @@ def test_export_loads_with_transformers(tiny_model_dir, task_dir, tmp_path):
     RLTrainer(overrides(tiny_model_dir, task_dir, run, "trainer.total_training_steps=1"),
               reward_fn=digit_reward).fit()
     out = tmp_path / "hf"
-    proc = subprocess.run([Path(sys.executable).parent / "hyflow", "export", "--ckpt", str(run / "global_step_1"),
+    proc = subprocess.run([HYFLOW, "export", "--ckpt", str(run / "global_step_1"),
                            "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -84,7 +90,7 @@ def test_sharded_checkpoint_exports_the_weights_a_resume_loads(tiny_model_dir, t
     ckpt = run / "global_step_1"
     assert (ckpt / "actor" / ".metadata").is_file() and not (ckpt / "actor_model.safetensors").exists()
     out = tmp_path / "hf"
-    proc = subprocess.run([Path(sys.executable).parent / "hyflow", "export", "--ckpt", str(ckpt), "--out", str(out)],
+    proc = subprocess.run([HYFLOW, "export", "--ckpt", str(ckpt), "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
@@ -146,7 +152,7 @@ def test_verl_style_command_line(tiny_model_dir, task_dir, tmp_path):
     args = overrides(tiny_model_dir, task_dir, run, "trainer.total_training_steps=2",
                      f"custom_reward_function.path={reward_file}", f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
                      f"trainer.validation_data_dir={tmp_path / 'val'}")
-    proc = subprocess.run([Path(sys.executable).parent / "hyflow", "train", *args], capture_output=True, text=True,
+    proc = subprocess.run([HYFLOW, "train", *args], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(run)
