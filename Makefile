@@ -146,7 +146,8 @@ gpu-check:
 # Here (a machine with the registry): the lock's versions of what hyflow and the TRL comparison need and a lent GPU
 # machine's image lacks or has older (requirements/lock.txt), as wheels for CPython 3.12 on x86-64 in .whl/
 # (git-ignored through .git/info/exclude), for `make gpu-check` there. About 16 MB.
-GPU_WHEELS ?= trl datasets dill multiprocess tensordict pyvers omegaconf hydra-core transformers antlr4-python3-runtime
+GPU_WHEELS ?= trl datasets dill multiprocess tensordict pyvers omegaconf hydra-core transformers antlr4-python3-runtime \
+	pydantic pydantic_core annotated-types typing-inspection typing_extensions
 gpu-wheels: venv
 	@mkdir -p .whl .git/info; grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo /.whl/ >> .git/info/exclude
 	@pins=$$(for n in $(GPU_WHEELS); do line=$$(grep -i "^$$n==" $(LOCK)) || { echo "gpu-wheels: $$n is not in $(LOCK)" >&2; exit 1; }; echo "$${line%% *}"; done) || exit 1; \
