@@ -228,10 +228,11 @@ class StepProfiler:
         if self.device == "cuda":
             torch.cuda.synchronize()
         self._prof.__exit__(None, None, None)
-        self.summary = profile_summary(self._prof.key_averages(), self.device, step_s)
+        averages = self._prof.key_averages()  # once: on a GPU step's trace (~10^5 events) it takes seconds
+        self.summary = profile_summary(averages, self.device, step_s)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         sort = "self_device_time_total" if self.device == "cuda" else "self_cpu_time_total"
-        table = self._prof.key_averages().table(sort_by=sort, row_limit=PROFILE_TOP)
+        table = averages.table(sort_by=sort, row_limit=PROFILE_TOP)
         (self.out_dir / f"profile-{self.library}.txt").write_text(
             f"{self.library}: one GRPO step ({step_s:.3f} s wall, under the profiler), operators by {sort}\n"
             + table + "\n")
@@ -240,7 +241,8 @@ class StepProfiler:
 
 def profile_summary(averages, device: str, step_s: float, top: int = 15) -> dict:
     """The profiled step as JSON: its wall time, the busiest operators by self time on the device (or CPU), and the
-    `hyflow/<stage>` ranges the trainer's timers record (CPU wall and device time inside each)."""
+    `hyflow/<stage>` ranges the trainer's timers record: `cpu_s` the range's wall time on the CPU, `device_s` its
+    span on the GPU's timeline (not a sum of kernel times: the GPU may idle inside it)."""
     on_device = device == "cuda"
 
     def self_us(e) -> float:
@@ -499,6 +501,16 @@ def format_report(summaries: dict[str, dict], args: argparse.Namespace, info: di
     return "\n".join(lines)
 
 
+def write_partial(path: Path, args: argparse.Namespace, results: dict[str, list[RunResult]], profiles: dict,
+                  round_index: int) -> None:
+    """The JSON so far ("partial": true): the finished runs' raw steps and each library's summary of them."""
+    summaries = {name: summarize(runs, args.warmup) for name, runs in results.items() if runs}
+    path.write_text(json.dumps({"partial": True, "args": vars(args), "rounds_started": round_index + 1,
+                                "summaries": summaries, "profile": profiles,
+                                "raw": {name: [vars(r) for r in runs] for name, runs in results.items()}},
+                               indent=2) + "\n")
+
+
 def format_profiles(profiles: dict[str, dict], out_dir: str, top: int = 8) -> str:
     """The profiled step of each library in a few lines: hyflow's stage ranges and the busiest operators."""
     lines = [f"profiled step (one extra step per library, not in the table; full tables in {out_dir}):"]
@@ -578,6 +590,8 @@ def main(argv: list[str] | None = None) -> dict:
                 results[name].append(run)
                 if profiler is not None and profiler.summary is not None:
                     profiles[name] = profiler.summary
+                if args.json:  # after every run: a run cut short (a time limit) still leaves what it measured
+                    write_partial(Path(args.json), args, results, profiles, r)
             if len(results) == 2:
                 per_round.append(statistics.median(results["trl"][-1].step_s[args.warmup:])
                                  / statistics.median(results["hyflow"][-1].step_s[args.warmup:]))
@@ -586,7 +600,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(format_report(summaries, args, info, per_round))
         if args.profile is not None:
             print(format_profiles(profiles, args.profile))
-        report = {"args": vars(args), "machine": info, "summaries": summaries, "per_round_ratio": per_round,
+        report = {"partial": False, "args": vars(args), "machine": info, "summaries": summaries,
+                  "per_round_ratio": per_round,
                   "raw": {name: [vars(r) for r in runs] for name, runs in results.items()}}
         if args.profile is not None:
             report["profile"] = profiles

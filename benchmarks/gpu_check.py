@@ -13,11 +13,12 @@ tail, and the JSON is rewritten after every part, so a run cut short still leave
 
 Parts (`--parts`, in this order):
     device   torch / CUDA / driver / devices / versions of the libraries it uses, the CPU and its cores
-    grpo     benchmarks/bench_grpo.py at the 0.5B shape, 3 rounds x 5 steps (+1 warm-up), hyflow vs TRL, 4 torch
-             threads, one more step per library under torch.profiler (tables beside the JSON); hyflow alone when
-             TRL is not importable
     tests    the CUDA tests (and those of hyflow's CLI, whose console script gets a launcher on PATH when the
              source tree is not installed); with two devices or more also the 2-rank FSDP2 tests
+    grpo     benchmarks/bench_grpo.py at the 0.5B shape, hyflow vs TRL, `--grpo-rounds` x `--grpo-steps` (+1 warm-up
+             step per run), 4 torch threads, one more step per library under torch.profiler in the last round
+             (tables beside the JSON); hyflow alone when TRL is not importable. On one H200 3 rounds x 5 steps did
+             not finish in 470 s (2026-12-04), hence 2 x 4 by default
     rollout  benchmarks/bench_rollout.py: the hf engine vs transformers' generate, 64 prompts x 8 samples x 128 tokens
     threads  the GRPO step of hyflow alone with the trainer's own thread rule (`--threads auto`) beside the grpo
              part's 4 threads: the rollout's and the update's seconds of each
@@ -39,7 +40,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("device", "grpo", "tests", "rollout", "threads")
+PARTS = ("device", "tests", "grpo", "rollout", "threads")
 LIBRARIES = ("torch", "transformers", "trl", "datasets", "accelerate", "peft", "tensordict", "omegaconf", "hydra-core",
              "safetensors", "tokenizers", "numpy", "pyarrow", "ray", "vllm", "pytest", "pytest-xdist")
 # tests that need CUDA, or failed on the first lent GPU, or start hyflow's console script
@@ -62,13 +63,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="gpu-check-out", help="folder of gpu_check.json, gpu_check.txt and the profiles")
-    p.add_argument("--budget-s", type=float, default=540.0,
+    p.add_argument("--budget-s", type=float, default=560.0,
                    help="seconds for all parts together; a part that no longer fits is skipped")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cuda (default): refuse to run without a CUDA device; cpu: the --smoke check of the script")
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes everywhere (tiny model, 1 step, 1 round): checks the script, measures nothing")
+    p.add_argument("--grpo-rounds", type=int, default=2, help="rounds of the grpo part (each: hyflow and TRL)")
+    p.add_argument("--grpo-steps", type=int, default=4, help="measured steps per run of the grpo part")
     p.add_argument("--commit", default=os.environ.get("HYFLOW_COMMIT"),
                    help="hyflow's commit, for the record (default: $HYFLOW_COMMIT, else git's HEAD where .git exists)")
     args = p.parse_args(argv)
@@ -78,27 +81,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown part(s) {', '.join(unknown)}; the parts are {', '.join(PARTS)}")
     if args.budget_s <= 0:
         p.error("--budget-s must be > 0")
+    if args.grpo_rounds < 1 or args.grpo_steps < 1:
+        p.error("--grpo-rounds and --grpo-steps must be >= 1")
     return args
 
 
 # ------------------------------------------------------------------------------------------------- plan
 class Plan:
-    """The time budget: each part's expected seconds (what it took on the H200 or would take) decide whether it
-    still fits; its timeout is what is left, less what the parts after it need to at least start."""
+    """The time budget: each part's expected seconds (measured on an H200) decide whether it still fits; its
+    timeout is what is left less the expected seconds of the parts after it (a part that overruns cannot eat
+    their time), and never under its own expected seconds times 1.2."""
 
     RESERVE_S = 5.0
 
-    def __init__(self, budget_s: float) -> None:
+    def __init__(self, budget_s: float, expected: dict[str, float], order: list[str]) -> None:
         self.budget_s, self.start = budget_s, time.monotonic()
+        self.expected, self.order = expected, order
+        self.current: str | None = None
 
     def left(self) -> float:
         return self.budget_s - (time.monotonic() - self.start)
 
-    def fits(self, expected_s: float) -> bool:
-        return self.left() - self.RESERVE_S >= expected_s
+    def fits(self, name: str) -> bool:
+        return self.left() - self.RESERVE_S >= self.expected[name]
 
     def timeout(self) -> float:
-        return max(1.0, self.left() - self.RESERVE_S)
+        after = self.order[self.order.index(self.current) + 1:] if self.current in self.order else []
+        keep = sum(self.expected[n] for n in after)
+        own = self.expected.get(self.current, 0.0) * 1.2
+        return max(1.0, min(self.left() - self.RESERVE_S, max(own, self.left() - self.RESERVE_S - keep)))
 
 
 def run_part(cmd: list[str], timeout_s: float, env: dict | None = None, cwd: Path = ROOT) -> dict:
@@ -158,7 +169,7 @@ def device_part(args: argparse.Namespace) -> dict:
 
 
 def grpo_cmd(args: argparse.Namespace, out: Path, *, threads: str, skip_trl: bool, profile: bool,
-             rounds: int = 3, steps: int = 5, json_name: str = "bench_grpo.json") -> list[str]:
+             rounds: int, steps: int, json_name: str = "bench_grpo.json") -> list[str]:
     if args.smoke:
         size = ["--preset", "tiny", "--prompts", "2", "--group", "2", "--max-new-tokens", "4", "--steps", "1",
                 "--warmup", "1", "--rounds", "1"]
@@ -183,12 +194,14 @@ def importable(module: str) -> str | None:
 
 def grpo_part(args: argparse.Namespace, out: Path, plan: Plan) -> dict:
     trl_error = importable("trl")
-    result = run_part(grpo_cmd(args, out, threads="4", skip_trl=trl_error is not None, profile=True),
-                      plan.timeout(), env=child_env())
+    result = run_part(grpo_cmd(args, out, threads="4", skip_trl=trl_error is not None, profile=True,
+                               rounds=args.grpo_rounds, steps=args.grpo_steps), plan.timeout(), env=child_env())
     if trl_error is not None:
         result["skipped"] = f"TRL not importable here ({trl_error}): hyflow alone, no ratio"
     report = read_json(out / "bench_grpo.json")
-    if report is not None:
+    if report is not None:  # complete, or what the runs that finished measured ("partial")
+        result["partial"] = report.get("partial", False)
+        result["run_wall_s"] = {lib: [round(r["fit_wall_s"], 1) for r in runs] for lib, runs in report["raw"].items()}
         result["summaries"] = report["summaries"]
         result["ratio_steps_per_s"] = report.get("ratio_steps_per_s")
         result["per_round_ratio"] = report.get("per_round_ratio")
@@ -364,7 +377,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    plan = Plan(args.budget_s)
+    # expected seconds of each part: measured on one H200 (2026-12-04: tests 115 s, rollout 62 s; grpo per library
+    # run ~75 s with 6 steps, from a 3 x 5 run that did not finish in 470 s); smoke sizes on CPU
+    if args.smoke:
+        expected = {"tests": 30, "grpo": 30, "rollout": 20, "threads": 20}
+    else:
+        expected = {"tests": 120, "grpo": 2 * args.grpo_rounds * (25 + 9 * (args.grpo_steps + 1)) + 30,
+                    "rollout": 65, "threads": 25 + 9 * 4}
+    plan = Plan(args.budget_s, expected, [p for p in PARTS if p in args.parts and p != "device"])
     report = {"smoke": args.smoke, "device_arg": args.device, "budget_s": args.budget_s, "parts": {},
               "finished_s": 0.0}
 
@@ -381,17 +401,13 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu-check: no CUDA device is visible (torch.cuda.is_available() is False); nothing to check. "
               "Run `python benchmarks/gpu_check.py --device cpu --smoke` to check the script itself.", file=sys.stderr)
         return 2
-    # expected seconds of each part on one H200 (first lent GPU and this script's runs); smoke sizes on CPU
-    expected = ({"grpo": 40, "tests": 60, "rollout": 40, "threads": 30} if args.smoke else
-                {"grpo": 200, "tests": 90, "rollout": 60, "threads": 60})
     with tempfile.TemporaryDirectory(prefix="hyflow-gpu-check-") as tmp:
-        for name in args.parts:
-            if name == "device":
-                continue
-            if not plan.fits(expected[name]):
+        for name in plan.order:
+            plan.current = name
+            if not plan.fits(name):
                 report["parts"][name] = {"status": "skipped",
                                          "skipped": f"{plan.left():.0f} s left of the budget, the part needs "
-                                                    f"~{expected[name]} s (raise --budget-s)"}
+                                                    f"~{plan.expected[name]:.0f} s (raise --budget-s)"}
                 save()
                 continue
             print(f"gpu-check: {name} ({plan.left():.0f} s left) ...", file=sys.stderr, flush=True)
