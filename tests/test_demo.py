@@ -78,6 +78,9 @@ def test_quickstart_exports_the_rl_model_and_its_printed_lines_load_and_generate
     assert f"(greedy decoding, {N_TEST} held-out prompts)" in proc.stdout
     assert (out / "grpo" / "global_step_2").is_dir()
     assert 0.0 <= summary["accuracy_after_rl"] <= 1.0
+    # the demo's own point, plotted: the answer-line rate and the accuracy at each validation (steps 0 and 2)
+    assert f"plots: {out / 'plots' / 'answer_line.png'} (answer line and accuracy)" in proc.stdout
+    assert (out / "plots" / "answer_line.png").read_bytes().startswith(b"\x89PNG")
 
     code = printed_lines(proc.stdout)
     assert code.startswith("from transformers import AutoModelForCausalLM, AutoTokenizer\n")

@@ -12,7 +12,8 @@
    checkpoint at its last step.
 4. That checkpoint is exported as a Hugging Face model directory, OUT/model (`hyflow export` does the same).
 5. The summary reports greedy accuracy on the 200 held-out prompts after SFT and after RL, how often the
-   answer line is written, and the wall time; plots go to OUT/plots. It ends with the transformers lines that
+   answer line is written, and the wall time; plots go to OUT/plots (answer_line.png: the answer-line rate and the
+   accuracy at each validation; training_curves.png: every metric). It ends with the transformers lines that
    load OUT/model and generate.
 
 What RL fixes here is mostly the format the checker demands (plus some arithmetic): the answer-line rate is
@@ -40,6 +41,31 @@ def answer_line_rate(generations: Path) -> float:
 
 def accuracy(row: dict) -> float:
     return next(v for k, v in row.items() if k.startswith("val-core/") and k.endswith("/acc/mean@1"))
+
+
+def plot_answer_line(history: list[dict], generations: Path, path: Path) -> Path:
+    """The demo's own point in one picture: at each validation of the RL run, how often the greedy answers write
+    the `#### answer` line the checker reads, beside their accuracy (both in % of the held-out prompts)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    validated = [row for row in history if any(k.startswith("val-core/") for k in row)]
+    steps = [row["step"] for row in validated]
+    rates = [100 * answer_line_rate(generations / f"val_step_{step}.jsonl") for step in steps]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    ax.plot(steps, rates, marker="o", label="answer line written")
+    ax.plot(steps, [100 * accuracy(row) for row in validated], marker="s", label="accuracy (checker)")
+    ax.set(xlabel="GRPO step (0 = the SFT model)", ylabel="% of held-out prompts, greedy", ylim=(-2, 102),
+           title="What GRPO fixes: the format the checker reads")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def minutes(seconds: float) -> str:
@@ -137,6 +163,7 @@ def main() -> None:
     print("\n== 5/5 plots and summary")
     plots = plot_run(out / "grpo", out_dir=out / "plots")
     gens = out / "grpo" / "generations"
+    answer_plot = plot_answer_line(history, gens, out / "plots" / "answer_line.png")
     summary = {
         "accuracy_after_sft": accuracy(before),
         "accuracy_after_rl": accuracy(after),
@@ -158,7 +185,8 @@ def main() -> None:
           f"answer line written: {100 * summary['answer_line_rate_after_rl']:5.1f}%")
     print(f"  gain from RL: {gain:+.1f} points")
     print(f"  wall time: {minutes(summary['wall_time_s'])} (this machine, at its current load)")
-    print(f"  plot: {plots[0]}   run directories: {out}/sft, {out}/grpo   summary: {out}/summary.json")
+    print(f"  plots: {answer_plot} (answer line and accuracy), {plots[0]} (every metric)")
+    print(f"  run directories: {out}/sft, {out}/grpo   summary: {out}/summary.json")
     print(f"  RL-trained model (Hugging Face format): {model}")
     print()
     print(TRY_IT)

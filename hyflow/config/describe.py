@@ -105,6 +105,9 @@ def describe_batch_arithmetic(cfg: HyflowConfig, n_devices: int | None = None,
         )
     if uses_prm(cfg):
         lines.append(_prm_line(cfg, n_devices))
+    offload = _offload_line(cfg, with_ref=b.ref_log_prob is not None, with_critic=b.critic is not None)
+    if offload:
+        lines.append(offload)
     words = LOSS_AGG_WORDS.get(actor.loss_agg_mode, actor.loss_agg_mode)
     lines.append(
         f"Loss (actor_rollout_ref.actor.loss_agg_mode) {words}, so gradients do not depend on micro-batch "
@@ -172,6 +175,39 @@ def _spec_lines(node: Any, key: str, lines: list[str]) -> None:
 
 
 # ---------------------------------------------------------------------------------------- lines
+
+
+def _offload_line(cfg: HyflowConfig, *, with_ref: bool, with_critic: bool) -> str:
+    """Where each offloading role keeps its parameters and optimizer state (its fsdp_config's param_offload,
+    optimizer_offload, offload_policy); empty when no role offloads."""
+    roles = [("actor", "actor_rollout_ref.actor", cfg.actor_rollout_ref.actor.fsdp_config, True)]
+    if with_ref:
+        roles.append(("reference", "actor_rollout_ref.ref", cfg.actor_rollout_ref.ref.fsdp_config, False))
+    if with_critic:
+        roles.append(("critic", "critic.model", cfg.critic.model.fsdp_config, True))
+    parts = []
+    for name, key, fsdp, has_optimizer in roles:
+        if fsdp.offload_policy:
+            parts.append(f"{name} under FSDP2's CPUOffloadPolicy: shards, gradients and the optimizer step in host "
+                         f"memory, each layer copied to the device for its forward and backward "
+                         f"({key}.fsdp_config.offload_policy)")
+            continue
+        where = []
+        if fsdp.param_offload:
+            where.append("parameters in host memory between uses, on the device for each forward and update, weight "
+                         "sync and checkpoint" + (", on the host while the rollout generates" if name == "actor" else "")
+                         + f" ({key}.fsdp_config.param_offload)")
+        if fsdp.optimizer_offload:
+            where.append(f"optimizer state in host memory between updates ({key}.fsdp_config.optimizer_offload)"
+                         if has_optimizer else
+                         f"nothing for {key}.fsdp_config.optimizer_offload to move (it has no optimizer)")
+        if where:
+            parts.append(f"{name}: " + "; ".join(where))
+    if not parts:
+        return ""
+    same_memory = (" On trainer.device=cpu host and device are the same memory: each move is a copy, for testing."
+                   if cfg.trainer.device == "cpu" else "")
+    return "Offload: " + ". ".join(parts) + "." + same_memory
 
 
 def _rollout_line(cfg: HyflowConfig, b: BatchArithmetic) -> str:

@@ -553,3 +553,26 @@ def test_a_critic_in_its_own_pool_divides_its_own_devices_by_its_tensor_parallel
     assert "critic.tensor_parallel_size=8 must be >= 1 and divide the 4 devices" in problems_of(
         cfg_of(*TP8[:-1], "algorithm.adv_estimator=gae", "critic.enable_resource_pool=true",
                "critic.n_gpus_per_node=4", "critic.tensor_parallel_size=8"))
+
+
+def test_the_start_lines_say_where_each_offloading_role_keeps_its_parts():
+    """The offload line (docs/fitting-large-models.md): each role that offloads, what moves and by which key;
+    no line when nothing offloads."""
+    assert "Offload:" not in describe_batch_arithmetic(cfg_of(*STATIC))
+    fsdp = "fsdp_config"
+    text = describe_batch_arithmetic(cfg_of(
+        *STATIC, "trainer.device=cpu", "algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
+        f"actor_rollout_ref.actor.{fsdp}.param_offload=true", f"actor_rollout_ref.actor.{fsdp}.optimizer_offload=true",
+        f"actor_rollout_ref.ref.{fsdp}.param_offload=true", f"actor_rollout_ref.ref.{fsdp}.optimizer_offload=true",
+        f"critic.model.{fsdp}.optimizer_offload=true"))
+    line = next(x for x in text.splitlines() if x.startswith("Offload: "))
+    actor, ref, critic = line.removeprefix("Offload: ").split(". ")[:3]
+    assert actor.startswith("actor: parameters in host memory between uses") and "while the rollout generates" in actor
+    assert "(actor_rollout_ref.actor.fsdp_config.optimizer_offload)" in actor
+    assert ref.startswith("reference: parameters in host memory") and "rollout generates" not in ref
+    assert "nothing for actor_rollout_ref.ref.fsdp_config.optimizer_offload to move (it has no optimizer)" in ref
+    assert critic == ("critic: optimizer state in host memory between updates "
+                      "(critic.model.fsdp_config.optimizer_offload)")
+    assert "each move is a copy" in line
+    policy = describe_batch_arithmetic(cfg_of(*STATIC, f"actor_rollout_ref.actor.{fsdp}.offload_policy=true"))
+    assert "Offload: actor under FSDP2's CPUOffloadPolicy" in policy and "each move is a copy" not in policy
