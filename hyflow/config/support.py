@@ -432,7 +432,11 @@ _VERL_DEFAULTS: dict[str, Any] = {
     1024, "min_num_params": 0, "mode": "async", "model_dtype": "fp32", "nccl_timeout": 600, "over_sample_rate":
     0.0, "pad_mode": "no_padding", "reward_loop_class_name": "custom_reward_manager", "reward_loop_source":
     "register", "scheduling_policy": "fcfs", "seed": 42, "use_legacy_worker_impl": "auto",
-    "tool_config": _PROFILER_TOOL_CONFIG, "global_tool_config": _GLOBAL_TOOL_CONFIG,
+    "global_tool_config": _GLOBAL_TOOL_CONFIG,
+    # the profiler tool_config entries the schema does not hold (its `torch.contents` it does)
+    **{tool: _PROFILER_TOOL_CONFIG[tool] for tool in ("nsys", "npu", "torch_memory", "precision_debugger")},
+    "discrete": False, "profile_token_start": None, "profile_token_end": None,
+    "schedule": _PROFILER_TOOL_CONFIG["torch"]["schedule"],
 }
 _VERL_DEFAULTS_BY_KEY: dict[str, Any] = {
     "global_profiler.save_path": "outputs/profile",

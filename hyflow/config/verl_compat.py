@@ -145,11 +145,14 @@ def fold_sft_dict_keys(cfg: Any) -> Any:
 
 # ------------------------------------------------------------------ accepted, not acted on
 
-_PROFILER = ("hyflow has no profiler integration (nsys/npu/torch): profiling only measures a run and never "
-             "changes its results; profile with py-spy or torch.profiler around `hyflow train` instead")
+_PROFILER = ("profiling only measures a run and never changes its results; hyflow's torch.profiler integration "
+             "(docs/profiling.md) writes each profiled process's trace to save_path and does not do this")
 _HOOKS = ("relocate_results", "finish_hook_cmd", "finish_hook_all_ranks", "finish_hook_ranks")
-_PROFILER_LEAVES = ("tool", "enable", "all_ranks", "ranks", "save_path", *_HOOKS, "tool_config")
-_GLOBAL_PROFILER_LEAVES = ("tool", "steps", "profile_continuous_steps", "save_path", *_HOOKS, "global_tool_config")
+# what the schema's profiler sections (hyflow.config.schema.common.ProfilerConfig) do not hold
+_PROFILER_LEAVES = (*_HOOKS, *(f"tool_config.{tool}" for tool in ("nsys", "npu", "torch_memory", "precision_debugger")),
+                    *(f"tool_config.torch.{leaf}" for leaf in ("discrete", "profile_token_start", "profile_token_end",
+                                                               "schedule")))
+_GLOBAL_PROFILER_LEAVES = (*_HOOKS, "global_tool_config")
 
 _SFT_ENGINE = ("hyflow's SFT engine shards with FSDP2 over all its workers: prefetch, shard-group and FSDP1 options "
                "change memory and speed only, not the results")

@@ -31,7 +31,7 @@ import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import ClassVar
 
 import torch
@@ -193,9 +193,49 @@ class Worker:
         engines = {name: getattr(self, attribute, None) for name, attribute in self.MESHES.items()}
         return {name: engine.data_layout() for name, engine in engines.items() if engine is not None}
 
+    @register(Dispatch.REPLICATE)
+    def start_profile(self, spec: dict) -> str | None:
+        """Start torch.profiler in this process when `spec["ranks"]` (None = all) holds this rank
+        (`hyflow.trainer.profiling`); returns the trace's path, or None (not selected, or this process already
+        profiles: one profiler per process, whichever group asked first)."""
+        ranks = spec.get("ranks")
+        if (ranks is not None and self.rank not in ranks) or _PROFILE:
+            return None
+        contents = set(spec.get("contents") or ())
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available() and (not contents or "cuda" in contents):
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        stamp = datetime.now(tz=timezone.utc).strftime("%Y%m%d%H%M%S%f")[:-3]
+        name = (f"{spec.get('prefix') or 'worker'}_step{spec['step']}_rank{self.rank}-of-{self.world_size}"
+                f"_pid{os.getpid()}_{stamp}.json.gz")
+        profiler = torch.profiler.profile(activities=activities, record_shapes="shapes" in contents,
+                                          profile_memory="memory" in contents, with_stack="stack" in contents)
+        profiler.start()
+        _PROFILE["active"] = (profiler, os.path.join(spec["save_path"], name))
+        return _PROFILE["active"][1]
+
+    @register(Dispatch.REPLICATE)
+    def stop_profile(self) -> str | None:
+        """Stop this process's torch.profiler and write its Chrome trace (gzipped JSON); its path, or None when
+        this process was not profiling."""
+        active = _PROFILE.pop("active", None)
+        if active is None:
+            return None
+        profiler, path = active
+        profiler.stop()
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        profiler.export_chrome_trace(path)
+        return path
+
     def __repr__(self) -> str:
         """`Cls(rank=r, world_size=n)`."""
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
+
+
+# registered methods every Worker has that concern the whole process, which a colocated class does not delegate
+_PROCESS_METHODS = frozenset({LAYOUT_METHOD, "start_profile", "stop_profile"})
+# this process's running torch.profiler and its trace's path (Worker.start_profile / stop_profile)
+_PROFILE: dict = {}
 
 
 def _delegate(role: str, method: str, mode: DispatchMode, doc: str | None):
@@ -252,7 +292,7 @@ def make_colocated_class(roles: dict[str, type[Worker]], name: str | None = None
                  "__doc__": f"Colocated worker hosting roles {list(roles)} in one process."}
     for role, cls in roles.items():
         for method, mode in registered_methods(cls).items():
-            if method == LAYOUT_METHOD:
+            if method in _PROCESS_METHODS:  # the colocated class's own: one per process, not per role
                 continue
             if mode.mesh is not None:  # the colocated class reports each role's meshes under the role's name
                 mode = replace(mode, mesh=f"{role}.{mode.mesh}")

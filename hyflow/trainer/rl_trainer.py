@@ -25,6 +25,7 @@ FSDP2; the code below is the same for both. Validation scores the whole validati
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -63,6 +64,7 @@ from hyflow.trainer.checkpoint import CheckpointManager
 from hyflow.trainer.filters import apply_filters, build_filters, fill_batch, prompts_per_round
 from hyflow.trainer.metrics import compute_data_metrics, compute_throughput_metrics, memory_metrics, timer
 from hyflow.trainer.producers import StepState, check_estimator_inputs, plan
+from hyflow.trainer.profiling import StepProfiling, profile_plan
 from hyflow.trainer.replay import check_replay_shape, load_rollout, save_rollout
 from hyflow.trainer.report import latest_checkpoint, sample_rows, speed_defaults_line, where_interrupted
 from hyflow.trainer.rl_datasets import prompt_processor, rl_dataset
@@ -102,6 +104,10 @@ class RLTrainer:
         cfg = self.config
         if (accepted := performance_only_warning(cfg)) is not None:
             print(accepted)  # once, at start: keys that only change speed or memory (hyflow.config.support)
+        self.profile_plan = profile_plan(cfg)  # verl's profiler keys (hyflow.trainer.profiling)
+        if (profiler_line := self.profile_plan.start_line()) is not None:
+            print(profiler_line)
+        self.profiling: StepProfiling | None = None
         self.n_devices = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node  # the actor's (and colocated roles')
         self.async_mode = cfg.async_training.mode != "sync"
         self.total_devices = (self.n_devices + sum(role_devices(cfg, role) for role in own_pool_roles(cfg))
@@ -225,6 +231,7 @@ class RLTrainer:
         self.roles = build_roles(cfg, self.specs, executor=self.executor, tokenizer=self.tokenizer,
                                  judge=self.judged, total_steps=self.total_steps)
         self.workers, self.groups = self.roles.workers, self.roles.groups
+        self.profiling = StepProfiling(self.profile_plan, self.groups) if self.profile_plan.active else None
         if (placement := describe_placement(self.groups)) is not None:
             print(placement)  # which node each rank landed on, when the ranks span several nodes
         self.actor, self.critic, self.reward_model = self.roles.actor, self.roles.critic, self.roles.reward_model
@@ -294,6 +301,8 @@ class RLTrainer:
                 while self.global_step < self.total_steps:
                     self.global_step += 1
                     start = time.perf_counter()
+                    if self.profiling is not None:
+                        self.profiling.before_step(self.global_step)
                     metrics = self.async_step() if self.scheduler is not None else self.step(self.loader.next_batch())
                     last = self.global_step == self.total_steps
                     if self.val_dataset is not None and (last or (cfg.test_freq > 0 and
@@ -305,6 +314,8 @@ class RLTrainer:
                         with self.timed("save_checkpoint", timing := {}):
                             last_checkpoint = self.save_checkpoint()
                         metrics["timing_s/save_checkpoint"] = timing["save_checkpoint"]
+                    if self.profiling is not None:  # the step's trace covers its validation and checkpoint
+                        self.profiling.after_step(self.global_step)
                     metrics["timing_s/step_total"] = time.perf_counter() - start
                     self.log(metrics, step=self.global_step)
                     bar.update(metrics)
@@ -313,6 +324,9 @@ class RLTrainer:
             raise type(interrupt)(where_interrupted(self.global_step, getattr(self, "total_steps", 0),
                                                     last_checkpoint, getattr(self, "checkpoints", None))) from None
         finally:
+            if self.profiling is not None:  # a run that ends inside a profiled step still writes its trace
+                with contextlib.suppress(Exception):
+                    self.profiling.stop()
             if self.progress is not None:
                 self._report_progress(None)
             self.progress = None

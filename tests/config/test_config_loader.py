@@ -532,12 +532,14 @@ def test_verl_keys_hyflow_now_has_are_accepted():
         "actor_rollout_ref.rollout.multi_stage_wake_up=true", "+trainer.use_legacy_worker_impl=disable",
         "reward_model.use_reward_loop=true", "actor_rollout_ref.model.torch_dtype=bfloat16",
         "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=64",
-        "ray_kwargs.ray_init.runtime_env.py_executable=null",
+        "ray_kwargs.ray_init.runtime_env.py_executable=null", "actor_rollout_ref.actor.profiler.finish_hook_cmd=ls",
     ])
-    assert value_of(cfg, "actor_rollout_ref.actor.profiler.ranks") == [0, 1]
+    assert cfg.actor_rollout_ref.actor.profiler.ranks == [0, 1]  # the schema's now (docs/profiling.md)
     assert cfg.actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes == 64
     assert value_of(cfg, "trainer.use_legacy_worker_impl") == "disable"
-    assert "profiler" not in config_to_yaml(cfg)  # kept beside the schema's keys, not in the resolved config.yaml
+    assert value_of(cfg, "actor_rollout_ref.actor.profiler.finish_hook_cmd") == "ls"
+    # kept beside the schema's keys, not in the resolved config.yaml
+    assert "finish_hook_cmd" not in config_to_yaml(cfg) and "use_legacy_worker_impl" not in config_to_yaml(cfg)
 
 
 def test_verl_keys_list_ships_with_the_package():
@@ -797,23 +799,27 @@ def test_a_verl_yaml_setting_keys_hyflow_does_not_act_on_loads_and_config_yaml_o
 
     path = tmp_path / "verl.yaml"
     path.write_text(
-        "global_profiler:\n  tool: null\n  steps: null\n  save_path: outputs/profile\n"
+        "global_profiler:\n  tool: null\n  steps: null\n  save_path: outputs/profile\n  relocate_results: false\n"
         "actor_rollout_ref:\n  actor:\n    fsdp_config:\n      forward_prefetch: false\n      dtype: bfloat16\n"
         "      wrap_policy:\n        min_num_params: 0\n"
         "    profiler:\n      enable: ${actor_rollout_ref.ref.profiler.enable}\n"
-        "  ref:\n    profiler:\n      enable: true\n  rollout:\n    profiler:\n"
+        "      finish_hook_cmd: ${actor_rollout_ref.ref.profiler.finish_hook_cmd}\n"
+        "  ref:\n    profiler:\n      enable: true\n      finish_hook_cmd: ls\n  rollout:\n    profiler:\n"
         "data:\n  dataloader_num_workers: 8\n  train_batch_size: 512\n")
     cfg = load_config(config_file=path)
     assert cfg.data.train_batch_size == 512 and cfg.actor_rollout_ref.actor.fsdp_config.dtype == "bfloat16"
+    assert cfg.actor_rollout_ref.actor.profiler.enable is True  # a schema key's interpolation resolved
     declared = support.declared_values(cfg)
-    assert declared["actor_rollout_ref.actor.profiler.enable"] is True  # the interpolation resolved
-    assert declared["global_profiler.save_path"] == "outputs/profile"
+    assert declared["actor_rollout_ref.actor.profiler.finish_hook_cmd"] == "ls"  # and one beside the schema's
+    assert declared["global_profiler.relocate_results"] is False
     validate_config(cfg)
     line = support.performance_only_warning(cfg)  # only the values other than verl's defaults are named
-    assert "actor_rollout_ref.actor.profiler.enable=true" in line and "actor_rollout_ref.ref.profiler.enable=true" in line
+    assert ("actor_rollout_ref.actor.profiler.finish_hook_cmd=ls" in line
+            and "actor_rollout_ref.ref.profiler.finish_hook_cmd=ls" in line)
     assert "forward_prefetch" not in line and "global_profiler" not in line and "dataloader_num_workers" not in line
     saved = config_to_yaml(cfg)
-    assert "profiler" not in saved and "forward_prefetch" not in saved  # config.yaml holds the schema's keys
+    assert "finish_hook_cmd" not in saved and "forward_prefetch" not in saved  # config.yaml holds the schema's keys
+    assert "profiler:" in saved  # the profiler sections are the schema's
     (tmp_path / "config.yaml").write_text(saved)
     assert config_from_yaml_file(tmp_path / "config.yaml").data.train_batch_size == 512
     path.write_text("global_profiler:\n  tol: nsys\n")
@@ -832,7 +838,8 @@ def test_a_key_the_schema_does_not_hold_is_refused_by_its_entry_when_asked():
 
 @pytest.mark.parametrize("override, suggestion", [
     ("actor_rollout_ref.actor.profilr.enable=true", "actor_rollout_ref.actor.profiler.enable"),
-    ("actor_rollout_ref.actor.profiler={enable: true, bogus: 1}", "actor_rollout_ref.actor.profiler.tool"),
+    ("actor_rollout_ref.actor.profiler={enable: true, finish_hook_cmb: ls}",
+     "actor_rollout_ref.actor.profiler.finish_hook_cmd"),
     ("data.dataloader_num_worker=2", "data.dataloader_num_workers"),
     ("data.train_batch_sise=3", "data.train_batch_size"),  # a schema key still wins when it is closer
 ])

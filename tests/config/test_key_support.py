@@ -606,7 +606,8 @@ def test_ported_speed_knobs_are_named_at_start():
     line = support.performance_only_warning(cfg)
     for key in ("actor_rollout_ref.rollout.scheduling_policy=priority", "actor_rollout_ref.model.lora.merge=true",
                 "reward_model.model.use_remove_padding=true", "global_profiler.global_tool_config=",
-                "actor_rollout_ref.actor.profiler.tool_config=", "critic.profiler.tool_config="):
+                "actor_rollout_ref.actor.profiler.tool_config.torch.schedule=",
+                "critic.profiler.tool_config.precision_debugger="):
         assert key in line, key
 
 

@@ -294,9 +294,10 @@ def test_single_worker_group_returns_same_shapes():
 def test_group_methods_keep_names_and_docs():
     group = LocalWorkerGroup(Scaler)
     assert group.forward.__name__ == "forward" and group.forward.__doc__ == "Scale x."
-    # data_layouts: every Worker's (the meshes its methods split by, hyflow.controller.dispatch)
+    # data_layouts, start_profile, stop_profile: every Worker's (the meshes its methods split by,
+    # hyflow.controller.dispatch; this process's torch.profiler, hyflow.trainer.profiling)
     assert set(group.methods) == {"forward", "update", "whoami", "set_scale", "save", "set_seed", "explode",
-                                  "data_layouts"}
+                                  "data_layouts", "start_profile", "stop_profile"}
 
 
 def test_worker_error_names_rank_class_and_method():
@@ -402,8 +403,9 @@ def test_colocated_roles_share_one_process_per_rank(world_size):
     cls = make_colocated_class({"actor": Actor, "rollout": Rollout, "ref": Ref})
     group = LocalWorkerGroup(cls, world_size=world_size, actor={"lr": 0.1})
     assert cls.__name__ == "ColocatedActorRolloutRef" and group.roles == ("actor", "rollout", "ref")
+    # the process-wide methods once, not per role (actor_start_profile would start a second profiler)
     assert set(group.methods) == {"actor_compute_log_prob", "actor_sync_weights", "rollout_load_weights",
-                                  "ref_compute_log_prob", "data_layouts"}
+                                  "ref_compute_log_prob", "data_layouts", "start_profile", "stop_profile"}
     batch = make_batch(5)
     assert group.role("actor").sync_weights(2.0) == 2.0
     assert group.role("actor").compute_log_prob(batch)["old_log_probs"].tolist() == [2.0, 3.0, 4.0, 5.0, 6.0]

@@ -63,8 +63,10 @@ from hyflow.config.schema.common import (
     CheckpointConfig,
     CheckpointEngineConfig,
     FSDPConfig,
+    GlobalProfilerConfig,
     ModelConfig,
     OptimConfig,
+    ProfilerConfig,
 )
 from hyflow.config.schema.critic import (
     CriticConfig,
@@ -118,6 +120,8 @@ class HyflowConfig:
         AsyncTrainingConfig, "Asynchronous training: one-step off-policy, fully async with partial rollouts.")
     rollout: RolloutPoolConfig = section(RolloutPoolConfig, "The rollout pool of the asynchronous modes.")
     distillation: DistillationConfig = section(DistillationConfig, "On-policy distillation from frozen teachers.")
+    global_profiler: GlobalProfilerConfig = section(
+        GlobalProfilerConfig, "Which steps are profiled and where the traces go (docs/profiling.md).")
 
     def __post_init__(self) -> None:
         # Built directly (not by load_config), the `${...}` defaults are still strings: OmegaConf resolves them.
@@ -145,6 +149,7 @@ __all__ = [
     "DistillationLossConfig",
     "FSDPConfig",
     "FilterGroupsConfig",
+    "GlobalProfilerConfig",
     "HyflowConfig",
     "JudgeConfig",
     "KLControlConfig",
@@ -154,6 +159,7 @@ __all__ = [
     "OverlongBufferConfig",
     "PFPPOConfig",
     "PolicyLossConfig",
+    "ProfilerConfig",
     "RayKwargsConfig",
     "RefConfig",
     "RefModelConfig",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hyflow.config.schema.base import KL_PENALTY_NAMES, LOSS_AGG_MODES, option, section
-from hyflow.config.schema.common import CheckpointConfig, FSDPConfig, ModelConfig, OptimConfig
+from hyflow.config.schema.common import CheckpointConfig, FSDPConfig, ModelConfig, OptimConfig, ProfilerConfig
 from hyflow.config.schema.rollout import RolloutConfig
 
 
@@ -154,6 +154,7 @@ class ActorConfig:
     checkpoint: CheckpointConfig = section(CheckpointConfig, "What the actor's checkpoints contain.")
     optim: OptimConfig = section(OptimConfig, "Actor optimizer and learning-rate schedule.")
     fsdp_config: FSDPConfig = section(FSDPConfig, "FSDP settings of the actor.")
+    profiler: ProfilerConfig = section(ProfilerConfig, "Profiling the actor's worker processes (docs/profiling.md).")
 
 
 @dataclass
@@ -205,6 +206,8 @@ class RefConfig:
         FSDPConfig, "FSDP settings of the reference (frozen: no optimizer; param_offload keeps it in host memory "
         "but for its log-prob pass)."
     )
+    profiler: ProfilerConfig = section(
+        ProfilerConfig, "Profiling the reference's worker processes (the actor's: one worker hosts both).")
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hyflow.config.schema.base import option
+from hyflow.config.schema.base import option, section
 
 
 @dataclass
@@ -130,3 +130,53 @@ class CheckpointEngineConfig:
     update_weights_bucket_megabytes: int = option(
         256, "Weights move to the rollout engine in buckets of at most this many MiB (one larger tensor is a "
         "bucket alone): peak extra memory vs. transfer calls (hyflow; verl: 2048).")
+
+
+PROFILER_CONTENTS = ("cpu", "cuda", "memory", "shapes", "stack")
+PROFILER_TOOLS = ("torch", "nsys", "npu", "torch_memory", "precision_debugger")  # verl's; hyflow runs torch
+
+
+@dataclass
+class TorchProfilerConfig:
+    """verl's `profiler.tool_config.torch`: what torch.profiler records (`hyflow.trainer.profiling`)."""
+
+    contents: list[str] = option(
+        [], "What to record besides CPU activity (always on): cuda (device kernels; an empty list records them too "
+        "where CUDA exists), memory (profile_memory), shapes (record_shapes), stack (with_stack); cpu may be listed.")
+
+
+@dataclass
+class ProfilerToolConfig:
+    """verl's `profiler.tool_config`: per-tool settings (only torch's are acted on)."""
+
+    torch: TorchProfilerConfig = section(TorchProfilerConfig, "torch.profiler's settings.")
+
+
+@dataclass
+class ProfilerConfig:
+    """verl's per-role `profiler` section: whether and on which ranks this role's worker processes are profiled
+    on the steps of `global_profiler.steps` (docs/profiling.md)."""
+
+    tool: str | None = option(
+        None, "The profiler of this role (null = global_profiler.tool). hyflow runs torch; nsys, npu, torch_memory "
+        "and precision_debugger are accepted and not run (the start line says so).")
+    enable: bool = option(False, "Profile the worker processes hosting this role (actor, rollout and reference "
+                          "share one worker: one trace covers them).")
+    all_ranks: bool = option(False, "Profile every rank of the role's worker group.")
+    ranks: list[int] = option([], "The ranks to profile when all_ranks is false (empty: rank 0).")
+    save_path: str | None = option(None, "Folder of this role's traces (null = global_profiler.save_path).")
+    tool_config: ProfilerToolConfig = section(ProfilerToolConfig, "Per-tool settings.")
+
+
+@dataclass
+class GlobalProfilerConfig:
+    """verl's `global_profiler`: which steps are profiled, where the traces go."""
+
+    tool: str | None = option(
+        None, "torch: torch.profiler for the roles with profiler.enable (docs/profiling.md); nsys, npu, "
+        "torch_memory, precision_debugger: accepted, not run by hyflow; null: no profiling.")
+    steps: list[int] | None = option(None, "The RL steps to profile (1 = the first training step); null: none.")
+    profile_continuous_steps: bool = option(
+        False, "Consecutive profiled steps share one trace per process (verl: start at the first, stop after the "
+        "last).")
+    save_path: str = option("outputs/profile", "Folder of the Chrome traces (.json.gz).")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyflow.config.schema.base import LOSS_AGG_MODES, option, section
-from hyflow.config.schema.common import CheckpointConfig, FSDPConfig, OptimConfig
+from hyflow.config.schema.common import CheckpointConfig, FSDPConfig, OptimConfig, ProfilerConfig
 
 
 @dataclass
@@ -105,3 +105,4 @@ class CriticConfig:
         1, "Tensor-parallel size of the critic (see actor_rollout_ref.actor.tensor_parallel_size; needs "
         "critic.strategy fsdp/fsdp2; the value head is replicated).")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "What the critic's checkpoints contain.")
+    profiler: ProfilerConfig = section(ProfilerConfig, "Profiling the critic's worker processes (docs/profiling.md).")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyflow.config.schema.base import option, section
-from hyflow.config.schema.common import CheckpointEngineConfig
+from hyflow.config.schema.common import CheckpointEngineConfig, ProfilerConfig
 
 
 @dataclass
@@ -196,3 +196,6 @@ class RolloutConfig:
     checkpoint_engine: CheckpointEngineConfig = section(
         CheckpointEngineConfig, "How updated weights reach the rollout engine."
     )
+    profiler: ProfilerConfig = section(
+        ProfilerConfig, "Profiling the rollout's worker processes (colocated: the actor's; the asynchronous rollout "
+        "pool's own).")
