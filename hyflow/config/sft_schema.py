@@ -201,7 +201,8 @@ class SFTTrainerConfig:
     )
     logger: list[str] = option(
         ["console", "file"],
-        "Metric sinks: console, file (metrics.jsonl), tensorboard, wandb, mlflow, swanlab (verl: [console, wandb]).",
+        "Metric sinks: console, file (metrics.jsonl), tensorboard, wandb, mlflow, swanlab, clearml (verl: [console, "
+        "wandb]).",
     )
     save_freq: int = option(-1, "Save a checkpoint every this many steps (-1 = only at the end; the last step is always saved).")
     test_freq: int = option(-1, "Compute val/loss every this many steps (-1 = only at the end, when val_files is set).")

@@ -43,6 +43,13 @@ INSTALL_HINTS = {
     "wandb": "pip install 'hyflow[tracking]'",
     "mlflow": "pip install 'hyflow[tracking]'",
     "swanlab": "pip install swanlab",
+    "clearml": "pip install 'hyflow[tracking]'",
+}
+# trainer.logger names verl knows that hyflow refuses, with the reason
+REFUSED_LOGGERS = {
+    "trackio": "not supported yet: trackio's current release (0.43) needs pillow<13 and hyflow's locked "
+               "environment holds pillow 13 (matplotlib, tensorboard), so it cannot be installed and tested beside "
+               "them; log to tensorboard, wandb, mlflow, swanlab or clearml instead",
 }
 
 
@@ -455,3 +462,73 @@ class SwanlabLogger:
 
     def close(self) -> None:
         self.swanlab.finish()
+
+
+def clearml_offline_reason() -> str | None:
+    """Why ClearML should run offline (no `CLEARML_OFFLINE_MODE` chosen, no API key pair in the environment, no
+    clearml.conf from `clearml-init` at `CLEARML_CONFIG_FILE` or ~/clearml.conf), or None."""
+    if os.environ.get("CLEARML_OFFLINE_MODE") is not None:
+        return None
+    if os.environ.get("CLEARML_API_ACCESS_KEY") and os.environ.get("CLEARML_API_SECRET_KEY"):
+        return None
+    conf = Path(os.environ.get("CLEARML_CONFIG_FILE") or Path.home() / "clearml.conf")
+    if conf.is_file():
+        return None
+    return "no ClearML credentials are configured (CLEARML_API_ACCESS_KEY/CLEARML_API_SECRET_KEY or `clearml-init`)"
+
+
+# Task.init's auto_connect_frameworks: no framework patched (torch.save among them) and no repository detection,
+# whose thread also asks updates.clear.ml for a newer clearml (traffic hyflow never sends; no answer there: a long
+# wait). A dict, since a bare False leaves the repository detection on.
+CLEARML_NO_AUTO_CONNECT = {name: False for name in (
+    "matplotlib", "tensorflow", "tensorboard", "pytorch", "xgboost", "scikit", "fastai", "lightgbm", "hydra",
+    "detect_repository", "tfdefines", "joblib", "megengine", "catboost", "gradio")}
+
+
+class ClearmlLogger:
+    """ClearML (verl's `clearml` logger): `Task.init(project_name, task_name)`, the config as the task's
+    "Hyperparameters" configuration, each metric `a/b` as the scalar of title `a`, series `b` at its step, and the
+    generation samples as a table.
+
+    Offline (`Task.set_offline`: a session folder under ClearML's cache, imported later with
+    `clearml.Task.import_offline_session`) when `clearml_offline_reason()` finds no credentials and no chosen mode;
+    online it continues the last task of the same name, as verl does (a resumed run logs into it)."""
+
+    def __init__(self, run_dir: Path, project_name: str, experiment_name: str, config: dict):
+        self.clearml = import_backend("clearml", "clearml")
+        reason = clearml_offline_reason()
+        if reason is not None:
+            self.clearml.Task.set_offline(offline_mode=True)
+        try:
+            self.task = self.clearml.Task.init(
+                project_name=project_name, task_name=experiment_name, continue_last_task=reason is None,
+                output_uri=False, auto_connect_frameworks=CLEARML_NO_AUTO_CONNECT, auto_connect_arg_parser=False,
+                auto_resource_monitoring=False, auto_connect_streams=False)  # hyflow's console stays its own
+        except Exception as exc:
+            raise RuntimeError(
+                f"clearml Task.init failed: {exc}. If this is a login or network problem: run `clearml-init` (or set "
+                "CLEARML_API_ACCESS_KEY and CLEARML_API_SECRET_KEY), or run without the server: "
+                "CLEARML_OFFLINE_MODE=1, or remove clearml from trainer.logger") from exc
+        self.task.connect_configuration(config, name="Hyperparameters")
+        if reason is not None:
+            _note(f"clearml: {reason}, so it runs offline into {self.task.get_offline_mode_folder()} (import it "
+                  "later with clearml.Task.import_offline_session)")
+
+    def log(self, metrics: dict[str, int | float], step: int) -> None:
+        logger = self.task.get_logger()
+        for key, value in metrics.items():
+            title, series = key.split("/", 1) if "/" in key else (key, key)
+            logger.report_scalar(title=title, series=series, value=float(value), iteration=step)
+
+    def log_generations(self, rows: list[dict], step: int, split: str, path: Path) -> None:
+        import pandas as pd
+
+        table = pd.DataFrame.from_records([{k: json.dumps(v) if isinstance(v, (dict, list)) else v
+                                            for k, v in row.items()} for row in rows])
+        self.task.get_logger().report_table(title=f"{split}/generations", series="generations", iteration=step,
+                                            table_plot=table)
+
+    def close(self) -> None:
+        # ClearML's offline mode is process-wide and stays on: turning it off makes every session connect, which
+        # without a configured server raises
+        self.task.close()

@@ -12,7 +12,7 @@ backends named in `trainer.logger` (verl's names):
   become plain numbers. `read_metrics` reads it back, `truncate_metrics` cuts it back to a resumed step.
   Always on: the Tracker adds it when `trainer.logger` does not name it (`hyflow plot`, the end-of-run summary
   and resuming read this file).
-- `tensorboard` (`run_dir/tensorboard`), `wandb`, `mlflow`, `swanlab`: the services' own calls. Each needs
+- `tensorboard` (`run_dir/tensorboard`), `wandb`, `mlflow`, `swanlab`, `clearml`: the services' own calls. Each needs
   its package; a missing one is an ImportError at construction, before any backend has started. They work
   without an account or server:
   - mlflow tracks to `MLFLOW_TRACKING_URI` when set, else to `sqlite:///<run_dir>/mlflow.db` with artifacts in
@@ -21,7 +21,10 @@ backends named in `trainer.logger` (verl's names):
     (`WANDB_API_KEY`, `wandb login`'s ~/.netrc entry, or an api_key in wandb's settings) and neither
     `WANDB_MODE` nor `wandb offline/online` chose a mode;
   - swanlab likewise runs offline (`mode="offline"`; `"local"` before swanlab 0.7) when there is no
-    `SWANLAB_API_KEY`, no `swanlab login` credentials and no `SWANLAB_MODE`.
+    `SWANLAB_API_KEY`, no `swanlab login` credentials and no `SWANLAB_MODE`;
+  - clearml runs offline (`Task.set_offline`: a session folder in ClearML's cache, imported later) when there
+    are no API keys (`CLEARML_API_ACCESS_KEY`/`_SECRET_KEY`, `clearml-init`'s clearml.conf) and no
+    `CLEARML_OFFLINE_MODE`. (`trackio` is refused by name: `REFUSED_LOGGERS`.)
   A note on stdout says so; a service that still fails to start (a bad key, no network) is a RuntimeError
   naming its offline mode.
 
@@ -67,14 +70,17 @@ from hyflow.trainer.loggers import (
     GENERATIONS_DIR,
     INSTALL_HINTS,
     METRICS_FILE,
+    REFUSED_LOGGERS,
     REWARD_KEY,
     VAL_PATTERN,
+    ClearmlLogger,
     ConsoleLogger,
     FileLogger,
     MlflowLogger,
     SwanlabLogger,
     TensorBoardLogger,
     WandbLogger,
+    clearml_offline_reason,  # noqa: F401 (re-exported)
     console_keys,  # noqa: F401 (re-exported)
     console_step_shown,  # noqa: F401 (re-exported)
     format_console_line,  # noqa: F401 (re-exported)
@@ -100,6 +106,8 @@ TRACKERS.register("mlflow", lambda run_dir, project, experiment, config, stream:
     run_dir, project, experiment, config))
 TRACKERS.register("swanlab", lambda run_dir, project, experiment, config, stream: SwanlabLogger(
     run_dir, project, experiment, config))
+TRACKERS.register("clearml", lambda run_dir, project, experiment, config, stream: ClearmlLogger(
+    run_dir, project, experiment, config))
 VALID_LOGGERS = tuple(TRACKERS)  # in registration order, as the error message lists them
 
 
@@ -116,6 +124,8 @@ def check_logger_names(loggers: Sequence[str]) -> tuple[str, ...]:
     if isinstance(loggers, str):
         loggers = [loggers]
     for name in loggers:
+        if name in REFUSED_LOGGERS:
+            raise UnknownNameError(f"trainer.logger: {name} is {REFUSED_LOGGERS[name]}")
         if name not in TRACKERS:
             close = closest_names(name, TRACKERS, cutoff=0.5)
             raise UnknownNameError(f"trainer.logger: unknown logger {name!r}; valid loggers: "

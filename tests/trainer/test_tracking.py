@@ -189,7 +189,7 @@ def test_truncate_metrics_refuses_a_corrupt_middle_line_and_leaves_the_file(tmp_
 def test_unknown_logger_names_valid_ones_and_the_closest(tmp_path):
     with pytest.raises(
         ValueError,
-        match=r"unknown logger 'wandbb'; valid loggers: console, file, tensorboard, wandb, mlflow, swanlab\. Did you mean 'wandb'\?",
+        match=r"unknown logger 'wandbb'; valid loggers: console, file, tensorboard, wandb, mlflow, swanlab, clearml\. Did you mean 'wandb'\?",
     ):
         make(tmp_path, ["console", "wandbb"])
     assert not (tmp_path / "metrics.jsonl").exists()
@@ -731,3 +731,61 @@ def test_plain_lines_of_a_resumed_run_and_of_an_odd_total(monkeypatch):
         "step 44/45 (97 %) - elapsed 0.0s - ETA 0.0s - loss 1.25 - val_loss 1.5",
         "step 45/45 (100 %) - elapsed 0.0s - loss 1.25 - val_loss 1.5",
     ]
+
+
+# ------------------------------------------------------------------------- clearml (real), trackio (refused)
+
+
+@pytest.fixture
+def clearml_cache(tmp_path, no_credentials, monkeypatch):
+    """No ClearML credentials or chosen mode; its cache (where offline sessions go) in the test's folder."""
+    for var in ("CLEARML_OFFLINE_MODE", "CLEARML_API_ACCESS_KEY", "CLEARML_API_SECRET_KEY", "CLEARML_CONFIG_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("CLEARML_CACHE_DIR", str(tmp_path / "clearml-cache"))
+    return tmp_path / "clearml-cache"
+
+
+def test_real_clearml_runs_offline_without_credentials_and_records_the_scalars(tmp_path, clearml_cache, capsys):
+    with make(tmp_path / "run", ["clearml"], config={"actor": {"lr": 1e-6}}) as tracker:
+        tracker.log({"critic/score/mean": 0.25, "perf/tokens": 300}, step=1)
+        tracker.log({"critic/score/mean": 0.5}, step=2)
+        tracker.log_generations(ROWS, step=2)
+    out = capsys.readouterr().out
+    assert "hyflow: clearml: no ClearML credentials are configured" in out and "runs offline into" in out
+    (session,) = (clearml_cache / "offline").glob("offline-*/metrics.jsonl")
+    events = [e for line in session.read_text().splitlines() for e in json.loads(line)]
+    scalars = [(e["metric"], e["variant"], e["iter"], e["value"]) for e in events
+               if e["type"] == "training_stats_scalar"]
+    assert scalars == [("critic", "score/mean", 1, 0.25), ("perf", "tokens", 1, 300.0), ("critic", "score/mean", 2, 0.5)]
+    (table,) = [e for e in events if e["type"] == "plot" and e["metric"] == "val/generations"]
+    assert table["iter"] == 2 and "1+1=" in table["plot_str"]
+    task = json.loads((session.parent / "task.json").read_text())
+    assert task["project_name"] == "p" and task["name"] == "e"
+    assert "lr" in task["configuration"]["Hyperparameters"]["value"]
+
+
+def test_clearml_with_credentials_is_left_to_clearml(tmp_path, clearml_cache, monkeypatch):
+    monkeypatch.setenv("CLEARML_API_ACCESS_KEY", "key")
+    monkeypatch.setenv("CLEARML_API_SECRET_KEY", "secret")
+    calls = []
+
+    class Task:
+        @staticmethod
+        def set_offline(offline_mode):
+            calls.append(("set_offline", offline_mode))
+
+        @classmethod
+        def init(cls, **kwargs):
+            calls.append(("init", kwargs))
+            return types.SimpleNamespace(connect_configuration=lambda config, name: None, close=lambda: None)
+
+    monkeypatch.setitem(sys.modules, "clearml", types.SimpleNamespace(Task=Task))
+    with make(tmp_path / "run", ["clearml"]):
+        pass
+    assert [c[0] for c in calls] == ["init"]  # online: no offline switch
+    assert calls[0][1]["continue_last_task"] is True and calls[0][1]["auto_connect_streams"] is False
+
+
+def test_trackio_is_refused_by_name_with_the_reason(tmp_path):
+    with pytest.raises(ValueError, match=r"trainer.logger: trackio is not supported yet: .*pillow<13"):
+        make(tmp_path, ["file", "trackio"])

@@ -30,11 +30,12 @@ class TrainerConfig:
     logger: list[str] = option(
         ["console", "file"],
         "Metric sinks: console, file (metrics.jsonl in the run directory, always written even when not listed), "
-        "tensorboard, wandb, mlflow, swanlab (verl: [console, wandb]). wandb/swanlab run offline when no API key "
-        "is configured; mlflow tracks to sqlite:///<run dir>/mlflow.db unless MLFLOW_TRACKING_URI is set.",
+        "tensorboard, wandb, mlflow, swanlab, clearml (verl: [console, wandb]; its trackio is refused by name). "
+        "wandb/swanlab/clearml run offline when no API key is configured; mlflow tracks to sqlite:///<run "
+        "dir>/mlflow.db unless MLFLOW_TRACKING_URI is set.",
     )
     log_val_generations: int = option(
-        0, "Validation samples shown as a table on tensorboard/wandb/mlflow/swanlab per validation (0 = none); all "
+        0, "Validation samples shown as a table on tensorboard/wandb/mlflow/swanlab/clearml per validation (0 = none); all "
         "of them are always in <run dir>/generations/val_step_N.jsonl.")
     rollout_data_dir: str | None = option(
         None, "Write every training sample of step N (input, output, score, ground truth, scorer extras) to "
