@@ -239,6 +239,17 @@ def test_cispo_stops_the_gradient_through_the_clipped_weight():
     torch.testing.assert_close(logp.grad, -clipped * adv / 4)
 
 
+def test_cispo_with_verls_lower_clip_of_ten_clips_only_above():
+    """verl's CISPO example: clip_ratio_low=10, clip_ratio_high=0.2: weights below 1 pass unclipped (1 - 10 < 0)."""
+    ratios = [0.05, 0.5, 1.1, 1.5]
+    old, logp, adv, mask = _from_ratios(ratios, 1.0, log_prob=[-1.0, -2.0, -0.5, -1.5])
+    adv = torch.tensor([[1.0, -2.0, 0.5, 3.0]], dtype=torch.float64)
+    loss, m = compute_policy_loss_cispo(old, logp, adv, mask, clip_ratio_low=10.0, clip_ratio_high=0.2)
+    weights = torch.tensor([[0.05, 0.5, 1.1, 1.2]], dtype=torch.float64)
+    assert loss.item() == pytest.approx((-weights * adv * logp.detach()).mean().item())
+    assert _item(m, "pg_clipfrac") == pytest.approx(1 / 4)  # only 1.5, above
+
+
 # ----- SAPO -----
 
 

@@ -282,12 +282,8 @@ def test_dynamic_token_budget_must_cover_the_longest_sample():
     ("override", "message"),
     [
         (
-            "actor_rollout_ref.actor.clip_ratio_low=1.0",
-            "actor_rollout_ref.actor.clip_ratio_low=1.0 must be in [0, 1)",
-        ),
-        (
             "actor_rollout_ref.actor.clip_ratio_low=-0.1",
-            "actor_rollout_ref.actor.clip_ratio_low=-0.1 must be in [0, 1)",
+            "actor_rollout_ref.actor.clip_ratio_low=-0.1 must be >= 0",
         ),
         (
             "actor_rollout_ref.actor.clip_ratio_high=-0.2",
@@ -576,3 +572,10 @@ def test_the_start_lines_say_where_each_offloading_role_keeps_its_parts():
     assert "each move is a copy" in line
     policy = describe_batch_arithmetic(cfg_of(*STATIC, f"actor_rollout_ref.actor.{fsdp}.offload_policy=true"))
     assert "Offload: actor under FSDP2's CPUOffloadPolicy" in policy and "each move is a copy" not in policy
+
+
+def test_a_lower_clip_of_one_or_more_is_verls_unclipped_lower_bound():
+    """verl's CISPO example sets clip_ratio_low=10 (1 - 10 < 0: the positive ratio is never clipped below)."""
+    for value in ("1.0", "10"):
+        validate_config(cfg_of("actor_rollout_ref.actor.policy_loss.loss_mode=cispo",
+                               f"actor_rollout_ref.actor.clip_ratio_low={value}"))

@@ -10,10 +10,10 @@ from hyflow.config.schema import HyflowConfig
 def clip_ratios(cfg: HyflowConfig) -> list[str]:
     actor = cfg.actor_rollout_ref.actor
     problems = []
-    if not 0 <= actor.clip_ratio_low < 1:
+    if actor.clip_ratio_low < 0:  # >= 1 is allowed: no lower clip (the ratio is positive), verl's CISPO example
         problems.append(
-            f"{ACTOR}.clip_ratio_low={actor.clip_ratio_low} must be in [0, 1): the ratio is clipped below at "
-            f"1 - clip_ratio_low, which must stay positive. Use e.g. 0.2."
+            f"{ACTOR}.clip_ratio_low={actor.clip_ratio_low} must be >= 0: the ratio is clipped below at "
+            f"1 - clip_ratio_low (>= 1: not clipped below, as verl's CISPO example's 10). Use e.g. 0.2."
         )
     if actor.clip_ratio_high < 0:
         problems.append(

@@ -73,7 +73,8 @@ class ActorConfig:
         "PPO clip range epsilon (Schulman et al. 2017, arXiv 1707.06347); fallback for clip_ratio_low/high.",
     )
     clip_ratio_low: float = option(
-        0.2, "Lower clip range: ratio clipped below at 1 - clip_ratio_low; in [0, 1)."
+        0.2, "Lower clip range: ratio clipped below at 1 - clip_ratio_low; >= 0 (1 or more: no lower clip, as verl's "
+        "CISPO example's 10)."
     )
     clip_ratio_high: float = option(
         0.2,
