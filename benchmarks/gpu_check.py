@@ -39,6 +39,9 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, also when loaded by path
+from machine import cpu_model, load_average, run_command
+
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("device", "tests", "grpo", "rollout", "threads")
 LIBRARIES = ("torch", "transformers", "trl", "datasets", "accelerate", "peft", "tensordict", "omegaconf", "hydra-core",
@@ -145,7 +148,7 @@ def device_part(args: argparse.Namespace) -> dict:
     info = {"python": platform.python_version(), "executable": sys.executable, "torch": torch.__version__,
             "cuda_build": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
             "device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-            "cpu": cpu_model(), "cores": os.cpu_count(), "load_avg": list(os.getloadavg()),
+            "cpu": cpu_model(), "cores": os.cpu_count(), "load_avg": load_average(),
             "commit": args.commit or git_commit(), "versions": {}}
     for name in LIBRARIES:
         try:
@@ -302,23 +305,11 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def git_commit() -> str | None:
-    if not (ROOT / ".git").exists() or not shutil.which("git"):
-        return None
-    proc = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    return (proc.stdout.strip() + (" + uncommitted changes" if dirty else "")) if proc.returncode == 0 else None
+    """HEAD's short hash (with a note when tracked files changed), or None where there is no git checkout."""
+    commit = run_command(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
+    dirty = run_command(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])
+    return (commit + (" + uncommitted changes" if dirty else "")) if commit else None
 
 
 def summary_text(report: dict) -> str:

@@ -32,6 +32,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from hyflow.config.checks.profiler import profiler_sections
+
 ARR = "actor_rollout_ref"
 # the config sections with a profiler, and the worker-group roles (`hyflow.trainer.role_registry`) that host them
 SECTIONS = {f"{ARR}.actor": ("actor",), f"{ARR}.ref": ("actor",), f"{ARR}.rollout": ("actor", "rollout"),
@@ -57,7 +59,7 @@ class RoleProfile:
 
 @dataclass(frozen=True)
 class ProfilePlan:
-    """What a run profiles: the steps, the sections that take part, and what was asked that hyflow does not do."""
+    """What a run profiles: the steps, whether consecutive ones share a trace, each section's settings."""
 
     steps: tuple[int, ...] = ()
     continuous: bool = False
@@ -110,10 +112,8 @@ def profile_plan(cfg: Any) -> ProfilePlan:
     """The run's `ProfilePlan` from its `global_profiler` and role `profiler` sections (their names are checked by
     `hyflow.config.checks.profiler`)."""
     g = cfg.global_profiler
-    sections = {f"{ARR}.actor": cfg.actor_rollout_ref.actor.profiler, f"{ARR}.ref": cfg.actor_rollout_ref.ref.profiler,
-                f"{ARR}.rollout": cfg.actor_rollout_ref.rollout.profiler, "critic": cfg.critic.profiler}
     roles = []
-    for section, p in sections.items():
+    for section, p in profiler_sections(cfg).items():
         contents = tuple(str(c) for c in p.tool_config.torch.contents)
         roles.append(RoleProfile(section=section, enable=p.enable, tool=p.tool or g.tool, all_ranks=p.all_ranks,
                                  ranks=tuple(int(r) for r in p.ranks), save_path=str(p.save_path or g.save_path),
@@ -129,33 +129,27 @@ class StepProfiling:
 
     def __init__(self, plan: ProfilePlan, groups: list) -> None:
         self.plan, self.groups = plan, groups
-        self.running = False
+        self.started: list = []  # the groups whose profilers run now
         self.traces: list[str] = []
 
     def before_step(self, step: int) -> None:
-        if not self.plan.profiled(step) or self.running:
+        if not self.plan.profiled(step) or self.started:
             return
         for group in self.groups:
             spec = self.plan.group_spec(getattr(group, "roles", ()), step)
             if spec is not None:
                 group.start_profile(spec)
-        self.running = True
+                self.started.append(group)
 
     def after_step(self, step: int) -> None:
-        if not self.running:
-            return
-        if self.plan.continuous and self.plan.profiled(step + 1):
-            return
-        self.stop()
+        if self.started and not (self.plan.continuous and self.plan.profiled(step + 1)):
+            self.stop()
 
     def stop(self) -> None:
-        """Stop every group's profiler (each writes its trace); the paths written go to `traces`."""
-        if not self.running:
-            return
-        self.running = False
-        for group in self.groups:
-            if self.plan.group_spec(getattr(group, "roles", ()), 0) is not None:
-                self.traces += [p for p in group.stop_profile() if p]
-        if self.traces:
+        """Stop the started groups' profilers (each writes its trace); the paths written go to `traces`."""
+        started, self.started = self.started, []
+        for group in started:
+            self.traces += [p for p in group.stop_profile() if p]
+        if started and self.traces:
             print(f"Profiler: {len(self.traces)} trace(s) so far, the last {os.path.basename(self.traces[-1])}",
                   flush=True)
