@@ -276,8 +276,9 @@ def _add_training_commands(sub) -> None:
 
 def _add_serve_command(sub) -> None:
     """`hyflow serve`: the Tinker-compatible service (hyflow.serve, docs/serve.md)."""
-    p = sub.add_parser("serve", help="a Tinker-compatible training and sampling service: LoRA adapters per client "
-                       "on one base model (the tinker SDK's REST API)")
+    what = ("a Tinker-compatible training and sampling service: LoRA adapters per client on one base model (the "
+            "tinker SDK's REST API; docs/serve.md)")
+    p = sub.add_parser("serve", help=what, description=what)
     p.add_argument("--model", required=True, help="the base model: a local Hugging Face directory (or hub id)")
     p.add_argument("--name", default=None, help="the base_model name clients ask for (default: --model as given)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")

@@ -21,6 +21,7 @@ import re
 import shutil
 import time
 import uuid
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,12 +161,16 @@ class ModelHost:
         config = LoraConfig(r=lora.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets,
                             bias="none", task_type="CAUSAL_LM")
         seed = lora.seed if lora.seed is not None else int.from_bytes(uuid.uuid4().bytes[:4], "little")
-        with _seeded(seed):
+        with _seeded(seed), warnings.catch_warnings():
+            # transformers' own deprecation inside peft; peft's note on a tied lm_head: the adapter's delta is on
+            # the head only, the shared embedding matrix stays frozen and no adapter is ever merged here
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated")
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*ensure_weight_tying")
             if self.peft is None:
                 self.peft = get_peft_model(self.model, config, adapter_name=adapter)
             else:
                 self.peft.add_adapter(adapter, config)
-        self.peft.base_model.set_adapter(adapter)
+        self.peft.set_adapter(adapter)
 
     def _adapter_params(self, adapter: str) -> dict[str, torch.nn.Parameter]:
         """The adapter's LoRA factors, keyed by names without the adapter's own name (so a checkpoint fits any
@@ -182,12 +187,20 @@ class ModelHost:
         return run
 
     def unload(self, run: Run) -> None:
-        self.peft.delete_adapter(run.adapter)
+        """Drop a run's adapter and optimizer (its files stay). The last adapter takes the peft wrapper with it
+        (peft keeps no model without an adapter): the base model is plain again, as before the first run."""
         del self.runs[run.run_id]
+        left = [r.adapter for r in [*self.runs.values(), *self._slots.values()]]
+        if not left:
+            self.peft.unload()  # puts the base layers back in place: self.model is the same module
+            self.peft = None
+            return
+        self.peft.delete_adapter(run.adapter)
+        self.peft.set_adapter(left[0])
 
     @contextlib.contextmanager
     def _active(self, run: Run) -> Iterator[None]:
-        self.peft.base_model.set_adapter(run.adapter)
+        self.peft.set_adapter(run.adapter)  # the PeftModel's own record too (its forward reads that one's config)
         for p in run.params.values():  # set_adapter may reset requires_grad of the adapter it activates
             p.requires_grad_(True)
         yield

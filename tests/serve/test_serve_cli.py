@@ -70,3 +70,9 @@ def test_serve_prints_its_url_and_key_and_stops_on_sigterm(tiny_model_dir, tmp_p
             raise
     assert proc.returncode == 143, err
     assert "stopping after" in err
+
+
+def test_python_dash_m_hyflow_is_the_command():
+    result = subprocess.run([sys.executable, "-m", "hyflow", "serve", "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "--allow-remote" in result.stdout and "tinker" in result.stdout
