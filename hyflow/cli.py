@@ -292,6 +292,8 @@ def _add_serve_command(sub) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (the base model's weights)")
     p.add_argument("--max-pending", type=int, default=256, help="calls queued at most (429 past it)")
     p.add_argument("--max-body-mb", type=int, default=64, help="largest request body in MiB (413 past it)")
+    p.add_argument("--max-batch-samples", type=int, default=256, help="sample calls queued together on the same "
+                   "weights decode as one batch of at most this many samples (1: one call at a time)")
     p.set_defaults(fn=_cmd_serve)
 
 

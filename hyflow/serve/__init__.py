@@ -67,7 +67,8 @@ def serve(args) -> int:
     generated = not keys
     service, url, keys, stop = start(args.model, name=args.name, host=args.host, port=args.port, api_keys=keys,
                                      store=args.store, device=args.device, dtype=args.dtype,
-                                     max_pending=args.max_pending, max_body_bytes=args.max_body_mb << 20)
+                                     max_pending=args.max_pending, max_body_bytes=args.max_body_mb << 20,
+                                     max_batch_samples=args.max_batch_samples)
     print(f"hyflow serve: {service.host.name!r} ({type(service.host.model).__name__}) on {url}; checkpoints in "
           f"{service.host.store}", flush=True)
     print(f"  export TINKER_BASE_URL={url}", flush=True)

@@ -16,11 +16,12 @@ request gets a 4xx with the reason (`{"detail": ...}`), an error inside a call f
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import json
-import queue
 import threading
 import time
 import traceback
@@ -33,10 +34,15 @@ from datetime import datetime, timezone
 from aiohttp import web
 
 from hyflow.rollout.base import SamplingParams
-from hyflow.serve.host import LoraSpec, ModelHost, Run, ServeError
+from hyflow.serve.host import LoraSpec, ModelHost, Run, SampleAsk, ServeError
 from hyflow.serve.wire import forward_backward_output, parse_forward_backward, sample_output
 
 POLL_WAIT_S = 20.0  # a retrieve_future call waits this long for its result before answering try_again
+# a sample call waits for more sample calls to decode with it while they keep coming: up to BATCH_GAP_S after the
+# last one arrived, BATCH_MAX_WAIT_S in all (a lone call pays BATCH_GAP_S; an SDK's burst of calls arrives over tens
+# of milliseconds, one HTTP request at a time)
+BATCH_GAP_S = 0.02
+BATCH_MAX_WAIT_S = 0.1
 
 
 @dataclass
@@ -52,14 +58,30 @@ class _Call:
     loop: asyncio.AbstractEventLoop | None = None
 
 
+@dataclass(frozen=True)
+class _Sampling:
+    """A queued sample call: calls with equal `key` (the same weights and sampling settings) decode as one batch."""
+
+    owner: str
+    path: str | None
+    params: SamplingParams
+    ask: SampleAsk
+
+    @property
+    def key(self) -> tuple:
+        return (self.owner, self.path, self.params)
+
+
 class TinkerService:
     """The routes (module docstring) and the worker thread; `app()` is the aiohttp application."""
 
     def __init__(self, host: ModelHost, api_keys: list[str], *, max_pending: int = 256,
                  max_body_bytes: int = 64 << 20, max_results: int = 1024, result_ttl_s: float = 3600.0,
-                 max_samples: int = 128, max_new_tokens: int = 4096) -> None:
+                 max_samples: int = 128, max_new_tokens: int = 4096, max_batch_samples: int = 256) -> None:
         if not api_keys:
             raise ValueError("hyflow serve needs at least one API key")
+        if max_batch_samples < 1:
+            raise ValueError(f"--max-batch-samples must be >= 1 (1: no batching), got {max_batch_samples}")
         bad = [k for k in api_keys if not k.startswith("tml-") or len(k) < 12]
         if bad:
             raise ValueError("an API key must start with 'tml-' (the tinker SDK refuses others) and be at least 12 "
@@ -74,9 +96,12 @@ class TinkerService:
         self.result_ttl_s = result_ttl_s
         self.max_samples = max_samples
         self.max_new_tokens = max_new_tokens
+        self.max_batch_samples = max_batch_samples
+        self.samples_batched = 0  # decoding batches that held more than one sample call
         self._calls: OrderedDict[str, _Call] = OrderedDict()
         self._lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue()
+        self._jobs: collections.deque = collections.deque()  # (call, work) in arrival order
+        self._wake = threading.Condition(self._lock)
         self._pending = 0
         self._sessions: dict[str, str] = {}  # session id -> owner
         self._samplers: dict[str, tuple[str, str | None]] = {}  # sampling session id -> (owner, tinker path)
@@ -140,7 +165,8 @@ class TinkerService:
             call = _Call(f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", owner, kind)
             self._calls[call.request_id] = call
             self._pending += 1
-        self._queue.put((call, work))
+            self._jobs.append((call, work))
+            self._wake.notify()
         return web.json_response({"request_id": call.request_id, **extra})
 
     def _prune(self) -> None:
@@ -150,32 +176,85 @@ class TinkerService:
             if call.done.is_set() and (now - call.finished > self.result_ttl_s or len(self._calls) > self.max_results):
                 del self._calls[request_id]
 
+    def _next_jobs(self) -> list[tuple[_Call, Callable | _Sampling]]:
+        """The next job, and with a sample call every sample call queued right behind it on the same weights and
+        sampling settings (one decoding batch, `max_batch_samples` samples at most), waiting for more while they keep
+        arriving (BATCH_GAP_S, BATCH_MAX_WAIT_S: an SDK sends a loop's calls one HTTP request at a time). Order
+        is kept: a merge stops at the first other call, so no call ever overtakes a training call."""
+        with self._wake:
+            while not self._jobs:
+                self._wake.wait()
+            group = [self._jobs.popleft()]
+            work = group[0][1]
+            if not isinstance(work, _Sampling):
+                return group
+            total, start = work.ask.num_samples, time.monotonic()
+            deadline = start + BATCH_GAP_S
+            while total < self.max_batch_samples:
+                if not self._jobs:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._wake.wait(left):
+                        break
+                    continue
+                following = self._jobs[0][1]
+                if not isinstance(following, _Sampling) or following.key != work.key or \
+                        total + following.ask.num_samples > self.max_batch_samples:
+                    break
+                total += following.ask.num_samples
+                group.append(self._jobs.popleft())
+                deadline = min(start + BATCH_MAX_WAIT_S, time.monotonic() + BATCH_GAP_S)
+            return group
+
     def _work(self) -> None:
         while True:
-            call, work = self._queue.get()
-            if call is None:
+            group = self._next_jobs()
+            if group[0][0] is None:
                 return
             try:
-                call.content_type, call.body = work()
-            except ServeError as exc:
-                call.body = json.dumps({"error": str(exc), "category": "user"}).encode()
-            except Exception as exc:
-                traceback.print_exc()
-                call.body = json.dumps({"error": f"{type(exc).__name__}: {exc}", "category": "server"}).encode()
-                call.content_type = "application/json"
-            call.finished = time.time()
-            with self._lock:
-                self._pending -= 1
-                self.calls_done += 1
-            call.done.set()
-            with self._lock:  # a poll that registered before `done` was set is woken; one after it sees `done`
-                loop, ready = call.loop, call.ready
-            if loop is not None:
-                with contextlib.suppress(RuntimeError):  # the loop is gone: the service is stopping
-                    loop.call_soon_threadsafe(ready.set)
+                if isinstance(group[0][1], _Sampling):
+                    self._run_sampling(group)
+                else:
+                    call, work = group[0]
+                    self._finish(call, *work())
+            except Exception as exc:  # never lose the worker: every call of the group not yet answered fails
+                for call, _ in group:
+                    if not call.done.is_set():
+                        self._fail(call, exc)
+
+    def _run_sampling(self, group: list) -> None:
+        first = group[0][1]
+        adapter = self.host.sampler_weights(first.path, first.owner) if first.path is not None else None
+        params = dataclasses.replace(first.params, max_new_tokens=max(w.ask.max_tokens for _, w in group))
+        results = self.host.sample([w.ask for _, w in group], params, adapter)
+        self.samples_batched += len(group) > 1
+        for (call, _), samples in zip(group, results, strict=True):
+            self._finish(call, "application/x-protobuf", sample_output(samples))
+
+    def _fail(self, call: _Call, exc: Exception) -> None:
+        if isinstance(exc, ServeError):
+            body = {"error": str(exc), "category": "user"}
+        else:
+            traceback.print_exc()
+            body = {"error": f"{type(exc).__name__}: {exc}", "category": "server"}
+        self._finish(call, "application/json", json.dumps(body).encode())
+
+    def _finish(self, call: _Call, content_type: str, body: bytes) -> None:
+        call.content_type, call.body = content_type, body
+        call.finished = time.time()
+        with self._lock:
+            self._pending -= 1
+            self.calls_done += 1
+        call.done.set()
+        with self._lock:  # a poll that registered before `done` was set is woken; one after it sees `done`
+            loop, ready = call.loop, call.ready
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: the service is stopping
+                loop.call_soon_threadsafe(ready.set)
 
     def close(self) -> None:
-        self._queue.put((None, None))
+        with self._wake:
+            self._jobs.appendleft((None, None))
+            self._wake.notify()
         self._worker.join(timeout=30)
 
     async def _retrieve(self, request: web.Request) -> web.Response:
@@ -448,18 +527,14 @@ class TinkerService:
         if not 1 <= body.num_samples <= self.max_samples:
             raise ServeError(f"num_samples must be in [1, {self.max_samples}] (--max-samples), got {body.num_samples}")
         prompt = _prompt_tokens(body.prompt)
-        params, seed = self._sampling_params(body.sampling_params)
-
-        def work():
-            adapter = self.host.sampler_weights(path, owner) if path is not None else None
-            samples = self.host.sample(prompt, body.num_samples, params, seed, adapter)
-            return "application/x-protobuf", sample_output(samples)
-
+        self.host.check_prompt(prompt)
+        params, seed, max_tokens = self._sampling_params(body.sampling_params)
+        job = _Sampling(owner, path, params, SampleAsk(prompt, body.num_samples, max_tokens, seed))
         # one id per sample, fixed at submission (the SDK stamps them on the returned sequences)
-        return self._submit(owner, "sample", work,
+        return self._submit(owner, "sample", job,
                             sample_sequence_ids=[f"seq-{uuid.uuid4().hex[:12]}" for _ in range(body.num_samples)])
 
-    def _sampling_params(self, given) -> tuple[SamplingParams, int | None]:
+    def _sampling_params(self, given) -> tuple[SamplingParams, int | None, int]:
         max_tokens = given.max_tokens if given.max_tokens is not None else 256
         if not 1 <= max_tokens <= self.max_new_tokens:
             raise ServeError(f"sampling_params.max_tokens must be in [1, {self.max_new_tokens}] (--max-new-tokens), "
@@ -476,12 +551,12 @@ class TinkerService:
                                  "single tokens (pass token ids, or strings that are one token)")
             stop_ids.append(ids[0])
         try:
-            params = SamplingParams(max_new_tokens=max_tokens, temperature=float(given.temperature),
+            params = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=float(given.temperature),
                                     top_p=float(given.top_p), top_k=int(given.top_k),
                                     stop_token_ids=tuple(stop_ids), calculate_log_probs=True)
         except ValueError as exc:
             raise ServeError(f"sampling_params: {exc}") from exc
-        return params, given.seed
+        return params, given.seed, max_tokens
 
     def _check_session(self, session_id: str | None, owner: str) -> None:
         if self._sessions.get(session_id) != owner:

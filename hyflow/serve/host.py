@@ -90,6 +90,16 @@ class Run:
     pending_grads: bool = False
 
 
+@dataclass(frozen=True)
+class SampleAsk:
+    """One sample call's part of a decoding batch: its prompt, how many samples, their budget and first seed."""
+
+    prompt: list[int]
+    num_samples: int
+    max_tokens: int
+    seed: int | None
+
+
 @dataclass
 class Sample:
     tokens: list[int]
@@ -389,20 +399,26 @@ class ModelHost:
         (directory / "owner").write_text(run.owner)
 
     # ------------------------------------------------------------------ sampling
-    def sample(self, prompt: list[int], num_samples: int, params: SamplingParams, seed: int | None,
-               adapter: tuple[Run, dict[str, torch.Tensor]] | None) -> list[Sample]:
-        """`num_samples` continuations of `prompt` with the base model (adapter None) or a run's adapter set to the
-        given weights for this call (a sampler checkpoint); sample i is seeded `seed + i`."""
+    def check_prompt(self, prompt: list[int]) -> None:
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad or not prompt:
             raise ServeError(f"the prompt has {'no tokens' if not prompt else f'token id {bad[0]} outside the vocabulary'}"
                              f" (vocabulary size {self.vocab_size})")
-        requests = [TokenRequest(request_id=str(i), prompt_ids=list(prompt), max_tokens=params.max_new_tokens,
-                                 seed=None if seed is None else seed + i) for i in range(num_samples)]
+
+    def sample(self, asks: list[SampleAsk], params: SamplingParams,
+               adapter: tuple[Run, dict[str, torch.Tensor]] | None) -> list[list[Sample]]:
+        """Each ask's `num_samples` continuations of its prompt, all asks decoded as one batch, with the base model
+        (adapter None) or a run's adapter set to the given weights for this call (a sampler checkpoint); sample i of
+        an ask is seeded `seed + i`, at most `max_tokens` new tokens (`params.max_new_tokens` caps them all)."""
+        for ask in asks:
+            self.check_prompt(ask.prompt)
+        requests = [TokenRequest(request_id=f"{a}.{i}", prompt_ids=list(ask.prompt), max_tokens=ask.max_tokens,
+                                 seed=None if ask.seed is None else ask.seed + i)
+                    for a, ask in enumerate(asks) for i in range(ask.num_samples)]
         with self._weights_for_sampling(adapter):
-            outputs = self.engine.generate_requests(requests, params)
-        return [Sample(list(o.token_ids), list(o.log_probs or []), "stop" if o.stop_reason == "stop" else "length")
-                for o in outputs]
+            outputs = iter(self.engine.generate_requests(requests, params))
+        return [[Sample(list(o.token_ids), list(o.log_probs or []), "stop" if o.stop_reason == "stop" else "length")
+                 for o in (next(outputs) for _ in range(ask.num_samples))] for ask in asks]
 
     @contextlib.contextmanager
     def _weights_for_sampling(self, adapter: tuple[Run, dict[str, torch.Tensor]] | None) -> Iterator[None]:

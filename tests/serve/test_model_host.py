@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hyflow.rollout.base import SamplingParams
-from hyflow.serve.host import Datum, LoraSpec, ModelHost, ServeError
+from hyflow.serve.host import Datum, LoraSpec, ModelHost, SampleAsk, ServeError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -25,7 +25,7 @@ DATA = [Datum([5, 6, 7], {"target_tokens": torch.tensor([6, 7, 8]), "weights": t
 
 def test_runs_come_and_go_and_the_base_model_is_the_same_after(host):
     params = SamplingParams(max_new_tokens=4)
-    base = host.sample([5, 6], 2, params, 0, None)
+    base = host.sample([SampleAsk([5, 6], 2, 4, 0)], params, None)[0]
     first = None
     for n in range(3):  # the last adapter's unload takes the peft wrapper away; the next run brings it back
         run = host.create_run("owner", run_id(n), "tiny", LoraSpec(rank=2, seed=0))
@@ -34,7 +34,7 @@ def test_runs_come_and_go_and_the_base_model_is_the_same_after(host):
         assert loss == pytest.approx(first, rel=1e-6)  # same seed, same fresh adapter each time
         host.unload(run)
         assert host.runs == {} and host.peft is None
-    again = host.sample([5, 6], 2, params, 0, None)
+    again = host.sample([SampleAsk([5, 6], 2, 4, 0)], params, None)[0]
     assert [s.tokens for s in again] == [s.tokens for s in base]
     assert [s.log_probs for s in again] == [s.log_probs for s in base]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -267,6 +268,41 @@ def test_base_model_sampling_ignores_every_adapter(service, client, tokenizer):
     assert [s.logprobs for s in before.sequences] == [s.logprobs for s in after.sequences]
 
 
+def test_sample_calls_queued_together_decode_as_one_batch_with_the_same_results(service, client, tokenizer):
+    """Sample calls waiting behind one another on the same weights decode as one batch (an RL loop's prompts);
+    each call gets what it gets alone: its own samples, seeds and budgets."""
+    svc = service[0]
+    base = client.create_sampling_client(base_model="tiny").result()
+    tc = client.create_lora_training_client(base_model="tiny", rank=4, seed=19).result()
+    train(tc, [sft_datum(tokenizer, "the cat sat on the mat")], 2, 5e-2)
+    trained = tc.save_weights_and_get_sampling_client().result()
+    asks = [(tokenizer.encode(text), n, max_tokens, seed, sampler) for text, n, max_tokens, seed, sampler in
+            [("the cat", 3, 6, 1, base), ("a dog ran in the park", 2, 4, 2, base), ("the cat", 3, 6, 1, trained),
+             ("the", 4, 8, 3, base), ("snow is", 1, 5, 4, base)]]
+
+    def submit(ask):
+        prompt, n, max_tokens, seed, sampler = ask
+        return sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=n,
+                           sampling_params=types.SamplingParams(max_tokens=max_tokens, seed=seed))
+
+    alone = [submit(ask).result() for ask in asks]
+    gate = threading.Event()
+    svc._submit("owner-x", "test", lambda: (gate.wait(60), ("application/json", b"{}"))[1])
+    batched_before = svc.samples_batched
+    futures = [submit(ask) for ask in asks]
+    deadline = time.monotonic() + 60
+    while len(svc._jobs) < len(asks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gate.set()
+    together = [f.result() for f in futures]
+    assert svc.samples_batched == batched_before + 2  # base x2, then the trained snapshot alone, then base x2
+    for (_, n, max_tokens, _, _), a, b in zip(asks, alone, together, strict=True):
+        assert len(b.sequences) == n and all(len(s.tokens) <= max_tokens for s in b.sequences)
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
+        for x, y in zip(a.sequences, b.sequences, strict=True):
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
+
+
 def test_stop_token_ends_a_sample(client, tokenizer):
     base = client.create_sampling_client(base_model="tiny").result()
     prompt = types.ModelInput.from_ints(tokenizer.encode("the cat"))
@@ -437,6 +473,20 @@ def test_a_bad_call_fails_its_own_future_and_nothing_else(client, tokenizer, cas
     with pytest.raises(Exception, match=match):
         tc.forward_backward([datum], loss_fn, loss_fn_config=config).result()
     assert math.isfinite(tc.forward_backward([good], "importance_sampling").result().metrics["loss:sum"])
+
+
+def test_an_unexpected_error_inside_a_call_fails_that_call_and_the_worker_goes_on(service, client, tokenizer,
+                                                                               monkeypatch):
+    svc = service[0]
+    sampler = client.create_sampling_client(base_model="tiny").result()
+    prompt = types.ModelInput.from_ints(tokenizer.encode("the cat"))
+    params = types.SamplingParams(max_tokens=3, seed=0)
+    real = svc.host.sample
+    monkeypatch.setattr(svc.host, "sample", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("engine exploded")))
+    with pytest.raises(Exception, match="RuntimeError: engine exploded"):
+        sampler.sample(prompt=prompt, num_samples=1, sampling_params=params).result(timeout=60)
+    monkeypatch.setattr(svc.host, "sample", real)
+    assert len(sampler.sample(prompt=prompt, num_samples=2, sampling_params=params).result(timeout=60).sequences) == 2
 
 
 def test_queued_calls_are_bounded(service):
