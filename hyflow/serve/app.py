@@ -42,6 +42,9 @@ POLL_WAIT_S = 20.0  # a retrieve_future call waits this long for its result befo
 # last one arrived, BATCH_MAX_WAIT_S in all (a lone call pays BATCH_GAP_S; an SDK's burst of calls arrives over tens
 # of milliseconds, one HTTP request at a time)
 BATCH_GAP_S = 0.02
+KEEP_SNAPSHOTS = 8  # unnamed sampler snapshots (save_weights_and_get_sampling_client) kept per run
+MAX_SESSIONS = 4096  # sessions per service (a ServiceClient opens one)
+MAX_SAMPLERS = 16384  # sampling sessions kept (the oldest go first)
 BATCH_MAX_WAIT_S = 0.1
 
 
@@ -302,6 +305,8 @@ class TinkerService:
 
     async def _create_session(self, request: web.Request) -> web.Response:
         await _json(request)
+        if len(self._sessions) >= MAX_SESSIONS:
+            raise ServeError(f"this service holds {MAX_SESSIONS} sessions; restart it to clear them", 429)
         session_id = f"session-{uuid.uuid4().hex[:12]}"
         self._sessions[session_id] = request["owner"]
         return web.json_response({"type": "create_session", "session_id": session_id})
@@ -403,16 +408,36 @@ class TinkerService:
         named = body.path is not None
 
         def work():
-            name = body.path if named else f"ephemeral-{uuid.uuid4().hex[:12]}"
+            name = body.path if named else f"ephemeral-{next(self._ids):09d}-{uuid.uuid4().hex[:8]}"
             path = self.host.save(run, name, kind="sampler_weights", optimizer=False)
             reply = {"type": "save_weights_for_sampler", "path": path}
             if not named:  # save_weights_and_get_sampling_client: a sampling session on the snapshot
-                session = f"sampler-{uuid.uuid4().hex[:12]}"
-                self._samplers[session] = (owner, path)
-                reply["sampling_session_id"] = session
+                reply["sampling_session_id"] = self._add_sampler(owner, path)
+                self._drop_old_snapshots(run, owner)
             return _ok(reply)
 
         return self._submit(owner, "save_weights_for_sampler", work)
+
+    def _drop_old_snapshots(self, run: Run, owner: str) -> None:
+        """An RL loop makes an unnamed sampler snapshot every iteration: a run keeps its newest
+        `KEEP_SNAPSHOTS` (older sampling clients of the run then get 404); named ones stay until deleted."""
+        found = sorted(c["checkpoint_id"] for c in self.host.checkpoints(run.run_id, owner)
+                       if c["checkpoint_id"].startswith("sampler_weights/ephemeral-"))
+        for checkpoint_id in found[:-KEEP_SNAPSHOTS]:
+            self.host.delete_checkpoint(run.run_id, checkpoint_id, owner)
+            gone = f"tinker://{run.run_id}/{checkpoint_id}"
+            with self._lock:
+                for session in [s for s, (_, path) in self._samplers.items() if path == gone]:
+                    del self._samplers[session]
+
+    def _add_sampler(self, owner: str, path: str | None) -> str:
+        """A new sampling session on `path` (None: the base model); the oldest beyond MAX_SAMPLERS are dropped."""
+        session = f"sampler-{uuid.uuid4().hex[:12]}"
+        with self._lock:
+            self._samplers[session] = (owner, path)
+            while len(self._samplers) > MAX_SAMPLERS:
+                del self._samplers[next(iter(self._samplers))]
+        return session
 
     async def _load_weights(self, request: web.Request) -> web.Response:
         from tinker import types
@@ -491,8 +516,7 @@ class TinkerService:
         elif body.base_model != self.host.name:
             raise ServeError(f"base_model {body.base_model!r} is not served here; this service serves "
                              f"{self.host.name!r}", 400)
-        session = f"sampler-{uuid.uuid4().hex[:12]}"
-        self._samplers[session] = (owner, body.model_path)
+        session = self._add_sampler(owner, body.model_path)
         return web.json_response({"type": "create_sampling_session", "sampling_session_id": session})
 
     async def _get_sampler(self, request: web.Request) -> web.Response:
@@ -527,8 +551,8 @@ class TinkerService:
         if not 1 <= body.num_samples <= self.max_samples:
             raise ServeError(f"num_samples must be in [1, {self.max_samples}] (--max-samples), got {body.num_samples}")
         prompt = _prompt_tokens(body.prompt)
-        self.host.check_prompt(prompt)
         params, seed, max_tokens = self._sampling_params(body.sampling_params)
+        self.host.check_prompt(prompt, max_tokens)
         job = _Sampling(owner, path, params, SampleAsk(prompt, body.num_samples, max_tokens, seed))
         # one id per sample, fixed at submission (the SDK stamps them on the returned sequences)
         return self._submit(owner, "sample", job,

@@ -111,7 +111,7 @@ class ModelHost:
     """One base model and its training runs (module docstring)."""
 
     def __init__(self, model_path: str | Path, *, name: str, store: str | Path, device: str = "cpu",
-                 dtype: str = "float32", max_runs: int = 64) -> None:
+                 dtype: str = "float32", max_runs: int = 64, max_forward_tokens: int = 16384) -> None:
         self.model_path = str(model_path)
         self.name = name
         self.store = Path(store).expanduser()
@@ -128,6 +128,8 @@ class ModelHost:
         eos = self.tokenizer.eos_token_id
         self.engine = HFRolloutEngine(self.model, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id)
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        self.context_length = getattr(self.model.config, "max_position_embeddings", None)
+        self.max_forward_tokens = max_forward_tokens
 
     # ------------------------------------------------------------------ runs
     def create_run(self, owner: str, run_id: str, base_model: str, lora: LoraSpec) -> Run:
@@ -218,37 +220,56 @@ class ModelHost:
     # ------------------------------------------------------------------ training
     def forward_backward(self, run: Run, data: Sequence[Datum], loss_fn: str, loss_fn_config: dict | None,
                          *, forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
-        """The loss's per-token log-probs of every datum, and `loss:sum`; gradients add up until `optim_step`."""
+        """The loss's per-token log-probs of every datum, and `loss:sum`; gradients add up until `optim_step`.
+
+        The data run in micro-batches of at most `max_forward_tokens` padded tokens (memory is bounded whatever the
+        request's size; the loss is a sum, so the gradients are the same). A call that fails part-way (a loss that
+        is not finite) leaves the run's gradients as they were before it."""
         settings = loss_settings(loss_fn, loss_fn_config)
         checked = [self._check_datum(i, d, loss_fn) for i, d in enumerate(data)]
         if not checked:
             raise ServeError("forward_backward got no data")
-        lengths = [len(d.tokens) for d in checked]
+        before = None if forward_only else {n: None if p.grad is None else p.grad.clone()
+                                            for n, p in run.params.items()}
+        outputs: list[dict[str, torch.Tensor]] = []
+        total = 0.0
+        try:
+            with self._active(run), torch.set_grad_enabled(not forward_only):
+                for chunk in _chunks(checked, self.max_forward_tokens):
+                    chunk_outputs, loss = self._forward_chunk(chunk, loss_fn, settings)
+                    if not torch.isfinite(loss):
+                        raise ServeError(f"the {loss_fn} loss is {loss.item()} (not finite); check the request's "
+                                         "advantages, weights and sampler logprobs for NaN/inf")
+                    if not forward_only:
+                        loss.backward()
+                    outputs += chunk_outputs
+                    total += float(loss.detach())
+        except BaseException:
+            if before is not None:
+                for n, p in run.params.items():
+                    p.grad = before[n]
+            raise
+        run.pending_grads = run.pending_grads or not forward_only
+        return outputs, {"loss:sum": total}
+
+    def _forward_chunk(self, chunk: list[Datum], loss_fn: str, settings: dict) -> tuple[list[dict], torch.Tensor]:
+        lengths = [len(d.tokens) for d in chunk]
         width = max(lengths)
-        pad = self.tokenizer.pad_token_id
-        ids = torch.full((len(checked), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(checked), width), dtype=torch.long)
-        targets = torch.zeros((len(checked), width), dtype=torch.long)
-        for row, d in enumerate(checked):
+        ids = torch.full((len(chunk), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        targets = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, d in enumerate(chunk):
             ids[row, : len(d.tokens)] = torch.tensor(d.tokens)
             mask[row, : len(d.tokens)] = 1
             targets[row, : len(d.tokens)] = d.inputs["target_tokens"]
-        with self._active(run), torch.set_grad_enabled(not forward_only):
-            logits = self.peft(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
-            target_log_probs = logprobs_from_logits(logits, targets.to(self.device))
-            per_datum = [elementwise(loss_fn, target_log_probs[row, :n],
-                                     {k: v.to(self.device) for k, v in checked[row].inputs.items()}, settings)
-                         for row, n in enumerate(lengths)]
-            loss = torch.stack([x.sum() for x in per_datum]).sum()
-            if not torch.isfinite(loss):
-                raise ServeError(f"the {loss_fn} loss is {loss.item()} (not finite); check the request's "
-                                 "advantages, weights and sampler logprobs for NaN/inf")
-            if not forward_only:
-                loss.backward()
-                run.pending_grads = True
+        logits = self.peft(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+        target_log_probs = logprobs_from_logits(logits, targets.to(self.device))
+        per_datum = [elementwise(loss_fn, target_log_probs[row, :n],
+                                 {k: v.to(self.device) for k, v in chunk[row].inputs.items()}, settings)
+                     for row, n in enumerate(lengths)]
         outputs = [{"logprobs": target_log_probs[row, :n].detach().float().cpu(),
                     "elementwise_loss": per_datum[row].detach().float().cpu()} for row, n in enumerate(lengths)]
-        return outputs, {"loss:sum": float(loss.detach())}
+        return outputs, torch.stack([x.sum() for x in per_datum]).sum()
 
     def _check_datum(self, index: int, datum: Datum, loss_fn: str) -> Datum:
         needed = LOSS_INPUTS.get(loss_fn, ())
@@ -263,6 +284,9 @@ class ModelHost:
         n = len(datum.tokens)
         if n == 0:
             raise ServeError(f"datum {index} has no input tokens")
+        if self.context_length is not None and n > self.context_length:
+            raise ServeError(f"datum {index} has {n} tokens; the model takes {self.context_length} at most "
+                             "(its max_position_embeddings)")
         for key, value in datum.inputs.items():
             if value.dim() != 1 or value.shape[0] != n:
                 raise ServeError(f"datum {index}: loss_fn_inputs[{key!r}] has shape {list(value.shape)}; it must be "
@@ -399,11 +423,14 @@ class ModelHost:
         (directory / "owner").write_text(run.owner)
 
     # ------------------------------------------------------------------ sampling
-    def check_prompt(self, prompt: list[int]) -> None:
+    def check_prompt(self, prompt: list[int], max_tokens: int = 0) -> None:
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad or not prompt:
             raise ServeError(f"the prompt has {'no tokens' if not prompt else f'token id {bad[0]} outside the vocabulary'}"
                              f" (vocabulary size {self.vocab_size})")
+        if self.context_length is not None and len(prompt) + max_tokens > self.context_length:
+            raise ServeError(f"the prompt's {len(prompt)} tokens + max_tokens {max_tokens} exceed the model's context "
+                             f"of {self.context_length} tokens (its max_position_embeddings)")
 
     def sample(self, asks: list[SampleAsk], params: SamplingParams,
                adapter: tuple[Run, dict[str, torch.Tensor]] | None) -> list[list[Sample]]:
@@ -411,7 +438,7 @@ class ModelHost:
         (adapter None) or a run's adapter set to the given weights for this call (a sampler checkpoint); sample i of
         an ask is seeded `seed + i`, at most `max_tokens` new tokens (`params.max_new_tokens` caps them all)."""
         for ask in asks:
-            self.check_prompt(ask.prompt)
+            self.check_prompt(ask.prompt, ask.max_tokens)
         requests = [TokenRequest(request_id=f"{a}.{i}", prompt_ids=list(ask.prompt), max_tokens=ask.max_tokens,
                                  seed=None if ask.seed is None else ask.seed + i)
                     for a, ask in enumerate(asks) for i in range(ask.num_samples)]
@@ -459,6 +486,21 @@ class ModelHost:
         if set(tensors) != set(run.params):
             raise ServeError(f"{tinker_path!r} does not fit its run's adapter", 422)
         return run, tensors
+
+
+def _chunks(data: list[Datum], budget: int) -> Iterator[list[Datum]]:
+    """Consecutive data in groups of at most `budget` padded tokens (rows x longest); a longer datum alone."""
+    chunk: list[Datum] = []
+    width = 0
+    for datum in data:
+        wider = max(width, len(datum.tokens))
+        if chunk and wider * (len(chunk) + 1) > budget:
+            yield chunk
+            chunk, wider = [], len(datum.tokens)
+        chunk.append(datum)
+        width = wider
+    if chunk:
+        yield chunk
 
 
 def _load_tensors(path: Path, tinker_path: str) -> dict[str, torch.Tensor]:

@@ -57,3 +57,60 @@ def test_run_ids_and_checkpoint_names_cannot_leave_the_store(host):
     with pytest.raises(ServeError, match="not a checkpoint path"):
         host.resolve("tinker://x/../../weights/y", "owner")
     host.unload(run)
+
+
+def _grads(run) -> dict:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in run.params.items()}
+
+
+def test_micro_batches_by_token_budget_give_the_same_loss_and_gradients(host):
+    run = host.create_run("owner", run_id(30), "tiny", LoraSpec(rank=2, seed=3))
+    data = [Datum(list(range(5, 5 + n)), {"target_tokens": torch.arange(6, 6 + n), "weights": torch.rand(n)})
+            for n in (3, 9, 4, 7, 2)]
+    saved = host.max_forward_tokens
+    try:
+        host.max_forward_tokens = 10**6
+        whole = host.forward_backward(run, data, "cross_entropy", None, forward_only=False)
+        whole_grads = _grads(run)
+        run.optimizer.zero_grad(set_to_none=True)
+        host.max_forward_tokens = 12  # 5 data -> 4 micro-batches
+        split = host.forward_backward(run, data, "cross_entropy", None, forward_only=False)
+    finally:
+        host.max_forward_tokens = saved
+    assert split[1]["loss:sum"] == pytest.approx(whole[1]["loss:sum"], rel=1e-5)
+    for a, b in zip(split[0], whole[0], strict=True):
+        torch.testing.assert_close(a["logprobs"], b["logprobs"], atol=1e-5, rtol=0)
+    for n, g in _grads(run).items():
+        torch.testing.assert_close(g, whole_grads[n], atol=1e-4, rtol=1e-3)  # padding widths differ: rounding
+    host.unload(run)
+
+
+def test_a_call_that_fails_part_way_leaves_the_gradients_as_they_were(host):
+    run = host.create_run("owner", run_id(31), "tiny", LoraSpec(rank=2, seed=4))
+    good = Datum([5, 6, 7], {"target_tokens": torch.tensor([6, 7, 8]), "logprobs": torch.full((3,), -2.0),
+                             "advantages": torch.ones(3)})
+    bad = Datum([5, 6, 7, 8], {"target_tokens": torch.tensor([6, 7, 8, 9]), "logprobs": torch.full((4,), -2.0),
+                               "advantages": torch.tensor([1.0, float("nan"), 1.0, 1.0])})
+    host.forward_backward(run, [good], "importance_sampling", None, forward_only=False)
+    before = _grads(run)
+    saved = host.max_forward_tokens
+    host.max_forward_tokens = 4  # good first (its backward runs), then bad
+    try:
+        with pytest.raises(ServeError, match="not finite"):
+            host.forward_backward(run, [good, bad], "importance_sampling", None, forward_only=False)
+    finally:
+        host.max_forward_tokens = saved
+    for n, g in _grads(run).items():
+        torch.testing.assert_close(g, before[n], atol=0, rtol=0)
+    host.unload(run)
+
+
+def test_inputs_longer_than_the_models_context_are_refused_by_name(host):
+    run = host.create_run("owner", run_id(32), "tiny", LoraSpec(rank=2))
+    n = host.context_length + 1
+    long = Datum([5] * n, {"target_tokens": torch.full((n,), 6), "weights": torch.ones(n)})
+    with pytest.raises(ServeError, match="max_position_embeddings"):
+        host.forward_backward(run, [long], "cross_entropy", None, forward_only=True)
+    with pytest.raises(ServeError, match="exceed the model's context"):
+        host.sample([SampleAsk([5] * (host.context_length - 2), 1, 4, 0)], SamplingParams(max_new_tokens=4), None)
+    host.unload(run)

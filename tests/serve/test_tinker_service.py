@@ -248,6 +248,23 @@ def test_a_sampler_checkpoint_outlives_its_unloaded_run(service, client, tokeniz
         tc.forward_backward([sft_datum(tokenizer, "the cat")], "cross_entropy").result()
 
 
+def test_a_run_keeps_its_newest_unnamed_snapshots_only(service, client, tokenizer, monkeypatch):
+    import hyflow.serve.app as app
+
+    monkeypatch.setattr(app, "KEEP_SNAPSHOTS", 2)
+    tc = client.create_lora_training_client(base_model="tiny", rank=2, seed=20).result()
+    samplers = [tc.save_weights_and_get_sampling_client().result() for _ in range(4)]
+    tc.save_weights_for_sampler("named").result()
+    rest = tinker.RestClient(base_url=service[1], api_key=KEY)
+    kept = [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
+    assert len([k for k in kept if "ephemeral-" in k]) == 2 and "sampler_weights/named" in kept
+    prompt = types.ModelInput.from_ints(tokenizer.encode("the cat"))
+    params = types.SamplingParams(max_tokens=2, seed=0)
+    assert samplers[-1].sample(prompt=prompt, num_samples=1, sampling_params=params).result(timeout=60).sequences
+    with pytest.raises(Exception, match="no sampling session"):
+        samplers[0].sample(prompt=prompt, num_samples=1, sampling_params=params).result(timeout=60)
+
+
 def test_optim_step_clears_the_gradients(service, client, tokenizer):
     tc = client.create_lora_training_client(base_model="tiny", rank=4, seed=17).result()
     tc.forward_backward([sft_datum(tokenizer, "the cat sat")], "cross_entropy").result()
