@@ -291,6 +291,10 @@ def _add_serve_command(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (the base model's weights)")
     p.add_argument("--max-pending", type=int, default=256, help="calls queued at most (429 past it)")
+    p.add_argument("--max-runs", type=int, default=64, help="training runs (LoRA adapters) held at once (429 past "
+                   "it); a run is unloaded when its client's session ends (no heartbeat for --session-ttl-s)")
+    p.add_argument("--session-ttl-s", type=float, default=300.0, help="a session without a heartbeat for this long "
+                   "ends and its runs are unloaded (the SDK beats every 10 s; checkpoints stay)")
     p.add_argument("--max-body-mb", type=int, default=64, help="largest request body in MiB (413 past it)")
     p.add_argument("--max-batch-samples", type=int, default=256, help="sample calls queued together on the same "
                    "weights decode as one batch of at most this many samples (1: one call at a time)")

@@ -23,7 +23,7 @@ def new_api_key() -> str:
 
 def start(model: str, *, name: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           api_keys: list[str] | None = None, store: str | None = None, device: str = "cpu", dtype: str = "float32",
-          **limits):
+          max_runs: int = 64, **limits):
     """Load the model and start serving in a background thread; returns (service, url, keys, stop()).
     For tests and notebooks; `serve()` is the blocking CLI form."""
     import threading
@@ -35,7 +35,7 @@ def start(model: str, *, name: str | None = None, host: str = "127.0.0.1", port:
 
     keys = list(api_keys or [new_api_key()])
     model_host = ModelHost(model, name=name or model, store=store or Path("~/.cache/hyflow/serve").expanduser(),
-                           device=device, dtype=dtype)
+                           device=device, dtype=dtype, max_runs=max_runs)
     service = TinkerService(model_host, keys, **limits)
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(service.app(), access_log=None)
@@ -68,7 +68,8 @@ def serve(args) -> int:
     service, url, keys, stop = start(args.model, name=args.name, host=args.host, port=args.port, api_keys=keys,
                                      store=args.store, device=args.device, dtype=args.dtype,
                                      max_pending=args.max_pending, max_body_bytes=args.max_body_mb << 20,
-                                     max_batch_samples=args.max_batch_samples)
+                                     max_batch_samples=args.max_batch_samples, max_runs=args.max_runs,
+                                     session_ttl_s=args.session_ttl_s)
     print(f"hyflow serve: {service.host.name!r} ({type(service.host.model).__name__}) on {url}; checkpoints in "
           f"{service.host.store}", flush=True)
     print(f"  export TINKER_BASE_URL={url}", flush=True)

@@ -80,7 +80,8 @@ class TinkerService:
 
     def __init__(self, host: ModelHost, api_keys: list[str], *, max_pending: int = 256,
                  max_body_bytes: int = 64 << 20, max_results: int = 1024, result_ttl_s: float = 3600.0,
-                 max_samples: int = 128, max_new_tokens: int = 4096, max_batch_samples: int = 256) -> None:
+                 max_samples: int = 128, max_new_tokens: int = 4096, max_batch_samples: int = 256,
+                 session_ttl_s: float = 300.0) -> None:
         if not api_keys:
             raise ValueError("hyflow serve needs at least one API key")
         if max_batch_samples < 1:
@@ -107,6 +108,9 @@ class TinkerService:
         self._wake = threading.Condition(self._lock)
         self._pending = 0
         self._sessions: dict[str, str] = {}  # session id -> owner
+        self._seen: dict[str, float] = {}  # session id -> time of its last heartbeat (monotonic)
+        self._ended: dict[str, str] = {}  # expired session id -> owner (a late heartbeat gets 410)
+        self.session_ttl_s = session_ttl_s
         self._samplers: dict[str, tuple[str, str | None]] = {}  # sampling session id -> (owner, tinker path)
         self._ids = itertools.count(1)
         self.calls_done = 0
@@ -305,17 +309,44 @@ class TinkerService:
 
     async def _create_session(self, request: web.Request) -> web.Response:
         await _json(request)
+        self.expire_sessions()
         if len(self._sessions) >= MAX_SESSIONS:
-            raise ServeError(f"this service holds {MAX_SESSIONS} sessions; restart it to clear them", 429)
+            raise ServeError(f"this service holds {MAX_SESSIONS} live sessions; retry when some have ended "
+                             f"(a session ends {self.session_ttl_s:.0f} s after its client's last heartbeat)", 429)
         session_id = f"session-{uuid.uuid4().hex[:12]}"
         self._sessions[session_id] = request["owner"]
+        self._seen[session_id] = time.monotonic()
         return web.json_response({"type": "create_session", "session_id": session_id})
 
     async def _heartbeat(self, request: web.Request) -> web.Response:
         body = await _json(request)
-        if self._sessions.get(body.get("session_id")) != request["owner"]:
-            return _detail(404, f"no session {body.get('session_id')!r} for this API key")
+        session_id = body.get("session_id")
+        if session_id in self._ended and self._ended[session_id] == request["owner"]:
+            return _detail(410, f"session {session_id!r} ended: no heartbeat for {self.session_ttl_s:.0f} s; its "
+                                "training runs were unloaded (their checkpoints stay)")
+        if self._sessions.get(session_id) != request["owner"]:
+            return _detail(404, f"no session {session_id!r} for this API key")
+        self._seen[session_id] = time.monotonic()
+        self.expire_sessions()
         return web.json_response({"type": "session_heartbeat"})
+
+    def expire_sessions(self) -> list[str]:
+        """End the sessions whose client has sent no heartbeat for `session_ttl_s` (the SDK sends one every 10 s
+        while its ServiceClient lives): their training runs are unloaded through the work queue (checkpoints
+        stay), and a late heartbeat gets 410, which stops the SDK's heartbeat loop. The ended session ids."""
+        now = time.monotonic()
+        ended = [s for s, seen in self._seen.items() if now - seen > self.session_ttl_s]
+        for session_id in ended:
+            owner = self._sessions.pop(session_id)
+            del self._seen[session_id]
+            self._ended[session_id] = owner
+            while len(self._ended) > MAX_SESSIONS:
+                del self._ended[next(iter(self._ended))]
+            for run_id in [r for r in list(self.host.runs) if r.startswith(f"{session_id}:train:")]:
+                run = self.host.runs[run_id]
+                run.closing = True
+                self._submit(owner, "unload_model", lambda run=run: (self.host.unload(run), _ok({}))[1])
+        return ended
 
     async def _telemetry(self, request: web.Request) -> web.Response:
         await request.read()  # the SDK's own telemetry: read and dropped, nothing leaves this machine

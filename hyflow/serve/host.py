@@ -88,6 +88,7 @@ class Run:
     last_request: float = field(default_factory=time.time)
     steps: int = 0
     pending_grads: bool = False
+    closing: bool = False  # its session ended: an unload is queued, new calls get 404
 
 
 @dataclass(frozen=True)
@@ -147,8 +148,9 @@ class ModelHost:
         if not lora.targets():
             raise ServeError("a LoRA run needs at least one of train_attn, train_mlp, train_unembed")
         if len(self.runs) >= self.max_runs:
-            raise ServeError(f"this service holds {self.max_runs} training runs already (--max-runs); unload one "
-                             "(training_client.unload / delete) or start the service with a larger --max-runs", 429)
+            raise ServeError(f"this service holds {self.max_runs} training runs already (--max-runs); a run is "
+                             "unloaded when its client's session ends (no heartbeat for 5 minutes), or start the "
+                             "service with a larger --max-runs", 429)
         if not _RUN_ID.match(run_id):
             raise ServeError(f"training run id {run_id!r} is not of the form SESSION:train:N")
         self._adapters += 1
@@ -192,7 +194,7 @@ class ModelHost:
 
     def run_of(self, run_id: str, owner: str) -> Run:
         run = self.runs.get(run_id)
-        if run is None or run.owner != owner:  # another key's run is as unknown as a missing one
+        if run is None or run.owner != owner or run.closing:  # another key's run is as unknown as a missing one
             raise ServeError(f"no training run {run_id!r} for this API key (create one with "
                              "create_lora_training_client)", 404)
         run.last_request = time.time()
@@ -200,7 +202,10 @@ class ModelHost:
 
     def unload(self, run: Run) -> None:
         """Drop a run's adapter and optimizer (its files stay). The last adapter takes the peft wrapper with it
-        (peft keeps no model without an adapter): the base model is plain again, as before the first run."""
+        (peft keeps no model without an adapter): the base model is plain again, as before the first run.
+        Unloading a run that is gone already does nothing."""
+        if self.runs.get(run.run_id) is not run:
+            return
         del self.runs[run.run_id]
         left = [r.adapter for r in [*self.runs.values(), *self._slots.values()]]
         if not left:
@@ -210,8 +215,14 @@ class ModelHost:
         self.peft.delete_adapter(run.adapter)
         self.peft.set_adapter(left[0])
 
+    def _live(self, run: Run) -> None:
+        """A call queued before its run was unloaded (its session ended) finds it gone: 404, nothing touched."""
+        if self.runs.get(run.run_id) is not run and run not in self._slots.values():
+            raise ServeError(f"no training run {run.run_id!r}: it was unloaded before this call ran", 404)
+
     @contextlib.contextmanager
     def _active(self, run: Run) -> Iterator[None]:
+        self._live(run)
         self.peft.set_adapter(run.adapter)  # the PeftModel's own record too (its forward reads that one's config)
         for p in run.params.values():  # set_adapter may reset requires_grad of the adapter it activates
             p.requires_grad_(True)
@@ -301,6 +312,7 @@ class ModelHost:
     def optim_step(self, run: Run, *, learning_rate: float, beta1: float, beta2: float, eps: float,
                    weight_decay: float, grad_clip_norm: float) -> dict[str, float]:
         """One AdamW step of the run's adapter with this call's hyper-parameters; gradients are cleared."""
+        self._live(run)
         for name, value in (("learning_rate", learning_rate), ("eps", eps), ("weight_decay", weight_decay),
                             ("grad_clip_norm", grad_clip_norm)):
             if not math.isfinite(value) or value < 0:
@@ -329,6 +341,7 @@ class ModelHost:
 
     def save(self, run: Run, name: str, *, kind: str, optimizer: bool) -> str:
         """Write the adapter (and the optimizer state) under `kind` ('weights' / 'sampler_weights'); its path."""
+        self._live(run)
         out = self._dir(run, kind, name)
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -374,6 +387,7 @@ class ModelHost:
 
     def load(self, run: Run, directory: Path, state: dict, *, optimizer: bool, tinker_path: str) -> None:
         """Put a saved adapter (and optimizer state) into `run`; the shapes must match its LoRA config."""
+        self._live(run)
         if state.get("lora", {}).get("rank") != run.lora.rank:
             raise ServeError(f"{tinker_path!r} holds a rank-{state.get('lora', {}).get('rank')} adapter; this run "
                              f"has rank {run.lora.rank}")

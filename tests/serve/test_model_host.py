@@ -114,3 +114,18 @@ def test_inputs_longer_than_the_models_context_are_refused_by_name(host):
     with pytest.raises(ServeError, match="exceed the model's context"):
         host.sample([SampleAsk([5] * (host.context_length - 2), 1, 4, 0)], SamplingParams(max_new_tokens=4), None)
     host.unload(run)
+
+
+def test_a_call_that_runs_after_its_run_was_unloaded_is_refused(host):
+    run = host.create_run("owner", run_id(33), "tiny", LoraSpec(rank=2))
+    keep = host.create_run("owner", run_id(34), "tiny", LoraSpec(rank=2))
+    host.unload(run)  # e.g. its session ended while this call waited in the queue
+    for call in (lambda: host.forward_backward(run, DATA, "cross_entropy", None, forward_only=False),
+                 lambda: host.optim_step(run, learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0,
+                                         grad_clip_norm=0.0),
+                 lambda: host.save(run, "late", kind="weights", optimizer=True)):
+        with pytest.raises(ServeError, match="unloaded before this call ran") as caught:
+            call()
+        assert caught.value.status == 404
+    assert not (host.store / "runs" / run.run_id / "weights" / "late").exists()
+    host.unload(keep)

@@ -265,6 +265,25 @@ def test_a_run_keeps_its_newest_unnamed_snapshots_only(service, client, tokenize
         samplers[0].sample(prompt=prompt, num_samples=1, sampling_params=params).result(timeout=60)
 
 
+def test_a_session_without_heartbeats_ends_and_its_runs_are_unloaded(service, tokenizer):
+    svc, url = service
+    own = tinker.ServiceClient(base_url=url, api_key=KEY)
+    tc = own.create_lora_training_client(base_model="tiny", rank=2, seed=23).result()
+    path = tc.save_state("before-expiry").result().path
+    session = tc.model_id.split(":train:")[0]
+    svc._seen[session] -= 10 * svc.session_ttl_s  # as if its client had gone silent
+    assert svc.expire_sessions() == [session]
+    with pytest.raises(Exception, match="no training run"):
+        tc.forward_backward([sft_datum(tokenizer, "the cat")], "cross_entropy").result(timeout=60)
+    status, body = _post(url, "/api/v1/session_heartbeat", json.dumps({"session_id": session}).encode())
+    assert status == 410 and "ended" in body["detail"]
+    deadline = time.monotonic() + 30
+    while tc.model_id in svc.host.runs and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tc.model_id not in svc.host.runs  # the adapter is gone; its checkpoint stays
+    assert tinker.RestClient(base_url=url, api_key=KEY).get_weights_info_by_tinker_path(path).result().lora_rank == 2
+
+
 def test_optim_step_clears_the_gradients(service, client, tokenizer):
     tc = client.create_lora_training_client(base_model="tiny", rank=4, seed=17).result()
     tc.forward_backward([sft_datum(tokenizer, "the cat sat")], "cross_entropy").result()
