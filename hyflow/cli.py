@@ -288,7 +288,10 @@ def _add_serve_command(sub) -> None:
                    help="a key clients must send (tml-...; repeat for several; each key sees only its own runs "
                    "and checkpoints); default: one generated and printed at start")
     p.add_argument("--store", default=None, help="checkpoint folder (default ~/.cache/hyflow/serve)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (with --workers: cpu or cuda, a device each)")
+    p.add_argument("--workers", type=int, default=1, help="replicas of the model on Ray workers (data parallel: "
+                   "each call's data split over them, gradients summed); 1 = in this process")
+    p.add_argument("--cpus-per-worker", type=float, default=1.0, help="Ray CPUs each replica reserves (--workers)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (the base model's weights)")
     p.add_argument("--max-pending", type=int, default=256, help="calls queued at most (429 past it)")
     p.add_argument("--max-runs", type=int, default=64, help="training runs (LoRA adapters) held at once (429 past "

@@ -23,7 +23,7 @@ def new_api_key() -> str:
 
 def start(model: str, *, name: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           api_keys: list[str] | None = None, store: str | None = None, device: str = "cpu", dtype: str = "float32",
-          max_runs: int = 64, **limits):
+          max_runs: int = 64, workers: int = 1, cpus_per_worker: float = 1.0, **limits):
     """Load the model and start serving in a background thread; returns (service, url, keys, stop()).
     For tests and notebooks; `serve()` is the blocking CLI form."""
     import threading
@@ -34,8 +34,14 @@ def start(model: str, *, name: str | None = None, host: str = "127.0.0.1", port:
     from hyflow.serve.host import ModelHost
 
     keys = list(api_keys or [new_api_key()])
-    model_host = ModelHost(model, name=name or model, store=store or Path("~/.cache/hyflow/serve").expanduser(),
-                           device=device, dtype=dtype, max_runs=max_runs)
+    store = store or Path("~/.cache/hyflow/serve").expanduser()
+    if workers > 1:  # replicas on Ray workers (hyflow.serve.replicas)
+        from hyflow.serve.replicas import ReplicatedHost
+
+        model_host = ReplicatedHost(model, name=name or model, store=store, workers=workers, device=device,
+                                    dtype=dtype, max_runs=max_runs, cpus_per_worker=cpus_per_worker)
+    else:
+        model_host = ModelHost(model, name=name or model, store=store, device=device, dtype=dtype, max_runs=max_runs)
     service = TinkerService(model_host, keys, **limits)
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(service.app(), access_log=None)
@@ -51,6 +57,8 @@ def start(model: str, *, name: str | None = None, host: str = "127.0.0.1", port:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=30)
         service.close()
+        if hasattr(model_host, "close"):
+            model_host.close()
 
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{bound}"
     return service, url, keys, stop
@@ -69,8 +77,10 @@ def serve(args) -> int:
                                      store=args.store, device=args.device, dtype=args.dtype,
                                      max_pending=args.max_pending, max_body_bytes=args.max_body_mb << 20,
                                      max_batch_samples=args.max_batch_samples, max_runs=args.max_runs,
-                                     session_ttl_s=args.session_ttl_s)
-    print(f"hyflow serve: {service.host.name!r} ({type(service.host.model).__name__}) on {url}; checkpoints in "
+                                     session_ttl_s=args.session_ttl_s, workers=args.workers,
+                                     cpus_per_worker=args.cpus_per_worker)
+    where = f"{args.workers} Ray workers" if args.workers > 1 else args.device
+    print(f"hyflow serve: {service.host.name!r} ({service.host.arch}, {where}) on {url}; checkpoints in "
           f"{service.host.store}", flush=True)
     print(f"  export TINKER_BASE_URL={url}", flush=True)
     print(f"  export TINKER_API_KEY={keys[0]}" + ("   # generated for this start" if generated else ""), flush=True)

@@ -290,7 +290,7 @@ class TinkerService:
         return web.json_response({"status": "ok"})
 
     async def _capabilities(self, request: web.Request) -> web.Response:
-        config = self.host.model.config
+        config = self.host.config
         return web.json_response({"supported_models": [{
             "model_name": self.host.name, "trainable": True, "sampleable": True,
             "max_context_length": getattr(config, "max_position_embeddings", None)}]})
@@ -381,7 +381,7 @@ class TinkerService:
         return web.json_response({
             "type": "get_info", "model_id": run.run_id, "is_lora": True, "lora_rank": run.lora.rank,
             "model_name": self.host.name,
-            "model_data": {"arch": type(self.host.model).__name__, "model_name": self.host.name,
+            "model_data": {"arch": self.host.arch, "model_name": self.host.name,
                            "tokenizer_id": self.host.model_path}})
 
     async def _forward_backward(self, request: web.Request) -> web.Response:

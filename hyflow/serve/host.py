@@ -108,34 +108,25 @@ class Sample:
     stop_reason: str  # "stop" | "length"
 
 
-class ModelHost:
-    """One base model and its training runs (module docstring)."""
+class HostBase:
+    """What every host of `hyflow serve` shares, whatever holds the model: the runs' registry and ownership, the
+    checkpoint store, and the checks of a request's data and prompts against the tokenizer and the model's shape."""
 
-    def __init__(self, model_path: str | Path, *, name: str, store: str | Path, device: str = "cpu",
-                 dtype: str = "float32", max_runs: int = 64, max_forward_tokens: int = 16384) -> None:
+    def __init__(self, model_path: str | Path, *, name: str, store: str | Path, max_runs: int,
+                 max_forward_tokens: int) -> None:
         self.model_path = str(model_path)
         self.name = name
         self.store = Path(store).expanduser()
         self.store.mkdir(parents=True, exist_ok=True)
-        self.device = torch.device(device)
         self.max_runs = max_runs
-        self.tokenizer = load_tokenizer(self.model_path, config_key="--model")
-        self.model = load_causal_lm(self.model_path, dtype=dtype, device=self.device, config_key="--model")
-        self.model.requires_grad_(False)
-        self.peft = None  # the peft wrapper, made at the first training run
-        self.runs: dict[str, Run] = {}
-        self._adapters = 0
-        self._slots: dict[LoraSpec, Run] = {}
-        eos = self.tokenizer.eos_token_id
-        self.engine = HFRolloutEngine(self.model, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id)
-        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
-        self.context_length = getattr(self.model.config, "max_position_embeddings", None)
         self.max_forward_tokens = max_forward_tokens
+        self.tokenizer = load_tokenizer(self.model_path, config_key="--model")
+        self.runs: dict = {}
+        # set by the subclass once it knows the model: vocab_size, context_length, config, arch
 
-    # ------------------------------------------------------------------ runs
-    def create_run(self, owner: str, run_id: str, base_model: str, lora: LoraSpec) -> Run:
-        """A new run `run_id` (the SDK's `<session>:train:<n>`); the same id again (a retried create) is the
-        same run."""
+    def _check_new_run(self, owner: str, run_id: str, base_model: str, lora: LoraSpec):
+        """The run already made by this very request (a retried create), None for a new one; ServeError naming
+        what is wrong otherwise."""
         if run_id in self.runs and self.runs[run_id].owner == owner and self.runs[run_id].lora == lora:
             return self.runs[run_id]
         if run_id in self.runs:
@@ -153,6 +144,129 @@ class ModelHost:
                              "service with a larger --max-runs", 429)
         if not _RUN_ID.match(run_id):
             raise ServeError(f"training run id {run_id!r} is not of the form SESSION:train:N")
+        return None
+
+    def run_of(self, run_id: str, owner: str) -> Run:
+        run = self.runs.get(run_id)
+        if run is None or run.owner != owner or run.closing:  # another key's run is as unknown as a missing one
+            raise ServeError(f"no training run {run_id!r} for this API key (create one with "
+                             "create_lora_training_client)", 404)
+        run.last_request = time.time()
+        return run
+
+    def _check_datum(self, index: int, datum: Datum, loss_fn: str) -> Datum:
+        needed = LOSS_INPUTS.get(loss_fn, ())
+        missing = [k for k in needed if k not in datum.inputs]
+        if missing:
+            raise ServeError(f"datum {index}: loss_fn {loss_fn!r} needs loss_fn_inputs {list(needed)}; missing "
+                             f"{missing}")
+        extra = sorted(set(datum.inputs) - set(needed))
+        if extra:
+            raise ServeError(f"datum {index}: loss_fn_inputs {extra} are not read by {loss_fn!r} (it reads "
+                             f"{list(needed)})")
+        n = len(datum.tokens)
+        if n == 0:
+            raise ServeError(f"datum {index} has no input tokens")
+        if self.context_length is not None and n > self.context_length:
+            raise ServeError(f"datum {index} has {n} tokens; the model takes {self.context_length} at most "
+                             "(its max_position_embeddings)")
+        for key, value in datum.inputs.items():
+            if value.dim() != 1 or value.shape[0] != n:
+                raise ServeError(f"datum {index}: loss_fn_inputs[{key!r}] has shape {list(value.shape)}; it must be "
+                                 f"[{n}], one value per input token (position i predicts target_tokens[i])")
+        bad = [t for t in [*datum.tokens, *datum.inputs["target_tokens"].tolist()] if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ServeError(f"datum {index}: token id {bad[0]} is outside the model's vocabulary "
+                             f"[0, {self.vocab_size})")
+        inputs = {k: (v.long() if k == "target_tokens" else v.float()) for k, v in datum.inputs.items()}
+        return Datum(datum.tokens, inputs)
+
+    def _dir(self, run: Run, kind: str, name: str) -> Path:
+        if not _NAME.match(name):
+            raise ServeError(f"checkpoint name {name!r} must be 1-128 letters, digits, '_', '.', '-' (no '/')")
+        return self.store / "runs" / run.run_id / kind / name
+
+    def resolve(self, tinker_path: str, owner: str) -> tuple[Run | None, Path, dict]:
+        """The files of a Tinker path this key may read: (its run if still loaded, directory, state.json)."""
+        match = re.match(r"^tinker://([^/]+)/(weights|sampler_weights)/([^/]+)$", tinker_path or "")
+        if not match:
+            raise ServeError(f"{tinker_path!r} is not a checkpoint path of this service (tinker://RUN/weights/NAME "
+                             "or tinker://RUN/sampler_weights/NAME)")
+        run_id, kind, name = match.groups()
+        owner_file = self.store / "runs" / run_id / "owner"
+        if not _RUN_ID.match(run_id) or not _NAME.match(name) or not owner_file.is_file() or \
+                owner_file.read_text() != owner:
+            raise ServeError(f"no checkpoint {tinker_path!r} for this API key", 404)
+        directory = self.store / "runs" / run_id / kind / name
+        try:
+            state = json.loads((directory / "state.json").read_text())
+        except FileNotFoundError:
+            raise ServeError(f"no checkpoint {tinker_path!r} for this API key", 404) from None
+        except (OSError, ValueError) as exc:
+            raise ServeError(f"checkpoint {tinker_path!r} is corrupt: state.json unreadable ({exc})", 422) from exc
+        return self.runs.get(run_id), directory, state
+
+    def checkpoints(self, run_id: str, owner: str) -> list[dict]:
+        owner_file = self.store / "runs" / run_id / "owner"
+        if not _RUN_ID.match(run_id) or not owner_file.is_file() or owner_file.read_text() != owner:
+            raise ServeError(f"no training run {run_id!r} for this API key", 404)
+        found = []
+        for kind, checkpoint_type in (("weights", "training"), ("sampler_weights", "sampler")):
+            for directory in sorted((self.store / "runs" / run_id / kind).glob("*")):
+                if directory.name.endswith(".tmp") or not (directory / "state.json").is_file():
+                    continue
+                size = sum(f.stat().st_size for f in directory.iterdir())
+                found.append({"checkpoint_id": f"{kind}/{directory.name}", "checkpoint_type": checkpoint_type,
+                              "time": (directory / "state.json").stat().st_mtime, "size_bytes": size,
+                              "tinker_path": f"tinker://{run_id}/{kind}/{directory.name}"})
+        return found
+
+    def delete_checkpoint(self, run_id: str, checkpoint_id: str, owner: str) -> None:
+        kind, _, name = checkpoint_id.partition("/")
+        _, directory, _ = self.resolve(f"tinker://{run_id}/{kind}/{name}", owner)
+        shutil.rmtree(directory)
+
+    def record_owner(self, run: Run) -> None:
+        directory = self.store / "runs" / run.run_id
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "owner").write_text(run.owner)
+
+    def check_prompt(self, prompt: list[int], max_tokens: int = 0) -> None:
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad or not prompt:
+            raise ServeError(f"the prompt has {'no tokens' if not prompt else f'token id {bad[0]} outside the vocabulary'}"
+                             f" (vocabulary size {self.vocab_size})")
+        if self.context_length is not None and len(prompt) + max_tokens > self.context_length:
+            raise ServeError(f"the prompt's {len(prompt)} tokens + max_tokens {max_tokens} exceed the model's context "
+                             f"of {self.context_length} tokens (its max_position_embeddings)")
+
+
+class ModelHost(HostBase):
+    """One base model and its training runs in this process (module docstring)."""
+
+    def __init__(self, model_path: str | Path, *, name: str, store: str | Path, device: str = "cpu",
+                 dtype: str = "float32", max_runs: int = 64, max_forward_tokens: int = 16384) -> None:
+        super().__init__(model_path, name=name, store=store, max_runs=max_runs, max_forward_tokens=max_forward_tokens)
+        self.device = torch.device(device)
+        self.model = load_causal_lm(self.model_path, dtype=dtype, device=self.device, config_key="--model")
+        self.model.requires_grad_(False)
+        self.peft = None  # the peft wrapper, made at the first training run
+        self.runs: dict[str, Run] = {}
+        self._adapters = 0
+        self._slots: dict[LoraSpec, Run] = {}
+        eos = self.tokenizer.eos_token_id
+        self.engine = HFRolloutEngine(self.model, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id)
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        self.context_length = getattr(self.model.config, "max_position_embeddings", None)
+        self.config, self.arch = self.model.config, type(self.model).__name__
+
+    # ------------------------------------------------------------------ runs
+    def create_run(self, owner: str, run_id: str, base_model: str, lora: LoraSpec) -> Run:
+        """A new run `run_id` (the SDK's `<session>:train:<n>`); the same id again (a retried create) is the
+        same run."""
+        existing = self._check_new_run(owner, run_id, base_model, lora)
+        if existing is not None:
+            return existing
         self._adapters += 1
         adapter = f"run{self._adapters}"
         self._add_adapter(adapter, lora)
@@ -192,14 +306,6 @@ class ModelHost:
         return {name.replace(f".{adapter}.", ".adapter."): p for name, p in self.peft.named_parameters()
                 if f".{adapter}." in name}
 
-    def run_of(self, run_id: str, owner: str) -> Run:
-        run = self.runs.get(run_id)
-        if run is None or run.owner != owner or run.closing:  # another key's run is as unknown as a missing one
-            raise ServeError(f"no training run {run_id!r} for this API key (create one with "
-                             "create_lora_training_client)", 404)
-        run.last_request = time.time()
-        return run
-
     def unload(self, run: Run) -> None:
         """Drop a run's adapter and optimizer (its files stay). The last adapter takes the peft wrapper with it
         (peft keeps no model without an adapter): the base model is plain again, as before the first run.
@@ -236,7 +342,7 @@ class ModelHost:
         The data run in micro-batches of at most `max_forward_tokens` padded tokens (memory is bounded whatever the
         request's size; the loss is a sum, so the gradients are the same). A call that fails part-way (a loss that
         is not finite) leaves the run's gradients as they were before it."""
-        settings = loss_settings(loss_fn, loss_fn_config)
+        settings = checked_loss_settings(loss_fn, loss_fn_config)
         checked = [self._check_datum(i, d, loss_fn) for i, d in enumerate(data)]
         if not checked:
             raise ServeError("forward_backward got no data")
@@ -282,43 +388,12 @@ class ModelHost:
                     "elementwise_loss": per_datum[row].detach().float().cpu()} for row, n in enumerate(lengths)]
         return outputs, torch.stack([x.sum() for x in per_datum]).sum()
 
-    def _check_datum(self, index: int, datum: Datum, loss_fn: str) -> Datum:
-        needed = LOSS_INPUTS.get(loss_fn, ())
-        missing = [k for k in needed if k not in datum.inputs]
-        if missing:
-            raise ServeError(f"datum {index}: loss_fn {loss_fn!r} needs loss_fn_inputs {list(needed)}; missing "
-                             f"{missing}")
-        extra = sorted(set(datum.inputs) - set(needed))
-        if extra:
-            raise ServeError(f"datum {index}: loss_fn_inputs {extra} are not read by {loss_fn!r} (it reads "
-                             f"{list(needed)})")
-        n = len(datum.tokens)
-        if n == 0:
-            raise ServeError(f"datum {index} has no input tokens")
-        if self.context_length is not None and n > self.context_length:
-            raise ServeError(f"datum {index} has {n} tokens; the model takes {self.context_length} at most "
-                             "(its max_position_embeddings)")
-        for key, value in datum.inputs.items():
-            if value.dim() != 1 or value.shape[0] != n:
-                raise ServeError(f"datum {index}: loss_fn_inputs[{key!r}] has shape {list(value.shape)}; it must be "
-                                 f"[{n}], one value per input token (position i predicts target_tokens[i])")
-        bad = [t for t in [*datum.tokens, *datum.inputs["target_tokens"].tolist()] if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ServeError(f"datum {index}: token id {bad[0]} is outside the model's vocabulary "
-                             f"[0, {self.vocab_size})")
-        inputs = {k: (v.long() if k == "target_tokens" else v.float()) for k, v in datum.inputs.items()}
-        return Datum(datum.tokens, inputs)
-
     def optim_step(self, run: Run, *, learning_rate: float, beta1: float, beta2: float, eps: float,
                    weight_decay: float, grad_clip_norm: float) -> dict[str, float]:
         """One AdamW step of the run's adapter with this call's hyper-parameters; gradients are cleared."""
         self._live(run)
-        for name, value in (("learning_rate", learning_rate), ("eps", eps), ("weight_decay", weight_decay),
-                            ("grad_clip_norm", grad_clip_norm)):
-            if not math.isfinite(value) or value < 0:
-                raise ServeError(f"adam_params.{name} must be a finite number >= 0, got {value}")
-        if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
-            raise ServeError(f"adam_params.beta1/beta2 must be in [0, 1), got {beta1} / {beta2}")
+        check_adam(learning_rate=learning_rate, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                   grad_clip_norm=grad_clip_norm)
         params = list(run.params.values())
         grads = [p.grad for p in params if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads \
@@ -334,11 +409,6 @@ class ModelHost:
         return {"grad_norm": float(norm), "learning_rate": learning_rate}
 
     # ------------------------------------------------------------------ checkpoints
-    def _dir(self, run: Run, kind: str, name: str) -> Path:
-        if not _NAME.match(name):
-            raise ServeError(f"checkpoint name {name!r} must be 1-128 letters, digits, '_', '.', '-' (no '/')")
-        return self.store / "runs" / run.run_id / kind / name
-
     def save(self, run: Run, name: str, *, kind: str, optimizer: bool) -> str:
         """Write the adapter (and the optimizer state) under `kind` ('weights' / 'sampler_weights'); its path."""
         self._live(run)
@@ -364,26 +434,6 @@ class ModelHost:
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
         return f"tinker://{run.run_id}/{kind}/{name}"
-
-    def resolve(self, tinker_path: str, owner: str) -> tuple[Run | None, Path, dict]:
-        """The files of a Tinker path this key may read: (its run if still loaded, directory, state.json)."""
-        match = re.match(r"^tinker://([^/]+)/(weights|sampler_weights)/([^/]+)$", tinker_path or "")
-        if not match:
-            raise ServeError(f"{tinker_path!r} is not a checkpoint path of this service (tinker://RUN/weights/NAME "
-                             "or tinker://RUN/sampler_weights/NAME)")
-        run_id, kind, name = match.groups()
-        owner_file = self.store / "runs" / run_id / "owner"
-        if not _RUN_ID.match(run_id) or not _NAME.match(name) or not owner_file.is_file() or \
-                owner_file.read_text() != owner:
-            raise ServeError(f"no checkpoint {tinker_path!r} for this API key", 404)
-        directory = self.store / "runs" / run_id / kind / name
-        try:
-            state = json.loads((directory / "state.json").read_text())
-        except FileNotFoundError:
-            raise ServeError(f"no checkpoint {tinker_path!r} for this API key", 404) from None
-        except (OSError, ValueError) as exc:
-            raise ServeError(f"checkpoint {tinker_path!r} is corrupt: state.json unreadable ({exc})", 422) from exc
-        return self.runs.get(run_id), directory, state
 
     def load(self, run: Run, directory: Path, state: dict, *, optimizer: bool, tinker_path: str) -> None:
         """Put a saved adapter (and optimizer state) into `run`; the shapes must match its LoRA config."""
@@ -411,41 +461,7 @@ class ModelHost:
                                               "exp_avg_sq": moments[f"exp_avg_sq/{n}"].to(p.device)}
         run.steps = int(state.get("steps", 0))
 
-    def checkpoints(self, run_id: str, owner: str) -> list[dict]:
-        owner_file = self.store / "runs" / run_id / "owner"
-        if not _RUN_ID.match(run_id) or not owner_file.is_file() or owner_file.read_text() != owner:
-            raise ServeError(f"no training run {run_id!r} for this API key", 404)
-        found = []
-        for kind, checkpoint_type in (("weights", "training"), ("sampler_weights", "sampler")):
-            for directory in sorted((self.store / "runs" / run_id / kind).glob("*")):
-                if directory.name.endswith(".tmp") or not (directory / "state.json").is_file():
-                    continue
-                size = sum(f.stat().st_size for f in directory.iterdir())
-                found.append({"checkpoint_id": f"{kind}/{directory.name}", "checkpoint_type": checkpoint_type,
-                              "time": (directory / "state.json").stat().st_mtime, "size_bytes": size,
-                              "tinker_path": f"tinker://{run_id}/{kind}/{directory.name}"})
-        return found
-
-    def delete_checkpoint(self, run_id: str, checkpoint_id: str, owner: str) -> None:
-        kind, _, name = checkpoint_id.partition("/")
-        _, directory, _ = self.resolve(f"tinker://{run_id}/{kind}/{name}", owner)
-        shutil.rmtree(directory)
-
-    def record_owner(self, run: Run) -> None:
-        directory = self.store / "runs" / run.run_id
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "owner").write_text(run.owner)
-
     # ------------------------------------------------------------------ sampling
-    def check_prompt(self, prompt: list[int], max_tokens: int = 0) -> None:
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad or not prompt:
-            raise ServeError(f"the prompt has {'no tokens' if not prompt else f'token id {bad[0]} outside the vocabulary'}"
-                             f" (vocabulary size {self.vocab_size})")
-        if self.context_length is not None and len(prompt) + max_tokens > self.context_length:
-            raise ServeError(f"the prompt's {len(prompt)} tokens + max_tokens {max_tokens} exceed the model's context "
-                             f"of {self.context_length} tokens (its max_position_embeddings)")
-
     def sample(self, asks: list[SampleAsk], params: SamplingParams,
                adapter: tuple[Run, dict[str, torch.Tensor]] | None) -> list[list[Sample]]:
         """Each ask's `num_samples` continuations of its prompt, all asks decoded as one batch, with the base model
@@ -500,6 +516,23 @@ class ModelHost:
         if set(tensors) != set(run.params):
             raise ServeError(f"{tinker_path!r} does not fit its run's adapter", 422)
         return run, tensors
+
+
+def checked_loss_settings(loss_fn: str, config: dict | None) -> dict[str, float]:
+    try:
+        return loss_settings(loss_fn, config)
+    except ValueError as exc:  # an unknown loss or key is the client's to fix
+        raise ServeError(str(exc)) from exc
+
+
+def check_adam(*, learning_rate: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+               grad_clip_norm: float) -> None:
+    for name, value in (("learning_rate", learning_rate), ("eps", eps), ("weight_decay", weight_decay),
+                        ("grad_clip_norm", grad_clip_norm)):
+        if not math.isfinite(value) or value < 0:
+            raise ServeError(f"adam_params.{name} must be a finite number >= 0, got {value}")
+    if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+        raise ServeError(f"adam_params.beta1/beta2 must be in [0, 1), got {beta1} / {beta2}")
 
 
 def _chunks(data: list[Datum], budget: int) -> Iterator[list[Datum]]:
