@@ -42,6 +42,7 @@ POLL_WAIT_S = 20.0  # a retrieve_future call waits this long for its result befo
 # last one arrived, BATCH_MAX_WAIT_S in all (a lone call pays BATCH_GAP_S; an SDK's burst of calls arrives over tens
 # of milliseconds, one HTTP request at a time)
 BATCH_GAP_S = 0.02
+RETRIEVED_GRACE_S = 60.0  # a fetched result is kept this long (a client's retried poll finds it)
 KEEP_SNAPSHOTS = 8  # unnamed sampler snapshots (save_weights_and_get_sampling_client) kept per run
 MAX_SESSIONS = 4096  # sessions per service (a ServiceClient opens one)
 MAX_SAMPLERS = 16384  # sampling sessions kept (the oldest go first)
@@ -59,6 +60,7 @@ class _Call:
     body: bytes = b""
     finished: float = 0.0
     loop: asyncio.AbstractEventLoop | None = None
+    retrieved: float = 0.0  # when a client first fetched the result
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ class TinkerService:
     """The routes (module docstring) and the worker thread; `app()` is the aiohttp application."""
 
     def __init__(self, host: ModelHost, api_keys: list[str], *, max_pending: int = 256,
-                 max_body_bytes: int = 64 << 20, max_results: int = 1024, result_ttl_s: float = 3600.0,
+                 max_body_bytes: int = 64 << 20, max_results: int = 4096, result_ttl_s: float = 3600.0,
                  max_samples: int = 128, max_new_tokens: int = 4096, max_batch_samples: int = 256,
                  session_ttl_s: float = 300.0) -> None:
         if not api_keys:
@@ -108,6 +110,7 @@ class TinkerService:
         self._wake = threading.Condition(self._lock)
         self._pending = 0
         self._sessions: dict[str, str] = {}  # session id -> owner
+        self._metadata: dict[str, dict] = {}  # run id -> the user_metadata its client created it with
         self._seen: dict[str, float] = {}  # session id -> time of its last heartbeat (monotonic)
         self._ended: dict[str, str] = {}  # expired session id -> owner (a late heartbeat gets 410)
         self.session_ttl_s = session_ttl_s
@@ -177,11 +180,22 @@ class TinkerService:
         return web.json_response({"request_id": call.request_id, **extra})
 
     def _prune(self) -> None:
+        """Drop kept results: those fetched over RETRIEVED_GRACE_S ago (a client may poll twice), any older than
+        `result_ttl_s`, and past `max_results` the oldest fetched ones first; a result nobody fetched yet goes only
+        by age or when there are still too many."""
         now = time.time()
         for request_id in list(self._calls):
             call = self._calls[request_id]
-            if call.done.is_set() and (now - call.finished > self.result_ttl_s or len(self._calls) > self.max_results):
+            if call.done.is_set() and (now - call.finished > self.result_ttl_s or
+                                       (call.retrieved and now - call.retrieved > RETRIEVED_GRACE_S)):
                 del self._calls[request_id]
+        for fetched_first in (True, False):
+            for request_id in list(self._calls):
+                if len(self._calls) <= self.max_results:
+                    return
+                call = self._calls[request_id]
+                if call.done.is_set() and (bool(call.retrieved) or not fetched_first):
+                    del self._calls[request_id]
 
     def _next_jobs(self) -> list[tuple[_Call, Callable | _Sampling]]:
         """The next job, and with a sample call every sample call queued right behind it on the same weights and
@@ -279,6 +293,7 @@ class TinkerService:
                 await asyncio.wait_for(call.ready.wait(), POLL_WAIT_S)
         except asyncio.TimeoutError:
             return web.json_response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        call.retrieved = call.retrieved or time.time()
         return web.Response(body=call.body, content_type=call.content_type)
 
     async def _cancel(self, request: web.Request) -> web.Response:
@@ -362,6 +377,7 @@ class TinkerService:
         if body.lora_config is None:
             raise ServeError("hyflow serve trains LoRA adapters only: create the client with "
                              "create_lora_training_client(base_model, rank=...)")
+        _check_optimizer_config(body.optimizer_config)
         lora = LoraSpec(rank=body.lora_config.rank, seed=body.lora_config.seed,
                         train_attn=body.lora_config.train_attn, train_mlp=body.lora_config.train_mlp,
                         train_unembed=body.lora_config.train_unembed)
@@ -371,6 +387,7 @@ class TinkerService:
         def work():
             run = self.host.create_run(owner, run_id, body.base_model, lora)
             self.host.record_owner(run)
+            self._metadata[run.run_id] = dict(body.user_metadata or {})
             return _ok({"type": "create_model", "model_id": run.run_id})
 
         return self._submit(owner, "create_model", work)
@@ -421,12 +438,15 @@ class TinkerService:
         from tinker import types
 
         body = _validated(types.SaveWeightsRequest, await _json(request))
+        _refuse_ttl(body.ttl_seconds)
         owner = request["owner"]
         run = self.host.run_of(body.model_id, owner)
         name = body.path or f"step-{run.steps:06d}"
 
         def work():
-            return _ok({"type": "save_weights", "path": self.host.save(run, name, kind="weights", optimizer=True)})
+            path = self.host.save(run, name, kind="weights", optimizer=True, overwrite=body.overwrite,
+                                  user_metadata=body.user_metadata)
+            return _ok({"type": "save_weights", "path": path})
 
         return self._submit(owner, "save_weights", work)
 
@@ -434,13 +454,18 @@ class TinkerService:
         from tinker import types
 
         body = _validated(types.SaveWeightsForSamplerRequest, await _json(request))
+        _refuse_ttl(body.ttl_seconds)
+        if body.kind != "snapshot":
+            raise ServeError(f"save_weights_for_sampler kind={body.kind!r} is not supported by hyflow serve (only "
+                             "'snapshot': the weights as they are now)")
         owner = request["owner"]
         run = self.host.run_of(body.model_id, owner)
         named = body.path is not None
 
         def work():
             name = body.path if named else f"ephemeral-{next(self._ids):09d}-{uuid.uuid4().hex[:8]}"
-            path = self.host.save(run, name, kind="sampler_weights", optimizer=False)
+            path = self.host.save(run, name, kind="sampler_weights", optimizer=False, overwrite=True,
+                                  user_metadata=body.user_metadata)
             reply = {"type": "save_weights_for_sampler", "path": path}
             if not named:  # save_weights_and_get_sampling_client: a sampling session on the snapshot
                 reply["sampling_session_id"] = self._add_sampler(owner, path)
@@ -474,6 +499,11 @@ class TinkerService:
         from tinker import types
 
         body = _validated(types.LoadWeightsRequest, await _json(request))
+        if body.weights_access_token is not None:
+            raise ServeError("weights_access_token is not supported by hyflow serve: a key reads only its own "
+                             "checkpoints (start the service with that key, --api-key)")
+        if body.optimizer_config is not None:
+            _check_optimizer_config(body.optimizer_config)
         owner = request["owner"]
         _, directory, state = self.host.resolve(body.path, owner)
         if body.model_id is not None:
@@ -483,13 +513,22 @@ class TinkerService:
             target = None
 
         def work():
-            run = target
-            if run is None:
+            if target is not None:
+                self.host.load(target, directory, state, optimizer=body.optimizer, tinker_path=body.path)
+                return _ok({"type": "load_weights", "path": body.path, "model_id": target.run_id})
+            try:
                 lora = LoraSpec(**state["lora"])
-                run = self.host.create_run(owner, f"{body.session_id}:train:{body.model_seq_id}",
-                                           body.base_model or state["base_model"], lora)
-                self.host.record_owner(run)
-            self.host.load(run, directory, state, optimizer=body.optimizer, tinker_path=body.path)
+            except (KeyError, TypeError) as exc:
+                raise ServeError(f"checkpoint {body.path!r} is corrupt: its state.json has no LoRA shape", 422) from exc
+            run = self.host.create_run(owner, f"{body.session_id}:train:{body.model_seq_id}",
+                                       body.base_model or state["base_model"], lora)
+            try:
+                self.host.load(run, directory, state, optimizer=body.optimizer, tinker_path=body.path)
+            except BaseException:
+                self.host.unload(run)  # a client that failed to start leaves no run behind
+                raise
+            self.host.record_owner(run)
+            self._metadata[run.run_id] = dict(body.user_metadata or {})
             return _ok({"type": "load_weights", "path": body.path, "model_id": run.run_id})
 
         return self._submit(owner, "load_weights", work)
@@ -522,7 +561,8 @@ class TinkerService:
 
     def _run_json(self, run: Run) -> dict:
         return {"training_run_id": run.run_id, "base_model": self.host.name, "model_owner": run.owner,
-                "is_lora": True, "lora_rank": run.lora.rank, "last_request_time": _iso(run.last_request)}
+                "is_lora": True, "lora_rank": run.lora.rank, "last_request_time": _iso(run.last_request),
+                "user_metadata": self._metadata.get(run.run_id) or None}
 
     async def _list_checkpoints(self, request: web.Request) -> web.Response:
         found = self.host.checkpoints(request.match_info["run_id"], request["owner"])
@@ -574,7 +614,9 @@ class TinkerService:
                                              ("topk_prompt_logprobs", body.topk_prompt_logprobs),
                                              ("topk_sample_logprobs", body.topk_sample_logprobs),
                                              ("prompt_alt_tokens_k", body.prompt_alt_tokens_k),
-                                             ("target_prompt_logprobs", body.target_prompt_logprobs is not None))
+                                             ("target_prompt_logprobs", body.target_prompt_logprobs is not None),
+                                             ("prompt_logprobs_last_n", body.prompt_logprobs_last_n is not None),
+                                             ("record_stability_info", body.record_stability_info))
                        if on]
         if unsupported:
             raise ServeError(f"sample: {unsupported} are not supported by hyflow serve yet (only the sampled "
@@ -616,6 +658,18 @@ class TinkerService:
     def _check_session(self, session_id: str | None, owner: str) -> None:
         if self._sessions.get(session_id) != owner:
             raise ServeError(f"no session {session_id!r} for this API key", 404)
+
+
+def _refuse_ttl(ttl_seconds) -> None:
+    if ttl_seconds is not None:
+        raise ServeError("ttl_seconds is not supported by hyflow serve: checkpoints stay until deleted "
+                         "(RestClient.delete_checkpoint); leave it unset")
+
+
+def _check_optimizer_config(config) -> None:
+    if getattr(config, "type", None) != "adamw":
+        raise ServeError(f"optimizer_config {config!r} is not supported by hyflow serve: it runs AdamW "
+                         "(AdamOptimizerConfig) with the AdamParams of each optim_step")
 
 
 def _prompt_tokens(model_input) -> list[int]:

@@ -216,7 +216,12 @@ class HostBase:
                 if directory.name.endswith(".tmp") or not (directory / "state.json").is_file():
                     continue
                 size = sum(f.stat().st_size for f in directory.iterdir())
-                found.append({"checkpoint_id": f"{kind}/{directory.name}", "checkpoint_type": checkpoint_type,
+                try:
+                    metadata = json.loads((directory / "state.json").read_text()).get("user_metadata") or None
+                except (OSError, ValueError):
+                    metadata = None
+                found.append({"user_metadata": metadata,
+                              "checkpoint_id": f"{kind}/{directory.name}", "checkpoint_type": checkpoint_type,
                               "time": (directory / "state.json").stat().st_mtime, "size_bytes": size,
                               "tinker_path": f"tinker://{run_id}/{kind}/{directory.name}"})
         return found
@@ -409,17 +414,23 @@ class ModelHost(HostBase):
         return {"grad_norm": float(norm), "learning_rate": learning_rate}
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, run: Run, name: str, *, kind: str, optimizer: bool) -> str:
-        """Write the adapter (and the optimizer state) under `kind` ('weights' / 'sampler_weights'); its path."""
+    def save(self, run: Run, name: str, *, kind: str, optimizer: bool, overwrite: bool = True,
+             user_metadata: dict | None = None) -> str:
+        """Write the adapter (and the optimizer state) under `kind` ('weights' / 'sampler_weights'); its path. An
+        existing checkpoint of that name is replaced only with `overwrite`."""
         self._live(run)
         out = self._dir(run, kind, name)
+        if out.exists() and not overwrite:
+            raise ServeError(f"checkpoint tinker://{run.run_id}/{kind}/{name} exists already; save under another "
+                             "name or pass overwrite=True", 409)
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         save_file({n: p.detach().cpu().contiguous() for n, p in run.params.items()},
                   str(tmp / "adapter.safetensors"))
         state = {"format": "hyflow-serve-1", "base_model": self.name, "lora": run.lora.to_json(),
-                 "steps": run.steps, "time": time.time(), "optimizer": False}
+                 "steps": run.steps, "time": time.time(), "optimizer": False,
+                 "user_metadata": dict(user_metadata or {})}
         if optimizer:
             tensors, adam_steps = {}, {}
             for n, p in run.params.items():
@@ -442,23 +453,31 @@ class ModelHost(HostBase):
             raise ServeError(f"{tinker_path!r} holds a rank-{state.get('lora', {}).get('rank')} adapter; this run "
                              f"has rank {run.lora.rank}")
         tensors = _load_tensors(directory / "adapter.safetensors", tinker_path)
-        if set(tensors) != set(run.params):
+        if set(tensors) != set(run.params) or any(tensors[n].shape != p.shape for n, p in run.params.items()):
             raise ServeError(f"{tinker_path!r} does not fit this run: its adapter covers other modules "
                              "(train_attn/train_mlp/train_unembed differ)")
+        moments: dict[str, dict] = {}
+        if optimizer:  # everything is read and checked before anything of the run changes
+            if not state.get("optimizer"):
+                raise ServeError(f"{tinker_path!r} was saved without optimizer state (save_weights_for_sampler); "
+                                 "load it with load_state, or save with save_state")
+            saved = _load_tensors(directory / "optimizer.safetensors", tinker_path)
+            try:
+                for n, p in run.params.items():
+                    if f"exp_avg/{n}" in saved:
+                        moments[n] = {"step": torch.tensor(float(state["adam_steps"][n])),
+                                      "exp_avg": saved[f"exp_avg/{n}"].to(p.device),
+                                      "exp_avg_sq": saved[f"exp_avg_sq/{n}"].to(p.device)}
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ServeError(f"checkpoint {tinker_path!r} is corrupt: its optimizer state is incomplete ({exc})",
+                                 422) from exc
         with torch.no_grad():
             for n, p in run.params.items():
                 p.copy_(tensors[n].to(p.device, p.dtype))
         run.optimizer.state.clear()
-        if optimizer:
-            if not state.get("optimizer"):
-                raise ServeError(f"{tinker_path!r} was saved without optimizer state (save_weights_for_sampler); "
-                                 "load it with load_state, or save with save_state")
-            moments = _load_tensors(directory / "optimizer.safetensors", tinker_path)
-            for n, p in run.params.items():
-                if f"exp_avg/{n}" in moments:
-                    run.optimizer.state[p] = {"step": torch.tensor(float(state["adam_steps"][n])),
-                                              "exp_avg": moments[f"exp_avg/{n}"].to(p.device),
-                                              "exp_avg_sq": moments[f"exp_avg_sq/{n}"].to(p.device)}
+        for n, p in run.params.items():
+            if n in moments:
+                run.optimizer.state[p] = moments[n]
         run.steps = int(state.get("steps", 0))
 
     # ------------------------------------------------------------------ sampling

@@ -113,8 +113,9 @@ class ServeWorker(Worker):
         return _guarded(lambda: self.host.optim_step(run, **hyper))
 
     @register(Dispatch.RANK_ZERO)
-    def save(self, run_id: str, name: str, kind: str, optimizer: bool):
-        return _guarded(lambda: self.host.save(self.host.runs[run_id], name, kind=kind, optimizer=optimizer))
+    def save(self, run_id: str, name: str, kind: str, optimizer: bool, overwrite: bool, user_metadata: dict | None):
+        return _guarded(lambda: self.host.save(self.host.runs[run_id], name, kind=kind, optimizer=optimizer,
+                                               overwrite=overwrite, user_metadata=user_metadata))
 
     @register(Dispatch.REPLICATE)
     def load(self, run_id: str, directory: str, state: dict, optimizer: bool, tinker_path: str):
@@ -234,10 +235,11 @@ class ReplicatedHost(HostBase):
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, run: RemoteRun, name: str, *, kind: str, optimizer: bool) -> str:
+    def save(self, run: RemoteRun, name: str, *, kind: str, optimizer: bool, overwrite: bool = True,
+             user_metadata: dict | None = None) -> str:
         self._live(run)
         self._dir(run, kind, name)  # the name's check
-        return _all_ok([self.group.save(run.run_id, name, kind, optimizer)])[0]
+        return _all_ok([self.group.save(run.run_id, name, kind, optimizer, overwrite, user_metadata)])[0]
 
     def load(self, run: RemoteRun, directory: Path, state: dict, *, optimizer: bool, tinker_path: str) -> None:
         self._live(run)

@@ -49,6 +49,9 @@ def parse_forward_backward(body: bytes) -> tuple[str, int, str, dict, bool, list
             if len(raw) % 4:
                 raise ServeError(f"datum {index}: token bytes are not int32 ({len(raw)} bytes)")
             tokens += np.frombuffer(raw, dtype=np.int32).tolist()
+        if len(datum.model_input_spans) or len(datum.loss_fn_input_spans):
+            raise ServeError(f"datum {index}: provenance spans (StableReinforce's recorded sampling) are not "
+                             "supported by hyflow serve; send the datum without them")
         inputs = {name: tensor_from_proto(tensor, f"datum {index}: loss_fn_inputs[{name!r}]")
                   for name, tensor in datum.loss_fn_inputs.items()}
         data.append(Datum(tokens, inputs))

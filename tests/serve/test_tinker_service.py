@@ -385,6 +385,39 @@ def test_checkpoints_are_listed_and_deleted(service, client, tokenizer):
         "sampler_weights/for-sampling"]
 
 
+def test_checkpoint_options_are_honoured_or_refused_by_name(service, client, tokenizer):
+    svc = service[0]
+    rest = tinker.RestClient(base_url=service[1], api_key=KEY)
+    tc = client.create_lora_training_client(base_model="tiny", rank=2, seed=24).result()
+    data = [sft_datum(tokenizer, "the cat sat")]
+    tc.save_state("once", user_metadata={"step": "0"}).result()
+    with pytest.raises(Exception, match="exists already"):
+        tc.save_state("once").result(timeout=60)
+    train(tc, data, 1, 1e-2)
+    assert tc.save_state("once", overwrite=True).result().path.endswith("/weights/once")
+    with pytest.raises(Exception, match="ttl_seconds"):
+        tc.save_state("ttl", ttl_seconds=7200).result(timeout=60)
+    listed = {c.checkpoint_id: c for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+    assert listed["weights/once"].user_metadata is None  # the overwrite carried none
+    tc.save_state("meta", user_metadata={"note": "kept"}).result()
+    listed = {c.checkpoint_id: c for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+    assert listed["weights/meta"].user_metadata == {"note": "kept"}
+    # a load that cannot succeed changes nothing: no optimizer state in a sampler checkpoint
+    sampler_path = tc.save_weights_for_sampler("no-moments").result().path
+    train(tc, data, 1, 5e-2)
+    before = forward_logprobs(tc, data)[0]
+    with pytest.raises(Exception, match="without optimizer state"):
+        tc.load_state_with_optimizer(sampler_path).result(timeout=60)
+    np.testing.assert_array_equal(forward_logprobs(tc, data)[0], before)
+    # a client that fails to start from a checkpoint leaves no run behind
+    broken = tc.save_state("broken-start").result().path
+    (svc.host.store / "runs" / tc.model_id / "weights" / "broken-start" / "adapter.safetensors").write_bytes(b"x")
+    runs_before = set(svc.host.runs)
+    with pytest.raises(Exception, match="corrupt"):
+        client.create_training_client_from_state(broken).result(timeout=60)
+    assert set(svc.host.runs) == runs_before
+
+
 def test_a_corrupt_checkpoint_is_refused_by_name(service, client, tokenizer):
     svc = service[0]
     tc = client.create_lora_training_client(base_model="tiny", rank=4, seed=12).result()
@@ -523,6 +556,32 @@ def test_an_unexpected_error_inside_a_call_fails_that_call_and_the_worker_goes_o
         sampler.sample(prompt=prompt, num_samples=1, sampling_params=params).result(timeout=60)
     monkeypatch.setattr(svc.host, "sample", real)
     assert len(sampler.sample(prompt=prompt, num_samples=2, sampling_params=params).result(timeout=60).sequences) == 2
+
+
+def test_kept_results_go_once_fetched_and_unfetched_ones_stay_while_there_is_room(service):
+    from hyflow.serve.app import RETRIEVED_GRACE_S, _Call
+
+    svc = service[0]
+    saved_calls, saved_max = svc._calls, svc.max_results
+    now = time.time()
+
+    def done(request_id, retrieved):
+        call = _Call(request_id, "owner-x", "test", finished=now, retrieved=retrieved)
+        call.done.set()
+        return call
+
+    try:
+        svc._calls = {c.request_id: c for c in [done("fetched-long-ago", now - RETRIEVED_GRACE_S - 1),
+                                                done("fetched-now", now), done("unfetched-1", 0.0),
+                                                done("unfetched-2", 0.0)]}
+        svc.max_results = 3
+        svc._prune()
+        assert list(svc._calls) == ["fetched-now", "unfetched-1", "unfetched-2"]
+        svc.max_results = 2  # too many: the fetched one goes before any unfetched one
+        svc._prune()
+        assert list(svc._calls) == ["unfetched-1", "unfetched-2"]
+    finally:
+        svc._calls, svc.max_results = saved_calls, saved_max
 
 
 def test_queued_calls_are_bounded(service):
