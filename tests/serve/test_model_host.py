@@ -129,3 +129,17 @@ def test_a_call_that_runs_after_its_run_was_unloaded_is_refused(host):
         assert caught.value.status == 404
     assert not (host.store / "runs" / run.run_id / "weights" / "late").exists()
     host.unload(keep)
+
+
+def test_runs_are_bounded_and_the_error_names_the_flag(host):
+    saved = host.max_runs
+    host.max_runs = len(host.runs) + 1
+    try:
+        run = host.create_run("owner", run_id(40), "tiny", LoraSpec(rank=2))
+        with pytest.raises(ServeError, match="--max-runs") as caught:
+            host.create_run("owner", run_id(41), "tiny", LoraSpec(rank=2))
+        assert caught.value.status == 429
+        assert host.create_run("owner", run_id(40), "tiny", LoraSpec(rank=2)) is run  # a retried create: same run
+    finally:
+        host.max_runs = saved
+    host.unload(run)

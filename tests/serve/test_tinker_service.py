@@ -29,7 +29,8 @@ def service(tiny_model_dir, tmp_path_factory):
     from hyflow.serve import start
 
     svc, url, _, stop = start(str(tiny_model_dir), name="tiny", port=0, api_keys=[KEY, OTHER_KEY],
-                                 store=tmp_path_factory.mktemp("serve_store"), max_body_bytes=4 << 20)
+                                 store=tmp_path_factory.mktemp("serve_store"), max_body_bytes=4 << 20,
+                                 max_runs=256)  # the module makes ~55 runs; the default 64 is a per-service bound
     yield svc, url
     stop()
 
@@ -272,7 +273,7 @@ def test_a_session_without_heartbeats_ends_and_its_runs_are_unloaded(service, to
     path = tc.save_state("before-expiry").result().path
     session = tc.model_id.split(":train:")[0]
     svc._seen[session] -= 10 * svc.session_ttl_s  # as if its client had gone silent
-    assert svc.expire_sessions() == [session]
+    assert session in svc.expire_sessions()  # (other silent sessions of this module may end too)
     with pytest.raises(Exception, match="no training run"):
         tc.forward_backward([sft_datum(tokenizer, "the cat")], "cross_entropy").result(timeout=60)
     status, body = _post(url, "/api/v1/session_heartbeat", json.dumps({"session_id": session}).encode())
