@@ -74,7 +74,9 @@ class _Sampling:
 
     @property
     def key(self) -> tuple:
-        return (self.owner, self.path, self.params)
+        # the base model is everyone's: calls of different API keys on it decode together; a checkpoint is its
+        # owner's (resolved with that key)
+        return (self.owner if self.path is not None else None, self.path, self.params)
 
 
 class TinkerService:

@@ -340,6 +340,27 @@ def test_sample_calls_queued_together_decode_as_one_batch_with_the_same_results(
             np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
 
 
+def test_base_model_sample_calls_of_two_api_keys_decode_together(service, tokenizer):
+    svc, url = service
+    mine = tinker.ServiceClient(base_url=url, api_key=KEY).create_sampling_client(base_model="tiny").result()
+    theirs = tinker.ServiceClient(base_url=url, api_key=OTHER_KEY).create_sampling_client(base_model="tiny").result()
+    params = types.SamplingParams(max_tokens=4, seed=9)
+    prompt = types.ModelInput.from_ints(tokenizer.encode("the cat"))
+    alone = mine.sample(prompt=prompt, num_samples=2, sampling_params=params).result()
+    gate = threading.Event()
+    svc._submit("owner-x", "test", lambda: (gate.wait(60), ("application/json", b"{}"))[1])
+    batched_before = svc.samples_batched
+    futures = [c.sample(prompt=prompt, num_samples=2, sampling_params=params) for c in (mine, theirs)]
+    deadline = time.monotonic() + 60
+    while len(svc._jobs) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gate.set()
+    results = [f.result(timeout=60) for f in futures]
+    assert svc.samples_batched == batched_before + 1
+    for result in results:
+        assert [s.tokens for s in result.sequences] == [s.tokens for s in alone.sequences]
+
+
 def test_stop_token_ends_a_sample(client, tokenizer):
     base = client.create_sampling_client(base_model="tiny").result()
     prompt = types.ModelInput.from_ints(tokenizer.encode("the cat"))
