@@ -65,10 +65,11 @@ def test_two_replicas_train_and_sample_as_one_process(services, tiny_tokenizer):
                     tc.forward_backward(bad, "importance_sampling").result(timeout=120)
         lp = [np.asarray(o["logprobs"].tolist()) for o in tc.forward(data, "cross_entropy").result().loss_fn_outputs]
         sampler = tc.save_weights_and_get_sampling_client().result()
-        futures = [sampler.sample(prompt=types.ModelInput.from_ints(tiny_tokenizer.encode(p)), num_samples=n,
-                                  sampling_params=types.SamplingParams(max_tokens=5, seed=3))
-                   for p, n in (("the cat", 2), ("a dog", 3), ("snow", 1))]
-        samples = [[(s.tokens, s.logprobs) for s in f.result().sequences] for f in futures]
+        # one call at a time: the same decoding batches in both services (calls queued together would batch by timing)
+        samples = [[(s.tokens, s.logprobs) for s in sampler.sample(
+            prompt=types.ModelInput.from_ints(tiny_tokenizer.encode(p)), num_samples=n,
+            sampling_params=types.SamplingParams(max_tokens=5, seed=3)).result().sequences]
+            for p, n in (("the cat", 2), ("a dog", 3), ("snow", 1))]
         state = tc.save_state("replicated").result().path
         resumed = client.create_training_client_from_state_with_optimizer(state).result()
         resumed_lp = [np.asarray(o["logprobs"].tolist())

@@ -65,5 +65,7 @@ def test_the_rl_loop_raises_the_reward_over_a_frozen_control(service):
     rl = _load("rl_loop")
     trained = rl.main(*service, "tiny", seed=0, log=_quiet)
     control = rl.main(*service, "tiny", seed=0, lr=0.0, log=_quiet)
-    assert trained[0] == control[0]  # same seeds, same first samples
+    # same seeds, the same weights at the first iteration: the same samples, but for a rare flip where the two
+    # prompts' calls were decoded in one batch in one run and apart in the other (padding moves the last bits)
+    assert abs(trained[0] - control[0]) <= 0.05
     assert np.mean(trained[-4:]) - np.mean(control[-4:]) > 0.3, (trained, control)
