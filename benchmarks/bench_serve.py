@@ -96,7 +96,9 @@ def through_service(url: str, key: str, rows, steps: int, rank: int, clients: in
         thread.start()
     for thread in threads:
         thread.join()
-    return (time.perf_counter() - start) / steps
+    elapsed = (time.perf_counter() - start) / steps
+    service.close("success").result()
+    return elapsed
 
 
 def sampling(url: str, key: str, prompts, n: int, tokens: int) -> float:
@@ -104,14 +106,17 @@ def sampling(url: str, key: str, prompts, n: int, tokens: int) -> float:
     import tinker
     from tinker import types
 
-    sampler = tinker.ServiceClient(base_url=url, api_key=key).create_sampling_client(base_model="bench").result()
+    client = tinker.ServiceClient(base_url=url, api_key=key)
+    sampler = client.create_sampling_client(base_model="bench").result()
     params = types.SamplingParams(max_tokens=tokens, seed=0, temperature=1.0)
     sampler.sample(prompt=types.ModelInput.from_ints(prompts[0]), num_samples=1, sampling_params=params).result()
     start = time.perf_counter()
     futures = [sampler.sample(prompt=types.ModelInput.from_ints(p), num_samples=n, sampling_params=params)
                for p in prompts]
     generated = sum(len(s.tokens) for f in futures for s in f.result().sequences)
-    return generated / (time.perf_counter() - start)
+    rate = generated / (time.perf_counter() - start)
+    client.close("success").result()
+    return rate
 
 
 def sampling_in_process(host, prompts, n: int, tokens: int) -> float:

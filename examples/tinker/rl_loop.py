@@ -59,6 +59,7 @@ def main(base_url: str | None, api_key: str | None, base_model: str, *, iteratio
         training.optim_step(types.AdamParams(learning_rate=lr)).result()
         means.append(sum(rewards) / len(rewards))
         log(f"iteration {iteration + 1}/{iterations}  reward {means[-1]:.3f}")
+    service.close("success").result()  # ends the session: the service frees the adapter
     return means
 
 

@@ -55,6 +55,7 @@ def main(base_url: str | None, api_key: str | None, base_model: str, *, steps: i
         log(f"step {step + 1}/{steps}  loss {loss:.4f}  lr {learning_rate:.2e}")
     path = training.save_weights_for_sampler("sl-final").result().path
     log(f"sampler weights: {path}")
+    service.close("success").result()  # ends the session: the service frees the adapter (checkpoints stay)
     return losses
 
 

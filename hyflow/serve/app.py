@@ -143,6 +143,7 @@ class TinkerService:
         app.router.add_get("/api/v1/training_runs/{run_id}/checkpoints", self._list_checkpoints)
         app.router.add_delete("/api/v1/training_runs/{run_id}/checkpoints/{kind}/{name}", self._delete_checkpoint)
         app.router.add_get("/api/v1/samplers/{sampler_id}", self._get_sampler)
+        app.router.add_post("/api/v1/sessions/{session_id}/finish", self._finish_session)
         return app
 
     @web.middleware
@@ -347,6 +348,29 @@ class TinkerService:
         self.expire_sessions()
         return web.json_response({"type": "session_heartbeat"})
 
+    async def _finish_session(self, request: web.Request) -> web.Response:
+        """`ServiceClient.close(status)`: the session ends now, as an expired one does (its runs unloaded,
+        checkpoints kept); closing it again changes nothing."""
+        await _json(request)
+        session_id = request.match_info["session_id"]
+        if self._ended.get(session_id) == request["owner"]:
+            return web.json_response({})
+        if self._sessions.get(session_id) != request["owner"]:
+            return _detail(404, f"no session {session_id!r} for this API key")
+        self._end_session(session_id)
+        return web.json_response({})
+
+    def _end_session(self, session_id: str) -> None:
+        owner = self._sessions.pop(session_id)
+        self._seen.pop(session_id, None)
+        self._ended[session_id] = owner
+        while len(self._ended) > MAX_SESSIONS:
+            del self._ended[next(iter(self._ended))]
+        for run_id in [r for r in list(self.host.runs) if r.startswith(f"{session_id}:train:")]:
+            run = self.host.runs[run_id]
+            run.closing = True
+            self._submit(owner, "unload_model", lambda run=run: (self.host.unload(run), _ok({}))[1])
+
     def expire_sessions(self) -> list[str]:
         """End the sessions whose client has sent no heartbeat for `session_ttl_s` (the SDK sends one every 10 s
         while its ServiceClient lives): their training runs are unloaded through the work queue (checkpoints
@@ -354,15 +378,7 @@ class TinkerService:
         now = time.monotonic()
         ended = [s for s, seen in self._seen.items() if now - seen > self.session_ttl_s]
         for session_id in ended:
-            owner = self._sessions.pop(session_id)
-            del self._seen[session_id]
-            self._ended[session_id] = owner
-            while len(self._ended) > MAX_SESSIONS:
-                del self._ended[next(iter(self._ended))]
-            for run_id in [r for r in list(self.host.runs) if r.startswith(f"{session_id}:train:")]:
-                run = self.host.runs[run_id]
-                run.closing = True
-                self._submit(owner, "unload_model", lambda run=run: (self.host.unload(run), _ok({}))[1])
+            self._end_session(session_id)
         return ended
 
     async def _telemetry(self, request: web.Request) -> web.Response:

@@ -61,6 +61,7 @@ def test_serve_prints_its_url_and_key_and_stops_on_sigterm(tiny_model_dir, tmp_p
         assert tc.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"] > 0
         assert tc.save_state("cli").result().path.endswith("/weights/cli")
         assert list((tmp_path / "store" / "runs").glob("*/weights/cli/adapter.safetensors"))
+        client.close("success").result(timeout=60)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

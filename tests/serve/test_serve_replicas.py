@@ -75,6 +75,8 @@ def test_two_replicas_train_and_sample_as_one_process(services, tiny_tokenizer):
         resumed_lp = [np.asarray(o["logprobs"].tolist())
                       for o in resumed.forward(data, "cross_entropy").result().loss_fn_outputs]
         results[which] = (losses, lp, samples, resumed_lp)
+        if which == "one":
+            client.close("success").result(timeout=60)
     (l1, lp1, s1, r1), (l2, lp2, s2, r2) = results["one"], results["two"]
     assert l2 == pytest.approx(l1, rel=1e-5)
     for a, b in zip(lp1 + r1, lp2 + r2, strict=True):
@@ -84,10 +86,11 @@ def test_two_replicas_train_and_sample_as_one_process(services, tiny_tokenizer):
         np.testing.assert_allclose([x for _, x in a], [x for _, x in b], atol=1e-4)
     assert lp2[0].shape[0] > 0 and np.abs(lp2[0] - r2[0]).max() < 1e-5  # the checkpoint holds the weights
     # what one process refuses, the replicas refuse (checked on the driver before anything is sent)
-    tc = session(services, "two").create_lora_training_client(base_model="tiny", rank=2, seed=1).result()
+    tc = client.create_lora_training_client(base_model="tiny", rank=2, seed=1).result()  # the "two" service
     with pytest.raises(Exception, match="outside the model's vocabulary"):
         tc.forward_backward([types.Datum(model_input=types.ModelInput.from_ints([5, 10**6]),
                                          loss_fn_inputs={"target_tokens": [6, 7], "weights": [1.0, 1.0]})],
                             "cross_entropy").result(timeout=120)
     with pytest.raises(Exception, match="learning_rate"):
         tc.optim_step(types.AdamParams(learning_rate=float("nan"))).result(timeout=120)
+    client.close("success").result(timeout=60)

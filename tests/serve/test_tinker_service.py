@@ -37,7 +37,9 @@ def service(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(service):
-    return tinker.ServiceClient(base_url=service[1], api_key=KEY)
+    client = tinker.ServiceClient(base_url=service[1], api_key=KEY)
+    yield client
+    client.close("success").result(timeout=60)  # ends the session (and its heartbeats) while the service runs
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +285,23 @@ def test_a_session_without_heartbeats_ends_and_its_runs_are_unloaded(service, to
         time.sleep(0.05)
     assert tc.model_id not in svc.host.runs  # the adapter is gone; its checkpoint stays
     assert tinker.RestClient(base_url=url, api_key=KEY).get_weights_info_by_tinker_path(path).result().lora_rank == 2
+
+
+def test_closing_a_service_client_ends_its_session(service, tokenizer):
+    svc, url = service
+    own = tinker.ServiceClient(base_url=url, api_key=KEY)
+    tc = own.create_lora_training_client(base_model="tiny", rank=2, seed=25).result()
+    session = tc.model_id.split(":train:")[0]
+    own.close("success", detail="done").result(timeout=60)
+    assert session in svc._ended and session not in svc._sessions
+    deadline = time.monotonic() + 30
+    while tc.model_id in svc.host.runs and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tc.model_id not in svc.host.runs
+    status, _ = _post(url, f"/api/v1/sessions/{session}/finish", b"{}")
+    assert status == 200  # closing again changes nothing
+    status, _ = _post(url, f"/api/v1/sessions/{session}/finish", b"{}", key=OTHER_KEY)
+    assert status == 404
 
 
 def test_optim_step_clears_the_gradients(service, client, tokenizer):
