@@ -361,8 +361,8 @@ def test_sample_calls_queued_together_decode_as_one_batch_with_the_same_results(
 
 def test_base_model_sample_calls_of_two_api_keys_decode_together(service, tokenizer):
     svc, url = service
-    mine = tinker.ServiceClient(base_url=url, api_key=KEY).create_sampling_client(base_model="tiny").result()
-    theirs = tinker.ServiceClient(base_url=url, api_key=OTHER_KEY).create_sampling_client(base_model="tiny").result()
+    clients = [tinker.ServiceClient(base_url=url, api_key=key) for key in (KEY, OTHER_KEY)]
+    mine, theirs = (c.create_sampling_client(base_model="tiny").result() for c in clients)
     params = types.SamplingParams(max_tokens=4, seed=9)
     prompt = types.ModelInput.from_ints(tokenizer.encode("the cat"))
     alone = mine.sample(prompt=prompt, num_samples=2, sampling_params=params).result()
@@ -378,6 +378,8 @@ def test_base_model_sample_calls_of_two_api_keys_decode_together(service, tokeni
     assert svc.samples_batched == batched_before + 1
     for result in results:
         assert [s.tokens for s in result.sequences] == [s.tokens for s in alone.sequences]
+    for c in clients:
+        c.close("success").result(timeout=60)
 
 
 def test_stop_token_ends_a_sample(client, tokenizer):
@@ -532,6 +534,7 @@ def test_one_key_cannot_reach_another_keys_runs(service, client, tokenizer):
     status, body = _post(service[1], "/api/v1/get_info", json.dumps({"model_id": tc.model_id}).encode(),
                          key=OTHER_KEY)
     assert status == 404 and "no training run" in body["detail"]
+    other.close("success").result(timeout=60)
 
 
 def test_malformed_requests_get_a_4xx_with_the_reason(service, client, tokenizer):
