@@ -103,7 +103,8 @@ class ServeWorker(Worker):
             names = sorted(run.params)
             params = [run.params[n] for n in names]
             # a parameter no rank has a gradient for stays without one (AdamW skips it, as in one process)
-            present = torch.tensor([float(p.grad is not None) for p in params])
+            present = torch.tensor([float(p.grad is not None) for p in params],
+                                   device=params[0].device if params else "cpu")  # nccl reduces device tensors
             dist.all_reduce(present)
             for p, anywhere in zip(params, present.tolist(), strict=True):
                 if anywhere:
