@@ -285,6 +285,7 @@ def test_a_session_without_heartbeats_ends_and_its_runs_are_unloaded(service, to
         time.sleep(0.05)
     assert tc.model_id not in svc.host.runs  # the adapter is gone; its checkpoint stays
     assert tinker.RestClient(base_url=url, api_key=KEY).get_weights_info_by_tinker_path(path).result().lora_rank == 2
+    own.close("success").result(timeout=60)  # an ended session closes quietly (its heartbeat loop stops)
 
 
 def test_closing_a_service_client_ends_its_session(service, tokenizer):
