@@ -84,10 +84,8 @@ class Run:
     adapter: str
     params: dict[str, torch.nn.Parameter]
     optimizer: torch.optim.AdamW
-    created: float = field(default_factory=time.time)
     last_request: float = field(default_factory=time.time)
     steps: int = 0
-    pending_grads: bool = False
     closing: bool = False  # its session ended: an unload is queued, new calls get 404
 
 
@@ -371,7 +369,6 @@ class ModelHost(HostBase):
                 for n, p in run.params.items():
                     p.grad = before[n]
             raise
-        run.pending_grads = run.pending_grads or not forward_only
         return outputs, {"loss:sum": total}
 
     def _forward_chunk(self, chunk: list[Datum], loss_fn: str, settings: dict) -> tuple[list[dict], torch.Tensor]:
@@ -410,7 +407,6 @@ class ModelHost(HostBase):
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
         run.steps += 1
-        run.pending_grads = False
         return {"grad_norm": float(norm), "learning_rate": learning_rate}
 
     # ------------------------------------------------------------------ checkpoints

@@ -148,10 +148,8 @@ class RemoteRun:
     run_id: str
     owner: str
     lora: LoraSpec
-    created: float = field(default_factory=time.time)
     last_request: float = field(default_factory=time.time)
     steps: int = 0
-    pending_grads: bool = False
     closing: bool = False
 
 
@@ -224,7 +222,6 @@ class ReplicatedHost(HostBase):
             if not forward_only:
                 self.group.rollback(run.run_id)
             raise ServeError(failed[0][1], failed[0][2])
-        run.pending_grads = run.pending_grads or not forward_only
         return [o for a in answers for o in a[1][0]], {"loss:sum": sum(a[1][1] for a in answers)}
 
     def optim_step(self, run: RemoteRun, **hyper) -> dict[str, float]:
@@ -232,7 +229,6 @@ class ReplicatedHost(HostBase):
         check_adam(**hyper)  # before any all-reduce: a refused step must leave the gradients as they are
         metrics = _all_ok(self.group.optim_step(run.run_id, hyper))[0]
         run.steps += 1
-        run.pending_grads = False
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
