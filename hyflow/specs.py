@@ -154,6 +154,7 @@ class FsdpSettings:
     param_offload: bool = False
     optimizer_offload: bool = False
     offload_policy: bool = False
+    fsdp_size: int = -1
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,8 @@ class TrainEngineSpec:
     frozen model (the reference policy); total_optimizer_steps: the LR schedule's length (training steps x
     optimizer steps per training step); device: `trainer.device` (auto, cpu, cuda), resolved by the worker;
     ulysses_sequence_parallel_size: ranks per sequence-parallel group (`hyflow.models.ulysses`; 1 = none);
-    tensor_parallel_size: ranks per tensor-parallel group (`hyflow.models.tensor_parallel`; 1 = none).
+    tensor_parallel_size: ranks per tensor-parallel group (`hyflow.models.tensor_parallel`; 1 = none);
+    expert_parallel_size: ranks that split a mixture-of-experts model's experts (`hyflow.parallel.expert`; 1 = none).
     """
 
     name: str
@@ -206,6 +208,7 @@ class TrainEngineSpec:
     freeze_vision_tower: bool = False
     ulysses_sequence_parallel_size: int = 1
     tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
 
 
 # ------------------------------------------------------------------------------------------ roles

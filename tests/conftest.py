@@ -42,6 +42,16 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def moe_model_dirs(tmp_path_factory):
+    """{preset: directory} of the tiny mixture-of-experts models (`hyflow.models.tiny.MOE_PRESETS`: Qwen3-MoE,
+    Mixtral, DeepSeek-V3), each with the tiny byte-level BPE tokenizer."""
+    from hyflow.models.tiny import MOE_PRESETS, make_tiny_model
+
+    root = tmp_path_factory.mktemp("moe_models")
+    return {preset: make_tiny_model(root / preset, preset=preset, seed=0) for preset in MOE_PRESETS}
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 

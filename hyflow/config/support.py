@@ -128,8 +128,6 @@ def _fsdp_entries() -> list[KeySupport]:
                          "role has only with strategy fsdp/fsdp2 on 2 or more devices (one device runs the model "
                          "unwrapped, the reward model is a full copy on each rank); use param_offload / "
                          "optimizer_offload there", _offload_policy_without_fsdp2(s)),
-            _unsupported(f"{s}.fsdp_size", "hybrid sharding (HSDP) is not built; use -1 (shard over all the "
-                         "role's devices)", _fsdp_size_asked(s)),
             _unsupported(f"{s}.wrap_policy.min_num_params", "hyflow always wraps each transformer layer; " + LEAVE),
             _unsupported(f"{s}.seed", "hyflow seeds model set-up with trainer.seed; set trainer.seed instead"),
             _performance(f"{s}.forward_prefetch", "FSDP2 prefetch order only changes overlap, not the numbers"),
@@ -138,6 +136,8 @@ def _fsdp_entries() -> list[KeySupport]:
     # The actor's and the critic's offload keys and the reference's param_offload are read (hyflow.config.roles);
     # these three have nothing to act on.
     rm = "reward_model.model.fsdp_config"
+    entries.append(_unsupported(f"{rm}.fsdp_size", "the reward model runs unwrapped (a full copy on each rank): "
+                                "there is no shard group to size; use -1", _fsdp_size_asked(rm)))
     entries += [
         _performance(f"{rm}.param_offload", "the reward model's worker keeps its frozen model on the device (no "
                      "offload): the same scores, more device memory", _set(f"{rm}.param_offload")),

@@ -41,7 +41,14 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from hyflow.models.vision import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_SPECIAL_TOKENS, VISION_START
 
@@ -186,6 +193,27 @@ PRESETS: dict[str, dict] = {
     ),
 }
 
+# Mixture-of-experts presets (`make_tiny_model` with a family's own config class; the tokenizer is the tiny
+# presets'): hidden 128, 2 layers, 4 heads, 2 KV heads, 4 routed experts of which each token takes 2. Each is the
+# smallest model with its family's routing: Qwen3-MoE (softmax top-k, renormalised; every layer sparse), Mixtral
+# (softmax over the top-k logits; untied embeddings), DeepSeek-V3 (multi-head latent attention, sigmoid scores
+# with a correction bias, grouped top-k, one shared expert, the first layer dense).
+MOE_PRESETS: dict[str, dict] = {
+    "tiny-qwen3-moe": {"model_type": "qwen3_moe", "hidden_size": 128, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256,
+                       "moe_intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2,
+                       "decoder_sparse_step": 1, "norm_topk_prob": True, "tie_word_embeddings": True},
+    "tiny-mixtral": {"model_type": "mixtral", "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128, "num_local_experts": 4,
+                     "num_experts_per_tok": 2, "tie_word_embeddings": False},
+    "tiny-deepseek-v3": {"model_type": "deepseek_v3", "hidden_size": 128, "num_hidden_layers": 2,
+                         "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 256,
+                         "moe_intermediate_size": 64, "n_routed_experts": 4, "n_shared_experts": 1,
+                         "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "first_k_dense_replace": 1,
+                         "kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+                         "v_head_dim": 32, "tie_word_embeddings": False},
+}
+
 _ENGLISH_TEXT = """\
 You are a helpful assistant. Solve the following problem step by step and put the final answer after ####.
 Question: What is the value of the expression? Compute the sum, the difference, the product and the quotient.
@@ -323,6 +351,18 @@ def preset_config(
     )
 
 
+def moe_preset_config(preset: str, vocab_size: int, *, bos_token_id: int, eos_token_id: int, pad_token_id: int):
+    """The config of mixture-of-experts preset `preset` (`MOE_PRESETS`; its family's own config class) for a
+    tokenizer of `vocab_size` tokens."""
+    if preset not in MOE_PRESETS:
+        raise ValueError(f"unknown mixture-of-experts preset {preset!r}; choose one of {sorted(MOE_PRESETS)}")
+    spec = dict(MOE_PRESETS[preset])
+    return AutoConfig.for_model(
+        spec.pop("model_type"), vocab_size=vocab_size, max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}, rms_norm_eps=1e-6, bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id, **spec)
+
+
 def make_tiny_model(
     out_dir: str | Path,
     preset: str = "tiny",
@@ -333,7 +373,8 @@ def make_tiny_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = None,
 ) -> Path:
-    """Write a random-weight Qwen2ForCausalLM + trained BPE tokenizer + ChatML template to `out_dir`.
+    """Write a random-weight Qwen2ForCausalLM (or the MoE family of a `MOE_PRESETS` preset) + trained BPE tokenizer
+    + ChatML template to `out_dir`.
 
     `vocab_size` is the tokenizer's target size (default 512); `corpus` replaces the built-in tokenizer
     corpus (`default_corpus()`); `seed` fixes the weights (HF init: normal(0, 0.02) linears/embeddings);
@@ -343,24 +384,24 @@ def make_tiny_model(
     if preset in VL_PRESETS:
         return make_tiny_vl_model(out_dir, preset, seed=seed, vocab_size=vocab_size, corpus=corpus, dtype=dtype,
                                   device=device)
-    if preset not in PRESETS:
-        raise ValueError(f"unknown tiny-model preset {preset!r}; choose one of {sorted(PRESETS) + sorted(VL_PRESETS)}")
+    if preset not in PRESETS and preset not in MOE_PRESETS:
+        raise ValueError(f"unknown tiny-model preset {preset!r}; choose one of "
+                         f"{sorted(PRESETS) + sorted(MOE_PRESETS) + sorted(VL_PRESETS)}")
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_bpe_tokenizer(corpus, DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size)
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in SPECIAL_TOKENS}
-    config = preset_config(
-        preset,
-        len(tokenizer),
-        bos_token_id=ids[ENDOFTEXT],
-        eos_token_id=ids[IM_END],
-        pad_token_id=ids[ENDOFTEXT],
-    )
-    torch_dtype = _as_dtype(dtype if dtype is not None else PRESETS[preset]["dtype"])
+    token_ids = {"bos_token_id": ids[ENDOFTEXT], "eos_token_id": ids[IM_END], "pad_token_id": ids[ENDOFTEXT]}
+    if preset in MOE_PRESETS:
+        config = moe_preset_config(preset, len(tokenizer), **token_ids)
+        torch_dtype = _as_dtype(dtype if dtype is not None else "float32")
+    else:
+        config = preset_config(preset, len(tokenizer), **token_ids)
+        torch_dtype = _as_dtype(dtype if dtype is not None else PRESETS[preset]["dtype"])
     config.dtype = torch_dtype
     torch.manual_seed(seed)
     with torch.device(device or "cpu"):
-        model = Qwen2ForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config) if preset in MOE_PRESETS else Qwen2ForCausalLM(config)
     model.to(dtype=torch_dtype)
     model.generation_config = GenerationConfig(
         bos_token_id=ids[ENDOFTEXT], eos_token_id=ids[IM_END], pad_token_id=ids[ENDOFTEXT]

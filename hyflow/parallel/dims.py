@@ -20,8 +20,9 @@ the flattened dimensions the engine uses:
 - `sp_tp`: sp x tp, the ranks that compute on the same rows (a sequence x tensor-parallel group).
 
 `build_mesh` returns a `ParallelMesh`: the DeviceMesh and its flattened sub-meshes by name (`get(name)`; None for a
-dimension not in the mesh; `group(name)`: None for one of size 1). One process (every size 1) builds no DeviceMesh
-and needs no process group.
+dimension not in the mesh; `group(name)`: None for one of size 1), the mesh FSDP2 shards over (`fsdp_mesh()`:
+2-D (dp_replicate, dp_shard x sp) under HSDP) and, at ep > 1, expert parallelism's own (world / ep) x ep mesh
+(`expert`, `hyflow.parallel.expert`). One process (every size 1) builds no DeviceMesh and needs no process group.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ class ParallelDims:
         if (self.dp_shard * self.sp) % self.ep:
             raise ValueError(f"ParallelDims: ep={self.ep} must divide dp_shard x sp = {self.dp_shard * self.sp} "
                              "(expert parallelism borrows those ranks)")
+        if self.ep > 1 and (self.tp > 1 or self.pp > 1):
+            raise ValueError(f"ParallelDims: expert parallelism (ep={self.ep}) with tensor or pipeline parallelism "
+                             f"(tp={self.tp}, pp={self.pp}) is not built; use tp=1 and pp=1 with ep > 1")
 
     @property
     def dp_size(self) -> int:
@@ -112,7 +116,34 @@ class ParallelDims:
         # a flattened name of one dimension is that dimension's own sub-mesh (no new process group)
         flat = {name: root[parts]._flatten(name) if len(parts) > 1 else root[parts[0]]
                 for name, parts in self.flattened().items()}
-        return ParallelMesh(self, root, flat)
+        if self.dp_replicate > 1:  # HSDP: FSDP2 replicates over dp_replicate and shards over dp_shard x sp
+            flat["hsdp"] = self._hsdp_mesh(root)
+        return ParallelMesh(self, root, flat, self._expert_layout(device_type))
+
+    def _hsdp_mesh(self, root):
+        """The 2-D (dp_replicate, dp_shard x sp) mesh FSDP2 takes for hybrid sharding."""
+        if self.sp == 1:
+            return root["dp_replicate", "dp_shard"]
+        import warnings
+
+        with warnings.catch_warnings():  # torch 2.13 still slices a flattened dimension from the root, and warns
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+            return root["dp_replicate", "dp_shard_sp"]
+
+    def _expert_layout(self, device_type: str):
+        """Expert parallelism's mesh and groups (`hyflow.parallel.expert.ExpertLayout`), None at ep=1: the ranks as
+        (world / ep) x ep, so each ep group is a run of ep consecutive ranks of one replica's dp_shard x sp ranks
+        (tp = pp = 1 under ep), and the `edp` groups join the ranks that hold the same experts."""
+        if self.ep == 1:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from hyflow.parallel.expert import ExpertLayout
+
+        mesh = init_device_mesh(device_type, (self.world_size // self.ep, self.ep), mesh_dim_names=("edp", "ep"))
+        edp = mesh["edp"].get_group() if self.world_size > self.ep else None
+        return ExpertLayout(mesh=mesh, ep_group=mesh["ep"].get_group(), ep_size=self.ep, edp_group=edp,
+                            grad_divisor=self.dp_replicate * self.dp_shard * self.sp)
 
 
 @dataclass(frozen=True)
@@ -123,6 +154,13 @@ class ParallelMesh:
     dims: ParallelDims
     root: object
     flat: dict
+    expert: object = None  # hyflow.parallel.expert.ExpertLayout when ep > 1
+
+    def fsdp_mesh(self):
+        """The mesh FSDP2 shards over: `dp_shard_sp`, or under HSDP (dp_replicate > 1) the 2-D (dp_replicate,
+        dp_shard x sp) mesh (replicated over the first, sharded over the second); None for one process."""
+        hsdp = self.flat.get("hsdp")
+        return hsdp if hsdp is not None else self.get("dp_shard_sp")
 
     def get(self, name: str):
         """The sub-mesh `name` (a mesh dimension of `ORDER` or a flattened one of `FLATTENED`), or None when it is

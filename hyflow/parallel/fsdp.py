@@ -117,14 +117,15 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
 
 
 def apply_fsdp(model: nn.Module, mesh, *, mixed_precision: str | None, reshard_after_forward: bool = True,
-               offload_policy: bool = False) -> nn.Module:
+               offload_policy: bool = False, ignored_params: set | None = None) -> nn.Module:
     """FSDP2 over the 1-D `mesh`: each decoder layer, then the root (module docstring); returns `model`.
 
     `reshard_after_forward` applies to the layers; the root group (embeddings, norm, heads) always stays gathered
     between its forward and the backward, since the lm_head chunks of `hyflow.models.forward` run after the
     forward. `mixed_precision`: None or fp32 = full precision, bf16/fp16 = `MixedPrecisionPolicy(param_dtype,
     reduce_dtype=fp32)`. `offload_policy`: FSDP2's `CPUOffloadPolicy`, pinned host memory when the model is on an
-    accelerator.
+    accelerator. `mesh` 2-D (dp_replicate, dp_shard): hybrid sharding, FSDP2's HSDP. `ignored_params`: parameters
+    FSDP2 leaves as they are (expert parallelism's split experts, `hyflow.parallel.expert`).
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -133,6 +134,8 @@ def apply_fsdp(model: nn.Module, mesh, *, mixed_precision: str | None, reshard_a
     offload = {"offload_policy": cpu_offload_policy(device_type)} if offload_policy else {}
     layers = decoder_layers(model)
     check_shard_groups(model, layers)
+    if ignored_params:
+        offload["ignored_params"] = set(ignored_params)
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, **offload)
     # The root stays gathered after its forward: hyflow runs the lm_head in chunks after the model's forward

@@ -6,19 +6,22 @@ torchtitan's order, on the one mesh of `hyflow.parallel.dims`.
    `hyflow.models.tensor_parallel`);
 3. sequence parallelism (`apply_sp`: Ulysses changes no module, its all-to-alls run inside the packed attention
    under `hyflow.models.ulysses.sequence_parallel(mesh.group("sp"))`; the seat checks that the model's heads split);
-4. expert parallelism (`apply_ep`; a seat: issue 39);
+4. expert parallelism (`apply_ep`: each MoE layer's routed experts split over the `ep` ranks, tokens sent to them by
+   all-to-all, `hyflow.parallel.expert`);
 5. activation checkpointing (`hyflow.parallel.fsdp.apply_activation_checkpointing`, per decoder layer);
 6. compile (`hyflow.models.compile.CompiledModules`: the MLPs and norms, switched on for the engine's own passes);
 7. the data-parallel wrapper last, which shards or replicates what the others left: FSDP2 `fully_shard` over the
-   `dp_shard_sp` mesh (`hyflow.parallel.fsdp.apply_fsdp`), or DDP (trainable models only), or none on one rank.
+   `dp_shard_sp` mesh, or under HSDP (dp_replicate > 1) the 2-D (dp_replicate, dp_shard_sp) mesh (replicated x
+   sharded; `hyflow.parallel.fsdp.apply_fsdp`), the expert weights left out; or DDP (trainable models only), or
+   none on one rank.
 
-Pipeline and expert parallelism refuse a size above 1 by name, so a configuration that asks for them fails before any
-model is cut. HSDP (dp_replicate > 1) is not built either.
+Pipeline parallelism refuses a size above 1 by name, so a configuration that asks for it fails before any model is
+cut.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -47,10 +50,21 @@ class ParallelizeSpec:
 
 @dataclass
 class Parallelized:
-    """What `parallelize` returns: the wrapped `model` and the compiled modules (None without compile)."""
+    """What `parallelize` returns: the wrapped `model`, the compiled modules (None without compile), and under
+    expert parallelism the split expert weights and their layout, whose gradients `sync_grads` must average before
+    every optimizer step (`hyflow.parallel.expert.sync_expert_grads`)."""
 
     model: nn.Module
     compiled: object = None
+    experts: list = field(default_factory=list)
+    expert_layout: object = None
+
+    def sync_grads(self) -> None:
+        """Average what FSDP2 does not (the expert weights' gradients); collective under expert parallelism."""
+        if self.experts:
+            from hyflow.parallel.expert import sync_expert_grads
+
+            sync_expert_grads(self.experts, self.expert_layout)
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, spec: ParallelizeSpec, mesh: ParallelMesh) -> Parallelized:
@@ -58,12 +72,13 @@ def parallelize(model: nn.Module, dims: ParallelDims, spec: ParallelizeSpec, mes
     docstring's order. Raises ValueError for a model a dimension cannot split, NotImplementedError for pp/ep > 1."""
     if spec.strategy not in STRATEGIES:
         raise ValueError(f"parallelize: strategy={spec.strategy!r}; use one of {STRATEGIES}")
-    if dims.dp_replicate > 1:
-        raise NotImplementedError(f"hybrid sharding (dp_replicate={dims.dp_replicate}) is not built; use 1")
+    if (dims.dp_replicate > 1 or dims.ep > 1) and spec.strategy != "fsdp2":
+        raise ValueError(f"hybrid sharding (dp_replicate={dims.dp_replicate}) and expert parallelism (ep={dims.ep}) "
+                         f"are built on FSDP2: use strategy fsdp or fsdp2, not {spec.strategy}")
     model = apply_pp(model, dims, mesh)
     apply_tp(model, dims, mesh)
     apply_sp(model, dims, mesh)
-    model = apply_ep(model, dims, mesh)
+    experts = apply_ep(model, dims, mesh)
     if spec.activation_checkpointing:
         apply_activation_checkpointing(model)
     compiled = None
@@ -72,11 +87,12 @@ def parallelize(model: nn.Module, dims: ParallelDims, spec: ParallelizeSpec, mes
 
         compiled = CompiledModules(model)
     if spec.strategy == "fsdp2":
-        model = apply_fsdp(model, mesh.get("dp_shard_sp"), mixed_precision=spec.mixed_precision,
-                           reshard_after_forward=spec.reshard_after_forward, offload_policy=spec.offload_policy)
+        model = apply_fsdp(model, mesh.fsdp_mesh(), mixed_precision=spec.mixed_precision,
+                           reshard_after_forward=spec.reshard_after_forward, offload_policy=spec.offload_policy,
+                           ignored_params=set(experts))
     elif spec.strategy == "ddp" and spec.trainable:
         model = wrap_ddp(model)
-    return Parallelized(model, compiled)
+    return Parallelized(model, compiled, experts, mesh.expert)
 
 
 def apply_pp(model: nn.Module, dims: ParallelDims, mesh=None) -> nn.Module:
@@ -110,8 +126,11 @@ def apply_sp(model: nn.Module, dims: ParallelDims, mesh=None) -> None:
                          f"heads / {dims.sp * dims.tp} of them)")
 
 
-def apply_ep(model: nn.Module, dims: ParallelDims, mesh=None) -> nn.Module:
-    """Expert parallelism over `dims.ep` ranks: the model unchanged at ep=1; not built for ep > 1."""
-    if dims.ep > 1:
-        raise NotImplementedError(f"expert parallelism (ep={dims.ep}) is not built yet (issue 39); use ep=1")
-    return model
+def apply_ep(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh) -> list[nn.Parameter]:
+    """Expert parallelism over the `ep` ranks (`hyflow.parallel.expert.apply_expert_parallel`), in place: returns
+    the split expert weights (DTensors on the expert mesh, which FSDP2 leaves alone); [] at ep=1."""
+    if dims.ep == 1:
+        return []
+    from hyflow.parallel.expert import apply_expert_parallel
+
+    return apply_expert_parallel(model, mesh.expert)

@@ -87,15 +87,28 @@ HEADS = ("lm", "value", "score")
 
 
 def engine_dims(spec: TrainEngineSpec, world_size: int) -> ParallelDims:
-    """The parallel dimensions of a role's `world_size` ranks: its spec's sequence- and tensor-parallel sizes, the
-    data-parallel size the rest. Raises ValueError, naming the role, when they do not divide the ranks."""
+    """The parallel dimensions of a role's `world_size` ranks: its spec's sequence-, tensor- and expert-parallel
+    sizes; `fsdp_config.fsdp_size` (verl's key: the ranks of one FSDP shard group, sp ranks included) between 1 and
+    the ranks / tp makes hybrid sharding (HSDP: dp_replicate = ranks / (fsdp_size x tp) copies of groups of
+    fsdp_size / sp data-parallel shards), -1 or more is plain FSDP; the data-parallel size the rest. Raises
+    ValueError, naming the role and the keys, when they do not divide the ranks."""
+    sp, tp = max(1, int(spec.ulysses_sequence_parallel_size)), max(1, int(spec.tensor_parallel_size))
+    ep, fsdp_size = max(1, int(spec.expert_parallel_size)), int(getattr(spec.fsdp, "fsdp_size", -1))
+    sizes = (f"ulysses_sequence_parallel_size={spec.ulysses_sequence_parallel_size} x tensor_parallel_size="
+             f"{spec.tensor_parallel_size}")
+    replicate = 1
+    if 0 < fsdp_size < world_size // tp:
+        if world_size % (fsdp_size * tp) or fsdp_size % sp:
+            raise ValueError(f"{spec.name}: fsdp_config.fsdp_size={fsdp_size} (hybrid sharding) must divide the role's "
+                             f"{world_size} ranks / tensor_parallel_size={tp} and be a multiple of "
+                             f"ulysses_sequence_parallel_size={sp} (an FSDP shard group holds whole sequence-parallel "
+                             "groups); or use -1 to shard over all of them")
+        replicate = world_size // (fsdp_size * tp)
     try:
-        return ParallelDims(world_size=world_size, sp=max(1, int(spec.ulysses_sequence_parallel_size)),
-                            tp=max(1, int(spec.tensor_parallel_size)))
+        return ParallelDims(world_size=world_size, dp_replicate=replicate, sp=sp, tp=tp, ep=ep)
     except ValueError as error:
-        raise ValueError(f"{spec.name}: ulysses_sequence_parallel_size={spec.ulysses_sequence_parallel_size} x "
-                         f"tensor_parallel_size={spec.tensor_parallel_size} must divide the role's {world_size} "
-                         f"ranks ({error})") from error
+        raise ValueError(f"{spec.name}: {sizes} (expert_parallel_size={ep}, fsdp_size={fsdp_size}) must divide the "
+                         f"role's {world_size} ranks ({error})") from error
 
 
 class TrainEngine(MicroForward):
@@ -144,6 +157,7 @@ class TrainEngine(MicroForward):
             raise ValueError(f"{self.name}: {error}") from error
         # verl's use_torch_compile: the MLPs and norms compiled for this engine's own passes (hyflow.models.compile)
         self.model, self.compiled = done.model, done.compiled
+        self.parallelized = done  # its sync_grads: what FSDP2 does not average (expert parallelism's experts)
         self.optimizer = self.scheduler = None
         if trainable:
             params = [p for p in self.model.parameters() if p.requires_grad]
@@ -179,6 +193,15 @@ class TrainEngine(MicroForward):
                              "lora_rank=0 or tensor_parallel_size=1")
         if dims.tp > 1 and self.vision:
             raise ValueError(f"{where}: tensor parallelism of a vision-language model is not built yet; use 1")
+        where = f"{self.name}: expert_parallel_size={dims.ep}"
+        if dims.ep > 1 and self.strategy != "fsdp2":
+            raise ValueError(f"{where} composes with FSDP2 (strategy fsdp or fsdp2 on 2 or more ranks), not "
+                             f"{self.strategy}")
+        if dims.ep > 1 and self.lora is not None:
+            raise ValueError(f"{where} with LoRA is not built yet; use lora_rank=0 or expert_parallel_size=1")
+        if dims.dp_replicate > 1 and self.strategy != "fsdp2":
+            raise ValueError(f"{self.name}: fsdp_config.fsdp_size (hybrid sharding) needs strategy fsdp or fsdp2, not "
+                             f"{self.strategy}")
         self.sp_size, self.tp_size, self.dp_size = dims.sp, dims.tp, dims.dp_size
         self.sp_group = self.mesh.group("sp")
         self.row_group = self.mesh.group("sp_tp")
@@ -322,6 +345,7 @@ class TrainEngine(MicroForward):
 
     def step(self) -> dict[str, float]:
         """Clip the global gradient norm, step (skipped when the norm is not finite), advance the LR schedule."""
+        self.parallelized.sync_grads()
         return clip_and_step(self.model, self.optimizer, self.scheduler, self.grad_clip)
 
     def peak_flops(self) -> float | None:

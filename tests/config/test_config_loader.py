@@ -403,9 +403,9 @@ def test_overrides_land_and_round_trip(tmp_path_factory, batch, n, lr, name):
 def test_features_not_built_yet_are_errors_not_surprises():
     from hyflow.config import ConfigError, load_config, validate_config
 
-    cfg = load_config(["actor_rollout_ref.actor.fsdp_config.fsdp_size=1", "trainer.n_gpus_per_node=2",
+    cfg = load_config(["reward_model.model.fsdp_config.fsdp_size=1", "trainer.n_gpus_per_node=2",
                        "algorithm.use_pf_ppo=true"])
-    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.fsdp_config.fsdp_size is not supported "
+    with pytest.raises(ConfigError, match=r"reward_model.model.fsdp_config.fsdp_size is not supported "
                                           r"by this hyflow version"):
         validate_config(cfg)
 
@@ -442,7 +442,7 @@ def test_verl_knobs_that_would_change_results_but_are_not_built_are_errors():
     from hyflow.config import ConfigError, load_config, validate_config
 
     cfg = load_config(["actor_rollout_ref.rollout.ignore_eos=true", "reward_model.sandbox_fusion.url=http://x:8080",
-                       "actor_rollout_ref.actor.fsdp_config.fsdp_size=4", "trainer.n_gpus_per_node=8",
+                       "reward_model.model.fsdp_config.fsdp_size=4", "trainer.n_gpus_per_node=8",
                        "reward_model.model.fsdp_config.offload_policy=true",
                        "actor_rollout_ref.ref.fsdp_config.wrap_policy.min_num_params=1000",
                        "actor_rollout_ref.model.hf_config_path=/models/cfg"])
@@ -450,12 +450,28 @@ def test_verl_knobs_that_would_change_results_but_are_not_built_are_errors():
         validate_config(cfg)
     text = str(info.value)
     for key in ("actor_rollout_ref.rollout.ignore_eos", "reward_model.sandbox_fusion.url",
-                "actor_rollout_ref.actor.fsdp_config.fsdp_size", "reward_model.model.fsdp_config.offload_policy",
+                "reward_model.model.fsdp_config.fsdp_size", "reward_model.model.fsdp_config.offload_policy",
                 "actor_rollout_ref.ref.fsdp_config.wrap_policy.min_num_params", "actor_rollout_ref.model.hf_config_path"):
         assert f"{key} is not supported by this hyflow version yet" in text, key
-    # fsdp_size equal to the number of devices is plain FSDP, which is what hyflow does
-    validate_config(load_config(["actor_rollout_ref.actor.fsdp_config.fsdp_size=8", "trainer.n_gpus_per_node=8",
-                                 "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]))
+    # fsdp_size equal to the number of devices is plain FSDP; fewer is hybrid sharding (HSDP), built for the trained
+    # roles (tests/parallel/test_expert_parallel.py), with shard groups that must divide the devices
+    for size in (8, 4):
+        validate_config(load_config([f"actor_rollout_ref.actor.fsdp_config.fsdp_size={size}", "trainer.n_gpus_per_node=8",
+                                     "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]))
+    with pytest.raises(ConfigError, match=r"fsdp_config.fsdp_size=3 \(hybrid sharding: .* must divide the role's 8 "
+                                          r"devices"):
+        validate_config(load_config(["actor_rollout_ref.actor.fsdp_config.fsdp_size=3", "trainer.n_gpus_per_node=8",
+                                     "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]))
+    for extra, problem in ((["actor_rollout_ref.actor.expert_parallel_size=3"], "expert_parallel_size=3 must divide "
+                                                                                 "the 8 devices"),
+                           (["actor_rollout_ref.actor.expert_parallel_size=2", "actor_rollout_ref.actor.strategy=ddp"],
+                            "expert_parallel_size=2 needs actor_rollout_ref.actor.strategy fsdp or fsdp2"),
+                           (["critic.expert_parallel_size=2", "critic.tensor_parallel_size=2", "critic.enable=true"],
+                            "critic.expert_parallel_size=2 with critic.tensor_parallel_size=2: expert parallelism "
+                            "with tensor parallelism is not built yet")):
+        with pytest.raises(ConfigError, match=re.escape(problem)):
+            validate_config(load_config(["trainer.n_gpus_per_node=8", "data.train_batch_size=16",
+                                         "actor_rollout_ref.actor.ppo_mini_batch_size=8", *extra]))
 
 
 def test_bypass_loss_type_custom_sampler_and_rm_micro_batches():

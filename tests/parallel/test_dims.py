@@ -1,6 +1,6 @@
 """hyflow.parallel: ParallelDims sizes and validation, the one DeviceMesh (its layout on 4 gloo ranks: tensor-parallel
 groups of consecutive ranks, then sequence-parallel ones, as hyflow's groups were before the mesh was their one
-source), one process without a process group, and the pipeline / expert seats."""
+source), one process without a process group, the pipeline seat and what expert parallelism refuses."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from ranks import init_gloo, spawn_ranks
 
-from hyflow.parallel import ParallelDims, apply_ep, apply_pp
+from hyflow.parallel import ParallelDims, ParallelMesh, apply_ep, apply_pp
 
 
 def test_dp_shard_takes_the_ranks_the_others_leave():
@@ -37,6 +37,8 @@ def test_dp_shard_takes_the_ranks_the_others_leave():
     ({"world_size": 4, "sp": 0}, "sp=0 must be a positive integer"),
     ({"world_size": 4, "dp_shard": 0}, "dp_shard=0 must be a positive integer (or -1: the rest)"),
     ({"world_size": 4, "tp": 2, "ep": 4}, "ep=4 must divide dp_shard x sp = 2"),
+    ({"world_size": 4, "tp": 2, "ep": 2}, "expert parallelism (ep=2) with tensor or pipeline parallelism (tp=2, pp=1) "
+                                          "is not built"),
 ])
 def test_sizes_that_do_not_fit_the_world_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -54,13 +56,15 @@ def test_one_process_builds_no_mesh_and_needs_no_process_group():
     assert not torch.distributed.is_initialized()
 
 
-def test_pipeline_and_expert_parallelism_have_seats_that_refuse_by_name():
+def test_pipeline_seat_refuses_by_name_and_expert_parallelism_needs_experts():
     model = torch.nn.Linear(2, 2)
-    assert apply_pp(model, ParallelDims()) is model and apply_ep(model, ParallelDims()) is model
+    one = ParallelDims().build_mesh("cpu")
+    assert apply_pp(model, ParallelDims()) is model and apply_ep(model, ParallelDims(), one) == []
     with pytest.raises(NotImplementedError, match=r"pipeline parallelism \(pp=2\) is not built yet \(issue 39\)"):
         apply_pp(model, ParallelDims(world_size=2, pp=2))
-    with pytest.raises(NotImplementedError, match=r"expert parallelism \(ep=2\) is not built yet \(issue 39\)"):
-        apply_ep(model, ParallelDims(world_size=2, ep=2))
+    two = ParallelMesh(ParallelDims(world_size=2, ep=2), None, {})  # a mesh without groups: refused before any
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model .* this model has none"):
+        apply_ep(model, two.dims, two)
 
 
 def _ranks(mesh) -> list[int]:

@@ -10,33 +10,12 @@ import types
 
 import pytest
 import torch
+from engine_case import infer_and_update, rows_batch
 from ranks import init_gloo, spawn_ranks
 
-from hyflow.algos import agg_loss
-from hyflow.batch import Batch
 from hyflow.controller.dispatch import DataLayout
 
-R = 5
 SIZES = types.SimpleNamespace(micro_batch_size_per_device=3, max_token_len_per_device=None, use_dynamic_bsz=False)
-
-
-def _batch(vocab: int) -> Batch:
-    """8 rows: left-padded prompts of 4-7 tokens, right-padded responses of 2-5, an advantage per token."""
-    g = torch.Generator().manual_seed(0)
-    P = 7
-    ids = torch.randint(5, vocab, (8, P + R), generator=g)
-    mask = torch.zeros_like(ids)
-    for b in range(8):
-        mask[b, P - (4 + b % 4):P + 2 + (b * 3) % 4] = 1
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    return Batch({"input_ids": ids * mask, "attention_mask": mask, "position_ids": position_ids,
-                  "responses": (ids * mask)[:, P:], "response_mask": mask[:, P:],
-                  "advantages": torch.randn(8, R, generator=g)})
-
-
-def _loss(out: dict, cols: dict, ctx) -> tuple[torch.Tensor, dict]:
-    loss = agg_loss(-out["log_probs"] * cols["advantages"], cols["response_mask"], "token-mean", **ctx.norms)
-    return loss, {"actor/pg_loss": float(loss.detach())}
 
 
 def _engine(path: str, world_size: int):
@@ -51,30 +30,20 @@ def _engine(path: str, world_size: int):
     return TrainEngine.from_spec(load_causal_lm(path), spec, device=torch.device("cpu"), world_size=world_size)
 
 
-def _pass(engine, batch: Batch) -> tuple[torch.Tensor, dict]:
-    from hyflow.workers.train_engine import UpdatePlan
-
-    log_probs = engine.infer(batch, SIZES)["log_probs"]
-    plan = UpdatePlan(mini_batch_size=len(batch), epochs=1, shuffle=False, seed=0, sizes=SIZES,
-                      loss_agg_mode="token-mean", metric_prefix="actor")
-    metrics = engine.update(batch, plan, _loss, columns=("advantages", "response_mask"))
-    return log_probs, metrics
-
-
 def _rank(rank: int, init_file: str, path: str) -> None:
     import torch.distributed as dist
 
     one = _engine(path, 1)  # the reference: the same engine alone, before the group exists (its sums are its own)
-    batch = _batch(one.module.config.vocab_size)
+    batch = rows_batch(one.module.config.vocab_size)
     before = {name: tensor.clone() for name, tensor in one.module.state_dict().items()}
-    want_logp, want_metrics = _pass(one, batch)
+    want_logp, want_metrics = infer_and_update(one, batch, SIZES)
     want = one.full_model_state()
     init_gloo(rank, 4, init_file)
     split = _engine(path, 4)
     assert (split.dp_size, split.sp_size, split.tp_size, split.group_size, split.group_rank) == (1, 2, 2, 4, rank)
     assert split.mesh.root.mesh_dim_names == ("dp_shard", "sp", "tp")  # dp_shard of size 1: FSDP2 shards over sp
     assert split.data_layout() == DataLayout(dp_rank=0, dp_size=1, collects=rank == 0)
-    logp, metrics = _pass(split, batch)  # the controller's split by that layout: every rank the whole batch
+    logp, metrics = infer_and_update(split, batch, SIZES)  # the controller gives every rank the whole batch
     torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=0)
     torch.testing.assert_close(metrics["actor/pg_loss"], want_metrics["actor/pg_loss"], atol=1e-6, rtol=1e-5)
     got = split.full_model_state()

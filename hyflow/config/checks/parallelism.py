@@ -1,6 +1,7 @@
 """Devices and parallel sizes: a device count, Ulysses sequence parallelism (with packing), tensor parallelism of
 the trained roles (FSDP2, not with LoRA yet; with Ulysses on one sp x tp mesh, whose product divides the role's
-devices) and the rollout engine's tensor parallelism."""
+devices), hybrid sharding (fsdp_size) and expert parallelism of the trained roles, and the rollout engine's tensor
+parallelism."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def device_problems(cfg: HyflowConfig, n_devices: int | None) -> list[str]:
             problems.append(f"{key}={sp} needs sequence packing ({packing[0]}=true, as verl requires): each packed "
                             "row is cut across the group's devices; set it, or the sequence-parallel size to 1.")
     problems += _check_tensor_parallel(cfg, devices, role_devices(cfg, "critic", n_devices))
+    problems += _check_sharding_and_experts(cfg, devices, role_devices(cfg, "critic", n_devices))
     rollout = cfg.actor_rollout_ref.rollout
     caps = engine_capabilities(rollout.name)
     if caps is not None and splits_model(caps) and devices % max(rollout.tensor_model_parallel_size, 1):
@@ -93,4 +95,59 @@ def _tensor_parallel_problems(role: str, section: Any, strategy: str, devices: i
             problems.append(f"{key}={tp} with LoRA ({lora_key}.{given}): tensor parallelism of a LoRA model is not "
                             f"built yet; set {key}=1, or train without LoRA ({lora_key}.lora_rank=0"
                             f"{', lora_adapter_path=null' if adapter else ''}).")
+    return problems
+
+
+def _check_sharding_and_experts(cfg: HyflowConfig, devices: int, critic_devices: int) -> list[str]:
+    """fsdp_config.fsdp_size (hybrid sharding) and expert_parallel_size of the actor, the reference and the critic
+    (`hyflow.workers.train_engine.engine_dims`): an FSDP shard group of fsdp_size devices (sp ranks included) that
+    divides the role's devices / tp, ep dividing the devices FSDP2 shards over, both with the FSDP2 wrapper; ep not
+    with tensor parallelism or LoRA. A reference problem that repeats the actor's is reported once."""
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    problems: list[str] = []
+    for role, section, fsdp_key, fsdp, role_devices_, lora in (
+        (ACTOR, arr.actor, f"{ACTOR}.fsdp_config", arr.actor.fsdp_config, devices, arr.model),
+        ("actor_rollout_ref.ref", arr.ref, "actor_rollout_ref.ref.fsdp_config", arr.ref.fsdp_config, devices, None),
+        ("critic", critic, "critic.model.fsdp_config", critic.model.fsdp_config, critic_devices, critic.model),
+    ):
+        found = _sharding_problems(role, section, fsdp_key, fsdp.fsdp_size, role_devices_, lora)
+        problems += [p for p in found if p.replace("actor_rollout_ref.ref.", f"{ACTOR}.") not in problems]
+    return problems
+
+
+def _sharding_problems(role: str, section: Any, fsdp_key: str, fsdp_size: int, devices: int, lora: Any) -> list[str]:
+    tp, sp, ep = section.tensor_parallel_size, section.ulysses_sequence_parallel_size, section.expert_parallel_size
+    if tp < 1 or sp < 1 or devices % tp:
+        return []  # the tensor/sequence-parallel checks say so
+    strategy, problems = section.strategy, []
+    key, shard = f"{fsdp_key}.fsdp_size", devices // tp
+    if fsdp_size == 0 or fsdp_size < -1:
+        problems.append(f"{key}={fsdp_size}: use -1 (shard over all the role's devices) or the devices of one shard "
+                        "group (hybrid sharding).")
+    elif 0 < fsdp_size < shard:
+        if shard % fsdp_size or fsdp_size % sp:
+            problems.append(f"{key}={fsdp_size} (hybrid sharding: shard groups of that many devices, replicated) must "
+                            f"divide the role's {devices} devices / {role}.tensor_parallel_size={tp} and be a multiple "
+                            f"of {role}.ulysses_sequence_parallel_size={sp}; set a divisor of {shard}, or -1.")
+        elif strategy not in ("fsdp", "fsdp2"):
+            problems.append(f"{key}={fsdp_size} (hybrid sharding) needs {role}.strategy fsdp or fsdp2, got "
+                            f"{strategy}; set {role}.strategy=fsdp2, or {key}=-1.")
+        else:
+            shard = fsdp_size
+    ekey = f"{role}.expert_parallel_size"
+    if ep < 1:
+        problems.append(f"{ekey}={ep} must be >= 1.")
+    elif ep > 1:
+        if shard % ep:
+            problems.append(f"{ekey}={ep} must divide the {shard} devices an FSDP shard group has (experts are split "
+                            "over devices FSDP2 shards over); set a divisor of {shard}.".replace("{shard}", str(shard)))
+        if tp > 1:
+            problems.append(f"{ekey}={ep} with {role}.tensor_parallel_size={tp}: expert parallelism with tensor "
+                            f"parallelism is not built yet; set one of them to 1.")
+        if strategy not in ("fsdp", "fsdp2"):
+            problems.append(f"{ekey}={ep} needs {role}.strategy fsdp or fsdp2 (the experts are split beside the "
+                            f"FSDP2 wrapper), got {role}.strategy={strategy}; set {role}.strategy=fsdp2.")
+        if lora is not None and ((isinstance(lora.lora_rank, int) and lora.lora_rank > 0) or lora.lora_adapter_path):
+            problems.append(f"{ekey}={ep} with LoRA: expert parallelism of a LoRA model is not built yet; set "
+                            f"{ekey}=1, or train without LoRA.")
     return problems

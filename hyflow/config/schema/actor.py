@@ -131,6 +131,15 @@ class ActorConfig:
         "strategy fsdp/fsdp2; it must divide the model's attention and key-value heads. Not combined with "
         "ulysses_sequence_parallel_size > 1 or LoRA yet.",
     )
+    expert_parallel_size: int = option(
+        1,
+        "Devices that split a mixture-of-experts model's routed experts (Megatron's expert_model_parallel_size): "
+        "each of a group of this many consecutive devices holds experts / this of every MoE layer and the tokens "
+        "travel to their experts and back by all-to-all (hyflow.parallel.expert); composed with FSDP2, which shards "
+        "everything else. Needs strategy fsdp/fsdp2 and a MoE model whose experts it divides; must divide the devices "
+        "of an FSDP shard group (fsdp_config.fsdp_size, or all the role's); not with tensor_parallel_size > 1 or "
+        "LoRA yet.",
+    )
     use_torch_compile: bool = option(
         False,
         "torch.compile the model's MLPs and RMSNorms for the actor's training and log-prob passes (hyflow.models."
@@ -197,6 +206,10 @@ class RefConfig:
     tensor_parallel_size: int = option(
         "${actor_rollout_ref.actor.tensor_parallel_size}",
         "Tensor-parallel size of the reference (see actor_rollout_ref.actor.tensor_parallel_size).",
+    )
+    expert_parallel_size: int = option(
+        "${actor_rollout_ref.actor.expert_parallel_size}",
+        "Expert-parallel size of the reference (see actor_rollout_ref.actor.expert_parallel_size).",
     )
     use_torch_compile: bool = option(
         "${actor_rollout_ref.actor.use_torch_compile}",

@@ -104,5 +104,7 @@ class CriticConfig:
     tensor_parallel_size: int = option(
         1, "Tensor-parallel size of the critic (see actor_rollout_ref.actor.tensor_parallel_size; needs "
         "critic.strategy fsdp/fsdp2; the value head is replicated).")
+    expert_parallel_size: int = option(
+        1, "Expert-parallel size of the critic (see actor_rollout_ref.actor.expert_parallel_size).")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "What the critic's checkpoints contain.")
     profiler: ProfilerConfig = section(ProfilerConfig, "Profiling the critic's worker processes (docs/profiling.md).")

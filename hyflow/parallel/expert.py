@@ -1,0 +1,176 @@
+"""Expert parallelism for the mixture-of-experts models of transformers 5: each rank of an `ep` group holds E / ep of
+every MoE layer's experts and the tokens travel to their experts and back by all-to-all (gloo on CPU, NCCL on GPU).
+
+What it changes. transformers keeps a MoE layer's routed experts in one module (`Qwen3MoeExperts`,
+`MixtralExperts`, `DeepseekV3Experts`, ...: the classes its `use_experts_implementation` decorates) whose
+parameters are 3-D, expert first: `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]; its forward takes the layer's
+tokens [T, H] with the router's choice `top_k_index` [T, k] and weights `top_k_weights` [T, k]. The router (`gate`),
+the shared experts (DeepSeek) and everything else of the model are untouched; FSDP2 shards them as before.
+`apply_expert_parallel` turns each experts module's parameters into DTensors on the expert mesh (`edp` x `ep`,
+placements Replicate x Shard(0): rank j of an ep group holds experts [j E/ep, (j+1) E/ep)) and gives the module this
+forward, per MoE layer:
+
+1. the (token, choice) pairs are sorted by expert; each rank sends every other rank of its ep group the tokens for
+   that rank's experts (one all-to-all of counts, one of hidden states, one of local expert ids);
+2. each rank runs its own experts on what it received (gate_up, the family's gate `_apply_gate`, down);
+3. a second all-to-all returns each output to the rank its token came from, where it is weighted by the router's
+   weight and summed per token (index_add), as the unsplit module does.
+
+The all-to-alls of hidden states are differentiable (`all_to_all_single_autograd`: the backward sends each gradient
+back the way its token came), so an expert's gradient on its rank is the sum over the ep group's tokens.
+
+Gradients. FSDP2 averages a gradient over the ranks it shards over (R = dp_replicate x dp_shard x sp ranks); the
+engine scales each loss by the data-parallel size so that average is the one-process gradient. The experts are kept
+out of FSDP2 (`ignored_params`), so `sync_expert_grads` (the engine runs it before clipping) gives them the same
+average: the sum over the `edp` ranks that hold the same experts (the ep groups' other copies), divided by R. A rank
+whose experts got no token has no gradient: it contributes zeros (every rank enters the same collectives).
+
+Weights out. A DTensor's `full_tensor()` gathers the experts of an ep group, so exports, weight sync and the full
+state dict see the plain [E, ...] tensors under the same names; DCP checkpoints store each rank's experts once.
+
+Layout. ep must divide the experts of every MoE layer and the ranks FSDP2 shards over (dp_shard x sp: ep borrows
+them, as torchtitan's does); the ep groups are runs of ep consecutive ranks, inside one HSDP replica. Not built:
+expert parallelism with tensor or pipeline parallelism (`expert_tensor_parallel`), experts whose weights are
+transposed, interleaved or carry biases (gpt-oss): refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every routed-experts module of `model`: the modules transformers' `use_experts_implementation`
+    decorates (they carry `_is_expert_parallel`), with 3-D expert-first weights."""
+    found = []
+    for name, module in model.named_modules():
+        if hasattr(module, "_is_expert_parallel") and isinstance(getattr(module, "num_experts", None), int):
+            found.append((name, module))
+    return found
+
+
+def is_moe(model: nn.Module) -> bool:
+    """True for a model with routed experts (`expert_modules`)."""
+    return bool(expert_modules(model))
+
+
+def check_expert_layout(name: str, module: nn.Module, ep: int) -> None:
+    """Raise ValueError naming what of `module` expert parallelism over `ep` ranks cannot split."""
+    kind = type(module).__name__
+    if getattr(module, "has_bias", False) or getattr(module, "is_transposed", False) or not getattr(
+            module, "is_concatenated", True) or not getattr(module, "has_gate", True) or getattr(
+            module, "has_post_expert_norm", False):
+        raise ValueError(f"expert parallelism: {name} ({kind}) stores its experts transposed, interleaved, without a "
+                         "gate or with biases; only the gate_up_proj [E, 2I, H] / down_proj [E, H, I] layout (Qwen3-MoE, "
+                         "Mixtral, DeepSeek-V3, ...) is split; use expert_parallel_size=1 for this model")
+    for weight in EXPERT_WEIGHTS:
+        param = getattr(module, weight, None)
+        if not isinstance(param, nn.Parameter) or param.dim() != 3 or param.shape[0] != module.num_experts:
+            raise ValueError(f"expert parallelism: {name} ({kind}) has no 3-D expert-first {weight}; use "
+                             "expert_parallel_size=1 for this model")
+    if module.num_experts % ep:
+        raise ValueError(f"expert_parallel_size={ep} must divide the {module.num_experts} experts of {name}")
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How one rank takes part: the expert `mesh` (edp x ep), the ep group's process group and size, the edp group
+    (None when every ep group is the only copy), and `grad_divisor` R (the ranks FSDP2 averages over)."""
+
+    mesh: object
+    ep_group: object
+    ep_size: int
+    edp_group: object
+    grad_divisor: int
+
+
+def apply_expert_parallel(model: nn.Module, layout: ExpertLayout) -> list[nn.Parameter]:
+    """Split every experts module of `model` over `layout` (module docstring), in place; returns the expert
+    parameters (DTensors on the expert mesh), which FSDP2 must leave alone. Raises ValueError naming a module it
+    cannot split; for a model without experts, naming that."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    modules = expert_modules(model)
+    if not modules:
+        raise ValueError("expert_parallel_size > 1 needs a mixture-of-experts model (routed experts in a "
+                         "transformers experts module); this model has none: use expert_parallel_size=1")
+    params = []
+    for name, module in modules:
+        check_expert_layout(name, module, layout.ep_size)
+        for weight in EXPERT_WEIGHTS:
+            full = getattr(module, weight)
+            split = distribute_tensor(full.detach(), layout.mesh, (Replicate(), Shard(0)))
+            param = nn.Parameter(split, requires_grad=full.requires_grad)
+            setattr(module, weight, param)
+            params.append(param)
+        module.forward = _ExpertParallelForward(module, layout)
+    return params
+
+
+class _ExpertParallelForward:
+    """The experts module's forward under expert parallelism (module docstring, steps 1-3)."""
+
+    def __init__(self, module: nn.Module, layout: ExpertLayout):
+        self.module, self.layout = module, layout
+        self.local = module.num_experts // layout.ep_size
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        group, ep, local = self.layout.ep_group, self.layout.ep_size, self.local
+        k = top_k_index.shape[1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # the (token, choice) pairs by expert, so by destination rank
+        experts = flat[order]
+        send = torch.bincount(experts // local, minlength=ep)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        send_sizes, recv_sizes = send.tolist(), recv.tolist()
+        source_token = order // k
+        arrived = all_to_all_single_autograd(hidden_states[source_token], recv_sizes, send_sizes, group)
+        arrived_experts = torch.empty(sum(recv_sizes), dtype=experts.dtype, device=experts.device)
+        dist.all_to_all_single(arrived_experts, (experts % local).contiguous(), recv_sizes, send_sizes, group=group)
+        done = self._run_local(arrived, arrived_experts)
+        returned = all_to_all_single_autograd(done, send_sizes, recv_sizes, group)
+        weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).to(returned.dtype)
+        out = torch.zeros_like(hidden_states)
+        return out.index_add(0, source_token, (returned * weights).to(out.dtype))
+
+    def _run_local(self, states: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on the tokens sent to them: rows in arrival order."""
+        module = self.module
+        gate_up = module.gate_up_proj.to_local().to(states.dtype)
+        down = module.down_proj.to_local().to(states.dtype)
+        # zeros that depend on `states`: a rank none of whose experts got a token still returns a tensor on the
+        # autograd graph, so every rank enters the backward all-to-alls
+        out = states * 0
+        for e in torch.unique(experts).tolist():
+            rows = torch.nonzero(experts == e, as_tuple=True)[0]
+            gated = module._apply_gate(nn.functional.linear(states[rows], gate_up[e]))
+            out = out.index_copy(0, rows, nn.functional.linear(gated, down[e]))
+        return out
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters `apply_expert_parallel` split (DTensor expert weights of `expert_modules`), in module order."""
+    return [getattr(module, weight) for _, module in expert_modules(model) for weight in EXPERT_WEIGHTS
+            if isinstance(getattr(module, "forward", None), _ExpertParallelForward)]
+
+
+def sync_expert_grads(params: list[nn.Parameter], layout: ExpertLayout) -> None:
+    """Give the expert weights FSDP2's gradient average (module docstring): sum over the edp ranks, divide by R.
+    Every rank calls it with the same parameters in the same order; a missing gradient counts as zeros."""
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        grad = param.grad.to_local()
+        if layout.edp_group is not None:
+            dist.all_reduce(grad, group=layout.edp_group)
+        grad.div_(layout.grad_divisor)
