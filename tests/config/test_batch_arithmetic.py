@@ -278,6 +278,18 @@ def test_dynamic_token_budget_must_cover_the_longest_sample():
     ) in msg
 
 
+def test_a_sequence_parallel_group_packs_its_token_budget_times_its_size():
+    # verl packs max_token_len_per_gpu x sp_size tokens per micro-batch (verl/workers/engine/utils.py), as hyflow's
+    # engine does (token_scale): 512 x 2 holds a 1024-token sample, 400 x 2 does not
+    sp = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=true",
+          "trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+          "algorithm.adv_estimator=reinforce_plus_plus")
+    validate_config(cfg_of(*sp, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=512"))
+    msg = problems_of(cfg_of(*sp, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=400"))
+    assert ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu=400 x ulysses_sequence_parallel_size 2 = 800 tokens "
+            "cannot hold the longest sample") in msg and "to at least 512" in msg
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

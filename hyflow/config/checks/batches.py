@@ -2,7 +2,8 @@
 prompts, D = data-parallel devices):
     M <= P,  P % M == 0,  (P * n) % D == 0 and (M * n) % D == 0 unless use_dynamic_bsz,
     (M * n / D) % ppo_micro_batch_size_per_gpu == 0,
-    with use_dynamic_bsz: ppo_max_token_len_per_gpu >= prompt_length + response_length;
+    with use_dynamic_bsz: ppo_max_token_len_per_gpu x ulysses_sequence_parallel_size >= prompt_length +
+    response_length;
 and a deprecated global micro-batch size never beside its per-GPU twin."""
 
 from __future__ import annotations
@@ -73,13 +74,13 @@ def _check_actor_batches(cfg: HyflowConfig, devices: int) -> list[str]:
     )
     if rollout.log_prob_use_dynamic_bsz:
         problems += _check_token_budget(
-            cfg, f"{ROLLOUT}.log_prob_max_token_len_per_gpu", rollout.log_prob_max_token_len_per_gpu
-        )
+            cfg, f"{ROLLOUT}.log_prob_max_token_len_per_gpu", rollout.log_prob_max_token_len_per_gpu,
+            actor.ulysses_sequence_parallel_size)
     ref = cfg.actor_rollout_ref.ref
     if uses_reference(cfg) and ref.log_prob_use_dynamic_bsz:
         problems += _check_token_budget(
-            cfg, "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", ref.log_prob_max_token_len_per_gpu
-        )
+            cfg, "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", ref.log_prob_max_token_len_per_gpu,
+            ref.ulysses_sequence_parallel_size)
     return problems
 
 
@@ -100,8 +101,8 @@ def _check_critic_batches(cfg: HyflowConfig, devices: int) -> list[str]:
     )
     if critic.use_dynamic_bsz:
         problems += _check_token_budget(
-            cfg, "critic.forward_max_token_len_per_gpu", critic.forward_max_token_len_per_gpu
-        )
+            cfg, "critic.forward_max_token_len_per_gpu", critic.forward_max_token_len_per_gpu,
+            critic.ulysses_sequence_parallel_size)
     return problems
 
 
@@ -148,8 +149,8 @@ def _check_role_batches(cfg: HyflowConfig, role: str, knobs: Any, devices: int, 
         micro_key = f"{role}.ppo_micro_batch_size_per_gpu"
     if knobs.use_dynamic_bsz:
         problems += _check_token_budget(
-            cfg, f"{role}.ppo_max_token_len_per_gpu", knobs.ppo_max_token_len_per_gpu
-        )
+            cfg, f"{role}.ppo_max_token_len_per_gpu", knobs.ppo_max_token_len_per_gpu,
+            knobs.ulysses_sequence_parallel_size)
     elif micro is not None and micro < 1:
         problems.append(
             f"{micro_key}={micro} must be at least 1 sample per device; set {role}.ppo_micro_batch_size_per_gpu >= 1."
@@ -164,15 +165,20 @@ def _check_role_batches(cfg: HyflowConfig, role: str, knobs: Any, devices: int, 
     return problems
 
 
-def _check_token_budget(cfg: HyflowConfig, key: str, budget: int) -> list[str]:
+def _check_token_budget(cfg: HyflowConfig, key: str, budget: int, sp: int = 1) -> list[str]:
+    """A dynamic micro-batch must hold the longest sample. A sequence-parallel group of `sp` devices packs
+    budget x sp tokens per micro-batch (each device holds a 1/sp slice: verl's `max_token_len_per_gpu x sp_size`,
+    verl/workers/engine/utils.py; hyflow's `token_scale`), so that is what must hold it."""
     rollout = cfg.actor_rollout_ref.rollout
     longest = rollout.prompt_length + rollout.response_length
-    if budget >= longest:
+    sp = max(1, int(sp))
+    if budget * sp >= longest:
         return []
+    group = f" x ulysses_sequence_parallel_size {sp} = {budget * sp}" if sp > 1 else ""
     return [
-        f"{key}={budget} tokens cannot hold the longest sample: {ROLLOUT}.prompt_length {rollout.prompt_length} + "
-        f"{ROLLOUT}.response_length {rollout.response_length} = {longest} tokens. Set {key} to at least {longest} "
-        f"(verl suggests rollout.n x max_prompt_length + max_response_length)."
+        f"{key}={budget}{group} tokens cannot hold the longest sample: {ROLLOUT}.prompt_length {rollout.prompt_length} + "
+        f"{ROLLOUT}.response_length {rollout.response_length} = {longest} tokens. Set {key} to at least "
+        f"{-(-longest // sp)} (verl suggests rollout.n x max_prompt_length + max_response_length)."
     ]
 
 
