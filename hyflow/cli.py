@@ -37,6 +37,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """The command line's overrides after what Hydra flags naming one of verl's own trainer configs mean
+    (`model_engine=megatron` for ppo_megatron_trainer; nothing for ppo_trainer)."""
+    from hyflow.config.loader import verl_config_overrides
+
+    return [*(verl_config_overrides(args.config_path, args.config_name) or []), *args.overrides]
+
+
 def _config_file(args: argparse.Namespace) -> str | Path | None:
     """`--config FILE`, or the file Hydra's `--config-path/--config-name` name (not both)."""
     from hyflow.config.keys import ConfigError
@@ -51,7 +59,7 @@ def _config_file(args: argparse.Namespace) -> str | Path | None:
 def _cmd_train(args: argparse.Namespace) -> int:
     from hyflow.trainer.rl_trainer import run_rl
 
-    history = run_rl(args.overrides, config_file=_config_file(args))
+    history = run_rl(_overrides(args), config_file=_config_file(args))
     if history:
         last = history[-1]
         keys = [k for k in last if k.startswith(("val-core/", "critic/score/mean"))]
@@ -62,7 +70,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_sft(args: argparse.Namespace) -> int:
     from hyflow.trainer.sft_trainer import run_sft
 
-    history = run_sft(args.overrides, config_file=_config_file(args))
+    history = run_sft(_overrides(args), config_file=_config_file(args))
     if history:
         print("final: " + ", ".join(f"{k}={v:.4g}" for k, v in history[-1].items() if k.endswith("loss")))
     return 0
@@ -71,7 +79,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 def _cmd_dpo(args: argparse.Namespace) -> int:
     from hyflow.trainer.dpo_trainer import run_dpo
 
-    history = run_dpo(args.overrides, config_file=_config_file(args))
+    history = run_dpo(_overrides(args), config_file=_config_file(args))
     if history:
         keys = ("train/loss", "rewards/accuracies", "rewards/margins", "val/loss", "val/rewards/accuracies")
         print("final: " + ", ".join(f"{k}={history[-1][k]:.4g}" for k in keys if k in history[-1]))
@@ -80,9 +88,10 @@ def _cmd_dpo(args: argparse.Namespace) -> int:
 
 def _cmd_config(args: argparse.Namespace) -> int:
     from hyflow.config import describe_batch_arithmetic, load_config, render_config, validate_config
+    from hyflow.config.engine_compat import engine_line
     from hyflow.config.support import performance_only_warning
 
-    cfg = load_config(args.overrides, config_file=_config_file(args))
+    cfg = load_config(_overrides(args), config_file=_config_file(args))
     print(render_config(cfg, with_help=not args.no_help, section=args.section))
     validate_config(cfg)
     if args.section:  # one section only: the batch arithmetic is the whole config's
@@ -92,6 +101,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if (accepted := performance_only_warning(cfg)) is not None:
         print()
         print(accepted)
+    if (engine := engine_line(cfg)) is not None:
+        print()
+        print(engine)
     print()
     print(_role_specs_text(cfg))
     return 0

@@ -141,6 +141,11 @@ class ModelSpec:
     config_key: str = "actor_rollout_ref.model.path"
 
 
+# The strategies a role trains with under hyflow's FSDP2 wrapper: its own names and verl's other engines, which run
+# on it (hyflow.config.engine_compat).
+FSDP2_STRATEGIES = ("fsdp", "fsdp2", "megatron", "veomni", "torchtitan")
+
+
 @dataclass(frozen=True)
 class FsdpSettings:
     """What the parallel wrapper and the engine read of a role's `fsdp_config`: the mixed-precision dtype (FSDP2 on

@@ -276,7 +276,14 @@ def test_config_path_and_name_as_in_hydra(tmp_path, capsys):
     assert main(["config", f"--config-path={tmp_path}", "--config-name=exp.yaml", "-cn", "exp",
                  "actor_rollout_ref.actor.ppo_mini_batch_size=8"]) == 0
     capsys.readouterr()
-    err = one_line_error(capsys, ["config", "--config-path=config", "--config-name=ppo_megatron_trainer.yaml"])
+    # verl's own trainer configs (read inside verl's package): ppo_trainer is hyflow's defaults, ppo_megatron_trainer
+    # is them with model_engine=megatron, which runs on hyflow's engine and says so
+    assert main(["config", "--no-help", "--config-path=config", "--config-name=ppo_megatron_trainer.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "model_engine: megatron" in out and "verl's megatron engine runs on hyflow's FSDP2 engine" in out
+    assert main(["config", "--no-help", "--config-path=config", "--config-name=ppo_trainer"]) == 0
+    assert "model_engine: dp" in capsys.readouterr().out
+    err = one_line_error(capsys, ["config", "--config-path=config", "--config-name=ppo_other_trainer.yaml"])
     assert "drop --config-path and --config-name" in err
 
 

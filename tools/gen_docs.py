@@ -305,8 +305,16 @@ key. Names follow verl; where hyflow's default differs from verl's, the help say
         if shared:
             parts.append(f"\nIts sections {', '.join(code(n) for n in shared)} are the SFT trainer's (above).\n")
         root_meta = field_metadata(root)
+        leaves = [f for f in dataclasses.fields(root) if f.default_factory is dataclasses.MISSING]
+        if leaves:  # top-level keys (verl's model_engine)
+            rows = [[code(f.name), md(type_name(f.type)), code(format_value(f.default)),
+                     md(root_meta[f.name].get("help", "")) + (" Choices: " + ", ".join(
+                         code(format_value(c)) for c in root_meta[f.name]["choices"]) + "."
+                         if "choices" in root_meta[f.name] else "")] for f in leaves]
+            parts.append("\n### top-level keys\n\n")
+            parts.append(table(["key", "type", "default", "help"], rows))
         for field in dataclasses.fields(root):
-            if _shared_with_sft(root, field):
+            if _shared_with_sft(root, field) or field.default_factory is dataclasses.MISSING:
                 continue
             sections: list[tuple[str, str, Any]] = []
             # each root section built by its own factory: the root's __post_init__ would resolve the `${...}`

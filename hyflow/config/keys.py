@@ -154,20 +154,11 @@ def unknown_key_error(key: str, where: str = "", *, schema: type = HyflowConfig)
     if _is_verl_key(key, schema):
         return UnknownKeyError(
             f"{key!r}{where} is a verl key that hyflow does not support yet: remove it (hyflow would not act on it; "
-            f"`hyflow config` lists the keys hyflow has).{_megatron_tensor_parallel_hint(key, schema)}", key
+            "`hyflow config` lists the keys hyflow has).", key
         )
     suggestion = closest_key(key, schema=schema)
     hint = f" Did you mean {suggestion!r}?" if suggestion else " Run `hyflow config` to list the valid keys."
     return UnknownKeyError(f"unknown config key {key!r}{where}.{hint}", key)
-
-
-def _megatron_tensor_parallel_hint(key: str, schema: type) -> str:
-    """For verl's Megatron `<role>.megatron.tensor_model_parallel_size`: the role's own tensor_parallel_size."""
-    role, sep, leaf = key.lstrip("+~").rpartition(".megatron.")
-    if not sep or leaf != "tensor_model_parallel_size" or f"{role}.tensor_parallel_size" not in all_paths(schema):
-        return ""
-    return (f" Tensor parallelism in training is {role}.tensor_parallel_size in hyflow (FSDP2 + PyTorch tensor "
-            f"parallelism with strategy fsdp2, verl's torchtitan engine); set that instead.")
 
 
 def _is_verl_key(key: str, schema: type) -> bool:
@@ -242,12 +233,4 @@ def not_one_of(key: str, value: Any, choices: Any) -> str:
     names = [str(c) if c is not None else "null" for c in choices]
     close = difflib.get_close_matches(str(value), names, n=1, cutoff=0.5)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    if key.endswith("strategy") and value == "megatron":  # verl's other backend: say what stands in for it
-        hint = (" verl's Megatron backend (tensor, pipeline and expert parallelism) is not built in hyflow; for a "
-                "model or context that does not fit one device use fsdp2 with tensor_parallel_size (FSDP2 + "
-                "PyTorch tensor parallelism), ulysses_sequence_parallel_size and fsdp_config.param_offload / "
-                "optimizer_offload (docs/fitting-large-models.md).")
-    elif key.endswith("strategy") and value == "torchtitan":  # verl's FSDP2 + TP engine is hyflow's fsdp2
-        hint = (" verl's torchtitan engine (FSDP2 + tensor parallelism) is hyflow's fsdp2 with the role's "
-                "tensor_parallel_size (verl's torchtitan.tensor_parallel_size is accepted as its alias).")
     return f"{key}={value!r} is not one of: {', '.join(names)}.{hint} Set {key} to one of them."

@@ -59,6 +59,10 @@ _ABSENT = object()
 VERL_RL_BASE_CONFIGS = ("ppo_trainer", "_generated_ppo_trainer")
 VERL_SFT_BASE_CONFIGS = ("sft_trainer", "sft_trainer_engine")
 VERL_BASE_CONFIGS = VERL_RL_BASE_CONFIGS + VERL_SFT_BASE_CONFIGS
+# verl's configs of its other training engines: ppo_trainer with `model_engine` set (its ppo_megatron_trainer.yaml is
+# `defaults: [ppo_trainer, override model_engine: megatron]`); they run on hyflow's engine (hyflow.config.engine_compat)
+VERL_ENGINE_CONFIGS = {"ppo_megatron_trainer": "megatron", "_generated_ppo_megatron_trainer": "megatron",
+                       "_generated_ppo_veomni_trainer": "veomni", "_generated_ppo_torchtitan_trainer": "torchtitan"}
 
 
 def load_config(
@@ -131,11 +135,32 @@ def derived_default_notes(cfg: HyflowConfig) -> list[str]:
     return list(vars(cfg).get(_DERIVED_NOTES, ()))
 
 
+def verl_config_overrides(config_path: str | Path | None, config_name: str | None) -> list[str] | None:
+    """For Hydra flags naming one of verl's own trainer configs of which the folder holds no file (verl reads
+    `--config-path=config` inside its package): the overrides that config means on hyflow's defaults, which are
+    verl's ppo_trainer / sft_trainer defaults ([], or `model_engine=megatron` for ppo_megatron_trainer); None for
+    any other name or when the file exists."""
+    if config_name is None:
+        return None
+    folder = Path(config_path) if config_path is not None else Path(".")
+    name = str(config_name)
+    if (folder / name).is_file() or (folder / f"{name}.yaml").is_file() or (folder / f"{name}.yml").is_file():
+        return None
+    stem = Path(name).stem if name.endswith((".yaml", ".yml")) else name
+    if stem in VERL_BASE_CONFIGS:
+        return []
+    if stem in VERL_ENGINE_CONFIGS:
+        return [f"model_engine={VERL_ENGINE_CONFIGS[stem]}"]
+    return None
+
+
 def config_file_from_hydra_flags(config_path: str | Path | None, config_name: str | None) -> Path | None:
     """The YAML file Hydra's `--config-path DIR --config-name NAME` name (NAME with or without .yaml).
 
     verl resolves a relative DIR against its own package (`--config-path=config` = verl/trainer/config); hyflow,
-    which ships no such folder, resolves it against the working directory and says so when nothing is there.
+    which ships no such folder, resolves it against the working directory. One of verl's own trainer configs not
+    found there is no file (None): its meaning is hyflow's defaults plus `verl_config_overrides`. Another name not
+    found is an error that says so.
     """
     if config_name is None:
         if config_path is not None:
@@ -149,11 +174,13 @@ def config_file_from_hydra_flags(config_path: str | Path | None, config_name: st
         if candidate.is_file():
             return candidate
     stem = Path(name).stem
+    if verl_config_overrides(config_path, config_name) is not None:
+        return None  # verl's own trainer config: its meaning is hyflow's defaults (+ verl_config_overrides)
     hint = ""
-    if stem in VERL_BASE_CONFIGS or stem.startswith(("ppo_", "sft_")):
-        hint = (f" {stem!r} is one of verl's own configs (verl reads --config-path=config inside its package); "
-                "hyflow's defaults already are verl's ppo_trainer/sft_trainer defaults, so drop --config-path and "
-                "--config-name and keep the overrides.")
+    if stem.startswith(("ppo_", "sft_")):
+        hint = (f" {stem!r} looks like one of verl's own configs (verl reads --config-path=config inside its "
+                f"package); hyflow knows {', '.join(VERL_BASE_CONFIGS + tuple(VERL_ENGINE_CONFIGS))}: for another, "
+                "drop --config-path and --config-name and keep the overrides.")
     raise ConfigError(f"--config-name {name!r}: no file {str(candidates[0])!r} "
                       f"(--config-path {str(folder)!r} is resolved against the working directory).{hint}")
 
@@ -194,9 +221,11 @@ def _plain_scalar_is_not_text(text: str) -> bool:
     except ValueError:
         pass
     try:
-        return not isinstance(yaml.safe_load(text), str)
+        return yaml.safe_load(text) != text
     except yaml.YAMLError:
         return False
+    except ValueError:  # PyYAML's int resolver takes `0b_` / `0x_` and then fails to convert it: quote it
+        return True
 
 
 class _ConfigDumper(yaml.SafeDumper):
@@ -290,6 +319,8 @@ def _default_entry(entry: Any, path: Path, schema: type, chain: tuple[Path, ...]
         bases = VERL_SFT_BASE_CONFIGS if schema.__name__ == "SFTConfig" else VERL_RL_BASE_CONFIGS
         if name in bases:
             return None  # verl's defaults = hyflow's schema defaults
+        if name in VERL_ENGINE_CONFIGS and schema.__name__ != "SFTConfig":
+            return OmegaConf.create({"model_engine": VERL_ENGINE_CONFIGS[name]})
         raise ConfigError(f"{where}: no file {str(candidate)!r}. hyflow composes `_self_`, files of the same folder "
                           f"and verl's base config of this trainer ({', '.join(bases)}).")
     if isinstance(entry, DictConfig) and len(entry) == 1:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyflow.config.catalog import engine_capabilities, splits_model, stream_serves
+from hyflow.specs import FSDP2_STRATEGIES
 
 NOT_SUPPORTED = "not_supported"
 PERFORMANCE_ONLY = "performance_only"
@@ -111,7 +112,7 @@ def _offload_policy_without_fsdp2(section: str) -> Callable[[Any], bool]:
     def asked(cfg: Any) -> bool:
         strategy = _FSDP_STRATEGY[section]
         return bool(lookup(cfg, f"{section}.offload_policy")) and (
-            strategy is None or lookup(cfg, strategy) not in ("fsdp", "fsdp2") or _section_devices(cfg, section) < 2)
+            strategy is None or lookup(cfg, strategy) not in FSDP2_STRATEGIES or _section_devices(cfg, section) < 2)
 
     return asked
 
@@ -362,8 +363,9 @@ _TABLE: list[KeySupport] = [
 def _merged_table() -> tuple[KeySupport, ...]:
     """hyflow's own entries plus those of `hyflow.config.verl_compat` (verl 0.10's names)."""
     import hyflow.config.verl_compat as compat
+    from hyflow.config.engine_compat import ENGINE_ENTRIES
 
-    entries = list(_TABLE)
+    entries = list(_TABLE) + list(ENGINE_ENTRIES)
     own = {(e.key, e.kind, e.schema) for e in entries}
     for schema, kind, extra in ((RL, PERFORMANCE_ONLY, compat.PERFORMANCE_ONLY_KEYS),
                                 (RL, NOT_SUPPORTED, compat.NOT_SUPPORTED_KEYS),
@@ -440,6 +442,7 @@ _VERL_DEFAULTS: dict[str, Any] = {
 }
 _VERL_DEFAULTS_BY_KEY: dict[str, Any] = {
     "global_profiler.save_path": "outputs/profile",
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay": False,
     # verl's reward.yaml: the judge engine's keys hyflow does not hold (their leaf names are the actor rollout's)
     **{f"reward_model.rollout.{leaf}": value for leaf, value in {
         "free_cache_engine": True, "data_parallel_size": 1, "expert_parallel_size": 1,
@@ -459,6 +462,10 @@ def verl_default(key: str) -> Any:
     """verl's default value of the table key `key` that the schema does not hold (a fresh copy)."""
     if key in _VERL_DEFAULTS_BY_KEY:
         return copy.deepcopy(_VERL_DEFAULTS_BY_KEY[key])
+    from hyflow.config.engine_compat import ENGINE_DEFAULTS
+
+    if key in ENGINE_DEFAULTS:  # verl's Megatron / VeOmni engine keys
+        return copy.deepcopy(ENGINE_DEFAULTS[key])
     return copy.deepcopy(_VERL_DEFAULTS[key.rsplit(".", 1)[-1]])
 
 
@@ -554,9 +561,11 @@ def is_asked(entry: KeySupport, cfg: Any) -> bool:
     """Whether `cfg` asks for `entry`'s key (its predicate, or a non-default value)."""
     if entry.schema != schema_name(cfg):
         return False
-    if not _resolves(cfg, entry.key):  # a key the schema does not hold: a value other than verl's default asks
-        declared = declared_values(cfg)
-        return entry.key in declared and declared[entry.key] != verl_default(entry.key)
+    if not _resolves(cfg, entry.key):  # a key the schema does not hold: given, and its predicate or a value other
+        declared = declared_values(cfg)  # than verl's default asks
+        if entry.key not in declared:
+            return False
+        return bool(entry.asked(cfg)) if entry.asked is not None else declared[entry.key] != verl_default(entry.key)
     return bool(entry.asked(cfg)) if entry.asked is not None else non_default(cfg, entry.key)
 
 

@@ -20,6 +20,8 @@ import functools
 from importlib import resources
 from typing import Any
 
+from hyflow.config.engine_compat import ENGINE_ALIASES
+
 ARR = "actor_rollout_ref"
 
 _NESTED_LORA = {"rank": "lora_rank", "alpha": "lora_alpha", "target_modules": "target_modules",
@@ -69,6 +71,11 @@ RL_ALIASES: dict[str, str] = {
     # engine reads. verl's Megatron default alpha is 32; hyflow's (verl FSDP's lora_alpha) is 16.
     **{f"{section}.lora.{nested}": f"{section}.{flat}" for section in (f"{ARR}.model", "critic.model")
        for nested, flat in _NESTED_LORA.items()},
+    # verl's Megatron and VeOmni engines' parallel sizes and offload switches (hyflow.config.engine_compat)
+    **ENGINE_ALIASES,
+    # SAPO's temperatures as verl's sapo example scripts spell them (`+actor.policy_loss.tau_pos`); verl's loss
+    # reads actor.tau_pos / tau_neg (core_algos.compute_policy_loss_sapo), which is where these land
+    **{f"{ARR}.actor.policy_loss.{tau}": f"{ARR}.actor.{tau}" for tau in ("tau_pos", "tau_neg")},
 }
 
 # verl's current SFT trainer (sft_trainer_engine.yaml) -> hyflow's SFT schema (verl's legacy sft_trainer names).
@@ -207,6 +214,8 @@ SFT_PERFORMANCE_ONLY_KEYS: dict[str, str] = {
 }
 
 NOT_SUPPORTED_KEYS: dict[str, str] = {
+    f"{ARR}.rollout.enable_rollout_routing_replay": "recording the MoE routing in the rollout engine for router "
+    "replay (R3) is not built yet (issue 39); use false",
     f"{ARR}.actor.checkpoint.strict": "hyflow always loads checkpoints strictly (every tensor must match); use true",
     "critic.checkpoint.strict": "hyflow always loads checkpoints strictly (every tensor must match); use true",
     "reward_model.reward_loop_source": "hyflow takes reward managers from its registry by reward_model."

@@ -46,6 +46,7 @@ from hyflow.config import (
 )
 from hyflow.config.arithmetic import own_pool_roles, role_devices, uses_prm, uses_reference
 from hyflow.config.checks.model_fit import check_model_fit
+from hyflow.config.engine_compat import engine_line
 from hyflow.config.loader import derived_default_notes
 from hyflow.config.roles import role_specs, teacher_performance_notes, uses_judge
 from hyflow.config.support import performance_only_warning
@@ -104,6 +105,8 @@ class RLTrainer:
         cfg = self.config
         if (accepted := performance_only_warning(cfg)) is not None:
             print(accepted)  # once, at start: keys that only change speed or memory (hyflow.config.support)
+        if (engine := engine_line(cfg)) is not None:
+            print(engine)  # a run written for verl's Megatron / VeOmni / torchtitan engine: what runs it here
         self.profile_plan = profile_plan(cfg)  # verl's profiler keys (hyflow.trainer.profiling)
         if (profiler_line := self.profile_plan.start_line()) is not None:
             print(profiler_line)

@@ -59,6 +59,7 @@ from hyflow.serialization import (
     safe_dcp_planner,
     safe_dcp_reader,
 )
+from hyflow.specs import FSDP2_STRATEGIES
 
 DIST_TIMEOUT_S = 600.0
 WEIGHT_BUCKET_BYTES = 256 << 20
@@ -88,10 +89,11 @@ def maybe_init_distributed(worker, *, timeout_s: float = DIST_TIMEOUT_S) -> bool
 
 
 def parallel_strategy(strategy: str, world_size: int) -> str:
-    """How a role trains on `world_size` ranks: "single" (one rank), "fsdp2" (strategy fsdp or fsdp2) or "ddp"."""
+    """How a role trains on `world_size` ranks: "single" (one rank), "fsdp2" (strategy fsdp or fsdp2, and verl's
+    megatron / veomni / torchtitan engines: `hyflow.config.engine_compat`) or "ddp"."""
     if world_size <= 1:
         return "single"
-    if strategy in ("fsdp", "fsdp2"):
+    if strategy in FSDP2_STRATEGIES:  # verl's megatron / veomni / torchtitan engines run on FSDP2 here
         return "fsdp2"
     if strategy == "ddp":
         return "ddp"

@@ -623,15 +623,51 @@ def test_validation_sampling_at_temperature_zero_is_greedy_with_one_note():
     assert SamplingParams(temperature=val.temperature, do_sample=val.do_sample).greedy
 
 
-def test_the_megatron_strategy_names_what_stands_in_for_it():
-    with pytest.raises(ConfigError, match=r"strategy='megatron' is not one of: fsdp, fsdp2, ddp\. verl's Megatron "
-                                          r"backend .* is not built in hyflow; .* use fsdp2 with tensor_parallel_size "
-                                          r"\(FSDP2 \+ PyTorch tensor parallelism\), ulysses_sequence_parallel_size"):
-        validate_config(load_config(["actor_rollout_ref.actor.strategy=megatron"]))
-    with pytest.raises(ConfigError, match=r"actor.strategy='torchtitan' is not one of: fsdp, fsdp2, ddp\. verl's "
-                                          r"torchtitan engine \(FSDP2 \+ tensor parallelism\) is hyflow's fsdp2 with "
-                                          r"the role's tensor_parallel_size"):
-        validate_config(load_config(["actor_rollout_ref.actor.strategy=torchtitan"]))
+def test_verl_engines_run_on_hyflows_and_refuse_what_cannot_map_by_name():
+    """strategy / model_engine = megatron, veomni, torchtitan: the run validates on hyflow's FSDP2 engine, the start
+    line says so and where the keys went, kernel knobs are performance-only, and what cannot map is refused by name."""
+    from hyflow.config.engine_compat import engine_line
+    from hyflow.workers.fsdp import parallel_strategy
+
+    megatron = ["actor_rollout_ref.actor.strategy=megatron", "trainer.n_gpus_per_node=4",
+                "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1",
+                "actor_rollout_ref.actor.megatron.use_mbridge=true", "actor_rollout_ref.actor.megatron.grad_offload=true",
+                "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full",
+                "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype=fp32"]
+    cfg = load_config(megatron)
+    validate_config(cfg)
+    assert parallel_strategy(cfg.actor_rollout_ref.actor.strategy, 4) == "fsdp2"
+    line = engine_line(cfg)
+    assert line.startswith("hyflow: verl's megatron engine runs on hyflow's FSDP2 engine")
+    assert "context_parallel_size -> ulysses_sequence_parallel_size" in line and "actor: tensor_parallel_size=2" in line
+    accepted = support.performance_only_warning(cfg)
+    for key in ("megatron.grad_offload=true",
+                "override_transformer_config.recompute_granularity=full",
+                "override_transformer_config.moe_router_dtype=fp32"):
+        assert key in accepted, key
+    assert engine_line(load_config(["model_engine=veomni"])).startswith("hyflow: verl's veomni engine")
+    assert engine_line(load_config([])) is None
+    for extra, problem in (
+            ("actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+             "pipeline_model_parallel_size is not supported by this hyflow version yet (got 2): pipeline parallelism "
+             "is not built yet"),
+            ("actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2", "interleaved pipeline stages"),
+            ("actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2",
+             "splitting each expert over tensor-parallel ranks is not built"),
+            ("actor_rollout_ref.actor.megatron.use_dist_checkpointing=true", "not from a Megatron distributed"),
+            ("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff=0.01",
+             "moe_aux_loss_coeff is not supported by this hyflow version yet (got 0.01)"),
+            ("actor_rollout_ref.actor.megatron.router_replay.mode=R2", "router replay"),
+            ("actor_rollout_ref.actor.veomni.router_replay.mode=R3", "router replay"),
+            ("actor_rollout_ref.rollout.enable_rollout_routing_replay=true", "enable_rollout_routing_replay is not "
+                                                                            "supported"),
+            ("actor_rollout_ref.actor.veomni.mixed_precision=false", "fsdp_config.dtype=float32"),
+            ("+actor_rollout_ref.actor.fsdp_config.mixed_precision.reduce_dtype=bf16", "reduces gradients in fp32")):
+        with pytest.raises(ConfigError, match=re.escape(problem)):
+            validate_config(load_config([*megatron, extra]))
+    validate_config(load_config([*megatron, "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
+                                 "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"]))
 
 
 def test_tensor_parallel_sizes_are_accepted_and_checked():

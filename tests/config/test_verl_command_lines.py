@@ -383,3 +383,41 @@ def test_checkpoint_engine_bucket_size_sets_the_weight_sync_bucket(paths):
     actor = ActorRolloutRefWorker(role_specs(cfg, n_devices=1).actor)
     actor.init_model()
     assert actor.weight_bucket_bytes == 3 * 2**20
+
+
+# verl's Megatron trainer config and engine keys (examples/grpo_trainer/run_qwen3_8b_megatron.sh's, sizes at 1 device:
+# tensor/pipeline/context 1) on the GRPO line above: they run on hyflow's FSDP2 engine, which the start line says.
+MEGATRON_KEYS = """
+    actor_rollout_ref.actor.strategy=megatron
+    actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1
+    actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1
+    actor_rollout_ref.actor.megatron.context_parallel_size=1
+    actor_rollout_ref.actor.megatron.param_offload=False
+    actor_rollout_ref.actor.megatron.grad_offload=True
+    actor_rollout_ref.actor.megatron.use_mbridge=True
+    +actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full
+    +actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=uniform
+    +actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers=1
+    actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1
+    actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=1
+    actor_rollout_ref.ref.megatron.param_offload=True
+"""
+
+
+@pytest.mark.slow
+def test_verl_megatron_command_line_trains_one_step_on_hyflows_engine(paths, tmp_path, capsys):
+    """`--config-path=config --config-name=ppo_megatron_trainer.yaml` (verl's Megatron trainer config) with the
+    Megatron engine's keys trains one step through `hyflow train`, and the start line says what ran it."""
+    from hyflow.cli import main
+    from hyflow.trainer.tracking import read_metrics
+
+    run = tmp_path / "run"
+    argv = command_line(GRPO_QWEN3_8B_FSDP, paths, run) + shlex.split(MEGATRON_KEYS)
+    argv = [word for word in argv if not word.startswith("actor_rollout_ref.ref.fsdp_config.param_offload")]
+    assert main(["train", "--config-path=config", "--config-name=ppo_megatron_trainer.yaml", *argv,
+                 "trainer.total_training_steps=1", "trainer.logger=[console,file]"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "hyflow: verl's megatron engine runs on hyflow's FSDP2 engine" in out
+    assert "megatron.grad_offload=true" in out and "override_transformer_config.recompute_granularity=full" in out
+    rows = [r for r in read_metrics(run) if r.get("step", 0) >= 1]
+    assert rows and rows[-1]["step"] == 1 and "actor/pg_loss" in rows[-1]

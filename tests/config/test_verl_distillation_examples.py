@@ -24,7 +24,8 @@ import warnings
 import pytest
 
 from hyflow.config import load_config, validate_config
-from hyflow.config.keys import ConfigError
+from hyflow.config.engine_compat import engine_line
+from hyflow.config.support import performance_only_warning
 
 # examples/on_policy_distillation_trainer/run_qwen3_8b_fsdp.sh (verl 0.10). Changed: paths; rollout.name and the
 # teacher's inference.name vllm -> hf; sizes (train_batch_size 128 -> 4, ppo_mini_batch_size 128 -> 2,
@@ -88,11 +89,12 @@ OPD_QWEN3_8B_FSDP = """
     trainer.default_local_dir={run}
 """
 
-# What the Megatron and VeOmni scripts set that hyflow has no engine for (verl 0.10's text).
-MEGATRON = ["model_engine=megatron", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1"]
-VEOMNI = ["model_engine=veomni", "actor_rollout_ref.actor.veomni.param_offload=False",
-          "actor_rollout_ref.actor.veomni.optimizer_offload=False"]
+# What the Megatron and VeOmni scripts set (verl 0.10's text): their engines run on hyflow's (engine_compat).
+MEGATRON = ["model_engine=megatron", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1",
+            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1",
+            "actor_rollout_ref.actor.megatron.use_mbridge=False"]
+VEOMNI = ["model_engine=veomni", "actor_rollout_ref.actor.veomni.param_offload=True",
+          "actor_rollout_ref.actor.veomni.optimizer_offload=True"]
 
 
 def command_line(tmp_path, plus: str) -> list[str]:
@@ -119,8 +121,14 @@ def test_ported_line_as_verl_writes_it_validates(tmp_path):
 
 
 @pytest.mark.parametrize("keys", [MEGATRON, VEOMNI], ids=["megatron", "veomni"])
-def test_megatron_and_veomni_scripts_are_refused_by_name(tmp_path, keys):
-    with pytest.raises(ConfigError) as err:
-        load_config(command_line(tmp_path, "+") + keys)
-    for key in keys:
-        assert key.split("=")[0] in str(err.value)
+def test_megatron_and_veomni_scripts_run_on_hyflows_engine(tmp_path, keys):
+    """The line with verl's Megatron or VeOmni keys validates: their sizes and offloads land on hyflow's keys."""
+    cfg = load_config(command_line(tmp_path, "+") + keys)
+    validate_config(cfg)
+    actor = cfg.actor_rollout_ref.actor
+    assert cfg.model_engine == keys[0].split("=")[1]
+    assert engine_line(cfg).startswith(f"hyflow: verl's {cfg.model_engine} engine runs on hyflow's FSDP2 engine")
+    if cfg.model_engine == "megatron":
+        assert "megatron.use_mbridge=false" in performance_only_warning(cfg)
+    else:
+        assert actor.fsdp_config.param_offload and actor.fsdp_config.optimizer_offload

@@ -177,8 +177,10 @@ def test_mixed_precision_policy_and_strategy():
         mixed_precision_policy("int8")
     assert [parallel_strategy(s, 1) for s in ("fsdp", "ddp")] == ["single", "single"]
     assert [parallel_strategy(s, 2) for s in ("fsdp", "fsdp2", "ddp")] == ["fsdp2", "fsdp2", "ddp"]
-    with pytest.raises(ValueError, match="strategy='megatron' is not supported for 2 ranks"):
-        parallel_strategy("megatron", 2)
+    # verl's other engines run on FSDP2 (hyflow.config.engine_compat)
+    assert {parallel_strategy(s, 2) for s in ("megatron", "veomni", "torchtitan")} == {"fsdp2"}
+    with pytest.raises(ValueError, match="strategy='deepspeed' is not supported for 2 ranks"):
+        parallel_strategy("deepspeed", 2)
 
 
 def test_full_tensor_buckets_are_bounded_and_cover_every_tensor_once():

@@ -11,6 +11,7 @@ from hyflow.config.arithmetic import role_devices, total_devices
 from hyflow.config.catalog import engine_capabilities, splits_model
 from hyflow.config.checks import ACTOR, ROLLOUT, check
 from hyflow.config.schema import HyflowConfig
+from hyflow.specs import FSDP2_STRATEGIES
 
 
 @check(200, devices=True)
@@ -83,7 +84,7 @@ def _tensor_parallel_problems(role: str, section: Any, strategy: str, devices: i
         problems.append(f"{key}={tp} x {role}.ulysses_sequence_parallel_size={sp} = {sp * tp} must divide the "
                         f"{devices} devices (sequence x tensor parallelism in one role is one (sp, tp) mesh per "
                         f"data-parallel rank); set sizes whose product divides {devices}.")
-    if strategy not in ("fsdp", "fsdp2"):
+    if strategy not in FSDP2_STRATEGIES:
         problems.append(f"{key}={tp} needs {role}.strategy fsdp or fsdp2 (tensor parallelism is composed with the "
                         f"FSDP2 wrapper over a data-parallel x tensor-parallel device mesh), got {role}.strategy="
                         f"{strategy}; set {role}.strategy=fsdp2, or {key}=1.")
@@ -129,7 +130,7 @@ def _sharding_problems(role: str, section: Any, fsdp_key: str, fsdp_size: int, d
             problems.append(f"{key}={fsdp_size} (hybrid sharding: shard groups of that many devices, replicated) must "
                             f"divide the role's {devices} devices / {role}.tensor_parallel_size={tp} and be a multiple "
                             f"of {role}.ulysses_sequence_parallel_size={sp}; set a divisor of {shard}, or -1.")
-        elif strategy not in ("fsdp", "fsdp2"):
+        elif strategy not in FSDP2_STRATEGIES:
             problems.append(f"{key}={fsdp_size} (hybrid sharding) needs {role}.strategy fsdp or fsdp2, got "
                             f"{strategy}; set {role}.strategy=fsdp2, or {key}=-1.")
         else:
@@ -144,7 +145,7 @@ def _sharding_problems(role: str, section: Any, fsdp_key: str, fsdp_size: int, d
         if tp > 1:
             problems.append(f"{ekey}={ep} with {role}.tensor_parallel_size={tp}: expert parallelism with tensor "
                             f"parallelism is not built yet; set one of them to 1.")
-        if strategy not in ("fsdp", "fsdp2"):
+        if strategy not in FSDP2_STRATEGIES:
             problems.append(f"{ekey}={ep} needs {role}.strategy fsdp or fsdp2 (the experts are split beside the "
                             f"FSDP2 wrapper), got {role}.strategy={strategy}; set {role}.strategy=fsdp2.")
         if lora is not None and ((isinstance(lora.lora_rank, int) and lora.lora_rank > 0) or lora.lora_adapter_path):

@@ -122,6 +122,13 @@ class HyflowConfig:
     distillation: DistillationConfig = section(DistillationConfig, "On-policy distillation from frozen teachers.")
     global_profiler: GlobalProfilerConfig = section(
         GlobalProfilerConfig, "Which steps are profiled and where the traces go (docs/profiling.md).")
+    model_engine: str = option(
+        "dp", "verl's training-engine choice (dp = FSDP, megatron, veomni, torchtitan). hyflow has one engine, FSDP2 "
+        "with tensor, sequence and expert parallelism and hybrid sharding on one device mesh; a run written for "
+        "another engine runs on it: its <role>.megatron.* / <role>.veomni.* parallel sizes and offload keys map to "
+        "hyflow's, its kernel knobs are performance-only, what cannot map (pipeline parallelism, ...) is refused by "
+        "name, and the start line says which keys went where (hyflow.config.engine_compat).",
+        choices=("dp", "megatron", "veomni", "torchtitan"))
 
     def __post_init__(self) -> None:
         # Built directly (not by load_config), the `${...}` defaults are still strings: OmegaConf resolves them.

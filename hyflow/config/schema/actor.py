@@ -39,8 +39,9 @@ class ActorConfig:
 
     strategy: str = option(
         "fsdp",
-        "Data-parallel training strategy: fsdp, fsdp2 or ddp (verl also has megatron).",
-        choices=("fsdp", "fsdp2", "ddp"),
+        "Data-parallel training strategy: fsdp, fsdp2 or ddp; verl's megatron, veomni and torchtitan "
+        "engines run on hyflow's fsdp2 engine (model_engine).",
+        choices=("fsdp", "fsdp2", "ddp", "megatron", "veomni", "torchtitan"),
     )
     ppo_mini_batch_size: int = option(
         256,
@@ -182,7 +183,7 @@ class RefConfig:
 
     strategy: str = option(
         "${actor_rollout_ref.actor.strategy}", "Data-parallel strategy of the reference (default = actor's).",
-        choices=("fsdp", "fsdp2", "ddp"),
+        choices=("fsdp", "fsdp2", "ddp", "megatron", "veomni", "torchtitan"),
     )
     model: RefModelConfig = section(RefModelConfig, "Reference model source.")
     log_prob_micro_batch_size: int | None = option(

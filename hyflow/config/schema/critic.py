@@ -54,7 +54,7 @@ class CriticConfig:
     )
     strategy: str = option(
         "${actor_rollout_ref.actor.strategy}", "Data-parallel strategy of the critic (default = actor's).",
-        choices=("fsdp", "fsdp2", "ddp"),
+        choices=("fsdp", "fsdp2", "ddp", "megatron", "veomni", "torchtitan"),
     )
     optim: OptimConfig = section(lambda: OptimConfig(lr=1e-5), "Critic optimizer (lr 1e-5 by default).")
     model: CriticModelConfig = section(CriticModelConfig, "The value model.")

@@ -144,7 +144,7 @@ class RewardModelConfig:
     )
     strategy: str = option(
         "${actor_rollout_ref.actor.strategy}", "Data-parallel strategy of the reward model.",
-        choices=("fsdp", "fsdp2", "ddp"),
+        choices=("fsdp", "fsdp2", "ddp", "megatron", "veomni", "torchtitan"),
     )
     model: RewardModelModelConfig = section(RewardModelModelConfig, "The reward model network.")
     rollout: RewardModelRolloutConfig = section(
