@@ -50,6 +50,7 @@ from hyflow.controller.dispatch import DataLayout
 from hyflow.models.flops import device_peak_flops, training_flops
 from hyflow.models.forward import unwrap_model
 from hyflow.models.lora import adapter_disabled, apply_lora, merged_named_tensors, parameter_counts
+from hyflow.models.moe import RouterStats
 from hyflow.models.vision import VisionTokens, is_vision_config, vision_tower
 from hyflow.parallel import ParallelDims, ParallelizeSpec, ParallelMesh, parallelize
 from hyflow.specs import TrainEngineSpec
@@ -158,6 +159,8 @@ class TrainEngine(MicroForward):
         # verl's use_torch_compile: the MLPs and norms compiled for this engine's own passes (hyflow.models.compile)
         self.model, self.compiled = done.model, done.compiled
         self.parallelized = done  # its sync_grads: what FSDP2 does not average (expert parallelism's experts)
+        # a MoE model's router diagnostics in the update's metrics: <name>/moe/{load_balancing_loss,z_loss,...}
+        self.router_stats = RouterStats(self.module)
         self.optimizer = self.scheduler = None
         if trainable:
             params = [p for p in self.model.parameters() if p.requires_grad]
@@ -325,8 +328,9 @@ class TrainEngine(MicroForward):
         ctx = MicroContext(norms=norms, global_tokens=max(float(norms["global_token_count"]), 1.0),
                            n_micro=len(micros), world_size=self.dp_size, counts=dict(counts or {}))
         sums: dict[str, float] = {}
+        routed = self.router_stats if self.router_stats else contextlib.nullcontext()
         for done, (micro, _) in enumerate(micros, 1):
-            with self.passes():  # forward and backward: a checkpointed layer re-runs its attention in backward
+            with self.passes(), routed:  # forward and backward: a checkpointed layer re-runs its attention in backward
                 out, r = self.forward_micro(micro, R, temperature=temperature, with_entropy=with_entropy,
                                             topk_column=topk_column)
                 cols = {key: micro[key][:, :r].to(self.device) for key in columns if key in micro}
@@ -336,6 +340,10 @@ class TrainEngine(MicroForward):
                     # S ranks, where an sp group's average is its whole gradient (hyflow.models.ulysses): so the
                     # average is multiplied by the data-parallel size (world / (S x T)), not the world size
                     (loss * self.dp_size).backward()
+            if self.router_stats:  # this rank's micro-batch means, summed to a mean over micro-batches and ranks
+                weight = 1.0 / (len(micros) * self.dp_size)
+                parts = {**parts, **{f"{self.name}/moe/{key}": value * weight
+                                     for key, value in self.router_stats.take().items()}}
             for key, value in parts.items():
                 sums[key] = merge_metric(key, sums.get(key), value)
             if self.progress is not None:
