@@ -5,9 +5,11 @@ share of 8 rows (the controller's data-parallel split), and compares the log-pro
 norm and the whole model after one SGD step (the loss -A log p has no clip, so no token sits on a boundary). Cases:
 
 - 2 ranks, ep=2 (each rank holds 2 of 4 experts, tokens travel by all-to-all): Qwen3-MoE, Mixtral, DeepSeek-V3;
-  the DCP checkpoint of the ep=2 engine loads into one process;
+  the DCP checkpoint of the ep=2 engine loads into one process; Qwen3-MoE with gradient checkpointing too (the
+  backward re-runs the layers' all-to-alls);
 - 4 ranks: HSDP 2 x 2 (fsdp_size=2) on the dense tiny model; ep=2 x dp_shard=4 (two copies of each expert half,
-  their gradients summed over the `edp` ranks); HSDP 2 x 2 with ep=2.
+  their gradients summed over the `edp` ranks); HSDP 2 x 2 with ep=2; Ulysses sp=2 x dp_shard=2 with ep=2 (the
+  ranks of an ep group hold different slices of the same rows).
 """
 
 from __future__ import annotations
@@ -23,15 +25,17 @@ ROWS = 8
 SIZES = types.SimpleNamespace(micro_batch_size_per_device=2, max_token_len_per_device=None, use_dynamic_bsz=False)
 
 
-def _engine(path: str, world_size: int, ep: int = 1, fsdp_size: int = -1):
+def _engine(path: str, world_size: int, ep: int = 1, fsdp_size: int = -1, checkpointing: bool = False, sp: int = 1):
     from hyflow.models.loading import load_causal_lm
     from hyflow.specs import FsdpSettings, OptimizerSpec, TrainEngineSpec
     from hyflow.workers.train_engine import TrainEngine
 
     spec = TrainEngineSpec(name="actor", head="lm", strategy="fsdp2", compute_dtype="fp32",
                            fsdp=FsdpSettings(fsdp_size=fsdp_size), use_remove_padding=True,
-                           optim=OptimizerSpec(optimizer="SGD", lr=0.5, weight_decay=0.0), expert_parallel_size=ep)
-    return TrainEngine.from_spec(load_causal_lm(path), spec, device=torch.device("cpu"), world_size=world_size)
+                           optim=OptimizerSpec(optimizer="SGD", lr=0.5, weight_decay=0.0), expert_parallel_size=ep,
+                           ulysses_sequence_parallel_size=sp)
+    model = load_causal_lm(path, enable_gradient_checkpointing=checkpointing)
+    return TrainEngine.from_spec(model, spec, device=torch.device("cpu"), world_size=world_size)
 
 
 def _reference(path: str) -> dict:
@@ -45,12 +49,14 @@ def _reference(path: str) -> dict:
     return {"batch": batch, "logp": logp, "grad_norm": metrics["actor/grad_norm"][0], "state": after}
 
 
-def _check(rank: int, world: int, path: str, want: dict, *, ep: int, fsdp_size: int = -1, dp_rank=None):
-    split = _engine(path, world, ep=ep, fsdp_size=fsdp_size)
+def _check(rank: int, world: int, path: str, want: dict, *, ep: int, fsdp_size: int = -1,
+           checkpointing: bool = False, sp: int = 1):
+    split = _engine(path, world, ep=ep, fsdp_size=fsdp_size, checkpointing=checkpointing, sp=sp)
     layout = split.data_layout()
-    assert layout.dp_size == world and layout.dp_rank == rank  # every rank data-parallel: its own share
-    share = ROWS // world
-    own = slice(rank * share, (rank + 1) * share)
+    # every rank data-parallel (its own share), or a sequence-parallel group's ranks on their group's share
+    assert layout.dp_size == world // sp and layout.dp_rank == rank // sp
+    share = ROWS // layout.dp_size
+    own = slice(layout.dp_rank * share, (layout.dp_rank + 1) * share)
     logp, metrics = infer_and_update(split, want["batch"][own], SIZES)
     where = f"{path.rsplit('/', 1)[-1]} ep={ep} fsdp_size={fsdp_size} rank {rank}"
     torch.testing.assert_close(logp, want["logp"][own], atol=1e-5, rtol=0, msg=lambda m: f"{where}: {m}")
@@ -74,6 +80,8 @@ def _two_ranks(rank: int, init_file: str, paths: dict, ckpt: str) -> None:
             local = split.module.model.layers[0].mlp.experts.gate_up_proj.to_local()
             assert local.shape[0] == 2  # each rank holds 2 of the 4 experts
             split.save_sharded(ckpt)
+            # gradient checkpointing re-runs each layer's forward, all-to-alls included, in the backward
+            _check(rank, 2, path, want[name], ep=2, checkpointing=True)
     dist.destroy_process_group()
     if rank == 0:  # the ep=2 checkpoint in one process: the same model as the one-process update
         one = _engine(paths["tiny-qwen3-moe"], 1)
@@ -94,6 +102,7 @@ def _four_ranks(rank: int, init_file: str, dense: str, moe: str) -> None:
     split = _check(rank, 4, moe, want_moe, ep=2)  # ep=2 x dp_shard=4: two copies of each half of the experts
     assert split.mesh.expert.edp_group is not None
     _check(rank, 4, moe, want_moe, ep=2, fsdp_size=2)  # HSDP 2 x 2 with each replica's experts split in two
+    _check(rank, 4, moe, want_moe, ep=2, sp=2)  # Ulysses sp=2 x dp_shard=2: an ep group is an sp group's ranks
     dist.destroy_process_group()
 
 
