@@ -16,7 +16,7 @@ tensors through DTensor (`hyflow.workers.fsdp`).
 
 `apply_tensor_parallel(model, mesh)` checks first that the model is of this shape (a `config` with attention and
 key-value heads divisible by T, decoder layers with `self_attn.{q,k,v,o}_proj` and `mlp.{gate,up,down}_proj`
-linears) and says which part is not.
+linears; a mixture-of-experts layer's MLP stays whole, `layer_plan`) and says which part is not.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def tp_problem(model: nn.Module, layers: list[nn.Module], tp_size: int) -> str |
             return f"tensor_parallel_size={tp_size} must divide the model's {count} {name}"
     if not layers:
         return "the model has no decoder layers (model.layers) to split"
-    for path in LAYER_PLAN:
+    for path in layer_plan(layers[0]):
         try:
             module = layers[0].get_submodule(path)
         except AttributeError:
@@ -62,6 +62,14 @@ def tp_problem(model: nn.Module, layers: list[nn.Module], tp_size: int) -> str |
             return f"tensor_parallel_size={tp_size} must divide {path}'s {module.out_features} output features"
         if path.endswith(("o_proj", "down_proj")) and module.in_features % tp_size:
             return f"tensor_parallel_size={tp_size} must divide {path}'s {module.in_features} input features"
+    head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // heads)
+    for name in HEAD_NORMS:
+        norm = getattr(getattr(layers[0], "self_attn", None), name, None)
+        weight = getattr(norm, "weight", None)
+        if weight is not None and weight.numel() != head_dim:
+            return (f"self_attn.{name} normalises the whole projection ({weight.numel()} features, not one head's "
+                    f"{head_dim}): a tensor-parallel rank holds part of it, so it cannot be split; use "
+                    "tensor_parallel_size=1 for this model")
     return None
 
 
@@ -77,4 +85,41 @@ def apply_tensor_parallel(model: nn.Module, layers: list[nn.Module], mesh) -> No
         raise ValueError(problem)
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for layer in layers:
-        parallelize_module(layer, mesh, {path: styles[kind]() for path, kind in LAYER_PLAN.items()})
+        parallelize_module(layer, mesh, {path: styles[kind]() for path, kind in layer_plan(layer).items()})
+        for name in HEAD_NORMS:
+            norm = getattr(getattr(layer, "self_attn", None), name, None)
+            if isinstance(norm, nn.Module):
+                norm.forward = _HeadNormForward(norm, mesh.get_group())
+
+
+# Per-head query / key norms (Qwen3's RMSNorm over head_dim after q_proj / k_proj): each rank normalises its own heads
+# with the whole (replicated) weight, so the weight's gradient on a rank covers its heads only; summed over the
+# group it is the whole one, as every rank needs it (the weights of the group stay equal).
+HEAD_NORMS = ("q_norm", "k_norm")
+
+
+class _HeadNormForward:
+    """A head norm's forward whose weight gradient is summed over the tensor-parallel group."""
+
+    def __init__(self, module: nn.Module, group):
+        self.module, self.group = module, group
+
+    def __call__(self, hidden_states):
+        from torch.nn.utils.stateless import _reparametrize_module
+
+        from hyflow.parallel.expert import sum_grad_over_group
+
+        module = self.module
+        weight = sum_grad_over_group(module.weight, self.group)
+        with _reparametrize_module(module, {"weight": weight}):
+            return type(module).forward(module, hidden_states)
+
+
+def layer_plan(layer: nn.Module) -> dict[str, str]:
+    """LAYER_PLAN for one decoder layer; a mixture-of-experts layer's MLP (a router beside routed experts) stays whole
+    on every rank of the group: its attention is split, its experts run replicated, or split over the ranks by
+    expert parallelism (`hyflow.parallel.expert`, which spans the tensor-parallel ranks as Megatron's does)."""
+    mlp = getattr(layer, "mlp", None)
+    if mlp is not None and hasattr(mlp, "experts") and hasattr(mlp, "gate"):
+        return {path: kind for path, kind in LAYER_PLAN.items() if not path.startswith("mlp.")}
+    return LAYER_PLAN

@@ -3,8 +3,8 @@
 Dimensions (torchtitan's `ParallelDims`, with hyflow's names): `dp_replicate` (HSDP's replicas), `dp_shard` (FSDP2's
 shards), `sp` (Ulysses sequence parallelism, verl's `ulysses_sequence_parallel_size`; torchtitan's cp seat), `tp`
 (tensor parallelism, `hyflow.models.tensor_parallel`), `pp` (pipeline stages) and `ep` (expert parallelism). The
-product pp x dp_replicate x dp_shard x sp x tp is the world size; `ep` borrows its ranks from dp_shard x sp (as
-torchtitan's does) and must divide it.
+product pp x dp_replicate x dp_shard x sp x tp is the world size; `ep` borrows its ranks from dp_shard x sp x tp
+(as Megatron's expert-data layout with expert_tensor_parallel_size=1 does) and must divide it.
 
 The mesh lays the dimensions out outermost first, in torchtitan's order `pp, dp_replicate, dp_shard, sp, tp`, so the
 ranks of a tensor-parallel group are consecutive, then those of a sequence-parallel group: rank = ((((p * R + r) * F
@@ -63,12 +63,12 @@ class ParallelDims:
         if rest * self.dp_shard != self.world_size:
             raise ValueError(f"ParallelDims: pp x dp_replicate x dp_shard x sp x tp = {self.pp} x {self.dp_replicate} x "
                              f"{self.dp_shard} x {self.sp} x {self.tp} must equal the world size {self.world_size}")
-        if (self.dp_shard * self.sp) % self.ep:
-            raise ValueError(f"ParallelDims: ep={self.ep} must divide dp_shard x sp = {self.dp_shard * self.sp} "
-                             "(expert parallelism borrows those ranks)")
-        if self.ep > 1 and (self.tp > 1 or self.pp > 1):
-            raise ValueError(f"ParallelDims: expert parallelism (ep={self.ep}) with tensor or pipeline parallelism "
-                             f"(tp={self.tp}, pp={self.pp}) is not built; use tp=1 and pp=1 with ep > 1")
+        if (self.dp_shard * self.sp * self.tp) % self.ep:
+            raise ValueError(f"ParallelDims: ep={self.ep} must divide dp_shard x sp x tp = "
+                             f"{self.dp_shard * self.sp * self.tp} (expert parallelism borrows those ranks)")
+        if self.ep > 1 and self.pp > 1:
+            raise ValueError(f"ParallelDims: expert parallelism (ep={self.ep}) with pipeline parallelism "
+                             f"(pp={self.pp}) is not built; use pp=1 with ep > 1")
 
     @property
     def dp_size(self) -> int:
@@ -118,7 +118,7 @@ class ParallelDims:
                 for name, parts in self.flattened().items()}
         if self.dp_replicate > 1:  # HSDP: FSDP2 replicates over dp_replicate and shards over dp_shard x sp
             flat["hsdp"] = self._hsdp_mesh(root)
-        return ParallelMesh(self, root, flat, self._expert_layout(device_type))
+        return ParallelMesh(self, root, flat, self._expert_layout(device_type, root))
 
     def _hsdp_mesh(self, root):
         """The 2-D (dp_replicate, dp_shard x sp) mesh FSDP2 takes for hybrid sharding."""
@@ -130,10 +130,11 @@ class ParallelDims:
             warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
             return root["dp_replicate", "dp_shard_sp"]
 
-    def _expert_layout(self, device_type: str):
+    def _expert_layout(self, device_type: str, root=None):
         """Expert parallelism's mesh and groups (`hyflow.parallel.expert.ExpertLayout`), None at ep=1: the ranks as
-        (world / ep) x ep, so each ep group is a run of ep consecutive ranks of one replica's dp_shard x sp ranks
-        (tp = pp = 1 under ep), and the `edp` groups join the ranks that hold the same experts."""
+        (world / ep) x ep, so each ep group is a run of ep consecutive ranks of one replica's dp_shard x sp x tp ranks
+        (pp = 1 under ep), and the `edp` groups join the ranks that hold the same experts; the tensor-parallel group
+        (whose ranks share their tokens and split the (token, choice) pairs between them)."""
         if self.ep == 1:
             return None
         from torch.distributed.device_mesh import init_device_mesh
@@ -142,8 +143,10 @@ class ParallelDims:
 
         mesh = init_device_mesh(device_type, (self.world_size // self.ep, self.ep), mesh_dim_names=("edp", "ep"))
         edp = mesh["edp"].get_group() if self.world_size > self.ep else None
+        tp_group = root["tp"].get_group() if self.tp > 1 else None
         return ExpertLayout(mesh=mesh, ep_group=mesh["ep"].get_group(), ep_size=self.ep, edp_group=edp,
-                            grad_divisor=self.dp_replicate * self.dp_shard * self.sp)
+                            grad_divisor=self.dp_replicate * self.dp_shard * self.sp, tp_group=tp_group,
+                            tp_size=self.tp)
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,15 @@ whose experts got no token has no gradient: it contributes zeros (every rank ent
 Weights out. A DTensor's `full_tensor()` gathers the experts of an ep group, so exports, weight sync and the full
 state dict see the plain [E, ...] tensors under the same names; DCP checkpoints store each rank's experts once.
 
-Layout. ep must divide the experts of every MoE layer and the ranks FSDP2 shards over (dp_shard x sp: ep borrows
-them, as torchtitan's does); the ep groups are runs of ep consecutive ranks, inside one HSDP replica. Not built:
-expert parallelism with tensor or pipeline parallelism (`expert_tensor_parallel`), experts whose weights are
-transposed, interleaved or carry biases (gpt-oss): refused by name.
+Layout. ep must divide the experts of every MoE layer and the ranks of one replica (dp_shard x sp x tp: ep borrows
+them, as Megatron's expert-data layout with expert_tensor_parallel_size=1 does); the ep groups are runs of ep
+consecutive ranks, inside one HSDP replica. Under tensor parallelism the MoE block stays whole on each tp rank
+(`hyflow.models.tensor_parallel.layer_plan`) and the tp ranks hold the same tokens: each sends only its share of the
+sorted (token, choice) pairs (its gradient into the tokens is summed over the tp group in the backward), and the
+outputs are all-gathered over the tp group before the weighted sum, which every tp rank then computes alike (so the
+router's gradient is the same on each). Not built: pipeline parallelism, experts split over tensor-parallel ranks
+(`expert_tensor_parallel_size` > 1), experts whose weights are transposed, interleaved or carry biases (gpt-oss):
+refused by name.
 """
 
 from __future__ import annotations
@@ -81,13 +86,16 @@ def check_expert_layout(name: str, module: nn.Module, ep: int) -> None:
 @dataclass(frozen=True)
 class ExpertLayout:
     """How one rank takes part: the expert `mesh` (edp x ep), the ep group's process group and size, the edp group
-    (None when every ep group is the only copy), and `grad_divisor` R (the ranks FSDP2 averages over)."""
+    (None when every ep group is the only copy), `grad_divisor` R (the ranks FSDP2 averages over), and the
+    tensor-parallel group whose ranks hold the same tokens."""
 
     mesh: object
     ep_group: object
     ep_size: int
     edp_group: object
     grad_divisor: int
+    tp_group: object = None  # the tensor-parallel ranks, which hold the same tokens (None at tp=1)
+    tp_size: int = 1
 
 
 def apply_expert_parallel(model: nn.Module, layout: ExpertLayout) -> list[nn.Parameter]:
@@ -124,21 +132,30 @@ class _ExpertParallelForward:
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-        group, ep, local = self.layout.ep_group, self.layout.ep_size, self.local
+        group, ep, local, layout = self.layout.ep_group, self.layout.ep_size, self.local, self.layout
         k = top_k_index.shape[1]
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the (token, choice) pairs by expert, so by destination rank
-        experts = flat[order]
+        experts_all, source_all = flat[order], order // k
+        experts, source_token, states = experts_all, source_all, hidden_states
+        if layout.tp_group is not None:  # the tp ranks hold the same tokens: each sends its share of the pairs
+            states = sum_grad_over_group(hidden_states, layout.tp_group)
+            shares = [len(part) for part in torch.arange(len(flat)).tensor_split(layout.tp_size)]
+            start = sum(shares[:dist.get_rank(layout.tp_group)])
+            mine = slice(start, start + shares[dist.get_rank(layout.tp_group)])
+            experts, source_token = experts_all[mine], source_all[mine]
         send = torch.bincount(experts // local, minlength=ep)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
         send_sizes, recv_sizes = send.tolist(), recv.tolist()
-        source_token = order // k
-        arrived = all_to_all_single_autograd(hidden_states[source_token], recv_sizes, send_sizes, group)
+        arrived = all_to_all_single_autograd(states[source_token], recv_sizes, send_sizes, group)
         arrived_experts = torch.empty(sum(recv_sizes), dtype=experts.dtype, device=experts.device)
         dist.all_to_all_single(arrived_experts, (experts % local).contiguous(), recv_sizes, send_sizes, group=group)
         done = self._run_local(arrived, arrived_experts)
         returned = all_to_all_single_autograd(done, send_sizes, recv_sizes, group)
+        if layout.tp_group is not None:  # every tp rank gets every pair's output back, in the sorted order
+            returned = _GatherShares.apply(returned, layout.tp_group, shares)
+        source_token = source_all
         weights = top_k_weights.reshape(-1)[order].unsqueeze(-1).to(returned.dtype)
         out = torch.zeros_like(hidden_states)
         return out.index_add(0, source_token, (returned * weights).to(out.dtype))
@@ -174,3 +191,46 @@ def sync_expert_grads(params: list[nn.Parameter], layout: ExpertLayout) -> None:
         if layout.edp_group is not None:
             dist.all_reduce(grad, group=layout.edp_group)
         grad.div_(layout.grad_divisor)
+
+
+def sum_grad_over_group(tensor: torch.Tensor, group) -> torch.Tensor:
+    """`tensor` unchanged, whose gradient is summed over `group` in the backward (`_SumGradOverGroup`)."""
+    return _SumGradOverGroup.apply(tensor, group)
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over `group` (Megatron's copy to the tensor-parallel region):
+    each tp rank's experts see only its share of the tokens (a head norm only its heads), so the shares' gradients
+    add up to the whole."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _GatherShares(torch.autograd.Function):
+    """All-gather the tp ranks' shares (rows, `shares` long each, in rank order); backward keeps this rank's rows of
+    the gradient (every tp rank computes the same downstream, so its gradient is already the whole one)."""
+
+    @staticmethod
+    def forward(ctx, own: torch.Tensor, group, shares: list[int]) -> torch.Tensor:
+        rank = dist.get_rank(group)
+        ctx.rows = (sum(shares[:rank]), shares[rank])
+        width = max(shares)
+        padded = own.new_zeros((width, *own.shape[1:]))
+        padded[:own.shape[0]] = own
+        parts = [torch.empty_like(padded) for _ in shares]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([part[:size] for part, size in zip(parts, shares, strict=True)])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        start, size = ctx.rows
+        return grad[start:start + size].contiguous(), None, None

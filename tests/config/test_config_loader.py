@@ -463,13 +463,19 @@ def test_verl_knobs_that_would_change_results_but_are_not_built_are_errors():
                                           r"devices"):
         validate_config(load_config(["actor_rollout_ref.actor.fsdp_config.fsdp_size=3", "trainer.n_gpus_per_node=8",
                                      "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]))
+    validate_config(load_config(["trainer.n_gpus_per_node=8", "data.train_batch_size=16",  # Megatron's layout
+                                 "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                                 "actor_rollout_ref.actor.tensor_parallel_size=2",
+                                 "actor_rollout_ref.actor.expert_parallel_size=8"]))
     for extra, problem in ((["actor_rollout_ref.actor.expert_parallel_size=3"], "expert_parallel_size=3 must divide "
                                                                                  "the 8 devices"),
                            (["actor_rollout_ref.actor.expert_parallel_size=2", "actor_rollout_ref.actor.strategy=ddp"],
                             "expert_parallel_size=2 needs actor_rollout_ref.actor.strategy fsdp or fsdp2"),
-                           (["critic.expert_parallel_size=2", "critic.tensor_parallel_size=2", "critic.enable=true"],
-                            "critic.expert_parallel_size=2 with critic.tensor_parallel_size=2: expert parallelism "
-                            "with tensor parallelism is not built yet")):
+                           (["critic.tensor_parallel_size=2", "critic.enable=true",
+                             "actor_rollout_ref.actor.fsdp_config.fsdp_size=2", "critic.model.fsdp_config.fsdp_size=2",
+                             "critic.expert_parallel_size=8"],
+                            "critic.expert_parallel_size=8 must divide the 4 devices of an FSDP shard group x "
+                            "critic.tensor_parallel_size")):
         with pytest.raises(ConfigError, match=re.escape(problem)):
             validate_config(load_config(["trainer.n_gpus_per_node=8", "data.train_batch_size=16",
                                          "actor_rollout_ref.actor.ppo_mini_batch_size=8", *extra]))

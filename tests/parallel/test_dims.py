@@ -36,9 +36,8 @@ def test_dp_shard_takes_the_ranks_the_others_leave():
                                        "world size 4"),
     ({"world_size": 4, "sp": 0}, "sp=0 must be a positive integer"),
     ({"world_size": 4, "dp_shard": 0}, "dp_shard=0 must be a positive integer (or -1: the rest)"),
-    ({"world_size": 4, "tp": 2, "ep": 4}, "ep=4 must divide dp_shard x sp = 2"),
-    ({"world_size": 4, "tp": 2, "ep": 2}, "expert parallelism (ep=2) with tensor or pipeline parallelism (tp=2, pp=1) "
-                                          "is not built"),
+    ({"world_size": 4, "tp": 2, "ep": 8}, "ep=8 must divide dp_shard x sp x tp = 4"),
+    ({"world_size": 4, "pp": 2, "ep": 2}, "expert parallelism (ep=2) with pipeline parallelism (pp=2) is not built"),
 ])
 def test_sizes_that_do_not_fit_the_world_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -9,7 +9,8 @@ norm and the whole model after one SGD step (the loss -A log p has no clip, so n
   backward re-runs the layers' all-to-alls);
 - 4 ranks: HSDP 2 x 2 (fsdp_size=2) on the dense tiny model; ep=2 x dp_shard=4 (two copies of each expert half,
   their gradients summed over the `edp` ranks); HSDP 2 x 2 with ep=2; Ulysses sp=2 x dp_shard=2 with ep=2 (the
-  ranks of an ep group hold different slices of the same rows).
+  ranks of an ep group hold different slices of the same rows); tp=2 x dp_shard=2 with ep=2 and ep=4 (the MoE
+  blocks whole on each tp rank, each sending half of the (token, choice) pairs).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ ROWS = 8
 SIZES = types.SimpleNamespace(micro_batch_size_per_device=2, max_token_len_per_device=None, use_dynamic_bsz=False)
 
 
-def _engine(path: str, world_size: int, ep: int = 1, fsdp_size: int = -1, checkpointing: bool = False, sp: int = 1):
+def _engine(path: str, world_size: int, ep: int = 1, fsdp_size: int = -1, checkpointing: bool = False, sp: int = 1,
+            tp: int = 1):
     from hyflow.models.loading import load_causal_lm
     from hyflow.specs import FsdpSettings, OptimizerSpec, TrainEngineSpec
     from hyflow.workers.train_engine import TrainEngine
@@ -33,7 +35,7 @@ def _engine(path: str, world_size: int, ep: int = 1, fsdp_size: int = -1, checkp
     spec = TrainEngineSpec(name="actor", head="lm", strategy="fsdp2", compute_dtype="fp32",
                            fsdp=FsdpSettings(fsdp_size=fsdp_size), use_remove_padding=True,
                            optim=OptimizerSpec(optimizer="SGD", lr=0.5, weight_decay=0.0), expert_parallel_size=ep,
-                           ulysses_sequence_parallel_size=sp)
+                           ulysses_sequence_parallel_size=sp, tensor_parallel_size=tp)
     model = load_causal_lm(path, enable_gradient_checkpointing=checkpointing)
     return TrainEngine.from_spec(model, spec, device=torch.device("cpu"), world_size=world_size)
 
@@ -50,15 +52,15 @@ def _reference(path: str) -> dict:
 
 
 def _check(rank: int, world: int, path: str, want: dict, *, ep: int, fsdp_size: int = -1,
-           checkpointing: bool = False, sp: int = 1):
-    split = _engine(path, world, ep=ep, fsdp_size=fsdp_size, checkpointing=checkpointing, sp=sp)
+           checkpointing: bool = False, sp: int = 1, tp: int = 1):
+    split = _engine(path, world, ep=ep, fsdp_size=fsdp_size, checkpointing=checkpointing, sp=sp, tp=tp)
     layout = split.data_layout()
-    # every rank data-parallel (its own share), or a sequence-parallel group's ranks on their group's share
-    assert layout.dp_size == world // sp and layout.dp_rank == rank // sp
+    # every rank data-parallel (its own share), or a sequence x tensor-parallel group's ranks on their group's share
+    assert layout.dp_size == world // (sp * tp) and layout.dp_rank == rank // (sp * tp)
     share = ROWS // layout.dp_size
     own = slice(layout.dp_rank * share, (layout.dp_rank + 1) * share)
     logp, metrics = infer_and_update(split, want["batch"][own], SIZES)
-    where = f"{path.rsplit('/', 1)[-1]} ep={ep} fsdp_size={fsdp_size} rank {rank}"
+    where = f"{path.rsplit('/', 1)[-1]} ep={ep} fsdp_size={fsdp_size} sp={sp} tp={tp} rank {rank}"
     torch.testing.assert_close(logp, want["logp"][own], atol=1e-5, rtol=0, msg=lambda m: f"{where}: {m}")
     assert metrics["actor/grad_norm"][0] == pytest.approx(want["grad_norm"], rel=1e-5), where
     got = split.full_model_state()
@@ -103,6 +105,10 @@ def _four_ranks(rank: int, init_file: str, dense: str, moe: str) -> None:
     assert split.mesh.expert.edp_group is not None
     _check(rank, 4, moe, want_moe, ep=2, fsdp_size=2)  # HSDP 2 x 2 with each replica's experts split in two
     _check(rank, 4, moe, want_moe, ep=2, sp=2)  # Ulysses sp=2 x dp_shard=2: an ep group is an sp group's ranks
+    # tensor parallelism 2 x dp_shard 2 (attention split, MoE blocks whole): experts over a tp pair (ep=2) and over
+    # all 4 ranks (ep=4, Megatron's layout with expert_tensor_parallel_size=1); each tp rank sends half the pairs
+    _check(rank, 4, moe, want_moe, ep=2, tp=2)
+    _check(rank, 4, moe, want_moe, ep=4, tp=2)
     dist.destroy_process_group()
 
 

@@ -102,8 +102,8 @@ def _tensor_parallel_problems(role: str, section: Any, strategy: str, devices: i
 def _check_sharding_and_experts(cfg: HyflowConfig, devices: int, critic_devices: int) -> list[str]:
     """fsdp_config.fsdp_size (hybrid sharding) and expert_parallel_size of the actor, the reference and the critic
     (`hyflow.workers.train_engine.engine_dims`): an FSDP shard group of fsdp_size devices (sp ranks included) that
-    divides the role's devices / tp, ep dividing the devices FSDP2 shards over, both with the FSDP2 wrapper; ep not
-    with tensor parallelism or LoRA. A reference problem that repeats the actor's is reported once."""
+    divides the role's devices / tp, ep dividing a shard group's devices x tp, both with the FSDP2 wrapper; ep not
+    with LoRA. A reference problem that repeats the actor's is reported once."""
     arr, critic = cfg.actor_rollout_ref, cfg.critic
     problems: list[str] = []
     for role, section, fsdp_key, fsdp, role_devices_, lora in (
@@ -139,12 +139,11 @@ def _sharding_problems(role: str, section: Any, fsdp_key: str, fsdp_size: int, d
     if ep < 1:
         problems.append(f"{ekey}={ep} must be >= 1.")
     elif ep > 1:
-        if shard % ep:
-            problems.append(f"{ekey}={ep} must divide the {shard} devices an FSDP shard group has (experts are split "
-                            "over devices FSDP2 shards over); set a divisor of {shard}.".replace("{shard}", str(shard)))
-        if tp > 1:
-            problems.append(f"{ekey}={ep} with {role}.tensor_parallel_size={tp}: expert parallelism with tensor "
-                            f"parallelism is not built yet; set one of them to 1.")
+        ranks = shard * tp  # an FSDP shard group's devices with their tensor-parallel ranks: one replica
+        if ranks % ep:
+            problems.append(f"{ekey}={ep} must divide the {ranks} devices of an FSDP shard group x "
+                            f"{role}.tensor_parallel_size (the devices experts are split over); set a divisor of "
+                            f"{ranks}.")
         if strategy not in FSDP2_STRATEGIES:
             problems.append(f"{ekey}={ep} needs {role}.strategy fsdp or fsdp2 (the experts are split beside the "
                             f"FSDP2 wrapper), got {role}.strategy={strategy}; set {role}.strategy=fsdp2.")

@@ -137,9 +137,10 @@ class ActorConfig:
         "Devices that split a mixture-of-experts model's routed experts (Megatron's expert_model_parallel_size): "
         "each of a group of this many consecutive devices holds experts / this of every MoE layer and the tokens "
         "travel to their experts and back by all-to-all (hyflow.parallel.expert); composed with FSDP2, which shards "
-        "everything else. Needs strategy fsdp/fsdp2 and a MoE model whose experts it divides; must divide the devices "
-        "of an FSDP shard group (fsdp_config.fsdp_size, or all the role's); not with tensor_parallel_size > 1 or "
-        "LoRA yet.",
+        "everything else; beside tensor_parallel_size the MoE blocks stay whole and each tensor-parallel rank sends its "
+        "share of the tokens (Megatron's layout with expert_tensor_parallel_size=1). Needs strategy fsdp/fsdp2 and a "
+        "MoE model whose experts it divides; must divide the devices of an FSDP shard group (fsdp_config.fsdp_size, "
+        "or all the role's) x tensor_parallel_size; not with LoRA yet.",
     )
     use_torch_compile: bool = option(
         False,
