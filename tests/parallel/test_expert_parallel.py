@@ -5,7 +5,8 @@ share of 8 rows (the controller's data-parallel split), and compares the log-pro
 norm and the whole model after one SGD step (the loss -A log p has no clip, so no token sits on a boundary). Cases:
 
 - 2 ranks, ep=2 (each rank holds 2 of 4 experts, tokens travel by all-to-all): Qwen3-MoE, Mixtral, DeepSeek-V3;
-  the DCP checkpoint of the ep=2 engine loads into one process; Qwen3-MoE with gradient checkpointing too (the
+  the DCP and the full checkpoints of the ep=2 engine load into one process and one process's weights into an ep=2
+  engine; Qwen3-MoE with gradient checkpointing too (the
   backward re-runs the layers' all-to-alls);
 - 4 ranks: HSDP 2 x 2 (fsdp_size=2) on the dense tiny model; ep=2 x dp_shard=4 (two copies of each expert half,
   their gradients summed over the `edp` ranks); HSDP 2 x 2 with ep=2; Ulysses sp=2 x dp_shard=2 with ep=2 (the
@@ -82,14 +83,29 @@ def _two_ranks(rank: int, init_file: str, paths: dict, ckpt: str) -> None:
             local = split.module.model.layers[0].mlp.experts.gate_up_proj.to_local()
             assert local.shape[0] == 2  # each rank holds 2 of the 4 experts
             split.save_sharded(ckpt)
+            full = split.state_dict()  # the trainer's full checkpoint: model, optimizer, schedule on rank 0
+            if rank == 0:
+                torch.save(full, f"{ckpt}.full.pt")
+            # and the reverse: the one-process weights loaded into an ep=2 engine (every rank gets them, as the
+            # trainer's REPLICATE dispatch does)
+            fresh = _engine(path, 2, ep=2)
+            fresh.load_state_dict({"actor_model": {k: v.clone() for k, v in want[name]["state"].items()}},
+                                  contents=("model",))
+            again = fresh.full_model_state()
+            for key, tensor in want[name]["state"].items() if rank == 0 else ():
+                torch.testing.assert_close(again[key], tensor, atol=0, rtol=0)
             # gradient checkpointing re-runs each layer's forward, all-to-alls included, in the backward
             _check(rank, 2, path, want[name], ep=2, checkpointing=True)
     dist.destroy_process_group()
-    if rank == 0:  # the ep=2 checkpoint in one process: the same model as the one-process update
-        one = _engine(paths["tiny-qwen3-moe"], 1)
-        one.load_sharded(ckpt)
-        for name, tensor in want["tiny-qwen3-moe"]["state"].items():
-            torch.testing.assert_close(one.module.state_dict()[name], tensor, atol=2e-6, rtol=1e-5)
+    if rank == 0:  # the ep=2 checkpoints in one process: the same model as the one-process update
+        for load in ("sharded", "full"):
+            one = _engine(paths["tiny-qwen3-moe"], 1)
+            if load == "sharded":
+                one.load_sharded(ckpt)
+            else:
+                one.load_state_dict(torch.load(f"{ckpt}.full.pt", weights_only=False))
+            for name, tensor in want["tiny-qwen3-moe"]["state"].items():
+                torch.testing.assert_close(one.module.state_dict()[name], tensor, atol=2e-6, rtol=1e-5)
 
 
 def _four_ranks(rank: int, init_file: str, dense: str, moe: str) -> None:
