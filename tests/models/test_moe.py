@@ -80,3 +80,31 @@ def test_router_stats_match_transformers_load_balancing_loss(moe_model_dirs):
     logits, chosen = torch.zeros(6, 4), torch.zeros(6, 2, dtype=torch.long)
     assert router_stats(logits, chosen) == pytest.approx({"load_balancing_loss": 1.0, "z_loss": float(
         torch.log(torch.tensor(4.0)) ** 2), "max_expert_load": 4.0})
+
+
+def test_the_trainers_fused_experts_go_back_to_the_checkpoints_names_for_vllm(moe_model_dirs):
+    """transformers 5 fuses each layer's experts in memory; `checkpoint_layout` reverts the trainer's tensors to the
+    checkpoint's names and values (what vLLM loads), and is None for a dense model."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from hyflow.rollout.vllm_host import checkpoint_layout
+
+    for preset in ("tiny-qwen3-moe", "tiny-mixtral"):
+        path = moe_model_dirs[preset]
+        model = AutoModelForCausalLM.from_pretrained(path)
+        assert "model.layers.0.mlp.experts.gate_up_proj" in model.state_dict()  # fused in memory
+        layout = checkpoint_layout(AutoConfig.from_pretrained(path))
+        back = revert_weight_conversion(layout, dict(model.state_dict()))
+        disk = load_file(str(path / "model.safetensors"))
+        assert set(disk) <= set(back)
+        assert all(torch.equal(back[name], tensor) for name, tensor in disk.items()), preset
+
+
+def test_a_dense_model_needs_no_layout(tiny_model_dir):
+    from transformers import AutoConfig
+
+    from hyflow.rollout.vllm_host import checkpoint_layout
+
+    assert checkpoint_layout(AutoConfig.from_pretrained(tiny_model_dir)) is None
