@@ -29,8 +29,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from hyflow.config.support import NOT_SUPPORTED, PERFORMANCE_ONLY, KeySupport, lookup, value_of
-
 ARR = "actor_rollout_ref"
 ENGINES = ("megatron", "veomni", "torchtitan")
 # role -> its FSDP section in hyflow
@@ -192,10 +190,6 @@ _DEFAULTS = {
 }
 
 
-def _refused(key: str, reason: str, test) -> KeySupport:
-    return KeySupport(key, NOT_SUPPORTED, reason, lambda cfg: bool(test(value_of(cfg, key))))
-
-
 _FP32 = (None, "fp32", "float32")
 _MIXED_PRECISION = {
     "reduce_dtype": ("hyflow's FSDP2 reduces gradients in fp32 (MixedPrecisionPolicy reduce_dtype); reducing in "
@@ -204,12 +198,12 @@ _MIXED_PRECISION = {
 }
 
 
-def _entries() -> tuple[list[KeySupport], dict[str, Any]]:
+def _entries() -> tuple[list[tuple], dict[str, Any]]:
     entries, defaults = [], {}
     for fsdp in ROLES.values():
         for leaf, (reason, test) in _MIXED_PRECISION.items():
             key = f"{fsdp}.mixed_precision.{leaf}"
-            entries.append(_refused(key, reason, test))
+            entries.append((key, "not_supported", reason, test))
             defaults[key] = "fp32"
     for role in ROLES:
         sections = (("megatron", _PERF_MEGATRON, _NOT_BUILT_MEGATRON, _DEFAULTS["megatron"]),
@@ -219,17 +213,28 @@ def _entries() -> tuple[list[KeySupport], dict[str, Any]]:
         for section, performance, refused, verl_defaults in sections:
             for leaf, reason in performance.items():
                 key = f"{role}.{section}.{leaf}"
-                entries.append(KeySupport(key, PERFORMANCE_ONLY, f"verl's {section.split('.')[0]} engine knob: "
-                                          f"{reason}"))
+                entries.append((key, "performance_only", f"verl's {section.split('.')[0]} engine knob: {reason}",
+                                None))
                 defaults[key] = verl_defaults.get(leaf)
             for leaf, (reason, test) in refused.items():
                 key = f"{role}.{section}.{leaf}"
-                entries.append(_refused(key, reason, test))
+                entries.append((key, "not_supported", reason, test))
                 defaults[key] = verl_defaults.get(leaf)
     return entries, defaults
 
 
+# (key, kind, reason, test of the key's value or None): hyflow.config.support makes its table entries of them
 ENGINE_ENTRIES, ENGINE_DEFAULTS = _entries()
+
+
+def lookup(cfg: Any, key: str) -> Any:
+    """The value at dotted `key` of a config (None when a part is missing); this module imports no config module."""
+    node = cfg
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
+        if node is None:
+            return None
+    return node
 
 
 def role_engine(cfg: Any, role: str) -> str:
@@ -241,7 +246,6 @@ def role_engine(cfg: Any, role: str) -> str:
 def engine_line(cfg: Any) -> str | None:
     """The start line for a run written for verl's Megatron, VeOmni or torchtitan engine (`model_engine` or a role's
     strategy), naming what runs instead and where its parallel keys went; None for verl's default (dp) engine."""
-    from hyflow.config.support import lookup
 
     roles = {role: role_engine(cfg, role) for role in ROLES}
     asked = sorted({engine for engine in roles.values() if engine in ENGINES})

@@ -360,12 +360,18 @@ _TABLE: list[KeySupport] = [
 ]
 
 
+def _engine_entry(key: str, kind: str, reason: str, test) -> KeySupport:
+    """A table entry of `hyflow.config.engine_compat`'s rule: asked when `test` of the key's value says so."""
+    asked = None if test is None else (lambda cfg: bool(test(value_of(cfg, key))))
+    return KeySupport(key, kind, reason, asked)
+
+
 def _merged_table() -> tuple[KeySupport, ...]:
     """hyflow's own entries plus those of `hyflow.config.verl_compat` (verl 0.10's names)."""
     import hyflow.config.verl_compat as compat
     from hyflow.config.engine_compat import ENGINE_ENTRIES
 
-    entries = list(_TABLE) + list(ENGINE_ENTRIES)
+    entries = list(_TABLE) + [_engine_entry(*rule) for rule in ENGINE_ENTRIES]
     own = {(e.key, e.kind, e.schema) for e in entries}
     for schema, kind, extra in ((RL, PERFORMANCE_ONLY, compat.PERFORMANCE_ONLY_KEYS),
                                 (RL, NOT_SUPPORTED, compat.NOT_SUPPORTED_KEYS),

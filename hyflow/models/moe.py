@@ -28,10 +28,23 @@ from torch import nn
 STATS = ("load_balancing_loss", "z_loss", "max_expert_load")
 
 
+def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every routed-experts module of `model`: the modules transformers' `use_experts_implementation`
+    decorates (they carry `_is_expert_parallel`), with 3-D expert-first weights."""
+    found = []
+    for name, module in model.named_modules():
+        if hasattr(module, "_is_expert_parallel") and isinstance(getattr(module, "num_experts", None), int):
+            found.append((name, module))
+    return found
+
+
+def is_moe(model: nn.Module) -> bool:
+    """True for a model with routed experts (`expert_modules`)."""
+    return bool(expert_modules(model))
+
+
 def routers(model: nn.Module) -> list[nn.Module]:
     """The router (`gate`) of every MoE block of `model`: the sibling of each routed-experts module."""
-    from hyflow.parallel.expert import expert_modules
-
     found = []
     modules = dict(model.named_modules())
     for name, _ in expert_modules(model):

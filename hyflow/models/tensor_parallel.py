@@ -21,6 +21,8 @@ linears; a mixture-of-experts layer's MLP stays whole, `layer_plan`) and says wh
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 # module path inside a decoder layer -> "colwise" | "rowwise"
@@ -107,8 +109,6 @@ class _HeadNormForward:
     def __call__(self, hidden_states):
         from torch.nn.utils.stateless import _reparametrize_module
 
-        from hyflow.parallel.expert import sum_grad_over_group
-
         module = self.module
         weight = sum_grad_over_group(module.weight, self.group)
         with _reparametrize_module(module, {"weight": weight}):
@@ -123,3 +123,25 @@ def layer_plan(layer: nn.Module) -> dict[str, str]:
     if mlp is not None and hasattr(mlp, "experts") and hasattr(mlp, "gate"):
         return {path: kind for path, kind in LAYER_PLAN.items() if not path.startswith("mlp.")}
     return LAYER_PLAN
+
+
+def sum_grad_over_group(tensor: torch.Tensor, group) -> torch.Tensor:
+    """`tensor` unchanged, whose gradient is summed over `group` in the backward (`_SumGradOverGroup`)."""
+    return _SumGradOverGroup.apply(tensor, group)
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over `group` (Megatron's copy to the tensor-parallel region):
+    each tp rank's experts see only its share of the tokens (a head norm only its heads), so the shares' gradients
+    add up to the whole."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None

@@ -47,22 +47,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyflow.models.moe import expert_modules, is_moe  # noqa: F401 (is_moe re-exported)
+from hyflow.models.tensor_parallel import sum_grad_over_group
+
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
-
-
-def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every routed-experts module of `model`: the modules transformers' `use_experts_implementation`
-    decorates (they carry `_is_expert_parallel`), with 3-D expert-first weights."""
-    found = []
-    for name, module in model.named_modules():
-        if hasattr(module, "_is_expert_parallel") and isinstance(getattr(module, "num_experts", None), int):
-            found.append((name, module))
-    return found
-
-
-def is_moe(model: nn.Module) -> bool:
-    """True for a model with routed experts (`expert_modules`)."""
-    return bool(expert_modules(model))
 
 
 def check_expert_layout(name: str, module: nn.Module, ep: int) -> None:
@@ -191,28 +179,6 @@ def sync_expert_grads(params: list[nn.Parameter], layout: ExpertLayout) -> None:
         if layout.edp_group is not None:
             dist.all_reduce(grad, group=layout.edp_group)
         grad.div_(layout.grad_divisor)
-
-
-def sum_grad_over_group(tensor: torch.Tensor, group) -> torch.Tensor:
-    """`tensor` unchanged, whose gradient is summed over `group` in the backward (`_SumGradOverGroup`)."""
-    return _SumGradOverGroup.apply(tensor, group)
-
-
-class _SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over `group` (Megatron's copy to the tensor-parallel region):
-    each tp rank's experts see only its share of the tokens (a head norm only its heads), so the shares' gradients
-    add up to the whole."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 class _GatherShares(torch.autograd.Function):
