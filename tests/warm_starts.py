@@ -231,6 +231,29 @@ FIXTURE_INPUTS = {"warm": WARM_STARTS["warm"][0], "vl_warm": WARM_STARTS["vl_war
                                 "attempts": TOOL_SFT_ATTEMPTS, "sft.yaml": (TOOLS_EXAMPLE / "sft.yaml").read_text()}}
 
 
+# --- "moe_warm": the "warm" task and SFT from the tiny Qwen3-MoE model (issue 39; about 75 s on 2 cores) -----------
+# The MoE learning test (tests/trainer/test_moe_learns.py) starts from it: the same task (WARM_TASK) and the same
+# 600-step SFT (WARM_SFT) as "warm", from hyflow.models.tiny's "tiny-qwen3-moe" preset (4 experts, 2 per token) of
+# seed HYFLOW_TEST_SEED instead of the dense tiny model; committed as tests/fixtures/moe_warm (seed 0), as "warm" is.
+from hyflow.models.tiny import MOE_PRESETS  # noqa: E402
+
+MOE_WARM_PRESET = "tiny-qwen3-moe"
+MOE_WARM_INPUTS = {"tiny": [MOE_WARM_PRESET, SEED], "preset": MOE_PRESETS[MOE_WARM_PRESET], "task": WARM_TASK,
+                   "sft": WARM_SFT}
+
+
+def _build_moe_warm(root: Path) -> None:
+    from hyflow.data.tasks import make_task
+
+    make_task("arithmetic", root / "data", **WARM_TASK)
+    if _copy_committed("moe_warm", root, "sft_model", "sft") is None:
+        _sft(_tiny(root, MOE_WARM_PRESET), root / "data", root / "sft", WARM_SFT)
+
+
+WARM_STARTS["moe_warm"] = (MOE_WARM_INPUTS, _build_moe_warm)
+FIXTURE_INPUTS["moe_warm"] = MOE_WARM_INPUTS
+
+
 def fixture_key(name: str) -> str:
     """The hash of what decides committed warm start `name` (FIXTURE_INPUTS)."""
     return hashlib.sha256(json.dumps(FIXTURE_INPUTS[name], sort_keys=True, default=str).encode()).hexdigest()[:16]
