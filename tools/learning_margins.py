@@ -41,6 +41,7 @@ CONTROLLED_TESTS = [
     "tests/trainer/test_async.py::test_one_step_off_and_fully_async_learn_like_the_synchronous_run",
     "tests/trainer/test_multi_turn_rl.py::test_grpo_with_the_calculator_learns_to_call_it",
     "tests/trainer/test_vl_learns.py::test_grpo_on_a_vision_language_model_beats_a_frozen_policy",
+    "tests/trainer/test_moe_learns.py::test_grpo_on_a_moe_model_with_expert_parallelism_beats_a_frozen_policy",
 ]
 # the tests that assert that something rises; the vLLM one runs in .venv-vllm
 LEARNING_TESTS = [
