@@ -88,8 +88,7 @@ def _cmd_dpo(args: argparse.Namespace) -> int:
 
 def _cmd_config(args: argparse.Namespace) -> int:
     from hyflow.config import describe_batch_arithmetic, load_config, render_config, validate_config
-    from hyflow.config.engine_compat import engine_line
-    from hyflow.config.support import performance_only_warning
+    from hyflow.config.support import engine_line, performance_only_warning
 
     cfg = load_config(_overrides(args), config_file=_config_file(args))
     print(render_config(cfg, with_help=not args.no_help, section=args.section))

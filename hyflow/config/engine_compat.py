@@ -7,7 +7,7 @@ parallelism and hybrid sharding on one device mesh (`hyflow.parallel`). A verl c
 engine runs on it: its parallel sizes and offload switches are aliases of hyflow's keys (`ENGINE_ALIASES`, merged into
 `hyflow.config.verl_compat.RL_ALIASES`), the engine's kernel, fusion and layout knobs are performance-only (the same
 numbers), and what hyflow cannot honour is refused by name (`ENGINE_ENTRIES`, merged into `hyflow.config.support`'s
-table). The trainer's start line says which keys mapped where (`engine_line`).
+table). The trainer's start line says which keys mapped where (`hyflow.config.support.engine_line`).
 
 Maps (Megatron -> hyflow): tensor_model_parallel_size -> tensor_parallel_size (PyTorch TP: each layer's attention
 heads and MLP split, as Megatron's); context_parallel_size -> ulysses_sequence_parallel_size (the same attention over
@@ -225,45 +225,3 @@ def _entries() -> tuple[list[tuple], dict[str, Any]]:
 
 # (key, kind, reason, test of the key's value or None): hyflow.config.support makes its table entries of them
 ENGINE_ENTRIES, ENGINE_DEFAULTS = _entries()
-
-
-def lookup(cfg: Any, key: str) -> Any:
-    """The value at dotted `key` of a config (None when a part is missing); this module imports no config module."""
-    node = cfg
-    for part in key.split("."):
-        node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
-        if node is None:
-            return None
-    return node
-
-
-def role_engine(cfg: Any, role: str) -> str:
-    """The verl engine a role's keys are written for: its strategy when that names one, else `model_engine`."""
-    strategy = lookup(cfg, f"{role}.strategy")
-    return strategy if strategy in ENGINES else getattr(cfg, "model_engine", "dp")
-
-
-def engine_line(cfg: Any) -> str | None:
-    """The start line for a run written for verl's Megatron, VeOmni or torchtitan engine (`model_engine` or a role's
-    strategy), naming what runs instead and where its parallel keys went; None for verl's default (dp) engine."""
-
-    roles = {role: role_engine(cfg, role) for role in ROLES}
-    asked = sorted({engine for engine in roles.values() if engine in ENGINES})
-    if not asked:
-        return None
-    sizes = []
-    for role in ROLES:
-        parts = [f"{name}={lookup(cfg, f'{role}.{name}')}" for name in
-                 ("tensor_parallel_size", "ulysses_sequence_parallel_size", "expert_parallel_size")
-                 if lookup(cfg, f"{role}.{name}") not in (None, 1)]
-        fsdp_size = lookup(cfg, f"{ROLES[role]}.fsdp_size")
-        if fsdp_size not in (None, -1):
-            parts.append(f"fsdp_config.fsdp_size={fsdp_size}")
-        if parts:
-            sizes.append(f"{role.rsplit('.', 1)[-1]}: " + ", ".join(parts))
-    return (f"hyflow: verl's {' and '.join(asked)} engine runs on hyflow's FSDP2 engine (hyflow.parallel); "
-            "megatron tensor_model_parallel_size -> tensor_parallel_size (PyTorch tensor parallelism), "
-            "context_parallel_size -> ulysses_sequence_parallel_size (Ulysses all-to-all: the same attention as "
-            "Megatron's ring context parallelism, another communication pattern), expert_model_parallel_size and "
-            "veomni expert_parallel_size -> expert_parallel_size, veomni fsdp_size -> fsdp_config.fsdp_size (HSDP), "
-            "param/optimizer offload -> fsdp_config" + (f"; {'; '.join(sizes)}" if sizes else ""))

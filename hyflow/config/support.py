@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyflow.config.catalog import engine_capabilities, splits_model, stream_serves
+from hyflow.config.engine_compat import ENGINES as ENGINE_NAMES
+from hyflow.config.engine_compat import ROLES as ENGINE_ROLES
 from hyflow.specs import FSDP2_STRATEGIES
 
 NOT_SUPPORTED = "not_supported"
@@ -604,3 +606,37 @@ def _show(value: Any) -> str:
     if value is None:
         return "null"
     return str(value)
+
+
+# ------------------------------------------------------------------ verl's other engines (engine_compat)
+
+
+def role_engine(cfg: Any, role: str) -> str:
+    """The verl engine a role's keys are written for: its strategy when that names one, else `model_engine`."""
+    strategy = lookup(cfg, f"{role}.strategy")
+    return strategy if strategy in ENGINE_NAMES else getattr(cfg, "model_engine", "dp")
+
+
+def engine_line(cfg: Any) -> str | None:
+    """The start line for a run written for verl's Megatron, VeOmni or torchtitan engine (`model_engine` or a role's
+    strategy), naming what runs instead and where its parallel keys went; None for verl's default (dp) engine."""
+    roles = {role: role_engine(cfg, role) for role in ENGINE_ROLES}
+    asked = sorted({engine for engine in roles.values() if engine in ENGINE_NAMES})
+    if not asked:
+        return None
+    sizes = []
+    for role in ENGINE_ROLES:
+        parts = [f"{name}={lookup(cfg, f'{role}.{name}')}" for name in
+                 ("tensor_parallel_size", "ulysses_sequence_parallel_size", "expert_parallel_size")
+                 if lookup(cfg, f"{role}.{name}") not in (None, 1)]
+        fsdp_size = lookup(cfg, f"{ENGINE_ROLES[role]}.fsdp_size")
+        if fsdp_size not in (None, -1):
+            parts.append(f"fsdp_config.fsdp_size={fsdp_size}")
+        if parts:
+            sizes.append(f"{role.rsplit('.', 1)[-1]}: " + ", ".join(parts))
+    return (f"hyflow: verl's {' and '.join(asked)} engine runs on hyflow's FSDP2 engine (hyflow.parallel); "
+            "megatron tensor_model_parallel_size -> tensor_parallel_size (PyTorch tensor parallelism), "
+            "context_parallel_size -> ulysses_sequence_parallel_size (Ulysses all-to-all: the same attention as "
+            "Megatron's ring context parallelism, another communication pattern), expert_model_parallel_size and "
+            "veomni expert_parallel_size -> expert_parallel_size, veomni fsdp_size -> fsdp_config.fsdp_size (HSDP), "
+            "param/optimizer offload -> fsdp_config" + (f"; {'; '.join(sizes)}" if sizes else ""))

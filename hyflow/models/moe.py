@@ -38,11 +38,6 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def is_moe(model: nn.Module) -> bool:
-    """True for a model with routed experts (`expert_modules`)."""
-    return bool(expert_modules(model))
-
-
 def routers(model: nn.Module) -> list[nn.Module]:
     """The router (`gate`) of every MoE block of `model`: the sibling of each routed-experts module."""
     found = []

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hyflow.models.moe import expert_modules, is_moe  # noqa: F401 (is_moe re-exported)
+from hyflow.models.moe import expert_modules
 from hyflow.models.tensor_parallel import sum_grad_over_group
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -128,10 +128,10 @@ class _ExpertParallelForward:
         experts, source_token, states = experts_all, source_all, hidden_states
         if layout.tp_group is not None:  # the tp ranks hold the same tokens: each sends its share of the pairs
             states = sum_grad_over_group(hidden_states, layout.tp_group)
-            shares = [len(part) for part in torch.arange(len(flat)).tensor_split(layout.tp_size)]
-            start = sum(shares[:dist.get_rank(layout.tp_group)])
-            mine = slice(start, start + shares[dist.get_rank(layout.tp_group)])
-            experts, source_token = experts_all[mine], source_all[mine]
+            pairs, rank = len(flat), dist.get_rank(layout.tp_group)
+            shares = [pairs // layout.tp_size + (t < pairs % layout.tp_size) for t in range(layout.tp_size)]
+            start = sum(shares[:rank])
+            experts, source_token = experts_all[start:start + shares[rank]], source_all[start:start + shares[rank]]
         send = torch.bincount(experts // local, minlength=ep)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
@@ -161,12 +161,6 @@ class _ExpertParallelForward:
             gated = module._apply_gate(nn.functional.linear(states[rows], gate_up[e]))
             out = out.index_copy(0, rows, nn.functional.linear(gated, down[e]))
         return out
-
-
-def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters `apply_expert_parallel` split (DTensor expert weights of `expert_modules`), in module order."""
-    return [getattr(module, weight) for _, module in expert_modules(model) for weight in EXPERT_WEIGHTS
-            if isinstance(getattr(module, "forward", None), _ExpertParallelForward)]
 
 
 def sync_expert_grads(params: list[nn.Parameter], layout: ExpertLayout) -> None:

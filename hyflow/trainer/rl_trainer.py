@@ -46,10 +46,9 @@ from hyflow.config import (
 )
 from hyflow.config.arithmetic import own_pool_roles, role_devices, uses_prm, uses_reference
 from hyflow.config.checks.model_fit import check_model_fit
-from hyflow.config.engine_compat import engine_line
 from hyflow.config.loader import derived_default_notes
 from hyflow.config.roles import role_specs, teacher_performance_notes, uses_judge
-from hyflow.config.support import performance_only_warning
+from hyflow.config.support import engine_line, performance_only_warning
 from hyflow.controller import LocalWorkerGroup, describe_placement
 from hyflow.controller.dispatch import with_mini_batch_rows
 from hyflow.data.rl_dataset import PromptLoader

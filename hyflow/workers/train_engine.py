@@ -196,15 +196,9 @@ class TrainEngine(MicroForward):
                              "lora_rank=0 or tensor_parallel_size=1")
         if dims.tp > 1 and self.vision:
             raise ValueError(f"{where}: tensor parallelism of a vision-language model is not built yet; use 1")
-        where = f"{self.name}: expert_parallel_size={dims.ep}"
-        if dims.ep > 1 and self.strategy != "fsdp2":
-            raise ValueError(f"{where} composes with FSDP2 (strategy fsdp or fsdp2 on 2 or more ranks), not "
-                             f"{self.strategy}")
-        if dims.ep > 1 and self.lora is not None:
-            raise ValueError(f"{where} with LoRA is not built yet; use lora_rank=0 or expert_parallel_size=1")
-        if dims.dp_replicate > 1 and self.strategy != "fsdp2":
-            raise ValueError(f"{self.name}: fsdp_config.fsdp_size (hybrid sharding) needs strategy fsdp or fsdp2, not "
-                             f"{self.strategy}")
+        if dims.ep > 1 and self.lora is not None:  # (ep and HSDP without FSDP2: parallelize refuses them by name)
+            raise ValueError(f"{self.name}: expert_parallel_size={dims.ep} with LoRA is not built yet; use lora_rank=0 "
+                             "or expert_parallel_size=1")
         self.sp_size, self.tp_size, self.dp_size = dims.sp, dims.tp, dims.dp_size
         self.sp_group = self.mesh.group("sp")
         self.row_group = self.mesh.group("sp_tp")
@@ -328,9 +322,9 @@ class TrainEngine(MicroForward):
         ctx = MicroContext(norms=norms, global_tokens=max(float(norms["global_token_count"]), 1.0),
                            n_micro=len(micros), world_size=self.dp_size, counts=dict(counts or {}))
         sums: dict[str, float] = {}
-        routed = self.router_stats if self.router_stats else contextlib.nullcontext()
         for done, (micro, _) in enumerate(micros, 1):
-            with self.passes(), routed:  # forward and backward: a checkpointed layer re-runs its attention in backward
+            # forward and backward (a checkpointed layer re-runs its attention in backward); a MoE model's routers hooked
+            with self.passes(), self.router_stats:
                 out, r = self.forward_micro(micro, R, temperature=temperature, with_entropy=with_entropy,
                                             topk_column=topk_column)
                 cols = {key: micro[key][:, :r].to(self.device) for key in columns if key in micro}

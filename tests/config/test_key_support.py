@@ -626,7 +626,7 @@ def test_validation_sampling_at_temperature_zero_is_greedy_with_one_note():
 def test_verl_engines_run_on_hyflows_and_refuse_what_cannot_map_by_name():
     """strategy / model_engine = megatron, veomni, torchtitan: the run validates on hyflow's FSDP2 engine, the start
     line says so and where the keys went, kernel knobs are performance-only, and what cannot map is refused by name."""
-    from hyflow.config.engine_compat import engine_line
+    from hyflow.config.support import engine_line
     from hyflow.workers.fsdp import parallel_strategy
 
     megatron = ["actor_rollout_ref.actor.strategy=megatron", "trainer.n_gpus_per_node=4",

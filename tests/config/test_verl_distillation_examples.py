@@ -24,8 +24,7 @@ import warnings
 import pytest
 
 from hyflow.config import load_config, validate_config
-from hyflow.config.engine_compat import engine_line
-from hyflow.config.support import performance_only_warning
+from hyflow.config.support import engine_line, performance_only_warning
 
 # examples/on_policy_distillation_trainer/run_qwen3_8b_fsdp.sh (verl 0.10). Changed: paths; rollout.name and the
 # teacher's inference.name vllm -> hf; sizes (train_batch_size 128 -> 4, ppo_mini_batch_size 128 -> 2,
