@@ -193,7 +193,10 @@ class TrainEngineSpec:
     optimizer steps per training step); device: `trainer.device` (auto, cpu, cuda), resolved by the worker;
     ulysses_sequence_parallel_size: ranks per sequence-parallel group (`hyflow.models.ulysses`; 1 = none);
     tensor_parallel_size: ranks per tensor-parallel group (`hyflow.models.tensor_parallel`; 1 = none);
-    expert_parallel_size: ranks that split a mixture-of-experts model's experts (`hyflow.parallel.expert`; 1 = none).
+    expert_parallel_size: ranks that split a mixture-of-experts model's experts (`hyflow.parallel.expert`; 1 = none);
+    pipeline_parallel_size: pipeline stages' ranks (`hyflow.parallel.pipeline`; 1 = none), each holding
+    virtual_pipeline_parallel_size stages, run by `pipeline_schedule` (None: 1F1B, or Interleaved1F1B with virtual
+    stages).
     """
 
     name: str
@@ -214,6 +217,9 @@ class TrainEngineSpec:
     ulysses_sequence_parallel_size: int = 1
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    virtual_pipeline_parallel_size: int = 1
+    pipeline_schedule: str | None = None
 
 
 # ------------------------------------------------------------------------------------------ roles

@@ -1,8 +1,8 @@
 """Derived batch sizes: one place that turns the config's batch knobs into per-step, per-device numbers.
 
 With P = data.train_batch_size (prompts), n = rollout.n, M = ppo_mini_batch_size (prompts), W = devices,
-sp = ulysses_sequence_parallel_size, tp = tensor_parallel_size and D = W / (sp * tp) (data-parallel size), as in
-verl (a group of sp or tp consecutive devices holds the same samples):
+sp = ulysses_sequence_parallel_size, tp = tensor_parallel_size, pp = pipeline_parallel_size and D = W / (sp * tp * pp)
+(data-parallel size), as in verl (a group of sp, tp or pp devices holds the same samples):
     samples per step              = P * n
     optimizer steps per step      = ppo_epochs * P / M
     samples per mini-batch        = M * n                  (global)
@@ -201,9 +201,10 @@ def micro_per_device(per_gpu: int | None, global_size: int | None, dp: int) -> f
 
 
 def data_parallel_size(knobs: Any, devices: int) -> int:
-    """A trained role's data-parallel size: its devices / (ulysses_sequence_parallel_size x tensor_parallel_size)
-    (the devices of a sequence- or tensor-parallel group hold the same samples)."""
-    return max(devices // (max(knobs.ulysses_sequence_parallel_size, 1) * max(knobs.tensor_parallel_size, 1)), 1)
+    """A trained role's data-parallel size: its devices / (ulysses_sequence_parallel_size x tensor_parallel_size x
+    pipeline_parallel_size) (the devices of a sequence-, tensor- or pipeline-parallel group hold the same samples)."""
+    pp = max(int(getattr(knobs, "pipeline_parallel_size", 1) or 1), 1)
+    return max(devices // (max(knobs.ulysses_sequence_parallel_size, 1) * max(knobs.tensor_parallel_size, 1) * pp), 1)
 
 
 def _role_batches(knobs: Any, devices: int, prompts: int, n: int, max_sequence: int) -> RoleBatches:

@@ -13,13 +13,15 @@ Maps (Megatron -> hyflow): tensor_model_parallel_size -> tensor_parallel_size (P
 heads and MLP split, as Megatron's); context_parallel_size -> ulysses_sequence_parallel_size (the same attention over
 a sequence cut across ranks, by all-to-all of heads instead of Megatron's ring of key/value blocks: same math, another
 communication pattern); expert_model_parallel_size -> expert_parallel_size (`hyflow.parallel.expert`);
+pipeline_model_parallel_size / virtual_pipeline_model_parallel_size -> pipeline_parallel_size /
+virtual_pipeline_parallel_size (`hyflow.parallel.pipeline`: torch.distributed.pipelining's 1F1B or interleaved
+schedule; the stage-split layout knobs are performance-only: hyflow splits the layers evenly);
 param_offload / optimizer_offload -> fsdp_config.param_offload / optimizer_offload; dtype -> fsdp_config.dtype.
 (VeOmni -> hyflow): fsdp_size -> fsdp_config.fsdp_size (HSDP), ulysses_parallel_size -> ulysses_sequence_parallel_size,
 expert_parallel_size, param_offload / optimizer_offload, enable_full_shard -> fsdp_config.reshard_after_forward
 (ZeRO-3 or ZeRO-2), enable_fsdp_offload -> fsdp_config.offload_policy.
 
-Refused (not built): Megatron pipeline_model_parallel_size > 1 and a virtual pipeline (pipeline parallelism),
-expert_tensor_parallel_size > 1 (experts split over tensor-parallel ranks), use_dist_checkpointing (initial weights
+Refused (not built): Megatron expert_tensor_parallel_size > 1 (experts split over tensor-parallel ranks), use_dist_checkpointing (initial weights
 from a Megatron checkpoint), override_mcore_model_config (changes the model), MoE auxiliary / z-loss coefficients in
 the loss, a router load-balancing type other than none, router replay; VeOmni mixed_precision=false,
 load_checkpoint_path, full_determinism, another seed.
@@ -37,7 +39,9 @@ ROLES = {f"{ARR}.actor": f"{ARR}.actor.fsdp_config", f"{ARR}.ref": f"{ARR}.ref.f
 
 _MEGATRON_MAP = {"tensor_model_parallel_size": "tensor_parallel_size",
                  "context_parallel_size": "ulysses_sequence_parallel_size",
-                 "expert_model_parallel_size": "expert_parallel_size"}
+                 "expert_model_parallel_size": "expert_parallel_size",
+                 "pipeline_model_parallel_size": "pipeline_parallel_size",
+                 "virtual_pipeline_model_parallel_size": "virtual_pipeline_parallel_size"}
 _MEGATRON_FSDP_MAP = {"param_offload": "param_offload", "optimizer_offload": "optimizer_offload", "dtype": "dtype"}
 _VEOMNI_MAP = {"ulysses_parallel_size": "ulysses_sequence_parallel_size", "expert_parallel_size": "expert_parallel_size"}
 _VEOMNI_FSDP_MAP = {"fsdp_size": "fsdp_size", "param_offload": "param_offload", "optimizer_offload": "optimizer_offload",
@@ -55,6 +59,8 @@ ENGINE_ALIASES: dict[str, str] = {
 }
 
 _SAME = "runs on hyflow's engine, which computes the same numbers"
+_STAGE_SPLIT = ("how the layers (and embedding, loss) are divided between pipeline stages: hyflow splits the decoder "
+                "layers evenly (hyflow.parallel.pipeline); another split changes memory and speed, not the numbers")
 _PERF_MEGATRON = {
     "sequence_parallel": "Megatron's sequence parallelism shards the activations between tensor-parallel layers: "
                          "memory only",
@@ -98,14 +104,13 @@ _PERF_TRANSFORMER = {
     "moe_shared_expert_overlap": "overlaps the shared experts with the token dispatch: speed only",
     "use_naive_l2norm": "an L2-norm kernel choice of the same computation: speed only",
     **dict.fromkeys(("apply_dsa_kernel_fusion", "use_fused_mhc"), "a fused kernel of the same computation: speed only"),
-    "pipeline_model_parallel_layout": "pipeline-stage layout; only read with pipeline_model_parallel_size > 1 "
-                                      "(refused)",
+    "pipeline_model_parallel_layout": _STAGE_SPLIT,
     "sequence_parallel": "Megatron's sequence parallelism shards the activations between tensor-parallel layers: "
                          "memory only",
     **dict.fromkeys(("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
                      "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
                      "deallocate_pipeline_outputs"),
-                    "pipeline-stage layout; only read with pipeline_model_parallel_size > 1 (refused)"),
+                    _STAGE_SPLIT),
 }
 _PERF_VEOMNI = {
     **dict.fromkeys(("attn_implementation", "moe_implementation", "cross_entropy_loss_implementation",
@@ -132,11 +137,6 @@ _PERF_VEOMNI = {
 _ROUTER_REPLAY = ("router replay (recording MoE routing at rollout or log-prob time and replaying it in the update) "
                   "is not built yet (issue 39); use disabled")
 _NOT_BUILT_MEGATRON = {
-    "pipeline_model_parallel_size": ("pipeline parallelism is not built yet (issue 39): hyflow shards the layers "
-                                     "with FSDP2 instead; use 1 (and fsdp_config.param_offload for memory)",
-                                     lambda v: v not in (None, 1)),
-    "virtual_pipeline_model_parallel_size": ("interleaved pipeline stages need pipeline parallelism, which is not "
-                                             "built yet (issue 39); use null", lambda v: v not in (None, 1)),
     "expert_tensor_parallel_size": ("splitting each expert over tensor-parallel ranks is not built; use 1 (whole "
                                     "experts, split over ranks by expert_model_parallel_size)",
                                     lambda v: v not in (None, 1)),
@@ -171,8 +171,7 @@ _NOT_BUILT_VEOMNI = {
 
 # verl's defaults of the keys these entries name (megatron.yaml, veomni.yaml, Megatron-Core's TransformerConfig)
 _DEFAULTS = {
-    "megatron": {"pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
-                 "expert_tensor_parallel_size": None, "use_dist_checkpointing": False, "override_mcore_model_config": {},
+    "megatron": {"expert_tensor_parallel_size": None, "use_dist_checkpointing": False, "override_mcore_model_config": {},
                  "seed": 42, "router_replay.mode": "disabled", "sequence_parallel": True,
                  "use_distributed_optimizer": True, "use_megatron_fsdp": False, "grad_offload": False,
                  "use_mbridge": True, "vanilla_mbridge": True, "dist_checkpointing_path": None,

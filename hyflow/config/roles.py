@@ -85,6 +85,13 @@ def optimizer_spec(optim, *, lr_scheduler_type: str | None = None) -> OptimizerS
                          min_lr_ratio=optim.min_lr_ratio, num_cycles=optim.num_cycles)
 
 
+def pipeline_settings(section) -> dict:
+    """A role section's pipeline keys as `TrainEngineSpec` fields (virtual stages: null = 1)."""
+    return {"pipeline_parallel_size": int(section.pipeline_parallel_size),
+            "virtual_pipeline_parallel_size": int(section.virtual_pipeline_parallel_size or 1),
+            "pipeline_schedule": section.pipeline_schedule}
+
+
 def fsdp_settings(fsdp_config, *, offload: bool = True) -> FsdpSettings:
     """What the parallel wrapper and the engine read of an `fsdp_config` section (or SFT's `engine` section).
     `offload=False`: the role's worker does not offload (the reward model's)."""
@@ -127,7 +134,8 @@ def actor_spec(cfg: HyflowConfig, batches: BatchArithmetic, total_steps: int) ->
         use_remove_padding=model.use_remove_padding, share_prompts=actor.use_prefix_grouper,
         use_torch_compile=actor.use_torch_compile, lora=lora_settings(model, config_key="actor_rollout_ref.model"),
         freeze_vision_tower=actor.freeze_vision_tower, ulysses_sequence_parallel_size=actor.ulysses_sequence_parallel_size,
-        tensor_parallel_size=actor.tensor_parallel_size, expert_parallel_size=actor.expert_parallel_size)
+        tensor_parallel_size=actor.tensor_parallel_size, expert_parallel_size=actor.expert_parallel_size,
+        **pipeline_settings(actor))
     ref_engine = None
     if uses_reference(cfg):  # frozen (no optimizer), computing in the actor's dtype
         ref_engine = TrainEngineSpec(
@@ -135,7 +143,8 @@ def actor_spec(cfg: HyflowConfig, batches: BatchArithmetic, total_steps: int) ->
             compute_dtype=actor.fsdp_config.dtype, device=cfg.trainer.device,
             use_remove_padding=model.use_remove_padding, share_prompts=actor.use_prefix_grouper,
             use_torch_compile=ref.use_torch_compile, ulysses_sequence_parallel_size=ref.ulysses_sequence_parallel_size,
-            tensor_parallel_size=ref.tensor_parallel_size, expert_parallel_size=ref.expert_parallel_size)
+            tensor_parallel_size=ref.tensor_parallel_size, expert_parallel_size=ref.expert_parallel_size,
+            **pipeline_settings(ref))
     distillation, pair_preference = distillation_loss_spec(cfg), pair_preference_spec(cfg)
     loss = ActorLossSpec(
         loss_mode=actor.policy_loss.loss_mode,
@@ -195,7 +204,8 @@ def critic_spec(cfg: HyflowConfig, batches: BatchArithmetic, total_steps: int) -
         grad_clip=critic.grad_clip, total_optimizer_steps=total_steps * int(batches.critic.optimizer_steps),
         use_remove_padding=m.use_remove_padding, lora=lora_settings(m, config_key="critic.model"),
         ulysses_sequence_parallel_size=critic.ulysses_sequence_parallel_size,
-        tensor_parallel_size=critic.tensor_parallel_size, expert_parallel_size=critic.expert_parallel_size)
+        tensor_parallel_size=critic.tensor_parallel_size, expert_parallel_size=critic.expert_parallel_size,
+        **pipeline_settings(critic))
     model = ModelSpec(path=m.path or cfg.actor_rollout_ref.model.path, trust_remote_code=m.trust_remote_code,
                       override_config=dict(m.override_config or {}),
                       enable_gradient_checkpointing=m.enable_gradient_checkpointing, config_key="critic.model.path")

@@ -196,6 +196,20 @@ def _engine_knob(key: str, reason: str = VLLM_ONLY) -> KeySupport:
                         lambda cfg: non_default(cfg, f"{ARR}.rollout.{key}") and not _reads(cfg, key))
 
 
+def _pipelined(cfg: Any, *roles: str) -> bool:
+    """Some of `roles` runs pipeline-parallel (its pipeline_parallel_size > 1)."""
+    return any((lookup(cfg, f"{role}.pipeline_parallel_size") or 1) > 1 for role in roles)
+
+
+_PADDED = ("pipeline parallelism runs the padded micro-batch (its schedule needs one shape): the same log-probs and "
+           "gradients as ")
+
+
+def _pipeline_padded(key: str, what: str, *roles: str) -> KeySupport:
+    """A packing setting of a pipeline-parallel role: true, it does not change what that role's passes run."""
+    return _performance(key, _PADDED + what, lambda cfg: bool(lookup(cfg, key)) and _pipelined(cfg, *roles))
+
+
 def _vllm_parallel(key: str) -> KeySupport:
     """Engine parallelism hyflow's vllm engine lacks (data, expert, pipeline); nothing to act on for hf."""
     return _unsupported(f"{ARR}.rollout.{key}", "hyflow's vllm engine runs one engine per device or one "
@@ -216,6 +230,12 @@ def _vllm_tensor_parallel_unbuilt(cfg: Any) -> bool:
 R, A, M = f"{ARR}.rollout", f"{ARR}.actor", f"{ARR}.model"
 
 _TABLE: list[KeySupport] = [
+    # ------------------------------------------------------------------ pipeline-parallel roles' packing settings
+    _pipeline_padded(f"{ARR}.model.use_remove_padding", "packed rows, more padding to compute", f"{ARR}.actor",
+                     f"{ARR}.ref"),
+    _pipeline_padded(f"{ARR}.actor.use_prefix_grouper", "prompts shared by their samples, more prompt tokens to "
+                     "compute", f"{ARR}.actor", f"{ARR}.ref"),
+    _pipeline_padded("critic.model.use_remove_padding", "packed rows, more padding to compute", "critic"),
     # ------------------------------------------------------------------ features not built yet
     *(_unsupported(f"{role}.optim.clip_grad", f"hyflow clips gradients at {role}.grad_clip; set that instead",
                    lambda cfg, role=role: non_default(cfg, f"{role}.optim.clip_grad")
@@ -627,7 +647,8 @@ def engine_line(cfg: Any) -> str | None:
     sizes = []
     for role in ENGINE_ROLES:
         parts = [f"{name}={lookup(cfg, f'{role}.{name}')}" for name in
-                 ("tensor_parallel_size", "ulysses_sequence_parallel_size", "expert_parallel_size")
+                 ("tensor_parallel_size", "ulysses_sequence_parallel_size", "expert_parallel_size",
+                  "pipeline_parallel_size", "virtual_pipeline_parallel_size")
                  if lookup(cfg, f"{role}.{name}") not in (None, 1)]
         fsdp_size = lookup(cfg, f"{ENGINE_ROLES[role]}.fsdp_size")
         if fsdp_size not in (None, -1):
@@ -638,5 +659,8 @@ def engine_line(cfg: Any) -> str | None:
             "megatron tensor_model_parallel_size -> tensor_parallel_size (PyTorch tensor parallelism), "
             "context_parallel_size -> ulysses_sequence_parallel_size (Ulysses all-to-all: the same attention as "
             "Megatron's ring context parallelism, another communication pattern), expert_model_parallel_size and "
-            "veomni expert_parallel_size -> expert_parallel_size, veomni fsdp_size -> fsdp_config.fsdp_size (HSDP), "
-            "param/optimizer offload -> fsdp_config" + (f"; {'; '.join(sizes)}" if sizes else ""))
+            "veomni expert_parallel_size -> expert_parallel_size, pipeline_model_parallel_size and "
+            "virtual_pipeline_model_parallel_size -> pipeline_parallel_size and virtual_pipeline_parallel_size "
+            "(torch.distributed.pipelining; the padded micro-batch, the same log-probs as the packed one), veomni "
+            "fsdp_size -> fsdp_config.fsdp_size (HSDP), param/optimizer offload -> fsdp_config"
+            + (f"; {'; '.join(sizes)}" if sizes else ""))

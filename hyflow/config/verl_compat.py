@@ -54,10 +54,12 @@ RL_ALIASES: dict[str, str] = {
        for leaf in ("ulysses_sequence_parallel_size", "entropy_from_logits_with_chunking", "entropy_checkpointing",
                     "use_torch_compile")},
     "critic.fsdp.ulysses_sequence_parallel_size": "critic.ulysses_sequence_parallel_size",
-    # verl's PyTorch-native FSDP2 + tensor-parallel engine is its torchtitan engine: its tensor_parallel_size is
-    # hyflow's (the torchtitan section's other keys are refused as verl keys hyflow does not have).
-    **{f"{role}.torchtitan.tensor_parallel_size": f"{role}.tensor_parallel_size"
-       for role in (f"{ARR}.actor", f"{ARR}.ref", "critic")},
+    # verl's PyTorch-native FSDP2 + tensor-parallel engine is its torchtitan engine: its tensor_parallel_size and
+    # pipeline_parallel_size are hyflow's (the torchtitan section's other keys are refused as verl keys hyflow does
+    # not have).
+    **{f"{role}.torchtitan.{leaf}": f"{role}.{leaf}"
+       for role in (f"{ARR}.actor", f"{ARR}.ref", "critic")
+       for leaf in ("tensor_parallel_size", "pipeline_parallel_size")},
     # Per-role copies verl fills in from one setting (`${oc.select:...}` in its ppo_trainer.yaml): the actor's
     # use_remove_padding / use_fused_kernels are the model's; every role's rollout_n is rollout.n (verl's
     # ActorConfig/CriticConfig scale their mini-batch by it). Given with another value than the setting they copy,

@@ -162,7 +162,7 @@ def lm_head_logprobs(
     them (module docstring). Pass `full_logits_max_elements=0` to always chunk. Same values either way (to
     float rounding).
     """
-    logp_N, entropy_N, _, _ = _lm_head_rows(hidden_NH, labels_N, lm_head, None, temperature, calculate_entropy,
+    logp_N, entropy_N, _, _ = lm_head_rows(hidden_NH, labels_N, lm_head, None, temperature, calculate_entropy,
                                             chunk_size, full_logits_max_elements)
     return logp_N, entropy_N
 
@@ -180,11 +180,11 @@ def lm_head_logprobs_topk(
 ) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
     """`lm_head_logprobs` plus, from the same logits, the log-probs at K given token ids per row ([N, K] float32,
     differentiable: a teacher's top-k ids in on-policy distillation) and this model's own top-k ids ([N, K])."""
-    return _lm_head_rows(hidden_NH, labels_N, lm_head, gather_NK, temperature, calculate_entropy, chunk_size,
+    return lm_head_rows(hidden_NH, labels_N, lm_head, gather_NK, temperature, calculate_entropy, chunk_size,
                          full_logits_max_elements)
 
 
-def _lm_head_rows(hidden_NH: Tensor, labels_N: Tensor, lm_head: nn.Module, gather_NK: Tensor | None,
+def lm_head_rows(hidden_NH: Tensor, labels_N: Tensor, lm_head: nn.Module, gather_NK: Tensor | None,
                   temperature: float, calculate_entropy: bool, chunk_size: int, full_logits_max_elements: int):
     """The head over [N, H] rows at once or in checkpointed chunks (`lm_head_logprobs`); the gathered top-k
     outputs are None without `gather_NK`."""
@@ -245,7 +245,7 @@ def response_logprobs(
     labels_BR = input_ids[:, -response_length:]
     batch, hidden_size = hidden_BRH.shape[0], hidden_BRH.shape[-1]
     gather_NK = None if topk_ids is None else topk_ids.reshape(batch * response_length, -1)
-    logp_N, entropy_N, gathered_NK, own_NK = _lm_head_rows(
+    logp_N, entropy_N, gathered_NK, own_NK = lm_head_rows(
         hidden_BRH.reshape(-1, hidden_size), labels_BR.reshape(-1), unwrap_model(model).get_output_embeddings(),
         gather_NK, temperature, calculate_entropy, chunk_size, full_logits_max_elements,
     )

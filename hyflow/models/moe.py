@@ -72,13 +72,22 @@ class RouterStats:
         self.routers = routers(model)
         self._handles: list = []
         self._calls: list[dict[str, float]] = []
+        # the tokens to count ([tokens] bool, the router's rows), None = all: a pipeline stage's padded
+        # micro-batch sets it (`hyflow.parallel.pipeline`)
+        self.token_mask: torch.Tensor | None = None
 
     def __bool__(self) -> bool:
         return bool(self.routers)
 
     def _hook(self, module, args, output) -> None:
+        if torch._C._current_graph_task_id() != -1:  # a checkpointed layer's recompute in backward: counted already
+            return
         if isinstance(output, tuple) and len(output) >= 3 and torch.is_tensor(output[0]):
-            stats = router_stats(output[0], output[2])
+            logits, chosen = output[0], output[2]
+            mask = self.token_mask
+            if mask is not None and mask.numel() == logits.shape[0]:
+                logits, chosen = logits[mask], chosen[mask]
+            stats = router_stats(logits, chosen)
             if stats:
                 self._calls.append(stats)
 
@@ -92,7 +101,11 @@ class RouterStats:
         self._handles = []
 
     def take(self) -> dict[str, float]:
+        sums, count = self.take_sums()
+        return {name: value / count for name, value in sums.items()} if count else {}
+
+    def take_sums(self) -> tuple[dict[str, float], int]:
+        """The sums over the MoE-layer calls since the last take and their count (to average over several ranks'
+        layers: a pipeline's stages)."""
         calls, self._calls = self._calls, []
-        if not calls:
-            return {}
-        return {name: sum(call[name] for call in calls) / len(calls) for name in STATS}
+        return {name: sum(call[name] for call in calls) for name in STATS} if calls else {}, len(calls)

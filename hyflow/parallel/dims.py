@@ -66,9 +66,6 @@ class ParallelDims:
         if (self.dp_shard * self.sp * self.tp) % self.ep:
             raise ValueError(f"ParallelDims: ep={self.ep} must divide dp_shard x sp x tp = "
                              f"{self.dp_shard * self.sp * self.tp} (expert parallelism borrows those ranks)")
-        if self.ep > 1 and self.pp > 1:
-            raise ValueError(f"ParallelDims: expert parallelism (ep={self.ep}) with pipeline parallelism "
-                             f"(pp={self.pp}) is not built; use pp=1 with ep > 1")
 
     @property
     def dp_size(self) -> int:
@@ -131,18 +128,25 @@ class ParallelDims:
             return root["dp_replicate", "dp_shard_sp"]
 
     def _expert_layout(self, device_type: str, root=None):
-        """Expert parallelism's mesh and groups (`hyflow.parallel.expert.ExpertLayout`), None at ep=1: the ranks as
-        (world / ep) x ep, so each ep group is a run of ep consecutive ranks of one replica's dp_shard x sp x tp ranks
-        (pp = 1 under ep), and the `edp` groups join the ranks that hold the same experts; the tensor-parallel group
-        (whose ranks share their tokens and split the (token, choice) pairs between them)."""
+        """Expert parallelism's mesh and groups (`hyflow.parallel.expert.ExpertLayout`), None at ep=1: a pipeline
+        stage's ranks (all of them at pp=1) as (stage ranks / ep) x ep, so each ep group is a run of ep consecutive
+        ranks of one replica's dp_shard x sp x tp ranks, and the `edp` groups join the ranks of the stage that hold
+        the same experts (another stage holds other layers' experts); the tensor-parallel group (whose ranks share
+        their tokens and split the (token, choice) pairs between them)."""
         if self.ep == 1:
             return None
         from torch.distributed.device_mesh import init_device_mesh
 
         from hyflow.parallel.expert import ExpertLayout
 
-        mesh = init_device_mesh(device_type, (self.world_size // self.ep, self.ep), mesh_dim_names=("edp", "ep"))
-        edp = mesh["edp"].get_group() if self.world_size > self.ep else None
+        stage_ranks = self.world_size // self.pp
+        if self.pp == 1:
+            mesh = init_device_mesh(device_type, (stage_ranks // self.ep, self.ep), mesh_dim_names=("edp", "ep"))
+        else:  # pp outermost: each stage's (edp, ep) sub-mesh
+            staged = init_device_mesh(device_type, (self.pp, stage_ranks // self.ep, self.ep),
+                                      mesh_dim_names=("pp", "edp", "ep"))
+            mesh = staged["edp", "ep"]
+        edp = mesh["edp"].get_group() if stage_ranks > self.ep else None
         tp_group = root["tp"].get_group() if self.tp > 1 else None
         return ExpertLayout(mesh=mesh, ep_group=mesh["ep"].get_group(), ep_size=self.ep, edp_group=edp,
                             grad_divisor=self.dp_replicate * self.dp_shard * self.sp, tp_group=tp_group,

@@ -33,15 +33,19 @@ MIXED_PRECISION = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16"
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a model, each to become its own FSDP shard group.
 
-    `<base model>.layers` for Hugging Face decoders (`model.model.layers`, also for value and reward models);
+    `<base model>.layers` for Hugging Face decoders (`model.model.layers`, also for value and reward models; an
+    `nn.ModuleDict` of the layers a pipeline rank holds), a pipeline stage's own `layers`;
     otherwise the `nn.ModuleList` of same-class blocks holding the most parameters (GPT-2's `transformer.h`);
     [] when there is none (then the whole model is one group).
     """
     inner = unwrap_model(model)
     base = getattr(inner, getattr(inner, "base_model_prefix", "") or "", None)
-    layers = getattr(base, "layers", None)
-    if isinstance(layers, nn.ModuleList) and len(layers) > 0:
-        return list(layers)
+    for holder in (base, inner):  # a pipeline stage (hyflow.parallel.pipeline) holds its layers itself
+        layers = getattr(holder, "layers", None)
+        if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+            return list(layers)
+        if isinstance(layers, nn.ModuleDict) and len(layers) > 0:  # a pipeline-cut decoder's layers, by index
+            return list(layers.values())
     best, best_params = [], 0
     for module in inner.modules():
         if isinstance(module, nn.ModuleList) and len(module) > 0 and len({type(m) for m in module}) == 1:

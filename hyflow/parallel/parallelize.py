@@ -1,7 +1,8 @@
 """`parallelize(model, dims, spec, mesh)`: every parallel dimension applied to a plain Hugging Face model, in
 torchtitan's order, on the one mesh of `hyflow.parallel.dims`.
 
-1. pipeline stages (`apply_pp`, which would cut the model; a seat: issue 39);
+1. pipeline stages (`apply_pp`: the decoder cut into this rank's stages, `hyflow.parallel.pipeline`; the later
+   steps see only the layers this rank holds);
 2. tensor parallelism (`apply_tp`: each decoder layer's attention and MLP split over the `tp` mesh,
    `hyflow.models.tensor_parallel`);
 3. sequence parallelism (`apply_sp`: Ulysses changes no module, its all-to-alls run inside the packed attention
@@ -12,11 +13,8 @@ torchtitan's order, on the one mesh of `hyflow.parallel.dims`.
 6. compile (`hyflow.models.compile.CompiledModules`: the MLPs and norms, switched on for the engine's own passes);
 7. the data-parallel wrapper last, which shards or replicates what the others left: FSDP2 `fully_shard` over the
    `dp_shard_sp` mesh, or under HSDP (dp_replicate > 1) the 2-D (dp_replicate, dp_shard_sp) mesh (replicated x
-   sharded; `hyflow.parallel.fsdp.apply_fsdp`), the expert weights left out; or DDP (trainable models only), or
-   none on one rank.
-
-Pipeline parallelism refuses a size above 1 by name, so a configuration that asks for it fails before any model is
-cut.
+   sharded; `hyflow.parallel.fsdp.apply_fsdp`), the expert weights left out; under pipeline parallelism each stage
+   module is its own FSDP2 root; or DDP (trainable models only), or none on one rank.
 """
 
 from __future__ import annotations
@@ -46,6 +44,8 @@ class ParallelizeSpec:
     activation_checkpointing: bool = False
     compile: bool = False
     trainable: bool = True
+    virtual_stages: int = 1  # pipeline stages per pp rank (virtual_pipeline_parallel_size)
+    head: str = "lm"  # the head the last pipeline stage ends with ("lm" or "value")
 
 
 @dataclass
@@ -58,9 +58,13 @@ class Parallelized:
     compiled: object = None
     experts: list = field(default_factory=list)
     expert_layout: object = None
+    pipeline: object = None  # hyflow.parallel.pipeline.PipelineParts when pp > 1
 
     def sync_grads(self) -> None:
-        """Average what FSDP2 does not (the expert weights' gradients); collective under expert parallelism."""
+        """Average what FSDP2 does not (the expert weights' gradients) and sum a tied embedding's two pipeline
+        copies' gradients; collective under expert and pipeline parallelism."""
+        if self.pipeline is not None:
+            self.pipeline.tied.sync()
         if self.experts:
             from hyflow.parallel.expert import sync_expert_grads
 
@@ -69,13 +73,14 @@ class Parallelized:
 
 def parallelize(model: nn.Module, dims: ParallelDims, spec: ParallelizeSpec, mesh: ParallelMesh) -> Parallelized:
     """Apply every dimension of `dims` to `model` on `mesh` (`dims.build_mesh`), in place and in the module
-    docstring's order. Raises ValueError for a model a dimension cannot split, NotImplementedError for pp/ep > 1."""
+    docstring's order. Raises ValueError for a model a dimension cannot split."""
     if spec.strategy not in STRATEGIES:
         raise ValueError(f"parallelize: strategy={spec.strategy!r}; use one of {STRATEGIES}")
-    if (dims.dp_replicate > 1 or dims.ep > 1) and spec.strategy != "fsdp2":
-        raise ValueError(f"hybrid sharding (dp_replicate={dims.dp_replicate}) and expert parallelism (ep={dims.ep}) "
-                         f"are built on FSDP2: use strategy fsdp or fsdp2, not {spec.strategy}")
-    model = apply_pp(model, dims, mesh)
+    if (dims.dp_replicate > 1 or dims.ep > 1 or dims.pp > 1) and spec.strategy != "fsdp2":
+        raise ValueError(f"hybrid sharding (dp_replicate={dims.dp_replicate}), expert parallelism (ep={dims.ep}) and "
+                         f"pipeline parallelism (pp={dims.pp}) are built on FSDP2: use strategy fsdp or fsdp2, not "
+                         f"{spec.strategy}")
+    pipeline = apply_pp(model, dims, mesh, virtual=spec.virtual_stages, head=spec.head)
     apply_tp(model, dims, mesh)
     apply_sp(model, dims, mesh)
     experts = apply_ep(model, dims, mesh)
@@ -87,19 +92,27 @@ def parallelize(model: nn.Module, dims: ParallelDims, spec: ParallelizeSpec, mes
 
         compiled = CompiledModules(model)
     if spec.strategy == "fsdp2":
-        model = apply_fsdp(model, mesh.fsdp_mesh(), mixed_precision=spec.mixed_precision,
-                           reshard_after_forward=spec.reshard_after_forward, offload_policy=spec.offload_policy,
-                           ignored_params=set(experts))
+        fsdp = {"mixed_precision": spec.mixed_precision, "reshard_after_forward": spec.reshard_after_forward,
+                "offload_policy": spec.offload_policy, "ignored_params": set(experts)}
+        # under pipeline parallelism each stage is the FSDP2 root torch's PipelineStage drives; the model keeps
+        # the stages' (sharded) parameters under their names
+        for root in pipeline.stages if pipeline is not None else [model]:
+            apply_fsdp(root, mesh.fsdp_mesh(), **fsdp)
     elif spec.strategy == "ddp" and spec.trainable:
         model = wrap_ddp(model)
-    return Parallelized(model, compiled, experts, mesh.expert)
+    return Parallelized(model, compiled, experts, mesh.expert, pipeline)
 
 
-def apply_pp(model: nn.Module, dims: ParallelDims, mesh=None) -> nn.Module:
-    """Pipeline parallelism over `dims.pp` stages: the model unchanged at pp=1; not built for pp > 1."""
-    if dims.pp > 1:
-        raise NotImplementedError(f"pipeline parallelism (pp={dims.pp}) is not built yet (issue 39); use pp=1")
-    return model
+def apply_pp(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh, *, virtual: int = 1, head: str = "lm"):
+    """Pipeline parallelism over `dims.pp` x `virtual` stages (`hyflow.parallel.pipeline.cut_model`, in place):
+    this rank's `PipelineParts`; None at pp=1 (the model unchanged, `virtual` must be 1)."""
+    if dims.pp == 1:
+        if virtual > 1:
+            raise ValueError(f"virtual_pipeline_parallel_size={virtual} needs pipeline_parallel_size > 1")
+        return None
+    from hyflow.parallel.pipeline import cut_model
+
+    return cut_model(model, mesh, virtual, head)
 
 
 def apply_tp(model: nn.Module, dims: ParallelDims, mesh: ParallelMesh) -> None:

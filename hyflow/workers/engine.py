@@ -228,7 +228,7 @@ def pad_response(values_BR: torch.Tensor, response_length: int) -> torch.Tensor:
     return values_BR if missing == 0 else torch.nn.functional.pad(values_BR, (0, missing))
 
 
-def _collective_device() -> torch.device:
+def collective_device() -> torch.device:
     """Where small tensors go for a collective: CPU under gloo (also `cpu:gloo,cuda:nccl`), the GPU under NCCL."""
     backend = str(dist.get_backend())
     if "gloo" in backend or not torch.cuda.is_available():
@@ -243,7 +243,7 @@ def _is_distributed() -> bool:
 def all_reduce_sum(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Sum each tensor over the data-parallel group, in place (identity in one process)."""
     if _is_distributed():
-        device = _collective_device()
+        device = collective_device()
         for value in tensors.values():
             reduced = value.to(device)
             dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
@@ -278,7 +278,7 @@ def all_reduce_metrics(values: dict[str, float]) -> dict[str, float]:
     if not _is_distributed() or not values:
         return dict(values)
     out = {}
-    device = _collective_device()
+    device = collective_device()
     extremes = sorted(name for name in values if name.endswith(EXTREME_SUFFIXES))
     sums = sorted(name for name in values if not name.endswith(EXTREME_SUFFIXES))
     for names, op in ((sums, dist.ReduceOp.SUM), (extremes, dist.ReduceOp.MAX)):
@@ -296,7 +296,7 @@ def all_reduce_max(value: int) -> int:
     """The largest `value` over the data-parallel group (identity in one process)."""
     if not _is_distributed():
         return value
-    packed = torch.tensor([value], dtype=torch.int64, device=_collective_device())
+    packed = torch.tensor([value], dtype=torch.int64, device=collective_device())
     dist.all_reduce(packed, op=dist.ReduceOp.MAX)
     return int(packed.item())
 
@@ -315,33 +315,50 @@ def _by_mesh(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]
     return list(groups.values())
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, *, norm_group=None,
+                   norm_skip: torch.nn.Parameter | None = None) -> torch.Tensor:
     """Total L2 norm ||g|| = sqrt(sum_p ||g_p||^2) over all gradients; scale them by min(1, max_norm / (||g|| + 1e-6)).
 
     FSDP2 gradients are DTensor shards: their norm is a DTensor, made a plain tensor (the global norm, the same
     on every rank and equal to the single-process norm) with `full_tensor()` before clipping. Under tensor
     parallelism the gradients live on different meshes (the split weights on (dp, tp), the rest on dp): each
-    group of one mesh and layout gets its norm so, and the total is the root of their squares.
+    group of one mesh and layout gets its norm so, and the total is the root of their squares. Under pipeline
+    parallelism each rank holds its stages' gradients: the squares are summed over `norm_group` (the pp ranks),
+    `norm_skip` (the last stage's copy of a tied embedding, the same weight as the first stage's) left out of it.
     """
     from torch.distributed.tensor import DTensor
 
     groups = _by_mesh(params)
     parts = []
     for group in groups:
-        part = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
+        counted = [p.grad for p in group if p is not norm_skip]
+        if not counted:
+            continue
+        part = torch.nn.utils.get_total_norm(counted, norm_type=2.0)
         parts.append(part.full_tensor() if isinstance(part, DTensor) else part)
+    if not parts:
+        parts = [torch.zeros((), device=params[0].grad.device if params else collective_device())]
     total = parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack([p.float() for p in parts]))
+    if norm_group is not None:
+        squared = total.float().pow(2).to(collective_device())
+        dist.all_reduce(squared, group=norm_group)
+        total = squared.sqrt().to(total.device)
     if math.isfinite(max_norm):
         for group in groups:
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
 
 
-def clip_and_step(model: torch.nn.Module, optimizer, scheduler, grad_clip: float | None) -> dict[str, float]:
-    """Clip the global gradient norm, step unless it is not finite (then skip, as verl does), advance the LR."""
+def clip_and_step(model: torch.nn.Module, optimizer, scheduler, grad_clip: float | None, *, norm_group=None,
+                  norm_skip: torch.nn.Parameter | None = None) -> dict[str, float]:
+    """Clip the global gradient norm, step unless it is not finite (then skip, as verl does), advance the LR.
+    `norm_group`, `norm_skip`: the pipeline's (`clip_grad_norm`)."""
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = grad_clip if grad_clip and grad_clip > 0 else float("inf")
-    grad_norm = clip_grad_norm(params, max_norm) if params else torch.tensor(0.0)
+    if norm_group is not None:  # every pp rank joins the norm's all-reduce, with or without gradients
+        grad_norm = clip_grad_norm(params or [], max_norm, norm_group=norm_group, norm_skip=norm_skip)
+    else:
+        grad_norm = clip_grad_norm(params, max_norm) if params else torch.tensor(0.0)
     skipped = not torch.isfinite(grad_norm)
     if skipped:
         optimizer.zero_grad(set_to_none=True)

@@ -402,13 +402,18 @@ OPTIMIZER_KEY = "optimizer"
 
 
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *,
-                 extra: dict | None = None, options=None) -> None:
+                 extra: dict | None = None, options=None, optimizer_skip: set[str] = frozenset(),
+                 names_group=None) -> None:
     """Write the model (and optimizer) shards of every rank into the DCP directory `path`; collective.
 
     Layout: torch.distributed.checkpoint files (`.metadata` + one `__<rank>_0.distcp` per rank) holding
     {"model": ..., "optimizer": ...} (no optimizer when `optimizer` is None), plus `extra_state.pt` (rank 0's
     `extra`, e.g. the LR scheduler) when given; `load_sharded` reads it back at any world size. `options`
     (`StateDictOptions`, e.g. `ignore_frozen_params` for a LoRA model's adapter only) shapes the model's state.
+    `optimizer_skip`: parameter names whose optimizer state this rank does not write (a pipeline's last-stage copy
+    of a tied lm_head: the first stage writes the weight's state as one process does, under the embedding's name).
+    `names_group`: the ranks whose parameters differ (a pipeline's pp ranks): DCP keeps one rank's copy of the
+    optimizer's parameter-name lists, so each writes all of theirs (gathered over the group, in rank order).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -419,6 +424,16 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path
     state = {MODEL_KEY: get_model_state_dict(model, options=options)}
     if optimizer is not None and optimizer_has_stepped(optimizer):  # unstepped: saved without, loads as fresh
         state[OPTIMIZER_KEY] = get_optimizer_state_dict(model, optimizer)
+        for name in optimizer_skip:
+            state[OPTIMIZER_KEY]["state"].pop(name, None)
+            for group in state[OPTIMIZER_KEY]["param_groups"]:
+                group["params"] = [fqn for fqn in group["params"] if fqn != name]
+        if names_group is not None:
+            groups = state[OPTIMIZER_KEY]["param_groups"]
+            lists = [None] * dist.get_world_size(names_group)
+            dist.all_gather_object(lists, [group["params"] for group in groups], group=names_group)
+            for index, group in enumerate(groups):
+                group["params"] = [fqn for names in lists for fqn in names[index]]
     with _single_process_dcp_quiet():
         dcp.save(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
     if extra is not None and (not is_distributed() or dist.get_rank() == 0):
@@ -427,10 +442,12 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path
 
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike, *,
-                 options=None) -> dict:
+                 options=None, aliases: dict[str, str] | None = None) -> dict:
     """Read a `save_sharded` directory into `model` (and `optimizer`), resharding to this world size; collective.
 
-    The optimizer is left as it is when the directory holds no optimizer state (saved without one). Returns
+    The optimizer is left as it is when the directory holds no optimizer state (saved without one). `aliases`
+    {name: saved name}: a parameter the directory may hold under another name (a pipeline's last-stage copy of a
+    tied lm_head, saved in one process as the embedding), read from that name when its own is not there. Returns
     the saved `extra` dict ({} when none was saved).
     """
     import torch.distributed.checkpoint as dcp
@@ -452,15 +469,38 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer | None, path
     state = {MODEL_KEY: get_model_state_dict(model, options=options)}
     if optimizer is not None:
         state[OPTIMIZER_KEY] = get_optimizer_state_dict(model, optimizer)  # creates the state tensors to load into
+    renamed = _alias_saved_names(state, saved, aliases or {})
     with _single_process_dcp_quiet():
         dcp.load(state, storage_reader=safe_dcp_reader(path), planner=safe_dcp_planner(),
                  no_dist=not dist.is_initialized())
+    _alias_saved_names(state, saved, renamed, back=True)
     set_model_state_dict(model, state[MODEL_KEY], options=options)
     if optimizer is not None:
         with _tuple_hyperparameters_kept(optimizer):
             set_optimizer_state_dict(model, optimizer, state[OPTIMIZER_KEY])
     extra_file = path / EXTRA_STATE_FILE
     return load_plain_data(extra_file) if extra_file.is_file() else {}
+
+
+def _alias_saved_names(state: dict, saved, aliases, back: bool = False) -> list[tuple[str, str, str]]:
+    """Rename the model and optimizer-state entries of `aliases` ({name: saved name}) whose own name the
+    checkpoint lacks (`saved`: its keys) to the saved name, in place; `back`: undo the renames `aliases` (the list
+    this returned) lists. Returns the renames as (section, name, saved name)."""
+    def has(prefix: str) -> bool:
+        return prefix in saved or any(key.startswith(prefix + ".") for key in saved)
+
+    sections = {MODEL_KEY: state[MODEL_KEY], f"{OPTIMIZER_KEY}.state": state.get(OPTIMIZER_KEY, {}).get("state", {})}
+    if back:
+        for section, name, source in aliases:
+            sections[section][name] = sections[section].pop(source)
+        return []
+    done = []
+    for name, source in aliases.items():
+        for section, entries in sections.items():
+            if name in entries and not has(f"{section}.{name}") and has(f"{section}.{source}"):
+                entries[source] = entries.pop(name)
+                done.append((section, name, source))
+    return done
 
 
 def _dcp_metadata(path: Path):

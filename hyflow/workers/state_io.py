@@ -30,9 +30,21 @@ class EngineState:
     schedule (None for a frozen model), LoRA settings (None without), component `prefix`, `rank`."""
 
     def __init__(self, *, name: str, model: nn.Module, module: nn.Module, optimizer, scheduler, lora, prefix: str,
-                 rank: int):
+                 rank: int, pipeline=None):
         self.name, self.model, self.module, self.optimizer, self.scheduler = name, model, module, optimizer, scheduler
         self.lora, self.prefix, self.rank = lora, prefix, rank
+        # pipeline parallelism (hyflow.parallel.pipeline.PipelineParts): rank 0 holds one stage, so full state
+        # dicts are refused; a tied lm_head copy reads a one-process checkpoint's embedding
+        self.pipeline = pipeline
+        self.aliases = {}
+        if pipeline is not None and pipeline.export_skip:
+            embed = [name for name, p in module.named_parameters() if name.endswith("embed_tokens.weight")]
+            self.aliases = dict.fromkeys(pipeline.export_skip, embed[0] if embed else "model.embed_tokens.weight")
+
+    def _refuse_full(self) -> None:
+        if self.pipeline is not None:
+            raise ValueError(f"{self.name}: full (gathered) checkpoints are not built under pipeline parallelism "
+                             "(rank 0 holds one stage); use trainer.checkpoint_format=sharded (or auto)")
 
     def _state_options(self, **kwargs):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -65,6 +77,7 @@ class EngineState:
     def state_dict(self, contents=CHECKPOINT_CONTENTS) -> dict:
         """Full (unsharded) checkpoint components `<name>_model` (the adapter only under LoRA),
         `<name>_optimizer`, `<name>_scheduler` (as `contents` asks); collective; rank 0 returns them, others {}."""
+        self._refuse_full()
         weights = self._model_state(full_state_dict=True, cpu_offload=True)
         optimizer_state = (full_optimizer_state_dict(self.model, self.optimizer)
                            if "optimizer" in contents and self.optimizer is not None else None)
@@ -84,6 +97,7 @@ class EngineState:
         them and `components` holds them; else they stay as they are)."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
+        self._refuse_full()
         state = components[f"{self.prefix}model"]
         self._check_adapter_keys(state)
         set_model_state_dict(self.model, state, options=self._state_options(full_state_dict=True))
@@ -99,12 +113,13 @@ class EngineState:
         if extra is not None and self.lora is not None:
             extra[f"{self.prefix}lora"] = dataclasses.asdict(self.lora)
         save_sharded_state(self.model, self.optimizer if "optimizer" in contents else None, path, extra=extra,
-                           options=self._state_options())
+                           options=self._state_options(), optimizer_skip=set(self.aliases),
+                           names_group=None if self.pipeline is None else self.pipeline.group)
 
     def load_sharded(self, path, contents=CHECKPOINT_CONTENTS) -> None:
         """Read a `save_sharded` directory written at any world size."""
         extra = load_sharded(self.model, self.optimizer if "optimizer" in contents else None, path,
-                             options=self._state_options())
+                             options=self._state_options(), aliases=self.aliases)
         if "extra" in contents and f"{self.prefix}scheduler" in extra:
             self.scheduler.load_state_dict(extra[f"{self.prefix}scheduler"])
 

@@ -71,6 +71,7 @@ from hyflow.workers.engine import (
     resolve_device,
 )
 from hyflow.workers.engine_forward import MicroForward, autocast
+from hyflow.workers.engine_pipeline import PipelinePasses, pipeline_problem
 from hyflow.workers.fsdp import (
     WEIGHT_BUCKET_BYTES,
     iter_full_tensors,
@@ -88,31 +89,32 @@ HEADS = ("lm", "value", "score")
 
 
 def engine_dims(spec: TrainEngineSpec, world_size: int) -> ParallelDims:
-    """The parallel dimensions of a role's `world_size` ranks: its spec's sequence-, tensor- and expert-parallel
-    sizes; `fsdp_config.fsdp_size` (verl's key: the ranks of one FSDP shard group, sp ranks included) between 1 and
-    the ranks / tp makes hybrid sharding (HSDP: dp_replicate = ranks / (fsdp_size x tp) copies of groups of
-    fsdp_size / sp data-parallel shards), -1 or more is plain FSDP; the data-parallel size the rest. Raises
-    ValueError, naming the role and the keys, when they do not divide the ranks."""
+    """The parallel dimensions of a role's `world_size` ranks: its spec's sequence-, tensor-, expert- and
+    pipeline-parallel sizes; `fsdp_config.fsdp_size` (verl's key: the ranks of one FSDP shard group, sp ranks
+    included) between 1 and the ranks / (tp x pp) makes hybrid sharding (HSDP: dp_replicate = ranks / (fsdp_size x
+    tp x pp) copies of groups of fsdp_size / sp data-parallel shards), -1 or more is plain FSDP; the data-parallel
+    size the rest. Raises ValueError, naming the role and the keys, when they do not divide the ranks."""
     sp, tp = max(1, int(spec.ulysses_sequence_parallel_size)), max(1, int(spec.tensor_parallel_size))
     ep, fsdp_size = max(1, int(spec.expert_parallel_size)), int(getattr(spec.fsdp, "fsdp_size", -1))
+    pp = max(1, int(spec.pipeline_parallel_size))
     sizes = (f"ulysses_sequence_parallel_size={spec.ulysses_sequence_parallel_size} x tensor_parallel_size="
-             f"{spec.tensor_parallel_size}")
+             f"{spec.tensor_parallel_size} x pipeline_parallel_size={pp}")
     replicate = 1
-    if 0 < fsdp_size < world_size // tp:
-        if world_size % (fsdp_size * tp) or fsdp_size % sp:
+    if 0 < fsdp_size < world_size // (tp * pp):
+        if world_size % (fsdp_size * tp * pp) or fsdp_size % sp:
             raise ValueError(f"{spec.name}: fsdp_config.fsdp_size={fsdp_size} (hybrid sharding) must divide the role's "
-                             f"{world_size} ranks / tensor_parallel_size={tp} and be a multiple of "
-                             f"ulysses_sequence_parallel_size={sp} (an FSDP shard group holds whole sequence-parallel "
-                             "groups); or use -1 to shard over all of them")
-        replicate = world_size // (fsdp_size * tp)
+                             f"{world_size} ranks / (tensor_parallel_size={tp} x pipeline_parallel_size={pp}) and be a "
+                             f"multiple of ulysses_sequence_parallel_size={sp} (an FSDP shard group holds whole "
+                             "sequence-parallel groups); or use -1 to shard over all of them")
+        replicate = world_size // (fsdp_size * tp * pp)
     try:
-        return ParallelDims(world_size=world_size, dp_replicate=replicate, sp=sp, tp=tp, ep=ep)
+        return ParallelDims(world_size=world_size, dp_replicate=replicate, sp=sp, tp=tp, ep=ep, pp=pp)
     except ValueError as error:
         raise ValueError(f"{spec.name}: {sizes} (expert_parallel_size={ep}, fsdp_size={fsdp_size}) must divide the "
                          f"role's {world_size} ranks ({error})") from error
 
 
-class TrainEngine(MicroForward):
+class TrainEngine(MicroForward, PipelinePasses):
     """One model of a role, parallelized on `mesh` as `spec` says, optionally with LoRA, with its optimizer and LR
     schedule (none when `spec.optim` is None: a frozen model such as a separate reference policy). `device`: where
     the model's forwards run (default: where its parameters are)."""
@@ -140,7 +142,9 @@ class TrainEngine(MicroForward):
         self.use_remove_padding = bool(spec.use_remove_padding)
         # verl's use_prefix_grouper: in a packed micro-batch the samples of one prompt run its tokens once (a
         # vision-language prompt: its images once too, and only rows whose prompt images are equal share it)
-        self.share_prompts = bool(spec.share_prompts) and self.use_remove_padding
+        # (not under pipeline parallelism, whose stages run padded micro-batches: performance-only there)
+        self.share_prompts = (bool(spec.share_prompts) and self.use_remove_padding
+                              and int(spec.pipeline_parallel_size) == 1)
         self.compute_dtype = spec.compute_dtype or getattr(spec.fsdp, "dtype", "fp32")
         self.lora = spec.lora
         self._init_groups(dims)
@@ -159,6 +163,7 @@ class TrainEngine(MicroForward):
         # verl's use_torch_compile: the MLPs and norms compiled for this engine's own passes (hyflow.models.compile)
         self.model, self.compiled = done.model, done.compiled
         self.parallelized = done  # its sync_grads: what FSDP2 does not average (expert parallelism's experts)
+        self.pipeline = self._pipeline_runner(done.pipeline)
         # a MoE model's router diagnostics in the update's metrics: <name>/moe/{load_balancing_loss,z_loss,...}
         self.router_stats = RouterStats(self.module)
         self.optimizer = self.scheduler = None
@@ -167,7 +172,8 @@ class TrainEngine(MicroForward):
             self.optimizer = build_optimizer(params, spec.optim)
             self.scheduler = build_scheduler(self.optimizer, spec.optim, max(1, int(spec.total_optimizer_steps)))
         self.state_io = EngineState(name=self.name, model=self.model, module=self.module, optimizer=self.optimizer,
-                                    scheduler=self.scheduler, lora=self.lora, prefix=self.prefix, rank=self.rank)
+                                    scheduler=self.scheduler, lora=self.lora, prefix=self.prefix, rank=self.rank,
+                                    pipeline=done.pipeline)
         # the offload state machine (hyflow.workers.offload): what is offloaded, then the initial move to the host
         self.offload = Offload(self.name, self.model, self.optimizer, self.device, self.strategy, spec.fsdp,
                                copies=lambda: self.offload_copies)
@@ -203,11 +209,35 @@ class TrainEngine(MicroForward):
         self.sp_group = self.mesh.group("sp")
         self.row_group = self.mesh.group("sp_tp")
         self.group_size, self.group_rank = dims.row_group_size, self.mesh.local_rank("sp_tp")
+        # under pipeline parallelism the pp ranks share their rows too: the last stage's rank counts them (its
+        # loss and metrics are the pipeline's), the first pp rank returns the results the controller collects
+        self.pp_size, self.pp_rank = dims.pp, self.mesh.local_rank("pp")
+        self.counts_rows = self.group_rank == 0 and self.pp_rank == self.pp_size - 1
+
+    def _pipeline_runner(self, parts):
+        """The `PipelineRunner` of this rank's stages (None without pipeline parallelism); raises ValueError for
+        settings a pipeline does not run (`pipeline_problem`)."""
+        if parts is None:
+            return None
+        problem = pipeline_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
+        from hyflow.parallel.fsdp import MIXED_PRECISION
+        from hyflow.parallel.pipeline import PipelineRunner, schedule_name
+
+        precision = self._parallelize_spec(self.spec.optim is not None).mixed_precision
+        dtype = MIXED_PRECISION.get(precision) if precision else None
+        dtype = dtype or next(p for p in self.module.parameters()).dtype
+        config = unwrap_model(self.module).config
+        hidden = (getattr(config, "text_config", None) or config).hidden_size
+        schedule = schedule_name(self.spec.pipeline_schedule, max(1, int(self.spec.virtual_pipeline_parallel_size)))
+        return PipelineRunner(parts, self.device, schedule, dtype, hidden)
 
     def data_layout(self) -> DataLayout:
         """This rank's place in the data-parallel split (`hyflow.controller.dispatch`): the mesh's `dp` rank and size;
         a group's first rank is the one whose results are collected."""
-        return DataLayout(dp_rank=self.mesh.local_rank("dp"), dp_size=self.dp_size, collects=self.group_rank == 0)
+        return DataLayout(dp_rank=self.mesh.local_rank("dp"), dp_size=self.dp_size,
+                          collects=self.group_rank == 0 and self.pp_rank == 0)
 
     def _check_group_rows(self, batch: Batch) -> None:
         """The ranks of a sequence x tensor-parallel group must hold the same rows (the group's data-parallel share):
@@ -235,7 +265,8 @@ class TrainEngine(MicroForward):
                                mixed_precision=None if self.device.type == "cpu" else fsdp.dtype,
                                reshard_after_forward=fsdp.reshard_after_forward,
                                offload_policy=uses_offload_policy(self.strategy, fsdp),
-                               compile=bool(self.spec.use_torch_compile), trainable=trainable)
+                               compile=bool(self.spec.use_torch_compile), trainable=trainable,
+                               virtual_stages=max(1, int(self.spec.virtual_pipeline_parallel_size)), head=self.head)
 
     # ------------------------------------------------------------------------------------------ describing
 
@@ -291,6 +322,13 @@ class TrainEngine(MicroForward):
                     scores[rows] = self.forward_micro(micro, 0)[0]["scores"].float().cpu()
             return {"scores": scores}
         self._check_group_rows(batch)
+        if self.pipeline is not None:
+            if with_sum_pi_squared or not adapter:
+                raise ValueError(f"{self.name}: pipeline parallelism does not compute sum_pi_squared or run the base "
+                                 "model of an adapter; turn those off or use pipeline_parallel_size=1")
+            self.model.eval()
+            with torch.no_grad(), self.passes(packing=False):  # (compiled MLPs and norms under use_torch_compile)
+                return self._pipeline_infer(batch, sizes, temperature=temperature, with_entropy=with_entropy)
         R = batch["responses"].shape[1]
         outputs: dict[str, torch.Tensor] = {}
         self.model.eval()
@@ -317,6 +355,12 @@ class TrainEngine(MicroForward):
         """Forward and backward every micro-batch of `batch` (one mini-batch of this rank) with `loss_fn`;
         gradients accumulate in `.grad`. Returns this rank's metric parts, summed over the micro-batches (the least
         / greatest of a name ending in `_min` / `_max`: `merge_metric`)."""
+        if self.pipeline is not None:
+            if topk_column is not None:
+                raise ValueError(f"{self.name}: pipeline parallelism does not gather a teacher's top-k log-probs yet; "
+                                 "use pipeline_parallel_size=1 for top-k distillation")
+            return self._pipeline_forward_backward(batch, sizes, loss_fn, columns=columns, norms=norms,
+                                                   temperature=temperature, with_entropy=with_entropy, counts=counts)
         R = batch["responses"].shape[1]
         micros = micro_batches_as_derived(batch, sizes, share_prompts=self.share_prompts, token_scale=self.sp_size)
         ctx = MicroContext(norms=norms, global_tokens=max(float(norms["global_token_count"]), 1.0),
@@ -348,7 +392,13 @@ class TrainEngine(MicroForward):
     def step(self) -> dict[str, float]:
         """Clip the global gradient norm, step (skipped when the norm is not finite), advance the LR schedule."""
         self.parallelized.sync_grads()
-        return clip_and_step(self.model, self.optimizer, self.scheduler, self.grad_clip)
+        pipeline = self.parallelized.pipeline
+        if pipeline is None:
+            return clip_and_step(self.model, self.optimizer, self.scheduler, self.grad_clip)
+        # the norm is over every stage's gradients (a tied embedding's two copies once)
+        tied = pipeline.tied.param if not pipeline.tied.counts_in_norm else None
+        return clip_and_step(self.model, self.optimizer, self.scheduler, self.grad_clip, norm_group=pipeline.group,
+                             norm_skip=tied)
 
     def peak_flops(self) -> float | None:
         """This device's dense bf16 peak FLOP/s (hyflow.models.flops), or None: on CPU and unknown GPUs no MFU."""
@@ -375,7 +425,7 @@ class TrainEngine(MicroForward):
             for column in plan.count_rows:
                 local[f"rows:{column}"] = ((mini[column][:, 0] != 0).sum() if column in mini
                                            else torch.zeros((), dtype=torch.long))
-            if self.group_rank:  # the group's rows are counted (and its metrics summed) once, by its first rank
+            if not self.counts_rows:  # the group's rows are counted (and its metrics summed) once, by one rank
                 local = {key: torch.zeros_like(value) for key, value in local.items()}
             norms = all_reduce_sum(local)
             counts = {key.removeprefix("rows:"): norms.pop(key) for key in [k for k in norms if k.startswith("rows:")]}
@@ -383,7 +433,7 @@ class TrainEngine(MicroForward):
                                          temperature=temperature, with_entropy=with_entropy,
                                          topk_column=topk_column, counts=counts)
             # a sequence-parallel group's sums count once (its first rank's); its extremes are every rank's alike
-            sums = all_reduce_metrics({key: 0.0 if self.group_rank and not key.endswith(EXTREME_SUFFIXES) else value
+            sums = all_reduce_metrics({key: 0.0 if not self.counts_rows and not key.endswith(EXTREME_SUFFIXES) else value
                                        for key, value in sums.items()})
             stepped = self.step()
             for key, value in {**sums, **{f"{plan.metric_prefix}/{k}": v for k, v in stepped.items()}}.items():
@@ -398,8 +448,23 @@ class TrainEngine(MicroForward):
     # ------------------------------------------------------------------------------------------ weights out
 
     def named_full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) of the plain Hugging Face model, LoRA merged in; collective under FSDP2."""
-        if self.lora is not None:
+        """(name, full tensor) of the plain Hugging Face model, LoRA merged in; collective under FSDP2. Under pipeline
+        parallelism every stage's tensors on the pipeline's first rank (`hyflow.parallel.pipeline`), none on the
+        others."""
+        pipeline = self.parallelized.pipeline
+        if pipeline is not None:
+            from hyflow.parallel.pipeline import gather_stage_tensors
+            from hyflow.workers.engine import collective_device
+
+            def local():
+                for stage in pipeline.stages:  # an FSDP2 root stays gathered after a forward
+                    if hasattr(stage, "reshard"):
+                        stage.reshard()
+                return iter_full_tensors(self.model)
+
+            wanted = self.mesh.local_rank("dp") == 0 and self.group_rank == 0
+            yield from gather_stage_tensors(pipeline, local, wanted=wanted, device=collective_device())
+        elif self.lora is not None:
             yield from merged_named_tensors(self.model)
         else:
             yield from iter_full_tensors(self.model)

@@ -693,11 +693,13 @@ def test_verl_torchtitan_tensor_parallel_sizes_are_hyflows():
     cfg = load_config(["actor_rollout_ref.ref.torchtitan.tensor_parallel_size=2"])
     assert (cfg.actor_rollout_ref.actor.tensor_parallel_size, cfg.actor_rollout_ref.ref.tensor_parallel_size) == (1, 2)
     assert load_config([]).critic.tensor_parallel_size == 1
+    cfg = load_config(["critic.torchtitan.pipeline_parallel_size=2"])  # and its pipeline size
+    assert (cfg.critic.pipeline_parallel_size, cfg.actor_rollout_ref.actor.pipeline_parallel_size) == (2, 1)
     with pytest.raises(ConfigError, match="set the same thing"):
         load_config(["actor_rollout_ref.actor.torchtitan.tensor_parallel_size=2",
                      "actor_rollout_ref.actor.tensor_parallel_size=4"])
     for key in ("actor_rollout_ref.actor.torchtitan.attn_type=flex", "actor_rollout_ref.ref.torchtitan.strategy=fsdp2",
-                "critic.torchtitan.pipeline_parallel_size=2", "actor_rollout_ref.actor.torchtitan.data_parallel_size=2"):
+                "critic.torchtitan.context_parallel_size=2", "actor_rollout_ref.actor.torchtitan.data_parallel_size=2"):
         with pytest.raises(ConfigError, match="is a verl key that hyflow does not support yet: remove it"):
             load_config([key])
 

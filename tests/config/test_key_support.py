@@ -648,11 +648,19 @@ def test_verl_engines_run_on_hyflows_and_refuse_what_cannot_map_by_name():
         assert key in accepted, key
     assert engine_line(load_config(["model_engine=veomni"])).startswith("hyflow: verl's veomni engine")
     assert engine_line(load_config([])) is None
+    # Megatron's pipeline sizes are hyflow's (tp 2 x pp 2 = the 4 devices), the stage-split knobs performance-only
+    cfg = load_config([*megatron, "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+                       "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2",
+                       "+actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=3"])
+    validate_config(cfg)
+    actor = cfg.actor_rollout_ref.actor
+    assert (actor.pipeline_parallel_size, actor.virtual_pipeline_parallel_size) == (2, 2)
+    assert "actor: tensor_parallel_size=2, pipeline_parallel_size=2, virtual_pipeline_parallel_size=2" in engine_line(cfg)
+    assert "num_layers_in_first_pipeline_stage=3 (verl's megatron engine knob: how the layers" in \
+        support.performance_only_warning(cfg)
     for extra, problem in (
-            ("actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
-             "pipeline_model_parallel_size is not supported by this hyflow version yet (got 2): pipeline parallelism "
-             "is not built yet"),
-            ("actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2", "interleaved pipeline stages"),
+            ("actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2",
+             "virtual_pipeline_parallel_size=2 needs actor_rollout_ref.actor.pipeline_parallel_size > 1"),
             ("actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2",
              "splitting each expert over tensor-parallel ranks is not built"),
             ("actor_rollout_ref.actor.megatron.use_dist_checkpointing=true", "not from a Megatron distributed"),
@@ -668,6 +676,38 @@ def test_verl_engines_run_on_hyflows_and_refuse_what_cannot_map_by_name():
             validate_config(load_config([*megatron, extra]))
     validate_config(load_config([*megatron, "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
                                  "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"]))
+
+
+def test_pipeline_parallel_sizes_are_checked_and_what_a_pipeline_does_not_run_is_refused_by_name():
+    """pipeline_parallel_size: pp x tp divides the role's devices; FSDP2; the schedule fits the virtual stages;
+    Ulysses, LoRA and full checkpoints refused by name; packing and prompt sharing performance-only (said at start);
+    a pipeline's data-parallel size is devices / (pp x tp) in the batch arithmetic."""
+    from hyflow.config import batch_arithmetic
+
+    base = ["trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.pipeline_parallel_size=2"]
+    cfg = load_config(base)
+    validate_config(cfg)
+    assert batch_arithmetic(cfg).actor.dp_size == 2
+    line = support.performance_only_warning(cfg)
+    assert "actor_rollout_ref.model.use_remove_padding=true (pipeline parallelism runs the padded" in line
+    assert "actor_rollout_ref.actor.use_prefix_grouper=true (pipeline parallelism" in line
+    assert support.performance_only_warning(load_config([])) is None or "pipeline" not in \
+        support.performance_only_warning(load_config([]))
+    validate_config(load_config([*base, "critic.pipeline_parallel_size=4", "algorithm.adv_estimator=gae",
+                                 "actor_rollout_ref.actor.virtual_pipeline_parallel_size=2"]))
+    for extra, problem in (
+            ("actor_rollout_ref.actor.tensor_parallel_size=4",
+             "pipeline_parallel_size=2 x actor_rollout_ref.actor.tensor_parallel_size=4 must divide the role's 4"),
+            ("actor_rollout_ref.actor.strategy=ddp", "with actor_rollout_ref.actor.strategy=ddp (needs fsdp or fsdp2"),
+            ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+             "with actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 (the pipeline runs padded"),
+            ("actor_rollout_ref.model.lora_rank=8", "pipeline_parallel_size=2 with LoRA is not built yet"),
+            ("trainer.checkpoint_format=full", "with trainer.checkpoint_format=full (rank 0 holds one stage"),
+            ("actor_rollout_ref.actor.pipeline_schedule=Interleaved1F1B",
+             "pipeline_schedule=Interleaved1F1B with virtual_pipeline_parallel_size=1"),
+            ("actor_rollout_ref.actor.pipeline_schedule=ZB", "pipeline_schedule")):
+        with pytest.raises(ConfigError, match=re.escape(problem)):
+            validate_config(load_config([*base, extra]))
 
 
 def test_tensor_parallel_sizes_are_accepted_and_checked():

@@ -37,7 +37,7 @@ def test_dp_shard_takes_the_ranks_the_others_leave():
     ({"world_size": 4, "sp": 0}, "sp=0 must be a positive integer"),
     ({"world_size": 4, "dp_shard": 0}, "dp_shard=0 must be a positive integer (or -1: the rest)"),
     ({"world_size": 4, "tp": 2, "ep": 8}, "ep=8 must divide dp_shard x sp x tp = 4"),
-    ({"world_size": 4, "pp": 2, "ep": 2}, "expert parallelism (ep=2) with pipeline parallelism (pp=2) is not built"),
+    ({"world_size": 4, "pp": 2, "ep": 4}, "ep=4 must divide dp_shard x sp x tp = 2"),  # ep within a pipeline stage
 ])
 def test_sizes_that_do_not_fit_the_world_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -55,12 +55,13 @@ def test_one_process_builds_no_mesh_and_needs_no_process_group():
     assert not torch.distributed.is_initialized()
 
 
-def test_pipeline_seat_refuses_by_name_and_expert_parallelism_needs_experts():
+def test_pipeline_needs_a_decoder_and_expert_parallelism_needs_experts():
     model = torch.nn.Linear(2, 2)
     one = ParallelDims().build_mesh("cpu")
-    assert apply_pp(model, ParallelDims()) is model and apply_ep(model, ParallelDims(), one) == []
-    with pytest.raises(NotImplementedError, match=r"pipeline parallelism \(pp=2\) is not built yet \(issue 39\)"):
-        apply_pp(model, ParallelDims(world_size=2, pp=2))
+    assert apply_pp(model, ParallelDims(), one) is None and apply_ep(model, ParallelDims(), one) == []
+    staged = ParallelMesh(ParallelDims(world_size=2, pp=2), None, {})  # a mesh without groups: refused before any
+    with pytest.raises(ValueError, match="pipeline parallelism cuts a decoder with embed_tokens.*Linear is not one"):
+        apply_pp(model, staged.dims, staged)
     two = ParallelMesh(ParallelDims(world_size=2, ep=2), None, {})  # a mesh without groups: refused before any
     with pytest.raises(ValueError, match="needs a mixture-of-experts model .* this model has none"):
         apply_ep(model, two.dims, two)

@@ -44,6 +44,7 @@ def device_problems(cfg: HyflowConfig, n_devices: int | None) -> list[str]:
                             "row is cut across the group's devices; set it, or the sequence-parallel size to 1.")
     problems += _check_tensor_parallel(cfg, devices, role_devices(cfg, "critic", n_devices))
     problems += _check_sharding_and_experts(cfg, devices, role_devices(cfg, "critic", n_devices))
+    problems += _check_pipeline(cfg, devices, role_devices(cfg, "critic", n_devices))
     rollout = cfg.actor_rollout_ref.rollout
     caps = engine_capabilities(rollout.name)
     if caps is not None and splits_model(caps) and devices % max(rollout.tensor_model_parallel_size, 1):
@@ -118,17 +119,19 @@ def _check_sharding_and_experts(cfg: HyflowConfig, devices: int, critic_devices:
 
 def _sharding_problems(role: str, section: Any, fsdp_key: str, fsdp_size: int, devices: int, lora: Any) -> list[str]:
     tp, sp, ep = section.tensor_parallel_size, section.ulysses_sequence_parallel_size, section.expert_parallel_size
-    if tp < 1 or sp < 1 or devices % tp:
-        return []  # the tensor/sequence-parallel checks say so
+    pp = section.pipeline_parallel_size
+    if tp < 1 or sp < 1 or pp < 1 or devices % (tp * pp):
+        return []  # the tensor/sequence/pipeline-parallel checks say so
     strategy, problems = section.strategy, []
-    key, shard = f"{fsdp_key}.fsdp_size", devices // tp
+    key, shard = f"{fsdp_key}.fsdp_size", devices // (tp * pp)
     if fsdp_size == 0 or fsdp_size < -1:
         problems.append(f"{key}={fsdp_size}: use -1 (shard over all the role's devices) or the devices of one shard "
                         "group (hybrid sharding).")
     elif 0 < fsdp_size < shard:
         if shard % fsdp_size or fsdp_size % sp:
+            per = f"{role}.tensor_parallel_size={tp}" + (f" x {role}.pipeline_parallel_size={pp}" if pp > 1 else "")
             problems.append(f"{key}={fsdp_size} (hybrid sharding: shard groups of that many devices, replicated) must "
-                            f"divide the role's {devices} devices / {role}.tensor_parallel_size={tp} and be a multiple "
+                            f"divide the role's {devices} devices / {per} and be a multiple "
                             f"of {role}.ulysses_sequence_parallel_size={sp}; set a divisor of {shard}, or -1.")
         elif strategy not in FSDP2_STRATEGIES:
             problems.append(f"{key}={fsdp_size} (hybrid sharding) needs {role}.strategy fsdp or fsdp2, got "
@@ -150,4 +153,57 @@ def _sharding_problems(role: str, section: Any, fsdp_key: str, fsdp_size: int, d
         if lora is not None and ((isinstance(lora.lora_rank, int) and lora.lora_rank > 0) or lora.lora_adapter_path):
             problems.append(f"{ekey}={ep} with LoRA: expert parallelism of a LoRA model is not built yet; set "
                             f"{ekey}=1, or train without LoRA.")
+    return problems
+
+
+def _check_pipeline(cfg: HyflowConfig, devices: int, critic_devices: int) -> list[str]:
+    """pipeline_parallel_size, virtual_pipeline_parallel_size and pipeline_schedule of the actor, the reference and
+    the critic (`hyflow.parallel.pipeline`): pp x tp divides the role's devices, FSDP2, an interleaved schedule with
+    virtual stages, and what a pipeline does not run yet refused by name (packing, prompt sharing and compile are
+    performance-only there: `hyflow.config.support`'s table says so at start). A reference problem that repeats
+    the actor's is reported once."""
+    arr, critic = cfg.actor_rollout_ref, cfg.critic
+    problems: list[str] = []
+    for role, section, lora, role_devices_ in (
+        (ACTOR, arr.actor, arr.model, devices),
+        ("actor_rollout_ref.ref", arr.ref, None, devices),
+        ("critic", critic, critic.model, critic_devices),
+    ):
+        found = _pipeline_problems(cfg, role, section, lora, role_devices_)
+        problems += [p for p in found if p.replace("actor_rollout_ref.ref.", f"{ACTOR}.") not in problems]
+    return problems
+
+
+def _pipeline_problems(cfg: HyflowConfig, role: str, section: Any, lora: Any, devices: int) -> list[str]:
+    pp, virtual, schedule = section.pipeline_parallel_size, section.virtual_pipeline_parallel_size, \
+        section.pipeline_schedule
+    key = f"{role}.pipeline_parallel_size"
+    if pp < 1 or (virtual is not None and virtual < 1):
+        return [f"{key}={pp} and {role}.virtual_pipeline_parallel_size={virtual} must be >= 1 (virtual: or null)."]
+    virtual = virtual or 1
+    if pp == 1:
+        if virtual > 1:
+            return [f"{role}.virtual_pipeline_parallel_size={virtual} needs {key} > 1 (stages per pipeline device); "
+                    "set it to null, or set the pipeline size."]
+        return []
+    tp = max(section.tensor_parallel_size, 1)
+    problems = []
+    if devices % (pp * tp):
+        problems.append(f"{key}={pp} x {role}.tensor_parallel_size={tp} must divide the role's {devices} devices; "
+                        f"set a pipeline size that does.")
+    if schedule is not None and (schedule == "Interleaved1F1B") != (virtual > 1):
+        problems.append(f"{role}.pipeline_schedule={schedule} with virtual_pipeline_parallel_size={virtual}: "
+                        "Interleaved1F1B runs several stages per device (virtual > 1), 1F1B and GPipe one; set "
+                        "pipeline_schedule=null to choose by the virtual size.")
+    refused = {
+        f"{role}.strategy={section.strategy} (needs fsdp or fsdp2: each stage is sharded by FSDP2)":
+            section.strategy not in FSDP2_STRATEGIES,
+        f"{role}.ulysses_sequence_parallel_size={section.ulysses_sequence_parallel_size} (the pipeline runs padded "
+        "micro-batches, Ulysses cuts packed ones)": section.ulysses_sequence_parallel_size > 1,
+        "LoRA": lora is not None and ((isinstance(lora.lora_rank, int) and lora.lora_rank > 0)
+                                      or bool(lora.lora_adapter_path)),
+        "trainer.checkpoint_format=full (rank 0 holds one stage; sharded checkpoints hold every stage)":
+            cfg.trainer.checkpoint_format == "full",
+    }
+    problems += [f"{key}={pp} with {what} is not built yet; use one of them." for what, bad in refused.items() if bad]
     return problems

@@ -18,7 +18,12 @@ class PolicyLossConfig:
 
     loss_mode: str = option(
         "vanilla",
-        "Registered policy loss: vanilla (PPO clip, Schulman et al. 2017, arXiv 1707.06347), gspo (arXiv 2507.18071), sapo (arXiv 2511.20347), gpg, clip_cov, kl_cov (arXiv 2505.22617), geo_mean (GMPO, arXiv 2507.20673), cispo (arXiv 2506.13585), dppo_tv / dppo_kl (arXiv 2602.04879), dro (needs dro_beta), reinforce, bypass_mode (PPO clip against the rollout log-probs, with algorithm.rollout_correction.bypass_mode=true), sppo (SPPO's square loss, with algorithm.adv_estimator=sppo, arXiv 2405.00675); see hyflow.algos.POLICY_LOSSES.",
+        "Registered policy loss: vanilla (PPO clip, Schulman et al. 2017, arXiv 1707.06347), gspo (arXiv "
+        "2507.18071), sapo (arXiv 2511.20347), gpg, clip_cov, kl_cov (arXiv 2505.22617), geo_mean (GMPO, arXiv "
+        "2507.20673), cispo (arXiv 2506.13585), dppo_tv / dppo_kl (arXiv 2602.04879), dro (needs dro_beta), "
+        "reinforce, bypass_mode (PPO clip against the rollout log-probs, with "
+        "algorithm.rollout_correction.bypass_mode=true), sppo (SPPO's square loss, with "
+        "algorithm.adv_estimator=sppo, arXiv 2405.00675); see hyflow.algos.POLICY_LOSSES.",
     )
     clip_cov_ratio: float = option(
         0.0002, "clip_cov: fraction of tokens whose gradient is dropped (arXiv 2505.22617)."
@@ -53,7 +58,8 @@ class ActorConfig:
     )
     ppo_micro_batch_size_per_gpu: int | None = option(
         None,
-        "Samples per device per forward/backward pass (gradient accumulation inside a mini-batch). None = the whole per-device mini-batch in one pass (verl: required).",
+        "Samples per device per forward/backward pass (gradient accumulation inside a mini-batch). None = the "
+        "whole per-device mini-batch in one pass (verl: required).",
     )
     use_dynamic_bsz: bool = option(
         False,
@@ -61,7 +67,8 @@ class ActorConfig:
     )
     ppo_max_token_len_per_gpu: int = option(
         16384,
-        "With use_dynamic_bsz: tokens (prompt + response) per device per forward pass; must cover the longest sequence.",
+        "With use_dynamic_bsz: tokens (prompt + response) per device per forward pass; must cover the longest "
+        "sequence.",
     )
     ppo_epochs: int = option(
         1,
@@ -83,14 +90,17 @@ class ActorConfig:
     )
     clip_ratio_c: float = option(
         3.0,
-        "Dual-clip bound for negative advantages: loss capped at -A x clip_ratio_c; must be > 1 (Ye et al. 2020, arXiv 1912.09729).",
+        "Dual-clip bound for negative advantages: loss capped at -A x clip_ratio_c; must be > 1 (Ye et al. 2020, "
+        "arXiv 1912.09729).",
     )
     policy_loss: PolicyLossConfig = section(PolicyLossConfig, "Policy loss choice and its knobs.")
     tau_pos: float = option(1.0, "SAPO gate temperature for positive advantages (arXiv 2511.20347).")
     tau_neg: float = option(1.05, "SAPO gate temperature for negative advantages.")
     loss_agg_mode: str = option(
         "token-mean",
-        "How per-token losses become one number: token-mean (mean over all response tokens of the mini-batch, DAPO), token-sum (their sum, no normaliser), seq-mean-token-sum, seq-mean-token-mean (GRPO paper), seq-mean-token-sum-norm (Dr. GRPO, arXiv 2503.20783).",
+        "How per-token losses become one number: token-mean (mean over all response tokens of the mini-batch, "
+        "DAPO), token-sum (their sum, no normaliser), seq-mean-token-sum, seq-mean-token-mean (GRPO paper), "
+        "seq-mean-token-sum-norm (Dr. GRPO, arXiv 2503.20783).",
         choices=LOSS_AGG_MODES,
     )
     loss_scale_factor: float | None = option(
@@ -104,7 +114,9 @@ class ActorConfig:
     kl_loss_coef: float = option(0.001, "Weight of the KL loss term.")
     kl_loss_type: str = option(
         "low_var_kl",
-        "KL estimator of the loss: kl/k1, abs, mse/k2, low_var_kl/k3 (Schulman 2020, 'Approximating KL divergence'); a trailing '+' uses k2's gradient (straight-through); full: verl's full-vocabulary KL, not supported yet.",
+        "KL estimator of the loss: kl/k1, abs, mse/k2, low_var_kl/k3 (Schulman 2020, 'Approximating KL "
+        "divergence'); a trailing '+' uses k2's gradient (straight-through); full: verl's full-vocabulary KL, not"
+        " supported yet.",
         choices=(*KL_PENALTY_NAMES, "full"),
     )
     dpo_beta: float = option(
@@ -142,11 +154,41 @@ class ActorConfig:
         "MoE model whose experts it divides; must divide the devices of an FSDP shard group (fsdp_config.fsdp_size, "
         "or all the role's) x tensor_parallel_size; not with LoRA yet.",
     )
+    pipeline_parallel_size: int = option(
+        1,
+        "Devices that hold consecutive pipeline stages of the model (Megatron's pipeline_model_parallel_size; "
+        "torch.distributed.pipelining, hyflow.parallel.pipeline): the decoder layers split evenly over "
+        "pipeline_parallel_size x virtual_pipeline_parallel_size stages, stage 0 with the embedding, the last with "
+        "the final norm and the head; the role's micro-batches flow through them by pipeline_schedule, the loss on "
+        "the last stage. Composes with FSDP2 (each stage sharded over the data-parallel devices), "
+        "tensor_parallel_size and expert_parallel_size (within a stage's devices); data-parallel size = devices / "
+        "(this x tensor_parallel_size). The stages run the padded micro-batch (the packed one gives the same "
+        "log-probs: use_remove_padding and use_prefix_grouper are performance-only here), a token-budget "
+        "micro-batch filled to the largest one's rows. Not combined with ulysses_sequence_parallel_size > 1, LoRA, "
+        "a vision-language model or checkpoint_format=full yet; the model needs at least as many decoder layers as "
+        "stages.",
+    )
+    virtual_pipeline_parallel_size: int | None = option(
+        None,
+        "Pipeline stages per pipeline device (Megatron's virtual_pipeline_model_parallel_size; null = 1): with "
+        "more than 1 each device holds that many non-consecutive stages (stage s on device s mod "
+        "pipeline_parallel_size) and the schedule is Interleaved1F1B, whose idle fraction is about (p - 1) / (v x"
+        " m + p - 1) instead of (p - 1) / (m + p - 1) for m micro-batches.",
+    )
+    pipeline_schedule: str | None = option(
+        None,
+        "The pipeline schedule (torch.distributed.pipelining): 1F1B (one forward, one backward: at most p "
+        "micro-batches' activations live), GPipe (all forwards, then all backwards), or Interleaved1F1B (several "
+        "stages per device: virtual_pipeline_parallel_size > 1); null = Interleaved1F1B with virtual stages, else"
+        " 1F1B.",
+        choices=(None, "1F1B", "GPipe", "Interleaved1F1B"),
+    )
     use_torch_compile: bool = option(
         False,
         "torch.compile the model's MLPs and RMSNorms for the actor's training and log-prob passes (hyflow.models."
         "compile; the rollout decodes eagerly). hyflow's default is false (verl's: true): it costs a one-time "
-        "compile of seconds per model, which only long runs earn back (1.09-1.13x training tokens/s on CPU, BENCHMARKS.md).",
+        "compile of seconds per model, which only long runs earn back (1.09-1.13x training tokens/s on CPU, "
+        "BENCHMARKS.md).",
     )
     freeze_vision_tower: bool = option(
         False,
@@ -212,6 +254,19 @@ class RefConfig:
     expert_parallel_size: int = option(
         "${actor_rollout_ref.actor.expert_parallel_size}",
         "Expert-parallel size of the reference (see actor_rollout_ref.actor.expert_parallel_size).",
+    )
+    pipeline_parallel_size: int = option(
+        "${actor_rollout_ref.actor.pipeline_parallel_size}",
+        "Pipeline-parallel size of the reference (see actor_rollout_ref.actor.pipeline_parallel_size).",
+    )
+    virtual_pipeline_parallel_size: int | None = option(
+        "${actor_rollout_ref.actor.virtual_pipeline_parallel_size}",
+        "Pipeline stages per device of the reference (see actor_rollout_ref.actor.virtual_pipeline_parallel_size).",
+    )
+    pipeline_schedule: str | None = option(
+        "${actor_rollout_ref.actor.pipeline_schedule}",
+        "The reference's pipeline schedule (see actor_rollout_ref.actor.pipeline_schedule).",
+        choices=(None, "1F1B", "GPipe", "Interleaved1F1B"),
     )
     use_torch_compile: bool = option(
         "${actor_rollout_ref.actor.use_torch_compile}",

@@ -106,5 +106,13 @@ class CriticConfig:
         "critic.strategy fsdp/fsdp2; the value head is replicated).")
     expert_parallel_size: int = option(
         1, "Expert-parallel size of the critic (see actor_rollout_ref.actor.expert_parallel_size).")
+    pipeline_parallel_size: int = option(
+        1, "Pipeline-parallel size of the critic (see actor_rollout_ref.actor.pipeline_parallel_size; the last stage "
+        "ends with the value head).")
+    virtual_pipeline_parallel_size: int | None = option(
+        None, "Pipeline stages per device of the critic (see actor_rollout_ref.actor.virtual_pipeline_parallel_size).")
+    pipeline_schedule: str | None = option(
+        None, "The critic's pipeline schedule (see actor_rollout_ref.actor.pipeline_schedule).",
+        choices=(None, "1F1B", "GPipe", "Interleaved1F1B"))
     checkpoint: CheckpointConfig = section(CheckpointConfig, "What the critic's checkpoints contain.")
     profiler: ProfilerConfig = section(ProfilerConfig, "Profiling the critic's worker processes (docs/profiling.md).")

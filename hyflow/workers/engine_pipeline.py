@@ -1,0 +1,159 @@
+"""A `TrainEngine`'s passes under pipeline parallelism (a mixin; `hyflow.parallel.pipeline` cuts the model and runs
+the schedules).
+
+The schedules need micro-batches of one shape, so the pipeline passes run the padded layout (the packed one
+gives the same log-probs: `use_remove_padding` is then a memory setting only, said on the start line): the
+mini-batch's columns are trimmed once (`trim_padding` over all its rows), its micro-batches are the role's
+(`micro_batches_as_derived`), and in a forward-only pass a shorter micro-batch is filled up with copies of its first
+row whose outputs are dropped. A training pass needs equal micro-batches (the role's mini-batch a multiple of its
+micro-batch size; token budgets, whose micro-batches differ, are refused). The last stage computes the role's loss
+per micro-batch (`loss_fn(out, cols, ctx)`, as the other passes call it) and its metric parts, which it then
+broadcasts to the pipeline's other ranks; a forward-only pass's outputs are broadcast from the last stage too, so
+every rank of the pipeline returns them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from hyflow.batch import Batch
+from hyflow.models.moe import STATS
+from hyflow.workers.engine import (
+    MicroContext,
+    merge_metric,
+    micro_batches_as_derived,
+    pad_response,
+    trim_padding,
+)
+
+__all__ = ["PipelinePasses", "pipeline_problem"]
+
+
+def pipeline_problem(engine) -> str | None:
+    """Why this engine's settings cannot run pipeline-parallel (None when they can)."""
+    spec = engine.spec
+    where = f"{engine.name}: pipeline_parallel_size={spec.pipeline_parallel_size}"
+    if engine.head == "score":
+        return f"{where} for a reward model is not built; use 1"
+    if engine.vision:
+        return f"{where} of a vision-language model is not built; use 1"
+    if engine.lora is not None:
+        return f"{where} with LoRA is not built yet; use lora_rank=0 or pipeline_parallel_size=1"
+    if engine.sp_size > 1:
+        return (f"{where} with ulysses_sequence_parallel_size={engine.sp_size} is not built (the pipeline runs padded "
+                "micro-batches, Ulysses cuts packed ones); use one of them")
+    if engine.share_prompts:
+        return f"{where} with use_prefix_grouper is not built (the pipeline runs padded micro-batches); turn it off"
+    if engine.compiled is not None:
+        return f"{where} with use_torch_compile is not built; turn it off"
+    return None
+
+
+class PipelinePasses:
+    """`_pipeline_infer` and `_pipeline_forward_backward`: the engine's `infer` / `forward_backward` under pipeline
+    parallelism. Reads the engine's `pipeline` (a `PipelineRunner`), `head`, `name`, `dp_size`, `device`, `router_stats`,
+    `progress` and its `passes()` context."""
+
+    def _last_stage_rank(self) -> int:
+        """The global rank of this pipeline's last pp rank (where the outputs and the loss are)."""
+        return dist.get_process_group_ranks(self.pipeline.parts.group)[-1]
+
+    def _pipeline_micros(self, batch: Batch, sizes, R: int, *, fill: bool):
+        """The micro-batches as (input_ids, attention_mask, position_ids) of one shape, their rows of `batch`, and
+        the kept response length r (module docstring). `fill`: fill short micro-batches with copies of a row
+        (forward only); else unequal micro-batches raise ValueError."""
+        seq, r = trim_padding(batch, R)
+        micros = micro_batches_as_derived(batch, sizes)
+        rows = [torch.as_tensor(index) for _, index in micros]
+        width = max(len(index) for index in rows)
+        if not fill and any(len(index) != width for index in rows):
+            raise ValueError(f"{self.name}: pipeline parallelism runs micro-batches of one size; these have "
+                             f"{sorted({len(index) for index in rows})} rows (make the per-rank mini-batch a "
+                             "multiple of the micro-batch size, and use fixed micro-batch sizes: use_dynamic_bsz=false)")
+        args = []
+        for index in rows:
+            full = torch.cat([index, index[:1].repeat(width - len(index))])
+            ids, mask, positions = (seq[key][full] for key in ("input_ids", "attention_mask", "position_ids"))
+            real = mask.clone()
+            real[len(index):] = 0  # the filling copies' tokens count nowhere (router metrics)
+            args.append((ids, mask, positions, real))
+        return args, rows, r
+
+    @contextlib.contextmanager
+    def _real_tokens(self):
+        """The stages tell the router metrics which tokens are real (not padding, not filling rows) while inside."""
+        def observe(mask):
+            self.router_stats.token_mask = mask
+
+        for stage in self.pipeline.parts.stages:
+            stage.token_observer = observe
+        try:
+            yield
+        finally:
+            self.router_stats.token_mask = None
+            for stage in self.pipeline.parts.stages:
+                stage.token_observer = None
+
+    def _broadcast_from_last(self, value):
+        """`value` of the last pp rank on every rank of this pipeline (an object broadcast over the pp group)."""
+        box = [value]
+        dist.broadcast_object_list(box, src=self._last_stage_rank(), group=self.pipeline.parts.group)
+        return box[0]
+
+    def _names(self, with_entropy: bool) -> tuple[str, ...]:
+        return ("values",) if self.head == "value" else (("log_probs", "entropy") if with_entropy else ("log_probs",))
+
+    def _pipeline_infer(self, batch: Batch, sizes, *, temperature: float, with_entropy: bool) -> dict:
+        R = batch["responses"].shape[1]
+        micros, rows, r = self._pipeline_micros(batch, sizes, R, fill=True)
+        outs = self.pipeline.run(micros, r=r, temperature=temperature, with_entropy=with_entropy)
+        names = self._names(with_entropy)
+        result = None
+        if outs is not None:
+            result = {name: torch.zeros(len(batch), R) for name in names}
+            for out, index in zip(outs, rows, strict=True):
+                parts = out if isinstance(out, tuple) else (out,)
+                for name, part in zip(names, parts, strict=True):
+                    result[name][index] = pad_response(part[: len(index)].detach().float().cpu(), R)
+        result = self._broadcast_from_last(result)
+        mask = batch["response_mask"].float()
+        return {key: value * mask for key, value in result.items()}
+
+    def _pipeline_forward_backward(self, batch: Batch, sizes, loss_fn, *, columns, norms: dict, temperature: float,
+                                   with_entropy: bool, counts: dict) -> dict[str, float]:
+        R = batch["responses"].shape[1]
+        micros, rows, r = self._pipeline_micros(batch, sizes, R, fill=False)
+        ctx = MicroContext(norms=norms, global_tokens=max(float(norms["global_token_count"]), 1.0),
+                           n_micro=len(micros), world_size=self.dp_size, counts=dict(counts or {}))
+        names = self._names(with_entropy)
+        sums: dict[str, float] = {}
+
+        def micro_loss(output, j: int) -> torch.Tensor:
+            parts = output if isinstance(output, tuple) else (output,)
+            out = dict(zip(names, parts, strict=True))
+            if self.head == "lm":
+                out.setdefault("entropy", None)
+            cols = {key: batch[key][rows[j]][:, :r].to(self.device) for key in columns if key in batch}
+            loss, metrics = loss_fn(out, cols, ctx)
+            for key, value in metrics.items():
+                sums[key] = merge_metric(key, sums.get(key), value)
+            # gradients summed over micro-batches and (FSDP2 averages) the data-parallel ranks: as `forward_backward`
+            return loss * self.dp_size
+
+        # a MoE model's routers on this rank's stages (real tokens only); compiled MLPs and norms under use_torch_compile
+        with self.router_stats, self._real_tokens(), self.passes(packing=False):
+            self.pipeline.run(micros, loss_fn=micro_loss, r=r, temperature=temperature, with_entropy=with_entropy)
+        if self.progress is not None:
+            self.progress(f"update_{self.name}", len(micros), len(micros), "micro-batches", "")
+        sums = self._broadcast_from_last(sums if self.pipeline.parts.has_last else None)
+        if self.router_stats:  # the mean over every stage's MoE-layer calls, a data-parallel replica's share
+            stats = [None] * self.pipeline.parts.pp_size
+            dist.all_gather_object(stats, self.router_stats.take_sums(), group=self.pipeline.parts.group)
+            count = sum(n for _, n in stats)
+            for key in STATS if count else ():
+                total = sum(s.get(key, 0.0) for s, _ in stats)
+                sums[f"{self.name}/moe/{key}"] = total / count / self.dp_size
+        return sums
