@@ -74,6 +74,18 @@ def schedule_name(name: str | None, virtual: int) -> str:
     return chosen
 
 
+def schedule_micro_batches(n: int, pp: int, schedule: str) -> int:
+    """The fewest micro-batches >= n that `schedule` runs on pp ranks: 1F1B at least pp (torch's Schedule1F1B),
+    Interleaved1F1B a multiple of its rounds (max(1, m // pp)), GPipe any."""
+    m = max(n, 1)
+    if schedule == "1F1B":
+        return max(m, pp)
+    if schedule == "Interleaved1F1B":
+        while m % max(1, m // pp):
+            m += 1
+    return m
+
+
 class PipelineStageModule(nn.Module):
     """Stage `stage` of `n_stages` of a cut model (module docstring): the embedding on the first, the layers of
     `layer_ids`, the final norm and `head` ("lm" / "value") on the last. The pass's settings (response length,
@@ -352,3 +364,48 @@ def gather_stage_tensors(parts: PipelineParts, local: Callable[[], Iterator[tupl
                 tensor = torch.empty(shape, dtype=dtype, device=device)
                 dist.recv(tensor, src=ranks[source], group=group)
                 yield name, tensor
+
+
+# ------------------------------------------------------------------------------------------ full checkpoints
+
+
+def gather_stage_objects(parts: PipelineParts, value, *, wanted: bool) -> list | None:
+    """Every pp rank's `value` (a picklable object) in pp-rank order on the pipeline's first rank when `wanted`
+    (None elsewhere); collective over the pp group (every rank calls it)."""
+    values = [None] * parts.pp_size
+    dist.all_gather_object(values, value, group=parts.group)
+    return values if wanted and parts.pp_rank == 0 else None
+
+
+def merge_optimizer_states(states: list[dict]) -> dict:
+    """One name-keyed optimizer state of the stages' (`get_optimizer_state_dict` full, each over its own
+    parameters): their states joined, each parameter group's names joined in stage order (hyperparameters the first
+    stage's); {} when the optimizer has not stepped."""
+    states = [state for state in states if state]
+    if not states:
+        return {}
+    merged = {"state": {}, "param_groups": [dict(group) for group in states[0]["param_groups"]]}
+    for group in merged["param_groups"]:
+        group["params"] = []
+    for state in states:
+        merged["state"].update(state["state"])
+        for group, own in zip(merged["param_groups"], state["param_groups"], strict=True):
+            group["params"] += [name for name in own["params"] if name not in group["params"]]
+    return merged
+
+
+def local_optimizer_state(state: dict, names: set[str], aliases: dict[str, str]) -> dict:
+    """The part of a whole model's name-keyed optimizer `state` whose parameters are `names` (this rank's), a name
+    missing there read from its alias (a tied lm_head copy from the embedding's entry)."""
+    if not state or not state.get("state"):
+        return state
+    entries = state["state"]
+    own = {}
+    for name in names:
+        source = name if name in entries else aliases.get(name)
+        if source in entries:
+            own[name] = entries[source]
+    groups = [{**group, "params": [name for name in names if name in own or name in group["params"]
+                                   or aliases.get(name) in group["params"]]}
+              for group in state["param_groups"]]
+    return {"state": own, "param_groups": groups}

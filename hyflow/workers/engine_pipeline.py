@@ -2,11 +2,13 @@
 the schedules).
 
 The schedules need micro-batches of one shape, so the pipeline passes run the padded layout (the packed one
-gives the same log-probs: `use_remove_padding` is then a memory setting only, said on the start line): the
-mini-batch's columns are trimmed once (`trim_padding` over all its rows), its micro-batches are the role's
-(`micro_batches_as_derived`), and in a forward-only pass a shorter micro-batch is filled up with copies of its first
-row whose outputs are dropped. A training pass needs equal micro-batches (the role's mini-batch a multiple of its
-micro-batch size; token budgets, whose micro-batches differ, are refused). The last stage computes the role's loss
+gives the same log-probs: `use_remove_padding` is then a speed setting only, said at start): the mini-batch's
+columns are trimmed once (`trim_padding` over all its rows), its micro-batches are the role's
+(`micro_batches_as_derived`: a sample count or token budgets), and a micro-batch with fewer rows than the largest is
+filled up with copies of its first row, whose outputs are dropped before anything reads them (they get no loss and
+no gradient); a schedule that needs more micro-batches than the role's (1F1B: one per stage) gets idle ones the same
+way. Prompt sharing (`use_prefix_grouper`) does not apply to the stages (performance-only under pipeline
+parallelism, said at start); use_torch_compile's compiled MLPs and norms do. The last stage computes the role's loss
 per micro-batch (`loss_fn(out, cols, ctx)`, as the other passes call it) and its metric parts, which it then
 broadcasts to the pipeline's other ranks; a forward-only pass's outputs are broadcast from the last stage too, so
 every rank of the pipeline returns them.
@@ -45,10 +47,6 @@ def pipeline_problem(engine) -> str | None:
     if engine.sp_size > 1:
         return (f"{where} with ulysses_sequence_parallel_size={engine.sp_size} is not built (the pipeline runs padded "
                 "micro-batches, Ulysses cuts packed ones); use one of them")
-    if engine.share_prompts:
-        return f"{where} with use_prefix_grouper is not built (the pipeline runs padded micro-batches); turn it off"
-    if engine.compiled is not None:
-        return f"{where} with use_torch_compile is not built; turn it off"
     return None
 
 
@@ -61,18 +59,14 @@ class PipelinePasses:
         """The global rank of this pipeline's last pp rank (where the outputs and the loss are)."""
         return dist.get_process_group_ranks(self.pipeline.parts.group)[-1]
 
-    def _pipeline_micros(self, batch: Batch, sizes, R: int, *, fill: bool):
-        """The micro-batches as (input_ids, attention_mask, position_ids) of one shape, their rows of `batch`, and
-        the kept response length r (module docstring). `fill`: fill short micro-batches with copies of a row
-        (forward only); else unequal micro-batches raise ValueError."""
+    def _pipeline_micros(self, batch: Batch, sizes, R: int):
+        """The micro-batches as (input_ids, attention_mask, position_ids, real tokens) of one shape, their rows of
+        `batch`, and the kept response length r (module docstring: short micro-batches filled with copies of a row,
+        idle ones added for the schedule)."""
         seq, r = trim_padding(batch, R)
         micros = micro_batches_as_derived(batch, sizes)
         rows = [torch.as_tensor(index) for _, index in micros]
         width = max(len(index) for index in rows)
-        if not fill and any(len(index) != width for index in rows):
-            raise ValueError(f"{self.name}: pipeline parallelism runs micro-batches of one size; these have "
-                             f"{sorted({len(index) for index in rows})} rows (make the per-rank mini-batch a "
-                             "multiple of the micro-batch size, and use fixed micro-batch sizes: use_dynamic_bsz=false)")
         args = []
         for index in rows:
             full = torch.cat([index, index[:1].repeat(width - len(index))])
@@ -80,6 +74,14 @@ class PipelinePasses:
             real = mask.clone()
             real[len(index):] = 0  # the filling copies' tokens count nowhere (router metrics)
             args.append((ids, mask, positions, real))
+        # a schedule needs enough micro-batches (1F1B: one per stage): idle ones, with no real token, fill up
+        from hyflow.parallel.pipeline import schedule_micro_batches
+
+        parts = self.pipeline.parts
+        for _ in range(schedule_micro_batches(len(args), parts.pp_size, self.pipeline.schedule_kind) - len(args)):
+            ids, mask, positions, real = args[0]
+            args.append((ids, mask, positions, torch.zeros_like(real)))
+            rows.append(rows[0][:0])
         return args, rows, r
 
     @contextlib.contextmanager
@@ -108,7 +110,7 @@ class PipelinePasses:
 
     def _pipeline_infer(self, batch: Batch, sizes, *, temperature: float, with_entropy: bool) -> dict:
         R = batch["responses"].shape[1]
-        micros, rows, r = self._pipeline_micros(batch, sizes, R, fill=True)
+        micros, rows, r = self._pipeline_micros(batch, sizes, R)
         outs = self.pipeline.run(micros, r=r, temperature=temperature, with_entropy=with_entropy)
         names = self._names(with_entropy)
         result = None
@@ -125,15 +127,19 @@ class PipelinePasses:
     def _pipeline_forward_backward(self, batch: Batch, sizes, loss_fn, *, columns, norms: dict, temperature: float,
                                    with_entropy: bool, counts: dict) -> dict[str, float]:
         R = batch["responses"].shape[1]
-        micros, rows, r = self._pipeline_micros(batch, sizes, R, fill=False)
+        micros, rows, r = self._pipeline_micros(batch, sizes, R)
         ctx = MicroContext(norms=norms, global_tokens=max(float(norms["global_token_count"]), 1.0),
-                           n_micro=len(micros), world_size=self.dp_size, counts=dict(counts or {}))
+                           n_micro=sum(1 for index in rows if len(index)), world_size=self.dp_size,
+                           counts=dict(counts or {}))
         names = self._names(with_entropy)
         sums: dict[str, float] = {}
 
         def micro_loss(output, j: int) -> torch.Tensor:
             parts = output if isinstance(output, tuple) else (output,)
-            out = dict(zip(names, parts, strict=True))
+            real = len(rows[j])  # the filled rows' outputs go nowhere: no loss, no gradient
+            if real == 0:  # an idle micro-batch (the schedule's minimum count): a zero loss on its outputs
+                return parts[0].sum() * 0.0
+            out = {name: part[:real] for name, part in zip(names, parts, strict=True)}
             if self.head == "lm":
                 out.setdefault("entropy", None)
             cols = {key: batch[key][rows[j]][:, :r].to(self.device) for key in columns if key in batch}

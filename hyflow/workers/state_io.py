@@ -33,18 +33,70 @@ class EngineState:
                  rank: int, pipeline=None):
         self.name, self.model, self.module, self.optimizer, self.scheduler = name, model, module, optimizer, scheduler
         self.lora, self.prefix, self.rank = lora, prefix, rank
-        # pipeline parallelism (hyflow.parallel.pipeline.PipelineParts): rank 0 holds one stage, so full state
-        # dicts are refused; a tied lm_head copy reads a one-process checkpoint's embedding
+        # pipeline parallelism (hyflow.parallel.pipeline.PipelineParts): full state dicts are gathered from every
+        # stage; a tied lm_head copy reads a one-process checkpoint's embedding
         self.pipeline = pipeline
         self.aliases = {}
         if pipeline is not None and pipeline.export_skip:
             embed = [name for name, p in module.named_parameters() if name.endswith("embed_tokens.weight")]
             self.aliases = dict.fromkeys(pipeline.export_skip, embed[0] if embed else "model.embed_tokens.weight")
 
-    def _refuse_full(self) -> None:
-        if self.pipeline is not None:
-            raise ValueError(f"{self.name}: full (gathered) checkpoints are not built under pipeline parallelism "
-                             "(rank 0 holds one stage); use trainer.checkpoint_format=sharded (or auto)")
+    def _pipeline_state_dict(self, contents) -> dict:
+        """`state_dict` under pipeline parallelism: every stage's full model and optimizer state, gathered on the
+        pipeline's first rank (`hyflow.parallel.pipeline`); collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        from hyflow.parallel.pipeline import gather_stage_objects, merge_optimizer_states
+        from hyflow.workers.fsdp import optimizer_has_stepped
+
+        reshard(self.model)
+        for stage in self.pipeline.stages:
+            stage.reshard()
+        weights = {name: tensor.cpu() for name, tensor in self._model_state(full_state_dict=True).items()}
+        optimizer_state = None
+        if "optimizer" in contents and self.optimizer is not None:
+            optimizer_state = (get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(
+                full_state_dict=True)) if optimizer_has_stepped(self.optimizer) else {})
+            optimizer_state = _to_cpu(optimizer_state)
+            for name in self.aliases if optimizer_state else ():  # a tied lm_head copy: the embedding's entry is it
+                optimizer_state["state"].pop(name, None)
+                for group in optimizer_state["param_groups"]:
+                    group["params"] = [fqn for fqn in group["params"] if fqn != name]
+        gathered = gather_stage_objects(self.pipeline, (weights, optimizer_state), wanted=self.rank == 0)
+        if gathered is None:
+            return {}
+        weights = {name: tensor for stage_weights, _ in gathered for name, tensor in stage_weights.items()}
+        optimizer_state = None if optimizer_state is None else merge_optimizer_states([o for _, o in gathered])
+        return self._components(weights, optimizer_state, contents)
+
+    def _load_pipeline_state(self, components: dict, contents) -> None:
+        """`load_state_dict` under pipeline parallelism: each stage takes its own tensors (and optimizer entries)
+        of a whole model's state, saved at any layout."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        from hyflow.parallel.pipeline import local_optimizer_state
+
+        state = components[f"{self.prefix}model"]
+        own = set(get_model_state_dict(self.model, options=self._state_options()))
+        local = {name: state[name if name in state else self.aliases.get(name, name)] for name in own}
+        set_model_state_dict(self.model, local, options=self._state_options(full_state_dict=True))
+        if "optimizer" in contents and f"{self.prefix}optimizer" in components and self.optimizer is not None:
+            names = {name for name, _ in self.module.named_parameters()}
+            load_full_optimizer_state_dict(self.model, self.optimizer, local_optimizer_state(
+                components[f"{self.prefix}optimizer"], names, self.aliases))
+        if "extra" in contents and f"{self.prefix}scheduler" in components and self.scheduler is not None:
+            self.scheduler.load_state_dict(components[f"{self.prefix}scheduler"])
+
+    def _components(self, weights: dict, optimizer_state: dict | None, contents) -> dict:
+        """The checkpoint components of rank 0's gathered state."""
+        out = {f"{self.prefix}model": weights}
+        if self.lora is not None:
+            out[f"{self.prefix}lora"] = dataclasses.asdict(self.lora)
+        if optimizer_state is not None:
+            out[f"{self.prefix}optimizer"] = optimizer_state
+        if "extra" in contents and self.scheduler is not None:
+            out[f"{self.prefix}scheduler"] = self.scheduler.state_dict()
+        return out
 
     def _state_options(self, **kwargs):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -77,27 +129,22 @@ class EngineState:
     def state_dict(self, contents=CHECKPOINT_CONTENTS) -> dict:
         """Full (unsharded) checkpoint components `<name>_model` (the adapter only under LoRA),
         `<name>_optimizer`, `<name>_scheduler` (as `contents` asks); collective; rank 0 returns them, others {}."""
-        self._refuse_full()
+        if self.pipeline is not None:
+            return self._pipeline_state_dict(contents)
         weights = self._model_state(full_state_dict=True, cpu_offload=True)
         optimizer_state = (full_optimizer_state_dict(self.model, self.optimizer)
                            if "optimizer" in contents and self.optimizer is not None else None)
         if self.rank != 0:
             return {}
-        out = {f"{self.prefix}model": weights}
-        if self.lora is not None:
-            out[f"{self.prefix}lora"] = dataclasses.asdict(self.lora)
-        if optimizer_state is not None:
-            out[f"{self.prefix}optimizer"] = optimizer_state
-        if "extra" in contents and self.scheduler is not None:
-            out[f"{self.prefix}scheduler"] = self.scheduler.state_dict()
-        return out
+        return self._components(weights, optimizer_state, contents)
 
     def load_state_dict(self, components: dict, contents=CHECKPOINT_CONTENTS) -> None:
         """Restore what `state_dict` returned, saved at any world size (optimizer / schedule when `contents` has
         them and `components` holds them; else they stay as they are)."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        self._refuse_full()
+        if self.pipeline is not None:
+            return self._load_pipeline_state(components, contents)
         state = components[f"{self.prefix}model"]
         self._check_adapter_keys(state)
         set_model_state_dict(self.model, state, options=self._state_options(full_state_dict=True))
@@ -122,6 +169,17 @@ class EngineState:
                              options=self._state_options(), aliases=self.aliases)
         if "extra" in contents and f"{self.prefix}scheduler" in extra:
             self.scheduler.load_state_dict(extra[f"{self.prefix}scheduler"])
+
+
+def _to_cpu(value):
+    """`value` with every tensor in it (nested dicts and lists) on the CPU (to pickle between ranks)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {key: _to_cpu(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_cpu(item) for item in value)
+    return value
 
 
 class EngineCheckpoints:
@@ -167,11 +225,12 @@ class EngineCheckpoints:
     @register(Dispatch.REPLICATE)
     def parallel_layout(self) -> dict:
         """This rank's layout of every engine the role holds: {engine name: {"dp": data-parallel size, "sp": ...,
-        "tp": ..., "group_rank": rank in the group that shares rows, "local_params": elements of the model this
-        rank holds (FSDP2 shards and tensor-parallel splits), "params": elements of the whole model}}."""
+        "tp": ..., "pp": pipeline stages' ranks, "group_rank": rank in the group that shares rows, "local_params":
+        elements of the model this rank holds (FSDP2 shards and tensor-parallel splits), "params": elements of the
+        whole model (under pipeline parallelism: of this rank's stages)}}."""
         from hyflow.workers.fsdp import local_tensor
 
-        return {e.name: {"dp": e.dp_size, "sp": e.sp_size, "tp": e.tp_size, "group_rank": e.group_rank,
+        return {e.name: {"dp": e.dp_size, "sp": e.sp_size, "tp": e.tp_size, "pp": e.pp_size, "group_rank": e.group_rank,
                          "local_params": sum(local_tensor(p).numel() for p in e.model.parameters()),
                          "params": sum(p.numel() for p in e.model.parameters())}
                 for e in self._engines()}

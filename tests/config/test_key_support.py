@@ -680,7 +680,7 @@ def test_verl_engines_run_on_hyflows_and_refuse_what_cannot_map_by_name():
 
 def test_pipeline_parallel_sizes_are_checked_and_what_a_pipeline_does_not_run_is_refused_by_name():
     """pipeline_parallel_size: pp x tp divides the role's devices; FSDP2; the schedule fits the virtual stages;
-    Ulysses, LoRA and full checkpoints refused by name; packing and prompt sharing performance-only (said at start);
+    Ulysses and LoRA refused by name; packing and prompt sharing performance-only (said at start);
     a pipeline's data-parallel size is devices / (pp x tp) in the batch arithmetic."""
     from hyflow.config import batch_arithmetic
 
@@ -702,7 +702,6 @@ def test_pipeline_parallel_sizes_are_checked_and_what_a_pipeline_does_not_run_is
             ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
              "with actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 (the pipeline runs padded"),
             ("actor_rollout_ref.model.lora_rank=8", "pipeline_parallel_size=2 with LoRA is not built yet"),
-            ("trainer.checkpoint_format=full", "with trainer.checkpoint_format=full (rank 0 holds one stage"),
             ("actor_rollout_ref.actor.pipeline_schedule=Interleaved1F1B",
              "pipeline_schedule=Interleaved1F1B with virtual_pipeline_parallel_size=1"),
             ("actor_rollout_ref.actor.pipeline_schedule=ZB", "pipeline_schedule")):

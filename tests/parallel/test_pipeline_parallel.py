@@ -7,8 +7,8 @@ after one SGD step (the loss -A log p has no clip, so no token sits on a clip bo
 
 - 2 ranks (pp=2): 1F1B on the tied-embedding model (its two copies' gradients summed), 1F1B with 2 virtual stages
   per rank (Interleaved1F1B), GPipe on the untied model, a critic's values and update; DCP checkpoints with SGD
-  momentum state from one process into pp=2 and from pp=2 back into one process, each continuing as one process
-  does (tied and untied);
+  momentum state from one process into pp=2, and pp=2's DCP and full (gathered) checkpoints back into one process,
+  each continuing as one process does (tied and untied); one process's full weights into pp=2;
 - 4 ranks: pp=2 x dp_shard=2 and pp=2 x tp=2 (the dense model), pp=2 x ep=2 (a tied Qwen3-MoE, its router metrics
   too).
 """
@@ -184,9 +184,9 @@ def _resume_reference(rank: int, path: str, directory: str) -> list[dict]:
     return states
 
 
-def _resume(rank: int, path: str, directory: str, states: list[dict]) -> None:
+def _resume(rank: int, path: str, directory: str, states: list[dict]) -> dict:
     """A pp=2 engine that loads the one-process checkpoint and updates matches one process's second update (the
-    momentum state came along); it writes its own checkpoint after that update."""
+    momentum state came along); it writes its own checkpoint after that update, DCP and full (returned: rank 0's)."""
     split = _engine(path, 2, pp=2, momentum=0.9)
     split.load_sharded(f"{directory}/one")
     infer_and_update(split, rows_batch(split.module.config.vocab_size), SIZES)
@@ -194,6 +194,7 @@ def _resume(rank: int, path: str, directory: str, states: list[dict]) -> None:
     split.save_sharded(f"{directory}/two")
     if rank == 0:
         _close_states(got, states[0], "one process -> pp=2")
+    return split.state_dict()
 
 
 def _two_ranks(rank: int, init_file: str, paths: dict, directory: str) -> None:
@@ -209,18 +210,30 @@ def _two_ranks(rank: int, init_file: str, paths: dict, directory: str) -> None:
     _check(rank, 2, paths["tied"], want["tied"], pp=2, virtual=2)  # Interleaved1F1B: stages 0, 2 | 1, 3
     _check(rank, 2, paths["untied"], want["untied"], pp=2, schedule="GPipe")
     _check(rank, 2, paths["untied"], critic, pp=2, head="value")
-    with pytest.raises(ValueError, match="checkpoint_format=sharded"):
-        split.state_dict()
-    for name, path in paths.items():
-        _resume(rank, path, f"{directory}/{name}", resumed[name])
+    # the full checkpoint (rank 0 gathers every stage's weights and optimizer state) and its load into pp=2
+    full = split.state_dict()
+    if rank == 0:
+        _close_states(full["actor_model"], {**want["tied"]["state"], "lm_head.weight":
+                                            want["tied"]["state"]["model.embed_tokens.weight"]}, "full state")
+    fresh = _engine(paths["tied"], 2, pp=2)
+    fresh.load_state_dict({"actor_model": {k: v.clone() for k, v in want["tied"]["state"].items()}}, contents=("model",))
+    again = fresh.full_model_state()
+    if rank == 0:
+        _close_states(again, want["tied"]["state"], "one process's weights -> pp=2")
+    full = {name: _resume(rank, path, f"{directory}/{name}", resumed[name]) for name, path in paths.items()}
     dist.destroy_process_group()
-    if rank == 0:  # the pp=2 checkpoints in one process
+    if rank == 0:  # the pp=2 checkpoints (DCP, full) in one process
         for name, path in paths.items():
-            one = _engine(path, 1, momentum=0.9)
-            one.load_sharded(f"{directory}/{name}/two")
-            _close_states(one.full_model_state(), resumed[name][0], f"{name} pp=2 -> one process")
-            infer_and_update(one, rows_batch(one.module.config.vocab_size), SIZES)
-            _close_states(one.full_model_state(), resumed[name][1], f"{name} pp=2 -> one process, next update")
+            for load in ("sharded", "full"):
+                one = _engine(path, 1, momentum=0.9)
+                if load == "sharded":
+                    one.load_sharded(f"{directory}/{name}/two")
+                else:
+                    one.load_state_dict(full[name])
+                where = f"{name} pp=2 -> one process ({load})"
+                _close_states(one.full_model_state(), resumed[name][0], where)
+                infer_and_update(one, rows_batch(one.module.config.vocab_size), SIZES)
+                _close_states(one.full_model_state(), resumed[name][1], f"{where}, next update")
 
 
 def _four_ranks(rank: int, init_file: str, path: str, moe: str) -> None:

@@ -202,8 +202,6 @@ def _pipeline_problems(cfg: HyflowConfig, role: str, section: Any, lora: Any, de
         "micro-batches, Ulysses cuts packed ones)": section.ulysses_sequence_parallel_size > 1,
         "LoRA": lora is not None and ((isinstance(lora.lora_rank, int) and lora.lora_rank > 0)
                                       or bool(lora.lora_adapter_path)),
-        "trainer.checkpoint_format=full (rank 0 holds one stage; sharded checkpoints hold every stage)":
-            cfg.trainer.checkpoint_format == "full",
     }
     problems += [f"{key}={pp} with {what} is not built yet; use one of them." for what, bad in refused.items() if bad]
     return problems

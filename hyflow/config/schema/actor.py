@@ -165,8 +165,7 @@ class ActorConfig:
         "(this x tensor_parallel_size). The stages run the padded micro-batch (the packed one gives the same "
         "log-probs: use_remove_padding and use_prefix_grouper are performance-only here), a token-budget "
         "micro-batch filled to the largest one's rows. Not combined with ulysses_sequence_parallel_size > 1, LoRA, "
-        "a vision-language model or checkpoint_format=full yet; the model needs at least as many decoder layers as "
-        "stages.",
+        "a vision-language model yet; the model needs at least as many decoder layers as stages.",
     )
     virtual_pipeline_parallel_size: int | None = option(
         None,
