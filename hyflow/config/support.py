@@ -233,8 +233,14 @@ _TABLE: list[KeySupport] = [
     # ------------------------------------------------------------------ pipeline-parallel roles' packing settings
     _pipeline_padded(f"{ARR}.model.use_remove_padding", "packed rows, more padding to compute", f"{ARR}.actor",
                      f"{ARR}.ref"),
-    _pipeline_padded(f"{ARR}.actor.use_prefix_grouper", "prompts shared by their samples, more prompt tokens to "
-                     "compute", f"{ARR}.actor", f"{ARR}.ref"),
+    _performance(f"{ARR}.actor.use_prefix_grouper", "hyflow shares a prompt among its samples inside packed "
+                 "micro-batches; padded ones (model.use_remove_padding=false, or pipeline parallelism's stages) run "
+                 "every sample's prompt: the same log-probs and gradients, more prompt tokens to compute",
+                 lambda cfg: bool(lookup(cfg, f"{ARR}.actor.use_prefix_grouper")) and (
+                     not lookup(cfg, f"{ARR}.model.use_remove_padding") or _pipelined(cfg, f"{ARR}.actor", f"{ARR}.ref"))),
+    *(_performance(f"{role}.pad_to_length", "pads packed micro-batches to fixed shapes (verl's FSDP engine): speed "
+                   "only; hyflow packs each micro-batch to its own length")
+      for role in (f"{ARR}.actor", f"{ARR}.ref")),
     _pipeline_padded("critic.model.use_remove_padding", "packed rows, more padding to compute", "critic"),
     # ------------------------------------------------------------------ features not built yet
     *(_unsupported(f"{role}.optim.clip_grad", f"hyflow clips gradients at {role}.grad_clip; set that instead",
@@ -443,7 +449,8 @@ _VERL_DEFAULTS: dict[str, Any] = {
         "del_local_ckpt_after_load", "enable", "enable_activation_offload", "entropy_checkpointing",
         "entropy_from_logits_with_chunking", "finish_hook_all_ranks", "forward_prefetch",
         "full_determinism", "ignore_eos", "launch_reward_fn_async", "layered_summon",
-        "log", "merge", "multi_stage_wake_up", "offload_policy", "optimizer_offload", "param_offload",
+        "log", "merge", "multi_stage_wake_up", "offload_policy", "optimizer_offload", "pad_to_length",
+        "param_offload",
         "profile_continuous_steps", "relocate_results", "return_full_prompt", "return_raw_input_ids",
         "use_fused_kernels", "use_liger", "use_orig_params", "use_remove_padding", "use_shm",
         "use_trainer_do_validate"), False),

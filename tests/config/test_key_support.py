@@ -690,7 +690,7 @@ def test_pipeline_parallel_sizes_are_checked_and_what_a_pipeline_does_not_run_is
     assert batch_arithmetic(cfg).actor.dp_size == 2
     line = support.performance_only_warning(cfg)
     assert "actor_rollout_ref.model.use_remove_padding=true (pipeline parallelism runs the padded" in line
-    assert "actor_rollout_ref.actor.use_prefix_grouper=true (pipeline parallelism" in line
+    assert "actor_rollout_ref.actor.use_prefix_grouper=true (hyflow shares a prompt among its samples inside packed" in line
     assert support.performance_only_warning(load_config([])) is None or "pipeline" not in \
         support.performance_only_warning(load_config([]))
     validate_config(load_config([*base, "critic.pipeline_parallel_size=4", "algorithm.adv_estimator=gae",

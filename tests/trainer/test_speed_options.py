@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import hyflow.models.packing as packing
-from hyflow.config import ConfigError, load_config, validate_config
+from hyflow.config import load_config, validate_config
 from hyflow.trainer.rl_trainer import RLTrainer, speed_defaults_line
 
 
@@ -33,11 +33,16 @@ def test_start_line_names_the_defaults_unlike_verls():
     assert speed_defaults_line(verl_like).endswith(": none")
 
 
-def test_needs_packing_and_says_so():
+def test_without_packing_shares_nothing_and_says_so():
+    """verl's padded prefix grouper: hyflow shares prompts inside packed micro-batches only, so with
+    use_remove_padding=false the key is performance-only (the same numbers), named at start."""
+    from hyflow.config.support import performance_only_warning
+
     cfg = load_config(["actor_rollout_ref.actor.use_prefix_grouper=true", "actor_rollout_ref.model.use_remove_padding=false"])
-    with pytest.raises(ConfigError, match=r"use_prefix_grouper=true needs actor_rollout_ref\.model\.use_remove_padding"
-                                          r"=true.*set use_remove_padding=true, or use_prefix_grouper=false"):
-        validate_config(cfg, n_devices=1)
+    validate_config(cfg, n_devices=1)
+    assert "actor_rollout_ref.actor.use_prefix_grouper=true (hyflow shares a prompt among its samples inside packed" in \
+        performance_only_warning(cfg)
+    assert "use_prefix_grouper" not in (performance_only_warning(load_config([])) or "")
 
 
 def first_update(tiny_model_dir, task_dir, run_dir, *extra) -> dict:
