@@ -180,7 +180,8 @@ ROUNDING_TESTS := tests/algos tests/models tests/workers tests/rollout/test_hf_e
 	tests/trainer/test_vl_rl.py tests/trainer/test_vl_learns.py tests/trainer/test_tensor_parallel.py \
 	tests/trainer/test_sequence_parallel.py \
 	tests/trainer/test_distillation_ray.py tests/trainer/test_judge_trainer.py tests/trainer/test_dpo_trainer.py \
-	tests/trainer/test_online_preference_rl.py tests/rewards/test_reward_loop.py tests/trainer/test_prime_rl.py
+	tests/trainer/test_online_preference_rl.py tests/rewards/test_reward_loop.py tests/trainer/test_prime_rl.py \
+	tests/parallel tests/trainer/test_pipeline_parallel_trainer.py tests/trainer/test_moe_learns.py
 ROUNDING_VLLM_TESTS := tests/trainer/test_vllm_trainer.py tests/rollout/test_vllm_engine.py \
 	tests/rollout/test_vllm_vision.py tests/rollout/test_vllm_teacher.py
 test-rounding: venv venv-vllm
