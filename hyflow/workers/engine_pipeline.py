@@ -6,8 +6,8 @@ gives the same log-probs: `use_remove_padding` is then a speed setting only, sai
 columns are trimmed once (`trim_padding` over all its rows), its micro-batches are the role's
 (`micro_batches_as_derived`: a sample count or token budgets), and a micro-batch with fewer rows than the largest is
 filled up with copies of its first row, whose outputs are dropped before anything reads them (they get no loss and
-no gradient); a schedule that needs more micro-batches than the role's (1F1B: one per stage) gets idle ones the same
-way. Prompt sharing (`use_prefix_grouper`) does not apply to the stages (performance-only under pipeline
+no gradient); a schedule that needs more micro-batches than the role's (1F1B: one per stage) gets the largest ones
+halved, and idle ones (filled the same way) when the rows run out. Prompt sharing (`use_prefix_grouper`) does not apply to the stages (performance-only under pipeline
 parallelism, said at start); use_torch_compile's compiled MLPs and norms do. The last stage computes the role's loss
 per micro-batch (`loss_fn(out, cols, ctx)`, as the other passes call it) and its metric parts, which it then
 broadcasts to the pipeline's other ranks; a forward-only pass's outputs are broadcast from the last stage too, so
@@ -63,9 +63,20 @@ class PipelinePasses:
         """The micro-batches as (input_ids, attention_mask, position_ids, real tokens) of one shape, their rows of
         `batch`, and the kept response length r (module docstring: short micro-batches filled with copies of a row,
         idle ones added for the schedule)."""
+        from hyflow.parallel.pipeline import schedule_micro_batches
+
         seq, r = trim_padding(batch, R)
         micros = micro_batches_as_derived(batch, sizes)
         rows = [torch.as_tensor(index) for _, index in micros]
+        parts, schedule = self.pipeline.parts, self.pipeline.schedule_kind
+        # a schedule that needs more micro-batches (1F1B: one per stage) gets the largest ones halved (the same sums,
+        # smaller micro-batches), then idle ones if rows run out
+        while len(rows) < schedule_micro_batches(len(rows), parts.pp_size, schedule):
+            largest = max(range(len(rows)), key=lambda i: len(rows[i]))
+            if len(rows[largest]) < 2:
+                break
+            half = len(rows[largest]) // 2
+            rows[largest:largest + 1] = [rows[largest][:half], rows[largest][half:]]
         width = max(len(index) for index in rows)
         args = []
         for index in rows:
@@ -74,11 +85,7 @@ class PipelinePasses:
             real = mask.clone()
             real[len(index):] = 0  # the filling copies' tokens count nowhere (router metrics)
             args.append((ids, mask, positions, real))
-        # a schedule needs enough micro-batches (1F1B: one per stage): idle ones, with no real token, fill up
-        from hyflow.parallel.pipeline import schedule_micro_batches
-
-        parts = self.pipeline.parts
-        for _ in range(schedule_micro_batches(len(args), parts.pp_size, self.pipeline.schedule_kind) - len(args)):
+        for _ in range(schedule_micro_batches(len(args), parts.pp_size, schedule) - len(args)):  # idle: no real token
             ids, mask, positions, real = args[0]
             args.append((ids, mask, positions, torch.zeros_like(real)))
             rows.append(rows[0][:0])
