@@ -17,6 +17,7 @@ behind are non-daemonic children that Python joins at exit, so pytest prints its
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
@@ -68,3 +69,63 @@ def init_gloo(rank: int, world_size: int, init_file: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+# -------------------------------------------------------------------------- several checks, one spawn of ranks
+
+class Checks:
+    """The failed checks of one case on one rank. `with checks.check("what"):` records an AssertionError raised
+    inside it (with `what`) and lets the rank go on, so that every rank still enters every collective of the case
+    and of the cases after it, in the same order."""
+
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+
+    @contextlib.contextmanager
+    def check(self, what: str):
+        try:
+            yield
+        except AssertionError as err:
+            self.failures.append(f"{what}: {err}".rstrip())
+
+
+def _run_cases(rank: int, init_file: str, out_dir: str, world_size: int, cases: list) -> None:
+    """A rank of `spawn_cases`: joins the gloo group, runs `fn(rank, checks, *args)` for each (name, fn, args) in
+    turn (an exception ends that case only, recorded with its traceback), writes {name: failures} to
+    `out_dir`/rank<rank>.json."""
+    import json
+    import traceback
+
+    import torch.distributed as dist
+
+    init_gloo(rank, world_size, init_file)
+    failures = {}
+    for name, fn, args in cases:
+        checks = Checks()
+        try:
+            fn(rank, checks, *args)
+        except Exception:  # recorded: the test of this case fails with it
+            checks.failures.append(traceback.format_exc())
+        failures[name] = checks.failures
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(failures, f)
+    dist.destroy_process_group()
+
+
+def spawn_cases(cases: list[tuple[str, object, tuple]], out_dir, nprocs: int = 2,
+                timeout_s: float = 600.0) -> dict[str, list[str]]:
+    """Run several cases, each (name, fn, args) with `fn(rank, checks, *args)` (module-level, checks with
+    `checks.check`), one after another in ONE spawn of `nprocs` gloo ranks (a spawn costs each rank its imports,
+    ~5 CPU-s, where a small model's case takes well under one); returns {name: its failures, each prefixed with
+    the rank}: a test per case asserts its own list is empty. A rank that dies or hangs fails the call
+    (spawn_ranks), and so every case's test."""
+    import json
+    from pathlib import Path
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    spawn_ranks(_run_cases, args=(str(out / "init"), str(out), nprocs, list(cases)), nprocs=nprocs,
+                timeout_s=timeout_s)
+    by_rank = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(nprocs)]
+    return {name: [f"rank {rank}: {failure}" for rank, got in enumerate(by_rank) for failure in got[name]]
+            for name, _, _ in cases}

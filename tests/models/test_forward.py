@@ -264,28 +264,33 @@ def test_bad_chunk_size(model, batch):
         response_logprobs(model, *batch, RESPONSE_LEN, chunk_size=0)
 
 
-def _distributed_grads(rank: int, mode: str, model_dir: str, init_file: str, out_dir: str) -> None:
+DIST_MODES = ["ddp", "fsdp2"]
+
+
+def _distributed_grads(rank: int, model_dir: str, init_file: str, out_dir: str) -> None:
+    """Each mode of DIST_MODES in turn on this rank's half of the batch; rank 0 saves the summed gradients."""
     import torch.distributed as dist
 
     init_gloo(rank, 2, init_file)
-    model = load_causal_lm(model_dir)
-    ids, mask, pos = (t[2 * rank : 2 * rank + 2] for t in _dist_batch())
-    if mode == "ddp":
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        _dist_loss(wrapped, ids, mask, pos).backward()
-        grads = {name: p.grad * 2 for name, p in model.named_parameters()}  # DDP averages over 2 ranks
-    else:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+    for mode in DIST_MODES:
+        model = load_causal_lm(model_dir)
+        ids, mask, pos = (t[2 * rank : 2 * rank + 2] for t in _dist_batch())
+        if mode == "ddp":
+            wrapped = torch.nn.parallel.DistributedDataParallel(model)
+            _dist_loss(wrapped, ids, mask, pos).backward()
+            grads = {name: p.grad * 2 for name, p in model.named_parameters()}  # DDP averages over 2 ranks
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (2,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        _dist_loss(model, ids, mask, pos).backward()
-        grads = {name: p.grad.full_tensor() * 2 for name, p in model.named_parameters()}
-    if rank == 0:
-        torch.save(grads, f"{out_dir}/grads.pt")
+            mesh = init_device_mesh("cpu", (2,))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            _dist_loss(model, ids, mask, pos).backward()
+            grads = {name: p.grad.full_tensor() * 2 for name, p in model.named_parameters()}
+        if rank == 0:
+            torch.save(grads, f"{out_dir}/grads_{mode}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -306,13 +311,21 @@ def _dist_loss(model, ids, mask, pos):
     return logp.sum() + 0.1 * entropy.sum()
 
 
+@pytest.fixture(scope="module")
+def distributed_grads(tiny_model_dir, tmp_path_factory):
+    """{mode: the summed gradients} of DDP and FSDP2 on 2 gloo ranks (half the batch each), both from one spawn of
+    the ranks (a spawn costs each rank its imports, ~5 CPU-s; a mode's step well under one)."""
+    out = tmp_path_factory.mktemp("distributed_grads")
+    spawn_ranks(_distributed_grads, args=(str(tiny_model_dir), str(out / "init"), str(out)))
+    return {mode: torch.load(out / f"grads_{mode}.pt") for mode in DIST_MODES}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_wrapped_models_give_single_process_gradients(tiny_model_dir, tmp_path, mode):
+@pytest.mark.parametrize("mode", DIST_MODES)
+def test_wrapped_models_give_single_process_gradients(tiny_model_dir, distributed_grads, mode):
     """Through DDP / FSDP2 (2 gloo ranks, half the batch each) the summed gradient equals one process's."""
     reference = load_causal_lm(tiny_model_dir)
     _dist_loss(reference, *_dist_batch()).backward()
-    spawn_ranks(_distributed_grads, args=(mode, str(tiny_model_dir), str(tmp_path / "init"), str(tmp_path)))
-    got = torch.load(tmp_path / "grads.pt")
+    got = distributed_grads[mode]
     for name, param in reference.named_parameters():
         torch.testing.assert_close(got[name], param.grad, atol=1e-5, rtol=1e-4, msg=name)

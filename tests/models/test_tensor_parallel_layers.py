@@ -3,7 +3,9 @@ half of every layer's heads and MLP columns, and the packed and padded log-probs
 the gradients (gathered to full tensors) equal one process's, with grouped-query heads; a model whose heads the
 group does not divide, or whose linears are wrapped (LoRA), is refused by name. Every split module of every layer
 holds its rank's slice (shape and contents) and everything else stays whole; per rank the parameters and gradients
-of the benchmark's model weigh what BENCHMARKS.md states (0.52x)."""
+of the benchmark's model weigh what BENCHMARKS.md states (0.52x). The 2-rank cases run one after another in one spawn
+of 2 ranks (the `two_ranks` fixture: a spawn costs each rank its imports, ~5 CPU-s, a case under one), and each
+test asserts that its own case failed no check."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ranks import init_gloo, spawn_ranks
+from ranks import spawn_cases
 
 from hyflow.models import tensor_parallel as tp
 from hyflow.parallel import ParallelDims
@@ -110,39 +112,31 @@ def _assert_split(model, whole: dict, rank: int, size: int) -> None:
     assert not placements, f"not parameters of the model: {sorted(placements)}"
 
 
-def _rank(rank: int, init_file: str, path: str, kv_heads: int, packed: bool) -> None:
-    import torch.distributed as dist
-
+def _logprobs_case(rank: int, checks, path: str, kv_heads: int, packed: bool) -> None:
     from hyflow.parallel.fsdp import decoder_layers
 
-    init_gloo(rank, 2, init_file)
     model = _model(path, kv_heads)
     ids, mask = _batch()
     reference, reference_grads = _outputs_and_grads(model, ids, mask, packed)
     whole = {name: p.detach().clone() for name, p in model.named_parameters()}
     mesh = ParallelDims(world_size=2, tp=2).build_mesh("cpu")
     tp.apply_tensor_parallel(model, decoder_layers(model), mesh.get("tp"))
-    _assert_split(model, whole, rank, 2)
+    with checks.check("the split"):
+        _assert_split(model, whole, rank, 2)
     logp, grads = _outputs_and_grads(model, ids, mask, packed)
     real = mask[:, -R:].bool()
-    assert torch.allclose(logp[real], reference[real], atol=1e-5, rtol=0), (logp - reference).abs().max()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, reference_grads[name], atol=2e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
-    dist.destroy_process_group()
+    with checks.check("log-probs"):
+        assert torch.allclose(logp[real], reference[real], atol=1e-5, rtol=0), (logp - reference).abs().max()
+    with checks.check("gradients"):
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference_grads[name], atol=2e-5, rtol=1e-4,
+                                       msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize(("kv_heads", "packed"), [(2, True), (2, False), (4, True)])
-def test_tensor_parallel_log_probs_and_gradients_equal_one_process(tiny_model_dir, tmp_path, kv_heads, packed):
-    spawn_ranks(_rank, args=(str(tmp_path / "init"), str(tiny_model_dir), kv_heads, packed), timeout_s=300)
-
-
-def _values_rank(rank: int, init_file: str, path: str) -> None:
-    import torch.distributed as dist
-
+def _values_case(rank: int, checks, path: str) -> None:
     from hyflow.models.packing import packed_attention, packed_values
     from hyflow.parallel.fsdp import decoder_layers
 
-    init_gloo(rank, 2, init_file)
     model = _model(path, 2, value=True)
     ids, mask = _batch(1)
     with packed_attention(model):
@@ -151,12 +145,31 @@ def _values_rank(rank: int, init_file: str, path: str) -> None:
     with packed_attention(model):
         values = packed_values(model, ids, mask, R).detach()
     real = mask[:, -R:].bool()
-    assert torch.allclose(values[real], reference[real], atol=1e-5, rtol=0), (values - reference).abs().max()
-    dist.destroy_process_group()
+    with checks.check("values"):
+        assert torch.allclose(values[real], reference[real], atol=1e-5, rtol=0), (values - reference).abs().max()
 
 
-def test_tensor_parallel_value_model_equals_one_process(tiny_model_dir, tmp_path):
-    spawn_ranks(_values_rank, args=(str(tmp_path / "init"), str(tiny_model_dir)), timeout_s=300)
+LOGPROBS_CASES = [(2, True), (2, False), (4, True)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model_dir, tmp_path_factory):
+    """{case: failures} of every case of this module, run in one spawn of 2 gloo ranks."""
+    cases = [(f"log-probs and gradients, {kv} K/V heads, packed {packed}", _logprobs_case,
+              (str(tiny_model_dir), kv, packed)) for kv, packed in LOGPROBS_CASES]
+    cases.append(("values", _values_case, (str(tiny_model_dir),)))
+    return spawn_cases(cases, tmp_path_factory.mktemp("tensor_parallel_ranks"), timeout_s=300)
+
+
+@pytest.mark.parametrize(("kv_heads", "packed"), LOGPROBS_CASES)
+def test_tensor_parallel_log_probs_and_gradients_equal_one_process(two_ranks, kv_heads, packed):
+    failures = two_ranks[f"log-probs and gradients, {kv_heads} K/V heads, packed {packed}"]
+    assert not failures, "\n".join(failures)
+
+
+def test_tensor_parallel_value_model_equals_one_process(two_ranks):
+    failures = two_ranks["values"]
+    assert not failures, "\n".join(failures)
 
 
 def test_models_tensor_parallelism_cannot_split_are_refused_by_name(tiny_model_dir):

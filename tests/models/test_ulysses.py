@@ -2,13 +2,15 @@
 attention exchanges heads for tokens by all-to-all, and the log-probs, values and gradients equal one process's
 packed forward (with verl's grad scale, the gradients averaged over the group), with grouped-query heads,
 K/V heads fewer than the group (repeated; on 4 ranks with 2 K/V heads, where the order of the repeats decides which
-query heads each K/V head meets), shared prompts, and a row whose length the group does not divide."""
+query heads each K/V head meets), shared prompts, and a row whose length the group does not divide. The 2-rank
+cases run one after another in one spawn of 2 ranks (the `two_ranks` fixture: a spawn costs each rank its imports,
+~5 CPU-s, a case under one), and each test asserts that its own case failed no check."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from ranks import init_gloo, spawn_ranks
+from ranks import spawn_cases
 
 from hyflow.models import ulysses
 
@@ -49,10 +51,9 @@ def _logprobs_and_grads(model, ids, mask, share: bool):
     return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _rank(rank: int, init_file: str, path: str, kv_heads: int, share: bool, size: int) -> None:
+def _logprobs_case(rank: int, checks, path: str, kv_heads: int, share: bool, size: int) -> None:
     import torch.distributed as dist
 
-    init_gloo(rank, size, init_file)
     model = _model(path, kv_heads)
     ids, mask = _batch()
     ids, mask = ids[:, 1:], mask[:, 1:]  # 24 real tokens less the trimmed one: the group does not divide some rows
@@ -61,35 +62,65 @@ def _rank(rank: int, init_file: str, path: str, kv_heads: int, share: bool, size
     with ulysses.sequence_parallel(group):
         logp, grads = _logprobs_and_grads(model, ids, mask, share)
     real = mask[:, -R:].bool()
-    assert torch.allclose(logp[real], reference[real], atol=1e-5, rtol=0), (logp - reference).abs().max()
+    with checks.check("log-probs"):
+        assert torch.allclose(logp[real], reference[real], atol=1e-5, rtol=0), (logp - reference).abs().max()
     # the layers' gradients are split over the ranks, the (tied) lm_head's whole on each: with the grad scale the
     # group's average is the whole gradient, as a data-parallel average over dp x sp ranks needs
-    for name, grad in grads.items():
+    for grad in grads.values():
         dist.all_reduce(grad, op=dist.ReduceOp.AVG, group=group)
-        torch.testing.assert_close(grad, reference_grads[name], atol=2e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
-    dist.destroy_process_group()
+    with checks.check("gradients"):
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference_grads[name], atol=2e-5, rtol=1e-4,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _logprobs_case_name(kv_heads: int, share: bool, size: int) -> str:
+    return f"log-probs and gradients, {kv_heads} K/V heads, shared prompts {share}, {size} ranks"
+
+
+VISION_PRESETS = ["tiny-vl", "tiny-vl-2.5"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model_dir, tmp_path_factory):
+    """{case: failures} of every 2-rank case of this module, run in one spawn of 2 gloo ranks."""
+    from hyflow.models.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("ulysses")
+    cases = [(_logprobs_case_name(kv, share, 2), _logprobs_case, (str(tiny_model_dir), kv, share, 2))
+             for kv, share in [(2, False), (1, False), (2, True)]]
+    cases.append(("values", _values_case, (str(tiny_model_dir),)))
+    for preset in VISION_PRESETS:
+        path = make_tiny_model(root / preset, preset=preset, seed=0)
+        cases.append((f"vision-language model {preset}", _vision_case, (str(path),)))
+    return spawn_cases(cases, root / "ranks", timeout_s=300)
 
 
 @pytest.mark.parametrize(("kv_heads", "share", "size"), [
     (2, False, 2), (1, False, 2), (2, True, 2),
     pytest.param(2, False, 4, marks=pytest.mark.slow),
 ])
-def test_sequence_parallel_log_probs_and_gradients_equal_one_process(tiny_model_dir, tmp_path, kv_heads, share, size):
+def test_sequence_parallel_log_probs_and_gradients_equal_one_process(request, tiny_model_dir, tmp_path, kv_heads,
+                                                                     share, size):
     """kv_heads=1 < 2 ranks: the K/V head is repeated so each rank's query heads find theirs. 2 K/V heads on 4 ranks
     (4 query heads, one per rank): query heads 0, 1 read K/V head 0 and 2, 3 head 1, so the repeats must be
     interleaved (k0 k0 k1 k1); repeated whole (k0 k1 k0 k1) rank 1 would attend with K/V head 1. With one K/V head
     (or as many as the ranks) both orders are the same, which is why this case has 4 ranks."""
-    spawn_ranks(_rank, args=(str(tmp_path / "init"), str(tiny_model_dir), kv_heads, share, size), nprocs=size,
-                timeout_s=300)
+    name = _logprobs_case_name(kv_heads, share, size)
+    if size == 2:
+        failures = request.getfixturevalue("two_ranks")[name]
+    else:
+        failures = spawn_cases([(name, _logprobs_case, (str(tiny_model_dir), kv_heads, share, size))], tmp_path,
+                               nprocs=size, timeout_s=300)[name]
+    assert not failures, "\n".join(failures)
 
 
-def _values_rank(rank: int, init_file: str, path: str) -> None:
+def _values_case(rank: int, checks, path: str) -> None:
     import torch.distributed as dist
 
     from hyflow.models.loading import load_value_model
     from hyflow.models.packing import packed_values
 
-    init_gloo(rank, 2, init_file)
     torch.manual_seed(0)
     critic = load_value_model(path).eval()
     ids, mask = _batch(seed=1)
@@ -97,12 +128,13 @@ def _values_rank(rank: int, init_file: str, path: str) -> None:
         reference = packed_values(critic, ids, mask, R)
         with ulysses.sequence_parallel(dist.new_group([0, 1])):
             values = packed_values(critic, ids, mask, R)
-    assert torch.allclose(values, reference, atol=1e-5, rtol=0)
-    dist.destroy_process_group()
+    with checks.check("values"):
+        assert torch.allclose(values, reference, atol=1e-5, rtol=0)
 
 
-def test_sequence_parallel_values_equal_one_process(tiny_model_dir, tmp_path):
-    spawn_ranks(_values_rank, args=(str(tmp_path / "init"), str(tiny_model_dir)), timeout_s=300)
+def test_sequence_parallel_values_equal_one_process(two_ranks):
+    failures = two_ranks["values"]
+    assert not failures, "\n".join(failures)
 
 
 def test_kv_repeats_give_each_rank_whole_heads():
@@ -112,7 +144,7 @@ def test_kv_repeats_give_each_rank_whole_heads():
         assert kv * ulysses.kv_repeats(kv, size) % size == 0
 
 
-def _vision_rank(rank: int, init_file: str, path: str) -> None:
+def _vision_case(rank: int, checks, path: str) -> None:
     """A vision-language model: each rank runs the vision tower and the embeddings on the whole row, its
     language model on its slice; log-probs and every gradient (vision tower included) equal one process."""
     import torch.distributed as dist
@@ -122,7 +154,6 @@ def _vision_rank(rank: int, init_file: str, path: str) -> None:
     from hyflow.models.packing import packed_response_logprobs
     from hyflow.models.vision import VisionProcessor
 
-    init_gloo(rank, 2, init_file)
     model = AutoModelForImageTextToText.from_pretrained(path).eval()
     ids, mask, pos, R_, images, image_mask = image_batch(VisionProcessor.from_pretrained(path))
 
@@ -139,17 +170,19 @@ def _vision_rank(rank: int, init_file: str, path: str) -> None:
     with ulysses.sequence_parallel(group):
         logp, grads = run()
     real = mask[:, -R_:].bool()
-    assert torch.allclose(logp[real], reference[real], atol=1e-5, rtol=0), (logp - reference).abs().max()
-    assert any(name.startswith("model.visual.") for name in grads) and set(grads) == set(reference_grads)
-    for name, grad in grads.items():
+    with checks.check("log-probs"):
+        assert torch.allclose(logp[real], reference[real], atol=1e-5, rtol=0), (logp - reference).abs().max()
+    with checks.check("gradients of every parameter"):
+        assert any(name.startswith("model.visual.") for name in grads) and set(grads) == set(reference_grads)
+    for grad in grads.values():
         dist.all_reduce(grad, op=dist.ReduceOp.AVG, group=group)
-        torch.testing.assert_close(grad, reference_grads[name], atol=2e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
-    dist.destroy_process_group()
+    with checks.check("gradients"):
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference_grads[name], atol=2e-5, rtol=1e-4,
+                                       msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("preset", ["tiny-vl", "tiny-vl-2.5"])
-def test_sequence_parallel_vision_language_model_equals_one_process(tmp_path, preset):
-    from hyflow.models.tiny import make_tiny_model
-
-    path = make_tiny_model(tmp_path / "vl", preset=preset, seed=0)
-    spawn_ranks(_vision_rank, args=(str(tmp_path / "init"), str(path)), timeout_s=300)
+@pytest.mark.parametrize("preset", VISION_PRESETS)
+def test_sequence_parallel_vision_language_model_equals_one_process(two_ranks, preset):
+    failures = two_ranks[f"vision-language model {preset}"]
+    assert not failures, "\n".join(failures)
