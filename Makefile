@@ -24,6 +24,11 @@ TEST_WORKERS ?= 2
 PREBUILD_NICE ?= 0
 TEST_NICE ?= 10
 XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal,-p no:xdist)
+# make test's vLLM suite (after the main one, nothing beside it) in VLLM_TEST_WORKERS xdist processes. In one process
+# it kept 1.15 of the 2 cores busy (318 CPU-s in 277 s: vLLM's CPU engine, a subprocess and the tests' Ray workers
+# wait on each other); in 2: 226 s, 374 CPU-s. The two tensor-parallel vLLM engines (fixed /dev/shm names) take a lock.
+VLLM_TEST_WORKERS ?= 2
+VLLM_XDIST = $(if $(filter-out 0,$(VLLM_TEST_WORKERS)),-n $(VLLM_TEST_WORKERS) --dist worksteal,-p no:xdist)
 # The vLLM venv: vLLM pins its own transformers/numpy, so it lives beside the main venv, not in it.
 VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
@@ -124,9 +129,9 @@ test: venv
 		echo "HYFLOW_TEST_PREBUILD=\"$(PREBUILD)\" nice -n $(TEST_NICE) $(PY) -m pytest -m \"not vllm\" $(XDIST) $(PYTEST_ARGS)"; \
 		HYFLOW_TEST_PREBUILD="$(PREBUILD)" HYFLOW_TEST_PREBUILD_NICE=$(PREBUILD_NICE) nice -n $(TEST_NICE) $(PY) -m pytest -m "not vllm" $(XDIST) $(PYTEST_ARGS); \
 		t2=$$(date +%s); echo "make test: main suite done at $$((t2 - t0)) s (it took $$((t2 - t1)) s)"; \
-		echo "HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS)"; \
+		echo "HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(VLLM_XDIST) $(PYTEST_ARGS)"; \
 		[ -z "$$vprebuild" ] || grep -h "^\[" "$$cache/vllm-prebuild.log" || { echo "the vLLM warm-start build beside the main suite finished nothing; its log ends:"; tail -5 "$$cache/vllm-prebuild.log"; }; \
-		HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(PYTEST_ARGS); \
+		HYFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m vllm $(VLLM_XDIST) $(PYTEST_ARGS); \
 		t3=$$(date +%s); echo "make test: vLLM suite done at $$((t3 - t0)) s (it took $$((t3 - t2)) s)"
 
 # On a lent GPU machine (its own Python and torch, no package registry): benchmarks/gpu_check.py, every part, its JSON,

@@ -4,8 +4,11 @@ point of view, exact resume, GRPO that learns, and 2 Ray CPU workers (FSDP2, one
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -182,27 +185,38 @@ def test_two_ray_workers_with_vllm_match_one_process(tiny_model_dir, task_dir, t
     torch.testing.assert_close(out["rollout_log_probs"][mask], logp[mask], atol=1e-4, rtol=0)
 
 
+@contextlib.contextmanager
+def one_tensor_parallel_engine_at_a_time():
+    """vLLM names its CPU tensor-parallel all-reduce segments the same in every run (/dev/shm/-tp:0-[0-1]-cpushm_*),
+    so two tensor-parallel engines at once collide, as the two pytest-xdist workers of `make test`'s vLLM suite
+    could start them: a lock on the machine lets one test at a time hold one."""
+    with open(Path(tempfile.gettempdir()) / "hyflow-vllm-tensor-parallel.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_two_ray_workers_share_one_tensor_parallel_engine(tiny_model_dir, task_dir, tmp_path, tp):
     """tensor_model_parallel_size=2 on 2 CPU workers: one vLLM engine over both ranks (vLLM's external launcher on
     the workers' gloo group), each holding half of every sharded weight; every rank gets its own prompts' samples,
     and after a training step the synced shards still give log-probs equal to the trainer's recompute."""
-    run = tmp_path / "tp"
-    if tp == 2:  # what a killed tensor-parallel run leaves behind (vLLM names its CPU all-reduce segments the same
-        # in every run): the engine must clear it instead of failing with "create shm in SHMManager failed"
-        for rank in range(2):
-            Path(f"/dev/shm/-tp:0-[0-1]-cpushm_{rank}").write_bytes(b"\0" * 4096)
-    args = overrides(tiny_model_dir, task_dir, run, f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
-                     "actor_rollout_ref.rollout.calculate_log_probs=true", "trainer.total_training_steps=2",
-                     "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # one optimizer step: the gap is pre-update
-                     "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.executor=ray",
-                     "trainer.n_gpus_per_node=2")
-    history = RLTrainer(args, reward_fn=digit_reward).fit()
-    steps = [row for row in history if "actor/pg_loss" in row]
-    assert len(steps) == 2
-    for row in steps:
-        assert abs(row["rollout_corr/log_ppl_diff"]) < 1e-5, row
-        assert row["response_length/mean"] > 0
+    with one_tensor_parallel_engine_at_a_time() if tp == 2 else contextlib.nullcontext():
+        run = tmp_path / "tp"
+        if tp == 2:  # what a killed tensor-parallel run leaves behind (vLLM names its CPU all-reduce segments the same
+            # in every run): the engine must clear it instead of failing with "create shm in SHMManager failed"
+            for rank in range(2):
+                Path(f"/dev/shm/-tp:0-[0-1]-cpushm_{rank}").write_bytes(b"\0" * 4096)
+        args = overrides(tiny_model_dir, task_dir, run, f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
+                         "actor_rollout_ref.rollout.calculate_log_probs=true", "trainer.total_training_steps=2",
+                         "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # one optimizer step: the gap is pre-update
+                         "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.executor=ray",
+                         "trainer.n_gpus_per_node=2")
+        history = RLTrainer(args, reward_fn=digit_reward).fit()
+        steps = [row for row in history if "actor/pg_loss" in row]
+        assert len(steps) == 2
+        for row in steps:
+            assert abs(row["rollout_corr/log_ppl_diff"]) < 1e-5, row
+            assert row["response_length/mean"] > 0
 
 
 def test_lora_actor_with_vllm_generates_with_the_merged_weights(tiny_model_dir, task_dir, tmp_path):
