@@ -13,12 +13,9 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_pipeline_bubble.py"
 
-# The noise, measured: the drop bubble(m=2) - bubble(m=4) of this test's run (1F1B, p=2, 10 steps; theory 1/3 - 1/5 =
-# 0.133) over 20 runs beside other sessions' test suites (load average 5-11 on the 2 cores, the ranks descheduled for
-# 12-83% of their compute): 0.047 to 0.167, mean 0.10, standard deviation 0.03; each case's bubble alone moved by up
-# to 0.10 between runs. (Before the script ran the measured steps round-robin over the cases, one of 10 such runs
-# gave -0.001.) The test asks for a drop above 0.02: below the lowest seen, 2.5 standard deviations under the mean.
-MIN_DROP = 0.02
+# No timing is asserted (timing assertions do not belong in the tests; BENCHMARKS.md holds the measured figures): the
+# drop bubble(m=2) - bubble(m=4) of this case (1F1B, p=2, 10 steps; theory 0.133) measured 0.047 to 0.167 over 20
+# runs beside other test suites (load 5-11 on 2 cores), and one of 10 earlier runs gave -0.001.
 
 
 @pytest.fixture(scope="module")
@@ -76,23 +73,22 @@ def test_bad_options_are_rejected_with_the_reason(options, message):
 
 
 @pytest.mark.slow  # 2 spawned ranks, 2 cases: 16-17 s at load 6-8 (no idle cores were to be had to time it)
-def test_1f1b_on_two_ranks_the_bubble_shrinks_as_microbatches_grow(tmp_path):
+def test_1f1b_on_two_ranks_writes_the_theory_and_each_ranks_measurement(tmp_path):
     out = tmp_path / "bubble.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--schedules", "1f1b", "--microbatches", "2,4",
-                           "--warmup", "2", "--steps", "10", "--timeout", "120", "--json", str(out)],
+                           "--warmup", "1", "--steps", "3", "--timeout", "120", "--json", str(out)],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     two, four = report["cases"]["1f1b-p2-v1-m2"], report["cases"]["1f1b-p2-v1-m4"]
     assert two["theory"] == pytest.approx(1 / 3) and four["theory"] == pytest.approx(1 / 5)
     for case in (two, four):
-        assert case["case"]["schedule_class"] == "Schedule1F1B" and case["steps_measured"] == 10
+        assert case["case"]["schedule_class"] == "Schedule1F1B" and case["steps_measured"] == 3
         assert len(case["per_rank"]) == 2 and [r["stage_indices"] for r in case["per_rank"]] == [[0], [1]]
         m = case["case"]["m"]
         # every micro-batch runs one forward and one backward on each rank; the last rank also its loss
         assert [r["calls_per_step"] for r in case["per_rank"]] == [2 * m, 3 * m]
         assert 0 < case["measured_mean"] <= case["measured_max"] < 1
         assert case["p2p_one_way_ms"] > 0 and case["step_ms"] > 0
-    assert two["measured_mean"] - four["measured_mean"] > MIN_DROP, (two["measured_mean"], four["measured_mean"])
     assert "| 1f1b | 2 | 1 | 4 | 0.200 |" in proc.stdout
     assert {"command", "machine", "date"} <= set(report) and report["machine"]["torch"].startswith("2.")
