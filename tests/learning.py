@@ -102,9 +102,26 @@ def control_seeds() -> list[int]:
 
 def frozen_scores(key: tuple, frozen: Callable[[int], list[float]], seed: int) -> list[float]:
     """The control's per-step scores under RL seed `seed`: `frozen(seed)` (the learning run with the actor's lr 0),
-    run once per (key, seed) in the session. `key` must name every input of the rollout."""
+    run once per (key, seed) in the session. `key` must name every input of the rollout.
+
+    Under pytest-xdist with a run cache (`make test`: HYFLOW_TEST_CACHE, 2 workers) the workers of one session share
+    the run through a directory of that session's own (tests/run_cache.py's lock: a worker that asks while another
+    runs it waits for its scores), so two modules that share a control on two workers (test_rl_learns.py and
+    test_lora_rl.py) run it once. Another pytest session (a mutation's, a later run) never sees it."""
     if (key, seed) not in _CONTROLS:
-        _CONTROLS[(key, seed)] = list(frozen(seed))
+        root, session = os.environ.get("HYFLOW_TEST_CACHE"), os.environ.get("PYTEST_XDIST_TESTRUNUID")
+        if root and session:
+            from pathlib import Path
+
+            from run_cache import built_once
+
+            def build(out: Path) -> None:
+                (out / "scores.json").write_text(json.dumps(list(frozen(seed))))
+
+            out = built_once(Path(root) / f"frozen-controls-{session}", "frozen", {"key": key, "seed": seed}, build)
+            _CONTROLS[(key, seed)] = json.loads((out / "scores.json").read_text())
+        else:
+            _CONTROLS[(key, seed)] = list(frozen(seed))
     return _CONTROLS[(key, seed)]
 
 
