@@ -186,7 +186,9 @@ def test_async_checkpoint_refuses_a_synchronous_resume_and_vice_versa(tiny_model
 
 
 # ---------------------------------------------------------------------------------------------- on Ray
-# Ray runs on loopback with usage stats off (tests/conftest.py sets the environment for the whole session).
+# Ray runs on loopback with usage stats off (tests/conftest.py sets the environment for the whole session). The tests
+# on Ray share one local cluster (tests/conftest.py's shared_ray: the trainers attach to it), started once for the
+# consecutive ones; each hyflow worker's thread count is the node's cores over its workers either way.
 POOLS = ("trainer.executor=ray", "trainer.n_gpus_per_node=1", "rollout.n_gpus_per_node=1")
 # The margin by which the three runs' mean score rise (second half - first half of 16 steps) must beat the frozen
 # control's (the synchronous run at lr 0). The control's rise over RL seeds 0-11 (the first 16 steps of the frozen
@@ -215,6 +217,7 @@ def training_scores(history):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("shared_ray")
 def test_one_step_off_and_fully_async_learn_like_the_synchronous_run(warm, tmp_path, tmp_path_factory):
     """From the quickstart's SFT warm start, 16 GRPO steps (lr 3e-4): the synchronous run in one process, one-step
     off-policy and fully async on 2 Ray workers (one rollout, one trainer) learn alike. Compared on the training
@@ -256,6 +259,7 @@ def test_one_step_off_and_fully_async_learn_like_the_synchronous_run(warm, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("shared_ray")
 def test_killed_rollout_worker_stops_the_run_with_a_named_error(tiny_model_dir, task_dir, tmp_path):
     run = tmp_path / "run"
     trainer = RLTrainer(args(tiny_model_dir, task_dir, run, "trainer.total_training_steps=400",
@@ -288,6 +292,7 @@ def test_killed_rollout_worker_stops_the_run_with_a_named_error(tiny_model_dir, 
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("shared_ray")
 def test_two_rollout_workers_split_the_prompts(tiny_model_dir, task_dir, tmp_path):
     """A rollout pool of 2 workers beside 1 trainer worker: each keeps the prompts whose admission number is its
     rank modulo 2, and every step trains whole groups from both."""
